@@ -1,0 +1,30 @@
+# The two set-up commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test deps bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/gpuledger demo --data-dir ./gpuledger-data
+
+# Debian packages the test suite needs (real servers, browsers), installed only when missing.
+deps:
+	@bash .ci/ensure-debs
+
+test: $(STAMP) deps
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/fairshare.py
+	$(PY) bench/agent_overhead.py
+
+clean:
+	rm -rf $(VENV) gpuledger-data .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""gpuledger accounting: fairshare on measured usage, the Slurm priority feed, reports and audit."""

@@ -1,0 +1,1 @@
+"""gpuledger agent: samples GPUs, attributes them to jobs, exposes /metrics and pushes to the collector."""

@@ -1,0 +1,206 @@
+"""The records every layer shares: immutable, slotted, in SI base units.
+
+Ratios are 0..1, memory in bytes, power in watts, energy in joules, clocks in hertz, times in unix
+seconds. ``None`` means the device (or source) did not report the value; it is never a silent zero.
+This module imports only the standard library so that every layer may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# The float fields of GpuSample that are ratios in 0..1 (validated by the collector).
+RATIO_FIELDS: tuple[str, ...] = (
+    "sm_active_ratio",
+    "sm_occupancy_ratio",
+    "dram_bw_ratio",
+    "tensor_active_ratio",
+    "fp64_active_ratio",
+    "fp32_active_ratio",
+    "fp16_active_ratio",
+    "gpu_util_ratio",
+    "mem_copy_util_ratio",
+)
+# Non-negative float fields (validated by the collector).
+NONNEG_FIELDS: tuple[str, ...] = (
+    "power_watts",
+    "energy_joules",
+    "sm_clock_hz",
+    "mem_clock_hz",
+    "pcie_tx_bytes_per_second",
+    "pcie_rx_bytes_per_second",
+)
+# Non-negative integer fields.
+INT_FIELDS: tuple[str, ...] = (
+    "mem_used_bytes",
+    "mem_total_bytes",
+    "throttle_reasons",
+    "ecc_errors_total",
+    "remapped_rows_total",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A compute process on a GPU, as the driver lists it."""
+
+    pid: int
+    used_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One reading of one GPU (or one MIG instance) at one instant.
+
+    ``energy_joules`` is the device's monotonic counter (since driver load), not a delta.
+    ``job_ids`` is a tuple because a GPU can be shared; ``job_shares`` (same length, summing to 1)
+    says how to split the GPU's interval among them; empty means "split equally".
+    """
+
+    ts: float
+    host: str
+    gpu_uuid: str
+    gpu_index: int
+    model: str = ""
+    mig: str | None = None  # "<gi>.<ci>" (or a MIG profile id) for a MIG instance, else None
+    sm_active_ratio: float | None = None
+    sm_occupancy_ratio: float | None = None
+    dram_bw_ratio: float | None = None  # HBM/DRAM bandwidth utilisation
+    tensor_active_ratio: float | None = None
+    fp64_active_ratio: float | None = None
+    fp32_active_ratio: float | None = None
+    fp16_active_ratio: float | None = None
+    gpu_util_ratio: float | None = None  # "a kernel was running", what nvidia-smi shows
+    mem_copy_util_ratio: float | None = None
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    power_watts: float | None = None
+    energy_joules: float | None = None
+    temp_celsius: float | None = None
+    sm_clock_hz: float | None = None
+    mem_clock_hz: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    throttle_reasons: int | None = None  # NVML clock-event reason bit mask
+    ecc_errors_total: int | None = None
+    remapped_rows_total: int | None = None
+    xid_errors: tuple[int, ...] = ()
+    processes: tuple[GpuProcess, ...] = ()
+    job_ids: tuple[str, ...] = ()
+    job_shares: tuple[float, ...] = ()
+    source: str = ""
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.processes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form (JSON-ready): field names as keys, tuples as lists."""
+        out: dict[str, Any] = {}
+        for f in _SAMPLE_FIELDS:
+            v = getattr(self, f)
+            if f == "processes":
+                v = [[p.pid, p.used_memory_bytes] for p in v]
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GpuSample:
+        """Inverse of :meth:`to_dict`. Raises KeyError/TypeError/ValueError on bad input."""
+        kw = {k: d[k] for k in _SAMPLE_FIELDS if k in d}
+        if "processes" in kw:
+            kw["processes"] = tuple(GpuProcess(int(p[0]), None if p[1] is None else int(p[1])) for p in kw["processes"])
+        for k in ("xid_errors", "job_ids", "job_shares"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        return cls(**kw)
+
+
+_SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GpuSample))
+SAMPLE_FIELDS = _SAMPLE_FIELDS
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """What the scheduler knows of a job. ``job_id`` is text ("1234", "1234_7" for array tasks)."""
+
+    job_id: str
+    cluster: str = ""
+    user: str | None = None
+    uid: int | None = None
+    account: str | None = None
+    partition: str | None = None
+    hosts: tuple[str, ...] = ()
+    gpus: int | None = None  # allocated GPU count
+    gpu_model: str | None = None
+    gpu_uuids: tuple[str, ...] = ()
+    gpu_indexes: tuple[int, ...] = ()  # node numbering (SLURM_JOB_GPUS / GRES IDX), not CUDA_VISIBLE_DEVICES
+    submit: float | None = None
+    start: float | None = None
+    end: float | None = None
+    state: str | None = None
+    exit_code: int | None = None
+    tres: tuple[tuple[str, float], ...] = ()  # (("cpu", 8), ("gres/gpu", 2), ...)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = [list(x) for x in v] if f.name == "tres" else (list(v) if isinstance(v, tuple) else v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobRecord:
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        for k in ("hosts", "gpu_uuids", "gpu_indexes"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        if "tres" in kw:
+            kw["tres"] = tuple((str(a), float(b)) for a, b in kw["tres"])
+        return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class JobUsage:
+    """Measured usage of one job on one GPU (or summed over GPUs when ``gpu_uuid`` is "*").
+
+    This is what the collector hands accounting; accounting never reads raw samples.
+    """
+
+    job_id: str
+    host: str
+    gpu_uuid: str
+    first_ts: float
+    last_ts: float
+    samples: int
+    allocated_gpu_seconds: float
+    sm_active_gpu_seconds: float
+    energy_joules: float
+    # Means are time-weighted over the seconds where the source reported the value (None if never).
+    sm_active_mean: float | None = None
+    dram_bw_mean: float | None = None
+    tensor_active_mean: float | None = None
+    sm_occupancy_mean: float | None = None
+    mem_used_peak_bytes: int | None = None
+    power_peak_watts: float | None = None
+    model: str = ""
+    gpus: int = 1
+
+    @property
+    def efficiency(self) -> float | None:
+        """SM-active GPU-seconds over allocated GPU-seconds."""
+        if self.allocated_gpu_seconds <= 0:
+            return None
+        return self.sm_active_gpu_seconds / self.allocated_gpu_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["efficiency"] = self.efficiency
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobUsage:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})

@@ -1,0 +1,1 @@
+"""gpuledger collector: ingests agents' sample batches, aggregates per job, stores time series."""

@@ -1,0 +1,260 @@
+"""Pure parsing and validation of what agents send: a batch is accepted whole or rejected whole.
+
+Every error names the batch (agent_id/seq), the sample index and the field, so an operator can find
+the offending agent from the collector's answer alone.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import zlib
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgpack
+import zstandard
+
+from agent.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, SAMPLE_FIELDS, GpuProcess, GpuSample, JobRecord
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB
+FUTURE_SLACK_S = 300.0
+BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples"})
+_REQUIRED = ("ts", "host", "gpu_uuid", "gpu_index")
+_RATIOS = frozenset(RATIO_FIELDS)
+_NONNEG = frozenset(NONNEG_FIELDS)
+_INTS = frozenset(INT_FIELDS)
+_FIELDS = frozenset(SAMPLE_FIELDS)
+_FLOATS = frozenset({"temp_celsius"})
+_STRS = frozenset({"host", "gpu_uuid", "model", "source"})
+_SAMPLE_TYPES = {f.name: str(f.type) for f in fields(GpuSample)}
+# Fields with a dedicated rule below; any other (newly added) field is checked by its annotation.
+_HANDLED = _RATIOS | _NONNEG | _INTS | _FLOATS | _STRS | {
+    "ts", "gpu_index", "mig", "xid_errors", "job_ids", "job_shares", "processes"}
+
+
+class BatchError(ValueError):
+    """A rejected request: ``status`` is the HTTP status to answer with, ``message`` says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    agent_id: str
+    seq: int
+    host: str
+    samples: tuple[GpuSample, ...]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def decode_body(body: bytes, content_type: str, content_encoding: str = "", max_bytes: int = MAX_BODY_BYTES) -> Any:
+    """Decompress (gzip, zstd) and decode (JSON, msgpack) a request body; BatchError on failure."""
+    if len(body) > max_bytes:
+        raise BatchError(413, f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
+    enc = content_encoding.strip().lower()
+    try:
+        if enc == "gzip":
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            body = d.decompress(body, max_bytes + 1)  # bounded: a small bomb cannot eat memory
+            if len(body) > max_bytes or d.unconsumed_tail:
+                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes")
+        elif enc == "zstd":
+            body = _unzstd_bounded(body, max_bytes + 1)
+            if len(body) > max_bytes:
+                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes")
+        elif enc not in ("", "identity"):
+            raise BatchError(415, f"unsupported Content-Encoding {content_encoding!r} (use gzip or zstd)")
+    except (zlib.error, zstandard.ZstdError, EOFError, gzip.BadGzipFile) as e:
+        raise BatchError(400, f"body is not valid {enc}: {e}") from None
+    mime = content_type.split(";", 1)[0].strip().lower()
+    if mime in ("application/json", ""):
+        try:
+            # NaN/Infinity (not JSON, but Python emits them) parse as floats, so the field checks
+            # below reject them with the field's name.
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise BatchError(400, f"malformed JSON: {e}") from None
+    if mime in ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack"):
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise BatchError(400, f"malformed msgpack: {e}") from None
+    raise BatchError(415, f"unsupported Content-Type {content_type!r} (use application/json or application/msgpack)")
+
+
+def _unzstd_bounded(body: bytes, limit: int) -> bytes:
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
+    parts, n = [], 0
+    while n < limit:
+        chunk = reader.read(min(1 << 20, limit - n))
+        if not chunk:
+            break
+        parts.append(chunk)
+        n += len(chunk)
+    return b"".join(parts)
+
+
+def parse_batch(
+    body: bytes, content_type: str, now: float, max_bytes: int = MAX_BODY_BYTES, content_encoding: str = ""
+) -> Batch:
+    """Decode and validate a sample batch; raises BatchError naming batch, sample index and field."""
+    doc = decode_body(body, content_type, content_encoding, max_bytes)
+    if not isinstance(doc, dict):
+        raise BatchError(400, f"batch must be an object with keys {sorted(BATCH_KEYS)}, got {type(doc).__name__}")
+    agent_id, seq = doc.get("agent_id"), doc.get("seq")
+    where = f"batch agent_id={agent_id!r} seq={seq!r}"
+    extra = set(doc) - BATCH_KEYS
+    if extra:
+        raise BatchError(400, f"{where}: unknown field(s) {sorted(map(str, extra))}")
+    if not isinstance(agent_id, str) or not agent_id:
+        raise BatchError(400, f"{where}: field 'agent_id' must be a non-empty string")
+    if not _is_int(seq) or seq < 0:
+        raise BatchError(400, f"{where}: field 'seq' must be a non-negative integer")
+    host, samples = doc.get("host"), doc.get("samples")
+    if not isinstance(host, str) or not host:
+        raise BatchError(400, f"{where}: field 'host' must be a non-empty string")
+    if not isinstance(samples, list):
+        raise BatchError(400, f"{where}: field 'samples' must be a list")
+    out = tuple(_parse_sample(d, i, where, host, now) for i, d in enumerate(samples))
+    return Batch(agent_id, seq, host, out)
+
+
+def _parse_sample(d: Any, i: int, where: str, host: str, now: float) -> GpuSample:
+    at = f"{where}: sample[{i}]"
+    if not isinstance(d, dict):
+        raise BatchError(400, f"{at}: must be an object, got {type(d).__name__}")
+    for k in d:
+        if k not in _FIELDS:
+            raise BatchError(400, f"{at}: unknown field {str(k)!r}")
+    for k in _REQUIRED:
+        if k not in d:
+            raise BatchError(400, f"{at}.{k}: missing")
+
+    def bad(field: str, why: str) -> BatchError:
+        return BatchError(400, f"{at}.{field}: {why} (got {d[field]!r})")
+
+    for k, v in d.items():
+        if k in _STRS:
+            if not isinstance(v, str) or (k in ("host", "gpu_uuid") and not v):
+                raise bad(k, "must be a non-empty string" if k in ("host", "gpu_uuid") else "must be a string")
+        elif k == "ts":
+            if not _is_num(v) or not math.isfinite(v) or v <= 0:
+                raise bad(k, "must be a positive finite number (unix seconds)")
+            if v > now + FUTURE_SLACK_S:
+                raise bad(k, f"is more than {FUTURE_SLACK_S:.0f} s in the future (collector time {now:.3f})")
+        elif k == "gpu_index":
+            if not _is_int(v) or v < 0:
+                raise bad(k, "must be a non-negative integer")
+        elif k == "mig":
+            if v is not None and (not isinstance(v, str) or not v):
+                raise bad(k, "must be a non-empty string or null")
+        elif k not in _HANDLED:
+            if not _check_annotation(_SAMPLE_TYPES[k], v):
+                raise bad(k, f"expected {_SAMPLE_TYPES[k]}")
+        elif v is None:
+            if k in ("xid_errors", "processes", "job_ids", "job_shares"):
+                raise bad(k, "must be a list")
+        elif k in _RATIOS:
+            if not _is_num(v) or not math.isfinite(v) or not 0.0 <= v <= 1.0:
+                raise bad(k, "ratio must be a finite number in 0..1")
+        elif k in _NONNEG:
+            if not _is_num(v) or not math.isfinite(v) or v < 0:
+                raise bad(k, "must be a non-negative finite number")
+        elif k in _INTS:
+            if not _is_int(v) or v < 0:
+                raise bad(k, "must be a non-negative integer")
+        elif k in _FLOATS:
+            if not _is_num(v) or not math.isfinite(v):
+                raise bad(k, "must be a finite number")
+        elif k == "xid_errors":
+            if not isinstance(v, list) or not all(_is_int(x) for x in v):
+                raise bad(k, "must be a list of integers")
+        elif k == "job_ids":
+            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v) or len(set(v)) != len(v):
+                raise bad(k, "must be a list of distinct non-empty strings")
+        elif k == "job_shares":
+            if not isinstance(v, list) or not all(_is_num(x) and math.isfinite(x) and x >= 0 for x in v):
+                raise bad(k, "must be a list of non-negative finite numbers")
+        elif k == "processes":
+            if not isinstance(v, list) or not all(
+                isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
+                and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))
+                for p in v
+            ):
+                raise bad(k, "must be a list of [pid, used_memory_bytes or null]")
+    if d["host"] != host:
+        raise bad("host", f"does not match the batch's host {host!r}")
+    shares, jobs = d.get("job_shares") or [], d.get("job_ids") or []
+    if shares:
+        if len(shares) != len(jobs):
+            raise bad("job_shares", f"must have one share per job id ({len(jobs)}) or be empty")
+        if abs(sum(shares) - 1.0) > 1e-6:
+            raise bad("job_shares", "must sum to 1")
+    kw = dict(d)
+    kw["ts"] = float(d["ts"])
+    for k in _RATIOS | _NONNEG | _FLOATS:
+        if kw.get(k) is not None:
+            kw[k] = float(kw[k])
+    if "processes" in kw:
+        kw["processes"] = tuple(GpuProcess(p[0], p[1]) for p in kw["processes"])
+    for k in ("xid_errors", "job_ids"):
+        if k in kw:
+            kw[k] = tuple(kw[k])
+    if "job_shares" in kw:
+        kw["job_shares"] = tuple(float(x) for x in kw["job_shares"])
+    return GpuSample(**kw)
+
+
+def _check_annotation(annotation: str, v: Any) -> bool:
+    """Does a JSON value fit a record field's annotation? Covers the shapes the records use."""
+    if annotation.endswith(" | None"):
+        return v is None or _check_annotation(annotation[: -len(" | None")], v)
+    if annotation == "str":
+        return isinstance(v, str)
+    if annotation == "int":
+        return _is_int(v)
+    if annotation == "float":
+        return _is_num(v) and math.isfinite(v)
+    if annotation.startswith("tuple[") and annotation.endswith(", ...]"):
+        inner = annotation[len("tuple["): -len(", ...]")]
+        return isinstance(v, list) and all(_check_annotation(inner, x) for x in v)
+    if annotation == "tuple[str, float]":
+        return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and _check_annotation("float", v[1])
+    raise TypeError(f"validator does not know the annotation {annotation!r}")  # a new record shape: teach it
+
+
+_JOB_FIELDS = {f.name: str(f.type) for f in fields(JobRecord)}
+
+
+def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES, content_encoding: str = "") -> list[JobRecord]:
+    """Decode and validate a list of JobRecord dicts; BatchError names the record index and field."""
+    doc = decode_body(body, content_type, content_encoding, max_bytes)
+    if not isinstance(doc, list):
+        raise BatchError(400, f"jobs body must be a list of job records, got {type(doc).__name__}")
+    out = []
+    for i, d in enumerate(doc):
+        at = f"job[{i}]"
+        if not isinstance(d, dict):
+            raise BatchError(400, f"{at}: must be an object")
+        for k, v in d.items():
+            if k not in _JOB_FIELDS:
+                raise BatchError(400, f"{at}: unknown field {str(k)!r}")
+            if not _check_annotation(_JOB_FIELDS[k], v) or (k == "job_id" and not v):
+                raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})")
+        if "job_id" not in d:
+            raise BatchError(400, f"{at}.job_id: missing")
+        out.append(JobRecord.from_dict(d))
+    return out

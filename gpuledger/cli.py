@@ -1,0 +1,44 @@
+"""The `gpuledger` command: one root that mounts every part's sub-commands, plus the demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from accounting import cli as acct
+from agent.cli import app as agent_app
+from collector.cli import app as collector_app
+
+app = typer.Typer(
+    name="gpuledger",
+    help="Measure what GPU jobs really use; turn it into accounting, audit reports and Slurm priority.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+app.add_typer(agent_app, name="agent", help="Node agent: sample GPUs, attribute jobs, /metrics, push.")
+app.add_typer(collector_app, name="collector", help="Collector: ingest, aggregate per job, store.")
+app.add_typer(acct.fairshare_app, name="fairshare")
+app.add_typer(acct.report_app, name="report")
+app.add_typer(acct.priority_app, name="priority")
+app.add_typer(acct.jobs_app, name="jobs")
+
+
+@app.command()
+def demo(
+    data_dir: acct.DataDir = Path("gpuledger-data"),
+    nodes: Annotated[int, typer.Option(min=1, help="simulated GPU nodes")] = 4,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs per node")] = 8,
+    hours: Annotated[float, typer.Option(min=0.05, help="simulated hours")] = 1.0,
+    step: Annotated[float, typer.Option(min=1.0, help="sampling interval, simulated seconds")] = 10.0,
+    seed: int = 0,
+) -> None:
+    """Run the main job end to end on the embedded default: simulated agents -> collector -> accounting."""
+    from gpuledger.demo import main
+
+    main(data_dir, nodes=nodes, gpus=gpus, hours=hours, step=step, seed=seed)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,273 @@
+"""`gpuledger demo`: the main job end to end on the embedded default, in one command.
+
+A collector on a free loopback port with the embedded SQLite store; simulated agents (4 nodes x 8 H200-class GPUs)
+pushing over HTTP; a small scheduler that runs jobs of several users and accounts over one simulated hour (simulated
+time, accelerated); then accounting: per-job usage, fairshare, the priority feed and a usage report.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from agent.mappers.static import StaticMapper
+from agent.push import HttpPusher
+from agent.records import JobRecord, JobUsage
+from agent.sampler import Agent
+from agent.sources.simulated import SimulatedSource
+from collector.server import CollectorServer
+from collector.store import SqliteStore
+
+CONFIG_NAME = "gpuledger.toml"
+STORE_NAME = "gpuledger.sqlite"
+
+DEMO_CONFIG = """\
+# gpuledger configuration written by `gpuledger demo`; edit freely, the demo never overwrites it.
+cluster = "demo"
+
+[accounting]
+algorithm = "classic"      # classic | fair-tree
+policy = "blend"           # allocated | active | energy | blend
+floor = 0.25               # blend: the share of an allocated GPU-second charged even when idle
+half_life_s = 604800       # PriorityDecayHalfLife: 7 days
+calc_period_s = 300        # PriorityCalcPeriod: 5 minutes
+priority_weight = 10000    # site factor = round(weight x fairshare)
+
+[accounts.proj_a]
+shares = 60
+[accounts.proj_a.users]
+alice = 1
+bob = 1
+
+[accounts.proj_b]
+shares = 40
+[accounts.proj_b.users]
+carol = 1
+dave = 1
+"""
+
+# (user, account, GPUs, profile, submit minute, duration minutes): 14 jobs, 4 users, 2 accounts, every profile.
+JOB_PLAN: tuple[tuple[str, str, int, str, int, int], ...] = (
+    ("alice", "proj_a", 8, "training", 0, 60),
+    ("alice", "proj_a", 4, "training", 5, 40),
+    ("bob", "proj_a", 2, "inference", 0, 30),
+    ("bob", "proj_a", 2, "inference", 30, 30),
+    ("bob", "proj_a", 1, "idle", 10, 45),
+    ("carol", "proj_b", 4, "dataloader-stall", 0, 55),
+    ("carol", "proj_b", 2, "training", 20, 35),
+    ("dave", "proj_b", 1, "idle", 0, 60),
+    ("dave", "proj_b", 2, "inference", 15, 25),
+    ("alice", "proj_a", 1, "dataloader-stall", 45, 15),
+    ("carol", "proj_b", 1, "inference", 40, 20),
+    ("dave", "proj_b", 4, "training", 35, 25),
+    ("bob", "proj_a", 4, "dataloader-stall", 25, 30),
+    ("carol", "proj_b", 8, "training", 12, 20),
+)
+
+
+@dataclass
+class DemoJob:
+    job_id: str
+    user: str
+    account: str
+    gpus: int
+    profile: str
+    submit: float
+    duration: float
+    node: int | None = None
+    gpu_indexes: tuple[int, ...] = ()
+    start: float | None = None
+    end: float | None = None
+    truth_energy_j: float = 0.0  # ground truth from the simulator's own integrals
+    truth_sm_active_s: float = 0.0
+
+    def record(self, cluster: str, host: str) -> JobRecord:
+        return JobRecord(
+            job_id=self.job_id, cluster=cluster, user=self.user, account=self.account, partition="gpu",
+            hosts=(host,), gpus=self.gpus, gpu_model="NVIDIA H200", submit=self.submit, start=self.start,
+            end=self.end, state="COMPLETED" if self.end is not None else "RUNNING",
+            tres=(("gres/gpu", float(self.gpus)),),
+        )
+
+
+@dataclass
+class DemoResult:
+    data_dir: Path
+    collector_url: str
+    jobs: list[DemoJob]
+    usage: dict[str, JobUsage]
+    wall_seconds: float
+    samples_pushed: int
+    extra: dict = field(default_factory=dict)
+
+
+def _plan(seed: int, t0: float, span_s: float) -> list[DemoJob]:
+    """Jittered, deterministic job plan scaled to the simulated span."""
+    rng = random.Random(seed)
+    scale = span_s / 3600.0
+    jobs = []
+    for i, (user, account, gpus, profile, sub_min, dur_min) in enumerate(JOB_PLAN):
+        submit = t0 + scale * 60.0 * (sub_min + rng.uniform(0, 2))
+        duration = scale * 60.0 * max(5.0, dur_min - rng.uniform(0, 5))
+        jobs.append(DemoJob(str(1001 + i), user, account, gpus, profile, submit, duration))
+    return jobs
+
+
+def run_demo(
+    data_dir: Path,
+    *,
+    nodes: int = 4,
+    gpus_per_node: int = 8,
+    hours: float = 1.0,
+    step_s: float = 10.0,
+    seed: int = 0,
+    cluster: str = "demo",
+    progress: Callable[[int, int], None] | None = None,
+) -> DemoResult:
+    """Run the simulated cluster through the real HTTP path and return jobs, ground truth and measured usage."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    cfg = data_dir / CONFIG_NAME
+    if not cfg.exists():
+        cfg.write_text(DEMO_CONFIG)
+    wall0 = time.perf_counter()
+    span = hours * 3600.0
+    # Simulated time ends now, so the data lands where a real cluster's would (and is never "in the future").
+    t_end = float(int(time.time()))
+    t0 = t_end - span - step_s * 2
+    now = [t0]
+    clock = lambda: now[0]  # noqa: E731 - the one shared simulated clock
+
+    store = SqliteStore(data_dir / STORE_NAME)
+    server = CollectorServer(store, host="127.0.0.1", port=0)
+    server.start()
+    url = server.url
+    sources, mappers, agents = [], [], []
+    try:
+        for n in range(nodes):
+            host = f"node{n + 1:02d}"
+            src = SimulatedSource(host=host, gpus=gpus_per_node, seed=seed * 1000 + n, clock=clock)
+            mapper = StaticMapper()
+            pusher = HttpPusher(f"{url}/api/v1/samples", agent_id=f"demo-{host}", host=host)
+            sources.append(src)
+            mappers.append(mapper)
+            agents.append(Agent(src, [mapper], clock=clock, sinks=[pusher]))
+        for a in agents:
+            a.open()
+        jobs = _plan(seed, t0 + step_s, span * 0.95)
+        pending = sorted(jobs, key=lambda j: j.submit)
+        running: list[DemoJob] = []
+        free = [set(range(gpus_per_node)) for _ in range(nodes)]
+        steps = int(round((span + step_s) / step_s))
+        pushed = 0
+        for k in range(steps + 1):
+            now[0] = t0 + k * step_s
+            for a in agents:
+                pushed += len(a.tick())
+                if any(a.errors_total.values()):
+                    raise RuntimeError(f"demo agent failed: {dict(a.errors_total)}")
+            t = now[0]
+            # Jobs end, then pending jobs start where they fit (first fit on one node, in submit order).
+            for j in [j for j in running if j.start is not None and t >= j.start + j.duration]:
+                _finish(j, t, sources[j.node], mappers[j.node])
+                free[j.node].update(j.gpu_indexes)
+                running.remove(j)
+            for j in [j for j in pending if j.submit <= t]:
+                node = next((n for n in range(nodes) if len(free[n]) >= j.gpus), None)
+                if node is None:
+                    continue
+                j.node, j.gpu_indexes, j.start = node, tuple(sorted(free[node])[: j.gpus]), t
+                free[node].difference_update(j.gpu_indexes)
+                for g in j.gpu_indexes:
+                    e, s = sources[node].truth(g)
+                    j.truth_energy_j -= e
+                    j.truth_sm_active_s -= s
+                    sources[node].set_profile(g, j.profile)
+                    mappers[node].set(g, j.job_id)
+                pending.remove(j)
+                running.append(j)
+            if progress:
+                progress(k + 1, steps + 1)
+        for j in running:  # still running at the end of the window: close the books at the last sample
+            _finish(j, now[0], sources[j.node], mappers[j.node], state_end=False)
+        records = [j.record(cluster, f"node{j.node + 1:02d}") for j in jobs if j.start is not None]
+        with httpx.Client(timeout=30) as client:
+            r = client.post(f"{url}/api/v1/jobs", json=[rec.to_dict() for rec in records])
+            r.raise_for_status()
+            r = client.get(f"{url}/api/v1/usage")
+            r.raise_for_status()
+            usage = {d["job_id"]: JobUsage.from_dict(d) for d in r.json()}
+        return DemoResult(data_dir, url, jobs, usage, time.perf_counter() - wall0, pushed)
+    finally:
+        for a in agents:
+            a.close()
+        server.stop()
+        store.close()
+
+
+def _finish(j: DemoJob, t: float, src: SimulatedSource, mapper: StaticMapper, state_end: bool = True) -> None:
+    for g in j.gpu_indexes:
+        e, s = src.truth(g)
+        j.truth_energy_j += e
+        j.truth_sm_active_s += s
+        if state_end:
+            src.set_profile(g, None)
+            mapper.clear(g)
+    if state_end:
+        j.end = t
+
+
+def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, seed: int) -> DemoResult:
+    """The `gpuledger demo` command: run, then print the per-job table and fairshare and write feed + report."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from accounting import report as rpt
+    from accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
+    from accounting.fairshare_render import render_table
+    from accounting.ledger import load as load_ledger
+    from accounting.priority import write_feed
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(
+        f"[bold]gpuledger demo[/bold]: {nodes} nodes x {gpus} simulated H200 GPUs, {len(JOB_PLAN)} jobs, "
+        f"{hours:g} simulated hour(s) at {step:g} s steps -> {data_dir}"
+    )
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        task = bar.add_task("agents -> collector", total=None)
+        res = run_demo(data_dir, nodes=nodes, gpus_per_node=gpus, hours=hours, step_s=step, seed=seed,
+                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+    console.print(f"collector at {res.collector_url} ingested {res.samples_pushed} samples "
+                  f"in {res.wall_seconds:.1f} s wall time")
+
+    store = SqliteStore(data_dir / STORE_NAME)
+    try:
+        entries = load_ledger(store)
+    finally:
+        store.close()
+    job_rows = rpt.job_rows(entries)
+    console.print(rpt.rich_table("Jobs (measured)", rpt.JOB_COLUMNS, job_rows))
+
+    now = time.time()
+    rows, settings = fairshare_rows(data_dir, None, None, now=now)
+    console.print(f"[bold]Fairshare[/bold] ({settings.algorithm}, charge policy {settings.policy}):")
+    console.print(render_table(rows), markup=False, highlight=False)
+    feed_path = write_feed(data_dir / FEED_NAME, feed_from_rows(rows, settings, now))
+    groups = rpt.by_account_user(job_rows)
+    report_path = data_dir / "usage-report.txt"
+    report_path.write_text(
+        "Usage by account and user\n\n" + rpt.plain_table(rpt.GROUP_COLUMNS, groups)
+        + "\nJobs\n\n" + rpt.plain_table(rpt.JOB_COLUMNS, job_rows)
+    )
+    (data_dir / "usage-report.json").write_text(rpt.to_json(groups) + "\n")
+    console.print(rpt.rich_table("Usage by account and user", rpt.GROUP_COLUMNS, groups))
+    console.print(f"priority feed: {feed_path}")
+    console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')})")
+    console.print(f"next: gpuledger fairshare --data-dir {data_dir}   |   gpuledger report usage --data-dir {data_dir}")
+    return res

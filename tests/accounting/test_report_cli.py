@@ -1,0 +1,162 @@
+"""The report and audit commands end to end on a real store: signed reports, verify, explain, privacy."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sqlite3
+from datetime import datetime, timezone
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from accounting.privacy import Pseudonymizer, apply_retention, is_pseudonym, load_or_create_key
+from accounting.report_cli import audit_app, report_app
+from agent.records import GpuSample, JobRecord
+from collector.store import SqliteStore
+from collector.validate import Batch
+
+T0 = datetime(2026, 10, 5, tzinfo=timezone.utc).timestamp()
+app = typer.Typer()
+app.add_typer(report_app, name="report")
+app.add_typer(audit_app, name="audit")
+runner = CliRunner()
+
+CONFIG = """
+[report]
+currency = "EUR"
+price_per_kwh = 0.5
+co2e_kg_per_kwh = 0.4
+retention_days = 30
+[report.price_per_gpu_hour]
+default = 2.0
+"""
+
+
+def _s(ts, gpu, job, sm):
+    return GpuSample(ts=ts, host="n1", gpu_uuid=gpu, gpu_index=int(gpu[-1]), model="NVIDIA H200", sm_active_ratio=sm,
+                     energy_joules=360.0 * (ts - T0), job_ids=(job,))
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    (tmp_path / "gpuledger.toml").write_text(CONFIG)
+    store = SqliteStore(tmp_path / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
+    try:
+        samples = [_s(T0 + 10 * k, g, j, sm) for g, j, sm in (("G0", "1", 0.8), ("G1", "2", 0.0), ("G2", "2", 0.01))
+                   for k in range(361)]
+        store.ingest(Batch("a", 0, "n1", tuple(samples)))
+        store.put_jobs([
+            JobRecord("1", cluster="c", user="alice", uid=1001, account="a", gpus=1, submit=T0 - 60, start=T0, end=T0 + 3600),
+            JobRecord("2", cluster="c", user="bob", uid=1002, account="b", gpus=2, submit=T0, start=T0, end=T0 + 3600),
+        ])
+    finally:
+        store.close()
+    return tmp_path
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_usage_csv_reconciles_and_is_signed_and_verified(data_dir):
+    assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0
+    assert run("audit", "record", "--data-dir", data_dir).exit_code == 0
+    out = data_dir / "oct.csv"
+    r = run("report", "usage", "--data-dir", data_dir, "--period", "2026-10", "--format", "csv", "-o", out)
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    by = {row["account"]: row for row in rows}
+    assert set(by) == {"a", "b", "TOTAL"}
+    assert float(by["TOTAL"]["allocated_gpu_hours"]) == 3.0  # 1 GPU + 2 GPUs for one hour
+    assert float(by["a"]["energy_kwh"]) == pytest.approx(0.36)  # 360 W for one hour
+    assert float(by["b"]["cost"]) == pytest.approx(2 * 2.0 + 0.72 * 0.5)
+    assert float(by["a"]["queue_wait_mean_h"]) == pytest.approx(60 / 3600)
+    assert math.fsum(float(by[k]["allocated_gpu_hours"]) for k in "ab") == float(by["TOTAL"]["allocated_gpu_hours"])
+    r = run("audit", "verify", out, "--data-dir", data_dir)
+    assert r.exit_code == 0, r.output
+    assert "signature, content and audit head verify" in r.output
+    out.write_text(out.read_text().replace("a,1,", "a,2,"))
+    r = run("audit", "verify", out, "--data-dir", data_dir)
+    assert r.exit_code == 1 and "report altered" in r.output
+
+
+def test_verify_names_the_first_tampered_entry(data_dir):
+    assert run("audit", "record", "--data-dir", data_dir).exit_code == 0
+    db = sqlite3.connect(data_dir / "audit.sqlite")
+    db.execute("DELETE FROM entries WHERE seq=2")
+    db.commit()
+    db.close()
+    r = run("audit", "verify", "--data-dir", data_dir)
+    assert r.exit_code == 1
+    assert "audit entry 2: missing" in r.output
+
+
+def test_other_formats_and_groupings(data_dir):
+    r = run("report", "usage", "--data-dir", data_dir, "--from", "2026-10-01", "--to", "2026-10-06", "--by", "node",
+            "--format", "json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["rows"][0]["group"] == "n1" and doc["total"]["jobs"] == 2 and doc["total"]["co2e_kg"] == pytest.approx(0.4 * 1.08)
+    r = run("report", "usage", "--data-dir", data_dir, "--by", "user", "--format", "html", "-o", data_dir / "r.html")
+    assert r.exit_code == 0 and "unsigned" in r.output and "<svg" in (data_dir / "r.html").read_text()
+    r = run("report", "usage", "--data-dir", data_dir, "--period", "2026-13")
+    assert r.exit_code == 2 and "period '2026-13'" in r.output
+    r = run("report", "usage", "--data-dir", data_dir / "nope")
+    assert r.exit_code == 2 and "no gpuledger store" in r.output
+
+
+def test_pseudonymize_hides_users_in_every_export(data_dir):
+    outputs = [
+        run("report", "usage", "--data-dir", data_dir, "--by", "user", "--format", "csv", "--pseudonymize").output,
+        run("report", "jobs", "--data-dir", data_dir, "--format", "json", "--pseudonymize").output,
+        run("report", "job", "1", "--data-dir", data_dir, "--format", "json", "--pseudonymize").output,
+        run("report", "idle", "--data-dir", data_dir, "--format", "json", "--pseudonymize").output,
+    ]
+    alias = Pseudonymizer(load_or_create_key(data_dir))
+    for out in outputs:
+        assert "alice" not in out and "bob" not in out
+    assert alias("alice") in outputs[0] and alias("alice") in outputs[1] and alias("bob") in outputs[3]
+    again = run("report", "usage", "--data-dir", data_dir, "--by", "user", "--format", "csv", "--pseudonymize").output
+    assert again == outputs[0]  # stable across runs
+
+
+def test_idle_and_job_reports(data_dir):
+    r = run("report", "idle", "--data-dir", data_dir, "--format", "json")
+    rows = json.loads(r.output)
+    assert [(x["job_id"], x["idle_gpus"]) for x in rows] == [("2", 2)]
+    assert rows[0]["idle_gpu_hours"] == pytest.approx(2.0)
+    r = run("report", "job", "2", "--data-dir", data_dir)
+    assert r.exit_code == 0 and "[idle_gpu]" in r.output and "n1/G1" in r.output
+    assert run("report", "job", "77", "--data-dir", data_dir).exit_code == 2
+
+
+def test_explain_says_what_the_log_cannot_prove_yet(data_dir):
+    assert run("audit", "record", "--data-dir", data_dir).exit_code == 0
+    r = run("audit", "explain", "1", "--data-dir", data_dir)
+    assert r.exit_code == 0, r.output
+    assert "audit chain intact" in r.output and "1. job record" in r.output and "2. measurements" in r.output
+    assert "not proven: no fairshare entry" in r.output
+
+
+def test_retention_pseudonymizes_old_job_records_only(data_dir):
+    key = load_or_create_key(data_dir)
+    assert load_or_create_key(data_dir) == key and (data_dir / "pseudonym.key").stat().st_mode & 0o777 == 0o600
+    alias = Pseudonymizer(key)
+    # 10 days after the jobs ended: 30-day retention keeps the names, 5-day retention removes them
+    now = T0 + 3600 + 10 * 86400
+    assert apply_retention(data_dir / "gpuledger.sqlite", alias, 30, now=now) == 0
+    assert apply_retention(data_dir / "gpuledger.sqlite", alias, 5, now=now) == 2
+    assert apply_retention(data_dir / "gpuledger.sqlite", alias, 5, now=now) == 0  # idempotent
+    store = SqliteStore(data_dir / "gpuledger.sqlite")
+    try:
+        jobs = {j.job_id: j for j in store.jobs()}
+    finally:
+        store.close()
+    assert jobs["1"].user == alias("alice") and is_pseudonym(jobs["1"].user) and jobs["1"].uid is None
+    assert jobs["1"].account == "a"  # accounts are projects, not people
+    with pytest.raises(ValueError, match="retention days"):
+        apply_retention(data_dir / "gpuledger.sqlite", alias, -1)

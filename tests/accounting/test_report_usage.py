@@ -1,0 +1,208 @@
+"""Usage reports over a period: hand-computed totals, exact reconciliation, the period rule, settings."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from accounting.ledger import LedgerEntry, join
+from accounting.ledger import load as load_ledger
+from accounting.report import (
+    TOTAL,
+    GridIntensity,
+    ReportError,
+    ReportSettings,
+    idle_jobs,
+    parse_period,
+    pseudonymize_entries,
+    report_settings,
+    usage_report,
+    usage_report_csv,
+)
+from agent.records import GpuSample, JobRecord, JobUsage
+from collector.store import SqliteStore
+from collector.validate import Batch
+
+
+def T(y: int, m: int, d: int, hh: int = 0, mm: int = 0, ss: int = 0) -> float:
+    return datetime(y, m, d, hh, mm, ss, tzinfo=timezone.utc).timestamp()
+
+
+def U(job, alloc, active, energy, dram=None, model="NVIDIA H200", first=None, last=None, host="n1", gpu="*", gpus=1):
+    last = T(2026, 10, 10) if last is None else last
+    first = last - alloc / gpus if first is None else first
+    sm = active / alloc if alloc > 0 else None
+    return JobUsage(job, host, gpu, first, last, 10, alloc, active, energy, sm_active_mean=sm, dram_bw_mean=dram,
+                    model=model, gpus=gpus)
+
+
+OCT = parse_period("2026-10")
+PRICES = ReportSettings(currency="EUR", price_per_kwh=0.2, price_per_gpu_hour={"H200": 3.0, "default": 1.0},
+                        co2e_kg_per_kwh=0.4)
+
+
+def fixture() -> list[LedgerEntry]:
+    records = [
+        JobRecord("1", user="alice", account="a", partition="gpu", gpus=1, submit=T(2026, 10, 9, 21, 50),
+                  start=T(2026, 10, 9, 22), end=T(2026, 10, 10)),
+        JobRecord("2", user="bob", account="a", partition="gpu", gpus=1, submit=T(2026, 10, 20, 0, 30),
+                  start=T(2026, 10, 20, 1), end=T(2026, 10, 20, 2)),
+        JobRecord("3", user="carol", account="b", partition="big", gpus=2, start=T(2026, 10, 31, 22), end=T(2026, 11, 1, 0, 10)),
+        JobRecord("4", user="carol", account="b", partition="big", gpus=1, submit=T(2026, 10, 5), start=T(2026, 10, 5),
+                  end=T(2026, 10, 5, 1)),
+    ]
+    usages = [
+        U("1", 7200.0, 3600.0, 3.6e6, dram=0.5, last=T(2026, 10, 10)),
+        U("2", 3600.0, 0.0, 1.8e6, model="NVIDIA A100", last=T(2026, 10, 20, 2)),
+        U("3", 8400.0, 8000.0, 9e6, last=T(2026, 11, 1, 0, 10), gpus=2),
+        U("5", 1800.0, 900.0, 0.9e6, dram=0.25, last=T(2026, 10, 15)),  # measured, unknown to Slurm
+    ]
+    return join(records, usages)
+
+
+def test_report_by_account_matches_hand_computed_values():
+    rep = usage_report(fixture(), "account", OCT, PRICES)
+    rows = {r.group: r for r in rep.rows}
+    assert set(rows) == {"a", "b", "(unknown)"}  # job 3 ended in November: not here
+    a = rows["a"]
+    assert a.jobs == 2
+    assert a.allocated_gpu_hours == 3.0 and a.sm_active_gpu_hours == 1.0 and a.idle_gpu_hours == 2.0
+    assert a.efficiency == pytest.approx(1 / 3)
+    assert a.hbm_mean == 0.5  # only job 1 reports HBM: weighted by its GPU-time alone
+    assert a.energy_kwh == 1.5 and a.co2e_kg == pytest.approx(0.6)
+    # job 1: 2 GPU-h x 3.0 (H200) + 1 kWh x 0.2; job 2: 1 GPU-h x 1.0 (default) + 0.5 kWh x 0.2
+    assert a.cost == pytest.approx(6.2 + 1.1)
+    assert a.queue_wait_mean_h == pytest.approx((600 + 1800) / 2 / 3600) and a.queue_wait_jobs == 2
+    b = rows["b"]  # job 4: known to Slurm, never measured
+    assert (b.jobs, b.unmeasured_jobs, b.allocated_gpu_hours, b.queue_wait_mean_h) == (1, 1, 0.0, 0.0)
+    assert b.efficiency is None and b.hbm_mean is None
+    t = rep.total
+    assert t.group == TOTAL and t.jobs == 4 and t.allocated_gpu_hours == 3.5 and t.energy_kwh == 1.75
+    assert t.hbm_mean == pytest.approx((0.5 * 7200 + 0.25 * 1800) / 9000)
+
+
+def test_report_by_user_partition_model():
+    by_user = {r.group: r.jobs for r in usage_report(fixture(), "user", OCT).rows}
+    assert by_user == {"alice": 1, "bob": 1, "carol": 1, "(unknown)": 1}
+    by_part = {r.group: r.allocated_gpu_hours for r in usage_report(fixture(), "partition", OCT).rows}
+    assert by_part == {"gpu": 3.0, "big": 0.0, "(unknown)": 0.5}
+    by_model = {r.group: r.allocated_gpu_hours for r in usage_report(fixture(), "model", OCT).rows}
+    assert by_model == {"NVIDIA H200": 2.5, "NVIDIA A100": 1.0, "(unknown)": 0.0}
+    rep = usage_report(fixture(), "account", OCT)
+    assert rep.total.cost is None and rep.total.co2e_kg is None  # nothing configured: no made-up zeros
+
+
+def test_period_counts_a_job_whole_in_the_period_it_ended():
+    nov = usage_report(fixture(), "account", parse_period("2026-11"), PRICES)
+    assert nov.total.jobs == 1 and nov.total.allocated_gpu_hours == 8400 / 3600  # job 3, not prorated
+    e_end = [LedgerEntry("9", JobRecord("9", account="x", end=T(2026, 11, 1)), U("9", 3600.0, 0.0, 0.0))]
+    assert usage_report(e_end, "account", OCT).total.jobs == 0  # the period's end is exclusive
+    assert usage_report(e_end, "account", parse_period(start="2026-10-01", end="2026-11-01T00:00:01")).total.jobs == 1
+    # consecutive periods partition the jobs: October + November = everything
+    everything = usage_report(fixture(), "account")
+    assert everything.total.jobs == usage_report(fixture(), "account", OCT).total.jobs + nov.total.jobs
+
+
+def test_parse_period_errors_name_the_input():
+    assert parse_period("2026-12").end == T(2027, 1, 1)
+    assert parse_period("2026-02-28").end == T(2026, 3, 1)
+    with pytest.raises(ReportError, match="period '2026-13'"):
+        parse_period("2026-13")
+    with pytest.raises(ReportError, match="--from 'yesterday'"):
+        parse_period(start="yesterday")
+    with pytest.raises(ReportError, match="not both"):
+        parse_period("2026-10", start="2026-10-01")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.floats(0, 1e7), st.floats(0, 1), st.floats(0, 1e9)),
+                min_size=1, max_size=40))
+def test_totals_reconcile_exactly_with_the_job_records(jobs):
+    entries = []
+    for i, (acct, alloc, eff, energy) in enumerate(jobs):
+        u = U(str(i), alloc, alloc * eff, energy)
+        entries.append(LedgerEntry(str(i), JobRecord(str(i), account=acct, end=u.last_ts), u))
+    for by in ("account", "user", "model"):
+        t = usage_report(entries, by).total
+        assert t.allocated_gpu_hours == math.fsum(e.usage.allocated_gpu_seconds for e in entries) / 3600
+        assert t.sm_active_gpu_hours == math.fsum(e.usage.sm_active_gpu_seconds for e in entries) / 3600
+        assert t.energy_kwh == math.fsum(e.usage.energy_joules for e in entries) / 3.6e6
+        assert t.jobs == len(entries)
+
+
+def _sample(ts, gpu, job, sm, energy, host="n1", dram=None):
+    return GpuSample(ts=ts, host=host, gpu_uuid=gpu, gpu_index=int(gpu[-1]), model="NVIDIA H200",
+                     sm_active_ratio=sm, dram_bw_ratio=dram, energy_joules=energy, job_ids=(job,) if job else ())
+
+
+def test_report_from_a_real_store_reconciles_by_node(tmp_path):
+    t0 = T(2026, 10, 3)
+    store = SqliteStore(tmp_path / "gpuledger.sqlite", clock=lambda: t0 + 10_000)
+    try:
+        # job 11 on n1 (2 GPUs, 100 s each) and n2 (1 GPU); job 12 on n2; 10 s steps, 300 J per step.
+        seq = 0
+        for host, gpus in (("n1", [("G0", "11", 0.5), ("G1", "11", 1.0)]), ("n2", [("G2", "11", 0.0), ("G3", "12", 0.25)])):
+            samples = [_sample(t0 + 10 * k, g, job, sm, 300.0 * k, host=host, dram=0.4) for g, job, sm in gpus for k in range(11)]
+            store.ingest(Batch(f"agent-{host}", seq, host, tuple(samples)))
+            seq += 1
+        store.put_jobs([JobRecord("11", cluster="c", user="alice", account="a", end=t0 + 100),
+                        JobRecord("12", cluster="c", user="bob", account="b", end=t0 + 100)])
+        entries = load_ledger(store)
+        per_gpu: dict[str, list[JobUsage]] = {}
+        for u in store.job_usage(per_gpu=True):
+            per_gpu.setdefault(u.job_id, []).append(u)
+        job_level = store.job_usage()
+    finally:
+        store.close()
+    rep = usage_report(entries, "node", OCT, per_gpu=per_gpu)
+    nodes = {r.group: r for r in rep.rows}
+    assert set(nodes) == {"n1", "n2"}
+    assert nodes["n1"].allocated_gpu_hours == 200 / 3600 and nodes["n1"].sm_active_gpu_hours == 150 / 3600
+    assert nodes["n2"].jobs == 2 and nodes["n1"].jobs == 1 and rep.total.jobs == 2  # job 11 in both nodes
+    assert nodes["n2"].energy_kwh == 6000 / 3.6e6
+    assert rep.total.allocated_gpu_hours == math.fsum(u.allocated_gpu_seconds for u in job_level) / 3600 == 400 / 3600
+    assert rep.total.energy_kwh == math.fsum(u.energy_joules for u in job_level) / 3.6e6
+    by_acct = usage_report(entries, "account", OCT)
+    assert by_acct.total.allocated_gpu_hours == rep.total.allocated_gpu_hours
+    with pytest.raises(ReportError, match="per-GPU"):
+        usage_report(entries, "node", OCT)
+
+
+def test_grid_intensity_series_weights_emissions_by_time(tmp_path):
+    t0 = T(2026, 10, 10)
+    csv_text = f"time,g_co2e_per_kwh\n{t0},100\n2026-10-10T01:00:00Z,300\n"
+    grid = GridIntensity.from_csv(csv_text)
+    assert grid.mean(t0, t0 + 7200) == 200.0 and grid.mean(t0 - 3600, t0) == 100.0  # clamped before the series
+    e = [LedgerEntry("1", JobRecord("1", account="a", end=t0 + 7200), U("1", 7200.0, 0.0, 7.2e6, first=t0, last=t0 + 7200))]
+    assert usage_report(e, "account", settings=ReportSettings(grid=grid)).total.co2e_kg == pytest.approx(0.4)
+    with pytest.raises(ReportError, match="line 3: intensity 'x'"):
+        GridIntensity.from_csv(f"time,g\n{t0},1\n{t0 + 1},x\n")
+    (tmp_path / "grid.csv").write_text(csv_text)
+    s = report_settings({"report": {"grid_intensity_csv": "grid.csv", "price_per_gpu_hour": {"H200": 2}}}, tmp_path)
+    assert s.grid == grid and s.gpu_hour_price("NVIDIA H200") == 2.0 and s.gpu_hour_price("A100") == 0.0
+    with pytest.raises(ReportError, match=r"cfg.toml: report.price_per_kwh: expected a number"):
+        report_settings({"report": {"price_per_kwh": "cheap"}}, tmp_path, "cfg.toml")
+    with pytest.raises(ReportError, match="report.colour: unknown setting"):
+        report_settings({"report": {"colour": 1}}, tmp_path)
+
+
+def test_idle_jobs_worst_first_per_gpu():
+    entries = join(
+        [JobRecord("1", user="u1", account="a"), JobRecord("2", user="u2", account="a"), JobRecord("3", user="u3", account="a")],
+        [U("1", 3600.0 * 4, 3600.0, 0.0, gpus=4), U("2", 3600.0, 36.0, 0.0), U("3", 7200.0, 7000.0, 0.0)],
+    )
+    per_gpu = {"1": [U("1", 3600.0, 3600.0, 0.0, gpu="G0")] + [U("1", 3600.0, 0.0, 0.0, gpu=f"G{i}") for i in (1, 2, 3)]}
+    rows = idle_jobs(entries, per_gpu, threshold=0.05)
+    assert [(r.job_id, r.idle_gpus, r.idle_gpu_hours) for r in rows] == [("1", 3, 3.0), ("2", 1, 1.0)]
+    assert rows[0].idle_share == 0.75
+
+
+def test_pseudonymize_entries_hides_users_in_every_row():
+    alias = lambda u: "u-" + u[::-1]  # noqa: E731 - any function of the name
+    rep = usage_report(pseudonymize_entries(fixture(), alias), "user", OCT)
+    assert {r.group for r in rep.rows} == {"u-ecila", "u-bob", "u-lorac", "(unknown)"}
+    assert "alice" not in usage_report_csv(rep)

@@ -1,0 +1,143 @@
+"""Prometheus exposition of the snapshot: names, no invented zeros, no leftover job series."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.exposition import make_registry, serve_metrics
+from agent.mappers.static import StaticMapper
+from agent.records import GpuSample
+from agent.sampler import Agent
+from agent.sources.simulated import SimulatedSource
+
+
+def scrape(agent: Agent) -> str:
+    return generate_latest(make_registry(agent)).decode()
+
+
+def families(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        out.setdefault(fam.name, []).extend(fam.samples)
+    return out
+
+
+class FixedSource:
+    """Returns the samples given to it (a GPU that reports only some fields)."""
+
+    name = "fixed"
+
+    def __init__(self, samples: list[GpuSample]) -> None:
+        self.samples = samples
+
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def sample(self) -> list[GpuSample]:
+        return list(self.samples)
+
+
+def test_names_labels_and_values() -> None:
+    src = SimulatedSource(host="n1", gpus=2, clock=lambda: 1_700_000_000.0, profiles={0: "training"})
+    agent = Agent(src, mappers=[StaticMapper({0: "1234"})])
+    snap = agent.tick()
+    text = scrape(agent)
+    for name in (
+        "gpuledger_gpu_sm_active_ratio",
+        "gpuledger_gpu_sm_occupancy_ratio",
+        "gpuledger_gpu_dram_bandwidth_ratio",
+        "gpuledger_gpu_tensor_active_ratio",
+        "gpuledger_gpu_utilization_ratio",
+        "gpuledger_gpu_memory_used_bytes",
+        "gpuledger_gpu_memory_total_bytes",
+        "gpuledger_gpu_power_watts",
+        "gpuledger_gpu_energy_joules_total",
+        "gpuledger_gpu_temperature_celsius",
+        "gpuledger_gpu_sm_clock_hertz",
+        "gpuledger_gpu_job_info",
+        "gpuledger_agent_ticks_total",
+        "gpuledger_agent_errors_total",
+        "gpuledger_agent_tick_seconds",
+    ):
+        assert f"\n{name}" in text or text.startswith(name), name
+    type_lines = [ln for ln in text.splitlines() if ln.startswith("# TYPE gpuledger_gpu_energy_joules")]
+    assert len(type_lines) == 1 and type_lines[0].endswith(" counter")
+    fams = families(text)
+    power = {s.labels["gpu"]: s for s in fams["gpuledger_gpu_power_watts"]}
+    assert power["0"].labels == {"host": "n1", "gpu": "0", "uuid": snap[0].gpu_uuid, "model": "NVIDIA H200", "mig": ""}
+    assert power["0"].value == snap[0].power_watts
+    energy = [s for s in fams["gpuledger_gpu_energy_joules"] if s.name.endswith("_total")]
+    assert sorted(s.value for s in energy) == sorted(s.energy_joules for s in snap)
+    # Job ids live only on the info metric.
+    info = fams["gpuledger_gpu_job_info"]
+    assert [(s.labels["gpu"], s.labels["jobid"], s.value) for s in info] == [("0", "1234", 1.0)]
+    for name, samples in fams.items():
+        if name != "gpuledger_gpu_job_info":
+            assert all("jobid" not in s.labels and "job" not in s.labels for s in samples), name
+    assert fams["gpuledger_agent_ticks"][0].value == 1.0
+    assert {s.labels["kind"]: s.value for s in fams["gpuledger_agent_errors"]} == {
+        "source": 0.0, "mapper": 0.0, "sink": 0.0, "internal": 0.0,
+    }
+
+
+def test_none_is_omitted_not_zero() -> None:
+    partial = GpuSample(ts=1.0, host="h", gpu_uuid="GPU-a", gpu_index=0, model="Tesla V100", power_watts=55.5,
+                        mig="1.0")
+    full = GpuSample(ts=1.0, host="h", gpu_uuid="GPU-b", gpu_index=1, power_watts=0.0, sm_active_ratio=0.0)
+    agent = Agent(FixedSource([partial, full]))
+    agent.tick()
+    fams = families(scrape(agent))
+    assert "gpuledger_gpu_energy_joules" not in fams
+    assert "gpuledger_gpu_temperature_celsius" not in fams
+    # A reported zero is exported; a missing value is not.
+    assert [(s.labels["uuid"], s.value) for s in fams["gpuledger_gpu_sm_active_ratio"]] == [("GPU-b", 0.0)]
+    assert {s.labels["uuid"]: s.value for s in fams["gpuledger_gpu_power_watts"]} == {"GPU-a": 55.5, "GPU-b": 0.0}
+    assert {s.labels["uuid"]: s.labels["mig"] for s in fams["gpuledger_gpu_power_watts"]} == {"GPU-a": "1.0", "GPU-b": ""}
+
+
+def test_finished_job_leaves_no_series() -> None:
+    mapper = StaticMapper({0: "77", 1: ["88", "89"]})
+    agent = Agent(SimulatedSource(gpus=2, profiles={0: "training", 1: "inference"}), mappers=[mapper])
+    registry = make_registry(agent)
+    agent.tick()
+    before = generate_latest(registry).decode()
+    assert 'jobid="77"' in before and 'jobid="88"' in before and 'jobid="89"' in before
+    mapper.clear(0)
+    mapper.clear(1)
+    agent.tick()
+    after = generate_latest(registry).decode()
+    assert "jobid=" not in after
+    assert 'gpuledger_gpu_power_watts{' in after  # the GPUs themselves are still there
+
+
+def test_self_metrics_count_errors() -> None:
+    class Broken(FixedSource):
+        def sample(self) -> list[GpuSample]:
+            raise RuntimeError("driver gone")
+
+    agent = Agent(Broken([]))
+    agent.tick()
+    agent.tick()
+    fams = families(scrape(agent))
+    assert {s.labels["kind"]: s.value for s in fams["gpuledger_agent_errors"]}["source"] == 2.0
+    assert "gpuledger_gpu_power_watts" not in fams
+    assert fams["gpuledger_agent_gpus"][0].value == 0.0
+
+
+def test_serve_metrics_on_port_zero() -> None:
+    agent = Agent(SimulatedSource(gpus=1, profiles={0: "training"}))
+    agent.tick()
+    server = serve_metrics(agent, 0)
+    try:
+        assert server.port > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+            body = r.read().decode()
+        assert "gpuledger_gpu_power_watts{" in body
+        # A fresh registry: none of the process-global default collectors.
+        assert "python_gc_objects_collected_total" not in body
+    finally:
+        server.shutdown()

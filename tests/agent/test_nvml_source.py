@@ -1,0 +1,340 @@
+"""NvmlSource against the fake NVML library (and, under ``-m gpu``, the real driver)."""
+
+from __future__ import annotations
+
+import logging
+
+import pynvml
+import pytest
+
+from agent.nvml_fake import (
+    MIB,
+    FakeGpu,
+    FakeMigInstance,
+    FakeNvml,
+    FakeProcess,
+    Scenario,
+    busy_gpm,
+    fake_node,
+)
+from agent.records import RATIO_FIELDS, GpuProcess
+from agent.sources.base import GpuSource, SourceUnavailable
+from agent.sources.nvml import NvmlSource
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _open(lib: FakeNvml, clock: Clock, **kw) -> NvmlSource:
+    src = NvmlSource(lib=lib, host="node1", clock=clock, **kw)
+    src.open()
+    return src
+
+
+def test_converts_every_field_to_si_units() -> None:
+    clock = Clock()
+    gpu = FakeGpu("GPU-x", mem_total=81559 * MIB, mem_used=74166 * MIB, power_w=113.611, energy_mj=4742776,
+                  gpu_util=87, mem_util=35, temp_c=31, sm_clock_mhz=1980, mem_clock_mhz=2619, clock_reasons=0x4,
+                  ecc_uncorrected=2, remapped_rows=(3, 1, 0, 0), pcie_tx_kbps=1000, pcie_rx_kbps=2,
+                  gpm=busy_gpm(sm=80, occ=30, dram=60, tensor=50, fp64=1, fp32=20, fp16=3),
+                  processes=[FakeProcess(42, 1 * MIB), FakeProcess(43, None)])
+    lib = FakeNvml(Scenario([gpu]), clock=clock)
+    src = _open(lib, clock)
+    assert isinstance(src, GpuSource)
+    (first,) = src.sample()
+    assert first.sm_active_ratio is None  # the first tick has no GPM window yet
+    clock.t += 2.0
+    (s,) = src.sample()
+    assert (s.host, s.gpu_uuid, s.gpu_index, s.model, s.mig, s.source) == (
+        "node1", "GPU-x", 0, "NVIDIA H100 80GB HBM3", None, "nvml")
+    assert s.ts == 1002.0
+    assert s.gpu_util_ratio == pytest.approx(0.87) and s.mem_copy_util_ratio == pytest.approx(0.35)
+    assert (s.mem_used_bytes, s.mem_total_bytes) == (74166 * MIB, 81559 * MIB)
+    assert s.power_watts == pytest.approx(113.611)
+    assert s.energy_joules == pytest.approx(4742.776 + 2 * 113.611, abs=1e-3)  # mJ -> J, grown over 2 s
+    assert s.temp_celsius == 31.0
+    assert (s.sm_clock_hz, s.mem_clock_hz) == (1.98e9, 2.619e9)
+    assert (s.throttle_reasons, s.ecc_errors_total, s.remapped_rows_total) == (4, 2, 4)
+    assert (s.pcie_tx_bytes_per_second, s.pcie_rx_bytes_per_second) == (1024_000.0, 2048.0)
+    assert s.processes == (GpuProcess(42, 1 * MIB), GpuProcess(43, None))
+    assert s.sm_active_ratio == pytest.approx(0.80)
+    assert s.sm_occupancy_ratio == pytest.approx(0.30)
+    assert s.dram_bw_ratio == pytest.approx(0.60)
+    assert s.tensor_active_ratio == pytest.approx(0.50)
+    assert (s.fp64_active_ratio, s.fp32_active_ratio, s.fp16_active_ratio) == pytest.approx((0.01, 0.20, 0.03))
+    assert s == type(s).from_dict(s.to_dict())
+
+
+def test_gpm_window_spans_ticks_and_needs_100ms() -> None:
+    clock = Clock()
+    lib = fake_node(1, clock=clock)
+    src = _open(lib, clock)
+    src.sample()
+    clock.t += 0.05
+    (too_soon,) = src.sample()
+    assert too_soon.sm_active_ratio is None  # < 100 ms: no reading, and the window start is kept
+    clock.t += 0.95
+    lib.update(0, gpm={2: 30.0})  # SM 90 % for the first 1.0 s, then 30 %; DRAM drops to nothing
+    clock.t += 1.0
+    (s,) = src.sample()
+    assert s.sm_active_ratio == pytest.approx(0.60)  # averaged over the 2 s since the first tick
+    assert s.dram_bw_ratio == pytest.approx(0.20)  # 40 % for half the window
+    clock.t += 1.0
+    (s2,) = src.sample()
+    assert s2.sm_active_ratio == pytest.approx(0.30)
+    assert s2.dram_bw_ratio == 0.0
+    assert lib.calls["nvmlGpmSampleAlloc"] == 2  # buffers are reused, not re-allocated per tick
+
+
+def test_no_gpm_before_hopper_and_gpm_switch() -> None:
+    clock = Clock()
+    lib = fake_node(2, clock=clock, gpm=False)
+    src = _open(lib, clock)
+    for _ in range(3):
+        clock.t += 1
+        assert all(s.sm_active_ratio is None and s.gpu_util_ratio == 1.0 for s in src.sample())
+    assert lib.calls["nvmlGpmSampleGet"] == 0 and lib.calls["nvmlGpmQueryDeviceSupport"] == 2
+    lib2 = fake_node(1, clock=clock)
+    src2 = _open(lib2, clock, gpm=False)
+    src2.sample()
+    assert lib2.calls["nvmlGpmQueryDeviceSupport"] == 0
+
+
+def test_unsupported_function_is_none_called_once_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    scenario = Scenario.node(2, unsupported=frozenset({"nvmlDeviceGetTotalEnergyConsumption",
+                                                        "nvmlDeviceGetRemappedRows"}))
+    lib = FakeNvml(scenario, clock=clock)
+    src = _open(lib, clock)
+    caplog.set_level(logging.INFO, logger="agent.sources.nvml")
+    for _ in range(5):
+        clock.t += 1
+        samples = src.sample()
+        assert len(samples) == 2
+        assert all(s.energy_joules is None and s.remapped_rows_total is None for s in samples)
+        assert all(s.power_watts == 450.0 for s in samples)
+    assert lib.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2  # once per GPU, never again
+    assert lib.calls["nvmlDeviceGetRemappedRows"] == 2
+    lines = [r.getMessage() for r in caplog.records if "nvmlDeviceGetTotalEnergyConsumption" in r.getMessage()]
+    assert len(lines) == 2  # one line per GPU, not per tick
+
+
+def test_versioned_functions_are_probed_once() -> None:
+    clock = Clock()
+    scenario = Scenario.node(3)
+    scenario.missing_functions = frozenset({"nvmlDeviceGetComputeRunningProcesses_v3",
+                                            "nvmlDeviceGetCurrentClocksEventReasons"})
+    lib = FakeNvml(scenario, clock=clock)
+    src = _open(lib, clock)
+    for _ in range(4):
+        clock.t += 1
+        samples = src.sample()
+    assert [s.pids for s in samples] == [(10000,), (10001,), (10002,)]
+    assert all(s.throttle_reasons == 0 for s in samples)
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1  # probed once, for the whole source
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 12
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses"] == 0
+    assert lib.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1
+    assert lib.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 12
+
+
+def test_function_absent_from_old_bindings_is_missing() -> None:
+    clock = Clock()
+
+    class OldBindings:
+        """An nvidia-ml-py that predates GPM and _v3: attribute access fails as on an old module."""
+
+        def __init__(self, lib: FakeNvml) -> None:
+            self._lib = lib
+
+        def __getattr__(self, name: str):
+            if name.startswith("nvmlGpm") or name.endswith("_v3"):
+                raise AttributeError(name)
+            return getattr(self._lib, name)
+
+    lib = fake_node(1, clock=clock)
+    src = _open(OldBindings(lib), clock)  # type: ignore[arg-type]
+    src.sample()
+    clock.t += 1
+    (s,) = src.sample()
+    assert s.sm_active_ratio is None and s.pids == (10000,)
+    assert lib.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 2
+
+
+def test_lost_gpu_others_keep_sampling_then_reopened(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    scenario = Scenario.node(3)
+    lib = FakeNvml(scenario, clock=clock)
+    src = _open(lib, clock, reopen_backoff_s=(30.0, 120.0))
+    assert len(src.sample()) == 3
+    caplog.set_level(logging.INFO, logger="agent.sources.nvml")
+    lib.lose(1)
+    clock.t += 1
+    samples = src.sample()
+    assert [s.gpu_index for s in samples] == [0, 2]
+    assert src.lost_gpus == (scenario.gpus[1].uuid,) and src.gpu_lost_total == 1
+    assert any("is lost" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+    calls = lib.calls["nvmlDeviceGetHandleByUUID"]
+    clock.t += 10
+    assert len(src.sample()) == 2
+    assert lib.calls["nvmlDeviceGetHandleByUUID"] == calls  # backoff: no re-open attempt yet
+    clock.t += 25
+    assert len(src.sample()) == 2  # tried once, still lost; backoff doubles to 60 s
+    assert lib.calls["nvmlDeviceGetHandleByUUID"] == calls + 1
+    lib.revive(1)
+    clock.t += 30
+    assert len(src.sample()) == 2  # 30 s < 60 s backoff
+    clock.t += 31
+    samples = src.sample()
+    assert [s.gpu_index for s in samples] == [0, 1, 2]
+    assert src.lost_gpus == () and src.gpu_lost_total == 1
+    assert samples[1].sm_active_ratio is None  # GPM starts a fresh window after the re-open
+    clock.t += 1
+    assert src.sample()[1].sm_active_ratio == pytest.approx(0.9)
+
+
+def test_gpu_lost_after_n_calls_mid_cycle() -> None:
+    clock = Clock()
+    scenario = Scenario.node(2)
+    scenario.gpus[0].lost_after_calls = 12  # dies in the middle of its first cycle's reads
+    lib = FakeNvml(scenario, clock=clock)
+    src = _open(lib, clock)
+    samples = src.sample()
+    assert [s.gpu_index for s in samples] == [1]
+    assert src.lost_gpus == (scenario.gpus[0].uuid,)
+
+
+def test_lost_at_open_is_retried_by_index() -> None:
+    clock = Clock()
+    lib = fake_node(2, clock=clock)
+    lib.lose(0)
+    src = _open(lib, clock, reopen_backoff_s=(5.0, 5.0))
+    assert src.lost_gpus == ("index 0",)
+    assert [s.gpu_index for s in src.sample()] == [1]
+    lib.revive(0)
+    clock.t += 6
+    assert [s.gpu_index for s in src.sample()] == [0, 1]
+
+
+def test_xid_events_polled_without_blocking() -> None:
+    clock = Clock()
+    lib = fake_node(2, clock=clock)
+    src = _open(lib, clock, reopen_backoff_s=(60.0, 60.0))
+    lib.inject_xid(1, 13)
+    lib.inject_xid(1, 31)
+    samples = src.sample()
+    assert [s.xid_errors for s in samples] == [(), (13, 31)]
+    clock.t += 1
+    assert [s.xid_errors for s in src.sample()] == [(), ()]  # reported once
+    assert lib.event_wait_timeouts and set(lib.event_wait_timeouts) == {0}
+    lib.inject_xid(0, 79)  # fell off the bus
+    clock.t += 1
+    assert [s.gpu_index for s in src.sample()] == [1]
+    assert src.lost_gpus == (lib.scenario.gpus[0].uuid,)
+
+
+def test_mig_one_sample_per_gpu_instance_power_once() -> None:
+    clock = Clock()
+    mig_gpu = FakeGpu(
+        "GPU-mig", name="NVIDIA A100-SXM4-80GB", power_w=200.0,
+        mig=[FakeMigInstance(1, "3g.40gb", mem_total=40 * 1024 * MIB, mem_used=10 * MIB, gpm=busy_gpm(sm=70)),
+             FakeMigInstance(2, "1g.10gb", mem_used=5 * MIB, gpm=busy_gpm(sm=20), compute_instances=(0, 1))],
+        processes=[FakeProcess(100, 10 * MIB, gpu_instance=1, compute_instance=0),
+                   FakeProcess(200, 2 * MIB, gpu_instance=2, compute_instance=0),
+                   FakeProcess(201, 3 * MIB, gpu_instance=2, compute_instance=1)],
+        gpm=busy_gpm(sm=45),
+    )
+    plain = FakeGpu("GPU-plain", processes=[FakeProcess(300, MIB)])
+    lib = FakeNvml(Scenario([mig_gpu, plain]), clock=clock)
+    src = _open(lib, clock)
+    src.sample()
+    clock.t += 1
+    samples = src.sample()
+    assert [(s.gpu_uuid, s.mig) for s in samples] == [("GPU-mig", None), ("GPU-mig", "1"), ("GPU-mig", "2"),
+                                                      ("GPU-plain", None)]
+    parent, gi1, gi2, other = samples
+    assert parent.power_watts == 200.0 and parent.energy_joules is not None
+    assert gi1.power_watts is None and gi2.energy_joules is None  # never counted twice
+    assert parent.gpu_util_ratio is None  # utilisation rates do not exist in MIG mode
+    assert parent.pids == () and gi1.pids == (100,) and gi2.pids == (200, 201)
+    assert gi1.model == "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
+    assert (gi1.mem_used_bytes, gi1.mem_total_bytes) == (10 * MIB, 40 * 1024 * MIB)
+    assert (parent.sm_active_ratio, gi1.sm_active_ratio, gi2.sm_active_ratio) == pytest.approx((0.45, 0.70, 0.20))
+    assert other.pids == (300,) and other.mig is None
+    assert lib.calls["nvmlDeviceGetUtilizationRates"] == 2  # only the non-MIG GPU is asked
+
+
+def test_open_fails_cleanly_without_driver() -> None:
+    lib = FakeNvml(Scenario([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    with pytest.raises(SourceUnavailable, match="libnvidia-ml.so.1 not found"):
+        NvmlSource(lib=lib).open()
+
+
+def test_real_pynvml_without_gpu_is_unavailable() -> None:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("an NVIDIA driver is present")
+    with pytest.raises(SourceUnavailable, match="nvml: nvmlInit failed"):
+        NvmlSource().open()
+
+
+def test_one_broken_gpu_does_not_break_the_cycle() -> None:
+    clock = Clock()
+
+    class Broken(FakeNvml):
+        def nvmlDeviceGetRemappedRows(self, device):  # a binding bug: not an NVMLError
+            if device.gpu == 0:
+                raise ValueError("garbled struct")
+            return super().nvmlDeviceGetRemappedRows(device)
+
+    lib = Broken(Scenario.node(2), clock=clock)
+    src = _open(lib, clock)
+    assert [s.gpu_index for s in src.sample()] == [1]
+    assert src.errors_total == 1 and src.lost_gpus == ()
+
+
+@pytest.mark.gpu
+def test_contract_on_real_driver() -> None:
+    src = NvmlSource()
+    try:
+        src.open()
+    except SourceUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        src.sample()
+        import time
+
+        time.sleep(0.3)
+        samples = src.sample()
+    finally:
+        src.close()
+    assert samples and all(s.gpu_uuid.startswith("GPU-") for s in samples)
+    for s in samples:
+        for f in RATIO_FIELDS:
+            v = getattr(s, f)
+            assert v is None or 0.0 <= v <= 1.0
+        assert s.power_watts is None or s.power_watts > 0
+        assert s.mem_total_bytes is None or s.mem_total_bytes > 0
+
+
+def test_gpu_check_script_fails_clearly_without_gpu() -> None:
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed; the script would run its 60 s check")
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "PyTorch is not installed" in r.stderr

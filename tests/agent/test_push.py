@@ -1,0 +1,155 @@
+"""The HTTP pusher against a real (tiny) HTTP server on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from agent.mappers.static import StaticMapper
+from agent.push import HttpPusher, PushError
+from agent.records import GpuSample
+from agent.sampler import Agent
+from agent.sources.simulated import SimulatedSource
+
+
+class Collector:
+    """Records each POST; answers with ``status`` (settable by the test)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.status = 202
+        self.connections: set[int] = set()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                length = int(self.headers["Content-Length"])
+                body = self.rfile.read(length)
+                outer.connections.add(self.client_address[1])
+                outer.requests.append(
+                    {"path": self.path, "headers": dict(self.headers), "json": json.loads(body)}
+                )
+                reply = b'{"ok": true}' if outer.status < 300 else b'{"detail": "bad batch"}'
+                self.send_response(outer.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/api/v1/samples"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    c = Collector()
+    yield c
+    c.stop()
+
+
+def samples(n: int = 2) -> list[GpuSample]:
+    src = SimulatedSource(host="n7", gpus=n, clock=lambda: 1_700_000_000.0, profiles={0: "training"})
+    return StaticMapper({0: "1234"}).map(src.sample())
+
+
+def test_posts_batches_with_increasing_seq(collector: Collector) -> None:
+    pusher = HttpPusher(collector.url, agent_id="n7-agent", host="n7", seq_start=100, token="s3cret")
+    batch = samples()
+    try:
+        assert pusher.write(batch) == 100
+        assert pusher.write(batch[:1]) == 101
+    finally:
+        pusher.close()
+    first, second = collector.requests
+    assert first["path"] == "/api/v1/samples"
+    assert first["headers"]["Content-Type"] == "application/json"
+    assert first["headers"]["Authorization"] == "Bearer s3cret"
+    assert first["json"]["agent_id"] == "n7-agent" and first["json"]["host"] == "n7"
+    assert [first["json"]["seq"], second["json"]["seq"]] == [100, 101]
+    # The wire form round-trips to the same records.
+    assert [GpuSample.from_dict(d) for d in first["json"]["samples"]] == batch
+    assert len(second["json"]["samples"]) == 1
+    # Keep-alive: both batches over one connection.
+    assert len(collector.connections) == 1
+    assert pusher.batches_sent == 2
+
+
+def test_default_seq_starts_from_the_clock(collector: Collector) -> None:
+    a = HttpPusher(collector.url, agent_id="a", host="h")
+    first = a.write(samples(1))
+    a.close()
+    b = HttpPusher(collector.url, agent_id="a", host="h")  # a restarted agent
+    second = b.write(samples(1))
+    b.close()
+    assert first > 1_600_000_000_000_000 and second > first
+
+
+def test_non_2xx_raises_with_status_and_body(collector: Collector) -> None:
+    collector.status = 422
+    pusher = HttpPusher(collector.url, agent_id="a", host="h", seq_start=5)
+    with pytest.raises(PushError, match="HTTP 422") as info:
+        pusher.write(samples(1))
+    assert info.value.status == 422 and "bad batch" in info.value.body
+    collector.status = 200
+    # The failed batch burnt its number; the next one moves on, and send() can re-send with the old one.
+    assert pusher.write(samples(1)) == 6
+    pusher.send(5, samples(1))
+    assert [r["json"]["seq"] for r in collector.requests] == [5, 6, 5]
+    pusher.close()
+
+
+def test_connection_refused_raises_push_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Nothing listens on the port now.
+    pusher = HttpPusher(f"http://127.0.0.1:{port}/api/v1/samples", agent_id="a", host="h", timeout=2.0)
+    with pytest.raises(PushError, match="ConnectError") as info:
+        pusher.write(samples(1))
+    assert info.value.status is None
+    pusher.close()
+
+
+def test_unencodable_sample_raises_push_error(collector: Collector) -> None:
+    bad = GpuSample(ts=1.0, host="h", gpu_uuid="GPU-x", gpu_index=0, power_watts=float("nan"))
+    pusher = HttpPusher(collector.url, agent_id="a", host="h")
+    with pytest.raises(PushError, match="cannot be encoded as JSON"):
+        pusher.write([bad])
+    assert collector.requests == []
+    pusher.close()
+
+
+def test_rejects_bad_config() -> None:
+    with pytest.raises(ValueError, match="url"):
+        HttpPusher("collector:8080", agent_id="a", host="h")
+    with pytest.raises(ValueError, match="agent_id"):
+        HttpPusher("http://x/api/v1/samples", agent_id="", host="h")
+
+
+def test_as_agent_sink_a_down_collector_does_not_stop_the_agent(collector: Collector) -> None:
+    pusher = HttpPusher(collector.url, agent_id="a", host="h", seq_start=1)
+    agent = Agent(SimulatedSource(gpus=2), sinks=[pusher])
+    agent.tick()
+    collector.status = 503
+    agent.tick()
+    collector.status = 200
+    agent.tick()
+    agent.close()
+    assert [r["json"]["seq"] for r in collector.requests] == [1, 2, 3]
+    assert agent.errors_total["sink"] == 1 and agent.ticks_total == 3

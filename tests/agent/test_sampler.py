@@ -1,0 +1,141 @@
+"""The agent loop: order of steps, snapshot, sinks, and survival of failing parts."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from agent.mappers.static import StaticMapper
+from agent.records import GpuSample
+from agent.sampler import Agent
+from agent.sources.simulated import SimulatedSource
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.batches: list[list[GpuSample]] = []
+        self.closed = False
+
+    def write(self, samples: Sequence[GpuSample]) -> None:
+        self.batches.append(list(samples))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class BrokenSink:
+    def write(self, samples: Sequence[GpuSample]) -> None:
+        raise ConnectionError("collector down")
+
+
+class FlakySource:
+    """Fails every other read (a driver hiccup), otherwise delegates to a simulated node."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.inner = SimulatedSource(gpus=2, clock=lambda: 1_700_000_000.0)
+        self.calls = 0
+
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def sample(self) -> list[GpuSample]:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return self.inner.sample()
+
+
+class BrokenMapper:
+    def map(self, samples: Sequence[GpuSample]) -> list[GpuSample]:
+        raise OSError("/proc unreadable")
+
+
+def test_tick_samples_maps_in_order_and_writes() -> None:
+    sink = ListSink()
+    first = StaticMapper({0: "1", 1: "2"})
+    second = StaticMapper({1: "3"})  # later mappers override earlier ones
+    agent = Agent(SimulatedSource(gpus=3, profiles={0: "training"}), mappers=[first, second], sinks=[sink])
+    out = agent.tick()
+    assert [s.job_ids for s in out] == [("1",), ("3",), ()]
+    assert agent.snapshot == out and sink.batches == [out]
+    assert agent.ticks_total == 1 and agent.last_tick_seconds is not None and agent.last_tick_seconds >= 0
+    assert agent.errors_total == {"source": 0, "mapper": 0, "sink": 0, "internal": 0}
+
+
+def test_failing_mapper_is_skipped_and_sinks_still_get_data() -> None:
+    good, after = ListSink(), ListSink()
+    agent = Agent(
+        SimulatedSource(gpus=2),
+        mappers=[BrokenMapper(), StaticMapper({0: "9"})],
+        sinks=[BrokenSink(), good, after],
+    )
+    out = agent.tick()
+    assert [s.job_ids for s in out] == [("9",), ()]
+    assert good.batches == [out] and after.batches == [out]
+    assert agent.errors_total["mapper"] == 1 and agent.errors_total["sink"] == 1
+
+
+def test_failing_source_empties_snapshot_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+    sink = ListSink()
+    agent = Agent(FlakySource(), sinks=[sink])
+    caplog.set_level(logging.DEBUG, logger="agent.sampler")
+    results = [agent.tick() for _ in range(6)]
+    assert [len(r) for r in results] == [2, 0, 2, 0, 2, 0]
+    assert agent.snapshot == [] and len(sink.batches) == 3  # empty batches are not written
+    assert agent.errors_total["source"] == 3 and agent.ticks_total == 6
+    # Logged at error level once; repeats go to debug.
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "NVML_ERROR_GPU_IS_LOST" in errors[0].getMessage()
+
+
+def test_run_survives_failures_and_stops_promptly() -> None:
+    sink = ListSink()
+    agent = Agent(FlakySource(), mappers=[BrokenMapper()], sinks=[sink, BrokenSink()])
+    stop = threading.Event()
+    t = threading.Thread(target=agent.run, args=(0.01, stop))
+    t.start()
+    deadline = time.monotonic() + 10
+    while agent.ticks_total < 10 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert t.is_alive()
+    stop.set()
+    t.join(timeout=2)
+    assert not t.is_alive()
+    assert agent.ticks_total >= 10
+    assert agent.errors_total["source"] >= 4 and agent.errors_total["mapper"] >= 4 and agent.errors_total["sink"] >= 4
+    assert sink.batches
+
+
+def test_run_stop_interrupts_a_long_wait() -> None:
+    agent = Agent(SimulatedSource(gpus=1))
+    stop = threading.Event()
+    t = threading.Thread(target=agent.run, args=(3600.0, stop))
+    t.start()
+    while agent.ticks_total < 1:
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    stop.set()
+    t.join(timeout=2)
+    assert not t.is_alive() and time.monotonic() - t0 < 1.0
+
+
+def test_run_rejects_bad_interval() -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        Agent(SimulatedSource(gpus=1)).run(0, threading.Event())
+
+
+def test_close_closes_sinks_even_if_one_fails() -> None:
+    class BadClose(ListSink):
+        def close(self) -> None:
+            raise OSError("disk gone")
+
+    ok = ListSink()
+    Agent(SimulatedSource(gpus=1), sinks=[BadClose(), ok]).close()
+    assert ok.closed

@@ -1,0 +1,287 @@
+"""Aggregation arithmetic: hand-computed cases and hypothesis properties (order, duplicates, resets, gaps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.records import GpuSample
+from collector.aggregate import ACCEPTED, DUPLICATE, TOO_LATE, Aggregator, UsageAcc
+
+
+def S(ts: float, gpu: str = "G0", host: str = "h1", **kw) -> GpuSample:
+    return GpuSample(ts=ts, host=host, gpu_uuid=gpu, gpu_index=0, **kw)
+
+
+def usage(agg: Aggregator, per_gpu: bool = True) -> dict:
+    return {(u.job_id, u.host, u.gpu_uuid): u for u in agg.job_usage(per_gpu=per_gpu)}
+
+
+def feed(samples, **kw) -> Aggregator:
+    agg = Aggregator(**kw)
+    for s in samples:
+        agg.add(s)
+    return agg
+
+
+# -- hand-computed cases --------------------------------------------------------------------------
+
+def test_counter_delta_sm_and_means():
+    agg = feed([
+        S(0, energy_joules=1000.0, sm_active_ratio=0.2, dram_bw_ratio=0.4, job_ids=("j",), mem_used_bytes=5, power_watts=300.0),
+        S(10, energy_joules=3000.0, sm_active_ratio=0.5, dram_bw_ratio=0.6, job_ids=("j",), mem_used_bytes=9, power_watts=200.0),
+        S(30, energy_joules=4000.0, sm_active_ratio=1.0, job_ids=("j",), mem_used_bytes=7, power_watts=250.0),
+    ])
+    u = usage(agg)[("j", "h1", "G0")]
+    assert u.allocated_gpu_seconds == pytest.approx(30.0)
+    assert u.sm_active_gpu_seconds == pytest.approx(0.5 * 10 + 1.0 * 20)
+    assert u.energy_joules == pytest.approx(3000.0)
+    assert u.sm_active_mean == pytest.approx(25 / 30)
+    assert u.dram_bw_mean == pytest.approx(0.6)  # only the interval where HBM was reported
+    assert u.mem_used_peak_bytes == 9 and u.power_peak_watts == 300.0
+    assert (u.first_ts, u.last_ts, u.samples) == (0, 30, 3)
+
+
+def test_counter_reset_counts_energy_since_reset():
+    agg = feed([S(0, energy_joules=5000.0, job_ids=("j",)), S(10, energy_joules=6000.0, job_ids=("j",)),
+                S(20, energy_joules=400.0, job_ids=("j",)), S(30, energy_joules=900.0, job_ids=("j",))])
+    assert usage(agg)[("j", "h1", "G0")].energy_joules == pytest.approx(1000 + 400 + 500)
+
+
+def test_gap_yields_no_gpu_seconds_but_keeps_counter_delta():
+    agg = feed([S(0, energy_joules=0.0, sm_active_ratio=1.0, job_ids=("j",)),
+                S(10, energy_joules=100.0, sm_active_ratio=1.0, job_ids=("j",)),
+                S(1010, energy_joules=9100.0, sm_active_ratio=1.0, job_ids=("j",))], max_gap_s=300)
+    u = usage(agg)[("j", "h1", "G0")]
+    assert u.allocated_gpu_seconds == pytest.approx(10.0)
+    assert u.sm_active_gpu_seconds == pytest.approx(10.0)
+    assert u.energy_joules == pytest.approx(9100.0)
+
+
+def test_power_integrated_only_without_counter_and_not_across_gaps():
+    agg = feed([S(0, power_watts=100.0, job_ids=("j",)), S(10, power_watts=200.0, job_ids=("j",)),
+                S(20, power_watts=300.0, energy_joules=50.0, job_ids=("j",)),  # prev has no counter: integrate
+                S(30, power_watts=999.0, energy_joules=150.0, job_ids=("j",)),  # counter delta, power ignored
+                S(1000, power_watts=400.0, job_ids=("j",))], max_gap_s=300)  # gap, no counter: nothing
+    assert usage(agg)[("j", "h1", "G0")].energy_joules == pytest.approx(2000 + 3000 + 100)
+
+
+def test_shared_gpu_split_by_shares_and_equally():
+    agg = feed([S(0, energy_joules=0.0, sm_active_ratio=0.5, job_ids=("a", "b"), job_shares=(0.75, 0.25)),
+                S(100, energy_joules=1000.0, sm_active_ratio=0.5, job_ids=("a", "b"), job_shares=(0.75, 0.25)),
+                S(200, energy_joules=3000.0, sm_active_ratio=0.5, job_ids=("a", "b"))])
+    u = usage(agg)
+    a, b = u[("a", "h1", "G0")], u[("b", "h1", "G0")]
+    assert a.allocated_gpu_seconds == pytest.approx(75 + 50) and b.allocated_gpu_seconds == pytest.approx(25 + 50)
+    assert a.energy_joules == pytest.approx(750 + 1000) and b.energy_joules == pytest.approx(250 + 1000)
+    assert a.sm_active_mean == pytest.approx(0.5)
+
+
+def test_interval_belongs_to_the_later_samples_job_and_jobless_samples_charge_nobody():
+    agg = feed([S(0, energy_joules=0.0), S(10, energy_joules=100.0, job_ids=("a",)),
+                S(20, energy_joules=300.0, job_ids=("b",)), S(30, energy_joules=600.0)])
+    u = usage(agg)
+    assert u[("a", "h1", "G0")].energy_joules == pytest.approx(100.0)
+    assert u[("b", "h1", "G0")].energy_joules == pytest.approx(200.0)
+    assert agg.gpu_totals()[("h1", "G0", "")] == pytest.approx((30.0, 600.0))
+
+
+def test_mig_energy_counted_where_the_agent_put_it():
+    # The agent moves the GPU's energy onto its instances (agent.mig) and strips it from the whole GPU.
+    agg = feed([S(0), S(0, mig="1.0", energy_joules=0.0, job_ids=("j",)),
+                S(10), S(10, mig="1.0", energy_joules=400.0, power_watts=40.0, job_ids=("j",))])
+    u = usage(agg)[("j", "h1", "G0/1.0")]
+    assert u.allocated_gpu_seconds == pytest.approx(10.0) and u.energy_joules == pytest.approx(400.0)
+    assert agg.gpu_totals()[("h1", "G0", "")][1] == 0.0
+
+
+def test_duplicate_late_and_too_late():
+    agg = Aggregator(window_s=600.0)
+    assert agg.add(S(1000, job_ids=("j",), sm_active_ratio=1.0)) == ACCEPTED
+    assert agg.add(S(1010, job_ids=("j",), sm_active_ratio=0.0)) == ACCEPTED
+    assert agg.add(S(1010, job_ids=("j",), sm_active_ratio=1.0)) == DUPLICATE
+    assert agg.add(S(1005, job_ids=("j",), sm_active_ratio=1.0)) == ACCEPTED  # splits (1000, 1010]
+    assert agg.add(S(399, job_ids=("j",))) == TOO_LATE
+    assert agg.add(S(410, job_ids=("j",), sm_active_ratio=1.0)) == ACCEPTED  # before the first: in window
+    u = usage(agg)[("j", "h1", "G0")]
+    # (410,1000] is a gap (590 s > 300 s): no GPU-seconds; (1000,1005] sm 1; (1005,1010] sm 0.
+    assert u.allocated_gpu_seconds == pytest.approx(10.0)
+    assert u.sm_active_gpu_seconds == pytest.approx(5.0)
+    assert u.samples == 4 and u.first_ts == 410
+
+
+def test_long_stream_evicts_but_still_accepts_late_samples_in_window():
+    agg = Aggregator(window_s=600.0)
+    for i in range(5000):
+        agg.add(S(float(i), job_ids=("j",), energy_joules=float(i)))
+    g = agg.gpus[("h1", "G0", "")]
+    assert len(g.samples) < 2000  # compacted
+    # watermark 4999, window 600: samples at or after 4399 still count
+    assert agg.add(S(4398.5, job_ids=("j",), energy_joules=4398.5)) == TOO_LATE
+    assert agg.add(S(4399.0, job_ids=("j",))) == DUPLICATE
+    assert agg.add(S(4450.5, job_ids=("j",), energy_joules=4450.5)) == ACCEPTED
+    u = usage(agg)[("j", "h1", "G0")]
+    assert u.allocated_gpu_seconds == pytest.approx(4999.0) and u.energy_joules == pytest.approx(4999.0)
+
+
+def test_constructor_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="max_gap_s"):
+        Aggregator(max_gap_s=0)
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+JOBS = ("1", "2", "3_1")
+
+
+@st.composite
+def sequences(draw, with_jobless: bool = True) -> list[GpuSample]:
+    """Sorted, distinct-time samples of 1-2 GPUs with resets, gaps, missing counters and shared jobs."""
+    out = []
+    for gpu in draw(st.sampled_from([("G0",), ("G0", "G1")])):
+        ts, energy = 1_000_000.0, draw(st.floats(0, 1e6))
+        for _ in range(draw(st.integers(1, 25))):
+            ts += draw(st.sampled_from([1.0, 5.0, 10.0, 30.0, 299.0, 301.0, 900.0])) + draw(st.floats(0, 0.9))
+            ev = draw(st.sampled_from(["up", "up", "up", "reset", "none"]))
+            if ev == "reset":
+                energy = draw(st.floats(0, 500))
+            elif ev == "up":
+                energy += draw(st.floats(0, 5e4))
+            n_jobs = draw(st.integers(0 if with_jobless else 1, 2))
+            jobs = tuple(draw(st.permutations(JOBS))[:n_jobs])
+            shares: tuple[float, ...] = ()
+            if n_jobs == 2 and draw(st.booleans()):
+                x = draw(st.floats(0, 1))
+                shares = (x, 1 - x)
+            ratio = st.one_of(st.none(), st.floats(0, 1))
+            out.append(GpuSample(
+                ts=ts, host="h1", gpu_uuid=gpu, gpu_index=0, job_ids=jobs, job_shares=shares,
+                energy_joules=None if ev == "none" else energy,
+                power_watts=draw(st.one_of(st.none(), st.floats(0, 700))),
+                sm_active_ratio=draw(ratio), dram_bw_ratio=draw(ratio), tensor_active_ratio=draw(ratio),
+                sm_occupancy_ratio=draw(ratio), mem_used_bytes=draw(st.one_of(st.none(), st.integers(0, 141 * 10**9))),
+            ))
+    return out
+
+
+def assert_same(a: Aggregator, b: Aggregator) -> None:
+    ua, ub = usage(a), usage(b)
+    assert ua.keys() == ub.keys()
+    for k in ua:
+        x, y = ua[k].to_dict(), ub[k].to_dict()
+        for f in x:
+            if isinstance(x[f], float) and isinstance(y[f], float):
+                assert x[f] == pytest.approx(y[f], rel=1e-9, abs=1e-6), (k, f)
+            else:
+                assert x[f] == y[f], (k, f)
+    ta, tb = a.gpu_totals(), b.gpu_totals()
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k] == pytest.approx(tb[k], rel=1e-9, abs=1e-6)
+
+
+def reference(samples: list[GpuSample], max_gap_s: float = 300.0) -> dict:
+    """A deliberately naive batch computation over sorted samples: per job (alloc, sm, energy)."""
+    out: dict = {}
+    by_gpu: dict = {}
+    for s in sorted(samples, key=lambda s: s.ts):
+        by_gpu.setdefault(s.gpu_uuid, []).append(s)
+    for seq in by_gpu.values():
+        for prev, cur in zip(seq, seq[1:]):
+            dt = cur.ts - prev.ts
+            gpu_s = dt if dt <= max_gap_s else 0.0
+            if prev.energy_joules is not None and cur.energy_joules is not None:
+                d = cur.energy_joules - prev.energy_joules
+                e = d if d >= 0 else cur.energy_joules
+            else:
+                e = cur.power_watts * dt if (cur.power_watts is not None and dt <= max_gap_s) else 0.0
+            shares = cur.job_shares or tuple(1 / len(cur.job_ids) for _ in cur.job_ids)
+            for j, sh in zip(cur.job_ids, shares):
+                r = out.setdefault((j, cur.gpu_uuid), [0.0, 0.0, 0.0])
+                r[0] += gpu_s * sh
+                r[1] += (cur.sm_active_ratio or 0.0) * gpu_s * sh
+                r[2] += e * sh
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(sequences(), st.randoms(use_true_random=False), st.integers(0, 10))
+def test_any_permutation_with_duplicates_equals_sorted(seq, rnd, n_dups):
+    shuffled = seq + [rnd.choice(seq) for _ in range(n_dups)]
+    rnd.shuffle(shuffled)
+    assert_same(feed(shuffled, window_s=1e9), feed(seq, window_s=1e9))
+
+
+@settings(max_examples=100, deadline=None)
+@given(sequences())
+def test_in_order_stream_matches_naive_reference(seq):
+    agg = feed(seq)
+    ref = reference(seq)
+    got = {(u.job_id, u.gpu_uuid): u for u in agg.job_usage(per_gpu=True)}
+    for k, (alloc, sm, energy) in ref.items():
+        u = got[k]
+        assert u.allocated_gpu_seconds == pytest.approx(alloc, rel=1e-9, abs=1e-6)
+        assert u.sm_active_gpu_seconds == pytest.approx(sm, rel=1e-9, abs=1e-6)
+        assert u.energy_joules == pytest.approx(energy, rel=1e-9, abs=1e-6)
+        assert u.energy_joules >= -1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(sequences(with_jobless=False), st.randoms(use_true_random=False))
+def test_shared_split_conserves_gpu_seconds_and_energy(seq, rnd):
+    rnd.shuffle(seq)
+    agg = feed(seq, window_s=1e9)
+    totals = agg.gpu_totals()
+    for (host, gpu, mig), (observed, energy) in totals.items():
+        rows = [u for u in agg.job_usage(per_gpu=True) if u.gpu_uuid == gpu]
+        assert sum(u.allocated_gpu_seconds for u in rows) == pytest.approx(observed, rel=1e-9, abs=1e-6)
+        assert sum(u.energy_joules for u in rows) == pytest.approx(energy, rel=1e-9, abs=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sequences())
+def test_per_job_summary_combines_gpus_consistently(seq):
+    agg = feed(seq)
+    per_gpu = agg.job_usage(per_gpu=True)
+    for u in agg.job_usage():
+        mine = [g for g in per_gpu if g.job_id == u.job_id]
+        assert u.gpus == len(mine) and u.gpu_uuid == "*"
+        assert u.allocated_gpu_seconds == pytest.approx(sum(g.allocated_gpu_seconds for g in mine))
+        assert u.energy_joules == pytest.approx(sum(g.energy_joules for g in mine))
+        assert u.samples == sum(g.samples for g in mine)
+        assert u.first_ts == min(g.first_ts for g in mine) and u.last_ts == max(g.last_ts for g in mine)
+        # time-weighted over all the job's GPU-seconds where SM activity was reported, not a mean of means
+        accs = [a for k, a in agg.usage.items() if k[0] == u.job_id]
+        w = sum(a.sm_w for a in accs)
+        if w > 0:
+            assert u.sm_active_mean == pytest.approx(sum(a.sm_sum for a in accs) / w)
+        else:
+            assert u.sm_active_mean is None
+
+
+def test_per_job_mean_is_time_weighted_across_gpus():
+    agg = feed([S(0, gpu="A", sm_active_ratio=1.0, job_ids=("j",)), S(100, gpu="A", sm_active_ratio=1.0, job_ids=("j",)),
+                S(0, gpu="B", sm_active_ratio=0.0, job_ids=("j",)), S(300, gpu="B", sm_active_ratio=0.0, job_ids=("j",))])
+    (u,) = agg.job_usage()
+    assert u.gpus == 2 and u.allocated_gpu_seconds == pytest.approx(400.0)
+    assert u.sm_active_mean == pytest.approx(0.25)  # a mean of means would say 0.5
+
+
+def test_usage_acc_round_trips_values():
+    a = UsageAcc()
+    a.alloc_s, a.mem_peak, a.model = 3.0, 7, "H200"
+    assert UsageAcc.from_values(a.values()).values() == a.values()
+    assert math.isinf(UsageAcc().first_ts)
+
+
+def test_late_sample_between_a_reset_is_exact():
+    seq = [S(0, energy_joules=900.0, job_ids=("j",)), S(10, energy_joules=1000.0, job_ids=("j",)),
+           S(30, energy_joules=50.0, job_ids=("j",))]
+    late = S(20, energy_joules=20.0, job_ids=("j",))  # the reset happened before t=20
+    a = feed(seq + [late])
+    b = feed(sorted(seq + [late], key=lambda s: s.ts))
+    assert_same(a, b)
+    assert usage(a)[("j", "h1", "G0")].energy_joules == pytest.approx(100 + 20 + 30)

@@ -1,0 +1,176 @@
+"""Batch parsing: every rejection names the batch, the sample index and the field."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import msgpack
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.records import GpuProcess, GpuSample
+from collector.validate import BatchError, parse_batch, parse_jobs
+
+NOW = 1_700_000_000.0
+
+
+def sample(**kw) -> dict:
+    s = GpuSample(ts=NOW - 10, host="n1", gpu_uuid="GPU-1", gpu_index=0, sm_active_ratio=0.5, power_watts=300.0,
+                  energy_joules=1e6, job_ids=("42",), processes=(GpuProcess(7, 100),)).to_dict()
+    s.update(kw)
+    return s
+
+
+def body(samples=None, **top) -> bytes:
+    doc = {"agent_id": "a1", "seq": 3, "host": "n1", "samples": [sample()] if samples is None else samples}
+    doc.update(top)
+    return json.dumps(doc).encode()
+
+
+def reject(b: bytes, *needles: str, status: int = 400, ctype: str = "application/json", **kw) -> BatchError:
+    with pytest.raises(BatchError) as ei:
+        parse_batch(b, ctype, NOW, **kw)
+    assert ei.value.status == status
+    for n in needles:
+        assert n in ei.value.message, ei.value.message
+    return ei.value
+
+
+def test_valid_batch_round_trips():
+    s = GpuSample.from_dict(sample())
+    b = parse_batch(body(), "application/json; charset=utf-8", NOW)
+    assert (b.agent_id, b.seq, b.host) == ("a1", 3, "n1")
+    assert b.samples == (s,)
+
+
+def test_msgpack_gzip_and_zstd_bodies():
+    doc = json.loads(body())
+    packed = msgpack.packb(doc)
+    assert parse_batch(packed, "application/msgpack", NOW).samples[0].gpu_uuid == "GPU-1"
+    assert parse_batch(gzip.compress(body()), "application/json", NOW, content_encoding="gzip").seq == 3
+    z = zstandard.ZstdCompressor().compress(body())
+    assert parse_batch(z, "application/json", NOW, content_encoding="zstd").seq == 3
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("sm_active_ratio", 1.5, "sm_active_ratio"),
+    ("dram_bw_ratio", -0.1, "dram_bw_ratio"),
+    ("power_watts", -1.0, "power_watts"),
+    ("energy_joules", -5.0, "energy_joules"),
+    ("sm_active_ratio", "0.5", "sm_active_ratio"),
+    ("gpu_index", 1.5, "gpu_index"),
+    ("gpu_index", True, "gpu_index"),
+    ("mem_used_bytes", -1, "mem_used_bytes"),
+    ("ts", NOW + 301, "ts"),
+    ("ts", "yesterday", "ts"),
+    ("host", "n2", "host"),
+    ("gpu_uuid", "", "gpu_uuid"),
+    ("job_ids", ["1", 2], "job_ids"),
+    ("job_ids", None, "job_ids"),
+    ("job_shares", [0.5, 0.5], "job_shares"),  # one job, two shares
+    ("processes", [[1]], "processes"),
+    ("temp_celsius", "hot", "temp_celsius"),
+    ("mig", 3, "mig"),
+])
+def test_bad_field_is_named_with_batch_and_index(field, value, needle):
+    b = body([sample(), sample(**{field: value})])
+    reject(b, "agent_id='a1'", "seq=3", f"sample[1].{needle}")
+
+
+def test_shares_must_sum_to_one():
+    reject(body([sample(job_ids=["1", "2"], job_shares=[0.5, 0.6])]), "sample[0].job_shares", "sum")
+
+
+def test_nan_and_infinity_are_rejected():
+    raw = body().replace(b'"sm_active_ratio": 0.5', b'"sm_active_ratio": NaN')
+    reject(raw, "sample[0].sm_active_ratio")
+    raw = body().replace(b'"power_watts": 300.0', b'"power_watts": Infinity')
+    reject(raw, "sample[0].power_watts")
+    packed = msgpack.packb({**json.loads(body()), "samples": [sample(power_watts=float("nan"))]})
+    reject(packed, "sample[0].power_watts", ctype="application/msgpack")
+
+
+def test_unknown_and_missing_fields():
+    reject(body([sample(gpu_temperature=50)]), "sample[0]", "gpu_temperature")
+    s = sample()
+    del s["gpu_uuid"]
+    reject(body([s]), "sample[0].gpu_uuid", "missing")
+    reject(body(extra=1), "unknown field", "extra")
+
+
+def test_batch_envelope_errors():
+    reject(b"{not json", "malformed JSON")
+    reject(b"[]", "batch must be an object")
+    reject(body(seq=-1), "'seq'")
+    reject(body(seq="3"), "'seq'")
+    reject(body(agent_id=""), "'agent_id'")
+    reject(body(samples={}), "'samples'")
+    reject(body([5]), "sample[0]", "must be an object")
+
+
+def test_size_encoding_and_type_limits():
+    reject(body(), "exceeds", status=413, max_bytes=10)
+    bomb = gzip.compress(b"[" + b" " * 10_000_000 + b"]")
+    reject(bomb, "exceeds", status=413, max_bytes=1_000_000, content_encoding="gzip")
+    reject(zstandard.ZstdCompressor().compress(b" " * 2_000_000), "exceeds", status=413, max_bytes=1_000_000,
+           content_encoding="zstd")
+    reject(b"garbage", "gzip", content_encoding="gzip")
+    reject(body(), "Content-Encoding", status=415, content_encoding="br")
+    reject(body(), "Content-Type", status=415, ctype="text/plain")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_garbage_never_escapes_as_another_exception(b):
+    for ctype in ("application/json", "application/msgpack"):
+        try:
+            parse_batch(b, ctype, NOW)
+        except BatchError as e:
+            assert 400 <= e.status < 500
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=12), c, max_size=4), max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(list(sample().keys()) + ["bogus"]), _json, max_size=8))
+def test_mutated_samples_are_accepted_or_rejected_cleanly(overrides):
+    try:
+        b = parse_batch(body([sample(**overrides)]), "application/json", NOW)
+    except BatchError as e:
+        assert e.status == 400 and "sample[0]" in e.message
+    else:
+        s = b.samples[0]
+        assert s.host == "n1" and (s.sm_active_ratio is None or 0 <= s.sm_active_ratio <= 1)
+
+
+def test_parse_jobs():
+    recs = parse_jobs(json.dumps([{"job_id": "1", "user": "ann", "hosts": ["n1"], "tres": [["gres/gpu", 2]]}]).encode(),
+                      "application/json")
+    assert recs[0].job_id == "1" and recs[0].tres == (("gres/gpu", 2.0),)
+    for bad, needle in [([{"user": "x"}], "job[0].job_id"), ([{"job_id": "1", "uid": "x"}], "job[0].uid"),
+                        ([{"job_id": "1", "nope": 1}], "nope"), ({"job_id": "1"}, "list")]:
+        with pytest.raises(BatchError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            parse_jobs(json.dumps(bad).encode(), "application/json")
+
+
+def test_every_record_field_has_a_validation_rule():
+    # A field added to the records later must be checked, never waved through.
+    from dataclasses import fields
+
+    from agent.records import JobRecord
+    from collector.validate import _HANDLED, _SAMPLE_TYPES, _check_annotation
+
+    for name, ann in _SAMPLE_TYPES.items():
+        if name not in _HANDLED:
+            _check_annotation(ann, None)  # raises TypeError for an unknown shape
+    for f in fields(JobRecord):
+        _check_annotation(str(f.type), None)
+    with pytest.raises(TypeError):
+        _check_annotation("dict[str, int]", {})

@@ -1,0 +1,89 @@
+"""The walking skeleton end to end through the real HTTP path: simulated agents -> collector -> accounting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuledger.cli import app
+from gpuledger.demo import JOB_PLAN, run_demo
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return run_demo(tmp_path_factory.mktemp("demo"), seed=3)
+
+
+def test_demo_shape(demo):
+    users = {j.user for j in demo.jobs}
+    accounts = {j.account for j in demo.jobs}
+    assert len(demo.jobs) == len(JOB_PLAN) >= 12 and len(users) >= 3 and len(accounts) == 2
+    assert all(j.start is not None for j in demo.jobs), "every job got GPUs within the simulated hour"
+    assert set(demo.usage) == {j.job_id for j in demo.jobs}
+
+
+def test_usage_matches_ground_truth_within_one_percent(demo):
+    for j in demo.jobs:
+        u = demo.usage[j.job_id]
+        assert u.gpus == j.gpus
+        end = j.end if j.end is not None else u.last_ts
+        assert u.allocated_gpu_seconds == pytest.approx((end - j.start) * j.gpus, rel=1e-9)
+        assert u.energy_joules == pytest.approx(j.truth_energy_j, rel=0.01), j.job_id
+        if j.truth_sm_active_s == 0:
+            assert u.sm_active_gpu_seconds == 0.0
+        else:
+            assert u.sm_active_gpu_seconds == pytest.approx(j.truth_sm_active_s, rel=0.01), j.job_id
+
+
+def test_idle_job_is_not_active_and_burns_idle_power(demo):
+    idle = [j for j in demo.jobs if j.profile == "idle"]
+    assert idle
+    for j in idle:
+        u = demo.usage[j.job_id]
+        assert u.sm_active_gpu_seconds == 0.0 and u.efficiency == 0.0
+        mean_power = u.energy_joules / u.allocated_gpu_seconds
+        assert 60 < mean_power < 100  # an H200 idles around 75 W
+    training = [demo.usage[j.job_id] for j in demo.jobs if j.profile == "training"]
+    assert all(u.efficiency > 0.8 for u in training)
+
+
+def test_cli_reads_the_demo_data(demo):
+    d = str(demo.data_dir)
+    r = runner.invoke(app, ["report", "usage", "--data-dir", d, "--format", "json"])
+    assert r.exit_code == 0, r.output
+    groups = json.loads(r.output)
+    accounts = [g for g in groups if g["user"] is None]
+    total = sum(u.allocated_gpu_seconds for u in demo.usage.values()) / 3600
+    assert sum(g["gpu_hours"] for g in accounts) == pytest.approx(total)
+    assert {g["account"] for g in accounts} == {"proj_a", "proj_b"}
+
+    r = runner.invoke(app, ["fairshare", "--data-dir", d, "--algorithm", "classic", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    users = {(x["account"], x["user"]): x for x in rows if x["user"]}
+    assert set(users) == {("proj_a", "alice"), ("proj_a", "bob"), ("proj_b", "carol"), ("proj_b", "dave")}
+    assert all(0 < x["fairshare"] < 1 for x in users.values())
+
+    r = runner.invoke(app, ["priority", "feed", "--data-dir", d, "--format", "json"])
+    assert r.exit_code == 0, r.output
+    feed = json.loads(Path(d, "priority-feed.json").read_text())
+    assert feed == json.loads(r.output)
+    by_user = {(e["account"], e["user"]): e for e in feed["associations"]}
+    assert set(by_user) == set(users)
+    for e in feed["associations"]:
+        assert e["site_factor"] == round(feed["priority_weight"] * e["fairshare"])
+
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", d, "--format", "json"])
+    assert r.exit_code == 0, r.output
+    jobs = json.loads(r.output)
+    assert {j["job_id"] for j in jobs} == set(demo.usage) and all(j["seen_by"] == "both" for j in jobs)
+
+
+def test_commands_name_a_missing_store(tmp_path):
+    r = runner.invoke(app, ["report", "usage", "--data-dir", str(tmp_path / "nowhere")])
+    assert r.exit_code == 2 and "no gpuledger store" in r.output
