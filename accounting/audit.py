@@ -63,42 +63,71 @@ class AuditError(ValueError):
 
 
 # -- canonical JSON ---------------------------------------------------------------------------------------------
+class _Bad(Exception):
+    """Raised inside _plain; the path to the bad value is built while unwinding (no path strings on success)."""
+
+    def __init__(self, value: Any, why: str) -> None:
+        self.value, self.why, self.path = value, why, ""
+
+
 def plain(obj: Any, where: str = "$") -> Any:
-    """JSON-ready copy of ``obj``: dataclasses and mappings become dicts (string keys), tuples lists.
+    """JSON-ready copy of ``obj``: dataclasses, NamedTuples and mappings become dicts (string keys), tuples lists.
 
     Raises AuditError naming the path of a value JSON cannot carry exactly (NaN, inf, an arbitrary object).
     """
+    try:
+        return _plain(obj)
+    except _Bad as b:
+        raise AuditError(f"{where}{b.path}: {b.value!r} {b.why}") from None
+
+
+def _plain(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
         return int(obj)
     if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise AuditError(f"{where}: {obj!r} has no exact JSON form")
+        if obj - obj != 0.0:  # NaN or inf
+            raise _Bad(obj, "has no exact JSON form")
         return obj
     if isinstance(obj, Enum):
-        return plain(obj.value, where)
+        return _plain(obj.value)
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_asdict"):  # a NamedTuple keeps its field names
-        return plain(obj._asdict(), where)
+        return _plain(obj._asdict())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+        return _plain({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():
             if not isinstance(k, str):
-                raise AuditError(f"{where}: key {k!r} is not a string")
-            out[k] = plain(v, f"{where}.{k}")
+                raise _Bad(k, "is not a string key")
+            try:
+                out[k] = _plain(v)
+            except _Bad as b:
+                b.path = f".{k}{b.path}"
+                raise
         return out
     if isinstance(obj, (list, tuple)):
-        return [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    raise AuditError(f"{where}: {type(obj).__name__} value {obj!r} cannot be written to the audit log")
+        out_l = []
+        for i, v in enumerate(obj):
+            try:
+                out_l.append(_plain(v))
+            except _Bad as b:
+                b.path = f"[{i}]{b.path}"
+                raise
+        return out_l
+    raise _Bad(obj, f"({type(obj).__name__}) cannot be written to the audit log")
 
 
 def canonical_json(obj: Any) -> str:
     """Sorted keys, no whitespace, ASCII, floats as their shortest round-trip repr; one text per value."""
-    return json.dumps(plain(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return _dumps(plain(obj))
+
+
+def _dumps(plain_obj: Any) -> str:
+    return json.dumps(plain_obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def entry_hash(prev: str, body: str) -> str:
@@ -196,13 +225,13 @@ class AuditLog:
             seq, head = self._head()
             for kind, data, job_id, key in prepared:
                 if key is not None:
-                    digest = hashlib.sha256(canonical_json(data).encode()).hexdigest()
+                    digest = hashlib.sha256(_dumps(data).encode()).hexdigest()
                     row = db.execute("SELECT digest FROM latest WHERE kind=? AND key=?", (kind, key)).fetchone()
                     if row is not None and row[0] == digest:
                         continue
                     db.execute("INSERT OR REPLACE INTO latest VALUES (?,?,?)", (kind, key, digest))
                 seq += 1
-                body = canonical_json({"seq": seq, "ts": now, "kind": kind, "job_id": job_id, "data": data})
+                body = _dumps({"seq": seq, "ts": now, "kind": kind, "job_id": job_id, "data": data})  # data is plain
                 h = entry_hash(head, body)
                 db.execute("INSERT INTO entries VALUES (?,?,?,?,?,?)", (seq, kind, job_id, body, head, h))
                 written.append(Entry(seq, now, kind, job_id, data, head, h))
@@ -380,11 +409,14 @@ def job_charges(
         if e.usage is None or e.record is None or not e.record.account or not e.record.user:
             continue
         rows.append((e.job_id, e.record.account, e.record.user, e.usage.first_ts, e.usage.last_ts, policy.charge(e.usage)))
+    period = settings.calc_period_s
+    # decay wants an integer period (Slurm's PriorityCalcPeriod is whole seconds); settings may carry 300.0
+    period = int(period) if float(period).is_integer() else period
     decayed = decay(
-        [((j, ""), first, last, amount) for j, _, _, first, last, amount in rows],
-        now=now, half_life_s=settings.half_life_s, calc_period_s=settings.calc_period_s, reset=settings.usage_reset,
+        [(j, first, last, amount) for j, _, _, first, last, amount in rows],
+        now=now, half_life_s=settings.half_life_s, calc_period_s=period, reset=settings.usage_reset,
     )
-    return [JobCharge(j, a, u, policy.kind, amount, float(decayed.get((j, ""), 0.0)), first, last)
+    return [JobCharge(j, a, u, policy.kind, amount, float(decayed.get(j, 0.0)), first, last)
             for j, a, u, first, last, amount in rows]
 
 

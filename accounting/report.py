@@ -9,6 +9,7 @@ import io
 import json
 import math
 import tomllib
+from array import array
 from itertools import chain
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -169,7 +170,9 @@ class Period:
     label: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "start": self.start, "end": self.end,
+        # an open end is None: JSON (and the signed manifest) has no infinity
+        return {"label": self.label, "start": self.start if math.isfinite(self.start) else None,
+                "end": self.end if math.isfinite(self.end) else None,
                 "start_iso": _iso(self.start), "end_iso": _iso(self.end), "rule": "job counted whole in the period it ended"}
 
 
@@ -441,44 +444,32 @@ class UsageReport:
                 "rows": [asdict(r) for r in self.rows], "total": asdict(self.total)}
 
 
-_Unit = tuple[Any, "JobUsage | None", str]  # (JobRecord or None, usage or None, job id)
+class _Cols:
+    """One group's per-record values as columns of C doubles.
+
+    Each record is read once, in ledger order, and its numbers copied into contiguous arrays; every sum is then one
+    math.fsum over an array (exact reconciliation). Grouping references instead (lists of records, re-read per
+    quantity) made a million-record report several times slower: records of one group lie scattered in memory.
+    """
+
+    __slots__ = ("alloc", "active", "energy", "hbm_w", "hbm_s", "priced", "co2", "wait", "jobs", "unmeasured", "ids")
+
+    def __init__(self) -> None:
+        self.alloc, self.active, self.energy = array("d"), array("d"), array("d")
+        self.hbm_w, self.hbm_s, self.priced, self.co2, self.wait = array("d"), array("d"), array("d"), array("d"), array("d")
+        self.jobs = self.unmeasured = 0
+        self.ids: set[str] = set()  # by node only: a job on several GPUs of a node is one job there
 
 
-class _Sums:
-    """One group's per-record values, kept as lists so that every sum is one math.fsum (exact reconciliation)."""
-
-    __slots__ = ("alloc", "active", "energy", "hbm_w", "hbm_s", "priced")
-
-    def __init__(self, units: Sequence[_Unit], price: Callable[[str], float] | None) -> None:
-        us = [u for _, u, _ in units if u is not None]
-        self.alloc = [u.allocated_gpu_seconds for u in us]
-        self.active = [u.sm_active_gpu_seconds for u in us]
-        self.energy = [u.energy_joules for u in us]
-        hb = [(u.dram_bw_mean, u.allocated_gpu_seconds) for u in us if u.dram_bw_mean is not None]
-        self.hbm_w = [d * s for d, s in hb]
-        self.hbm_s = [s for _, s in hb]
-        # allocated GPU-seconds x price per GPU-hour of the unit's model (scaled to hours once, at the end)
-        self.priced = [] if price is None else [
-            u.allocated_gpu_seconds * price(u.model or (r.gpu_model if r is not None and r.gpu_model else ""))
-            for r, u, _ in units if u is not None]
-
-
-def _unknown(v: str | None) -> str:
-    return v if v else "(unknown)"
-
-
-# Group key of a (record, usage) unit; usage is the per-GPU record when grouping by node.
+# Group key of a (record, usage) unit; usage is the per-GPU record when grouping by node. Inline conditionals:
+# this runs once per record.
 _KEYS: dict[str, Callable[[Any, JobUsage | None], str]] = {
-    "account": lambda r, u: _unknown(r.account if r is not None else None),
-    "user": lambda r, u: _unknown(r.user if r is not None else None),
-    "partition": lambda r, u: _unknown(r.partition if r is not None else None),
-    "model": lambda r, u: _unknown(u.model if u is not None and u.model else (r.gpu_model if r is not None else None)),
+    "account": lambda r, u: r.account if r is not None and r.account else "(unknown)",
+    "user": lambda r, u: r.user if r is not None and r.user else "(unknown)",
+    "partition": lambda r, u: r.partition if r is not None and r.partition else "(unknown)",
+    "model": lambda r, u: u.model if u is not None and u.model else (r.gpu_model if r is not None and r.gpu_model else "(unknown)"),
     "node": lambda r, u: u.host if u is not None else (r.hosts[0] if r is not None and len(r.hosts) == 1 else "(unknown)"),
 }
-
-
-def _wait(r: Any) -> float | None:
-    return r.start - r.submit if r is not None and r.start is not None and r.submit is not None else None
 
 
 def usage_report(
@@ -502,80 +493,88 @@ def usage_report(
     settings = settings or ReportSettings()
     keyf = _KEYS[by]
     node = by == "node"
-    groups: dict[str, list[_Unit]] = {}
-    waits: list[float] = []
-    n_jobs = unmeasured = 0
+    grid = settings.grid
+    priced = settings.priced
+    prices: dict[str, float] = {}
+    groups: dict[str, _Cols] = {}
+    tot = _Cols()
+    n_jobs = 0
     a, b = period.start, period.end
-    # One pass that only selects and groups (this loop runs once per job record); the sums are list
-    # comprehensions per group below, which is what makes a million records fit in a few seconds.
     for e in entries:
         r, u0 = e.record, e.usage
         t = r.end if r is not None and r.end is not None else (u0.last_ts if u0 is not None else None)  # job_end()
         if t is None or t < a or t >= b:
             continue
         n_jobs += 1
-        if r is not None and r.start is not None and r.submit is not None:
-            waits.append(r.start - r.submit)
+        wait = r.start - r.submit if r is not None and r.start is not None and r.submit is not None else None
+        if wait is not None:
+            tot.wait.append(wait)
         if u0 is None:
-            unmeasured += 1
+            tot.unmeasured += 1
         if node and u0 is not None:
+            # a job counts once per node; its per-GPU records split its numbers among the nodes
             for u in per_gpu.get(e.job_id) or (u0,):  # type: ignore[union-attr]
-                groups.setdefault(u.host, []).append((r, u, e.job_id))
+                c = groups.get(u.host)
+                if c is None:
+                    c = groups[u.host] = _Cols()
+                if e.job_id not in c.ids:
+                    c.ids.add(e.job_id)
+                    c.jobs += 1
+                    if wait is not None:
+                        c.wait.append(wait)
+                _add(c, r, u, grid, priced, prices, settings)
             continue
         key = keyf(r, u0)
-        lst = groups.get(key)
-        if lst is None:
-            lst = groups[key] = []
-        lst.append((r, u0, e.job_id))
-    price = None
-    if settings.priced:
-        cache: dict[str, float] = {}
-
-        def price(model: str) -> float:
-            p = cache.get(model)
-            if p is None:
-                p = cache[model] = settings.gpu_hour_price(model)
-            return p
-
-    rows, sums = [], []
-    for key in sorted(groups):
-        units = groups[key]
-        if node:  # a job on several GPUs of the node is one job here
-            first = {}
-            for r, _, j in units:
-                first.setdefault(j, r)
-            jobs, recs = len(first), list(first.values())
-        else:
-            jobs, recs = len(units), [r for r, _, _ in units]
-        w = [x for x in map(_wait, recs) if x is not None]
-        s = _Sums(units, price)
-        sums.append(s)
-        co2 = _co2(settings, [u for _, u, _ in units if u is not None], s)
-        rows.append(_usage_row(key, [s], jobs, w, sum(1 for _, u, _ in units if u is None), co2, settings))
-    co2_total = None if not sums or rows[0].co2e_kg is None else math.fsum(r.co2e_kg for r in rows)  # type: ignore[misc]
-    if settings.grid is None and settings.co2e_kg_per_kwh is not None:
-        co2_total = None  # recomputed from the exact total kWh in _usage_row
+        c = groups.get(key)
+        if c is None:
+            c = groups[key] = _Cols()
+        c.jobs += 1
+        if wait is not None:
+            c.wait.append(wait)
+        if u0 is None:
+            c.unmeasured += 1
+            continue
+        _add(c, r, u0, grid, priced, prices, settings)
+    rows = [_usage_row(k, [c], c.jobs, c.wait, c.unmeasured, settings) for k, c in sorted(groups.items())]
     # The totals: one fsum over every record (not a sum of rounded group sums), so they reconcile exactly.
-    total = _usage_row(TOTAL, sums, n_jobs, waits, unmeasured, co2_total, settings)
+    total = _usage_row(TOTAL, list(groups.values()), n_jobs, tot.wait, tot.unmeasured, settings)
     return UsageReport(by, period, rows, total, settings.currency)
 
 
-def _co2(settings: ReportSettings, us: Sequence[JobUsage], s: _Sums) -> float | None:
-    grid = settings.grid
-    if grid is None:
-        return None  # constant factor (or none): computed from the group's kWh in _usage_row
-    return math.fsum([u.energy_joules / KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0 for u in us])
+def _add(c: _Cols, r: Any, u: JobUsage, grid: GridIntensity | None, priced: bool, prices: dict[str, float],
+         settings: ReportSettings) -> None:
+    """Copy one usage record's numbers into the group's columns (runs once per record: kept lean)."""
+    alloc, energy = u.allocated_gpu_seconds, u.energy_joules
+    c.alloc.append(alloc)
+    c.active.append(u.sm_active_gpu_seconds)
+    c.energy.append(energy)
+    d = u.dram_bw_mean
+    if d is not None:
+        c.hbm_w.append(d * alloc)
+        c.hbm_s.append(alloc)
+    if grid is not None:
+        c.co2.append(energy / KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
+    if priced:
+        model = u.model or (r.gpu_model if r is not None and r.gpu_model else "")
+        price = prices.get(model)
+        if price is None:
+            price = prices[model] = settings.gpu_hour_price(model)
+        c.priced.append(alloc * price)
 
 
-def _usage_row(key: str, gs: list[_Sums], jobs: int, wait: list[float], unmeasured: int, co2: float | None,
+def _usage_row(key: str, cs: list[_Cols], jobs: int, wait: Sequence[float], unmeasured: int,
                settings: ReportSettings) -> UsageRow:
     def fsum(name: str) -> float:
-        return math.fsum(getattr(gs[0], name)) if len(gs) == 1 else math.fsum(chain.from_iterable(getattr(g, name) for g in gs))
+        return math.fsum(getattr(cs[0], name)) if len(cs) == 1 else math.fsum(chain.from_iterable(getattr(c, name) for c in cs))
 
     alloc_s, active_s, hbm_s, energy_j = fsum("alloc"), fsum("active"), fsum("hbm_s"), fsum("energy")
     kwh = energy_j / KWH
-    if settings.grid is None and settings.co2e_kg_per_kwh is not None:
+    if settings.grid is not None:
+        co2: float | None = fsum("co2")
+    elif settings.co2e_kg_per_kwh is not None:
         co2 = kwh * settings.co2e_kg_per_kwh
+    else:
+        co2 = None
     return UsageRow(
         group=key,
         jobs=jobs,

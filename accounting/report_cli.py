@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from accounting import audit as au
 from accounting import jobreport as jr
@@ -65,8 +66,13 @@ class By(str, Enum):
 
 
 def _fail(msg: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {msg}", markup=True, highlight=False)
+    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code=code)
+
+
+def _note(msg: str) -> None:
+    """A message on stderr, never wrapped (paths and hashes stay whole and greppable)."""
+    err.print(msg, markup=False, highlight=False, soft_wrap=True)
 
 
 def _open_store(data_dir: Path):  # -> collector.store.SqliteStore
@@ -111,7 +117,7 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
     if output is None:
         return
     if not (data_dir / au.PRIVATE_KEY_NAME).exists():
-        err.print(f"report written to {output} (unsigned: no key in {data_dir}; run `gpuledger audit keygen`)")
+        _note(f"report written to {output} (unsigned: no key in {data_dir}; run `gpuledger audit keygen`)")
         return
     cfg = config or data_dir / CONFIG_NAME
     inputs = {**inputs, "store": str(data_dir / STORE_NAME),
@@ -121,7 +127,7 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
             m = au.sign_report(output, data_dir, inputs=inputs, period=period, log=log)
     except au.AuditError as e:
         raise _fail(str(e)) from None
-    err.print(f"report written to {output}, signed manifest {m}")
+    _note(f"report written to {output}, signed manifest {m}")
 
 
 # -- report ---------------------------------------------------------------------------------------------------------
@@ -294,9 +300,9 @@ def audit_verify(
     if res.ok:
         typer.echo(f"audit log {path}: {res.entries} entries, chain intact, head {res.head_seq} {res.head_hash}")
     else:
-        err.print(f"TAMPERED: {res.problem} (entries 1..{res.head_seq} verify)", markup=False, highlight=False)
+        _note(f"TAMPERED: {res.problem} (entries 1..{res.head_seq} verify)")
     for p in problems:
-        err.print(f"REPORT: {p}", markup=False, highlight=False)
+        _note(f"REPORT: {p}")
     if report is not None and not problems:
         typer.echo(f"report {report}: signature, content and audit head verify")
     if not res.ok or problems:

@@ -164,6 +164,13 @@ def run(
     duration: float = typer.Option(0.0, help="stop after this many seconds (0: run until SIGTERM/SIGINT)"),
     mapper: list[str] = typer.Option([], "--mapper", "-m", help=MAPPER_HELP),
     mapping_dir: str | None = typer.Option(None, help="directory written by the Slurm prolog (mapping-dir)"),
+    token_file: str | None = typer.Option(None, help="file holding this node's bearer token for the collector"),
+    token: str | None = typer.Option(None, envvar="GPULEDGER_AGENT_TOKEN", show_default=False,
+                                     help="bearer token (prefer --token-file or the environment: argv is public)"),
+    spool_dir: str | None = typer.Option(None, help="keep unsent batches here and deliver them in order "
+                                         "when the collector is back (survives agent restarts)"),
+    spool_max_bytes: int = typer.Option(256 * 2**20, help="spool bound in bytes; beyond it the oldest are dropped"),
+    ca_cert: str | None = typer.Option(None, help="CA bundle (PEM) to verify an https collector with"),
 ) -> None:
     """Run the agent: sample every --interval, serve /metrics, push batches to --collector."""
     from agent.exposition import serve_metrics  # noqa: PLC0415
@@ -173,12 +180,23 @@ def run(
         raise typer.BadParameter("--interval must be positive")
     node = host or socket.gethostname()
     stages = _stages(mapper, mapping_dir)
-    src = _open_source(source, url, host, gpus, seed)
+    src = _open_source(source, url, node, gpus, seed)  # samples carry the host the agent pushes as
     sinks: list[Any] = []
     if collector:
         from agent.push import HttpPusher  # noqa: PLC0415
 
-        sinks.append(HttpPusher(collector, agent_id or node, node))
+        if token_file:
+            try:
+                token = open(token_file).read().strip()
+            except OSError as exc:
+                raise typer.BadParameter(f"--token-file: {exc}") from exc
+        pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True)
+        if spool_dir:
+            from agent.spool import Spool, SpoolingPusher  # noqa: PLC0415
+
+            sinks.append(SpoolingPusher(pusher, Spool(spool_dir, max_bytes=spool_max_bytes)).start())
+        else:
+            sinks.append(pusher)
     agent = Agent(src, stages, sinks=sinks)
     stop = threading.Event()
     server = None

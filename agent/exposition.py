@@ -102,6 +102,16 @@ class SnapshotCollector:
                 "gpuledger_agent_last_tick_timestamp_seconds", "When the last sampling tick started (unix time).", value=float(ts)
             )
         yield GaugeMetricFamily("gpuledger_agent_gpus", "GPUs (and MIG instances) in the latest snapshot.", value=float(len(a.snapshot)))
+        for sink in getattr(a, "sinks", ()):  # a spooling pusher (agent.spool) reports its spool
+            stats = getattr(sink, "stats", None)
+            if callable(stats):
+                st = stats()
+                yield GaugeMetricFamily("gpuledger_agent_spool_batches", "Batches waiting in the spool.", value=float(st["depth"]))
+                yield GaugeMetricFamily("gpuledger_agent_spool_bytes", "Bytes the spool holds on disk.", value=float(st["bytes"]))
+                yield CounterMetricFamily("gpuledger_agent_spool_dropped_batches", "Oldest batches dropped from a full spool.", value=float(st["dropped_batches"]))
+                yield CounterMetricFamily("gpuledger_agent_spool_dropped_samples", "Samples in batches dropped from a full spool.", value=float(st["dropped_samples"]))
+                yield CounterMetricFamily("gpuledger_agent_push_rejected_batches", "Batches the collector refused (4xx) and the agent dropped.", value=float(st["rejected_batches"]))
+                break
 
 
 def make_registry(agent: Any) -> CollectorRegistry:

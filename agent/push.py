@@ -7,17 +7,32 @@ numbers may have gaps (a failed batch burns its number unless it is re-sent with
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
+import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
+import msgpack
+import zstandard
 
 from agent.records import GpuSample
 
 _BODY_EXCERPT = 500  # characters of an error response kept in the exception
+CONTENT_TYPES = {"json": "application/json", "msgpack": "application/msgpack"}
+
+
+def _floats(s: GpuSample) -> list[Any]:
+    return [getattr(s, f) for f in s.__slots__ if isinstance(getattr(s, f), float)] + list(s.job_shares)
+
+
+def _verify(verify: str | bool) -> ssl.SSLContext | bool:
+    # httpx deprecates verify=<path>; a context built from the CA file says the same thing.
+    return ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
 
 
 class PushError(RuntimeError):
@@ -42,6 +57,7 @@ class HttpPusher:
         client: httpx.Client | None = None,
         token: str | None = None,
         headers: Mapping[str, str] | None = None,
+        verify: str | bool = True,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"pusher: url must be http(s)://..., got {url!r}")
@@ -55,7 +71,8 @@ class HttpPusher:
             self._headers["Authorization"] = f"Bearer {token}"
         self._own_client = client is None
         # One client for the agent's life: keep-alive spares a TCP (and TLS) handshake per batch.
-        self._client = client if client is not None else httpx.Client(timeout=timeout)
+        # verify: True (system CAs), a CA bundle path (a self-signed collector), or False (tests only).
+        self._client = client if client is not None else httpx.Client(timeout=timeout, verify=_verify(verify))
         self._lock = threading.Lock()
         self._next_seq = time.time_ns() // 1000 if seq_start is None else int(seq_start)
         self.batches_sent = 0
@@ -72,8 +89,13 @@ class HttpPusher:
         self.send(seq, samples)
         return seq
 
-    def send(self, seq: int, samples: Sequence[GpuSample]) -> None:
-        """Send a batch under a given sequence number (a spool re-sends with the original one)."""
+    def bump_seq(self, at_least: int) -> None:
+        """Never hand out a number below ``at_least`` (a spool's batches already hold the ones before)."""
+        with self._lock:
+            self._next_seq = max(self._next_seq, at_least)
+
+    def encode(self, seq: int, samples: Sequence[GpuSample], fmt: str = "json", compress: str | None = None) -> bytes:
+        """The request body of a batch: ``fmt`` json or msgpack, ``compress`` None, gzip or zstd."""
         payload: dict[str, Any] = {
             "agent_id": self.agent_id,
             "seq": seq,
@@ -81,22 +103,44 @@ class HttpPusher:
             "samples": [s.to_dict() for s in samples],
         }
         try:
-            # NaN/inf are not JSON: fail here, naming the batch, rather than send what the collector rejects.
-            body_bytes = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode()
+            if fmt == "json":
+                # NaN/inf are not JSON: fail here, naming the batch, rather than send what the collector rejects.
+                body = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode()
+            elif fmt == "msgpack":
+                if any(isinstance(v, float) and not math.isfinite(v) for s in samples for v in _floats(s)):
+                    raise ValueError("NaN or infinite value")
+                body = msgpack.packb(payload, use_bin_type=True)
+            else:
+                raise ValueError(f"unknown format {fmt!r} (json or msgpack)")
         except (TypeError, ValueError) as exc:
-            raise PushError(f"batch {seq} for {self.url} cannot be encoded as JSON: {exc}") from exc
+            raise PushError(f"batch {seq} for {self.url} cannot be encoded as {fmt.upper()}: {exc}") from exc
+        if compress == "gzip":
+            body = gzip.compress(body, compresslevel=5)
+        elif compress == "zstd":
+            body = zstandard.ZstdCompressor(level=3).compress(body)
+        elif compress is not None:
+            raise ValueError(f"unknown compression {compress!r} (gzip or zstd)")
+        return body
+
+    def send(self, seq: int, samples: Sequence[GpuSample]) -> None:
+        """Send a batch under a given sequence number (as JSON)."""
+        self.post(seq, self.encode(seq, samples))
+
+    def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None) -> None:
+        """POST an encoded batch; returns on a 2xx, else raises PushError (``status`` None: no response)."""
+        headers = {"Content-Type": CONTENT_TYPES[fmt], **self._headers}
+        if compress:
+            headers["Content-Encoding"] = compress
         try:
-            response = self._client.post(
-                self.url, content=body_bytes, headers={"Content-Type": "application/json", **self._headers}
-            )
+            response = self._client.post(self.url, content=body, headers=headers)
         except httpx.HTTPError as exc:
             raise PushError(f"push of batch {seq} to {self.url} failed: {type(exc).__name__}: {exc}") from exc
         if not 200 <= response.status_code < 300:
-            body = response.text[:_BODY_EXCERPT]
+            text = response.text[:_BODY_EXCERPT]
             raise PushError(
-                f"push of batch {seq} to {self.url} rejected: HTTP {response.status_code}: {body}",
+                f"push of batch {seq} to {self.url} rejected: HTTP {response.status_code}: {text}",
                 status=response.status_code,
-                body=body,
+                body=text,
             )
         self.batches_sent += 1
 

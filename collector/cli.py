@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import ssl
 from enum import Enum
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from collector.server import CollectorServer
+from collector.auth import Authenticator
+from collector.config import ConfigError, load_settings
+from collector.server import FEED_NAME, CollectorServer, tls_context
 from collector.store import SqliteStore
 
 app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
@@ -38,17 +41,38 @@ def _interrupt(signum: int, frame: object) -> None:
 @app.command()
 def serve(
     data_dir: Path = DataDir,
-    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8470, help="Port to listen on (0 picks a free one)."),
-    window: float = typer.Option(600.0, help="Seconds a late sample may trail its GPU's newest and still count."),
-    max_gap: float = typer.Option(300.0, help="Longer intervals between samples are gaps (not observed)."),
+    config: Path | None = typer.Option(None, "--config", help="TOML file whose [collector] table configures this "
+                                       "(default: <data-dir>/gpuledger.toml if present)."),
+    host: str | None = typer.Option(None, help="Address to listen on [default: 127.0.0.1]."),
+    port: int | None = typer.Option(None, help="Port to listen on, 0 picks a free one [default: 8470]."),
+    window: float | None = typer.Option(None, help="Seconds a late sample may trail its GPU's newest and still "
+                                        "count [default: 600]."),
+    max_gap: float | None = typer.Option(None, help="Longer intervals between samples are gaps [default: 300]."),
+    tokens_file: Path | None = typer.Option(None, help="TOML file of tokens ([tokens] host = token, admin_tokens, "
+                                            "read_tokens); no tokens anywhere: authentication off."),
+    tls_cert: Path | None = typer.Option(None, help="PEM certificate: serve HTTPS (with --tls-key)."),
+    tls_key: Path | None = typer.Option(None, help="PEM private key of --tls-cert."),
 ) -> None:
-    """Serve the ingest and query API until interrupted."""
-    store = SqliteStore(store_path(data_dir), window_s=window, max_gap_s=max_gap)
-    server = CollectorServer(store, host=host, port=port)
+    """Serve the ingest and query API until interrupted (settings: file < GPULEDGER_COLLECTOR_* < flags)."""
+    try:
+        settings = load_settings(data_dir, config, overrides={
+            "host": host, "port": port, "window_s": window, "max_gap_s": max_gap, "tokens_file": tokens_file,
+            "tls_cert": tls_cert, "tls_key": tls_key,
+        })
+        tls = tls_context(settings.tls_cert, settings.tls_key) if settings.tls_cert and settings.tls_key else None
+    except (ConfigError, OSError, ssl.SSLError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s)
+    server = CollectorServer(
+        store, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes,
+        auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
+        priority_feed=settings.priority_feed or data_dir / FEED_NAME, max_inflight=settings.max_inflight,
+    )
     # SIGTERM (systemd, kill) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
-    typer.echo(f"collector listening on {server.url}, store {store.path}")
+    auth = "on" if settings.auth_enabled else "off (no tokens configured)"
+    typer.echo(f"collector listening on {server.url}, store {store.path}, auth {auth}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -21,6 +21,11 @@ from agent.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, SAMPLE_FIELDS
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB
 FUTURE_SLACK_S = 300.0
+# Bounds that keep every accepted value storable and summable: SQLite integers are signed 64-bit (a
+# larger one would fail inside the store's transaction, a 500), and a float near 1e308 would turn
+# aggregates into inf, which JSON cannot carry. No GPU reading comes near either bound.
+MAX_INT = 2**63 - 1
+MAX_FLOAT = 1e18
 BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples"})
 _REQUIRED = ("ts", "host", "gpu_uuid", "gpu_index")
 _RATIOS = frozenset(RATIO_FIELDS)
@@ -36,12 +41,19 @@ _HANDLED = _RATIOS | _NONNEG | _INTS | _FLOATS | _STRS | {
 
 
 class BatchError(ValueError):
-    """A rejected request: ``status`` is the HTTP status to answer with, ``message`` says why."""
+    """A rejected request: ``status`` is the HTTP status to answer with, ``message`` says why.
 
-    def __init__(self, status: int, message: str) -> None:
+    ``reason`` is a short label for the collector's rejection metrics (``malformed``, ``too_large``,
+    ``unsupported``, ``invalid``, ``future``, ``unauthorized``, ``forbidden``); ``samples`` is how many
+    samples the rejected batch held, when that is known (0 otherwise).
+    """
+
+    def __init__(self, status: int, message: str, reason: str = "invalid", samples: int = 0) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.reason = reason
+        self.samples = samples
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,32 +65,33 @@ class Batch:
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and not isinstance(v, bool) and -MAX_INT - 1 <= v <= MAX_INT
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number within +-MAX_FLOAT (so NaN and inf are never numbers here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= MAX_FLOAT
 
 
 def decode_body(body: bytes, content_type: str, content_encoding: str = "", max_bytes: int = MAX_BODY_BYTES) -> Any:
     """Decompress (gzip, zstd) and decode (JSON, msgpack) a request body; BatchError on failure."""
     if len(body) > max_bytes:
-        raise BatchError(413, f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
+        raise BatchError(413, f"body of {len(body)} bytes exceeds the limit of {max_bytes}", "too_large")
     enc = content_encoding.strip().lower()
     try:
         if enc == "gzip":
             d = zlib.decompressobj(16 + zlib.MAX_WBITS)
             body = d.decompress(body, max_bytes + 1)  # bounded: a small bomb cannot eat memory
             if len(body) > max_bytes or d.unconsumed_tail:
-                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes")
+                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes", "too_large")
         elif enc == "zstd":
             body = _unzstd_bounded(body, max_bytes + 1)
             if len(body) > max_bytes:
-                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes")
+                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes", "too_large")
         elif enc not in ("", "identity"):
-            raise BatchError(415, f"unsupported Content-Encoding {content_encoding!r} (use gzip or zstd)")
+            raise BatchError(415, f"unsupported Content-Encoding {content_encoding!r} (use gzip or zstd)", "unsupported")
     except (zlib.error, zstandard.ZstdError, EOFError, gzip.BadGzipFile) as e:
-        raise BatchError(400, f"body is not valid {enc}: {e}") from None
+        raise BatchError(400, f"body is not valid {enc}: {e}", "malformed") from None
     mime = content_type.split(";", 1)[0].strip().lower()
     if mime in ("application/json", ""):
         try:
@@ -86,13 +99,15 @@ def decode_body(body: bytes, content_type: str, content_encoding: str = "", max_
             # below reject them with the field's name.
             return json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise BatchError(400, f"malformed JSON: {e}") from None
+            raise BatchError(400, f"malformed JSON: {e}", "malformed") from None
     if mime in ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack"):
         try:
             return msgpack.unpackb(body, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack raises several unrelated types on garbage
-            raise BatchError(400, f"malformed msgpack: {e}") from None
-    raise BatchError(415, f"unsupported Content-Type {content_type!r} (use application/json or application/msgpack)")
+            raise BatchError(400, f"malformed msgpack: {e}", "malformed") from None
+    raise BatchError(
+        415, f"unsupported Content-Type {content_type!r} (use application/json or application/msgpack)", "unsupported"
+    )
 
 
 def _unzstd_bounded(body: bytes, limit: int) -> bytes:
@@ -108,9 +123,17 @@ def _unzstd_bounded(body: bytes, limit: int) -> bytes:
 
 
 def parse_batch(
-    body: bytes, content_type: str, now: float, max_bytes: int = MAX_BODY_BYTES, content_encoding: str = ""
+    body: bytes,
+    content_type: str,
+    now: float,
+    max_bytes: int = MAX_BODY_BYTES,
+    content_encoding: str = "",
+    allowed_host: str | None = None,
 ) -> Batch:
-    """Decode and validate a sample batch; raises BatchError naming batch, sample index and field."""
+    """Decode and validate a sample batch; raises BatchError naming batch, sample index and field.
+
+    With ``allowed_host`` (the host a node token is bound to), a batch or sample of any other host is a 403.
+    """
     doc = decode_body(body, content_type, content_encoding, max_bytes)
     if not isinstance(doc, dict):
         raise BatchError(400, f"batch must be an object with keys {sorted(BATCH_KEYS)}, got {type(doc).__name__}")
@@ -122,17 +145,25 @@ def parse_batch(
     if not isinstance(agent_id, str) or not agent_id:
         raise BatchError(400, f"{where}: field 'agent_id' must be a non-empty string")
     if not _is_int(seq) or seq < 0:
-        raise BatchError(400, f"{where}: field 'seq' must be a non-negative integer")
+        raise BatchError(400, f"{where}: field 'seq' must be an integer in 0..{MAX_INT}")
     host, samples = doc.get("host"), doc.get("samples")
     if not isinstance(host, str) or not host:
         raise BatchError(400, f"{where}: field 'host' must be a non-empty string")
     if not isinstance(samples, list):
         raise BatchError(400, f"{where}: field 'samples' must be a list")
-    out = tuple(_parse_sample(d, i, where, host, now) for i, d in enumerate(samples))
+    if allowed_host is not None and host != allowed_host:
+        raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
+                         "forbidden", len(samples))
+    try:
+        bound = allowed_host is not None
+        out = tuple(_parse_sample(d, i, where, host, now, bound) for i, d in enumerate(samples))
+    except BatchError as e:
+        e.samples = len(samples)  # the whole batch is refused: every sample in it counts as rejected
+        raise
     return Batch(agent_id, seq, host, out)
 
 
-def _parse_sample(d: Any, i: int, where: str, host: str, now: float) -> GpuSample:
+def _parse_sample(d: Any, i: int, where: str, host: str, now: float, bound: bool = False) -> GpuSample:
     at = f"{where}: sample[{i}]"
     if not isinstance(d, dict):
         raise BatchError(400, f"{at}: must be an object, got {type(d).__name__}")
@@ -142,9 +173,13 @@ def _parse_sample(d: Any, i: int, where: str, host: str, now: float) -> GpuSampl
     for k in _REQUIRED:
         if k not in d:
             raise BatchError(400, f"{at}.{k}: missing")
+    if d["host"] != host:
+        # Checked before the values. Under a host-bound token another host's sample is a 403, else a 400.
+        status, reason = (403, "forbidden") if bound else (400, "invalid")
+        raise BatchError(status, f"{at}.host: {d['host']!r} differs from the batch's host {host!r}", reason)
 
-    def bad(field: str, why: str) -> BatchError:
-        return BatchError(400, f"{at}.{field}: {why} (got {d[field]!r})")
+    def bad(field: str, why: str, reason: str = "invalid") -> BatchError:
+        return BatchError(400, f"{at}.{field}: {why} (got {d[field]!r})", reason)
 
     for k, v in d.items():
         if k in _STRS:
@@ -154,10 +189,10 @@ def _parse_sample(d: Any, i: int, where: str, host: str, now: float) -> GpuSampl
             if not _is_num(v) or not math.isfinite(v) or v <= 0:
                 raise bad(k, "must be a positive finite number (unix seconds)")
             if v > now + FUTURE_SLACK_S:
-                raise bad(k, f"is more than {FUTURE_SLACK_S:.0f} s in the future (collector time {now:.3f})")
+                raise bad(k, f"is more than {FUTURE_SLACK_S:.0f} s in the future (collector time {now:.3f})", "future")
         elif k == "gpu_index":
             if not _is_int(v) or v < 0:
-                raise bad(k, "must be a non-negative integer")
+                raise bad(k, f"must be an integer in 0..{MAX_INT}")
         elif k == "mig":
             if v is not None and (not isinstance(v, str) or not v):
                 raise bad(k, "must be a non-empty string or null")
@@ -172,13 +207,13 @@ def _parse_sample(d: Any, i: int, where: str, host: str, now: float) -> GpuSampl
                 raise bad(k, "ratio must be a finite number in 0..1")
         elif k in _NONNEG:
             if not _is_num(v) or not math.isfinite(v) or v < 0:
-                raise bad(k, "must be a non-negative finite number")
+                raise bad(k, f"must be a finite number in 0..{MAX_FLOAT:g}")
         elif k in _INTS:
             if not _is_int(v) or v < 0:
-                raise bad(k, "must be a non-negative integer")
+                raise bad(k, f"must be an integer in 0..{MAX_INT}")
         elif k in _FLOATS:
             if not _is_num(v) or not math.isfinite(v):
-                raise bad(k, "must be a finite number")
+                raise bad(k, f"must be a finite number within +-{MAX_FLOAT:g}")
         elif k == "xid_errors":
             if not isinstance(v, list) or not all(_is_int(x) for x in v):
                 raise bad(k, "must be a list of integers")
@@ -195,8 +230,6 @@ def _parse_sample(d: Any, i: int, where: str, host: str, now: float) -> GpuSampl
                 for p in v
             ):
                 raise bad(k, "must be a list of [pid, used_memory_bytes or null]")
-    if d["host"] != host:
-        raise bad("host", f"does not match the batch's host {host!r}")
     shares, jobs = d.get("job_shares") or [], d.get("job_ids") or []
     if shares:
         if len(shares) != len(jobs):

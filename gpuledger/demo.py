@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import httpx
 
@@ -129,8 +129,12 @@ def run_demo(
     seed: int = 0,
     cluster: str = "demo",
     progress: Callable[[int, int], None] | None = None,
+    extra_sinks: Sequence[Any] = (),
 ) -> DemoResult:
-    """Run the simulated cluster through the real HTTP path and return jobs, ground truth and measured usage."""
+    """Run the simulated cluster through the real HTTP path and return jobs, ground truth and measured usage.
+
+    ``extra_sinks`` also receive every agent's samples (e.g. an InfluxDB sink to fill dashboards in tests).
+    """
     data_dir.mkdir(parents=True, exist_ok=True)
     cfg = data_dir / CONFIG_NAME
     if not cfg.exists():
@@ -156,7 +160,7 @@ def run_demo(
             pusher = HttpPusher(f"{url}/api/v1/samples", agent_id=f"demo-{host}", host=host)
             sources.append(src)
             mappers.append(mapper)
-            agents.append(Agent(src, [mapper], clock=clock, sinks=[pusher]))
+            agents.append(Agent(src, [mapper], clock=clock, sinks=[pusher, *extra_sinks]))
         for a in agents:
             a.open()
         jobs = _plan(seed, t0 + step_s, span * 0.95)

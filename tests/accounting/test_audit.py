@@ -18,6 +18,7 @@ from accounting.audit import (
     canonical_json,
     entry_hash,
     explain,
+    job_charges,
     keygen,
     open_log,
     record_fairshare,
@@ -29,7 +30,10 @@ from accounting.audit import (
 )
 from accounting.apply import Change
 from accounting.associations import AssocTree
+from accounting.config import AccountingSettings
+from accounting.decay import decayed_usage
 from accounting.fairshare import classic
+from accounting.ledger import join
 from accounting.priority import priority_feed
 from agent.records import JobRecord, JobUsage
 
@@ -39,7 +43,7 @@ def test_canonical_json_is_sorted_compact_and_float_exact():
     assert json.loads(canonical_json({"x": 1e-300 / 3}))["x"] == 1e-300 / 3
     with pytest.raises(AuditError, match=r"\$\.usage\.power: nan"):
         canonical_json({"usage": {"power": float("nan")}})
-    with pytest.raises(AuditError, match=r"\$\.k\[1\]: object"):
+    with pytest.raises(AuditError, match=r"\$\.k\[1\]: <object object.*cannot be written"):
         canonical_json({"k": [1, object()]})
 
 
@@ -253,3 +257,22 @@ def test_priority_change_without_job_is_rejected(tmp_path):
     with open_log(tmp_path) as log:
         with pytest.raises(AuditError, match="names no job_id"):
             record_priority_change(log)({"site_factor": 3})
+
+
+def test_job_charges_decay_per_job_and_sum_to_the_association_usage(tmp_path):
+    """The per-job decayed values explain cites add up to what fairshare used for the association."""
+    settings = AccountingSettings(policy="blend", floor=0.25, half_life_s=86400.0, calc_period_s=300.0)
+    records = [JobRecord(str(i), user=("alice", "bob")[i % 2], account="a", start=1000.0 * i, end=1000.0 * i + 3600)
+               for i in range(1, 7)]
+    usages = [_usage(str(i), 3600.0, 360.0 * i, 1e5) for i in range(1, 7)]
+    entries = join(records, usages)
+    now = 200_000.0
+    charges = job_charges(entries, settings, now)
+    assert [c.charged for c in charges] == [0.25 * 3600 + 0.75 * 360 * i for i in range(1, 7)]
+    assert all(0 < c.decayed < c.charged for c in charges)
+    per_assoc = decayed_usage([((e.record.account, e.record.user), e.usage.first_ts, e.usage.last_ts,
+                                settings.charge_policy().charge(e.usage)) for e in entries],
+                              now=now, half_life_s=86400.0, calc_period_s=300)
+    for user in ("alice", "bob"):
+        mine = sum(c.decayed for c in charges if c.user == user)
+        assert mine == pytest.approx(per_assoc[("a", user)], rel=1e-12)

@@ -103,6 +103,12 @@ def test_other_formats_and_groupings(data_dir):
     assert doc["rows"][0]["group"] == "n1" and doc["total"]["jobs"] == 2 and doc["total"]["co2e_kg"] == pytest.approx(0.4 * 1.08)
     r = run("report", "usage", "--data-dir", data_dir, "--by", "user", "--format", "html", "-o", data_dir / "r.html")
     assert r.exit_code == 0 and "unsigned" in r.output and "<svg" in (data_dir / "r.html").read_text()
+    assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0
+    r = run("report", "usage", "--data-dir", data_dir, "--format", "html", "-o", data_dir / "all.html")  # no period
+    assert r.exit_code == 0 and "signed manifest" in r.output, r.output
+    manifest = json.loads((data_dir / "all.html.manifest.json").read_text())["manifest"]
+    assert manifest["period"]["start"] is None and manifest["inputs"]["format"] == "html"
+    assert run("audit", "verify", data_dir / "all.html", "--data-dir", data_dir).exit_code == 0
     r = run("report", "usage", "--data-dir", data_dir, "--period", "2026-13")
     assert r.exit_code == 2 and "period '2026-13'" in r.output
     r = run("report", "usage", "--data-dir", data_dir / "nope")

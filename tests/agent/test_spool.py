@@ -1,0 +1,171 @@
+"""The on-disk spool and the spooling pusher, against a scripted HTTP server and the real collector."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import zstandard
+
+from agent.exposition import make_registry
+from agent.push import HttpPusher
+from agent.records import GpuSample
+from agent.sampler import Agent
+from agent.sources.simulated import SimulatedSource
+from agent.spool import Spool, SpoolingPusher
+from prometheus_client import generate_latest
+
+
+def samples(n: int = 2, ts: float = 1_700_000_000.0) -> list[GpuSample]:
+    return [GpuSample(ts=ts, host="n1", gpu_uuid=f"GPU-{i}", gpu_index=i, power_watts=100.0) for i in range(n)]
+
+
+class Scripted:
+    """Answers POSTs with the next status of ``script`` (then ``default``); records each decoded batch."""
+
+    def __init__(self, script: list[int] | None = None, default: int = 200) -> None:
+        self.script, self.default = list(script or []), default
+        self.received: list[dict] = []  # every request, whatever was answered
+        self.statuses: list[int] = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "zstd":
+                    body = zstandard.ZstdDecompressor().decompress(body)
+                outer.received.append(json.loads(body))
+                status = outer.script.pop(0) if outer.script else outer.default
+                outer.statuses.append(status)
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/api/v1/samples"
+
+    def acked(self) -> list[int]:
+        return [r["seq"] for r, s in zip(self.received, self.statuses) if 200 <= s < 300]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def scripted():
+    made: list[Scripted] = []
+
+    def make(*a, **kw) -> Scripted:
+        made.append(Scripted(*a, **kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def test_spool_is_ordered_bounded_and_survives_reopening(tmp_path):
+    sp = Spool(tmp_path, max_bytes=10_000, max_batches=3)
+    for seq in (5, 3, 9, 7):  # four into a spool of three: the oldest (lowest seq) goes
+        sp.put(seq, b"x" * 100, samples=seq)
+    assert sp.seqs() == [5, 7, 9] and (sp.dropped_batches, sp.dropped_samples) == (1, 3)
+    (tmp_path / ".00000000000000000011-1.json.tmp").write_bytes(b"half")  # a write cut by a crash
+    (tmp_path / "README").write_text("not a batch")
+    again = Spool(tmp_path, max_bytes=250, max_batches=10)  # reopened with a smaller byte bound
+    assert again.seqs() == [7, 9] and again.bytes == 200 and again.dropped_batches == 1
+    assert not (tmp_path / ".00000000000000000011-1.json.tmp").exists()
+    b, body = again.oldest()
+    assert (b.seq, b.samples, body) == (7, 7, b"x" * 100)
+    again.put(12, b"y" * 1000, samples=1)  # bigger than the bound alone: kept, everything older dropped
+    assert again.seqs() == [12] and again.dropped_batches == 3
+
+
+def test_delivers_in_order_with_jittered_exponential_backoff(tmp_path, scripted):
+    srv = scripted([503, 503, 503])  # down for three attempts (a 5xx is retried), then fine
+    sleeps: list[float] = []
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=100), Spool(tmp_path / "s"),
+                       backoff_base_s=1.0, backoff_max_s=3.0, rng=random.Random(7), sleep=sleeps.append)
+    seqs = [p.write(samples()) for _ in range(4)]
+    assert seqs == [100, 101, 102, 103] and p.spool.depth == 4
+    assert p.drain() is True
+    assert srv.acked() == seqs  # in order, each once
+    assert [r["seq"] for r in srv.received] == [100, 100, 100, 100, 101, 102, 103]  # the same seq on every retry
+    rng = random.Random(7)
+    expected = [b * (0.5 + 0.5 * rng.random()) for b in (1.0, 2.0, 3.0)]  # capped at backoff_max_s
+    assert sleeps == pytest.approx(expected)
+    assert p.spool.depth == 0 and p.failures == 0 and p.sent_batches == 4
+    p.close()
+
+
+def test_a_4xx_batch_is_dropped_and_counted_but_401_is_kept(tmp_path, scripted):
+    srv = scripted([422, 401])
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), sleep=lambda s: None)
+    p.write(samples(3))
+    p.write(samples(1))
+    assert p.send_pending() is False  # 422: batch 1 dropped; 401: batch 2 kept for a retry
+    assert p.rejected_batches == 1 and p.rejected_samples == 3 and p.spool.seqs() == [2]
+    assert p.drain() is True and srv.acked() == [2]
+    p.close()
+
+
+def test_spool_and_seq_survive_an_agent_restart(tmp_path, scripted):
+    srv = scripted(default=503)
+    spool_dir = tmp_path / "spool"
+    first = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=50), Spool(spool_dir), sleep=lambda s: None)
+    first.write(samples())
+    first.write(samples())
+    assert first.drain(max_attempts=2) is False
+    first.close()  # the collector is down: nothing sent, both kept on disk
+    srv.default = 200
+    # The restarted agent's clock-based seq would be far higher; a low seq_start shows the spool wins.
+    second = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(spool_dir), sleep=lambda s: None)
+    assert second.write(samples()) == 52  # after the spooled ones, never a reused number
+    assert second.drain() is True
+    assert srv.acked() == [50, 51, 52]
+    second.close()
+
+
+def test_background_sender_with_the_real_collector_and_agent_metrics(tmp_path):
+    from collector.server import CollectorServer
+    from collector.store import SqliteStore
+
+    now = time.time()
+    store = SqliteStore(tmp_path / "c.sqlite")
+    port_holder = CollectorServer(store).start()  # find a port, then stop: the collector is "down" at first
+    url = port_holder.url
+    port_holder.stop()
+    pusher = SpoolingPusher(HttpPusher(url + "/api/v1/samples", "a", "sim", timeout=2), Spool(tmp_path / "s"),
+                            backoff_base_s=0.05, backoff_max_s=0.2).start()
+    agent = Agent(SimulatedSource(host="sim", gpus=2, clock=iter(now - 60 + i for i in range(100)).__next__),
+                  sinks=[pusher])
+    for _ in range(5):
+        agent.tick()
+    deadline = time.monotonic() + 5
+    while pusher.failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    text = generate_latest(make_registry(agent)).decode()
+    assert "gpuledger_agent_spool_batches 5.0" in text and "gpuledger_agent_spool_dropped_batches_total 0.0" in text
+    host, port = url.removeprefix("http://").split(":")
+    srv = CollectorServer(store, host=host, port=int(port)).start()  # back, on the same address
+    try:
+        deadline = time.monotonic() + 15
+        while pusher.spool.depth and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pusher.spool.depth == 0 and pusher.sent_batches == 5
+        assert store.totals()["samples"] == 10 and store.batches_seen() == 5
+        agent.close()  # closes the pusher
+    finally:
+        srv.stop()
+        store.close()

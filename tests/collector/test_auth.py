@@ -1,0 +1,189 @@
+"""Bearer tokens bound to hosts, read-only and admin roles, settings loading, and TLS, over real HTTP."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+import httpx
+import pytest
+
+from agent.push import HttpPusher, PushError
+from agent.records import GpuSample, JobRecord
+from collector.auth import Authenticator
+from collector.config import ConfigError, load_settings
+from collector.server import CollectorServer, tls_context
+from collector.store import SqliteStore
+
+NOW = 1_700_000_000.0
+N1, N2, ADMIN, READ = "tok-node01-aaaaaaaaaaaa", "tok-node02-bbbbbbbbbbbb", "tok-admin-cccccccccccc", "tok-read-dddddddddddd"
+
+
+def batch(seq: int, host: str = "n1", sample_hosts: tuple[str, ...] = ("n1", "n1")) -> dict:
+    return {"agent_id": f"agent-{host}", "seq": seq, "host": host, "samples": [
+        GpuSample(ts=NOW - 100 + i, host=h, gpu_uuid="GPU-a", gpu_index=0, job_ids=("7",)).to_dict()
+        for i, h in enumerate(sample_hosts)]}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def srv(tmp_path):
+    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW)
+    auth = Authenticator({"n1": N1, "n2": N2}, admin_tokens=[ADMIN], read_tokens=[READ])
+    s = CollectorServer(store, clock=lambda: NOW, auth=auth, priority_feed=tmp_path / "feed.json").start()
+    with httpx.Client(base_url=s.url, timeout=10) as c:
+        yield s, c
+    s.stop()
+    store.close()
+
+
+def test_identify_is_exact_and_role_bound():
+    a = Authenticator({"n1": N1}, admin_tokens=[ADMIN], read_tokens=[READ])
+    assert a.identify(f"Bearer {N1}").name == "n1" and a.identify(f"bearer  {ADMIN} ").role == "admin"
+    assert a.identify(f"Bearer {READ}").role == "read"
+    for bad in (None, "", N1, f"Basic {N1}", f"Bearer {N1}x", f"Bearer {N1[:-1]}", "Bearer "):
+        assert a.identify(bad) is None
+    assert not Authenticator().enabled and a.enabled
+
+
+def test_samples_need_the_token_of_their_own_host(srv):
+    s, c = srv
+    r = c.post("/api/v1/samples", json=batch(1))
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
+    assert c.post("/api/v1/samples", json=batch(1), headers=bearer("tok-wrong-eeeeeeeeeeee")).status_code == 401
+    r = c.post("/api/v1/samples", json=batch(1), headers=bearer(N2))  # n2's token, n1's batch
+    assert r.status_code == 403 and "'n1'" in r.json()["error"] and "'n2'" in r.json()["error"]
+    # n1's batch host, but one sample claims n2: refused whole, naming the sample
+    r = c.post("/api/v1/samples", json=batch(2, sample_hosts=("n1", "n2")), headers=bearer(N1))
+    assert r.status_code == 403 and "seq=2" in r.json()["error"] and "sample[1].host" in r.json()["error"]
+    for token in (ADMIN, READ):  # only node tokens write samples
+        assert c.post("/api/v1/samples", json=batch(3), headers=bearer(token)).status_code == 403
+    assert c.get("/api/v1/totals", headers=bearer(READ)).json()["samples"] == 0
+    r = c.post("/api/v1/samples", json=batch(1), headers=bearer(N1))
+    assert r.status_code == 200 and r.json()["accepted"] == 2
+    metrics = c.get("/metrics").text  # public
+    assert 'gpuledger_collector_batches_rejected_total{reason="forbidden",status="403"} 4.0' in metrics
+    assert 'gpuledger_collector_batches_rejected_total{reason="unauthorized",status="401"} 2.0' in metrics
+    assert 'gpuledger_collector_samples_rejected_total{reason="forbidden"} 4.0' in metrics
+
+
+def test_read_and_admin_roles_on_query_endpoints(srv):
+    s, c = srv
+    job = [JobRecord("1", cluster="c").to_dict()]
+    for path in ("/api/v1/usage", "/api/v1/jobs", "/api/v1/totals", "/api/v1/priority"):
+        assert c.get(path).status_code == 401, path
+        assert c.get(path, headers=bearer(N1)).status_code == 403, path  # a node token reads nothing
+        for token in (READ, ADMIN):
+            assert c.get(path, headers=bearer(token)).status_code in (200, 404), path  # 404: no feed yet
+    assert c.post("/api/v1/jobs", json=job, headers=bearer(READ)).status_code == 403
+    assert c.post("/api/v1/jobs", json=job, headers=bearer(N1)).status_code == 403
+    assert c.post("/api/v1/jobs", json=job).status_code == 401
+    assert c.post("/api/v1/jobs", json=job, headers=bearer(ADMIN)).json() == {"received": 1, "changed": 1}
+    assert [j["job_id"] for j in c.get("/api/v1/jobs", headers=bearer(READ)).json()] == ["1"]
+    for path in ("/healthz", "/metrics", "/api/v1/openapi.json"):
+        assert c.get(path).status_code == 200, path
+
+
+def test_pusher_sends_its_token(srv):
+    s, c = srv
+    p = HttpPusher(s.url + "/api/v1/samples", agent_id="x", host="n1", token=N1, seq_start=9)
+    samples = [GpuSample.from_dict(d) for d in batch(0)["samples"]]
+    assert p.write(samples) == 9
+    bad = HttpPusher(s.url + "/api/v1/samples", agent_id="x", host="n1", token=N2)
+    with pytest.raises(PushError) as e:
+        bad.write(samples)
+    assert e.value.status == 403
+    p.close()
+    bad.close()
+
+
+def test_settings_from_file_tokens_file_env_and_flags(tmp_path):
+    (tmp_path / "tokens.toml").write_text(f'admin_tokens = ["{ADMIN}"]\n[tokens]\nn2 = "{N2}"\n')
+    (tmp_path / "gpuledger.toml").write_text(
+        f'cluster = "x"\n[accounting]\npolicy = "blend"\n[collector]\nport = 9000\nwindow_s = 60\n'
+        f'tokens_file = "tokens.toml"\n[collector.tokens]\nn1 = "{N1}"\n')
+    st = load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_PORT": "9100"}, overrides={"window_s": None, "host": "::1"})
+    assert (st.port, st.window_s, st.host) == (9100, 60.0, "::1")
+    assert st.tokens == {"n1": N1, "n2": N2} and st.admin_tokens == [ADMIN] and st.auth_enabled
+    assert not load_settings(tmp_path / "nothing-here").auth_enabled  # no file, no tokens: auth off
+
+
+@pytest.mark.parametrize("table,needle", [
+    ('port = "many"', "collector.port"),
+    ('bogus = 1', "collector.bogus"),
+    ('[collector.tokens]\nn1 = "short"', "at least 16"),
+    (f'admin_tokens = ["{N1}"]\n[collector.tokens]\nn1 = "{N1}"', "same token"),
+    ('tls_cert = "a.pem"', "tls_key"),
+])
+def test_bad_settings_name_the_setting(tmp_path, table, needle):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[collector]\n" + table + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(tmp_path, cfg, env={})
+    assert needle in str(e.value) and str(cfg) in str(e.value)
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path, tmp_path / "missing.toml", env={})
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuledger-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_with_a_self_signed_certificate(tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW)
+    s = CollectorServer(store, clock=lambda: NOW, tls=tls_context(cert, key),
+                        auth=Authenticator({"n1": N1})).start()
+    try:
+        assert s.url.startswith("https://")
+        ctx = ssl.create_default_context(cafile=str(cert))
+        with httpx.Client(base_url=s.url, verify=ctx, timeout=10) as c:
+            r = c.post("/api/v1/samples", json=batch(1), headers=bearer(N1))
+            assert r.status_code == 200 and r.json()["accepted"] == 2
+        with pytest.raises(httpx.ConnectError):  # the system CAs do not vouch for it
+            httpx.get(s.url + "/healthz", timeout=5)
+        with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port gets no answer
+            httpx.get(s.url.replace("https", "http") + "/healthz", timeout=5)
+        p = HttpPusher(s.url + "/api/v1/samples", agent_id="x", host="n1", token=N1, verify=str(cert), seq_start=2)
+        p.write([GpuSample.from_dict(d) for d in batch(0)["samples"]])
+        p.close()
+        with httpx.Client(base_url=s.url, verify=ctx) as c:  # still serving after the failed handshakes
+            assert c.get("/healthz").json() == {"status": "ok"}
+    finally:
+        s.stop()
+        store.close()
+
+
+def test_serve_refuses_a_bad_config_with_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from collector.cli import app
+
+    (tmp_path / "gpuledger.toml").write_text('[collector]\ntls_cert = "c.pem"\n')
+    r = CliRunner().invoke(app, ["serve", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "tls_key" in r.output
+    r = CliRunner().invoke(app, ["serve", "--data-dir", str(tmp_path), "--tls-cert", "nope.pem", "--tls-key", "k.pem"])
+    assert r.exit_code == 2 and "error" in r.output

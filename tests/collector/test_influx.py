@@ -1,0 +1,262 @@
+"""The InfluxDB sink against real servers: Debian's InfluxDB 1.6 (/write, InfluxQL) and VictoriaMetrics
+(v2 write API through influxdb-client, read back through its Prometheus API). Both are started here
+on free loopback ports and stopped by PID."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.records import GpuSample, JobRecord
+from collector.sinks.influx import (
+    InfluxSink,
+    escape_measurement,
+    escape_tag,
+    fairshare_lines,
+    fields,
+    sample_lines,
+    string_field,
+)
+from collector.store import SqliteStore
+from collector.validate import Batch
+
+pytestmark = pytest.mark.influx
+T0 = 1_700_000_000.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, ok: tuple[int, ...], proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=1).status_code in ok:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready: {log.read_text()[-2000:]}")
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def start_vm(d: Path, port: int) -> subprocess.Popen:
+    if not shutil.which("victoria-metrics"):
+        pytest.skip("Debian package victoria-metrics not installed")
+    p = start(["victoria-metrics", f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={d}",
+               "-retentionPeriod=100y", "-search.latencyOffset=0s"], d.with_suffix(".log"))
+    wait_http(f"http://127.0.0.1:{port}/health", (200,), p, d.with_suffix(".log"))
+    return p
+
+
+@pytest.fixture(scope="module")
+def influx1(tmp_path_factory):
+    if not shutil.which("influxd"):
+        pytest.skip("Debian package influxdb not installed")
+    d = tmp_path_factory.mktemp("influx")
+    port, bind = free_port(), free_port()
+    conf = d / "influxdb.conf"
+    conf.write_text(f"""reporting-enabled = false
+bind-address = "127.0.0.1:{bind}"
+[meta]
+  dir = "{d}/meta"
+[data]
+  dir = "{d}/data"
+  wal-dir = "{d}/wal"
+  query-log-enabled = false
+[monitor]
+  store-enabled = false
+[http]
+  bind-address = "127.0.0.1:{port}"
+  log-enabled = false
+[ifql]
+  bind-address = "127.0.0.1:{free_port()}"
+""")
+    p = start(["influxd", "run", "-config", str(conf)], d / "influx.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/ping", (204,), p, d / "influx.log")
+        httpx.post(f"{url}/query", data={"q": "CREATE DATABASE gl"}).raise_for_status()
+        yield url
+    finally:
+        stop(p)
+
+
+@pytest.fixture(scope="module")
+def vm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vm") / "data"
+    port = free_port()
+    p = start_vm(d, port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(p)
+
+
+def influxql(url: str, q: str) -> list[dict]:
+    r = httpx.get(f"{url}/query", params={"db": "gl", "q": q, "epoch": "ms"})
+    r.raise_for_status()
+    res = r.json()["results"][0]
+    assert "error" not in res, res
+    return res.get("series", [])
+
+
+def sample(ts: float, host: str = "n1", uuid: str = "GPU-1", **kw) -> GpuSample:
+    base = dict(gpu_index=0, model="NVIDIA H200", power_watts=350.5, energy_joules=1000.0 + ts - T0,
+                sm_active_ratio=0.5, dram_bw_ratio=0.25, mem_used_bytes=123456789012, temp_celsius=41.0,
+                throttle_reasons=0, job_ids=("101",))
+    base.update(kw)
+    return GpuSample(ts=ts, host=host, gpu_uuid=uuid, **base)
+
+
+# -- pure encoding --------------------------------------------------------------------------------
+
+def test_escaping_rules():
+    assert escape_tag("a b,c=d\\e\nf") == r"a\ b\,c\=d\\e f"
+    assert escape_measurement("gpu job,x=1") == r"gpu\ job\,x=1"
+    assert string_field('say "hi" \\ ok') == r'"say \"hi\" \\ ok"'
+    assert fields([("a", 1), ("b", 1.0), ("c", None), ("d", float("nan")), ("e", True), ("f", 2**64)]) == \
+        "a=1i,b=1.0,e=true"
+
+
+def test_sample_lines_schema():
+    s = sample(T0 + 0.25, mig="1.0", job_ids=("7", "8"), job_shares=(0.75, 0.25), xid_errors=(79, 48),
+               sm_occupancy_ratio=None)
+    gpu, j7, j8 = sample_lines([s])
+    assert gpu.startswith("gpu,gpu=0,host=n1,mig=1.0,model=NVIDIA\\ H200,uuid=GPU-1 ")
+    assert gpu.endswith(f" {round((T0 + 0.25) * 1000)}")
+    fs = dict(kv.split("=") for kv in gpu.split(" ")[2].split(","))
+    assert fs["power_watts"] == "350.5" and fs["mem_used_bytes"] == "123456789012i"
+    assert fs["xid_errors"] == "2i" and fs["jobs"] == "2i" and "sm_occupancy_ratio" not in fs
+    assert "jobid" not in gpu  # no job ids on the per-GPU series
+    assert j7.startswith("gpu_job,host=n1,jobid=7,mig=1.0,uuid=GPU-1 share=0.75,sm_active_ratio=0.5,")
+    assert j8.split(" ")[1].startswith("share=0.25")
+    (plain,) = sample_lines([sample(T0, job_ids=())])
+    assert ",mig=" not in plain
+
+
+def test_fairshare_lines():
+    (acct, user) = fairshare_lines([
+        {"account": "phys", "user": None, "fairshare": 0.5, "site_factor": 500, "effective_usage": 0.1, "raw_usage": 3},
+        {"account": "phys", "user": "ann b", "fairshare": 0.25, "site_factor": 250.0, "effective_usage": 0.2,
+         "raw_usage": 7.5}], ts=T0)
+    assert acct == f"fairshare,account=phys effective_usage=0.1,fairshare=0.5,raw_usage=3.0,site_factor=500i {int(T0 * 1000)}"
+    assert user.startswith(r"fairshare,account=phys,user=ann\ b ")
+
+
+# -- real servers ---------------------------------------------------------------------------------
+
+def test_v1_write_path_against_influxdb_1_6(influx1, tmp_path):
+    sink = InfluxSink(influx1, api="v1", database="gl", batch_lines=50)
+    store = SqliteStore(tmp_path / "s.sqlite", sinks=[sink], summary_interval_s=3600)
+    store.put_jobs([JobRecord("101", cluster="c1", user="ann", account="phys", partition="gpu")])
+    odd_host = "rack 1,node=2"  # every character a tag must escape
+    samples = [sample(T0 + i, host=odd_host) for i in range(120)]
+    samples += [sample(T0 + i, host=odd_host, uuid="GPU-2", job_ids=("101", "102"), job_shares=(0.5, 0.5))
+                for i in range(120)]
+    for i in range(0, 240, 60):
+        store.ingest(Batch("a", i, odd_host, tuple(samples[i:i + 60])))
+    store.compact()  # also writes the job summaries
+    sink.write_lines(fairshare_lines([{"account": "phys", "user": "ann", "fairshare": 0.5, "site_factor": 5,
+                                       "effective_usage": 0.1, "raw_usage": 2.0}], ts=T0))
+    assert sink.flush(30)
+    store.close()
+    sink.close()
+    # job summaries: 2 jobs when first seen (then rate-limited), 2 more at compaction
+    assert sink.stats.written_lines == 240 + 360 + 2 + 2 + 1 and sink.stats.dropped_lines == 0
+    (s,) = influxql(influx1, "SELECT count(power_watts) FROM gpu GROUP BY host")
+    assert s["tags"]["host"] == odd_host and s["values"][0][1] == 240
+    (s,) = influxql(influx1, "SELECT power_watts, mem_used_bytes, jobs FROM gpu WHERE uuid='GPU-2' LIMIT 1")
+    assert s["values"][0] == [int(T0 * 1000), 350.5, 123456789012, 2]
+    rows = influxql(influx1, "SELECT sum(share) FROM gpu_job GROUP BY jobid")
+    assert {r["tags"]["jobid"]: r["values"][0][1] for r in rows} == {"101": 180.0, "102": 60.0}
+    (u,) = influxql(influx1, "SELECT last(allocated_gpu_seconds), last(gpus) FROM job_usage "
+                             "WHERE jobid='101' GROUP BY account, \"user\", partition, cluster")
+    assert u["tags"] == {"account": "phys", "user": "ann", "partition": "gpu", "cluster": "c1"}
+    assert u["values"][0][1] == pytest.approx(119 + 119 * 0.5) and u["values"][0][2] == 2
+    (f,) = influxql(influx1, "SELECT fairshare, site_factor FROM fairshare")
+    assert f["values"][0][1:] == [0.5, 5]
+
+
+def test_v1_refused_batch_is_counted_not_retried(influx1):
+    sink = InfluxSink(influx1, api="v1", database="nosuchdb", sleep=lambda s: None)
+    sink.write_lines(["m f=1.0 1"])
+    sink.flush()
+    sink.close()
+    assert sink.stats.rejected_lines == 1 and sink.stats.failed_writes == 0
+    assert "database not found" in sink.stats.last_error
+
+
+def test_v2_write_path_against_victoria_metrics(vm):
+    sink = InfluxSink(vm, api="v2", bucket="b", org="o", token="t", batch_lines=100)
+    ss = [sample(T0 + i, uuid=f"GPU-{g}", gpu_index=g, job_ids=(f"{g}00",)) for g in range(3) for i in range(50)]
+    sink.write(ss)
+    assert sink.flush(30)
+    sink.close()
+    assert sink.stats.written_lines == 300
+    httpx.get(f"{vm}/internal/force_flush").raise_for_status()
+    r = httpx.get(f"{vm}/api/v1/export", params={"match[]": '{__name__="gpu_power_watts"}'})
+    import json
+    series = [json.loads(x) for x in r.text.splitlines()]
+    assert sorted(s["metric"]["uuid"] for s in series) == ["GPU-0", "GPU-1", "GPU-2"]
+    assert all(len(s["values"]) == 50 and set(s["values"]) == {350.5} for s in series)
+    assert series[0]["metric"]["model"] == "NVIDIA H200" and "jobid" not in series[0]["metric"]
+    assert sorted(series[0]["timestamps"])[:2] == [int(T0 * 1000), int(T0 * 1000) + 1000]
+    q = httpx.get(f"{vm}/api/v1/query", params={"query": "count(gpu_job_share) by (jobid)", "time": T0 + 49}).json()
+    assert sorted(x["metric"]["jobid"] for x in q["data"]["result"]) == ["000", "100", "200"]
+
+
+def test_retries_with_backoff_until_the_server_appears(tmp_path):
+    port = free_port()
+    waits: list[float] = []
+
+    def sleep(s: float) -> None:
+        waits.append(s)
+        time.sleep(0.2)
+
+    sink = InfluxSink(f"http://127.0.0.1:{port}", api="v2", sleep=sleep, backoff_s=0.1, max_retries=200, flush_interval_s=0.05,
+                      timeout_s=5)
+    sink.write([sample(T0)])
+    time.sleep(0.5)
+    p = start_vm(tmp_path / "vm", port)
+    try:
+        assert sink.flush(60)
+        assert sink.stats.written_lines == 2 and sink.stats.failed_writes >= 1
+        assert waits[:3] == [0.1, 0.2, 0.4]
+    finally:
+        sink.close()
+        stop(p)
+
+
+def test_overflow_and_giving_up_are_counted():
+    sink = InfluxSink(f"http://127.0.0.1:{free_port()}", api="v1", max_buffer_lines=10, max_retries=2,
+                      sleep=lambda s: None, timeout_s=1)
+    sink.write_lines([f"m f={i}.0 {i}" for i in range(8)])
+    sink.write_lines([f"m f={i}.0 {i}" for i in range(8)])  # would exceed the buffer if still queued
+    sink.flush(30)
+    sink.close()
+    st = sink.stats
+    assert st.written_lines == 0 and st.dropped_lines == 16 and st.failed_writes >= 3

@@ -1,0 +1,37 @@
+"""``compact``/``series``/``totals`` on a real store file."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from agent.records import GpuSample
+from collector.store import SqliteStore
+from collector.store_cli import DB_NAME, app
+from collector.validate import Batch
+
+H = 3600.0 * 480_000
+
+
+def test_compact_series_totals(tmp_path):
+    store = SqliteStore(tmp_path / DB_NAME)
+    ss = tuple(GpuSample(ts=H + i * 10, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=100.0 + i,
+                         job_ids=("5",)) for i in range(400))
+    store.ingest(Batch("a", 0, "n1", ss))
+    store.close()
+    run = CliRunner().invoke
+    r = run(app, ["compact", "--data-dir", str(tmp_path), "--now", str(H + 86400)])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["rolled_minutes"] == 56 and out["tiers"][1]["rows"] == 56  # (3990 - 600) // 60 closed minutes
+    r = run(app, ["series", "n1", "G0", "--start", str(H), "--end", str(H + 119), "--data-dir", str(tmp_path)])
+    assert [json.loads(x)["ts"] for x in r.output.splitlines()] == [H + i * 10 for i in range(12)]
+    r = run(app, ["series", "n1", "G0", "--start", str(H), "--end", str(H + 3599), "--step", "3600",
+                  "--tier", "1m", "--data-dir", str(tmp_path)])
+    (p,) = [json.loads(x) for x in r.output.splitlines()]
+    assert p["samples"] == 360 and p["mean"]["power_watts"] == sum(100.0 + i for i in range(360)) / 360
+    r = run(app, ["totals", "--data-dir", str(tmp_path)])
+    t = json.loads(r.output)
+    assert t["samples"] == 400 and t["allocated_gpu_seconds"] == 3990.0
+    assert run(app, ["totals", "--data-dir", str(tmp_path / "nope")]).exit_code == 2

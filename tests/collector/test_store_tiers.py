@@ -1,0 +1,237 @@
+"""Chunked raw storage, rollup tiers, retention, compaction idempotence, tier picking, migration."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+
+import msgpack
+import numpy as np
+import pytest
+
+from agent.records import SAMPLE_FIELDS, GpuSample
+from collector.rollup import RollupPoint
+from collector.store import HOUR, MINUTE, RAW, Retention, SqliteStore
+from collector.validate import Batch
+
+H = 3600.0 * 480_000  # an hour (and day) boundary
+DAY = 86400.0
+
+
+def gen(n: int, step: float = 10.0, gpus=("G0", "G1"), t0: float = H, seed: int = 0) -> list[GpuSample]:
+    rnd = random.Random(seed)
+    out = []
+    for g in gpus:
+        e = 0.0
+        for i in range(n):
+            e += rnd.uniform(100, 900)
+            out.append(GpuSample(ts=t0 + i * step, host="n1", gpu_uuid=g, gpu_index=0, model="H200",
+                                 power_watts=round(rnd.uniform(80, 700), 1), energy_joules=e,
+                                 sm_active_ratio=rnd.choice([None, round(rnd.random(), 3)]),
+                                 mem_used_bytes=rnd.randrange(10**11), job_ids=("7",)))
+    return out
+
+
+def ingest_all(store: SqliteStore, samples: list[GpuSample], size: int = 500, agent: str = "a") -> None:
+    for i, j in enumerate(range(0, len(samples), size)):
+        store.ingest(Batch(agent, i, "n1", tuple(samples[j:j + size])))
+
+
+def chunk_rows(store: SqliteStore, tier: int) -> list[tuple]:
+    return store._db.execute(
+        "SELECT host, gpu_uuid, mig, bucket, t_min, t_max, n FROM chunks WHERE tier=? ORDER BY 1,2,3,4,5", (tier,)
+    ).fetchall()
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_raw_samples_live_in_chunks_not_rows(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite")
+    ss = gen(300)  # 3,000 s per GPU: within one raw hour
+    store.ingest(Batch("a", 0, "n1", tuple(ss)))
+    rows = chunk_rows(store, RAW)
+    assert [(r[1], r[6]) for r in rows] == [("G0", 300), ("G1", 300)]
+    assert store.series("n1", "G0", H, H + 1e6) == [s for s in ss if s.gpu_uuid == "G0"]
+    total = store._db.execute("SELECT SUM(LENGTH(data)) FROM chunks").fetchone()[0]
+    assert total / len(ss) < 40  # bytes per sample (random data: incompressible mem_used and sm ratios)
+    store.close()
+
+
+def test_compaction_rolls_up_closed_minutes_exactly_and_is_idempotent(tmp_path):
+    clock = Clock(H + 4 * 3600)
+    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=clock)
+    ss = gen(1200, step=10.0)  # 3 h 20 min per GPU, in 500-sample batches: many small chunks
+    ingest_all(store, ss)
+    assert len(chunk_rows(store, RAW)) > 8
+    st = store.compact()
+    watermark = H + 1199 * 10
+    horizon = (watermark - 600) // 60 * 60
+    # minute rows exist exactly for [first minute, horizon): 20 samples' worth of minutes per 200 s
+    minutes = store._db.execute("SELECT SUM(n) FROM chunks WHERE tier=1 AND gpu_uuid='G0'").fetchone()[0]
+    assert minutes == (horizon - H) / 60 and st.rolled_minutes == 2 * minutes
+    assert st.rolled_hours == 2 * 3  # three whole hours closed
+    # a minute's rollup equals the raw samples' statistics
+    pts = store.series("n1", "G0", H + 120, H + 179, step=60, tier=MINUTE)
+    assert [p.ts for p in pts] == [H + 120]
+    raw = [s for s in ss if s.gpu_uuid == "G0" and H + 120 <= s.ts < H + 180]
+    (p,) = pts
+    assert p.samples == len(raw) == 6
+    pw = [s.power_watts for s in raw]
+    assert p.values["power_watts"] == (6, pytest.approx(sum(pw)), min(pw), max(pw))
+    sm = [s.sm_active_ratio for s in raw if s.sm_active_ratio is not None]
+    assert p.values.get("sm_active_ratio", (0,))[0] == len(sm)
+    # an hour rollup equals the sum of its minutes
+    (hp,) = store.series("n1", "G0", H, H + 3599, step=3600, tier=HOUR)
+    mins = store.series("n1", "G0", H, H + 3599, step=60, tier=MINUTE)
+    assert hp.samples == sum(m.samples for m in mins) == 360
+    assert hp.values["energy_joules"][3] == max(m.values["energy_joules"][3] for m in mins)
+    # the open raw hour was merged once closed, and chunks of closed hours are single
+    per = {}
+    for r in chunk_rows(store, RAW):
+        per[(r[1], r[3])] = per.get((r[1], r[3]), 0) + 1
+    assert all(c == 1 for (g, b), c in per.items() if b + 3600 <= clock.t)
+    before = (chunk_rows(store, RAW), chunk_rows(store, MINUTE), chunk_rows(store, HOUR))
+    again = store.compact()
+    assert (again.rolled_minutes, again.rolled_hours, again.merged_chunks, again.deleted_chunks) == (0, 0, 0, 0)
+    assert (chunk_rows(store, RAW), chunk_rows(store, MINUTE), chunk_rows(store, HOUR)) == before
+    assert store.series("n1", "G0", H, H + 1e6) == [s for s in ss if s.gpu_uuid == "G0"]
+    store.close()
+
+
+def test_minute_at_the_horizon_waits_for_late_samples(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
+    mk = lambda ts, p: GpuSample(ts=ts, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=p)  # noqa: E731
+    store.ingest(Batch("a", 0, "n1", (mk(H, 1.0), mk(H + 59, 2.0), mk(H + 660, 3.0))))
+    store.compact()  # horizon = H + 60: only minute H is closed
+    assert [(p.ts, p.samples) for p in store.series("n1", "G0", H, H + 59, step=60, tier=MINUTE)] == [(H, 2)]
+    store.ingest(Batch("a", 1, "n1", (mk(H + 61, 4.0),)))  # late but within the window
+    store.compact()
+    assert store._until(("n1", "G0", ""), MINUTE) == H + 60
+    store.ingest(Batch("a", 2, "n1", (mk(H + 721, 5.0),)))
+    store.compact()  # horizon H + 120: minute H+60 now closed with the late sample
+    pts = store.series("n1", "G0", H, H + 119, step=60, tier=MINUTE)
+    assert [(p.ts, p.samples, p.mean("power_watts")) for p in pts] == [(H, 2, 1.5), (H + 60, 1, 4.0)]
+    store.close()
+
+
+def test_rollup_query_fills_the_recent_tail_from_raw(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
+    ss = gen(400, gpus=("G0",))
+    ingest_all(store, ss)
+    before = store.series("n1", "G0", H, H + 4000, step=60, tier=MINUTE)  # nothing rolled up: all from raw
+    store.compact()
+    after = store.series("n1", "G0", H, H + 4000, step=60, tier=MINUTE)  # stored minutes + raw tail
+    assert [p.to_dict() for p in before] == [p.to_dict() for p in after]
+    assert len(after) == 67 and sum(p.samples for p in after) == 400
+    # a coarser step re-buckets; the result starts at the step boundary
+    five = store.series("n1", "G0", H + 10, H + 4000, step=300, tier=MINUTE)
+    assert five[0].ts == H and sum(p.samples for p in five) == 400
+    store.close()
+
+
+def test_retention_drops_only_rolled_up_data_and_queries_pick_the_complete_tier(tmp_path):
+    clock = Clock(H + 4 * 3600)
+    ret = Retention(raw_s=2 * 3600, minute_s=5 * 3600, raw_chunk_s=600, minute_chunk_s=3600, hour_chunk_s=3600)
+    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=clock, retention=ret)
+    ss = gen(1080, step=10.0, gpus=("G0",))  # H .. H + 3 h
+    ingest_all(store, ss)
+    gk = ("n1", "G0", "")
+    assert store.pick_tier(gk, H) == RAW and store.pick_tier(gk, H, step=60) == MINUTE
+    assert store.pick_tier(gk, H, step=3600) == HOUR and store.pick_tier(gk, H, step=30) == RAW
+    st = store.compact()  # now = H + 4 h: raw before H + 2 h may go, it is rolled up (horizon H+2h50)
+    raw = chunk_rows(store, RAW)
+    assert st.deleted_chunks == 12 and min(r[3] for r in raw) == H + 2 * 3600
+    assert store.pick_tier(gk, H) == MINUTE and store.pick_tier(gk, H + 2 * 3600) == RAW
+    pts = store.series("n1", "G0", H, H + 3 * 3600)
+    assert isinstance(pts[0], RollupPoint) and pts[0].tier == "1m" and sum(p.samples for p in pts) == 1080
+    assert len(store.series("n1", "G0", H + 2 * 3600, H + 3 * 3600)) == 360  # raw samples
+    clock.t = H + 8 * 3600  # minute rows before H + 3 h expire (only up to the hour tier's H + 2 h); hours stay for good
+    store.compact()
+    assert store.pick_tier(gk, H) == HOUR
+    hours = store.series("n1", "G0", H, H + 3 * 3600)
+    assert [p.tier for p in hours] == ["1h"] * 3 and sum(p.samples for p in hours) == 1080
+    assert store.tiers()[HOUR]["rows"] == 2  # third hour not closed when minutes were cut at H+2h50
+    store.close()
+
+
+def test_retention_never_drops_raw_that_is_not_rolled_up(tmp_path):
+    ret = Retention(raw_s=3600, raw_chunk_s=600)
+    clock = Clock(H + 30 * DAY)
+    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=clock, retention=ret)
+    ss = gen(30, step=10.0, gpus=("G0",))  # 300 s: the GPU then went silent; its window never closes
+    ingest_all(store, ss)
+    store.compact()
+    assert store.series("n1", "G0", H, H + 1e6) == ss
+    with pytest.raises(ValueError, match="late window"):
+        SqliteStore(tmp_path / "t.sqlite", window_s=3600, retention=ret)
+    store.close()
+
+
+def test_restart_after_compaction_keeps_aggregation_exact(tmp_path):
+    clock = Clock(H + 10 * 3600)
+    ret = Retention(raw_s=2 * 3600, raw_chunk_s=600)
+    ss = gen(1500, step=10.0, seed=3)
+    rnd = random.Random(1)
+    ss.sort(key=lambda s: s.ts + rnd.uniform(-200, 200))  # late samples straddle batches and restarts
+    one = SqliteStore(tmp_path / "one.sqlite", clock=clock, retention=ret)
+    two = SqliteStore(tmp_path / "two.sqlite", clock=clock, retention=ret)
+    for i, j in enumerate(range(0, len(ss), 250)):
+        b = Batch("a", i, "n1", tuple(ss[j:j + 250]))
+        one.ingest(b)
+        two.ingest(b)
+        clock.t += 600
+        two.compact()
+        two.close()
+        two = SqliteStore(tmp_path / "two.sqlite", clock=clock, retention=ret)
+    ua = {(u.job_id, u.gpu_uuid): u.to_dict() for u in one.job_usage(per_gpu=True)}
+    ub = {(u.job_id, u.gpu_uuid): u.to_dict() for u in two.job_usage(per_gpu=True)}
+    assert ua.keys() == ub.keys()
+    for k in ua:
+        for f, v in ua[k].items():
+            assert v == (pytest.approx(ub[k][f], rel=1e-9) if isinstance(v, float) else ub[k][f]), (k, f)
+    assert one.totals() == pytest.approx(two.totals())
+    one.close()
+    two.close()
+
+
+def test_schema_1_rows_are_migrated_into_chunks(tmp_path):
+    path = tmp_path / "old.sqlite"
+    ss = gen(20, gpus=("G0",))
+    db = sqlite3.connect(path)
+    db.executescript("""
+      CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+      CREATE TABLE samples (host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, ts REAL NOT NULL,
+        data BLOB NOT NULL, PRIMARY KEY (host, gpu_uuid, mig, ts)) WITHOUT ROWID;
+    """)
+    db.execute("INSERT INTO meta VALUES ('schema', '1')")
+    import json
+    db.execute("INSERT INTO meta VALUES ('sample_fields', ?)", (json.dumps(SAMPLE_FIELDS),))
+    for s in ss:
+        row = [getattr(s, f) for f in SAMPLE_FIELDS]
+        db.execute("INSERT INTO samples VALUES (?,?,?,?,?)",
+                   (s.host, s.gpu_uuid, "", s.ts, msgpack.packb(row, use_bin_type=True)))
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    assert store.series("n1", "G0", 0, 2e9) == ss
+    assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
+    assert not store._db.execute("SELECT 1 FROM sqlite_master WHERE name='samples'").fetchone()
+    store.close()
+
+
+def test_rollup_means_match_numpy_over_random_data(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
+    ss = gen(2000, step=3.7, gpus=("G0",), seed=9)
+    ingest_all(store, ss, size=333)
+    store.compact()
+    pts = store.series("n1", "G0", H, H + 1e5, step=3600, tier=HOUR)
+    for p in pts:
+        inside = [s for s in ss if p.ts <= s.ts < p.ts + 3600]
+        assert p.samples == len(inside)
+        assert p.mean("power_watts") == pytest.approx(np.mean([s.power_watts for s in inside]), rel=1e-12)

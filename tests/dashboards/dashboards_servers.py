@@ -1,0 +1,199 @@
+"""Real InfluxDB 1.x and Prometheus servers for the dashboard tests (Debian packages, loopback, free ports).
+
+Each server runs from a temporary directory, binds only 127.0.0.1 and is stopped (SIGTERM to the PID we
+started, SIGKILL after a grace period) when its context exits. Nothing here knows about dashboards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http(url: str, data: bytes | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class _Server:
+    binary: str = ""
+
+    def __init__(self, workdir: Path) -> None:
+        if shutil.which(self.binary) is None:
+            raise RuntimeError(f"{self.binary} not installed (Debian package; see .ci/ensure-debs)")
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / f"{self.binary}.log"
+
+    def _spawn(self, argv: list[str]) -> None:
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+
+    def _wait(self, ready: Any, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                if ready():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{what} not ready after {timeout} s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.stop()
+
+
+class InfluxServer(_Server):
+    """InfluxDB 1.x (``influxd``) with one database; ``query`` runs InfluxQL and returns the JSON results."""
+
+    binary = "influxd"
+
+    def __init__(self, workdir: Path, db: str = "gpuledger") -> None:
+        super().__init__(workdir)
+        self.db = db
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> InfluxServer:
+        w = self.workdir
+        # Every listener on loopback; Debian's build spells the phone-home switch "reporting-enabled".
+        conf = f"""reporting-enabled = false
+bind-address = "127.0.0.1:{free_port()}"
+[meta]
+  dir = "{w}/meta"
+[data]
+  dir = "{w}/data"
+  wal-dir = "{w}/wal"
+  query-log-enabled = false
+  max-series-per-database = 0
+  max-values-per-tag = 0
+[monitor]
+  store-enabled = false
+[http]
+  bind-address = "127.0.0.1:{self.port}"
+  log-enabled = false
+[ifql]
+  bind-address = "127.0.0.1:{free_port()}"
+"""
+        (w / "influxdb.conf").write_text(conf)
+        self._spawn(["influxd", "run", "-config", str(w / "influxdb.conf")])
+        try:
+            self._wait(lambda: _http(f"{self.url}/ping")[0] == 204, "influxd")
+            self.query(f'CREATE DATABASE "{self.db}"', post=True)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def query(self, q: str, post: bool = False) -> list[dict[str, Any]]:
+        """Run InfluxQL; returns the ``results`` list; raises on an error in any statement."""
+        params = {"q": q, "db": self.db, "epoch": "ms"}
+        if post:
+            status, body = _http(f"{self.url}/query", urllib.parse.urlencode(params).encode())
+        else:
+            status, body = _http(f"{self.url}/query?{urllib.parse.urlencode(params)}")
+        doc = json.loads(body or b"{}")
+        if status != 200 or "error" in doc:
+            raise RuntimeError(f"InfluxQL failed ({status}): {doc.get('error')}\n{q}")
+        for r in doc.get("results", []):
+            if "error" in r:
+                raise RuntimeError(f"InfluxQL failed: {r['error']}\n{q}")
+        return list(doc.get("results", []))
+
+    def write_lines(self, lines: list[str]) -> None:
+        status, body = _http(f"{self.url}/write?db={self.db}&precision=ns", "\n".join(lines).encode())
+        if status != 204:
+            raise RuntimeError(f"InfluxDB write failed ({status}): {body[:500]!r}")
+
+
+class PrometheusServer(_Server):
+    """Prometheus scraping the given loopback targets every second; ``query``/``query_range`` use its HTTP API."""
+
+    binary = "prometheus"
+
+    def __init__(self, workdir: Path, targets: dict[str, list[str]], interval_s: int = 1) -> None:
+        super().__init__(workdir)
+        self.targets = targets
+        self.interval_s = interval_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> PrometheusServer:
+        w = self.workdir
+        jobs = "".join(
+            f"  - job_name: {name}\n    static_configs:\n      - targets: {json.dumps(addrs)}\n"
+            for name, addrs in self.targets.items()
+        )
+        (w / "prometheus.yml").write_text(
+            f"global:\n  scrape_interval: {self.interval_s}s\n  evaluation_interval: {self.interval_s}s\n"
+            f"scrape_configs:\n{jobs}"
+        )
+        self._spawn([
+            "prometheus", f"--config.file={w / 'prometheus.yml'}", f"--storage.tsdb.path={w / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+        ])
+        try:
+            self._wait(lambda: _http(f"{self.url}/-/ready")[0] == 200, "prometheus")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def api(self, path: str, **params: str | float) -> Any:
+        status, body = _http(f"{self.url}{path}?{urllib.parse.urlencode(params)}")
+        doc = json.loads(body or b"{}")
+        if status != 200 or doc.get("status") != "success":
+            raise RuntimeError(f"Prometheus {path} failed ({status}): {doc.get('error')} {params}")
+        return doc["data"]
+
+    def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        return dict(self.api("/api/v1/query", query=expr, time=at if at is not None else time.time()))
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> dict[str, Any]:
+        return dict(self.api("/api/v1/query_range", query=expr, start=start, end=end, step=step))
+
+    def metric_names(self) -> set[str]:
+        return set(self.api("/api/v1/label/__name__/values"))
+
+    def wait_for(self, expr: str, timeout: float = 20.0) -> None:
+        """Until ``expr`` returns a non-empty instant vector (e.g. every target scraped at least once)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.query(expr)["result"]:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"Prometheus: {expr!r} still empty after {timeout} s: {self.log.read_text()[-1500:]}")

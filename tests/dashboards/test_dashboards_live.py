@@ -1,0 +1,234 @@
+"""Every panel's query, interpolated as Grafana would, against a real InfluxDB 1.x and a real Prometheus
+(Debian packages on free loopback ports) filled by a short demo run and a small live fleet: each returns data,
+the GPU-state panels count correctly, and every measurement, field, tag and metric named exists in the server.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dashboards_grafana import ROOT, Context, interpolate, load, query_variables, targets  # first: sys.path
+from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
+from dashboards_servers import InfluxServer, PrometheusServer
+
+from agent.push import HttpPusher
+from accounting.cli import fairshare_rows, feed_from_rows
+from accounting.priority import write_feed
+from collector.server import FEED_NAME, CollectorServer
+from collector.sinks.influx import InfluxSink, fairshare_lines
+from collector.store import SqliteStore
+from dashboards import influxdb_defs, lint, prometheus_defs
+from dashboards.schema import INFLUX_SCHEMA
+from gpuledger.demo import STORE_NAME, run_demo
+
+pytestmark = [pytest.mark.influx, pytest.mark.timeout(180)]
+
+INFLUX_FILES = sorted((ROOT / "dashboards" / "influxdb").glob("*.json"))
+PROM_FILES = sorted((ROOT / "dashboards" / "prometheus").glob("*.json"))
+OPTIONAL_TAGS = {"mig"}  # written only for MIG instances; the test fleet has none
+
+
+@dataclass
+class Stack:
+    influx: InfluxServer
+    prom: PrometheusServer
+    fleet_started: float
+    demo_jobs: set[str]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("dashboards")
+    with ExitStack() as es:
+        influx = es.enter_context(InfluxServer(tmp / "influx"))
+        sink = InfluxSink(influx.url, api="v1", database=influx.db, flush_interval_s=0.2)
+        es.callback(sink.close)
+        data = tmp / "data"
+        demo = run_demo(data, nodes=2, gpus_per_node=4, hours=0.2, step_s=10, seed=0, extra_sinks=[EnrichingSink(sink)])
+        store = SqliteStore(data / STORE_NAME)
+        es.callback(store.close)
+        jobs = {j.job_id: j for j in store.jobs()}
+        sink.write_job_usage(list(demo.usage.values()), jobs)
+        now = time.time()
+        rows, settings = fairshare_rows(data, None, None, now=now)
+        feed = feed_from_rows(rows, settings, now)
+        write_feed(data / FEED_NAME, feed)
+        sink.write_lines(fairshare_lines(feed["associations"], now - 60) + fairshare_lines(feed["associations"], now))
+
+        collector = CollectorServer(store, priority_feed=data / FEED_NAME).start()
+        es.callback(collector.stop)
+        fleet = LiveFleet(collector.url, extra_sinks=[sink]).start()
+        es.callback(fleet.close)
+        started = time.time()
+        prom = es.enter_context(PrometheusServer(tmp / "prom", {
+            "agents": fleet.addresses, "collector": [collector.url.removeprefix("http://")]}))
+        prom.wait_for("count(up == 1) == 4")
+        prom.wait_for("count(count_over_time(gpuledger_gpu_power_watts[1m]) >= 4) == 10")  # rates need points
+        # A replayed snapshot: the collector rejects its samples as duplicates (the "rejected" series).
+        replay = HttpPusher(f"{collector.url}/api/v1/samples", agent_id="dash-replay", host="live01")
+        replay.write(fleet.agents["live01"].snapshot)
+        replay.close()
+        fleet.stop_host(LOST_HOST)
+        prom.wait_for("count(up == 0) == 1")
+        prom.wait_for("count_over_time(gpuledger_collector_samples_rejected_total[1m]) >= 3")
+        assert fleet.errors() == {}
+        assert sink.flush() and sink.stats.rejected_lines == sink.stats.dropped_lines == 0, sink.stats
+        yield Stack(influx, prom, started, set(demo.usage))
+
+
+# -- Prometheus ---------------------------------------------------------------------------------------------
+def _prom_context(stack: Stack) -> Context:
+    end = time.time()
+    return Context(start=stack.fleet_started - 5, end=end, interval_s=1, scrape_s=1)
+
+
+def _prom_has_data(data: dict[str, Any]) -> bool:
+    for series in data["result"]:
+        values = series.get("values") or [series.get("value")]
+        if any(v is not None and not math.isnan(float(v[1])) for v in values):
+            return True
+    return False
+
+
+def _prom_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> None:
+    for v in query_variables(doc):
+        q = interpolate(v["query"], "prometheus", ctx)
+        selector, label = q.removeprefix("label_values(").removesuffix(")").rsplit(",", 1)
+        series = stack.prom.api("/api/v1/series", **{"match[]": selector, "start": ctx.start, "end": ctx.end})
+        values = sorted({s[label.strip()] for s in series if label.strip() in s})
+        assert values, f"variable ${v['name']}: {q} found nothing"
+        if v["name"] == "jobid":
+            assert SHARED_JOB in values
+            values = [SHARED_JOB]
+        ctx.values[v["name"]] = values if v.get("includeAll") else values[:1]
+        if v.get("multi") or v.get("includeAll"):
+            ctx.multi.add(v["name"])
+    for v in doc["templating"]["list"]:
+        if v["type"] == "custom":
+            ctx.values[v["name"]] = [v["current"]["value"]]
+
+
+def _midnight(now: float) -> float:
+    d = dt.datetime.fromtimestamp(now)
+    return d.replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+
+
+@pytest.mark.parametrize("path", PROM_FILES, ids=lambda p: p.stem)
+def test_prometheus_panels_return_data(stack: Stack, path: Path) -> None:
+    doc = load(path)
+    ctx = _prom_context(stack)
+    _prom_variable_values(stack, doc, ctx)
+    empty = []
+    for q in targets(doc):
+        c = ctx.for_panel(q.time_from, _midnight(ctx.end))
+        expr = interpolate(q.text, "prometheus", c)
+        data = stack.prom.query(expr, at=c.end) if q.instant else stack.prom.query_range(expr, c.start, c.end, c.interval_s)
+        if not _prom_has_data(data):
+            empty.append(f"{q.where}: {expr}")
+    assert empty == []
+
+
+def test_prometheus_state_panels_count_each_state(stack: Stack) -> None:
+    ctx = _prom_context(stack)
+    ctx.values["idle"] = ["0.05"]
+    got = {}
+    for state, q in prometheus_defs.STATE_QUERIES.items():
+        result = stack.prom.query(interpolate(q, "prometheus", ctx), at=ctx.end)["result"]
+        got[state] = int(float(result[0]["value"][1]))
+    assert got == EXPECTED_STATES
+
+
+def test_prometheus_metrics_named_exist(stack: Stack) -> None:
+    stored = stack.prom.metric_names()
+    named = {m for path in PROM_FILES for q in targets(load(path)) for m in lint.prom_metrics(q.text)}
+    assert named - stored == set()
+    assert "gpuledger_gpu_sm_active_ratio" in named and "gpuledger_fairshare_ratio" in named
+    assert "gpuledger_gpu_sm_util" not in stored  # a misnamed metric would be caught
+
+
+# -- InfluxDB -----------------------------------------------------------------------------------------------
+def _influx_context() -> Context:
+    end = time.time()
+    return Context(start=end - 15 * 60, end=end, interval_s=10)
+
+
+def _influx_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
+    return [row for r in results for s in r.get("series", []) for row in s.get("values", [])]
+
+
+def _influx_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> None:
+    for v in query_variables(doc):
+        q = interpolate(v["query"], "influxdb", ctx)
+        values = sorted({row[1] for row in _influx_rows(stack.influx.query(q))})
+        assert values, f"variable ${v['name']}: {q} found nothing"
+        if v["name"] == "jobid":
+            assert set(values) <= stack.demo_jobs
+        ctx.values[v["name"]] = values if v.get("includeAll") else values[:1]
+        if v.get("multi") or v.get("includeAll"):
+            ctx.multi.add(v["name"])
+    for v in doc["templating"]["list"]:
+        if v["type"] == "custom":
+            ctx.values[v["name"]] = [v["current"]["value"]]
+
+
+@pytest.mark.parametrize("path", INFLUX_FILES, ids=lambda p: p.stem)
+def test_influx_panels_return_data(stack: Stack, path: Path) -> None:
+    doc = load(path)
+    ctx = _influx_context()
+    _influx_variable_values(stack, doc, ctx)
+    empty = []
+    for q in targets(doc):
+        text = interpolate(q.text, "influxdb", ctx.for_panel(q.time_from, _midnight(ctx.end)))
+        rows = _influx_rows(stack.influx.query(text))
+        if not any(v is not None for row in rows for v in row[1:]):
+            empty.append(f"{q.where}: {text}")
+    assert empty == []
+
+
+def test_influx_state_panels_count_each_state(stack: Stack) -> None:
+    # The demo's GPUs are in the "now" window too, so the live fleet's states are lower bounds, except "lost".
+    ctx = _influx_context()
+    ctx.values["idle"] = ["0.05"]
+    got = {}
+    for state, q in influxdb_defs.STATE_QUERIES.items():
+        rows = _influx_rows(stack.influx.query(interpolate(q, "influxdb", ctx)))
+        got[state] = int(rows[0][1]) if rows else 0
+    assert got["lost"] == EXPECTED_STATES["lost"]
+    for state in ("busy", "allocated-idle", "free"):
+        assert got[state] >= EXPECTED_STATES[state], got
+    assert sum(got.values()) == 2 * 4 + 10  # the demo's 8 GPUs and the fleet's 10: each in exactly one state
+
+
+def _missing_influx_names(stack: Stack, queries: list[str]) -> list[str]:
+    """Measurements, fields and tags the queries name that the server does not hold."""
+    measurements = {row[0] for row in _influx_rows(stack.influx.query("SHOW MEASUREMENTS"))}
+    missing = []
+    for text in queries:
+        named = lint.influx_measurements(text)
+        missing += [f"measurement {m!r}" for m in sorted(named - measurements)]
+        known = set(OPTIONAL_TAGS)
+        for m in named & measurements:
+            known |= {row[0] for row in _influx_rows(stack.influx.query(f'SHOW FIELD KEYS FROM "{m}"'))}
+            known |= {row[0] for row in _influx_rows(stack.influx.query(f'SHOW TAG KEYS FROM "{m}"'))}
+        idents = lint.influx_identifiers(text) - named - lint.influx_aliases(text)
+        missing += [f"{i!r} in {text}" for i in sorted(idents - known)]
+    return missing
+
+
+def test_influx_names_exist(stack: Stack) -> None:
+    measurements = {row[0] for row in _influx_rows(stack.influx.query("SHOW MEASUREMENTS"))}
+    assert measurements == set(INFLUX_SCHEMA)
+    queries = [q for path in INFLUX_FILES for doc in [load(path)]
+               for q in [t.text for t in targets(doc)] + [v["query"] for v in query_variables(doc)]]
+    assert _missing_influx_names(stack, queries) == []
+    # ... and the check does see a name the collector does not write
+    bogus = ['SELECT mean("sm_util") FROM "gpu"', 'SELECT last("x") FROM "gpus"']
+    assert _missing_influx_names(stack, bogus) == [f"'sm_util' in {bogus[0]}", "measurement 'gpus'", f"'x' in {bogus[1]}"]
