@@ -283,7 +283,7 @@ class AuditLog:
         last row must be the head recorded in ``meta`` (else the tail was cut or extended).
         """
         head, expected, n = GENESIS, 1, 0
-        sha, dumps = hashlib.sha256, json.dumps
+        sha = hashlib.sha256
         for seq, kind, job_id, body, prev, h in self._db.execute(
             "SELECT seq, kind, job_id, body, prev, hash FROM entries ORDER BY seq"
         ):
@@ -292,7 +292,7 @@ class AuditLog:
                 bad = Problem(expected, f"missing (deleted): the next stored entry is {seq}")
             elif sha(f"{prev}\n{body}".encode()).hexdigest() != h:
                 bad = Problem(seq, "content does not match its hash (modified)")
-            elif not _body_matches(body, seq, kind, job_id, dumps):
+            elif not _body_matches(body, seq, kind, job_id):
                 bad = _renumbered(body, seq)
             elif prev != head:
                 bad = Problem(seq - 1, f"is not the entry that entry {seq} was chained to (replaced or inserted)")
@@ -316,15 +316,26 @@ class AuditLog:
         return VerifyResult(good, good, row[0] if row else GENESIS, bad)
 
 
-def _body_matches(body: str, seq: int, kind: str, job_id: str | None, dumps: Callable[[Any], str]) -> bool:
+_KIND_JSON = {k: f'"{k}"' for k in KINDS}
+_PLAIN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-")
+
+
+def _body_matches(body: str, seq: int, kind: str, job_id: str | None) -> bool:
     """Fast check that the canonical body's top-level job_id, kind and seq equal the row's columns.
 
     Canonical key order is data, job_id, kind, seq, ts, so the body ends with this text and then ts; the text
-    cannot occur inside ``data`` followed only by a number and the closing brace.
+    cannot occur inside ``data`` followed only by a number and the closing brace. Job ids are short ASCII words
+    that JSON writes as they are, so json.dumps (slow, once per row) is needed only for other text.
     """
-    mid = f',"job_id":{dumps(job_id)},"kind":{dumps(kind)},"seq":{seq},"ts":'
+    if job_id is None:
+        jid = "null"
+    elif _PLAIN_CHARS.issuperset(job_id):
+        jid = f'"{job_id}"'
+    else:
+        jid = json.dumps(job_id)
+    mid = f',"job_id":{jid},"kind":{_KIND_JSON.get(kind) or json.dumps(kind)},"seq":{seq},"ts":'
     pos = body.rfind(mid)
-    if pos < 0 or not body.endswith("}"):
+    if pos < 0 or body[-1:] != "}":
         return False
     rest = body[pos + len(mid):-1]
     return bool(rest) and rest.strip("0123456789.e+-") == ""

@@ -16,6 +16,8 @@ from accounting import report as rpt
 from accounting.config import ConfigError, accounting_settings, load_config
 from accounting.engine import association_usage, compute, load_tree
 from accounting.ledger import load as load_ledger
+from accounting.audit import (job_charges, open_log, record_fairshare, record_job_records, record_priority_change,
+                              record_usage)
 from accounting.priority import feed_document, priority_feed, write_feed
 
 STORE_NAME = "gpuledger.sqlite"
@@ -46,7 +48,6 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 fairshare_app = typer.Typer(help="Slurm-conformant fairshare on measured usage.")
-report_app = typer.Typer(help="Usage reports for admins and auditors.", no_args_is_help=True)
 priority_app = typer.Typer(help="The priority feed Slurm consumes.", no_args_is_help=True)
 jobs_app = typer.Typer(help="Job records in the ledger.", no_args_is_help=True)
 
@@ -74,8 +75,13 @@ def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
 
 
 def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, associations: Path | None = None,
-                   usage_file: Path | None = None, now: float | None = None):
-    """Rows of the fairshare computation, and the settings used (shared by `fairshare` and `priority feed`)."""
+                   usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None):
+    """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo).
+
+    Computed from the ledger (no --usage file), the computation is appended to the audit trail with its inputs:
+    the usage records, each job's charge and decayed charge, the decayed usage per association, the rows and,
+    when ``feed_weight`` is given, the site factors of the feed.
+    """
     from accounting.fairshare_render import parse_usage_csv
 
     cfg_path = config or data_dir / CONFIG_NAME
@@ -83,24 +89,33 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     cfg = _config(data_dir, config)[0] if (config is not None or cfg_path.exists()) else {}
     if associations is None and "accounts" not in cfg:
         raise _fail(f"no association tree: pass --associations FILE or add [accounts] to {cfg_path}")
+    now = time.time() if now is None else now
     try:
         settings = accounting_settings(cfg, cfg_path)
         tree = load_tree(associations, cfg)
         if usage_file is not None:
-            usage = parse_usage_csv(usage_file.read_text())
-        else:
-            store = _open_store(data_dir)
-            try:
-                result = association_usage(load_ledger(store), settings, tree, now if now is not None else time.time())
-            finally:
-                store.close()
-            for (acct, user), v in sorted(result.unknown.items()):
-                err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {user}@{acct} has no association in the tree")
-            if result.unmatched_jobs:
-                err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
-                          f"scheduler record are not charged: {', '.join(result.unmatched_jobs[:10])}")
-            usage = result.usage
-        rows = compute(tree, usage, algorithm or settings.algorithm, settings.dampening)
+            rows = compute(tree, parse_usage_csv(usage_file.read_text()), algorithm or settings.algorithm,
+                           settings.dampening)
+            return rows, settings
+        store = _open_store(data_dir)
+        try:
+            entries = load_ledger(store)
+            usages = store.job_usage()
+        finally:
+            store.close()
+        result = association_usage(entries, settings, tree, now)
+        for (acct, user), v in sorted(result.unknown.items()):
+            err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {user}@{acct} has no association in the tree")
+        if result.unmatched_jobs:
+            err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
+                      f"scheduler record are not charged: {', '.join(result.unmatched_jobs[:10])}")
+        rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
+        with open_log(data_dir) as log:
+            record_usage(log, usages)
+            record_fairshare(
+                log, now=now, settings=settings, charges=job_charges(entries, settings, now), usage=result.usage,
+                rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (),
+            )
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     return rows, settings
@@ -127,47 +142,11 @@ def fairshare(
         typer.echo(render_table(rows), nl=False)
 
 
-@report_app.command("usage")
-def report_usage(
-    data_dir: DataDir = Path("gpuledger-data"),
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
-) -> None:
-    """GPU-hours allocated and SM-active, efficiency and energy per account and user."""
-    store = _open_store(data_dir)
-    try:
-        rows = rpt.by_account_user(rpt.job_rows(load_ledger(store)))
-    finally:
-        store.close()
-    if fmt is Fmt.json:
-        typer.echo(rpt.to_json(rows))
-    elif fmt is Fmt.csv:
-        typer.echo(rpt.to_csv(rows), nl=False)
-    else:
-        console.print(rpt.rich_table("Usage by account and user", rpt.GROUP_COLUMNS, rows))
-
-
-@report_app.command("jobs")
-def report_jobs(
-    data_dir: DataDir = Path("gpuledger-data"),
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
-) -> None:
-    """Per-job measured usage (jobs seen by only one side are marked with *)."""
-    store = _open_store(data_dir)
-    try:
-        rows = rpt.job_rows(load_ledger(store))
-    finally:
-        store.close()
-    if fmt is Fmt.json:
-        typer.echo(rpt.to_json(rows))
-    elif fmt is Fmt.csv:
-        typer.echo(rpt.to_csv(rows), nl=False)
-    else:
-        console.print(rpt.rich_table("Jobs", rpt.JOB_COLUMNS, rows))
-
-
 def build_feed(data_dir: Path, config: Path | None, now: float | None = None) -> dict:
     now = time.time() if now is None else now
-    rows, settings = fairshare_rows(data_dir, config, None, now=now)
+    cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
+    weight = accounting_settings(cfg).priority_weight
+    rows, settings = fairshare_rows(data_dir, config, None, now=now, feed_weight=weight)
     return feed_from_rows(rows, settings, now)
 
 
@@ -279,14 +258,11 @@ def jobs_import(
     store = SqliteStore(data_dir / STORE_NAME)
     try:
         changed = store.put_jobs(records)
-        _audit_jobs(data_dir, records)
     finally:
         store.close()
+    with open_log(data_dir) as log:
+        record_job_records(log, records)
     typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
-
-
-def _audit_jobs(data_dir: Path, records) -> None:
-    """Hook for the audit trail (a no-op until the audit log is wired)."""
 
 
 @priority_app.command("apply")
@@ -305,7 +281,8 @@ def priority_apply(
     doc = build_feed(data_dir, config)
     write_feed(data_dir / FEED_NAME, doc)
     try:
-        plan, outcomes = run_apply(SlurmClient(), doc["associations"], dry_run, record=_priority_recorder(data_dir))
+        with open_log(data_dir) as log:
+            plan, outcomes = run_apply(SlurmClient(), doc["associations"], dry_run, record=record_priority_change(log))
     except (SlurmParseError, SlurmCommandError, OSError) as e:
         raise _fail(str(e)) from None
     for o in outcomes:
@@ -318,8 +295,3 @@ def priority_apply(
     typer.echo(f"{len(outcomes)} change(s), {len(plan.unchanged)} unchanged, {len(plan.skipped)} skipped")
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
-
-
-def _priority_recorder(data_dir: Path):
-    """Each applied change goes to the audit trail with its inputs (wired to the audit log)."""
-    return None

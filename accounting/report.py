@@ -445,20 +445,25 @@ class UsageReport:
 
 
 class _Cols:
-    """One group's per-record values as columns of C doubles.
+    """One group's per-record values as one interleaved column of C doubles (``vals``, NCOL per record).
 
-    Each record is read once, in ledger order, and its numbers copied into contiguous arrays; every sum is then one
-    math.fsum over an array (exact reconciliation). Grouping references instead (lists of records, re-read per
-    quantity) made a million-record report several times slower: records of one group lie scattered in memory.
+    Each record is read once, in ledger order, and its numbers copied into contiguous memory with one ``extend``;
+    every sum is then one math.fsum over a strided slice (exact reconciliation). Grouping references instead
+    (lists of records, re-read per quantity) made a million-record report several times slower: the records of
+    one group lie scattered in memory.
     """
 
-    __slots__ = ("alloc", "active", "energy", "hbm_w", "hbm_s", "priced", "co2", "wait", "jobs", "unmeasured", "ids")
+    __slots__ = ("vals", "co2", "wait", "jobs", "unmeasured", "ids")
 
     def __init__(self) -> None:
-        self.alloc, self.active, self.energy = array("d"), array("d"), array("d")
-        self.hbm_w, self.hbm_s, self.priced, self.co2, self.wait = array("d"), array("d"), array("d"), array("d"), array("d")
+        self.vals = array("d")
+        self.co2, self.wait = array("d"), array("d")
         self.jobs = self.unmeasured = 0
         self.ids: set[str] = set()  # by node only: a job on several GPUs of a node is one job there
+
+
+# Column order in _Cols.vals. hbm_w/hbm_s are 0 where HBM is not reported (adding 0 leaves an fsum exact).
+ALLOC, ACTIVE, ENERGY, HBM_W, HBM_S, PRICED, NCOL = range(7)
 
 
 # Group key of a (record, usage) unit; usage is the per-GPU record when grouping by node. Inline conditionals:
@@ -534,7 +539,17 @@ def usage_report(
         if u0 is None:
             c.unmeasured += 1
             continue
-        _add(c, r, u0, grid, priced, prices, settings)
+        # _add(), inlined for the common path: this runs once per job record
+        alloc, energy, d = u0.allocated_gpu_seconds, u0.energy_joules, u0.dram_bw_mean
+        if priced:
+            model = u0.model or (r.gpu_model if r is not None and r.gpu_model else "")
+            price = prices.get(model)
+            if price is None:
+                price = prices[model] = settings.gpu_hour_price(model)
+        c.vals.extend((alloc, u0.sm_active_gpu_seconds, energy, 0.0 if d is None else d * alloc,
+                       0.0 if d is None else alloc, alloc * price if priced else 0.0))
+        if grid is not None:
+            c.co2.append(energy / KWH * grid.mean(u0.first_ts, u0.last_ts) / 1000.0)
     rows = [_usage_row(k, [c], c.jobs, c.wait, c.unmeasured, settings) for k, c in sorted(groups.items())]
     # The totals: one fsum over every record (not a sum of rounded group sums), so they reconcile exactly.
     total = _usage_row(TOTAL, list(groups.values()), n_jobs, tot.wait, tot.unmeasured, settings)
@@ -543,34 +558,29 @@ def usage_report(
 
 def _add(c: _Cols, r: Any, u: JobUsage, grid: GridIntensity | None, priced: bool, prices: dict[str, float],
          settings: ReportSettings) -> None:
-    """Copy one usage record's numbers into the group's columns (runs once per record: kept lean)."""
-    alloc, energy = u.allocated_gpu_seconds, u.energy_joules
-    c.alloc.append(alloc)
-    c.active.append(u.sm_active_gpu_seconds)
-    c.energy.append(energy)
-    d = u.dram_bw_mean
-    if d is not None:
-        c.hbm_w.append(d * alloc)
-        c.hbm_s.append(alloc)
-    if grid is not None:
-        c.co2.append(energy / KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
+    """Copy one usage record's numbers into the group's columns (inlined in usage_report's common path)."""
+    alloc, energy, d = u.allocated_gpu_seconds, u.energy_joules, u.dram_bw_mean
+    price = 0.0
     if priced:
         model = u.model or (r.gpu_model if r is not None and r.gpu_model else "")
-        price = prices.get(model)
+        price = prices.get(model)  # type: ignore[assignment]
         if price is None:
             price = prices[model] = settings.gpu_hour_price(model)
-        c.priced.append(alloc * price)
+    c.vals.extend((alloc, u.sm_active_gpu_seconds, energy, 0.0 if d is None else d * alloc, 0.0 if d is None else alloc,
+                   alloc * price))
+    if grid is not None:
+        c.co2.append(energy / KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
 
 
 def _usage_row(key: str, cs: list[_Cols], jobs: int, wait: Sequence[float], unmeasured: int,
                settings: ReportSettings) -> UsageRow:
-    def fsum(name: str) -> float:
-        return math.fsum(getattr(cs[0], name)) if len(cs) == 1 else math.fsum(chain.from_iterable(getattr(c, name) for c in cs))
+    def fsum(col: int) -> float:
+        return math.fsum(chain.from_iterable(c.vals[col::NCOL] for c in cs))
 
-    alloc_s, active_s, hbm_s, energy_j = fsum("alloc"), fsum("active"), fsum("hbm_s"), fsum("energy")
+    alloc_s, active_s, hbm_s, energy_j = fsum(ALLOC), fsum(ACTIVE), fsum(HBM_S), fsum(ENERGY)
     kwh = energy_j / KWH
     if settings.grid is not None:
-        co2: float | None = fsum("co2")
+        co2: float | None = math.fsum(chain.from_iterable(c.co2 for c in cs))
     elif settings.co2e_kg_per_kwh is not None:
         co2 = kwh * settings.co2e_kg_per_kwh
     else:
@@ -581,10 +591,10 @@ def _usage_row(key: str, cs: list[_Cols], jobs: int, wait: Sequence[float], unme
         allocated_gpu_hours=alloc_s / HOUR,
         sm_active_gpu_hours=active_s / HOUR,
         efficiency=active_s / alloc_s if alloc_s > 0 else None,
-        hbm_mean=fsum("hbm_w") / hbm_s if hbm_s > 0 else None,
+        hbm_mean=fsum(HBM_W) / hbm_s if hbm_s > 0 else None,
         energy_kwh=kwh,
         co2e_kg=co2,
-        cost=fsum("priced") / HOUR + kwh * settings.price_per_kwh if settings.priced else None,
+        cost=fsum(PRICED) / HOUR + kwh * settings.price_per_kwh if settings.priced else None,
         idle_gpu_hours=max(alloc_s - active_s, 0.0) / HOUR,
         queue_wait_mean_h=math.fsum(wait) / len(wait) / HOUR if wait else None,
         queue_wait_jobs=len(wait),

@@ -171,6 +171,7 @@ def run(
                                          "when the collector is back (survives agent restarts)"),
     spool_max_bytes: int = typer.Option(256 * 2**20, help="spool bound in bytes; beyond it the oldest are dropped"),
     ca_cert: str | None = typer.Option(None, help="CA bundle (PEM) to verify an https collector with"),
+    push_every: int = typer.Option(1, min=1, help="push every N sampling cycles (fewer, larger batches)"),
 ) -> None:
     """Run the agent: sample every --interval, serve /metrics, push batches to --collector."""
     from agent.exposition import serve_metrics  # noqa: PLC0415
@@ -191,12 +192,16 @@ def run(
             except OSError as exc:
                 raise typer.BadParameter(f"--token-file: {exc}") from exc
         pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True)
+        sink: Any = pusher
         if spool_dir:
             from agent.spool import Spool, SpoolingPusher  # noqa: PLC0415
 
-            sinks.append(SpoolingPusher(pusher, Spool(spool_dir, max_bytes=spool_max_bytes)).start())
-        else:
-            sinks.append(pusher)
+            sink = SpoolingPusher(pusher, Spool(spool_dir, max_bytes=spool_max_bytes)).start()
+        if push_every > 1:
+            from agent.push import Batcher  # noqa: PLC0415
+
+            sink = Batcher(sink, push_every)
+        sinks.append(sink)
     agent = Agent(src, stages, sinks=sinks)
     stop = threading.Event()
     server = None

@@ -78,6 +78,12 @@ class SnapshotCollector:
                     family.add_metric(_gpu_labels(s), float(v))
             if family.samples:
                 yield family
+        xids = CounterMetricFamily("gpuledger_gpu_xid_errors", "Xid errors the driver reported since the agent started.",
+                                   labels=GPU_LABELS)
+        models = {(s.host, s.gpu_index, s.gpu_uuid, s.mig or ""): s.model for s in snapshot}
+        for (host, index, uuid, mig), n in sorted(getattr(self.agent, "xid_errors_total", {}).items()):
+            xids.add_metric([host, str(index), uuid, models.get((host, index, uuid, mig), ""), mig], float(n))
+        yield xids
         info = GaugeMetricFamily("gpuledger_gpu_job_info", "Job holding the GPU (1 per GPU and job).", labels=JOB_LABELS)
         for s in snapshot:
             for job in s.job_ids:
@@ -104,8 +110,8 @@ class SnapshotCollector:
         yield GaugeMetricFamily("gpuledger_agent_gpus", "GPUs (and MIG instances) in the latest snapshot.", value=float(len(a.snapshot)))
         for sink in getattr(a, "sinks", ()):  # a spooling pusher (agent.spool) reports its spool
             stats = getattr(sink, "stats", None)
-            if callable(stats):
-                st = stats()
+            st = stats() if callable(stats) else None
+            if st:
                 yield GaugeMetricFamily("gpuledger_agent_spool_batches", "Batches waiting in the spool.", value=float(st["depth"]))
                 yield GaugeMetricFamily("gpuledger_agent_spool_bytes", "Bytes the spool holds on disk.", value=float(st["bytes"]))
                 yield CounterMetricFamily("gpuledger_agent_spool_dropped_batches", "Oldest batches dropped from a full spool.", value=float(st["dropped_batches"]))

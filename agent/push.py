@@ -147,3 +147,42 @@ class HttpPusher:
     def close(self) -> None:
         if self._own_client:
             self._client.close()
+
+
+class Batcher:
+    """A sink that hands ``every`` ticks' samples to ``sink`` at once: sample every 10 s, push every minute.
+
+    Fewer, larger batches cost the collector one durable commit each instead of one per tick. ``flush()`` (and
+    ``close()``) push what is held; a failed push leaves the samples with the inner sink's own error handling.
+    """
+
+    def __init__(self, sink: Any, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"push every {every!r} ticks: must be >= 1")
+        self.sink = sink
+        self.every = every
+        self._held: list[GpuSample] = []
+        self._ticks = 0
+
+    def write(self, samples: Sequence[GpuSample]) -> None:
+        self._held.extend(samples)
+        self._ticks += 1
+        if self._ticks >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        held, self._held, self._ticks = self._held, [], 0
+        if held:
+            self.sink.write(held)
+
+    def stats(self) -> dict[str, int] | None:  # the spool's figures, when the inner sink spools
+        inner = getattr(self.sink, "stats", None)
+        return inner() if callable(inner) else None
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            close = getattr(self.sink, "close", None)
+            if close is not None:
+                close()

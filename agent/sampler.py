@@ -45,6 +45,7 @@ class Agent:
         self._monotonic = monotonic
         # Replaced wholesale each tick (never mutated), so readers on other threads see a whole batch.
         self.snapshot: list[GpuSample] = []
+        self.xid_errors_total: dict[tuple[str, int, str, str], int] = {}
         self.ticks_total = 0
         self.errors_total: dict[str, int] = {k: 0 for k in ERROR_KINDS}
         self.last_tick_seconds: float | None = None  # duration of the last tick
@@ -82,6 +83,10 @@ class Agent:
                 except Exception as exc:  # noqa: BLE001 - skip this mapper, keep the samples
                     self._record_error("mapper", type(mapper).__name__, exc)
         self.snapshot = samples
+        for s in samples:  # cumulative per GPU, so /metrics can export Xids as a counter
+            if s.xid_errors:
+                key = (s.host, s.gpu_index, s.gpu_uuid, s.mig or "")
+                self.xid_errors_total[key] = self.xid_errors_total.get(key, 0) + len(s.xid_errors)
         if samples:
             for sink in self.sinks:
                 try:

@@ -13,6 +13,10 @@ time-series databases do it, then the whole chunk goes through zstd once:
   run-length encoded and msgpacked, because per GPU they rarely change (model, job ids).
 
 Every transformation is exact, so ``decode(encode(x)) == x``; the tests check it on random data.
+
+Small chunks (an agent's batch holds one or a few samples per GPU) are written in a light form instead: the
+columns as plain msgpack lists, zstd-compressed. Per-column numpy work costs far more than it saves on a handful
+of rows; compaction merges the small chunks of an interval into one columnar chunk, and readers accept both.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import zstandard
 from agent.records import SAMPLE_FIELDS, GpuProcess, GpuSample
 
 VERSION = 1
+LIGHT = 2  # the light form of small chunks
+LIGHT_MAX_ROWS = 64
 FLOAT, INT, OBJ = "f", "i", "o"
 _U64 = np.uint64
 _MAX_EXACT = float(2**53)
@@ -145,10 +151,45 @@ def _rle(values: Sequence) -> list:
     return runs
 
 
-def encode_columns(n: int, columns: Sequence[tuple]) -> bytes:
+def _encode_light(n: int, columns: Sequence[tuple]) -> bytes | None:
+    """The light form, or None where it does not apply (numpy columns, or an int msgpack cannot hold)."""
+    meta = []
+    for name, kind, values, *_rest in columns:
+        if isinstance(values, np.ndarray) or len(values) != n:
+            return None
+        meta.append([name, kind, values])
+    try:
+        header = msgpack.packb([LIGHT, n, meta], use_bin_type=True)
+    except (OverflowError, TypeError):
+        return None
+    return _ZC.compress(_HDR.pack(len(header)) + header)
+
+
+def _decode_light(n: int, meta: list) -> dict[str, tuple[str, Any, np.ndarray | None]]:
+    out: dict[str, tuple[str, Any, np.ndarray | None]] = {}
+    for name, kind, values in meta:
+        if kind != OBJ:
+            present = [v for v in values if v is not None]
+            try:
+                arr = np.array(present, dtype=np.float64 if kind == FLOAT else np.int64)
+            except OverflowError:  # an integer beyond int64 stays exact as a generic column
+                out[name] = (OBJ, values, None)
+                continue
+            mask = None if len(present) == n else np.array([v is not None for v in values], dtype=bool)
+            out[name] = (kind, arr, mask)
+        else:
+            out[name] = (OBJ, values, None)
+    return out
+
+
+def encode_columns(n: int, columns: Sequence[tuple], light: bool | None = None) -> bytes:
     """Columns are (name, kind, values) or (name, kind, present_values_array, present_mask) with kind
     FLOAT, INT or OBJ; ``values`` has ``n`` entries (None where absent); the array form holds only the
     present rows and ``present_mask`` (bool, length n) says which, or is None when all are present."""
+    if light or (light is None and n <= LIGHT_MAX_ROWS):  # None: light for small chunks
+        blob = _encode_light(n, columns)
+        if blob is not None:
+            return blob
     meta: list = []
     parts: list[bytes] = []
     for name, kind, values, *rest in columns:
@@ -190,6 +231,8 @@ def decode_columns(blob: bytes) -> tuple[int, dict[str, tuple[str, Any, np.ndarr
     raw = _ZD.decompress(blob)
     (hlen,) = _HDR.unpack_from(raw)
     version, n, meta = msgpack.unpackb(raw[4:4 + hlen], raw=False, use_list=True)
+    if version == LIGHT:
+        return n, _decode_light(n, meta)
     if version != VERSION:
         raise ValueError(f"chunk format {version}, this collector reads {VERSION}")
     pos = 4 + hlen
@@ -248,18 +291,18 @@ ROW_FIELDS: tuple[str, ...] = tuple(f for f in SAMPLE_FIELDS if f not in _KEY)
 ROW_KINDS: dict[str, str] = {f: _KIND.get(_TYPES[f], OBJ) for f in ROW_FIELDS}
 # Numeric sample fields other than the time: what rollups summarise.
 NUMERIC_FIELDS: tuple[str, ...] = tuple(f for f in ROW_FIELDS if ROW_KINDS[f] != OBJ and f not in ("ts", "gpu_index"))
-_GET = operator.attrgetter(*ROW_FIELDS)
+_GETS = [operator.attrgetter(f) for f in ROW_FIELDS]
 _PROC = ROW_FIELDS.index("processes")
 _DEFAULTS = {f: GpuSample.__dataclass_fields__[f].default for f in ROW_FIELDS}
 
 
-def encode_samples(samples: Sequence[GpuSample]) -> bytes:
-    """One GPU's samples (any order) -> a chunk. Tuples are stored as lists."""
-    cols = list(zip(*map(_GET, samples)))
+def encode_samples(samples: Sequence[GpuSample], light: bool | None = None) -> bytes:
+    """One GPU's samples (any order) -> a chunk (``light``: None = by size). Tuples are stored as lists."""
+    cols = [list(map(g, samples)) for g in _GETS]  # per-field map: cheaper than transposing row tuples
     procs = cols[_PROC]
     if any(procs):
         cols[_PROC] = tuple([[p.pid, p.used_memory_bytes] for p in ps] for ps in procs)
-    return encode_columns(len(samples), [(f, ROW_KINDS[f], c) for f, c in zip(ROW_FIELDS, cols)])
+    return encode_columns(len(samples), [(f, ROW_KINDS[f], c) for f, c in zip(ROW_FIELDS, cols)], light)
 
 
 def decode_samples(blob: bytes, host: str, gpu_uuid: str, mig: str | None) -> list[GpuSample]:

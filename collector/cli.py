@@ -63,7 +63,14 @@ def serve(
     except (ConfigError, OSError, ssl.SSLError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s)
+    try:
+        sinks = settings.sinks()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
+                        retention=settings.retention(), sinks=sinks)
+    store.start_background(settings.compact_interval_s)
     server = CollectorServer(
         store, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes,
         auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
@@ -72,7 +79,8 @@ def serve(
     # SIGTERM (systemd, kill) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     auth = "on" if settings.auth_enabled else "off (no tokens configured)"
-    typer.echo(f"collector listening on {server.url}, store {store.path}, auth {auth}")
+    influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if sinks else ""
+    typer.echo(f"collector listening on {server.url}, store {store.path}, auth {auth}{influx}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -80,6 +88,8 @@ def serve(
     finally:
         server.stop()
         store.close()
+        for sink in sinks:  # flush what is buffered for InfluxDB
+            sink.close()
 
 
 @app.command()
@@ -114,3 +124,9 @@ def usage(
             "-" if u.mem_used_peak_bytes is None else f"{u.mem_used_peak_bytes / 1e9:.1f}",
         )
     Console().print(t)
+
+
+# The store's maintenance and query commands (compact, series, totals) sit beside serve and usage.
+from collector import store_cli  # noqa: E402
+
+app.registered_commands.extend(store_cli.app.registered_commands)

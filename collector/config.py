@@ -29,10 +29,11 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from collector.store import Retention
 from collector.validate import MAX_BODY_BYTES
 
 CONFIG_NAME = "gpuledger.toml"
@@ -89,6 +90,30 @@ class CollectorSettings(TokenTables):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     priority_feed: Path | None = None  # default: <data-dir>/priority-feed.json
+    # Tiers (seconds; 0 = keep for good, except raw samples) and the background compaction that applies them.
+    raw_retention_s: float = Field(7 * 86400.0, gt=0)
+    minute_retention_s: float = Field(90 * 86400.0, ge=0)
+    hour_retention_s: float = Field(0.0, ge=0)
+    compact_interval_s: float = Field(300.0, gt=0)
+    # InfluxDB sink (off unless influx_url is set): api "v2" (2.x, 3.x, 1.8+, VictoriaMetrics) or "v1" (/write).
+    influx_url: str | None = None
+    influx_api: Literal["v1", "v2"] = "v2"
+    influx_database: str = "gpuledger"
+    influx_bucket: str = "gpuledger"
+    influx_org: str = "gpuledger"
+    influx_token: str = ""
+
+    def retention(self) -> Retention:
+        return Retention(raw_s=self.raw_retention_s, minute_s=self.minute_retention_s or None,
+                         hour_s=self.hour_retention_s or None)
+
+    def sinks(self) -> list[Any]:
+        if not self.influx_url:
+            return []
+        from collector.sinks.influx import InfluxSink
+
+        return [InfluxSink(self.influx_url, self.influx_api, database=self.influx_database, bucket=self.influx_bucket,
+                           org=self.influx_org, token=self.influx_token)]
 
     @model_validator(mode="after")
     def _consistent(self) -> CollectorSettings:

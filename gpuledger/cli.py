@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from accounting import cli as acct
+from accounting.report_cli import audit_app, report_app
 from agent.cli import app as agent_app
 from collector.cli import app as collector_app
 
@@ -20,7 +21,8 @@ app = typer.Typer(
 app.add_typer(agent_app, name="agent", help="Node agent: sample GPUs, attribute jobs, /metrics, push.")
 app.add_typer(collector_app, name="collector", help="Collector: ingest, aggregate per job, store.")
 app.add_typer(acct.fairshare_app, name="fairshare")
-app.add_typer(acct.report_app, name="report")
+app.add_typer(report_app, name="report")
+app.add_typer(audit_app, name="audit")
 app.add_typer(acct.priority_app, name="priority")
 app.add_typer(acct.jobs_app, name="jobs")
 

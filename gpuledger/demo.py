@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import httpx
 
 from agent.mappers.static import StaticMapper
-from agent.push import HttpPusher
+from agent.push import Batcher, HttpPusher
 from agent.records import JobRecord, JobUsage
 from agent.sampler import Agent
 from agent.sources.simulated import SimulatedSource
@@ -157,7 +157,9 @@ def run_demo(
             host = f"node{n + 1:02d}"
             src = SimulatedSource(host=host, gpus=gpus_per_node, seed=seed * 1000 + n, clock=clock)
             mapper = StaticMapper()
-            pusher = HttpPusher(f"{url}/api/v1/samples", agent_id=f"demo-{host}", host=host)
+            # Sample every step, push every minute of simulated time (one durable commit per minute and node).
+            pusher = Batcher(HttpPusher(f"{url}/api/v1/samples", agent_id=f"demo-{host}", host=host),
+                             every=max(1, int(60 // step_s)))
             sources.append(src)
             mappers.append(mapper)
             agents.append(Agent(src, [mapper], clock=clock, sinks=[pusher, *extra_sinks]))
@@ -197,6 +199,11 @@ def run_demo(
                 running.append(j)
             if progress:
                 progress(k + 1, steps + 1)
+        for a in agents:  # push what the batchers hold before asking for usage
+            for sink in a.sinks:
+                flush = getattr(sink, "flush", None)
+                if flush is not None:
+                    flush()
         for j in running:  # still running at the end of the window: close the books at the last sample
             _finish(j, now[0], sources[j.node], mappers[j.node], state_end=False)
         records = [j.record(cluster, f"node{j.node + 1:02d}") for j in jobs if j.start is not None]
@@ -232,7 +239,9 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from accounting import report as rpt
+    from accounting.audit import PRIVATE_KEY_NAME, keygen, open_log, record_job_records, sign_report
     from accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
+    from accounting.config import accounting_settings, load_config
     from accounting.fairshare_render import render_table
     from accounting.ledger import load as load_ledger
     from accounting.priority import write_feed
@@ -253,13 +262,16 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     store = SqliteStore(data_dir / STORE_NAME)
     try:
         entries = load_ledger(store)
+        with open_log(data_dir) as log:
+            record_job_records(log, store.jobs())
     finally:
         store.close()
     job_rows = rpt.job_rows(entries)
     console.print(rpt.rich_table("Jobs (measured)", rpt.JOB_COLUMNS, job_rows))
 
     now = time.time()
-    rows, settings = fairshare_rows(data_dir, None, None, now=now)
+    weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
+    rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight)  # audited with its inputs
     console.print(f"[bold]Fairshare[/bold] ({settings.algorithm}, charge policy {settings.policy}):")
     console.print(render_table(rows), markup=False, highlight=False)
     feed_path = write_feed(data_dir / FEED_NAME, feed_from_rows(rows, settings, now))
@@ -270,8 +282,15 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
         + "\nJobs\n\n" + rpt.plain_table(rpt.JOB_COLUMNS, job_rows)
     )
     (data_dir / "usage-report.json").write_text(rpt.to_json(groups) + "\n")
+    # The report carries a signed manifest naming its inputs and the audit log's head (`gpuledger audit verify`).
+    if not (data_dir / PRIVATE_KEY_NAME).exists():
+        keygen(data_dir)
+    with open_log(data_dir) as log:
+        manifest = sign_report(report_path, data_dir, log=log, now=now,
+                               inputs={"store": STORE_NAME, "config": CONFIG_NAME, "jobs": len(job_rows)},
+                               period={"from": min(j.submit for j in res.jobs), "to": now})
     console.print(rpt.rich_table("Usage by account and user", rpt.GROUP_COLUMNS, groups))
     console.print(f"priority feed: {feed_path}")
-    console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')})")
+    console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')}), signed: {manifest}")
     console.print(f"next: gpuledger fairshare --data-dir {data_dir}   |   gpuledger report usage --data-dir {data_dir}")
     return res

@@ -54,13 +54,12 @@ def test_idle_job_is_not_active_and_burns_idle_power(demo):
 
 def test_cli_reads_the_demo_data(demo):
     d = str(demo.data_dir)
-    r = runner.invoke(app, ["report", "usage", "--data-dir", d, "--format", "json"])
+    r = runner.invoke(app, ["report", "usage", "--data-dir", d, "--by", "account", "--format", "json"])
     assert r.exit_code == 0, r.output
-    groups = json.loads(r.output)
-    accounts = [g for g in groups if g["user"] is None]
+    doc = json.loads(r.output)
     total = sum(u.allocated_gpu_seconds for u in demo.usage.values()) / 3600
-    assert sum(g["gpu_hours"] for g in accounts) == pytest.approx(total)
-    assert {g["account"] for g in accounts} == {"proj_a", "proj_b"}
+    assert doc["total"]["allocated_gpu_hours"] == pytest.approx(total)
+    assert {g["group"] for g in doc["rows"]} == {"proj_a", "proj_b"}
 
     r = runner.invoke(app, ["fairshare", "--data-dir", d, "--algorithm", "classic", "--format", "json"])
     assert r.exit_code == 0, r.output

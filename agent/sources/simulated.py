@@ -64,6 +64,9 @@ _FREE = Profile("free", Levels(0.0, 0.0, 0.0, 0.0, 0.0, 0.0), noise=0.0)
 # Chosen so training lands near 90 % of TDP and inference mid-range, as on real Hopper parts.
 _W_SM, _W_DRAM, _W_TENSOR = 0.55, 0.35, 0.40
 _BOOST_CLOCK_HZ = 1.98e9
+_HBM_CLOCK_HZ = 2.619e9
+_THROTTLE_IDLE = 0x1  # nvmlClocksEventReasonGpuIdle
+_THROTTLE_SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
 _IDLE_CLOCK_HZ = 345e6
 _AMBIENT_C = 30.0
 _TEMP_RISE_C = 45.0  # at TDP
@@ -266,5 +269,16 @@ class SimulatedSource:
             energy_joules=g.energy,
             temp_celsius=round(temp, 1),
             sm_clock_hz=_BOOST_CLOCK_HZ if util > 0.0 else _IDLE_CLOCK_HZ,
+            # Derived, not drawn, so the random stream (and every value above) stays as it was for a seed.
+            fp64_active_ratio=0.0,
+            fp32_active_ratio=0.15 * sm,
+            fp16_active_ratio=0.5 * tensor,
+            mem_copy_util_ratio=dram,
+            mem_clock_hz=_HBM_CLOCK_HZ,
+            pcie_tx_bytes_per_second=2.0e9 * dram,
+            pcie_rx_bytes_per_second=6.0e9 * dram,
+            throttle_reasons=_THROTTLE_IDLE if util == 0.0 else (_THROTTLE_SW_POWER_CAP if power > 0.97 * self.tdp_watts else 0),
+            ecc_errors_total=0,
+            remapped_rows_total=0,
             source=self.name,
         )

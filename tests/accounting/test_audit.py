@@ -276,3 +276,11 @@ def test_job_charges_decay_per_job_and_sum_to_the_association_usage(tmp_path):
     for user in ("alice", "bob"):
         mine = sum(c.decayed for c in charges if c.user == user)
         assert mine == pytest.approx(per_assoc[("a", user)], rel=1e-12)
+
+
+def test_unusual_job_ids_and_text_verify(tmp_path):
+    with AuditLog(tmp_path / "audit.sqlite") as log:
+        log.append_many([("job_record", {"note": 'quote " and \\ and ü'}, j, None)
+                         for j in ('12"3', "ü-7", "1234_7", "s0123456789ABC", None)])
+        assert log.verify().ok
+        assert [e.job_id for e in log.entries()] == ['12"3', "ü-7", "1234_7", "s0123456789ABC", None]

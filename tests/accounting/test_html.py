@@ -20,7 +20,13 @@ from accounting.report import ReportSettings, parse_period, usage_report
 from agent.records import JobRecord, JobUsage
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (apt-get install chromium)")
+
+
+@pytest.fixture(autouse=True)
+def _needs_chromium() -> None:
+    # A missing browser is a failure, not a skip: make test installs Debian's chromium through .ci/ensure-debs.
+    if CHROMIUM is None:
+        pytest.fail("needs Debian's chromium package (apt-get install chromium)")
 
 
 def T(d: int, h: int = 0) -> float:

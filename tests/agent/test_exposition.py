@@ -141,3 +141,23 @@ def test_serve_metrics_on_port_zero() -> None:
         assert "python_gc_objects_collected_total" not in body
     finally:
         server.shutdown()
+
+
+def test_xid_errors_exported_as_a_counter_per_gpu() -> None:
+    from agent.nvml_fake import FakeNvml, Scenario
+    from agent.sources.nvml import NvmlSource
+
+    t = [1000.0]
+    lib = FakeNvml(Scenario.node(2), clock=lambda: t[0])
+    agent = Agent(NvmlSource(lib=lib, host="n1", clock=lambda: t[0]))
+    agent.open()
+    agent.tick()
+    lib.inject_xid(1, 48)
+    lib.inject_xid(1, 63)
+    t[0] += 1
+    agent.tick()
+    t[0] += 1
+    agent.tick()  # no new Xid: the counter keeps its value
+    values = {s.labels["gpu"]: s.value for f in text_string_to_metric_families(scrape(agent))
+              if f.name == "gpuledger_gpu_xid_errors" for s in f.samples if s.name.endswith("_total")}
+    assert values == {"1": 2.0}

@@ -153,3 +153,30 @@ def test_as_agent_sink_a_down_collector_does_not_stop_the_agent(collector: Colle
     agent.close()
     assert [r["json"]["seq"] for r in collector.requests] == [1, 2, 3]
     assert agent.errors_total["sink"] == 1 and agent.ticks_total == 3
+
+
+def test_batcher_pushes_every_n_ticks_and_on_close() -> None:
+    from agent.push import Batcher
+
+    class Recorder:  # a sink at the boundary: records what it is handed
+        def __init__(self) -> None:
+            self.batches: list[list[GpuSample]] = []
+            self.closed = False
+
+        def write(self, samples):
+            self.batches.append(list(samples))
+
+        def close(self):
+            self.closed = True
+
+    inner = Recorder()
+    b = Batcher(inner, every=3)
+    ticks = [[GpuSample(ts=float(t), host="h", gpu_uuid=f"G{g}", gpu_index=g) for g in range(2)] for t in range(7)]
+    for t in ticks:
+        b.write(t)
+    assert [len(x) for x in inner.batches] == [6, 6]
+    assert [s.ts for s in inner.batches[1]] == [3.0, 3.0, 4.0, 4.0, 5.0, 5.0]
+    b.close()
+    assert [len(x) for x in inner.batches] == [6, 6, 2] and inner.closed
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Batcher(inner, every=0)

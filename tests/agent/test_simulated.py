@@ -225,3 +225,17 @@ def test_fast_enough_for_the_demo() -> None:
     t0 = time.perf_counter()
     run(src, clock, 360)
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_reports_the_secondary_fields_the_dashboards_chart() -> None:
+    t = [1000.0]
+    src = SimulatedSource(gpus=2, seed=1, clock=lambda: t[0], profiles={0: "training", 1: None})
+    src.sample()
+    t[0] += 10.0
+    busy, free = src.sample()
+    assert busy.fp32_active_ratio == pytest.approx(0.15 * busy.sm_active_ratio)
+    assert busy.fp16_active_ratio == pytest.approx(0.5 * busy.tensor_active_ratio)
+    assert busy.mem_copy_util_ratio == busy.dram_bw_ratio and busy.mem_clock_hz == 2.619e9
+    assert busy.pcie_rx_bytes_per_second > busy.pcie_tx_bytes_per_second > 0
+    assert free.throttle_reasons == 0x1 and busy.throttle_reasons in (0, 0x4)  # idle vs. working
+    assert (busy.ecc_errors_total, busy.remapped_rows_total) == (0, 0)

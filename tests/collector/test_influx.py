@@ -65,7 +65,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def start_vm(d: Path, port: int) -> subprocess.Popen:
     if not shutil.which("victoria-metrics"):
-        pytest.skip("Debian package victoria-metrics not installed")
+        pytest.fail("Debian package victoria-metrics not installed (make test installs it through .ci/ensure-debs)")
     p = start(["victoria-metrics", f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={d}",
                "-retentionPeriod=100y", "-search.latencyOffset=0s"], d.with_suffix(".log"))
     wait_http(f"http://127.0.0.1:{port}/health", (200,), p, d.with_suffix(".log"))
@@ -75,7 +75,7 @@ def start_vm(d: Path, port: int) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def influx1(tmp_path_factory):
     if not shutil.which("influxd"):
-        pytest.skip("Debian package influxdb not installed")
+        pytest.fail("Debian package influxdb not installed (make test installs it through .ci/ensure-debs)")
     d = tmp_path_factory.mktemp("influx")
     port, bind = free_port(), free_port()
     conf = d / "influxdb.conf"
