@@ -100,7 +100,7 @@ class HttpPusher:
             "agent_id": self.agent_id,
             "seq": seq,
             "host": self.host,
-            "samples": [s.to_dict() for s in samples],
+            "samples": [s.to_wire() for s in samples],
         }
         try:
             if fmt == "json":

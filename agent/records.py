@@ -107,6 +107,11 @@ class GpuSample:
             out[f] = v
         return out
 
+    def to_wire(self) -> dict[str, Any]:
+        """The compact form agents push: :meth:`to_dict` without the fields that are None or empty (their
+        defaults), so a batch is smaller and the collector validates only what was reported."""
+        return {k: v for k, v in self.to_dict().items() if v is not None and v != []}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GpuSample:
         """Inverse of :meth:`to_dict`. Raises KeyError/TypeError/ValueError on bad input."""

@@ -163,92 +163,136 @@ def parse_batch(
     return Batch(agent_id, seq, host, out)
 
 
+_BAD = object()  # what a field check returns for an invalid value (None can be a valid value)
+
+
+def _opt(check: Any) -> Any:
+    """The check of an optional field: None passes as None."""
+    return lambda v: None if v is None else check(v)
+
+
+def _ratio(v: Any) -> Any:
+    t = type(v)  # exact types: bool is not a number here; NaN fails every comparison
+    if t is float:
+        return v if 0.0 <= v <= 1.0 else _BAD
+    return float(v) if t is int and 0 <= v <= 1 else _BAD
+
+
+def _nonneg(v: Any) -> Any:
+    t = type(v)
+    if t is float:
+        return v if 0.0 <= v <= MAX_FLOAT else _BAD
+    return float(v) if t is int and 0 <= v <= MAX_FLOAT else _BAD
+
+
+def _finite(v: Any) -> Any:
+    t = type(v)
+    if t is float:
+        return v if -MAX_FLOAT <= v <= MAX_FLOAT else _BAD
+    return float(v) if t is int and -MAX_FLOAT <= v <= MAX_FLOAT else _BAD
+
+
+def _count(v: Any) -> Any:
+    return v if type(v) is int and 0 <= v <= MAX_INT else _BAD
+
+
+def _name(v: Any) -> Any:
+    return v if type(v) is str and v else _BAD
+
+
+def _text(v: Any) -> Any:
+    return v if type(v) is str else _BAD
+
+
+def _xids(v: Any) -> Any:
+    return tuple(v) if type(v) is list and all(_is_int(x) for x in v) else _BAD
+
+
+def _job_ids(v: Any) -> Any:
+    ok = type(v) is list and all(type(x) is str and x for x in v) and len(set(v)) == len(v)
+    return tuple(v) if ok else _BAD
+
+
+def _shares(v: Any) -> Any:
+    if type(v) is not list or not all(_is_num(x) and x >= 0 for x in v):
+        return _BAD
+    return tuple(float(x) for x in v)
+
+
+def _processes(v: Any) -> Any:
+    if type(v) is not list or not all(
+        type(p) is list and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))
+        for p in v
+    ):
+        return _BAD
+    return tuple(GpuProcess(p[0], p[1]) for p in v)
+
+
+def _by_annotation(field: str) -> Any:
+    annotation = _SAMPLE_TYPES[field]
+    return lambda v: v if _check_annotation(annotation, v) else _BAD
+
+
+# field -> (check returning the stored value or _BAD, what a valid value is). One dict lookup a field: this
+# is the collector's hottest loop.
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "ts": (lambda v: _BAD if (r := _nonneg(v)) is _BAD or r <= 0 else r,
+           "must be a positive finite number (unix seconds)"),
+    "host": (_name, "must be a non-empty string"),
+    "gpu_uuid": (_name, "must be a non-empty string"),
+    "model": (_text, "must be a string"),
+    "source": (_text, "must be a string"),
+    "gpu_index": (_count, f"must be an integer in 0..{MAX_INT}"),
+    "mig": (_opt(_name), "must be a non-empty string or null"),
+    "xid_errors": (_xids, "must be a list of integers"),
+    "job_ids": (_job_ids, "must be a list of distinct non-empty strings"),
+    "job_shares": (_shares, "must be a list of non-negative finite numbers"),
+    "processes": (_processes, "must be a list of [pid, used_memory_bytes or null]"),
+    **{k: (_opt(_ratio), "ratio must be a finite number in 0..1") for k in _RATIOS},
+    **{k: (_opt(_nonneg), f"must be a finite number in 0..{MAX_FLOAT:g}") for k in _NONNEG},
+    **{k: (_opt(_count), f"must be an integer in 0..{MAX_INT}") for k in _INTS},
+    **{k: (_opt(_finite), f"must be a finite number within +-{MAX_FLOAT:g}") for k in _FLOATS},
+}
+for _f in _FIELDS - _CHECKS.keys():  # a newly added record field: checked by its annotation
+    _CHECKS[_f] = (_by_annotation(_f), f"expected {_SAMPLE_TYPES[_f]}")
+
+
 def _parse_sample(d: Any, i: int, where: str, host: str, now: float, bound: bool = False) -> GpuSample:
-    at = f"{where}: sample[{i}]"
-    if not isinstance(d, dict):
-        raise BatchError(400, f"{at}: must be an object, got {type(d).__name__}")
-    for k in d:
-        if k not in _FIELDS:
-            raise BatchError(400, f"{at}: unknown field {str(k)!r}")
+    if type(d) is not dict:
+        raise BatchError(400, f"{where}: sample[{i}]: must be an object, got {type(d).__name__}")
     for k in _REQUIRED:
         if k not in d:
-            raise BatchError(400, f"{at}.{k}: missing")
-    if d["host"] != host:
-        # Checked before the values. Under a host-bound token another host's sample is a 403, else a 400.
-        status, reason = (403, "forbidden") if bound else (400, "invalid")
-        raise BatchError(status, f"{at}.host: {d['host']!r} differs from the batch's host {host!r}", reason)
-
-    def bad(field: str, why: str, reason: str = "invalid") -> BatchError:
-        return BatchError(400, f"{at}.{field}: {why} (got {d[field]!r})", reason)
-
+            if any(f not in _FIELDS for f in d):
+                break  # name the unknown field first
+            raise BatchError(400, f"{where}: sample[{i}].{k}: missing")
+    else:
+        if d["host"] != host:
+            # Checked before the values. Under a host-bound token another host's sample is a 403, else a 400.
+            status, reason = (403, "forbidden") if bound else (400, "invalid")
+            raise BatchError(status, f"{where}: sample[{i}].host: {d['host']!r} differs from the batch's host {host!r}",
+                             reason)
+    checks = _CHECKS
     for k, v in d.items():
-        if k in _STRS:
-            if not isinstance(v, str) or (k in ("host", "gpu_uuid") and not v):
-                raise bad(k, "must be a non-empty string" if k in ("host", "gpu_uuid") else "must be a string")
-        elif k == "ts":
-            if not _is_num(v) or not math.isfinite(v) or v <= 0:
-                raise bad(k, "must be a positive finite number (unix seconds)")
-            if v > now + FUTURE_SLACK_S:
-                raise bad(k, f"is more than {FUTURE_SLACK_S:.0f} s in the future (collector time {now:.3f})", "future")
-        elif k == "gpu_index":
-            if not _is_int(v) or v < 0:
-                raise bad(k, f"must be an integer in 0..{MAX_INT}")
-        elif k == "mig":
-            if v is not None and (not isinstance(v, str) or not v):
-                raise bad(k, "must be a non-empty string or null")
-        elif k not in _HANDLED:
-            if not _check_annotation(_SAMPLE_TYPES[k], v):
-                raise bad(k, f"expected {_SAMPLE_TYPES[k]}")
-        elif v is None:
-            if k in ("xid_errors", "processes", "job_ids", "job_shares"):
-                raise bad(k, "must be a list")
-        elif k in _RATIOS:
-            if not _is_num(v) or not math.isfinite(v) or not 0.0 <= v <= 1.0:
-                raise bad(k, "ratio must be a finite number in 0..1")
-        elif k in _NONNEG:
-            if not _is_num(v) or not math.isfinite(v) or v < 0:
-                raise bad(k, f"must be a finite number in 0..{MAX_FLOAT:g}")
-        elif k in _INTS:
-            if not _is_int(v) or v < 0:
-                raise bad(k, f"must be an integer in 0..{MAX_INT}")
-        elif k in _FLOATS:
-            if not _is_num(v) or not math.isfinite(v):
-                raise bad(k, f"must be a finite number within +-{MAX_FLOAT:g}")
-        elif k == "xid_errors":
-            if not isinstance(v, list) or not all(_is_int(x) for x in v):
-                raise bad(k, "must be a list of integers")
-        elif k == "job_ids":
-            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v) or len(set(v)) != len(v):
-                raise bad(k, "must be a list of distinct non-empty strings")
-        elif k == "job_shares":
-            if not isinstance(v, list) or not all(_is_num(x) and math.isfinite(x) and x >= 0 for x in v):
-                raise bad(k, "must be a list of non-negative finite numbers")
-        elif k == "processes":
-            if not isinstance(v, list) or not all(
-                isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
-                and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))
-                for p in v
-            ):
-                raise bad(k, "must be a list of [pid, used_memory_bytes or null]")
-    shares, jobs = d.get("job_shares") or [], d.get("job_ids") or []
+        entry = checks.get(k)
+        if entry is None:
+            raise BatchError(400, f"{where}: sample[{i}]: unknown field {str(k)!r}")
+        r = entry[0](v)
+        if r is _BAD:
+            raise BatchError(400, f"{where}: sample[{i}].{k}: {entry[1]} (got {v!r})")
+        if r is not v:
+            d[k] = r  # the converted value (a float for an int reading, tuples for lists): same keys, safe
+    if d["ts"] > now + FUTURE_SLACK_S:
+        raise BatchError(400, f"{where}: sample[{i}].ts: is more than {FUTURE_SLACK_S:.0f} s in the future "
+                              f"(collector time {now:.3f}) (got {d['ts']!r})", "future")
+    shares = d.get("job_shares")
     if shares:
+        jobs = d.get("job_ids") or ()
         if len(shares) != len(jobs):
-            raise bad("job_shares", f"must have one share per job id ({len(jobs)}) or be empty")
-        if abs(sum(shares) - 1.0) > 1e-6:
-            raise bad("job_shares", "must sum to 1")
-    kw = dict(d)
-    kw["ts"] = float(d["ts"])
-    for k in _RATIOS | _NONNEG | _FLOATS:
-        if kw.get(k) is not None:
-            kw[k] = float(kw[k])
-    if "processes" in kw:
-        kw["processes"] = tuple(GpuProcess(p[0], p[1]) for p in kw["processes"])
-    for k in ("xid_errors", "job_ids"):
-        if k in kw:
-            kw[k] = tuple(kw[k])
-    if "job_shares" in kw:
-        kw["job_shares"] = tuple(float(x) for x in kw["job_shares"])
-    return GpuSample(**kw)
+            raise BatchError(400, f"{where}: sample[{i}].job_shares: must have one share per job id ({len(jobs)}) "
+                                  f"or be empty (got {list(shares)!r})")
+        if abs(math.fsum(shares) - 1.0) > 1e-6:
+            raise BatchError(400, f"{where}: sample[{i}].job_shares: must sum to 1 (got {list(shares)!r})")
+    return GpuSample(**d)
 
 
 def _check_annotation(annotation: str, v: Any) -> bool:

@@ -1,0 +1,56 @@
+"""`gpuledger jobs import` and `jobs list` on real sacct captures: idempotent import, one-sided jobs reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from agent.records import GpuSample
+from collector.store import SqliteStore
+from collector.validate import Batch
+from gpuledger.cli import app
+
+REAL = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "slurm" / "real-22.05"
+runner = CliRunner()
+
+
+def test_import_is_idempotent_and_list_joins_measurements(tmp_path: Path) -> None:
+    d = str(tmp_path)
+    args = ["jobs", "import", "--data-dir", d, "--sacct-json", str(REAL / "sacct-json-a-S-today.json"),
+            "--sacct-parsable", str(REAL / "sacct-a-P-S-today.txt")]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    first = int(r.output.split("imported ")[1].split()[0])
+    assert first >= 10 and f"; {first} new or changed" in r.output
+    r = runner.invoke(app, args)  # the same jobs again: nothing changes, nothing is audited twice
+    assert r.exit_code == 0 and "; 0 new or changed" in r.output
+
+    # Measurements for job 3 (a real job) and for job 999 (which Slurm never reported).
+    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    try:
+        samples = tuple(GpuSample(ts=1795969360.0 + 10 * k, host="vm", gpu_uuid="GPU-0", gpu_index=0,
+                                  sm_active_ratio=0.5, energy_joules=1000.0 * k, job_ids=(job,))
+                        for k, job in enumerate(["3", "3", "3", "999", "999"]))
+        store.ingest(Batch("t", 1, "vm", samples))
+    finally:
+        store.close()
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", d, "--format", "json"])
+    assert r.exit_code == 0, r.output
+    jobs = {j["job_id"]: j for j in json.loads(r.output)}
+    for key in ("job_id", "user", "account", "partition", "gpus", "start", "end", "state", "usage"):
+        assert key in jobs["3"]
+    assert (jobs["3"]["user"], jobs["3"]["account"], jobs["3"]["state"], jobs["3"]["gpus"]) == ("carol", "proj_b", "FAILED", 1)
+    assert jobs["3"]["seen_by"] == "both" and jobs["3"]["usage"]["allocated_gpu_seconds"] == 20.0
+    assert jobs["999"]["seen_by"] == "measured" and jobs["999"]["user"] is None  # reported, not dropped
+    assert jobs["1"]["seen_by"] == "scheduler" and jobs["1"]["usage"] is None
+
+
+def test_import_names_the_bad_input(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_text("JobID|User\n1|alice|extra\n")
+    r = runner.invoke(app, ["jobs", "import", "--data-dir", str(tmp_path), "--sacct-parsable", str(bad)])
+    assert r.exit_code == 2 and "line 2" in r.output
+    r = runner.invoke(app, ["jobs", "import", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "--sacct-json" in r.output
