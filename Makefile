@@ -22,9 +22,12 @@ deps:
 test: $(STAMP) deps
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
-	$(PY) bench/fairshare.py
+# Speed measurements (results in bench/RESULTS.md); gpu_check.py needs a real NVIDIA GPU and torch.
+bench: $(STAMP) deps
 	$(PY) bench/agent_overhead.py
+	$(PY) bench/fairshare.py
+	$(PY) bench/report.py
+	$(PY) bench/ingest.py
 
 clean:
 	rm -rf $(VENV) gpuledger-data .pytest_cache .hypothesis

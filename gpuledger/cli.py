@@ -37,9 +37,13 @@ def demo(
     seed: int = 0,
 ) -> None:
     """Run the main job end to end on the embedded default: simulated agents -> collector -> accounting."""
-    from gpuledger.demo import main
+    from gpuledger.demo import DemoDirError, main
 
-    main(data_dir, nodes=nodes, gpus=gpus, hours=hours, step=step, seed=seed)
+    try:
+        main(data_dir, nodes=nodes, gpus=gpus, hours=hours, step=step, seed=seed)
+    except DemoDirError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 if __name__ == "__main__":

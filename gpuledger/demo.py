@@ -107,6 +107,29 @@ class DemoResult:
     extra: dict = field(default_factory=dict)
 
 
+MARKER = ".gpuledger-demo"
+# What a demo run writes besides the config and the signing keys, which a rerun keeps.
+DEMO_OUTPUTS = (STORE_NAME, STORE_NAME + "-wal", STORE_NAME + "-shm", "audit.sqlite", "audit.sqlite-wal",
+                "audit.sqlite-shm", "priority-feed.json", "usage-report.txt", "usage-report.txt.manifest.json",
+                "usage-report.json")
+
+
+class DemoDirError(RuntimeError):
+    """The data directory holds a store that a demo did not write: the demo never touches it."""
+
+
+def _fresh_demo_dir(data_dir: Path) -> None:
+    """A rerun starts from an empty ledger (job ids repeat), but only in a directory a demo made."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    marker = data_dir / MARKER
+    if (data_dir / STORE_NAME).exists() and not marker.exists():
+        raise DemoDirError(f"{data_dir} holds a gpuledger store the demo did not write; "
+                           f"give the demo another --data-dir")
+    for name in DEMO_OUTPUTS:
+        (data_dir / name).unlink(missing_ok=True)
+    marker.write_text("written by `gpuledger demo`: a rerun replaces this directory's ledger\n")
+
+
 def _plan(seed: int, t0: float, span_s: float) -> list[DemoJob]:
     """Jittered, deterministic job plan scaled to the simulated span."""
     rng = random.Random(seed)
@@ -135,7 +158,7 @@ def run_demo(
 
     ``extra_sinks`` also receive every agent's samples (e.g. an InfluxDB sink to fill dashboards in tests).
     """
-    data_dir.mkdir(parents=True, exist_ok=True)
+    _fresh_demo_dir(data_dir)
     cfg = data_dir / CONFIG_NAME
     if not cfg.exists():
         cfg.write_text(DEMO_CONFIG)

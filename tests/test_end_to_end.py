@@ -86,3 +86,31 @@ def test_cli_reads_the_demo_data(demo):
 def test_commands_name_a_missing_store(tmp_path):
     r = runner.invoke(app, ["report", "usage", "--data-dir", str(tmp_path / "nowhere")])
     assert r.exit_code == 2 and "no gpuledger store" in r.output
+
+
+def test_demo_rerun_starts_afresh_and_never_touches_a_foreign_store(tmp_path):
+    d = tmp_path / "demo"
+    args = ["demo", "--data-dir", str(d), "--nodes", "1", "--gpus", "8", "--hours", "0.1"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    feed1 = json.loads((d / "priority-feed.json").read_text())
+    second = runner.invoke(app, args)
+    assert second.exit_code == 0, second.output
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(d), "--format", "json"])
+    jobs = json.loads(r.output)
+    # Job ids repeat between runs: usage must be one run's, not the sum of two.
+    assert all(j["usage"] is None or j["usage"]["allocated_gpu_seconds"] <= 0.1 * 3600 * j["gpus"] + 1e-6
+               for j in jobs)
+    feed2 = json.loads((d / "priority-feed.json").read_text())
+    # The same plan again: the same usage (up to decay, which depends on the wall clock), not twice as much.
+    for a, b in zip(feed1["associations"], feed2["associations"], strict=True):
+        assert (a["account"], a["user"]) == (b["account"], b["user"])
+        assert b["raw_usage"] == pytest.approx(a["raw_usage"], rel=0.05)
+    assert runner.invoke(app, ["audit", "verify", "--data-dir", str(d)]).exit_code == 0
+
+    foreign = tmp_path / "prod"
+    foreign.mkdir()
+    (foreign / "gpuledger.sqlite").write_bytes(b"not a demo's")
+    r = runner.invoke(app, ["demo", "--data-dir", str(foreign)])
+    assert r.exit_code == 2 and "did not write" in r.output
+    assert (foreign / "gpuledger.sqlite").read_bytes() == b"not a demo's"
