@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -83,10 +84,14 @@ def parse_shares(text: str, where: str) -> Shares:
     return shares
 
 
+# \s in a str pattern is Py_UNICODE_ISSPACE, the test str.isspace() makes, character by character
+_BAD_NAME_CHAR = re.compile(r"[\s|]")
+
+
 def _check_name(name: str, what: str, where: str) -> str:
     if not name:
         raise AssociationError(f"{where}: empty {what} name")
-    if any(c.isspace() for c in name) or "|" in name:
+    if _BAD_NAME_CHAR.search(name):
         raise AssociationError(f"{where}: {what} name {name!r} contains whitespace or '|'")
     return name
 

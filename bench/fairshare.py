@@ -2,8 +2,10 @@
 
 Plain script: ``python bench/fairshare.py [--users N] [--accounts N] [--seed S]``. Prints the best of
 3 runs (time.perf_counter) for each algorithm, "cold" (a fresh AssocTree, so the cached index is
-built inside the timing) and "warm" (index reused, as a long-running service would), against the
-1 s target, and the ratio to a reference pass: one plain dict walk summing usage up the same tree.
+built inside the timing; the tree's construction and validation, timed in the same run, left out),
+"cold incl. validation" (the same runs with it) and "warm" (index reused, as a long-running service
+would), against the 1 s target, and the ratio to a reference pass: one plain dict walk summing usage
+up the same tree. The target is for "cold" and "warm".
 """
 
 from __future__ import annotations
@@ -66,6 +68,22 @@ def best_of(fn, n: int = 3) -> float:
     return best
 
 
+def best_cold(algo, assocs: list[Assoc], usage: dict, n: int = 3) -> tuple[float, float]:
+    """Best of n on a fresh AssocTree each time: (without, with) its construction and validation.
+
+    The construction is timed in the same repetition and left out of the first figure, so what
+    remains is the algorithm plus building the cached index."""
+    best = best_incl = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        tree = AssocTree(assocs)
+        t1 = time.perf_counter()
+        algo(tree, usage)
+        t2 = time.perf_counter()
+        best, best_incl = min(best, t2 - t1), min(best_incl, t2 - t0)
+    return best, best_incl
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--users", type=int, default=100_000)
@@ -79,16 +97,18 @@ def main() -> None:
     ref = best_of(lambda: reference(assocs, usage))
     results = [("tree validation (AssocTree)", build)]
     for name, algo in (("classic", classic), ("fair_tree", fair_tree)):
-        results.append((f"{name} cold", best_of(lambda: algo(AssocTree(assocs), usage)) - build))
+        cold, cold_incl = best_cold(algo, assocs, usage)
+        results.append((f"{name} cold", cold))
+        results.append((f"{name} cold incl. validation", cold_incl))
         algo(tree, usage)  # build the cached index once
         results.append((f"{name} warm", best_of(lambda: algo(tree, usage))))
     print(f"{args.users} user associations under {args.accounts} accounts (seed {args.seed}), "
           f"Python {sys.version.split()[0]}, best of 3")
-    print(f"{'pass':<30} {'seconds':>9} {'target':>7} {'vs reference':>13}")
-    print(f"{'reference (dict sum up tree)':<30} {ref:9.3f} {'':>7} {1.0:12.1f}x")
+    print(f"{'pass':<32} {'seconds':>9} {'target':>7} {'vs reference':>13}")
+    print(f"{'reference (dict sum up tree)':<32} {ref:9.3f} {'':>7} {1.0:12.1f}x")
     for name, secs in results:
-        ok = "ok" if secs <= TARGET_S else "SLOW"
-        print(f"{name:<30} {secs:9.3f} {ok:>7} {secs / ref:12.1f}x")
+        ok = "" if "validation" in name else "ok" if secs <= TARGET_S else "SLOW"
+        print(f"{name:<32} {secs:9.3f} {ok:>7} {secs / ref:12.1f}x")
 
 
 if __name__ == "__main__":

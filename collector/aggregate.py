@@ -32,6 +32,9 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
 
 from agent.records import GpuSample, JobUsage
 
@@ -134,6 +137,31 @@ class AddCounts:
     accepted: int = 0
     duplicate: int = 0
     too_late: int = 0
+
+
+_TS = attrgetter("ts")
+_RUN_MIN = 16  # shorter runs go sample by sample: numpy's per-call cost outweighs the per-sample one
+_RUN_FLOATS = ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
+               "sm_occupancy_ratio")
+_MEANS = {"sm_active_ratio": ("sm_sum", "sm_w"), "dram_bw_ratio": ("dram_sum", "dram_w"),
+          "tensor_active_ratio": ("tensor_sum", "tensor_w"), "sm_occupancy_ratio": ("occ_sum", "occ_w")}
+
+
+def _seqsum(start: float, terms: np.ndarray) -> float:
+    """``start + t0 + t1 + ...`` left to right, as repeated ``+=`` does (cumsum is sequential, sum is not)."""
+    if not terms.size:
+        return start
+    return float(np.cumsum(np.concatenate(([start], terms)))[-1])
+
+
+def _last_model(models: list[str]) -> str:
+    """The last non-empty model (what per-sample ``if s.model: acc.model = s.model`` leaves)."""
+    if models and models.count(models[-1]) == len(models):
+        return models[-1]
+    for m in reversed(models):
+        if m:
+            return m
+    return ""
 
 
 def _shares(s: GpuSample) -> tuple[float, ...]:
@@ -292,19 +320,172 @@ class Aggregator:
     def add_many(self, samples: Iterable[GpuSample]) -> tuple[AddCounts, list[GpuSample]]:
         """Fold samples in time order (so the outcome does not depend on order within a batch).
 
-        Returns the counts and the accepted samples (the ones to store raw).
+        Returns the counts and the accepted samples (the ones to store raw), in time order. GPUs never
+        share state, so each GPU's samples are folded on their own: a long in-order run (an agent's
+        batch, the common case) by :meth:`_add_run` a column at a time, anything else one by one.
         """
-        accepted: list[GpuSample] = []
-        dup = late = 0
-        for s in sorted(samples, key=lambda x: x.ts):
-            r = self.add(s)
-            if r is ACCEPTED:
-                accepted.append(s)
-            elif r is DUPLICATE:
-                dup += 1
+        ordered = sorted(samples, key=_TS)
+        runs: dict[GpuKey, list[int]] = {}  # positions in ``ordered``: a batch may hold one object twice
+        for i, s in enumerate(ordered):
+            gk = (s.host, s.gpu_uuid, s.mig or "")
+            run = runs.get(gk)
+            if run is None:
+                runs[gk] = [i]
             else:
-                late += 1
+                run.append(i)
+        rejected: set[int] = set()  # positions of the samples not accepted
+        dup = late = 0
+        for gk, pos in runs.items():
+            if len(pos) >= _RUN_MIN and self._add_run(gk, [ordered[i] for i in pos]):
+                continue
+            for i in pos:
+                r = self.add(ordered[i])
+                if r is not ACCEPTED:
+                    rejected.add(i)
+                    if r is DUPLICATE:
+                        dup += 1
+                    else:
+                        late += 1
+        accepted = [s for i, s in enumerate(ordered) if i not in rejected] if rejected else ordered
         return AddCounts(len(accepted), dup, late), accepted
+
+    def _add_run(self, gk: GpuKey, run: list[GpuSample]) -> bool:
+        """Fold one GPU's samples (sorted) if all are newer than its watermark and strictly increasing;
+        False (nothing changed) otherwise. Bit-for-bit what :meth:`add` per sample gives: every sum is
+        a sequential ``np.cumsum`` over the same terms in the same order (never a pairwise sum)."""
+        g = self.gpus.get(gk)
+        ts = np.array([s.ts for s in run], dtype=np.float64)
+        if g is not None and not ts[0] > g.watermark or not (ts[1:] > ts[:-1]).all():
+            return False
+        cols = {}
+        for f in _RUN_FLOATS:  # None -> NaN; a NaN reading (never validated in) takes the slow path
+            vals = [getattr(s, f) for s in run]
+            absent = vals.count(None)
+            a = np.array([math.nan if v is None else v for v in vals] if absent else vals, dtype=np.float64)
+            if int(np.isnan(a).sum()) != absent:
+                return False
+            cols[f] = a
+        if g is None:
+            g = self.gpus[gk] = GpuState()
+        # segments with one job set (and shares): a GPU changes jobs rarely, so usually one segment
+        jobs = [(s.job_ids, s.job_shares) for s in run]
+        cuts = [0] if jobs.count(jobs[0]) == len(jobs) else [0] + [i for i in range(1, len(run)) if jobs[i] != jobs[i - 1]]
+        cuts.append(len(run))
+        for a, b in zip(cuts, cuts[1:]):
+            prev = g.samples[-1] if g.samples else None
+            self._run_pairs(gk, g, prev, run, a, b, ts, cols)
+            self._run_points(gk, g, run, a, b, ts)
+            g.ts.extend(ts[a:b].tolist())
+            g.samples.extend(run[a:b])
+            g.watermark = g.ts[-1]
+        self._evict(g)  # where eviction ends depends only on the watermark
+        return True
+
+    def _run_pairs(self, gk: GpuKey, g: GpuState, prev: GpuSample | None, run: list, a: int, b: int,
+                   ts: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+        """:meth:`_apply_pair` (sign +1) for the intervals ending at run[a:b], vectorised."""
+        if prev is None:  # the GPU's first sample starts no interval
+            a += 1
+            if a >= b:
+                return
+            p_ts, p_e = ts[a - 1], cols["energy_joules"][a - 1]
+        else:
+            p_ts, p_e = prev.ts, math.nan if prev.energy_joules is None else prev.energy_joules
+        cur = slice(a, b)
+        t = ts[cur]
+        dt = np.diff(t, prepend=p_ts)  # cur.ts - prev.ts, pair by pair
+        observed = dt <= self.max_gap_s
+        gpu_s = np.where(observed, dt, 0.0)
+        ce = cols["energy_joules"][cur]
+        pe = np.concatenate(([p_e], ce[:-1]))
+        power = cols["power_watts"][cur]
+        counter = ~np.isnan(pe) & ~np.isnan(ce)
+        energy = np.where(counter, np.where(ce >= pe, ce - pe, ce),
+                          np.where(observed & ~np.isnan(power), power * dt, 0.0))
+        keep = ~((gpu_s == 0.0) & (energy == 0.0))  # what _apply_pair returns early on
+        if not keep.any():
+            return
+        g.observed_s = _seqsum(g.observed_s, gpu_s[keep])
+        g.energy_j = _seqsum(g.energy_j, energy[keep])
+        bucket = np.floor(t / HOUR_S) * HOUR_S
+        s0 = run[a]
+        job_ids, shares = s0.job_ids, _shares(s0)
+        if job_ids:
+            sh = np.array(shares, dtype=np.float64)
+            w = gpu_s[:, None] * sh  # (pairs, jobs): row-major order is add()'s order of terms
+            e = energy[:, None] * sh
+            ratios = {f: cols[f][cur] for f in ("sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
+                                                "sm_occupancy_ratio")}
+            sm = ratios["sm_active_ratio"]
+            sm_w = sm[:, None] * w
+            has_sm = ~np.isnan(sm)
+        for hb in np.unique(bucket[keep]).tolist():
+            rows = keep & (bucket == hb)
+            hour = self._hour((gk[0], gk[1], gk[2], hb))
+            hour.observed_s = _seqsum(hour.observed_s, gpu_s[rows])
+            hour.energy_j = _seqsum(hour.energy_j, energy[rows])
+            if job_ids:
+                hour.alloc_s = _seqsum(hour.alloc_s, w[rows].ravel())
+                hour.sm_s = _seqsum(hour.sm_s, sm_w[rows & has_sm].ravel())
+        if not job_ids:
+            return
+        gid = gpu_id(gk[1], gk[2])
+        for j, job in enumerate(job_ids):
+            acc = self._usage((job, gk[0], gid))
+            wj = w[keep, j]
+            acc.alloc_s = _seqsum(acc.alloc_s, wj)
+            acc.energy_j = _seqsum(acc.energy_j, e[keep, j])
+            for f, (s_attr, w_attr) in _MEANS.items():
+                v = ratios[f]
+                m = keep & ~np.isnan(v)
+                if not m.any():
+                    continue
+                vw = v[m] * w[m, j]
+                if f == "sm_active_ratio":
+                    acc.sm_s = _seqsum(acc.sm_s, vw)
+                setattr(acc, s_attr, _seqsum(getattr(acc, s_attr), vw))
+                setattr(acc, w_attr, _seqsum(getattr(acc, w_attr), w[m, j]))
+
+    def _run_points(self, gk: GpuKey, g: GpuState, run: list, a: int, b: int, ts: np.ndarray) -> None:
+        """:meth:`_apply_point` for run[a:b] (strictly increasing, all past the watermark), vectorised."""
+        seg = run[a:b]
+        first = float(ts[a])
+        g.n += b - a
+        if first < g.first_ts:
+            g.first_ts = first
+        models = [s.model for s in seg]
+        model = _last_model(models)
+        if model:
+            g.model = model
+        buckets, counts = np.unique(np.floor(ts[a:b] / HOUR_S) * HOUR_S, return_counts=True)
+        for hb, c in zip(buckets.tolist(), counts.tolist()):
+            self._hour((gk[0], gk[1], gk[2], hb)).samples += c
+        self.dirty_gpus.add(gk)
+        job_ids = seg[0].job_ids
+        if not job_ids:
+            return
+        gid = gpu_id(gk[1], gk[2])
+        mem = [s.mem_used_bytes for s in seg]
+        mem = [v for v in mem if v is not None] if None in mem else mem
+        power = [s.power_watts for s in seg]
+        power = [v for v in power if v is not None] if None in power else power
+        mem_peak = max(mem) if mem else None  # max() keeps the first of equals, as add() does
+        power_peak = max(power) if power else None
+        for job in job_ids:
+            acc = self._usage((job, gk[0], gid))
+            acc.samples += b - a
+            if first < acc.first_ts:
+                acc.first_ts = first
+            newer = int(np.searchsorted(ts[a:b], acc.last_ts, side="right"))  # samples with ts > last_ts
+            if newer < b - a:
+                acc.last_ts = float(ts[b - 1])
+                model = _last_model(models[newer:])
+                if model:
+                    acc.model = model
+            if mem_peak is not None and (acc.mem_peak is None or mem_peak > acc.mem_peak):
+                acc.mem_peak = mem_peak
+            if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
+                acc.power_peak = power_peak
 
     def _evict(self, g: GpuState) -> None:
         # Keep every sample inside the window plus one before it (the "anchor"), which is the prev

@@ -45,7 +45,7 @@ from collector.aggregate import (
 )
 from collector.chunks import NUMERIC_FIELDS, decode_arrays, decode_samples, encode_samples, merge_chunks
 from collector.rollup import RollupPoint
-from collector.validate import Batch
+from collector.validate import Batch, as_sample
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,8 @@ class SqliteStore:
                 return IngestResult(0, duplicate_batch=True)
             try:
                 db.execute("BEGIN IMMEDIATE")
-                counts, accepted = self.agg.add_many(batch.samples)
+                # rows: GpuSamples or the fast path's structs with the same fields (no GpuSample built per sample)
+                counts, accepted = self.agg.add_many(batch.rows)
                 self._write_raw(accepted)
                 db.execute(
                     "INSERT INTO batches VALUES (?,?,?,?)", (batch.agent_id, batch.seq, self._clock(), counts.accepted)
@@ -335,6 +336,7 @@ class SqliteStore:
             if len(self.agg.usage) + len(self.agg.hours) > self._cache_limit:
                 self.agg.drop_caches()
             if self.sinks and accepted:
+                accepted = [as_sample(s) for s in accepted]  # sinks get GpuSamples
                 for sink in self.sinks:
                     sink.write(accepted)
                 self._pending_jobs |= jobs

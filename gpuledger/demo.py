@@ -90,7 +90,8 @@ class DemoJob:
     def record(self, cluster: str, host: str) -> JobRecord:
         return JobRecord(
             job_id=self.job_id, cluster=cluster, user=self.user, account=self.account, partition="gpu",
-            hosts=(host,), gpus=self.gpus, gpu_model="NVIDIA H200", submit=self.submit, start=self.start,
+            hosts=(host,), gpus=self.gpus, gpu_model="NVIDIA H200", gpu_indexes=self.gpu_indexes,
+            submit=self.submit, start=self.start,
             end=self.end, state="COMPLETED" if self.end is not None else "RUNNING",
             tres=(("gres/gpu", float(self.gpus)),),
         )

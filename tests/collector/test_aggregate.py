@@ -285,3 +285,65 @@ def test_late_sample_between_a_reset_is_exact():
     b = feed(sorted(seq + [late], key=lambda s: s.ts))
     assert_same(a, b)
     assert usage(a)[("j", "h1", "G0")].energy_joules == pytest.approx(100 + 20 + 30)
+
+
+# -- the columnar in-order path (add_many) is bit-for-bit the per-sample one ----------------------
+
+@st.composite
+def long_runs(draw) -> list[GpuSample]:
+    """Sorted samples of 1-2 GPUs in long runs (so add_many takes its columnar path), with job changes,
+    shares, resets, gaps, hour crossings and missing values."""
+    out = []
+    for gpu in draw(st.sampled_from([("G0",), ("G0", "G1")])):
+        ts, energy = 3_600_000.0 - draw(st.floats(0, 2000)), draw(st.floats(0, 1e6))
+        jobs, shares = ("1",), ()
+        for _ in range(draw(st.integers(1, 120))):
+            ts += draw(st.sampled_from([1.0, 1.0, 10.0, 30.0, 301.0, 900.0])) + draw(st.floats(0, 0.9))
+            ev = draw(st.sampled_from(["up", "up", "up", "up", "reset", "none"]))
+            if ev == "reset":
+                energy = draw(st.floats(0, 500))
+            elif ev == "up":
+                energy += draw(st.floats(0, 5e4))
+            if draw(st.integers(0, 30)) == 0:  # a job change now and then
+                jobs = tuple(draw(st.permutations(JOBS))[:draw(st.integers(0, 2))])
+                shares = ()
+                if len(jobs) == 2 and draw(st.booleans()):
+                    x = draw(st.floats(0, 1))
+                    shares = (x, 1 - x)
+            ratio = st.one_of(st.none(), st.floats(0, 1))
+            out.append(GpuSample(
+                ts=ts, host="h1", gpu_uuid=gpu, gpu_index=0, job_ids=jobs, job_shares=shares,
+                model=draw(st.sampled_from(["", "H200"])),
+                energy_joules=None if ev == "none" else energy,
+                power_watts=draw(st.one_of(st.none(), st.floats(0, 700))),
+                sm_active_ratio=draw(ratio), dram_bw_ratio=draw(ratio), tensor_active_ratio=draw(ratio),
+                sm_occupancy_ratio=draw(ratio), mem_used_bytes=draw(st.one_of(st.none(), st.integers(0, 141 * 10**9))),
+            ))
+    return out
+
+
+def state(agg: Aggregator) -> tuple:
+    gpus = {k: (g.totals(), g.ts[g.start:], g.samples[g.start:]) for k, g in agg.gpus.items()}
+    return ({k: a.values() for k, a in agg.usage.items()}, {k: a.values() for k, a in agg.hours.items()}, gpus)
+
+
+@settings(max_examples=150, deadline=None)
+@given(long_runs(), st.randoms(use_true_random=False), st.integers(0, 6))
+def test_add_many_columnar_path_is_bit_exact(seq, rnd, n_late):
+    # batches of random sizes, some with late or duplicate samples mixed in (those GPUs go one by one)
+    batches, i = [], 0
+    while i < len(seq):
+        n = rnd.choice([1, 5, 16, 40, 200])
+        batches.append(seq[i:i + n])
+        i += n
+    for _ in range(n_late):
+        k = rnd.randrange(len(batches))
+        batches[k] = batches[k] + [rnd.choice(seq)]
+    fast, slow = Aggregator(), Aggregator()
+    for b in batches:
+        counts, accepted = fast.add_many(b)
+        results = [slow.add(s) for s in sorted(b, key=lambda s: s.ts)]
+        assert counts.accepted == results.count(ACCEPTED) == len(accepted)
+        assert counts.duplicate == results.count(DUPLICATE) and counts.too_late == results.count(TOO_LATE)
+        assert fast.take_dirty() == slow.take_dirty()
+    assert state(fast) == state(slow)  # exact equality: floats bit for bit

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.records import GpuProcess, GpuSample
+from collector import validate
 from collector.validate import BatchError, parse_batch, parse_jobs
 
 NOW = 1_700_000_000.0
@@ -174,3 +175,50 @@ def test_every_record_field_has_a_validation_rule():
         _check_annotation(str(f.type), None)
     with pytest.raises(TypeError):
         _check_annotation("dict[str, int]", {})
+
+
+# -- the msgpack fast path decides exactly as the per-sample path ---------------------------------
+
+_ODD = st.sampled_from([None, True, False, 0, 1, -1, 2, 0.0, -0.0, 0.5, 1.5, -0.5, 1e18, 2e18, 2**63 - 1, 2**63, 2**64 - 1,
+                        -2**63, float("nan"), float("inf"), "", "x", [], ["1"], ["1", "1"], [""], [1, None], [[1, None]],
+                        [[1]], [[-1, 2]], [0.5, 0.5], [1.0], [2**63]])
+
+
+@st.composite
+def wire_batches(draw) -> dict:
+    samples = []
+    for i in range(draw(st.integers(0, 4))):
+        s = sample(ts=NOW - 10 - i, gpu_uuid=draw(st.sampled_from(["GPU-1", "GPU-2"])), processes=[[7, 100]])
+        s["job_ids"], s["job_shares"] = draw(st.sampled_from([
+            (["42"], []), (["42"], [1.0]), (["1", "2"], []), (["1", "2"], [0.25, 0.75]), ([], []), (["1"], [0.5])]))
+        for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):  # a few odd values, drawn anywhere
+            key = draw(st.sampled_from(list(s) + ["bogus"]))
+            s[key] = draw(_ODD)
+        if draw(st.integers(0, 8)) == 0:
+            s.pop(draw(st.sampled_from(["ts", "host", "gpu_uuid", "gpu_index"])))
+        samples.append(s)
+    doc = {"agent_id": "a1", "seq": 3, "host": "n1", "samples": samples}
+    if draw(st.integers(0, 6)) == 0:
+        doc[draw(st.sampled_from(["agent_id", "seq", "host"]))] = draw(_ODD)
+    return doc
+
+
+def _outcome(body: bytes, **kw):
+    try:
+        return parse_batch(body, "application/msgpack", NOW, **kw).samples
+    except BatchError as e:
+        return (e.status, e.reason, e.message, e.samples)
+
+
+@pytest.mark.skipif(validate._FAST is None, reason="msgspec not installed")
+@settings(max_examples=400, deadline=None)
+@given(wire_batches(), st.sampled_from([None, "n1", "n2"]))
+def test_fast_path_decides_as_the_per_sample_path(doc, allowed):
+    body = msgpack.packb(doc)
+    fast = _outcome(body, allowed_host=allowed)
+    saved, validate._FAST = validate._FAST, None
+    try:
+        slow = _outcome(body, allowed_host=allowed)
+    finally:
+        validate._FAST = saved
+    assert fast == slow
