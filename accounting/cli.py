@@ -142,11 +142,12 @@ def fairshare(
         typer.echo(render_table(rows), nl=False)
 
 
-def build_feed(data_dir: Path, config: Path | None, now: float | None = None) -> dict:
+def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
+               associations: Path | None = None) -> dict:
     now = time.time() if now is None else now
     cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
     weight = accounting_settings(cfg).priority_weight
-    rows, settings = fairshare_rows(data_dir, config, None, now=now, feed_weight=weight)
+    rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight)
     return feed_from_rows(rows, settings, now)
 
 
@@ -167,10 +168,11 @@ def priority_feed_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
     output: Annotated[Optional[Path], typer.Option(help="write here (default: <data-dir>/priority-feed.json)")] = None,
+    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")] = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
 ) -> None:
     """Per association: measured fairshare and the Slurm site factor it implies; written atomically."""
-    doc = build_feed(data_dir, config)
+    doc = build_feed(data_dir, config, associations=associations)
     path = write_feed(output or data_dir / FEED_NAME, doc)
     if fmt is Fmt.json:
         typer.echo(json.dumps(doc, indent=2))
@@ -271,6 +273,7 @@ def priority_apply(
     config: ConfigOpt = None,
     slurm: Annotated[bool, typer.Option("--slurm", help="apply to the local Slurm (scontrol update SiteFactor)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would change; change nothing")] = False,
+    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")] = None,
 ) -> None:
     """Set every pending job's SiteFactor from its association's measured fairshare, only where it changed."""
     from accounting.apply import run_apply
@@ -278,7 +281,7 @@ def priority_apply(
 
     if not slurm:
         raise _fail("priority apply needs a target: --slurm")
-    doc = build_feed(data_dir, config)
+    doc = build_feed(data_dir, config, associations=associations)
     write_feed(data_dir / FEED_NAME, doc)
     try:
         with open_log(data_dir) as log:

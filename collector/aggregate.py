@@ -140,9 +140,10 @@ class AddCounts:
 
 
 _TS = attrgetter("ts")
+_JOBS = attrgetter("job_ids", "job_shares")
 _RUN_MIN = 16  # shorter runs go sample by sample: numpy's per-call cost outweighs the per-sample one
-_RUN_FLOATS = ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
-               "sm_occupancy_ratio")
+_RUN_FLOATS = {f: attrgetter(f) for f in ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio",
+                                           "tensor_active_ratio", "sm_occupancy_ratio")}
 _MEANS = {"sm_active_ratio": ("sm_sum", "sm_w"), "dram_bw_ratio": ("dram_sum", "dram_w"),
           "tensor_active_ratio": ("tensor_sum", "tensor_w"), "sm_occupancy_ratio": ("occ_sum", "occ_w")}
 
@@ -354,12 +355,12 @@ class Aggregator:
         False (nothing changed) otherwise. Bit-for-bit what :meth:`add` per sample gives: every sum is
         a sequential ``np.cumsum`` over the same terms in the same order (never a pairwise sum)."""
         g = self.gpus.get(gk)
-        ts = np.array([s.ts for s in run], dtype=np.float64)
+        ts = np.array(list(map(_TS, run)), dtype=np.float64)
         if g is not None and not ts[0] > g.watermark or not (ts[1:] > ts[:-1]).all():
             return False
         cols = {}
-        for f in _RUN_FLOATS:  # None -> NaN; a NaN reading (never validated in) takes the slow path
-            vals = [getattr(s, f) for s in run]
+        for f, get in _RUN_FLOATS.items():  # None -> NaN; a NaN reading (never validated in) takes the slow path
+            vals = list(map(get, run))
             absent = vals.count(None)
             a = np.array([math.nan if v is None else v for v in vals] if absent else vals, dtype=np.float64)
             if int(np.isnan(a).sum()) != absent:
@@ -368,7 +369,7 @@ class Aggregator:
         if g is None:
             g = self.gpus[gk] = GpuState()
         # segments with one job set (and shares): a GPU changes jobs rarely, so usually one segment
-        jobs = [(s.job_ids, s.job_shares) for s in run]
+        jobs = list(map(_JOBS, run))
         cuts = [0] if jobs.count(jobs[0]) == len(jobs) else [0] + [i for i in range(1, len(run)) if jobs[i] != jobs[i - 1]]
         cuts.append(len(run))
         for a, b in zip(cuts, cuts[1:]):

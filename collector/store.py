@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,9 @@ _G = GpuState.TOTAL_FIELDS
 RAW, MINUTE, HOUR = 0, 1, 2
 TIER_NAMES = {RAW: "raw", MINUTE: "1m", HOUR: "1h"}
 RESOLUTION = {RAW: 0.0, MINUTE: 60.0, HOUR: 3600.0}
-_MERGE_AT = 16  # an open interval's chunks are merged once there are this many
+_MERGE_AT = 16
+_TS, _GPU = operator.attrgetter("ts"), operator.attrgetter("host", "gpu_uuid", "mig")
+_GPU_SORT = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare  # an open interval's chunks are merged once there are this many
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -260,14 +264,15 @@ class SqliteStore:
         """One chunk per GPU and raw interval of this batch (``samples`` sorted by time)."""
         span = self.retention.raw_chunk_s
         groups: dict[tuple, list[GpuSample]] = {}
-        floor = math.floor
-        for smp in samples:
-            key = (smp.host, smp.gpu_uuid, smp.mig or "", floor(smp.ts / span) * span)
-            g = groups.get(key)
-            if g is None:
-                groups[key] = [smp]
-            else:
-                g.append(smp)
+        # Group a GPU's run at a time, not sample by sample: a stable sort keeps each GPU's samples in time
+        # order (MIG instances of one GPU may come in several runs; they are appended in order).
+        for (host, uuid, mig), run in groupby(sorted(samples, key=_GPU_SORT), key=_GPU):
+            run = list(run)
+            # the interval of every sample at once (the same value as math.floor(ts / span) * span)
+            b = np.floor(np.array(list(map(_TS, run)), dtype=np.float64) / span) * span
+            cuts = [0, *(np.flatnonzero(b[1:] != b[:-1]) + 1).tolist(), len(run)]
+            for i, j in zip(cuts, cuts[1:]):
+                groups.setdefault((host, uuid, mig or "", float(b[i])), []).extend(run[i:j])
         self._insert_raw(groups)
 
     def _insert_raw(self, groups: dict[tuple, list[GpuSample]]) -> None:

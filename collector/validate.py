@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import msgpack
-import numpy as np
 import zstandard
 
 try:  # optional: decodes and type-checks msgpack batches in C; without it every batch takes the per-sample path
@@ -345,48 +344,45 @@ def _parse_sample(d: Any, i: int, where: str, host: str, now: float, bound: bool
     return GpuSample(**d)
 
 
-# -- the columnar fast path (msgpack batches, msgspec installed) ----------------------------------
-# msgspec decodes a batch straight into structs, checking types in C (bool is no number, unknown fields fail);
-# the value rules are then checked a column at a time with numpy. It only ever accepts: a batch it doubts
-# (any error, any rule broken) goes to the per-sample path, which is authoritative and words the error.
-# Rules here are the same as in _CHECKS; tests/collector/test_validate.py compares both paths on random data.
-_WIRE = {
-    "float": float, "float | None": float | None, "int": int, "int | None": int | None, "str": str,
-    "str | None": str | None, "tuple[int, ...]": tuple[int, ...], "tuple[str, ...]": tuple[str, ...],
-    "tuple[float, ...]": tuple[float, ...], "tuple[GpuProcess, ...]": tuple[tuple[int, int | None], ...],
-}
-
-
+# -- the fast path (msgpack batches, msgspec installed) -------------------------------------------
+# msgspec decodes a batch straight into structs and checks types and ranges in C (bool is no number, NaN
+# fails every bound, unknown fields fail); what is left (the batch's host, future times, job id sets and
+# shares) is checked a column or a distinct job set at a time. It only ever accepts: a batch it doubts goes
+# to the per-sample path, which is authoritative and words the error. The rules mirror _CHECKS;
+# tests/collector/test_validate.py checks that both paths decide every batch alike.
 def _fast_decoder() -> Any:
-    if msgspec is None or not _FIELDS <= _HANDLED or not set(_SAMPLE_TYPES.values()) <= _WIRE.keys():
-        return None  # a field this path does not know: everything goes the per-sample way
-    spec = []
-    for f in fields(GpuSample):  # SAMPLE_FIELDS order, so astuple() feeds GpuSample(*...)
-        t = _WIRE[str(f.type)]
-        spec.append((f.name, t) if f.name in _REQUIRED else (f.name, t, f.default))
-    # gc=False: rows hold only strings, numbers and tuples of them, so no cycles; skipping GC tracking is faster
+    if msgspec is None or not _FIELDS <= _HANDLED:
+        return None  # a field this path has no rule for: everything goes the per-sample way
+    from typing import Annotated
+
+    def num(t: type, **bounds: Any) -> Any:
+        return Annotated[t, msgspec.Meta(**bounds)]
+
+    name = num(str, min_length=1)
+    count = num(int, ge=0, le=MAX_INT)
+    types: dict[str, Any] = {
+        "ts": num(float, gt=0.0, le=MAX_FLOAT), "host": name, "gpu_uuid": name, "model": str, "source": str,
+        "gpu_index": count, "mig": name | None, "xid_errors": tuple[num(int, ge=-MAX_INT - 1, le=MAX_INT), ...],
+        "job_ids": tuple[name, ...], "job_shares": tuple[num(float, ge=0.0, le=MAX_FLOAT), ...],
+        "processes": tuple[tuple[count, count | None], ...],
+        **{k: num(float, ge=0.0, le=1.0) | None for k in _RATIOS},
+        **{k: num(float, ge=0.0, le=MAX_FLOAT) | None for k in _NONNEG},
+        **{k: count | None for k in _INTS},
+        **{k: num(float, ge=-MAX_FLOAT, le=MAX_FLOAT) | None for k in _FLOATS},
+    }
+    # SAMPLE_FIELDS order, so astuple() feeds GpuSample(*...); gc=False: rows hold only strings, numbers
+    # and tuples of them (no cycles), and skipping GC tracking makes them cheaper
+    spec = [(f.name, types[f.name]) if f.name in _REQUIRED else (f.name, types[f.name], f.default)
+            for f in fields(GpuSample)]
     row = msgspec.defstruct("WireSample", spec, forbid_unknown_fields=True, gc=False)
-    wire = msgspec.defstruct("WireBatch", [("agent_id", str), ("seq", int), ("host", str), ("samples", list[row])],
-                             forbid_unknown_fields=True)
+    wire = msgspec.defstruct("WireBatch", [("agent_id", name), ("seq", count), ("host", name),
+                                           ("samples", list[row])], forbid_unknown_fields=True)
     return msgspec.msgpack.Decoder(wire)
 
 
 _FAST = _fast_decoder()
-_GETTERS = {f: operator.attrgetter(f) for f in _FIELDS}
-
-
-def _within(col: list, lo: float, hi: float) -> bool:
-    """Every non-None float of a column in lo..hi (NaN fails: min/max propagate it)."""
-    absent = col.count(None)
-    if absent == len(col):
-        return True
-    a = np.array(col if not absent else [v for v in col if v is not None], dtype=np.float64)
-    return bool(a.min() >= lo and a.max() <= hi)
-
-
-def _ints_within(col: list, lo: int, hi: int) -> bool:
-    vals = [v for v in col if v is not None] if None in col else col
-    return not vals or (min(vals) >= lo and max(vals) <= hi)
+_HOST, _TS, _JOBS = (operator.attrgetter(f) for f in ("host", "ts", "job_ids"))
+_SHARES, _PROCS = operator.attrgetter("job_shares"), operator.attrgetter("processes")
 
 
 def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | None:
@@ -396,33 +392,18 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | No
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     host, rows = b.host, b.samples
-    if (not b.agent_id or not 0 <= b.seq <= MAX_INT or not host or not rows
-            or (allowed_host is not None and host != allowed_host)):
-        return None
-    col = {f: list(map(g, rows)) for f, g in _GETTERS.items()}
-    if (col["host"].count(host) != len(rows) or "" in col["gpu_uuid"] or "" in col["mig"]
-            or not _within(col["ts"], 0.0, min(MAX_FLOAT, now + FUTURE_SLACK_S)) or 0.0 in col["ts"]
-            or not _ints_within(col["gpu_index"], 0, MAX_INT)):
-        return None
-    for group, lo, hi in ((_RATIOS, 0.0, 1.0), (_NONNEG, 0.0, MAX_FLOAT), (_FLOATS, -MAX_FLOAT, MAX_FLOAT)):
-        if not all(_within(col[f], lo, hi) for f in group):
-            return None
-    if not all(_ints_within(col[f], 0, MAX_INT) for f in _INTS):
-        return None
-    if any(col["xid_errors"]) and not all(_ints_within(list(x), -MAX_INT - 1, MAX_INT) for x in col["xid_errors"]):
+    if (not rows or (allowed_host is not None and host != allowed_host)
+            or list(map(_HOST, rows)).count(host) != len(rows) or max(map(_TS, rows)) > now + FUTURE_SLACK_S):
         return None
     # job ids and shares: checked once per distinct combination (a GPU's job rarely changes within a batch)
-    for jobs, shares in set(zip(col["job_ids"], col["job_shares"])):
-        if "" in jobs or len(set(jobs)) != len(jobs):
+    for jobs, shares in set(zip(map(_JOBS, rows), map(_SHARES, rows))):
+        if len(set(jobs)) != len(jobs):
             return None
-        if shares and (len(shares) != len(jobs) or not _within(list(shares), 0.0, MAX_FLOAT)
-                       or abs(math.fsum(shares) - 1.0) > 1e-6):
+        if shares and (len(shares) != len(jobs) or abs(math.fsum(shares) - 1.0) > 1e-6):
             return None
-    if any(col["processes"]):
+    if any(map(_PROCS, rows)):
         for r in rows:
             if r.processes:
-                if not all(0 <= p <= MAX_INT and (m is None or 0 <= m <= MAX_INT) for p, m in r.processes):
-                    return None
                 r.processes = tuple(GpuProcess(p, m) for p, m in r.processes)
     return Batch(b.agent_id, b.seq, host, rows=rows)
 

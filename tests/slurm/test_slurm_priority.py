@@ -116,6 +116,67 @@ def test_priority_apply_sets_measured_fairshare_once(slurm_cluster: SlurmCluster
     state["feed_now"] = feed
 
 
+def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmCluster, jobs: dict[str, str],
+                                                        tmp_path, monkeypatch) -> None:
+    """`gpuledger priority apply --slurm` end to end: measured usage in the ledger -> fairshare -> scontrol, each
+    change in the audit trail; then the library puts the factors back for the start-order step."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from accounting.audit import open_log
+    from agent.records import GpuSample, JobRecord
+    from collector.store import SqliteStore
+    from collector.validate import Batch
+    from gpuledger.cli import app
+
+    c = slurm_cluster
+    monkeypatch.setenv("SLURM_CONF", str(c.conf))
+    assoc = tmp_path / "assoc.txt"
+    assoc.write_text(c.cmd("sacctmgr", "-P", "show", "associations", "format=Cluster,Account,User,ParentName,Share"))
+    (tmp_path / "gpuledger.toml").write_text(
+        f'[accounting]\nalgorithm = "fair-tree"\npolicy = "allocated"\npriority_weight = {WEIGHT}\n')
+    # Measured GPU-seconds per user, the reverse of USAGE_NOW's picture: carol busy, bob idle.
+    measured = {"9001": ("proj_a", "alice", 100), "9002": ("proj_a", "bob", 0), "9003": ("proj_b", "carol", 400)}
+    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    try:
+        now = time.time()
+        store.put_jobs([JobRecord(job_id=j, cluster="testcluster", account=a, user=u, gpus=1) for j, (a, u, _) in measured.items()])
+        samples = [GpuSample(ts=now - 500 + t, host="vm", gpu_uuid=f"GPU-{j}", gpu_index=i, job_ids=(j,))
+                   for i, (j, (_, _, secs)) in enumerate(measured.items()) if secs for t in range(0, secs + 1, 50)]
+        store.ingest(Batch("test", 1, "vm", tuple(sorted(samples, key=lambda x: x.ts))))
+    finally:
+        store.close()
+    usage = {(a, u): float(secs) for a, u, secs in measured.values()}
+    text = assoc.read_text()
+    want = factors(priority_feed(fair_tree(AssocTree.from_sacctmgr(text), usage), weight=WEIGHT))
+    assert want != factors(state["feed_now"])  # so the apply below changes something
+    before = sprio(c)
+    runner = CliRunner()
+    args = ["priority", "apply", "--slurm", "--data-dir", str(tmp_path), "--associations", str(assoc)]
+    r = runner.invoke(app, [*args, "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "dry-run" in r.output and sprio(c) == before
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    pending = {jobs[k]: a for k, a in (("alice", ("proj_a", "alice")), ("bob", ("proj_a", "bob")),
+                                       ("carol", ("proj_b", "carol")), ("alice_default", ("proj_a", "alice")))}
+    after = sprio(c)
+    assert {j: after[j] for j in pending} == {j: want[a] for j, a in pending.items()}
+    changed = {j for j in pending if before[j] != want[pending[j]]}
+    with open_log(tmp_path) as log:
+        assert log.verify().ok
+        recorded = {e.job_id for e in log.entries(kind="priority_change")}
+    assert recorded == changed and changed
+    feed = _json.loads((tmp_path / "priority-feed.json").read_text())
+    assert {(e["account"], e["user"]): e["site_factor"] for e in feed["associations"]} == want
+    r = runner.invoke(app, args)  # same ledger again: nothing to change
+    assert r.exit_code == 0 and "0 change(s)" in r.output, r.output
+    # Put back the factors the start-order step expects.
+    run_apply(c.client(), state["feed_now"])
+    assert sprio(c) == before
+
+
 def test_jobs_start_in_site_factor_order(slurm_cluster: SlurmCluster, jobs: dict[str, str]) -> None:
     c = slurm_cluster
     want = factors(state["feed_now"])
