@@ -20,7 +20,7 @@ import httpx
 import msgpack
 import zstandard
 
-from agent.records import GpuSample
+from agent.records import GpuSample, JobRecord
 
 _BODY_EXCERPT = 500  # characters of an error response kept in the exception
 CONTENT_TYPES = {"json": "application/json", "msgpack": "application/msgpack"}
@@ -66,6 +66,8 @@ class HttpPusher:
         self.url = url
         self.agent_id = agent_id
         self.host = host
+        self._jobs: dict[str, JobRecord] = {}  # job metadata waiting for the next batch
+        self._jobs_lock = threading.Lock()
         self._headers: dict[str, str] = dict(headers or {})
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -89,6 +91,11 @@ class HttpPusher:
         self.send(seq, samples)
         return seq
 
+    def write_jobs(self, records: Sequence[JobRecord]) -> None:
+        """Job metadata (new or changed) to send with the next batch."""
+        with self._jobs_lock:
+            self._jobs.update((r.job_id, r) for r in records)
+
     def bump_seq(self, at_least: int) -> None:
         """Never hand out a number below ``at_least`` (a spool's batches already hold the ones before)."""
         with self._lock:
@@ -102,6 +109,10 @@ class HttpPusher:
             "host": self.host,
             "samples": [s.to_wire() for s in samples],
         }
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, {}
+        if jobs:  # job metadata rides along with the next batch (spooled with it, so never ahead of it)
+            payload["jobs"] = [r.to_dict() for r in jobs.values()]
         try:
             if fmt == "json":
                 # NaN/inf are not JSON: fail here, naming the batch, rather than send what the collector rejects.
@@ -174,6 +185,11 @@ class Batcher:
         held, self._held, self._ticks = self._held, [], 0
         if held:
             self.sink.write(held)
+
+    def write_jobs(self, records: Sequence[JobRecord]) -> None:
+        write_jobs = getattr(self.sink, "write_jobs", None)
+        if write_jobs is not None:
+            write_jobs(records)
 
     def stats(self) -> dict[str, int] | None:  # the spool's figures, when the inner sink spools
         inner = getattr(self.sink, "stats", None)

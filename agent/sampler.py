@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from agent.mappers.base import JobMapper
-from agent.records import GpuSample
+from agent.records import GpuSample, JobRecord
 from agent.sources.base import GpuSource
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class Agent:
         self.last_tick_seconds: float | None = None  # duration of the last tick
         self.last_tick_ts: float | None = None  # clock() when the last tick started
         self._seen_errors: set[tuple[str, str, str]] = set()
+        self.jobs: dict[str, JobRecord] = {}  # job metadata the mappers know (user, account, GPUs, ...)
+        self._jobs_sent: dict[str, JobRecord] = {}
 
     def open(self) -> None:
         self.source.open()
@@ -83,6 +85,7 @@ class Agent:
                 except Exception as exc:  # noqa: BLE001 - skip this mapper, keep the samples
                     self._record_error("mapper", type(mapper).__name__, exc)
         self.snapshot = samples
+        self._collect_jobs()
         for s in samples:  # cumulative per GPU, so /metrics can export Xids as a counter
             if s.xid_errors:
                 key = (s.host, s.gpu_index, s.gpu_uuid, s.mig or "")
@@ -96,6 +99,29 @@ class Agent:
         self.ticks_total += 1
         self.last_tick_seconds = self._monotonic() - started
         return samples
+
+    def _collect_jobs(self) -> None:
+        """Job metadata from the mappers that know it; new or changed records go to sinks that carry them,
+        so samples can be accounted without a later join with Slurm."""
+        for mapper in self.mappers:
+            meta = getattr(mapper, "job_metadata", None)
+            if meta is None:
+                continue
+            try:
+                self.jobs.update(meta())
+            except Exception as exc:  # noqa: BLE001 - metadata is a bonus; the samples still go out
+                self._record_error("mapper", f"{type(mapper).__name__}.job_metadata", exc)
+        changed = [r for j, r in self.jobs.items() if self._jobs_sent.get(j) != r]
+        if not changed:
+            return
+        for sink in self.sinks:
+            write_jobs = getattr(sink, "write_jobs", None)
+            if write_jobs is not None:
+                try:
+                    write_jobs(changed)
+                except Exception as exc:  # noqa: BLE001 - as for samples: one sink's failure is its own
+                    self._record_error("sink", f"{type(sink).__name__}.write_jobs", exc)
+        self._jobs_sent.update((r.job_id, r) for r in changed)
 
     def run(self, interval_s: float, stop: threading.Event) -> None:
         """Tick every ``interval_s`` seconds on a fixed schedule until ``stop`` is set."""

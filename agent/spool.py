@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.push import HttpPusher, PushError
-from agent.records import GpuSample
+from agent.records import GpuSample, JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,10 @@ class SpoolingPusher:
         self.spool.put(seq, body, len(samples), self.fmt, self.compress)
         self._wake.set()
         return seq
+
+    def write_jobs(self, records: Sequence[JobRecord]) -> None:
+        """Job metadata rides with the next spooled batch (the pusher puts it in the body it encodes)."""
+        self.pusher.write_jobs(records)
 
     # -- delivery -------------------------------------------------------------------------------
     def send_pending(self) -> bool:

@@ -140,6 +140,10 @@ def openapi_document() -> dict[str, Any]:
                                                "acknowledged and not stored again"},
                         "host": {"type": "string", "minLength": 1, "description": "every sample's host"},
                         "samples": {"type": "array", "items": {"$ref": _REF + "GpuSample"}},
+                        "jobs": {"type": "array", "items": {"$ref": _REF + "JobRecord"},
+                                 "description": "optional: metadata of jobs on this host (user, account, GPUs); "
+                                                "it fills jobs the ledger does not know and never replaces "
+                                                "a record the scheduler gave"},
                     },
                 },
                 "IngestResult": {

@@ -327,6 +327,10 @@ class SqliteStore:
                 # rows: GpuSamples or the fast path's structs with the same fields (no GpuSample built per sample)
                 counts, accepted = self.agg.add_many(batch.rows)
                 self._write_raw(accepted)
+                for r in getattr(batch, "jobs", ()):
+                    # An agent's job metadata fills a gap; it never replaces a record the scheduler gave.
+                    db.execute("INSERT INTO jobs SELECT ?,?,? WHERE NOT EXISTS (SELECT 1 FROM jobs WHERE job_id=?)",
+                               (r.job_id, r.cluster, json.dumps(r.to_dict(), sort_keys=True), r.job_id))
                 db.execute(
                     "INSERT INTO batches VALUES (?,?,?,?)", (batch.agent_id, batch.seq, self._clock(), counts.accepted)
                 )
@@ -403,6 +407,9 @@ class SqliteStore:
             before = self._db.total_changes
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                # The scheduler's record replaces what an agent reported without knowing the cluster.
+                self._db.executemany("DELETE FROM jobs WHERE job_id=? AND cluster='' AND ?<>''",
+                                     [(job_id, cluster) for job_id, cluster, _ in rows])
                 self._db.executemany(
                     "INSERT INTO jobs VALUES (?,?,?) ON CONFLICT (job_id, cluster) "
                     "DO UPDATE SET data=excluded.data WHERE data != excluded.data",

@@ -32,7 +32,7 @@ FUTURE_SLACK_S = 300.0
 # aggregates into inf, which JSON cannot carry. No GPU reading comes near either bound.
 MAX_INT = 2**63 - 1
 MAX_FLOAT = 1e18
-BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples"})
+BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples", "jobs"})  # jobs: optional
 _REQUIRED = ("ts", "host", "gpu_uuid", "gpu_index")
 _RATIOS = frozenset(RATIO_FIELDS)
 _NONNEG = frozenset(NONNEG_FIELDS)
@@ -67,11 +67,12 @@ class Batch:
     columnar fast path) msgspec structs with exactly GpuSample's fields, which cost a fraction of a GpuSample
     to build; ``samples`` turns them into GpuSamples only when asked (tests, sinks)."""
 
-    __slots__ = ("agent_id", "seq", "host", "_samples", "rows")
+    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "jobs")
 
     def __init__(self, agent_id: str, seq: int, host: str, samples: tuple[GpuSample, ...] = (),
-                 rows: tuple[Any, ...] | list[Any] | None = None) -> None:
+                 rows: tuple[Any, ...] | list[Any] | None = None, jobs: tuple[JobRecord, ...] = ()) -> None:
         self.agent_id, self.seq, self.host = agent_id, seq, host
+        self.jobs = tuple(jobs)  # job metadata the agent knows (user, account, GPUs) for jobs on this host
         self._samples = None if rows is not None else tuple(samples)
         self.rows = rows if rows is not None else self._samples
 
@@ -206,10 +207,11 @@ def parse_batch(
     try:
         bound = allowed_host is not None
         out = tuple(_parse_sample(d, i, where, host, now, bound) for i, d in enumerate(samples))
+        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, bound)
     except BatchError as e:
         e.samples = len(samples)  # the whole batch is refused: every sample in it counts as rejected
         raise
-    return Batch(agent_id, seq, host, out)
+    return Batch(agent_id, seq, host, out, jobs=tuple(jobs))
 
 
 _BAD = object()  # what a field check returns for an invalid value (None can be a valid value)
@@ -434,9 +436,16 @@ def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES, 
     doc = decode_body(body, content_type, content_encoding, max_bytes)
     if not isinstance(doc, list):
         raise BatchError(400, f"jobs body must be a list of job records, got {type(doc).__name__}")
+    return _job_records(doc, "")
+
+
+def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = False) -> list[JobRecord]:
+    """Validate JobRecord dicts; with ``host`` (an agent's batch) each record must be about a job on that host."""
+    if not isinstance(doc, list):
+        raise BatchError(400, f"{where}field 'jobs' must be a list of job records")
     out = []
     for i, d in enumerate(doc):
-        at = f"job[{i}]"
+        at = f"{where}job[{i}]"
         if not isinstance(d, dict):
             raise BatchError(400, f"{at}: must be an object")
         for k, v in d.items():
@@ -446,5 +455,11 @@ def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES, 
                 raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})")
         if "job_id" not in d:
             raise BatchError(400, f"{at}.job_id: missing")
-        out.append(JobRecord.from_dict(d))
+        rec = JobRecord.from_dict(d)
+        if host is not None and rec.hosts and host not in rec.hosts:
+            # A node may describe only jobs it runs (under a host-bound token: 403, as for samples).
+            status, reason = (403, "forbidden") if bound else (400, "invalid")
+            raise BatchError(status, f"{at}.hosts: {list(rec.hosts)!r} does not include the batch's host {host!r}",
+                             reason)
+        out.append(rec)
     return out
