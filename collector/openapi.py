@@ -221,6 +221,24 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {"200": _json("Totals.", {"$ref": _REF + "Totals"}),
                               "400": _error("A parameter is not a number."), **_AUTH_ERRORS},
             }},
+            "/api/v1/series": {"get": {
+                "operationId": "getSeries",
+                "summary": "One GPU's samples (raw tier, no step) or rollup buckets in [start, end]; the tier is "
+                           "picked by the range, the step and retention.",
+                "security": _SECURED,
+                "parameters": [
+                    *({"name": n, "in": "query", "required": True, "schema": {"type": "string", "minLength": 1}}
+                      for n in ("host", "uuid")),
+                    *({"name": n, "in": "query", "required": True, "schema": {"type": "number"},
+                       "description": "unix seconds"} for n in ("start", "end")),
+                    {"name": "step", "in": "query", "required": False, "schema": {"type": "number"},
+                     "description": "bucket seconds (rounded up to the tier's resolution)"},
+                    {"name": "mig", "in": "query", "required": False, "schema": {"type": "string"}},
+                ],
+                "responses": {"200": _json("Samples (GpuSample) or buckets (mean/min/max/count per field).",
+                                           {"type": "array", "items": {"type": "object"}}),
+                              "400": _error("A parameter is missing or not a number."), **_AUTH_ERRORS},
+            }},
             "/api/v1/priority": {"get": {
                 "operationId": "getPriority", "summary": "The priority feed (per association fairshare, site factor).",
                 "security": _SECURED,

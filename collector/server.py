@@ -42,6 +42,7 @@ ROUTES: dict[tuple[str, str], tuple[str, Access]] = {
     ("POST", "/api/v1/jobs"): ("post_jobs", "admin"),
     ("GET", "/api/v1/usage"): ("get_usage", "read"),
     ("GET", "/api/v1/totals"): ("get_totals", "read"),
+    ("GET", "/api/v1/series"): ("get_series", "read"),
     ("GET", "/api/v1/priority"): ("get_priority", "read"),
     ("GET", "/api/v1/openapi.json"): ("get_openapi", "public"),
     ("GET", "/metrics"): ("get_metrics", "public"),
@@ -277,6 +278,19 @@ class CollectorServer:
 
     def get_totals(self, req: Request) -> Reply:
         return Reply(200, self.store.totals(_float(req.query, "start"), _float(req.query, "end")))
+
+    def get_series(self, req: Request) -> Reply:
+        """One GPU's samples or rollup buckets in [start, end]; the store picks the tier by range and retention."""
+        host, uuid = req.query.get("host", [""])[0], req.query.get("uuid", [""])[0]
+        start, end = _float(req.query, "start"), _float(req.query, "end")
+        if not host or not uuid or start is None or end is None:
+            raise BatchError(400, "series needs the query parameters host, uuid, start and end (unix seconds)")
+        step = _float(req.query, "step")
+        if step is not None and step <= 0:
+            raise BatchError(400, f"query parameter 'step' must be positive, got {step!r}")
+        mig = req.query.get("mig", [None])[0] or None
+        points = self.store.series(host, uuid, start, end, step=step, mig=mig)
+        return Reply(200, [p.to_dict() for p in points])
 
     def get_priority(self, req: Request) -> Reply:
         if self.priority_feed is None:

@@ -35,3 +35,33 @@ def test_compact_series_totals(tmp_path):
     t = json.loads(r.output)
     assert t["samples"] == 400 and t["allocated_gpu_seconds"] == 3990.0
     assert run(app, ["totals", "--data-dir", str(tmp_path / "nope")]).exit_code == 2
+
+
+def test_series_endpoint_picks_the_tier(tmp_path) -> None:
+    import httpx
+
+    from agent.records import GpuSample
+    from collector.server import CollectorServer
+    from collector.store import SqliteStore
+    from collector.validate import Batch
+
+    t0 = 1_800_000_000.0
+    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: t0 + 7200)
+    store.ingest(Batch("a", 1, "h", tuple(GpuSample(ts=t0 + 10 * i, host="h", gpu_uuid="G", gpu_index=0,
+                                                    power_watts=100.0 + i) for i in range(360))))
+    server = CollectorServer(store, clock=lambda: t0 + 7200).start()
+    try:
+        with httpx.Client(base_url=server.url) as c:
+            raw = c.get("/api/v1/series", params={"host": "h", "uuid": "G", "start": t0, "end": t0 + 100}).json()
+            assert [p["power_watts"] for p in raw] == [100.0 + i for i in range(11)]
+            buckets = c.get("/api/v1/series", params={"host": "h", "uuid": "G", "start": t0, "end": t0 + 3599,
+                                                      "step": 600}).json()
+            assert len(buckets) == 6 and all(b["samples"] == 60 and b["step"] == 600 for b in buckets)
+            assert buckets[0]["mean"]["power_watts"] == sum(100.0 + i for i in range(60)) / 60
+            assert (buckets[0]["min"]["power_watts"], buckets[0]["max"]["power_watts"]) == (100.0, 159.0)
+            r = c.get("/api/v1/series", params={"host": "h", "uuid": "G", "start": "x", "end": 1})
+            assert r.status_code == 400 and "start" in r.json()["error"]
+            assert c.get("/api/v1/series", params={"host": "h"}).status_code == 400
+    finally:
+        server.stop()
+        store.close()
