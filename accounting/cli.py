@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from accounting import report as rpt
 from accounting.config import ConfigError, accounting_settings, load_config
@@ -53,7 +54,7 @@ jobs_app = typer.Typer(help="Job records in the ledger.", no_args_is_help=True)
 
 
 def _fail(msg: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {msg}")
+    err.print(f"[red]error:[/red] {escape(msg)}")  # messages quote TOML tables like [accounts]: not markup
     return typer.Exit(code=2)
 
 
@@ -105,10 +106,10 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             store.close()
         result = association_usage(entries, settings, tree, now)
         for (acct, user), v in sorted(result.unknown.items()):
-            err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {user}@{acct} has no association in the tree")
+            err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} has no association in the tree")
         if result.unmatched_jobs:
             err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
-                      f"scheduler record are not charged: {', '.join(result.unmatched_jobs[:10])}")
+                      f"scheduler record are not charged: {escape(', '.join(result.unmatched_jobs[:10]))}")
         rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
         with open_log(data_dir) as log:
             record_usage(log, usages)
@@ -294,7 +295,7 @@ def priority_apply(
                 f"(fairshare {c.fairshare:.6f})")
         typer.echo(line + (f": {o.error}" if o.error else ""))
     for s in plan.skipped:
-        err.print(f"[yellow]skipped[/yellow] job {s.job_id} ({s.user}@{s.account}): {s.reason}")
+        err.print("[yellow]skipped[/yellow] " + escape(f"job {s.job_id} ({s.user}@{s.account}): {s.reason}"))
     typer.echo(f"{len(outcomes)} change(s), {len(plan.unchanged)} unchanged, {len(plan.skipped)} skipped")
     if any(o.status == "failed" for o in outcomes):
         raise typer.Exit(1)
