@@ -442,6 +442,18 @@ class SqliteStore:
             summaries = self._emit_summaries(force=True)
         return CompactStats(minutes, hours, merged, deleted, summaries)
 
+    def _resume_at(self, gk: GpuKey, tier: int, horizon: float) -> float:
+        """Where rolling up into ``tier`` goes on: its saved state, else the start of the finer tier's first
+        chunk (on the tier's grid), never past ``horizon``."""
+        until = self._until(gk, tier)
+        if until is not None:
+            return until
+        (first,) = self._db.execute(
+            "SELECT MIN(t_min) FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=?", (tier - 1, *gk)
+        ).fetchone()
+        res = RESOLUTION[tier]
+        return horizon if first is None else min(horizon, math.floor(first / res) * res)
+
     def _until(self, gk: GpuKey, tier: int) -> float | None:
         row = self._db.execute(
             "SELECT until FROM rollup_state WHERE host=? AND gpu_uuid=? AND mig=? AND tier=?", (*gk, tier)
@@ -454,12 +466,7 @@ class SqliteStore:
         try:
             # minutes before (newest sample - window) can no longer receive a late sample: final
             horizon = math.floor((watermark - self.agg.window_s) / 60.0) * 60.0
-            until = self._until(gk, MINUTE)
-            if until is None:
-                (first,) = db.execute(
-                    "SELECT MIN(t_min) FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=?", gk
-                ).fetchone()
-                until = horizon if first is None else min(horizon, math.floor(first / 60.0) * 60.0)
+            until = self._resume_at(gk, MINUTE, horizon)
             n_min = 0
             if horizon > until:
                 ts, vals = self._raw_arrays(gk, until, horizon)
@@ -467,12 +474,7 @@ class SqliteStore:
                 until = horizon
             db.execute("INSERT OR REPLACE INTO rollup_state VALUES (?,?,?,?,?)", (*gk, MINUTE, until))
             hour_horizon = math.floor(until / 3600.0) * 3600.0
-            h_until = self._until(gk, HOUR)
-            if h_until is None:
-                (first,) = db.execute(
-                    "SELECT MIN(t_min) FROM chunks WHERE tier=1 AND host=? AND gpu_uuid=? AND mig=?", gk
-                ).fetchone()
-                h_until = hour_horizon if first is None else min(hour_horizon, math.floor(first / 3600.0) * 3600.0)
+            h_until = self._resume_at(gk, HOUR, hour_horizon)
             n_hour = 0
             if hour_horizon > h_until:
                 rows = self._rollup_rows(MINUTE, gk, h_until, hour_horizon)

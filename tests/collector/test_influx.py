@@ -4,11 +4,7 @@ on free loopback ports and stopped by PID."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,95 +21,22 @@ from collector.sinks.influx import (
 )
 from collector.store import SqliteStore
 from collector.validate import Batch
+from servers import InfluxServer, VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
 
 pytestmark = pytest.mark.influx
 T0 = 1_700_000_000.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, ok: tuple[int, ...], proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=1).status_code in ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready: {log.read_text()[-2000:]}")
-
-
-def start(argv: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def start_vm(d: Path, port: int) -> subprocess.Popen:
-    if not shutil.which("victoria-metrics"):
-        pytest.fail("Debian package victoria-metrics not installed (make test installs it through .ci/ensure-debs)")
-    p = start(["victoria-metrics", f"-httpListenAddr=127.0.0.1:{port}", f"-storageDataPath={d}",
-               "-retentionPeriod=100y", "-search.latencyOffset=0s"], d.with_suffix(".log"))
-    wait_http(f"http://127.0.0.1:{port}/health", (200,), p, d.with_suffix(".log"))
-    return p
-
-
 @pytest.fixture(scope="module")
 def influx1(tmp_path_factory):
-    if not shutil.which("influxd"):
-        pytest.fail("Debian package influxdb not installed (make test installs it through .ci/ensure-debs)")
-    d = tmp_path_factory.mktemp("influx")
-    port, bind = free_port(), free_port()
-    conf = d / "influxdb.conf"
-    conf.write_text(f"""reporting-enabled = false
-bind-address = "127.0.0.1:{bind}"
-[meta]
-  dir = "{d}/meta"
-[data]
-  dir = "{d}/data"
-  wal-dir = "{d}/wal"
-  query-log-enabled = false
-[monitor]
-  store-enabled = false
-[http]
-  bind-address = "127.0.0.1:{port}"
-  log-enabled = false
-[ifql]
-  bind-address = "127.0.0.1:{free_port()}"
-""")
-    p = start(["influxd", "run", "-config", str(conf)], d / "influx.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{url}/ping", (204,), p, d / "influx.log")
-        httpx.post(f"{url}/query", data={"q": "CREATE DATABASE gl"}).raise_for_status()
-        yield url
-    finally:
-        stop(p)
+    with InfluxServer(tmp_path_factory.mktemp("influx"), db="gl") as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
 def vm(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vm") / "data"
-    port = free_port()
-    p = start_vm(d, port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(p)
+    with VictoriaMetricsServer(tmp_path_factory.mktemp("vm")) as server:
+        yield server.url
 
 
 def influxql(url: str, q: str) -> list[dict]:
@@ -241,14 +164,13 @@ def test_retries_with_backoff_until_the_server_appears(tmp_path):
                       timeout_s=5)
     sink.write([sample(T0)])
     time.sleep(0.5)
-    p = start_vm(tmp_path / "vm", port)
     try:
-        assert sink.flush(60)
-        assert sink.stats.written_lines == 2 and sink.stats.failed_writes >= 1
-        assert waits[:3] == [0.1, 0.2, 0.4]
+        with VictoriaMetricsServer(tmp_path / "vm", port=port):
+            assert sink.flush(60)
+            assert sink.stats.written_lines == 2 and sink.stats.failed_writes >= 1
+            assert waits[:3] == [0.1, 0.2, 0.4]
     finally:
         sink.close()
-        stop(p)
 
 
 def test_overflow_and_giving_up_are_counted():

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from dashboards_grafana import ROOT, Context, interpolate, load, query_variables, targets  # first: sys.path
 from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
-from dashboards_servers import InfluxServer, PrometheusServer
+from servers import InfluxServer, PrometheusServer
 
 from agent.push import HttpPusher
 from accounting.cli import fairshare_rows, feed_from_rows
@@ -98,6 +98,19 @@ def _prom_has_data(data: dict[str, Any]) -> bool:
     return False
 
 
+def _choose(ctx: Context, v: dict[str, Any], values: list[Any]) -> None:
+    """Pick a query variable's values as Grafana would: all of them for "include all", else the first."""
+    ctx.values[v["name"]] = values if v.get("includeAll") else values[:1]
+    if v.get("multi") or v.get("includeAll"):
+        ctx.multi.add(v["name"])
+
+
+def _custom_variables(doc: dict[str, Any], ctx: Context) -> None:
+    for v in doc["templating"]["list"]:
+        if v["type"] == "custom":
+            ctx.values[v["name"]] = [v["current"]["value"]]
+
+
 def _prom_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> None:
     for v in query_variables(doc):
         q = interpolate(v["query"], "prometheus", ctx)
@@ -108,12 +121,8 @@ def _prom_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> No
         if v["name"] == "jobid":
             assert SHARED_JOB in values
             values = [SHARED_JOB]
-        ctx.values[v["name"]] = values if v.get("includeAll") else values[:1]
-        if v.get("multi") or v.get("includeAll"):
-            ctx.multi.add(v["name"])
-    for v in doc["templating"]["list"]:
-        if v["type"] == "custom":
-            ctx.values[v["name"]] = [v["current"]["value"]]
+        _choose(ctx, v, values)
+    _custom_variables(doc, ctx)
 
 
 def _midnight(now: float) -> float:
@@ -171,12 +180,8 @@ def _influx_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> 
         assert values, f"variable ${v['name']}: {q} found nothing"
         if v["name"] == "jobid":
             assert set(values) <= stack.demo_jobs
-        ctx.values[v["name"]] = values if v.get("includeAll") else values[:1]
-        if v.get("multi") or v.get("includeAll"):
-            ctx.multi.add(v["name"])
-    for v in doc["templating"]["list"]:
-        if v["type"] == "custom":
-            ctx.values[v["name"]] = [v["current"]["value"]]
+        _choose(ctx, v, values)
+    _custom_variables(doc, ctx)
 
 
 @pytest.mark.parametrize("path", INFLUX_FILES, ids=lambda p: p.stem)

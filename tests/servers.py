@@ -1,7 +1,7 @@
-"""Real InfluxDB 1.x and Prometheus servers for the dashboard tests (Debian packages, loopback, free ports).
+"""Real InfluxDB 1.x, VictoriaMetrics and Prometheus servers for the tests (Debian packages, loopback, free ports).
 
 Each server runs from a temporary directory, binds only 127.0.0.1 and is stopped (SIGTERM to the PID we
-started, SIGKILL after a grace period) when its context exits. Nothing here knows about dashboards.
+started, SIGKILL after a grace period) when its context exits. Nothing here knows about gpuledger.
 """
 
 from __future__ import annotations
@@ -138,6 +138,28 @@ bind-address = "127.0.0.1:{free_port()}"
         status, body = _http(f"{self.url}/write?db={self.db}&precision=ns", "\n".join(lines).encode())
         if status != 204:
             raise RuntimeError(f"InfluxDB write failed ({status}): {body[:500]!r}")
+
+
+class VictoriaMetricsServer(_Server):
+    """VictoriaMetrics (InfluxDB line protocol in, Prometheus API out); ``port`` may be chosen in advance."""
+
+    binary = "victoria-metrics"
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        super().__init__(workdir)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> VictoriaMetricsServer:
+        # No query latency offset, so a test reads back what it has just written.
+        self._spawn(["victoria-metrics", f"-httpListenAddr=127.0.0.1:{self.port}",
+                     f"-storageDataPath={self.workdir / 'data'}", "-retentionPeriod=100y", "-search.latencyOffset=0s"])
+        try:
+            self._wait(lambda: _http(f"{self.url}/health")[0] == 200, "victoria-metrics")
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
 
 class PrometheusServer(_Server):
