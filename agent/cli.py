@@ -172,6 +172,7 @@ def run(
     spool_max_bytes: int = typer.Option(256 * 2**20, help="spool bound in bytes; beyond it the oldest are dropped"),
     ca_cert: str | None = typer.Option(None, help="CA bundle (PEM) to verify an https collector with"),
     push_every: int = typer.Option(1, min=1, help="push every N sampling cycles (fewer, larger batches)"),
+    wire: str = typer.Option("msgpack", help="body encoding: msgpack (columns as raw bytes) or json"),
 ) -> None:
     """Run the agent: sample every --interval, serve /metrics, push batches to --collector."""
     from agent.exposition import serve_metrics  # noqa: PLC0415
@@ -191,12 +192,14 @@ def run(
                 token = open(token_file).read().strip()
             except OSError as exc:
                 raise typer.BadParameter(f"--token-file: {exc}") from exc
-        pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True)
+        if wire not in ("msgpack", "json"):
+            raise typer.BadParameter(f"--wire must be msgpack or json, got {wire!r}")
+        pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True, fmt=wire)
         sink: Any = pusher
         if spool_dir:
             from agent.spool import Spool, SpoolingPusher  # noqa: PLC0415
 
-            sink = SpoolingPusher(pusher, Spool(spool_dir, max_bytes=spool_max_bytes)).start()
+            sink = SpoolingPusher(pusher, Spool(spool_dir, max_bytes=spool_max_bytes), fmt=wire).start()
         if push_every > 1:
             from agent.push import Batcher  # noqa: PLC0415
 

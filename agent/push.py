@@ -21,6 +21,7 @@ import msgpack
 import zstandard
 
 from agent.records import GpuSample, JobRecord
+from agent.wire import to_series
 
 _BODY_EXCERPT = 500  # characters of an error response kept in the exception
 CONTENT_TYPES = {"json": "application/json", "msgpack": "application/msgpack"}
@@ -44,8 +45,48 @@ class PushError(RuntimeError):
         self.body = body
 
 
+class EncodeError(ValueError):
+    """A batch that cannot be encoded (NaN, a sample of another host): the collector would reject it."""
+
+
+def encode_batch(agent_id: str, host: str, seq: int, samples: Sequence[GpuSample], jobs: Sequence[JobRecord] = (),
+                 fmt: str = "json", compress: str | None = None, layout: str = "series") -> bytes:
+    """A batch's request body: ``fmt`` json or msgpack, ``compress`` None, gzip or zstd; ``layout`` series
+    (columns per GPU, ``agent.wire``: what agents send; complete columns as raw bytes in msgpack) or samples
+    (one object a sample). Raises EncodeError for what the collector would refuse, ValueError for bad options."""
+    if layout not in ("series", "samples"):
+        raise ValueError(f"unknown layout {layout!r} (series or samples)")
+    if fmt not in CONTENT_TYPES:
+        raise ValueError(f"unknown format {fmt!r} (json or msgpack)")
+    if compress not in (None, "gzip", "zstd"):
+        raise ValueError(f"unknown compression {compress!r} (gzip or zstd)")
+    payload: dict[str, Any] = {"agent_id": agent_id, "seq": seq, "host": host}
+    try:
+        if layout == "series":
+            payload["series"] = to_series(samples, host, binary=fmt == "msgpack")
+        else:
+            if any(isinstance(v, float) and not math.isfinite(v) for s in samples for v in _floats(s)):
+                raise ValueError("NaN or infinite value")
+            payload["samples"] = [s.to_wire() for s in samples]
+        if jobs:  # job metadata rides along with the next batch (spooled with it, so never ahead of it)
+            payload["jobs"] = [r.to_dict() for r in jobs]
+        if fmt == "json":
+            # NaN/inf are not JSON: fail here, naming the batch, rather than send what the collector rejects.
+            body = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode()
+        else:
+            body = msgpack.packb(payload, use_bin_type=True)
+    except (TypeError, ValueError) as exc:
+        raise EncodeError(str(exc)) from exc
+    if compress == "gzip":
+        body = gzip.compress(body, compresslevel=5)
+    elif compress == "zstd":
+        body = zstandard.ZstdCompressor(level=3).compress(body)
+    return body
+
+
 class HttpPusher:
-    """POSTs ``{"agent_id", "seq", "host", "samples": [...]}`` as JSON to the collector's samples endpoint."""
+    """POSTs batches ``{"agent_id", "seq", "host", "series": [...]}`` (``agent.wire``) to the collector's samples
+    endpoint: JSON by default, msgpack (with raw binary columns) where :meth:`post` is told so."""
 
     def __init__(
         self,
@@ -58,12 +99,16 @@ class HttpPusher:
         token: str | None = None,
         headers: Mapping[str, str] | None = None,
         verify: str | bool = True,
+        fmt: str = "json",
     ) -> None:
+        if fmt not in CONTENT_TYPES:
+            raise ValueError(f"pusher: fmt must be json or msgpack, got {fmt!r}")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"pusher: url must be http(s)://..., got {url!r}")
         if not agent_id:
             raise ValueError("pusher: agent_id must not be empty")
         self.url = url
+        self.fmt = fmt  # what write() sends: json, or msgpack with complete columns as raw bytes (the agent's)
         self.agent_id = agent_id
         self.host = host
         self._jobs: dict[str, JobRecord] = {}  # job metadata waiting for the next batch
@@ -101,41 +146,19 @@ class HttpPusher:
         with self._lock:
             self._next_seq = max(self._next_seq, at_least)
 
-    def encode(self, seq: int, samples: Sequence[GpuSample], fmt: str = "json", compress: str | None = None) -> bytes:
-        """The request body of a batch: ``fmt`` json or msgpack, ``compress`` None, gzip or zstd."""
-        payload: dict[str, Any] = {
-            "agent_id": self.agent_id,
-            "seq": seq,
-            "host": self.host,
-            "samples": [s.to_wire() for s in samples],
-        }
+    def encode(self, seq: int, samples: Sequence[GpuSample], fmt: str = "json", compress: str | None = None,
+               layout: str = "series") -> bytes:
+        """The request body of a batch (see :func:`encode_batch`), with the job metadata waiting for it."""
         with self._jobs_lock:
             jobs, self._jobs = self._jobs, {}
-        if jobs:  # job metadata rides along with the next batch (spooled with it, so never ahead of it)
-            payload["jobs"] = [r.to_dict() for r in jobs.values()]
         try:
-            if fmt == "json":
-                # NaN/inf are not JSON: fail here, naming the batch, rather than send what the collector rejects.
-                body = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode()
-            elif fmt == "msgpack":
-                if any(isinstance(v, float) and not math.isfinite(v) for s in samples for v in _floats(s)):
-                    raise ValueError("NaN or infinite value")
-                body = msgpack.packb(payload, use_bin_type=True)
-            else:
-                raise ValueError(f"unknown format {fmt!r} (json or msgpack)")
-        except (TypeError, ValueError) as exc:
+            return encode_batch(self.agent_id, self.host, seq, samples, list(jobs.values()), fmt, compress, layout)
+        except EncodeError as exc:
             raise PushError(f"batch {seq} for {self.url} cannot be encoded as {fmt.upper()}: {exc}") from exc
-        if compress == "gzip":
-            body = gzip.compress(body, compresslevel=5)
-        elif compress == "zstd":
-            body = zstandard.ZstdCompressor(level=3).compress(body)
-        elif compress is not None:
-            raise ValueError(f"unknown compression {compress!r} (gzip or zstd)")
-        return body
 
     def send(self, seq: int, samples: Sequence[GpuSample]) -> None:
-        """Send a batch under a given sequence number (as JSON)."""
-        self.post(seq, self.encode(seq, samples))
+        """Send a batch under a given sequence number (in ``fmt``)."""
+        self.post(seq, self.encode(seq, samples, self.fmt), self.fmt)
 
     def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None) -> None:
         """POST an encoded batch; returns on a 2xx, else raises PushError (``status`` None: no response)."""

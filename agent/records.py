@@ -7,7 +7,7 @@ This module imports only the standard library so that every layer may import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 # The float fields of GpuSample that are ratios in 0..1 (validated by the collector).

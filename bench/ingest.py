@@ -7,8 +7,9 @@ counter, memory used, temperature, SM and memory clocks, PCIe tx/rx) as random w
 Slurm job (jobs span 1-4 hosts). Batches of 5,000 samples: a collector batch belongs to one host (the
 collector binds a batch to its host), so a batch is 8 GPUs x 625 consecutive seconds; VictoriaMetrics
 gets exactly those samples as the same batches of line protocol (`/write`, precision ms). Two client
-connections each. Bodies are encoded before the clock starts (msgpack for the collector, line
-protocol for VM), so both measure the server.
+connections each. Bodies are encoded before the clock starts (for the collector by the agent's own
+encoder, ``agent.push.encode_batch``: msgpack, one series of columns per GPU; line protocol for VM), so
+both measure the server.
 
 Each round runs each competitor once (order alternating) for up to --points samples or --seconds;
 the figures are medians over rounds. Server CPU comes from /proc (VM) and the collector process;
@@ -17,6 +18,7 @@ bytes on disk are measured after VM's force_flush + force_merge and after the co
 
     .venv/bin/python bench/ingest.py                   # ~2-3 minutes
     .venv/bin/python bench/ingest.py --rounds 1 --points 200000   # a quick look
+    .venv/bin/python bench/ingest.py --layout samples             # the row layout (simple clients)
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ import threading
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent.push import encode_batch  # noqa: E402
+from agent.records import GpuSample  # noqa: E402
 from collector.store import SqliteStore  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -216,6 +219,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds per competitor per round (cap)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--conns", type=int, default=2)
+    ap.add_argument("--layout", choices=("series", "samples"), default="series",
+                    help="the collector's batch layout: series (what agents send) or samples (one map a sample)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     a = ap.parse_args()
@@ -247,7 +252,9 @@ def main() -> None:
             for i in range(start, start + n):
                 if i not in cache:
                     host, ss = data.batch(i)
-                    mp = msgpack.packb({"agent_id": host, "seq": i, "host": host, "samples": ss})
+                    # the agent's own encoder: series layout, complete columns as raw bytes
+                    mp = encode_batch(host, host, i, [GpuSample.from_dict(d) for d in ss], fmt="msgpack",
+                                      layout=a.layout)
                     cache[i] = (mp, lp_body(ss))
             return [cache[i][0] for i in range(start, start + n)], [cache[i][1] for i in range(start, start + n)]
 
@@ -297,6 +304,7 @@ def main() -> None:
         bps = {"vm": vm_bytes / totals["vm"], "gl": gl_bytes / totals["gl"]}
         out = {
             "workload": {"hosts": a.hosts, "gpus": a.hosts * GPUS, "fields": len(FIELDS), "batch": GPUS * STEPS,
+                     "layout": a.layout,
                          "conns": a.conns, "rounds": a.rounds},
             "victoria_metrics": {"samples_per_s": rate["vm"], "cpu_s_per_million": per_m["vm"],
                                  "bytes_per_sample": bps["vm"], "samples": totals["vm"]},

@@ -33,10 +33,14 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from agent.records import GpuSample, JobUsage
+
+if TYPE_CHECKING:
+    from collector.series import Series
 
 GpuKey = tuple[str, str, str]  # (host, gpu_uuid, mig or "")
 UsageKey = tuple[str, str, str]  # (job_id, host, gpu_id) where gpu_id is uuid or "uuid/mig"
@@ -111,15 +115,63 @@ class HourAcc:
         return acc
 
 
-class GpuState:
-    """One GPU's recent samples (sorted) and its all-time totals."""
+class WindowRow(NamedTuple):
+    """What the window keeps of a sample that came in a series: the fields the pair contributions read."""
 
-    __slots__ = ("ts", "samples", "start", "watermark", "first_ts", "n", "observed_s", "energy_j", "model")
+    ts: float
+    energy_joules: float | None
+    power_watts: float | None
+    sm_active_ratio: float | None
+    dram_bw_ratio: float | None
+    tensor_active_ratio: float | None
+    sm_occupancy_ratio: float | None
+    job_ids: tuple[str, ...]
+    job_shares: tuple[float, ...]
+
+
+PAIR_FLOATS = ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
+                "sm_occupancy_ratio")
+
+
+class WindowSegment:
+    """Window samples folded from a series, kept as columns until a late sample needs them one by one."""
+
+    __slots__ = ("ts", "cols", "job_ids", "job_shares")
+
+    def __init__(self, ts: np.ndarray, cols: dict[str, np.ndarray], job_ids: tuple[str, ...],
+                 job_shares: tuple[float, ...]) -> None:
+        self.ts, self.cols, self.job_ids, self.job_shares = ts, cols, job_ids, job_shares
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    def tail(self, k: int) -> WindowSegment:
+        return WindowSegment(self.ts[k:], {f: v[k:] for f, v in self.cols.items()}, self.job_ids, self.job_shares)
+
+    def rows(self) -> list[WindowRow]:
+        n = len(self.ts)
+        cols = [self.ts.tolist()]
+        for f in PAIR_FLOATS:
+            vals = self.cols[f].tolist()
+            cols.append([None if v != v else v for v in vals] if np.isnan(self.cols[f]).any() else vals)
+        return list(map(WindowRow, *cols, [self.job_ids] * n, [self.job_shares] * n))
+
+
+class GpuState:
+    """One GPU's recent samples (sorted) and its all-time totals.
+
+    The window is ``samples`` (objects) followed by ``pending`` (columns from series, oldest first);
+    ``ts`` holds the times of both. :meth:`rows` turns the pending columns into objects when a sample
+    must be inserted into the window (a late one); in-order series never need that."""
+
+    __slots__ = ("ts", "samples", "pending", "start", "watermark", "first_ts", "n", "observed_s", "energy_j",
+                 "model")
     TOTAL_FIELDS: tuple[str, ...] = ("first_ts", "watermark", "n", "observed_s", "energy_j", "model")
 
     def __init__(self) -> None:
         self.ts: list[float] = []
-        self.samples: list[GpuSample] = []
+        self.samples: list = []
+        self.pending: list[WindowSegment] = []
         self.start = 0  # samples before this index are evicted (kept until compaction)
         self.watermark = -math.inf  # newest ts seen
         self.first_ts = math.inf
@@ -130,6 +182,43 @@ class GpuState:
 
     def totals(self) -> tuple:
         return tuple(getattr(self, f) for f in self.TOTAL_FIELDS)
+
+    def anchor(self) -> tuple[float, float] | None:
+        """(ts, energy counter or NaN) of the newest sample, which starts the next interval; None when empty."""
+        if self.pending:
+            seg = self.pending[-1]
+            return float(seg.ts[-1]), float(seg.cols["energy_joules"][-1])
+        if self.samples:
+            last = self.samples[-1]
+            return last.ts, math.nan if last.energy_joules is None else last.energy_joules
+        return None
+
+    def rows(self) -> list:
+        """The window as objects (``ts`` aligned), turning pending columns into rows."""
+        if self.pending:
+            self.drop(self.start)
+            for seg in self.pending:
+                self.samples.extend(seg.rows())
+            self.pending = []
+        return self.samples
+
+    def drop(self, k: int) -> None:
+        """Forget the ``k`` oldest window samples (all before ``start``)."""
+        if k <= 0:
+            return
+        del self.ts[:k]
+        m = min(k, len(self.samples))
+        del self.samples[:m]
+        k -= m
+        while k:
+            seg = self.pending[0]
+            if len(seg) <= k:
+                k -= len(seg)
+                del self.pending[0]
+            else:
+                self.pending[0] = seg.tail(k)
+                k = 0
+        self.start = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +242,35 @@ def _seqsum(start: float, terms: np.ndarray) -> float:
     if not terms.size:
         return start
     return float(np.cumsum(np.concatenate(([start], terms)))[-1])
+
+
+class _SeqSums:
+    """Many ``acc.attr = _seqsum(acc.attr, terms)`` at once: one sequential cumsum per term count instead of one
+    per sum (a 2-D cumsum along rows is the same left-to-right accumulation as the 1-D one, bit for bit)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[tuple[object, str, np.ndarray]] = []
+
+    def add(self, obj: object, attr: str, terms: np.ndarray) -> None:
+        if terms.size:
+            self.items.append((obj, attr, terms))
+
+    def apply(self) -> None:
+        by_len: dict[int, list[tuple[object, str, np.ndarray]]] = {}
+        for it in self.items:
+            by_len.setdefault(it[2].size, []).append(it)
+        for n, group in by_len.items():
+            if len({(id(o), a) for o, a, _ in group}) != len(group):  # one sum twice: keep the order, one by one
+                for o, a, t in group:
+                    setattr(o, a, _seqsum(getattr(o, a), t))
+                continue
+            m = np.empty((len(group), n + 1))
+            m[:, 0] = [getattr(o, a) for o, a, _ in group]
+            m[:, 1:] = [t for _, _, t in group]
+            for (o, a, _), v in zip(group, np.cumsum(m, axis=1)[:, -1].tolist()):
+                setattr(o, a, v)
 
 
 def _last_model(models: list[str]) -> str:
@@ -293,11 +411,12 @@ class Aggregator:
         if g is None:
             g = self.gpus[gk] = GpuState()
         ts = s.ts
+        samples = g.rows()
         if ts > g.watermark:  # the hot path: in order
-            if g.samples:
-                self._apply_pair(gk, g, g.samples[-1], s, 1.0)
+            if samples:
+                self._apply_pair(gk, g, samples[-1], s, 1.0)
             g.ts.append(ts)
-            g.samples.append(s)
+            samples.append(s)
             g.watermark = ts
             self._apply_point(gk, g, s)
             self._evict(g)
@@ -307,14 +426,14 @@ class Aggregator:
         i = bisect_left(g.ts, ts, g.start)
         if g.ts[i] == ts:  # i < len because ts <= watermark == g.ts[-1]
             return DUPLICATE
-        nxt = g.samples[i]
-        prev = g.samples[i - 1] if i > 0 else None
+        nxt = samples[i]
+        prev = samples[i - 1] if i > 0 else None
         if prev is not None:
             self._apply_pair(gk, g, prev, nxt, -1.0)
             self._apply_pair(gk, g, prev, s, 1.0)
         self._apply_pair(gk, g, s, nxt, 1.0)
         g.ts.insert(i, ts)
-        g.samples.insert(i, s)
+        samples.insert(i, s)
         self._apply_point(gk, g, s)
         return ACCEPTED
 
@@ -368,30 +487,89 @@ class Aggregator:
             cols[f] = a
         if g is None:
             g = self.gpus[gk] = GpuState()
+        samples = g.rows()
         # segments with one job set (and shares): a GPU changes jobs rarely, so usually one segment
         jobs = list(map(_JOBS, run))
         cuts = [0] if jobs.count(jobs[0]) == len(jobs) else [0] + [i for i in range(1, len(run)) if jobs[i] != jobs[i - 1]]
         cuts.append(len(run))
         for a, b in zip(cuts, cuts[1:]):
-            prev = g.samples[-1] if g.samples else None
-            self._run_pairs(gk, g, prev, run, a, b, ts, cols)
-            self._run_points(gk, g, run, a, b, ts)
+            seg = run[a:b]
+            self._run_pairs(gk, g, g.anchor(), seg[0].job_ids, _shares(seg[0]), a, b, ts, cols)
+            mem = [s.mem_used_bytes for s in seg]
+            mem = [v for v in mem if v is not None] if None in mem else mem
+            power = [s.power_watts for s in seg]
+            power = [v for v in power if v is not None] if None in power else power
+            # max() keeps the first of equals, as add() does
+            self._run_points(gk, g, ts[a:b], [s.model for s in seg], seg[0].job_ids,
+                             max(mem) if mem else None, max(power) if power else None)
             g.ts.extend(ts[a:b].tolist())
-            g.samples.extend(run[a:b])
+            samples.extend(seg)
             g.watermark = g.ts[-1]
         self._evict(g)  # where eviction ends depends only on the watermark
         return True
 
-    def _run_pairs(self, gk: GpuKey, g: GpuState, prev: GpuSample | None, run: list, a: int, b: int,
-                   ts: np.ndarray, cols: dict[str, np.ndarray]) -> None:
-        """:meth:`_apply_pair` (sign +1) for the intervals ending at run[a:b], vectorised."""
+    def add_series(self, series: list[Series]) -> tuple[list[Series], list[GpuSample]]:
+        """Fold columnar series a column at a time where that is exact: each GPU's series, in time order,
+        strictly increasing, not overlapping and all newer than the GPU's watermark (an agent's batch).
+        Returns (the series folded, every other series' samples for :meth:`add_many`). GPUs never share
+        state, so a GPU either takes this path whole or the per-sample one whole."""
+        by_gpu: dict[GpuKey, list[Series]] = {}
+        for s in series:
+            by_gpu.setdefault(s.key, []).append(s)
+        folded: list[Series] = []
+        rest: list[GpuSample] = []
+        for gk, ss in by_gpu.items():
+            ss.sort(key=lambda x: x.ts[0])
+            g = self.gpus.get(gk)
+            last = -math.inf if g is None else g.watermark
+            ok = True
+            for x in ss:
+                t = x.ts
+                if not t[0] > last or not (t[1:] > t[:-1]).all():
+                    ok = False
+                    break
+                last = t[-1]
+            if not ok:
+                rest.extend(r for x in ss for r in x.rows())
+                continue
+            for x in ss:
+                self._fold_series(gk, x)
+            folded.extend(ss)
+        return folded, rest
+
+    def _fold_series(self, gk: GpuKey, s: Series) -> None:
+        g = self.gpus.get(gk)
+        if g is None:
+            g = self.gpus[gk] = GpuState()
+        ts = s.ts
+        cols = {f: s.float_col(f) for f in PAIR_FLOATS}
+        self._run_pairs(gk, g, g.anchor(), s.job_ids, _shares(s), 0, s.n, ts, cols)
+        mem_peak = None
+        if "mem_used_bytes" in s.ints:
+            v, m = s.ints["mem_used_bytes"]
+            if m is not None:
+                v = v[m]
+            mem_peak = int(v.max()) if v.size else None
+        power = cols["power_watts"]
+        power_peak = None if np.isnan(power).all() else float(np.nanmax(power))
+        self._run_points(gk, g, ts, [s.model] * s.n, s.job_ids, mem_peak, power_peak)
+        g.ts.extend(ts.tolist())
+        # the window keeps a copy of what pair contributions read, not the batch's arrays
+        g.pending.append(WindowSegment(ts.copy(), {f: c.copy() for f, c in cols.items()}, s.job_ids, s.job_shares))
+        g.watermark = g.ts[-1]
+        self._evict(g)
+
+    def _run_pairs(self, gk: GpuKey, g: GpuState, prev: tuple[float, float] | None, job_ids: tuple[str, ...],
+                   shares: tuple[float, ...], a: int, b: int, ts: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+        """:meth:`_apply_pair` (sign +1) for the intervals ending at rows a..b-1 (one job set), vectorised.
+        ``prev``: (ts, energy or NaN) of the sample before row a, None when the GPU has none."""
         if prev is None:  # the GPU's first sample starts no interval
             a += 1
             if a >= b:
                 return
             p_ts, p_e = ts[a - 1], cols["energy_joules"][a - 1]
         else:
-            p_ts, p_e = prev.ts, math.nan if prev.energy_joules is None else prev.energy_joules
+            p_ts, p_e = prev
         cur = slice(a, b)
         t = ts[cur]
         dt = np.diff(t, prepend=p_ts)  # cur.ts - prev.ts, pair by pair
@@ -406,80 +584,78 @@ class Aggregator:
         keep = ~((gpu_s == 0.0) & (energy == 0.0))  # what _apply_pair returns early on
         if not keep.any():
             return
-        g.observed_s = _seqsum(g.observed_s, gpu_s[keep])
-        g.energy_j = _seqsum(g.energy_j, energy[keep])
-        bucket = np.floor(t / HOUR_S) * HOUR_S
-        s0 = run[a]
-        job_ids, shares = s0.job_ids, _shares(s0)
+        sums = _SeqSums()
+        sums.add(g, "observed_s", gpu_s[keep])
+        sums.add(g, "energy_j", energy[keep])
         if job_ids:
             sh = np.array(shares, dtype=np.float64)
             w = gpu_s[:, None] * sh  # (pairs, jobs): row-major order is add()'s order of terms
             e = energy[:, None] * sh
-            ratios = {f: cols[f][cur] for f in ("sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
-                                                "sm_occupancy_ratio")}
+            ratios = {f: cols[f][cur] for f in _MEANS}
             sm = ratios["sm_active_ratio"]
             sm_w = sm[:, None] * w
             has_sm = ~np.isnan(sm)
-        for hb in np.unique(bucket[keep]).tolist():
-            rows = keep & (bucket == hb)
+        h0, h1 = math.floor(t[0] / HOUR_S) * HOUR_S, math.floor(t[-1] / HOUR_S) * HOUR_S
+        if h0 == h1:  # the usual run: within one hour
+            hours = [(h0, keep)]
+        else:
+            bucket = np.floor(t / HOUR_S) * HOUR_S
+            hours = [(hb, keep & (bucket == hb)) for hb in np.unique(bucket[keep]).tolist()]
+        for hb, rows in hours:
             hour = self._hour((gk[0], gk[1], gk[2], hb))
-            hour.observed_s = _seqsum(hour.observed_s, gpu_s[rows])
-            hour.energy_j = _seqsum(hour.energy_j, energy[rows])
+            sums.add(hour, "observed_s", gpu_s[rows])
+            sums.add(hour, "energy_j", energy[rows])
             if job_ids:
-                hour.alloc_s = _seqsum(hour.alloc_s, w[rows].ravel())
-                hour.sm_s = _seqsum(hour.sm_s, sm_w[rows & has_sm].ravel())
-        if not job_ids:
-            return
-        gid = gpu_id(gk[1], gk[2])
-        for j, job in enumerate(job_ids):
-            acc = self._usage((job, gk[0], gid))
-            wj = w[keep, j]
-            acc.alloc_s = _seqsum(acc.alloc_s, wj)
-            acc.energy_j = _seqsum(acc.energy_j, e[keep, j])
-            for f, (s_attr, w_attr) in _MEANS.items():
-                v = ratios[f]
-                m = keep & ~np.isnan(v)
-                if not m.any():
-                    continue
-                vw = v[m] * w[m, j]
-                if f == "sm_active_ratio":
-                    acc.sm_s = _seqsum(acc.sm_s, vw)
-                setattr(acc, s_attr, _seqsum(getattr(acc, s_attr), vw))
-                setattr(acc, w_attr, _seqsum(getattr(acc, w_attr), w[m, j]))
+                sums.add(hour, "alloc_s", w[rows].ravel())
+                sums.add(hour, "sm_s", sm_w[rows & has_sm].ravel())
+        if job_ids:
+            gid = gpu_id(gk[1], gk[2])
+            present = {f: keep & ~np.isnan(v) for f, v in ratios.items()}
+            for j, job in enumerate(job_ids):
+                acc = self._usage((job, gk[0], gid))
+                sums.add(acc, "alloc_s", w[keep, j])
+                sums.add(acc, "energy_j", e[keep, j])
+                for f, (s_attr, w_attr) in _MEANS.items():
+                    m = present[f]
+                    if not m.any():
+                        continue
+                    vw = ratios[f][m] * w[m, j]
+                    if f == "sm_active_ratio":
+                        sums.add(acc, "sm_s", vw)
+                    sums.add(acc, s_attr, vw)
+                    sums.add(acc, w_attr, w[m, j])
+        sums.apply()
 
-    def _run_points(self, gk: GpuKey, g: GpuState, run: list, a: int, b: int, ts: np.ndarray) -> None:
-        """:meth:`_apply_point` for run[a:b] (strictly increasing, all past the watermark), vectorised."""
-        seg = run[a:b]
-        first = float(ts[a])
-        g.n += b - a
+    def _run_points(self, gk: GpuKey, g: GpuState, ts: np.ndarray, models: list[str], job_ids: tuple[str, ...],
+                    mem_peak: int | None, power_peak: float | None) -> None:
+        """:meth:`_apply_point` for rows at ``ts`` (strictly increasing, all past the watermark, one job set),
+        vectorised; ``models`` one per row, the peaks over the rows' reported values."""
+        first = float(ts[0])
+        g.n += len(ts)
         if first < g.first_ts:
             g.first_ts = first
-        models = [s.model for s in seg]
         model = _last_model(models)
         if model:
             g.model = model
-        buckets, counts = np.unique(np.floor(ts[a:b] / HOUR_S) * HOUR_S, return_counts=True)
-        for hb, c in zip(buckets.tolist(), counts.tolist()):
-            self._hour((gk[0], gk[1], gk[2], hb)).samples += c
+        h0 = math.floor(ts[0] / HOUR_S) * HOUR_S
+        if h0 == math.floor(ts[-1] / HOUR_S) * HOUR_S:
+            self._hour((gk[0], gk[1], gk[2], h0)).samples += len(ts)
+        else:
+            buckets, counts = np.unique(np.floor(ts / HOUR_S) * HOUR_S, return_counts=True)
+            for hb, c in zip(buckets.tolist(), counts.tolist()):
+                self._hour((gk[0], gk[1], gk[2], hb)).samples += c
         self.dirty_gpus.add(gk)
-        job_ids = seg[0].job_ids
         if not job_ids:
             return
         gid = gpu_id(gk[1], gk[2])
-        mem = [s.mem_used_bytes for s in seg]
-        mem = [v for v in mem if v is not None] if None in mem else mem
-        power = [s.power_watts for s in seg]
-        power = [v for v in power if v is not None] if None in power else power
-        mem_peak = max(mem) if mem else None  # max() keeps the first of equals, as add() does
-        power_peak = max(power) if power else None
         for job in job_ids:
             acc = self._usage((job, gk[0], gid))
-            acc.samples += b - a
+            acc.samples += len(ts)
             if first < acc.first_ts:
                 acc.first_ts = first
-            newer = int(np.searchsorted(ts[a:b], acc.last_ts, side="right"))  # samples with ts > last_ts
-            if newer < b - a:
-                acc.last_ts = float(ts[b - 1])
+            newer = int(np.searchsorted(ts, acc.last_ts, side="right"))  # samples with ts > last_ts
+            if newer < len(ts):
+                acc.last_ts = float(ts[-1])
                 model = _last_model(models[newer:])
                 if model:
                     acc.model = model
@@ -495,21 +671,24 @@ class Aggregator:
         ts, start, n = g.ts, g.start, len(g.ts)
         while start + 1 < n and ts[start + 1] < limit:
             start += 1
-        if start > 256 and start * 2 > n:  # compact now and then: amortised O(1)
-            del g.ts[:start]
-            del g.samples[:start]
-            start = 0
         g.start = start
+        if start > 256 and start * 2 > n:  # compact now and then: amortised O(1)
+            g.drop(start)
 
     # -- persistence hooks --------------------------------------------------------------------
-    def restore_gpu(self, gk: GpuKey, totals: tuple, recent: list[GpuSample]) -> None:
-        """Install a GPU's totals and its recent samples (the window plus the anchor) from storage."""
+    def restore_gpu(self, gk: GpuKey, totals: tuple, recent: list[GpuSample] = (),  # type: ignore[assignment]
+                    segments: list[WindowSegment] = ()) -> None:  # type: ignore[assignment]
+        """Install a GPU's totals and its recent samples (the window plus the anchor) from storage: as
+        objects (``recent``, any order) or as time-ordered columns (``segments``, what the store reads)."""
         g = GpuState()
         for f, v in zip(GpuState.TOTAL_FIELDS, totals, strict=True):
             setattr(g, f, v)
         recent = sorted(recent, key=lambda x: x.ts)
         g.ts = [s.ts for s in recent]
         g.samples = list(recent)
+        for seg in segments:
+            g.ts.extend(seg.ts.tolist())
+            g.pending.append(seg)
         self.gpus[gk] = g
         self._evict(g)
 

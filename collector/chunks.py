@@ -21,6 +21,7 @@ of rows; compaction merges the small chunks of an interval into one columnar chu
 
 from __future__ import annotations
 
+import math
 import operator
 import struct
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ import numpy as np
 import zstandard
 
 from agent.records import SAMPLE_FIELDS, GpuProcess, GpuSample
+from collector.series import Series
 
 VERSION = 1
 LIGHT = 2  # the light form of small chunks
@@ -41,6 +43,10 @@ _MAX_EXACT = float(2**53)
 _ZC = zstandard.ZstdCompressor(level=3)
 _ZD = zstandard.ZstdDecompressor()
 _HDR = struct.Struct("<I")
+_POW10 = [10.0**k for k in range(10)]  # the scales a decimal column may have
+_HEAD = 4  # values that _scale_floor looks at
+_BLOCK = 16384  # values per block of encode_series_many: x 3 delta orders x 8 bytes stays in cache
+# and under malloc's mmap threshold (128 KiB; a fresh mapping per temporary costs page faults every time)
 
 
 # -- numeric encodings -------------------------------------------------------------------------
@@ -92,17 +98,45 @@ def _decode_ints(meta: list, buf: bytes, n: int) -> np.ndarray:
     return x
 
 
+def _scale_floor(head: Sequence[float]) -> int | None:
+    """A start for :func:`_decimal_scale` from a column's first values, in scalar arithmetic (the same IEEE
+    operations as numpy's): the smallest k at which all of them fit. Every smaller k fails for one of them,
+    so for the column too; None where they prove the column has no scale (one overflows 2**53 before it
+    fits, or none fits by k = 9). The column is then checked at that k, usually the answer."""
+    k = 0
+    for x in head:
+        while True:  # k only grows: a k that fails for one value fails for the column
+            if k > 9:
+                return None
+            p = _POW10[k]
+            y = x * p
+            if not abs(y) < _MAX_EXACT:  # NaN and infinities too; |y| < 2**53 <=> |rint(y)| < 2**53
+                return None
+            if round(y) / p == x and (x or math.copysign(1.0, x) > 0):  # bit for bit: -0.0 fails
+                break
+            k += 1
+    return k
+
+
 def _decimal_scale(v: np.ndarray) -> tuple[int, np.ndarray] | None:
     """The smallest k in 0..9 with v == rint(v * 10**k) / 10**k bit for bit, and those integers."""
     if not v.size:
         return 0, np.zeros(0, dtype=np.int64)
+    start = _scale_floor(v[:_HEAD].tolist())
+    if start is None:
+        return None
+    hi, lo = float(v.max()), float(v.min())
+    if hi != hi:  # NaN
+        return None
+    top = max(hi, -lo)
     bits = v.view(_U64)
-    for k in range(10):
-        p = 10.0**k
-        m = np.rint(v * p)
-        if m.size and not np.abs(m).max() < _MAX_EXACT:
+    for k in range(start, 10):
+        p = _POW10[k]
+        # max|rint(v * p)| < 2**53 <=> max|v| * p < 2**53 (rounding is monotonic), and nothing overflows;
+        # it grows with k: had a smaller k overflowed, so would this one
+        if not top * p < _MAX_EXACT:
             return None
-        mi = m.astype(np.int64)
+        mi = np.rint(v * p).astype(np.int64)
         if np.array_equal((mi / p).view(_U64), bits):  # exactly what the decoder computes (-0.0 fails)
             return k, mi
     return None
@@ -125,7 +159,131 @@ def _decode_floats(meta: list, buf: bytes, n: int) -> np.ndarray:
     return np.bitwise_xor.accumulate(x).view(np.float64)
 
 
+# -- the same, for the rows of a 2-D array (encode_series_many) -----------------------------------
+# One row is one chunk's column; a block's rows are mostly one field of several chunks. Row by row these
+# give exactly what the 1-D functions above give (the tests compare them), but numpy's per-call overhead,
+# most of what the 1-D path costs on a few hundred rows, is paid once per block.
+def _planes(a: np.ndarray) -> list[bytes]:
+    """Each row of ``a`` (r x n, C-contiguous, little-endian) as :func:`_shuffle` lays it out: byte plane
+    after plane."""
+    r, n = a.shape
+    w = a.dtype.itemsize
+    buf = a.view(np.uint8).reshape(r, n, w).transpose(0, 2, 1).tobytes()
+    return [buf[i * n * w:(i + 1) * n * w] for i in range(r)]
+
+
+def _deltas(x: np.ndarray, op: np.ufunc = np.subtract, out: np.ndarray | None = None) -> np.ndarray:
+    """Each row's first value, then ``op`` of each value and its predecessor (subtract wraps, as in
+    _encode_ints): ``op`` over the flat array, one fast pass, then each row's first value put back."""
+    if out is None:
+        out = np.empty_like(x)
+    flat, o = x.reshape(-1), out.reshape(-1)
+    op(flat[1:], flat[:-1], out=o[1:])
+    o[::x.shape[1]] = flat[::x.shape[1]]
+    return out
+
+
+def _encode_ints_rows(cands: np.ndarray) -> list[tuple[list, bytes]]:
+    """:func:`_encode_ints` of each row of ``cands[0]`` (``cands``: 3 x r x n int64, n >= 1). ``cands[1]``
+    and ``[2]`` receive the two delta orders: one array for the three, so one reduction each for all."""
+    r = cands[0].shape[0]
+    if not r:
+        return []
+    _deltas(cands[0], out=cands[1])
+    _deltas(cands[1], out=cands[2])
+    hi = np.array([np.maximum.reduce(c, axis=1) for c in cands])
+    lo = np.array([np.minimum.reduce(c, axis=1) for c in cands])
+    his, los = hi.tolist(), lo.tolist()
+    if min(map(min, los)) > -(2**63):
+        sizes = np.maximum(hi, -lo)  # max |value|
+    else:  # np.abs leaves -2**63 negative: take the sizes exactly as _encode_ints does
+        sizes = np.array([np.maximum.reduce(np.abs(c), axis=1) for c in cands])
+    olist = sizes.argmin(axis=0).tolist()  # the first minimum: ties go to the lowest order, like `<` there
+    high, low = [his[o][i] for i, o in enumerate(olist)], [los[o][i] for i, o in enumerate(olist)]
+    # a row's largest zig-zagged value is that of its largest or of its smallest value
+    top = [max(2 * h if h >= 0 else -2 * h - 1, 2 * lw if lw >= 0 else -2 * lw - 1) for h, lw in zip(high, low)]
+    widths = [1 if t < 1 << 8 else 2 if t < 1 << 16 else 4 if t < 1 << 32 else 8 for t in top]
+    chosen = cands[olist[0]] if len(set(olist)) == 1 else np.array([cands[o][i] for i, o in enumerate(olist)])
+    data: list[bytes] = [b""] * r
+    for w in set(widths):
+        rows = [i for i, wi in enumerate(widths) if wi == w]
+        # the values fit in w signed bytes: narrow first, then zig-zag (the same low bytes, less work)
+        c = (chosen if len(rows) == r else chosen[rows]).astype(f"<i{w}", copy=False)
+        z = c.view(f"<u{w}") << 1
+        if min(low[i] for i in rows) < 0:  # (x >> 63 is 0 where x >= 0)
+            z ^= (c >> (8 * w - 1)).view(f"<u{w}")
+        for i, b in zip(rows, _planes(z)):
+            data[i] = b
+    return [([o, w], b) for o, w, b in zip(olist, widths, data)]
+
+
+def _decimal_scale_rows(v: np.ndarray, floors: list[int | None], top: list[float], out: np.ndarray) -> list[int | None]:
+    """:func:`_decimal_scale` of each row of ``v`` (r x n float64, n >= 1) -> the k of each row (None: no
+    scale); the integers go to ``out`` (r x n int64; rows without a scale are left undefined). Each row
+    starts at its floor (_scale_floor of its first value) and moves on to its next k only where it fails, like the 1-D
+    loop; usually one pass does. ``top``: each row's max |v|."""
+    ks = list(floors)
+    bits = v.view(_U64)
+    todo = [i for i, k in enumerate(ks) if k is not None]
+    while todo:
+        for i in todo:
+            # max|rint(v * p)| < 2**53 <=> max|v| * p < 2**53 (rounding is monotonic; NaN fails both)
+            if not top[i] * _POW10[ks[i]] < _MAX_EXACT:  # type: ignore[index]
+                ks[i] = None  # overflows at this k: no scale (and what does not fit is never cast)
+        todo = [i for i in todo if ks[i] is not None]
+        if not todo:
+            break
+        whole = len(todo) == len(ks)
+        mi = out if whole else np.empty((len(todo), v.shape[1]), dtype=np.int64)
+        if all(ks[i] == 0 for i in todo):
+            # v * 1.0 is v and an exact integer / 1.0 its float; rint can go too: where v is a whole
+            # number truncating is rounding, and elsewhere the row fails either way
+            np.copyto(mi, v if whole else v[todo], casting="unsafe")
+            back = mi.astype(np.float64)
+        else:
+            p = np.array([_POW10[ks[i]] for i in todo])[:, None]  # type: ignore[index]
+            np.copyto(mi, np.rint((v if whole else v[todo]) * p), casting="unsafe")
+            back = mi / p
+        same = np.logical_and.reduce(back.view(_U64) == (bits if whole else bits[todo]), axis=1).tolist()
+        if whole and all(same):
+            break
+        if not whole:
+            out[[i for i, ok in zip(todo, same) if ok]] = mi[same]
+        for i, ok in zip(todo, same):
+            if not ok:
+                ks[i] = None if ks[i] == 9 else ks[i] + 1  # type: ignore[operator]
+        todo = [i for i, ok in zip(todo, same) if not ok and ks[i] is not None]
+    return ks
+
+
+def _encode_floats_rows(v: np.ndarray, floors: list[int | None], top: list[float]) -> list[tuple[list, bytes]]:
+    """:func:`_encode_floats` of each row of ``v`` (r x n float64), given each row's floor and max |v|."""
+    r, n = v.shape
+    if not r:
+        return []
+    cands = [np.empty((r, n), dtype=np.int64) for _ in range(3)]
+    ks = _decimal_scale_rows(v, floors, top, cands[0])
+    out: list[tuple[list, bytes]] = [([], b"")] * r
+    dec = [i for i, k in enumerate(ks) if k is not None]
+    if len(dec) < r:  # some rows without a scale: the decimal ones on their own
+        cands = [cands[0][dec], np.empty((len(dec), n), dtype=np.int64), np.empty((len(dec), n), dtype=np.int64)]
+    for i, (meta, data) in zip(dec, _encode_ints_rows(cands)):
+        out[i] = (["d", ks[i], *meta], data)
+    xor = [i for i, k in enumerate(ks) if k is None]
+    if xor:
+        bits = v[xor].view(_U64)  # a copy (fancy index)
+        for i, data in zip(xor, _planes(_deltas(bits, np.bitwise_xor))):  # each value XOR its predecessor
+            out[i] = (["x"], data)
+    return out
+
+
 # -- columns -----------------------------------------------------------------------------------
+# ``values`` of a column encoded beforehand, without absent rows: (name, kind, _ENCODED, meta, data). The
+# numeric columns of encode_series_many and constant OBJ columns (meta []) come this way.
+_ENCODED = object()
+Encoded = tuple[list, bytes]  # (meta, data)
+
+
 def _present(values: Sequence) -> tuple[list | Sequence, bytes | None]:
     absent = values.count(None)  # type: ignore[attr-defined]  # lists and tuples: a C-speed scan
     if not absent:
@@ -155,7 +313,7 @@ def _encode_light(n: int, columns: Sequence[tuple]) -> bytes | None:
     """The light form, or None where it does not apply (numpy columns, or an int msgpack cannot hold)."""
     meta = []
     for name, kind, values, *_rest in columns:
-        if isinstance(values, np.ndarray) or len(values) != n:
+        if values is _ENCODED or isinstance(values, np.ndarray) or len(values) != n:
             return None
         meta.append([name, kind, values])
     try:
@@ -185,7 +343,8 @@ def _decode_light(n: int, meta: list) -> dict[str, tuple[str, Any, np.ndarray | 
 def encode_columns(n: int, columns: Sequence[tuple], light: bool | None = None) -> bytes:
     """Columns are (name, kind, values) or (name, kind, present_values_array, present_mask) with kind
     FLOAT, INT or OBJ; ``values`` has ``n`` entries (None where absent); the array form holds only the
-    present rows and ``present_mask`` (bool, length n) says which, or is None when all are present."""
+    present rows and ``present_mask`` (bool, length n) says which, or is None when all are present.
+    (Internally a column may also come encoded: see _ENCODED.)"""
     if light or (light is None and n <= LIGHT_MAX_ROWS):  # None: light for small chunks
         blob = _encode_light(n, columns)
         if blob is not None:
@@ -193,6 +352,11 @@ def encode_columns(n: int, columns: Sequence[tuple], light: bool | None = None) 
     meta: list = []
     parts: list[bytes] = []
     for name, kind, values, *rest in columns:
+        if values is _ENCODED:
+            m, data = rest
+            meta.append([name, kind, None, m, len(data)])
+            parts.append(data)
+            continue
         if kind == OBJ:
             if len(values) != n:
                 raise ValueError(f"column {name!r} has {len(values)} values, expected {n}")
@@ -222,7 +386,7 @@ def encode_columns(n: int, columns: Sequence[tuple], light: bool | None = None) 
         parts.append(data)
         meta.append([name, kind, None if mask is None else len(mask), m, len(data)])
     header = msgpack.packb([VERSION, n, meta], use_bin_type=True)
-    return _ZC.compress(_HDR.pack(len(header)) + header + b"".join(parts))
+    return _ZC.compress(b"".join([_HDR.pack(len(header)), header, *parts]))  # one copy of the parts
 
 
 def decode_columns(blob: bytes) -> tuple[int, dict[str, tuple[str, Any, np.ndarray | None]]]:
@@ -305,6 +469,129 @@ def encode_samples(samples: Sequence[GpuSample], light: bool | None = None) -> b
     return encode_columns(len(samples), [(f, ROW_KINDS[f], c) for f, c in zip(ROW_FIELDS, cols)], light)
 
 
+_CONSTANTS = ("model", "source", "job_ids", "job_shares")
+_NOTHING_DONE: dict[tuple[str, str], Encoded] = {}
+
+
+def _series_columns(s: Series, light: bool | None, done: dict[tuple[str, str], Encoded] = _NOTHING_DONE) -> list[tuple]:
+    """The columns :func:`encode_columns` gets for a series; ``done``: numeric columns already encoded,
+    by (where, field) with where ``"ts"``, ``"floats"``, ``"ints"`` or ``"gpu_index"``."""
+    n = s.n
+    if light or (light is None and n <= LIGHT_MAX_ROWS):  # small: the light form wants lists
+        cols: list[tuple] = [("ts", FLOAT, s.ts.tolist())]
+        cols += [(f, ROW_KINDS[f], s.column(f)) for f in (*s.floats, *s.ints)]
+        cols.append(("gpu_index", INT, [s.gpu_index] * n))
+        cols += [(f, OBJ, [getattr(s, f)] * n) for f in _CONSTANTS]
+    else:
+        e = done.get(("ts", "ts"))
+        cols = [("ts", FLOAT, s.ts, None) if e is None else ("ts", FLOAT, _ENCODED, *e)]
+        for f, a in s.floats.items():
+            e = done.get(("floats", f))
+            if e is None:
+                mask = ~np.isnan(a)
+                cols.append((f, FLOAT, a, None) if mask.all() else (f, FLOAT, a[mask], mask))
+            else:
+                cols.append((f, FLOAT, _ENCODED, *e))
+        for f, (v, m) in s.ints.items():
+            e = done.get(("ints", f))
+            if e is None:
+                cols.append((f, INT, v, None) if m is None else (f, INT, v[m], m))
+            else:
+                cols.append((f, INT, _ENCODED, *e))
+        g, e = s.gpu_index, done.get(("gpu_index", "gpu_index"))
+        if e is not None:
+            cols.append(("gpu_index", INT, _ENCODED, *e))
+        elif type(g) is int and -(2**63) <= g < 2**63:  # an array is cheaper to make than a list of n ints
+            cols.append(("gpu_index", INT, np.full(n, g, dtype=np.int64), None))
+        else:  # anything else the generic way (it may become an OBJ column)
+            cols.append(("gpu_index", INT, [g] * n))
+        # a constant column is one run: what _rle makes of [x] * n, without looking at n values
+        cols += [(f, OBJ, _ENCODED, [], msgpack.packb([[getattr(s, f), n]] if n else [], use_bin_type=True))
+                 for f in _CONSTANTS]
+    if "xid_errors" in s.lists:
+        cols.append(("xid_errors", OBJ, [list(x) for x in s.lists["xid_errors"]]))
+    if "processes" in s.lists:
+        cols.append(("processes", OBJ, [[[p.pid, p.used_memory_bytes] for p in ps] for ps in s.lists["processes"]]))
+    return cols
+
+
+def encode_series(s: Series, light: bool | None = None) -> bytes:
+    """A series (one GPU, sorted or not) -> a chunk, straight from its columns: the same chunk that
+    :func:`encode_samples` makes of ``s.rows()`` (fields never reported are simply left out)."""
+    return encode_columns(s.n, _series_columns(s, light), light)
+
+
+_F64, _I64, _BOOL = np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.bool_)
+
+
+def _plain(a: Any, n: int, dtype: np.dtype) -> bool:
+    return type(a) is np.ndarray and a.dtype == dtype and a.shape == (n,)
+
+
+def _encode_group(group: Sequence[Series], n: int) -> list[dict[tuple[str, str], Encoded]]:
+    """The numeric columns of series of ``n`` rows each that can be encoded together (complete, plain
+    float64 or int64 arrays), encoded a block of rows at a time: per series, {(where, field): column}.
+    The rest (columns with absent rows, odd dtypes) is left to the 1-D path of encode_columns."""
+    cols: dict[tuple[str, str], list[tuple[int, Any]]] = {}
+    for j, s in enumerate(group):
+        if _plain(s.ts, n, _F64):
+            cols.setdefault(("ts", "ts"), []).append((j, s.ts))
+        for f, a in s.floats.items():
+            if _plain(a, n, _F64):
+                cols.setdefault(("floats", f), []).append((j, a))
+        for f, (a, m) in s.ints.items():
+            if _plain(a, n, _I64) and (m is None or (_plain(m, n, _BOOL) and m.all())):
+                cols.setdefault(("ints", f), []).append((j, a))
+        g = s.gpu_index
+        if type(g) is int and -(2**63) <= g < 2**63:
+            cols.setdefault(("gpu_index", "gpu_index"), []).append((j, g))  # a row of g
+    # a field's rows side by side: they tend to share their scale, delta order and width
+    frows = [(key, j, a) for key, col in cols.items() if key[0] in ("ts", "floats") for j, a in col]
+    irows = [(key, j, a) for key, col in cols.items() if key[0] in ("ints", "gpu_index") for j, a in col]
+    done: list[dict[tuple[str, str], Encoded]] = [{} for _ in group]
+    per = max(1, _BLOCK // n)  # rows a block may hold; blocks of about equal size
+    fstep = -(-len(frows) // -(-len(frows) // per)) if frows else 1
+    istep = -(-len(irows) // -(-len(irows) // per)) if irows else 1
+    floors = [_scale_floor([a.item(0)]) for _key, _j, a in frows]  # one value: a second pass now and then is cheaper
+    for b in range(0, len(frows), fstep):
+        block, ks = frows[b:b + fstep], floors[b:b + fstep]
+        v = np.array([a for _key, _j, a in block])
+        his, los = np.maximum.reduce(v, axis=1).tolist(), np.minimum.reduce(v, axis=1).tolist()  # NaN passes on
+        if any(h != h for h in his):  # an absent value: that field needs a mask, the 1-D path (ts is stored as it is)
+            keep = [i for i, (h, (key, _j, _a)) in enumerate(zip(his, block)) if h == h or key[0] == "ts"]
+            block, ks, v = [block[i] for i in keep], [ks[i] for i in keep], v[keep]
+            his, los = [his[i] for i in keep], [los[i] for i in keep]
+        top = [h if h != h else max(h, -lw) for h, lw in zip(his, los)]  # max |v|, NaN where there is one
+        for (key, j, _a), e in zip(block, _encode_floats_rows(v, ks, top)):
+            done[j][key] = e
+    for b in range(0, len(irows), istep):
+        block = irows[b:b + istep]
+        cands = [np.empty((len(block), n), dtype=np.int64) for _ in range(3)]
+        for i, (_key, _j, a) in enumerate(block):
+            cands[0][i] = a
+        for (key, j, _a), e in zip(block, _encode_ints_rows(cands)):
+            done[j][key] = e
+    return done
+
+
+def encode_series_many(series: Sequence[Series]) -> list[bytes]:
+    """``[encode_series(s) for s in series]``, byte for byte, faster: the numeric columns of the series
+    with the same number of rows (the GPUs of one batch) are encoded together, a field at a time, as
+    the rows of a 2-D array; each chunk is then assembled and compressed on its own as before."""
+    out: list[bytes] = [b""] * len(series)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(series):
+        if s.n > LIGHT_MAX_ROWS:
+            groups.setdefault(s.n, []).append(i)
+        else:  # the light form: no numpy work to share
+            out[i] = encode_series(s)
+    for n, idx in groups.items():
+        group = [series[i] for i in idx]
+        for i, s, done in zip(idx, group, _encode_group(group, n)):
+            out[i] = encode_columns(n, _series_columns(s, False, done), False)
+    return out
+
+
 def decode_samples(blob: bytes, host: str, gpu_uuid: str, mig: str | None) -> list[GpuSample]:
     n, cols = decode_columns(blob)
     values: list[Any] = []
@@ -315,14 +602,15 @@ def decode_samples(blob: bytes, host: str, gpu_uuid: str, mig: str | None) -> li
             values.append([gpu_uuid] * n)
         elif f == "mig":
             values.append([mig] * n)
-        elif f not in cols:  # a field added after this chunk was written
+        elif f not in cols:  # a field added after this chunk was written, or one a series never reported
             values.append([_DEFAULTS[f]] * n)
         else:
             vals = column_list(n, cols[f])
             if f == "processes":
                 vals = [tuple(GpuProcess(p[0], p[1]) for p in ps) if ps else () for ps in vals]
             elif ROW_KINDS[f] == OBJ and isinstance(_DEFAULTS[f], tuple):
-                vals = [tuple(v) for v in vals]
+                # None: the row came from a chunk without the column (merged with one that has it)
+                vals = [() if v is None else tuple(v) for v in vals]
             values.append(vals)
     return [GpuSample(*row) for row in zip(*values)]
 

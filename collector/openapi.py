@@ -11,6 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from agent.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, GpuSample, JobRecord, JobUsage
+from agent.wire import COLUMNS, ROW_LISTS, SERIES_CONSTANTS
 from collector.validate import FUTURE_SLACK_S, MAX_FLOAT, MAX_INT
 
 API_VERSION = "1"
@@ -80,6 +81,27 @@ def sample_schema() -> dict[str, Any]:
             "description": "One reading of one GPU or MIG instance, in SI base units; null: not reported."}
 
 
+def series_schema() -> dict[str, Any]:
+    """The columnar layout (``agent.wire``): one GPU's samples as constants plus one column per field."""
+    sample = sample_schema()["properties"]
+    props: dict[str, Any] = {k: sample[k] for k in SERIES_CONSTANTS}
+    binary = {"type": "string", "contentMediaType": "application/octet-stream",
+              "description": "msgpack only (bin): n little-endian 8-byte values (float64, int64 for integer "
+                             "fields), no gaps; NaN and infinities are invalid"}
+    for f in COLUMNS:
+        item = sample[f]
+        props[f] = {"oneOf": [{"type": "array", "items": item, "description": "n values (null: not reported)"},
+                              binary],
+                    "description": f"the column of {f}, one value per sample"}
+    for f in ROW_LISTS:
+        props[f] = {"type": "array", "items": sample[f], "description": f"one {f} list per sample"}
+    return {"type": "object", "additionalProperties": False, "required": ["gpu_uuid", "gpu_index", "ts"],
+            "properties": props,
+            "description": "One GPU's (or MIG instance's) samples of a batch: sample j has the batch's host, the "
+                           "series' constants and value j of every column; every column has as many values as ts "
+                           "(at least one)."}
+
+
 def _record_schema(cls: type, required: list[str]) -> dict[str, Any]:
     props = {f.name: _annotation_schema(str(f.type)) for f in fields(cls)}
     return {"type": "object", "additionalProperties": False, "required": required, "properties": props}
@@ -130,9 +152,13 @@ def openapi_document() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
                 "GpuSample": sample_schema(),
+                "GpuSeries": series_schema(),
                 "Batch": {
                     "type": "object", "additionalProperties": False,
-                    "required": ["agent_id", "seq", "host", "samples"],
+                    "required": ["agent_id", "seq", "host"],
+                    "oneOf": [{"required": ["series"]}, {"required": ["samples"]}],
+                    "description": "Exactly one of series (columns per GPU: what agents send) and samples (one "
+                                   "object a sample: simple clients).",
                     "properties": {
                         "agent_id": {"type": "string", "minLength": 1},
                         "seq": {"type": "integer", "minimum": 0, "maximum": MAX_INT,
@@ -140,6 +166,7 @@ def openapi_document() -> dict[str, Any]:
                                                "acknowledged and not stored again"},
                         "host": {"type": "string", "minLength": 1, "description": "every sample's host"},
                         "samples": {"type": "array", "items": {"$ref": _REF + "GpuSample"}},
+                        "series": {"type": "array", "items": {"$ref": _REF + "GpuSeries"}},
                         "jobs": {"type": "array", "items": {"$ref": _REF + "JobRecord"},
                                  "description": "optional: metadata of jobs on this host (user, account, GPUs); "
                                                 "it fills jobs the ledger does not know and never replaces "

@@ -320,6 +320,9 @@ def _make_handler(server: CollectorServer, timeout_s: float) -> type[BaseHTTPReq
         protocol_version = "HTTP/1.1"
         server_version = "gpuledger-collector"
         timeout = timeout_s
+        # The status line and headers go out in one write, the body in another: with Nagle on, the body waits
+        # for the client's delayed ACK of the headers (up to 40 ms a request on keep-alive connections).
+        disable_nagle_algorithm = True
 
         def setup(self) -> None:
             super().setup()

@@ -36,6 +36,8 @@ import numpy as np
 from agent.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsage
 from collector import rollup
 from collector.aggregate import (
+    PAIR_FLOATS,
+    AddCounts,
     Aggregator,
     GpuKey,
     GpuState,
@@ -43,10 +45,22 @@ from collector.aggregate import (
     HourKey,
     UsageAcc,
     UsageKey,
+    WindowSegment,
     summarize,
 )
-from collector.chunks import NUMERIC_FIELDS, decode_arrays, decode_samples, encode_samples, merge_chunks
+from collector.chunks import (
+    NUMERIC_FIELDS,
+    column_floats,
+    column_list,
+    decode_arrays,
+    decode_columns,
+    decode_samples,
+    encode_samples,
+    encode_series_many,
+    merge_chunks,
+)
 from collector.rollup import RollupPoint
+from collector.series import Series
 from collector.validate import Batch, as_sample
 
 log = logging.getLogger(__name__)
@@ -58,9 +72,10 @@ _G = GpuState.TOTAL_FIELDS
 RAW, MINUTE, HOUR = 0, 1, 2
 TIER_NAMES = {RAW: "raw", MINUTE: "1m", HOUR: "1h"}
 RESOLUTION = {RAW: 0.0, MINUTE: 60.0, HOUR: 3600.0}
-_MERGE_AT = 16
+_MERGE_AT = 16  # an open interval's chunks are merged once there are this many
+_MERGE_ROWS = 512  # raw chunks this large are not merged (see _merge)
 _TS, _GPU = operator.attrgetter("ts"), operator.attrgetter("host", "gpu_uuid", "mig")
-_GPU_SORT = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare  # an open interval's chunks are merged once there are this many
+_GPU_SORT = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -232,28 +247,55 @@ class SqliteStore:
             gk: GpuKey = (row[0], row[1], row[2])
             totals = row[3:]
             floor = totals[_G.index("watermark")] - self.agg.window_s
-            recent = self._read_raw(gk, floor, math.inf)
-            anchor = self._anchor(gk, floor)
-            if anchor is not None:
-                recent.insert(0, anchor)
-            self.agg.restore_gpu(gk, totals, recent)
+            self.agg.restore_gpu(gk, totals, segments=self._window(gk, floor))
 
-    def _anchor(self, gk: GpuKey, floor: float) -> GpuSample | None:
-        """The newest sample strictly before ``floor``: in a chunk that starts before ``floor`` and
-        ends at or after the newest end among chunks wholly before it."""
+    def _window(self, gk: GpuKey, floor: float) -> list[WindowSegment]:
+        """A GPU's stored samples at or after ``floor`` plus the newest one before it (the anchor), as the
+        window keeps them: time-ordered columns of the fields pair contributions read, one segment per run
+        of one job set, straight from the chunks (no object per sample: a restart reads every GPU's window)."""
         (m,) = self._db.execute(
             "SELECT MAX(t_max) FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND t_max<?", (*gk, floor)
         ).fetchone()
-        rows = self._db.execute(
-            "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND t_min<? AND t_max>=?",
-            (*gk, floor, floor if m is None else m),
+        lo = floor if m is None else m  # the anchor is in a chunk ending at m, or in one reaching past floor
+        span = self.retention.raw_chunk_s
+        chunks = self._db.execute(
+            "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND t_max>=?",
+            (*gk, math.floor(lo / span) * span, lo),
         ).fetchall()
-        best = None
-        for (data,) in rows:
-            for smp in decode_samples(data, gk[0], gk[1], gk[2] or None):
-                if smp.ts < floor and (best is None or smp.ts > best.ts):
-                    best = smp
-        return best
+        ts_parts: list[np.ndarray] = []
+        cols: dict[str, list[np.ndarray]] = {f: [] for f in PAIR_FLOATS}
+        codes: list[np.ndarray] = []
+        jobs: dict[tuple, int] = {}  # (job_ids, job_shares) -> code
+        for (data,) in chunks:
+            n, c = decode_columns(data)
+            ts = column_floats(n, c["ts"])
+            keep = np.flatnonzero(ts >= lo)
+            if not keep.size:
+                continue
+            ts_parts.append(ts[keep])
+            for f in PAIR_FLOATS:
+                cols[f].append(column_floats(n, c[f])[keep] if f in c else np.full(keep.size, np.nan))
+            ids = column_list(n, c["job_ids"]) if "job_ids" in c else [()] * n
+            shares = column_list(n, c["job_shares"]) if "job_shares" in c else [()] * n
+            if ids.count(ids[0]) == n and shares.count(shares[0]) == n:  # the usual chunk: one job set
+                key = (tuple(ids[0] or ()), tuple(shares[0] or ()))
+                codes.append(np.full(keep.size, jobs.setdefault(key, len(jobs))))
+            else:
+                codes.append(np.array([jobs.setdefault((tuple(ids[i] or ()), tuple(shares[i] or ())), len(jobs))
+                                       for i in keep.tolist()]))
+        if not ts_parts:
+            return []
+        ts = np.concatenate(ts_parts)
+        order = np.argsort(ts, kind="stable")
+        ts = ts[order]
+        first = max(int(np.searchsorted(ts, floor, side="left")) - 1, 0)  # the anchor
+        order, ts = order[first:], ts[first:]
+        code = np.concatenate(codes)[order]
+        arrays = {f: np.concatenate(cols[f])[order] for f in PAIR_FLOATS}
+        keys = {v: k for k, v in jobs.items()}
+        cuts = [0, *(np.flatnonzero(code[1:] != code[:-1]) + 1).tolist(), len(ts)]
+        return [WindowSegment(ts[a:b], {f: v[a:b] for f, v in arrays.items()}, *keys[int(code[a])])
+                for a, b in zip(cuts, cuts[1:])]
 
     # -- raw samples: compressed chunks -------------------------------------------------------
     def _chunk_key(self, s: GpuSample) -> tuple[str, str, str, float]:
@@ -274,6 +316,21 @@ class SqliteStore:
             for i, j in zip(cuts, cuts[1:]):
                 groups.setdefault((host, uuid, mig or "", float(b[i])), []).extend(run[i:j])
         self._insert_raw(groups)
+
+    def _write_series(self, series: list[Series]) -> None:
+        """One chunk per series and raw interval (each series strictly increasing in time)."""
+        span = self.retention.raw_chunk_s
+        parts, buckets = [], []
+        for s in series:
+            b = np.floor(s.ts / span) * span
+            cuts = [0, s.n] if b[0] == b[-1] else [0, *(np.flatnonzero(b[1:] != b[:-1]) + 1).tolist(), s.n]
+            for i, j in zip(cuts, cuts[1:]):
+                parts.append(s if j - i == s.n else s.slice(i, j))
+                buckets.append(float(b[i]))
+        if parts:  # a batch's chunks packed together: numpy's per-call cost is shared by its GPUs
+            self._db.executemany("INSERT INTO chunks VALUES (0,?,?,?,?,?,?,?,?)", [
+                (p.host, p.gpu_uuid, p.mig or "", b, float(p.ts[0]), float(p.ts[-1]), p.n, blob)
+                for p, b, blob in zip(parts, buckets, encode_series_many(parts))])
 
     def _insert_raw(self, groups: dict[tuple, list[GpuSample]]) -> None:
         self._db.executemany(
@@ -324,15 +381,23 @@ class SqliteStore:
                 return IngestResult(0, duplicate_batch=True)
             try:
                 db.execute("BEGIN IMMEDIATE")
-                # rows: GpuSamples or the fast path's structs with the same fields (no GpuSample built per sample)
-                counts, accepted = self.agg.add_many(batch.rows)
+                # rows: GpuSamples or the fast path's structs with the same fields (no GpuSample built per sample);
+                # series are folded and packed a column at a time unless a GPU's samples must go one by one
+                rows = list(batch.rows)
+                if rows:  # both layouts in one batch (only through the Python API): all one by one
+                    folded, rest = [], [r for s in batch.series for r in s.rows()]
+                else:
+                    folded, rest = self.agg.add_series(list(batch.series))
+                counts, accepted = self.agg.add_many(rows + rest) if rows or rest else (AddCounts(), [])
                 self._write_raw(accepted)
+                self._write_series(folded)
                 for r in getattr(batch, "jobs", ()):
                     # An agent's job metadata fills a gap; it never replaces a record the scheduler gave.
                     db.execute("INSERT INTO jobs SELECT ?,?,? WHERE NOT EXISTS (SELECT 1 FROM jobs WHERE job_id=?)",
                                (r.job_id, r.cluster, json.dumps(r.to_dict(), sort_keys=True), r.job_id))
+                n_accepted = counts.accepted + sum(s.n for s in folded)
                 db.execute(
-                    "INSERT INTO batches VALUES (?,?,?,?)", (batch.agent_id, batch.seq, self._clock(), counts.accepted)
+                    "INSERT INTO batches VALUES (?,?,?,?)", (batch.agent_id, batch.seq, self._clock(), n_accepted)
                 )
                 jobs = self._flush()
                 db.execute("COMMIT")
@@ -344,13 +409,13 @@ class SqliteStore:
                 raise
             if len(self.agg.usage) + len(self.agg.hours) > self._cache_limit:
                 self.agg.drop_caches()
-            if self.sinks and accepted:
-                accepted = [as_sample(s) for s in accepted]  # sinks get GpuSamples
+            if self.sinks and n_accepted:
+                accepted = [as_sample(s) for s in accepted] + [r for s in folded for r in s.rows()]  # sinks get GpuSamples
                 for sink in self.sinks:
                     sink.write(accepted)
                 self._pending_jobs |= jobs
                 self._emit_summaries(force=False)
-            return IngestResult(counts.accepted, counts.duplicate, counts.too_late)
+            return IngestResult(n_accepted, counts.duplicate, counts.too_late)
 
     def _flush(self) -> set[str]:
         """Write the dirty accumulators; returns the job ids whose usage changed."""
@@ -500,34 +565,36 @@ class SqliteStore:
         return len(r)
 
     def _merge(self, tier: int, now: float) -> int:
-        """Merge each (GPU, interval) that has several chunks into one: closed intervals always,
-        the open one once it has ``_MERGE_AT`` chunks. Returns how many chunks were merged away."""
+        """Merge each (GPU, interval)'s small chunks into one: closed intervals always, the open one once it
+        has ``_MERGE_AT`` of them. Raw chunks of ``_MERGE_ROWS`` rows or more are left alone: they compress
+        within a few per cent of a merged one, and re-packing every sample of a large-batch cluster would
+        cost compaction as much CPU as ingest. Returns how many chunks were merged away."""
         span = self.retention.span(tier)
+        small = _MERGE_ROWS if tier == RAW else 2**62
         with self._lock:
             groups = self._db.execute(
-                "SELECT host, gpu_uuid, mig, bucket, COUNT(*) FROM chunks WHERE tier=? "
-                "GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1", (tier,)
+                "SELECT host, gpu_uuid, mig, bucket, COUNT(*) FROM chunks WHERE tier=? AND n<? "
+                "GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1", (tier, small)
             ).fetchall()
         merged = 0
         for host, uuid, mig, bucket, count in groups:
             if bucket + span > now and count < _MERGE_AT:
                 continue
             with self._lock:
-                merged += self._merge_group(tier, (host, uuid, mig), bucket)
+                merged += self._merge_group(tier, (host, uuid, mig), bucket, small)
         return merged
 
-    def _merge_group(self, tier: int, gk: GpuKey, bucket: float) -> int:
+    def _merge_group(self, tier: int, gk: GpuKey, bucket: float, small: int) -> int:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
             rows = db.execute(
-                "SELECT t_min, data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=?",
-                (tier, *gk, bucket),
+                "SELECT rowid, data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? AND n<?",
+                (tier, *gk, bucket, small),
             ).fetchall()
             if len(rows) > 1:
                 blob, n, t0, t1 = merge_chunks([r[1] for r in rows])
-                db.execute("DELETE FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=?",
-                           (tier, *gk, bucket))
+                db.executemany("DELETE FROM chunks WHERE rowid=?", [(r[0],) for r in rows])
                 db.execute("INSERT INTO chunks VALUES (?,?,?,?,?,?,?,?,?)", (tier, *gk, bucket, t0, t1, n, blob))
             db.execute("COMMIT")
             return max(0, len(rows) - 1)

@@ -12,10 +12,11 @@ import json
 import math
 import operator
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import msgpack
+import numpy as np
 import zstandard
 
 try:  # optional: decodes and type-checks msgpack batches in C; without it every batch takes the per-sample path
@@ -24,6 +25,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     msgspec = None
 
 from agent.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, SAMPLE_FIELDS, GpuProcess, GpuSample, JobRecord
+from agent.wire import COLUMNS, INT_COLUMNS, ROW_LISTS, SERIES_CONSTANTS
+from collector.series import Series
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB
 FUTURE_SLACK_S = 300.0
@@ -32,7 +35,7 @@ FUTURE_SLACK_S = 300.0
 # aggregates into inf, which JSON cannot carry. No GPU reading comes near either bound.
 MAX_INT = 2**63 - 1
 MAX_FLOAT = 1e18
-BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples", "jobs"})  # jobs: optional
+BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples", "series", "jobs"})  # one of samples/series; jobs optional
 _REQUIRED = ("ts", "host", "gpu_uuid", "gpu_index")
 _RATIOS = frozenset(RATIO_FIELDS)
 _NONNEG = frozenset(NONNEG_FIELDS)
@@ -63,23 +66,31 @@ class BatchError(ValueError):
 
 
 class Batch:
-    """A validated batch. ``rows`` are what the store aggregates and packs: the GpuSamples, or (from the
-    columnar fast path) msgspec structs with exactly GpuSample's fields, which cost a fraction of a GpuSample
-    to build; ``samples`` turns them into GpuSamples only when asked (tests, sinks)."""
+    """A validated batch: row-layout samples (``rows``) and/or columnar ``series`` (``collector.series``).
 
-    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "jobs")
+    ``rows`` are what the store aggregates and packs a sample at a time: GpuSamples, or (from the msgspec
+    fast path) structs with exactly GpuSample's fields, which cost a fraction of a GpuSample to build.
+    ``samples`` turns everything into GpuSamples only when asked (tests, sinks)."""
+
+    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "series", "jobs")
 
     def __init__(self, agent_id: str, seq: int, host: str, samples: tuple[GpuSample, ...] = (),
-                 rows: tuple[Any, ...] | list[Any] | None = None, jobs: tuple[JobRecord, ...] = ()) -> None:
+                 rows: tuple[Any, ...] | list[Any] | None = None, jobs: tuple[JobRecord, ...] = (),
+                 series: tuple[Series, ...] = ()) -> None:
         self.agent_id, self.seq, self.host = agent_id, seq, host
         self.jobs = tuple(jobs)  # job metadata the agent knows (user, account, GPUs) for jobs on this host
-        self._samples = None if rows is not None else tuple(samples)
-        self.rows = rows if rows is not None else self._samples
+        self.series = tuple(series)
+        self._samples = None if rows is not None or self.series else tuple(samples)
+        self.rows = rows if rows is not None else tuple(samples)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.rows) + sum(s.n for s in self.series)
 
     @property
     def samples(self) -> tuple[GpuSample, ...]:
         if self._samples is None:
-            self._samples = tuple(as_sample(r) for r in self.rows)
+            self._samples = tuple([*(as_sample(r) for r in self.rows), *(r for s in self.series for r in s.rows())])
         return self._samples
 
     def __eq__(self, other: object) -> bool:
@@ -89,7 +100,8 @@ class Batch:
                                                                       other.samples)
 
     def __repr__(self) -> str:
-        return f"Batch(agent_id={self.agent_id!r}, seq={self.seq!r}, host={self.host!r}, samples={len(self.rows)})"
+        return (f"Batch(agent_id={self.agent_id!r}, seq={self.seq!r}, host={self.host!r}, "
+                f"samples={self.n_samples}, series={len(self.series)})")
 
 
 def as_sample(r: Any) -> GpuSample:
@@ -102,8 +114,9 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    """A finite number within +-MAX_FLOAT (so NaN and inf are never numbers here)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= MAX_FLOAT
+    """A finite number within +-MAX_FLOAT (so NaN and inf are never numbers here); ints bounded as floats."""
+    f = _float(v)
+    return f is not None and -MAX_FLOAT <= f <= MAX_FLOAT
 
 
 def decode_body(body: bytes, content_type: str, content_encoding: str = "", max_bytes: int = MAX_BODY_BYTES) -> Any:
@@ -199,6 +212,11 @@ def parse_batch(
     host, samples = doc.get("host"), doc.get("samples")
     if not isinstance(host, str) or not host:
         raise BatchError(400, f"{where}: field 'host' must be a non-empty string")
+    if ("samples" in doc) == ("series" in doc):
+        raise BatchError(400, f"{where}: exactly one of the fields 'samples' (one object a sample) and 'series' "
+                              "(columns) is required")
+    if "series" in doc:
+        return _parse_series_batch(doc, agent_id, seq, host, where, now, allowed_host)
     if not isinstance(samples, list):
         raise BatchError(400, f"{where}: field 'samples' must be a list")
     if allowed_host is not None and host != allowed_host:
@@ -222,25 +240,33 @@ def _opt(check: Any) -> Any:
     return lambda v: None if v is None else check(v)
 
 
-def _ratio(v: Any) -> Any:
-    t = type(v)  # exact types: bool is not a number here; NaN fails every comparison
+def _float(v: Any) -> float | None:
+    """A reading as the float a float field stores, or None when it is no number. An int converts first and is
+    bounded after, as msgspec's fast path does it (so 10**18 + 1 is 1e18). Exact types: bool is no number."""
+    t = type(v)
     if t is float:
-        return v if 0.0 <= v <= 1.0 else _BAD
-    return float(v) if t is int and 0 <= v <= 1 else _BAD
+        return v
+    if t is int:
+        try:
+            return float(v)
+        except OverflowError:
+            return None
+    return None
+
+
+def _ratio(v: Any) -> Any:
+    f = _float(v)  # NaN fails every comparison
+    return f if f is not None and 0.0 <= f <= 1.0 else _BAD
 
 
 def _nonneg(v: Any) -> Any:
-    t = type(v)
-    if t is float:
-        return v if 0.0 <= v <= MAX_FLOAT else _BAD
-    return float(v) if t is int and 0 <= v <= MAX_FLOAT else _BAD
+    f = _float(v)
+    return f if f is not None and 0.0 <= f <= MAX_FLOAT else _BAD
 
 
 def _finite(v: Any) -> Any:
-    t = type(v)
-    if t is float:
-        return v if -MAX_FLOAT <= v <= MAX_FLOAT else _BAD
-    return float(v) if t is int and -MAX_FLOAT <= v <= MAX_FLOAT else _BAD
+    f = _float(v)
+    return f if f is not None and -MAX_FLOAT <= f <= MAX_FLOAT else _BAD
 
 
 def _count(v: Any) -> Any:
@@ -346,6 +372,172 @@ def _parse_sample(d: Any, i: int, where: str, host: str, now: float, bound: bool
     return GpuSample(**d)
 
 
+# -- the columnar layout (agent.wire): a batch of series --------------------------------------------
+_SERIES_KEYS = frozenset((*SERIES_CONSTANTS, *COLUMNS, *ROW_LISTS))
+_INT_COLS = frozenset(INT_COLUMNS)
+
+
+def _bounds(f: str) -> tuple[float, float]:
+    """The range a numeric column's values must lie in (both ends included; ts must also be > 0)."""
+    if f in _RATIOS:
+        return 0.0, 1.0
+    if f in _NONNEG or f == "ts":
+        return 0.0, MAX_FLOAT
+    if f in _INTS:
+        return 0, MAX_INT
+    if f in _FLOATS:
+        return -MAX_FLOAT, MAX_FLOAT
+    raise TypeError(f"no rule for column {f!r}")  # a new numeric field: give it a rule here and in _CHECKS
+
+
+_COLUMN_BOUNDS = {f: _bounds(f) for f in COLUMNS}
+
+
+def _series_rows(d: Any) -> int:
+    """How many samples a (possibly invalid) series claims: for the rejection metrics only."""
+    ts = d.get("ts") if isinstance(d, dict) else None
+    return len(ts) // 8 if isinstance(ts, bytes) else len(ts) if isinstance(ts, list) else 0
+
+
+def _parse_series_batch(doc: dict, agent_id: str, seq: int, host: str, where: str, now: float,
+                        allowed_host: str | None) -> Batch:
+    series = doc["series"]
+    if not isinstance(series, list):
+        raise BatchError(400, f"{where}: field 'series' must be a list")
+    n = sum(map(_series_rows, series))
+    if allowed_host is not None and host != allowed_host:
+        raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
+                         "forbidden", n)
+    try:
+        out = tuple(_parse_series(d, i, where, host, now, typed=False) for i, d in enumerate(series))
+        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, allowed_host is not None)
+    except BatchError as e:
+        e.samples = n
+        raise
+    return Batch(agent_id, seq, host, jobs=tuple(jobs), series=out)
+
+
+def _parse_series(d: Any, i: int, where: str, host: str, now: float, typed: bool) -> Series:
+    """One series map -> Series; BatchError names ``series[i].field[row]``. ``typed``: msgspec has already
+    checked every constant and every list element (type and range), so only what it cannot is left."""
+    at = f"{where}: series[{i}]"
+    if not typed:
+        if type(d) is not dict:
+            raise BatchError(400, f"{at}: must be an object, got {type(d).__name__}")
+        for k in d:
+            if k not in _SERIES_KEYS:
+                hint = " (a series takes the batch's host)" if k == "host" else ""
+                raise BatchError(400, f"{at}: unknown field {str(k)!r}{hint}")
+        for k in ("gpu_uuid", "gpu_index", "ts"):
+            if k not in d:
+                raise BatchError(400, f"{at}.{k}: missing")
+        for k in SERIES_CONSTANTS:
+            if k in d:
+                check, what = _CHECKS[k]
+                r = check(d[k])
+                if r is _BAD:
+                    raise BatchError(400, f"{at}.{k}: {what} (got {d[k]!r})")
+                d[k] = r
+    ts_in = d["ts"]
+    if type(ts_in) not in (list, bytes):
+        raise BatchError(400, f"{at}.ts: must be a list of times or bytes of 8-byte times (got {_excerpt(ts_in)})")
+    if not ts_in:
+        raise BatchError(400, f"{at}.ts: must hold at least one time")
+    if type(ts_in) is bytes and len(ts_in) % 8:
+        raise BatchError(400, f"{at}.ts: {len(ts_in)} bytes is not a whole number of 8-byte values")
+    n = len(ts_in) // 8 if type(ts_in) is bytes else len(ts_in)
+    floats: dict[str, np.ndarray] = {}
+    ints: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
+    ts = None
+    for f in COLUMNS:
+        v = d.get(f)
+        if v is None:
+            continue
+        a, mask = _column(v, f, n, at, typed)
+        if f == "ts":
+            ts = a
+        elif f in _INT_COLS:
+            ints[f] = (a, mask)
+        else:
+            floats[f] = a
+    assert ts is not None
+    late = ts > now + FUTURE_SLACK_S
+    if late.any():
+        j = int(late.argmax())
+        raise BatchError(400, f"{at}.ts[{j}]: is more than {FUTURE_SLACK_S:.0f} s in the future (collector time "
+                              f"{now:.3f}) (got {ts[j].item()!r})", "future")
+    lists: dict[str, tuple] = {}
+    for f, check in (("xid_errors", _xids), ("processes", _processes)):
+        v = d.get(f)
+        if v is None:
+            continue
+        if type(v) is not list or len(v) != n:
+            raise BatchError(400, f"{at}.{f}: must be a list of {n} per-sample lists (got {_excerpt(v)})")
+        if typed:
+            rows = tuple(tuple(GpuProcess(p, m) for p, m in r) for r in v) if f == "processes" else tuple(map(tuple, v))
+        else:
+            rows = tuple(map(check, v))
+            if _BAD in rows:
+                j = rows.index(_BAD)
+                raise BatchError(400, f"{at}.{f}[{j}]: {_CHECKS[f][1]} (got {v[j]!r})")
+        lists[f] = rows
+    job_ids, shares = tuple(d.get("job_ids") or ()), tuple(d.get("job_shares") or ())
+    if len(set(job_ids)) != len(job_ids):
+        raise BatchError(400, f"{at}.job_ids: {_CHECKS['job_ids'][1]} (got {list(job_ids)!r})")
+    if shares:
+        if len(shares) != len(job_ids):
+            raise BatchError(400, f"{at}.job_shares: must have one share per job id ({len(job_ids)}) or be empty "
+                                  f"(got {list(shares)!r})")
+        if abs(math.fsum(shares) - 1.0) > 1e-6:
+            raise BatchError(400, f"{at}.job_shares: must sum to 1 (got {list(shares)!r})")
+    return Series(host, d["gpu_uuid"], d["gpu_index"], ts, model=d.get("model") or "", mig=d.get("mig"),
+                  source=d.get("source") or "", job_ids=job_ids, job_shares=tuple(map(float, shares)),
+                  floats=floats, ints=ints, lists=lists)
+
+
+def _excerpt(v: Any, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def _column(v: Any, f: str, n: int, at: str, typed: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """A column (bytes or list) -> (array, present mask or None); floats carry NaN where absent."""
+    is_int = f in _INT_COLS
+    lo, hi = _COLUMN_BOUNDS[f]
+    if type(v) is bytes:
+        if len(v) != 8 * n:
+            raise BatchError(400, f"{at}.{f}: {len(v)} bytes, expected {8 * n} ({n} values of 8 bytes, as ts has)")
+        a = np.frombuffer(v, dtype="<i8" if is_int else "<f8")
+        ok = (a >= lo) & (a <= hi)  # NaN fails both
+        if f == "ts":
+            ok &= a > 0
+        if not ok.all():
+            j = int(ok.argmin())
+            raise BatchError(400, f"{at}.{f}[{j}]: {_CHECKS[f][1]} (got {a[j].item()!r})")
+        return a, None
+    if type(v) is not list:
+        kind = "integers" if is_int else "numbers"
+        raise BatchError(400, f"{at}.{f}: must be a list of {n} {kind} or null, or bytes of {n} 8-byte values "
+                              f"(got {_excerpt(v)})")
+    if len(v) != n:
+        raise BatchError(400, f"{at}.{f}: has {len(v)} values, expected {n} (as ts has)")
+    if not typed:
+        check, what = _CHECKS[f]
+        for j, x in enumerate(v):
+            r = check(x)
+            if r is _BAD:
+                raise BatchError(400, f"{at}.{f}[{j}]: {what} (got {x!r})")
+            if r is not x:
+                v[j] = r
+    absent = v.count(None)
+    if is_int:
+        if absent:
+            mask = np.fromiter((x is not None for x in v), dtype=bool, count=n)
+            return np.array([0 if x is None else x for x in v], dtype=np.int64), mask
+        return np.array(v, dtype=np.int64), None
+    return np.array(v, dtype=np.float64), None  # None -> NaN: absent
+
+
 # -- the fast path (msgpack batches, msgspec installed) -------------------------------------------
 # msgspec decodes a batch straight into structs and checks types and ranges in C (bool is no number, NaN
 # fails every bound, unknown fields fail); what is left (the batch's host, future times, job id sets and
@@ -377,8 +569,19 @@ def _fast_decoder() -> Any:
     spec = [(f.name, types[f.name]) if f.name in _REQUIRED else (f.name, types[f.name], f.default)
             for f in fields(GpuSample)]
     row = msgspec.defstruct("WireSample", spec, forbid_unknown_fields=True, gc=False)
+    # a series: the constants typed as above; a column is a list (typed, null = absent; ts has no nulls) or
+    # bytes (checked with numpy); per-row lists as lists of the row fields' types
+    series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", list[types["ts"]] | bytes)]
+    series_spec += [(k, types[k], GpuSample.__dataclass_fields__[k].default)
+                    for k in SERIES_CONSTANTS if k not in ("gpu_uuid", "gpu_index")]
+    series_spec += [(k, list[types[k]] | bytes | None, None) for k in COLUMNS if k != "ts"]
+    series_spec += [(k, list[types[k]] | None, None) for k in ROW_LISTS]
+    series = msgspec.defstruct("WireSeries", series_spec, forbid_unknown_fields=True)
     wire = msgspec.defstruct("WireBatch", [("agent_id", name), ("seq", count), ("host", name),
-                                           ("samples", list[row])], forbid_unknown_fields=True)
+                                           # UNSET, not None: an explicit null is the slow path's error
+                                           ("samples", list[row] | msgspec.UnsetType, msgspec.UNSET),
+                                           ("series", list[series] | msgspec.UnsetType, msgspec.UNSET),
+                                           ("jobs", list[Any], [])], forbid_unknown_fields=True)
     return msgspec.msgpack.Decoder(wire)
 
 
@@ -394,7 +597,18 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | No
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     host, rows = b.host, b.samples
-    if (not rows or (allowed_host is not None and host != allowed_host)
+    if (rows is msgspec.UNSET) == (b.series is msgspec.UNSET) or (allowed_host is not None and host != allowed_host):
+        return None
+    where = f"batch agent_id={b.agent_id!r} seq={b.seq!r}"
+    if b.series is not msgspec.UNSET:
+        try:
+            series = tuple(_parse_series(msgspec.structs.asdict(d), i, where, host, now, typed=True)
+                           for i, d in enumerate(b.series))
+            jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None)
+        except BatchError:
+            return None  # the per-sample path words it (from the body as msgpack decodes it)
+        return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series)
+    if (not rows
             or list(map(_HOST, rows)).count(host) != len(rows) or max(map(_TS, rows)) > now + FUTURE_SLACK_S):
         return None
     # job ids and shares: checked once per distinct combination (a GPU's job rarely changes within a batch)
@@ -407,7 +621,11 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | No
         for r in rows:
             if r.processes:
                 r.processes = tuple(GpuProcess(p, m) for p, m in r.processes)
-    return Batch(b.agent_id, b.seq, host, rows=rows)
+    try:
+        jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None)
+    except BatchError:
+        return None
+    return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs))
 
 
 def _check_annotation(annotation: str, v: Any) -> bool:

@@ -7,12 +7,14 @@ import json
 import threading
 from pathlib import Path
 
+import msgpack
 import pynvml
 import pytest
 from typer.testing import CliRunner
 
 from agent.cli import app
 from agent.records import SAMPLE_FIELDS, GpuSample
+from agent.wire import from_series
 
 runner = CliRunner()
 CAPTURES = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "dcgm-exporter"
@@ -124,5 +126,5 @@ def test_run_pushes_to_collector_and_stops() -> None:
     assert result.exit_code == 0, result.output
     assert "serving /metrics on 127.0.0.1:" in result.output and "stopped after" in result.output
     assert len(received) >= 2
-    batch = json.loads(received[0])
-    assert batch["host"] == "h7" and batch["agent_id"] == "h7" and len(batch["samples"]) == 2
+    batch = msgpack.unpackb(received[0])  # the agent's default wire: msgpack, complete columns as raw bytes
+    assert batch["host"] == "h7" and batch["agent_id"] == "h7" and len(from_series(batch["series"], "h7")) == 2

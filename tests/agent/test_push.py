@@ -13,6 +13,7 @@ import pytest
 from agent.mappers.static import StaticMapper
 from agent.push import HttpPusher, PushError
 from agent.records import GpuSample
+from agent.wire import from_series
 from agent.sampler import Agent
 from agent.sources.simulated import SimulatedSource
 
@@ -82,19 +83,20 @@ def test_posts_batches_with_increasing_seq(collector: Collector) -> None:
     assert first["headers"]["Authorization"] == "Bearer s3cret"
     assert first["json"]["agent_id"] == "n7-agent" and first["json"]["host"] == "n7"
     assert [first["json"]["seq"], second["json"]["seq"]] == [100, 101]
-    # The wire form round-trips to the same records.
-    assert [GpuSample.from_dict(d) for d in first["json"]["samples"]] == batch
-    assert len(second["json"]["samples"]) == 1
+    # The wire form (one series a GPU) round-trips to the same records.
+    assert len(first["json"]["series"]) == 2
+    assert from_series(first["json"]["series"], "n7") == batch
+    assert len(from_series(second["json"]["series"], "n7")) == 1
     # Keep-alive: both batches over one connection.
     assert len(collector.connections) == 1
     assert pusher.batches_sent == 2
 
 
 def test_default_seq_starts_from_the_clock(collector: Collector) -> None:
-    a = HttpPusher(collector.url, agent_id="a", host="h")
+    a = HttpPusher(collector.url, agent_id="a", host="n7")
     first = a.write(samples(1))
     a.close()
-    b = HttpPusher(collector.url, agent_id="a", host="h")  # a restarted agent
+    b = HttpPusher(collector.url, agent_id="a", host="n7")  # a restarted agent
     second = b.write(samples(1))
     b.close()
     assert first > 1_600_000_000_000_000 and second > first
@@ -102,7 +104,7 @@ def test_default_seq_starts_from_the_clock(collector: Collector) -> None:
 
 def test_non_2xx_raises_with_status_and_body(collector: Collector) -> None:
     collector.status = 422
-    pusher = HttpPusher(collector.url, agent_id="a", host="h", seq_start=5)
+    pusher = HttpPusher(collector.url, agent_id="a", host="n7", seq_start=5)
     with pytest.raises(PushError, match="HTTP 422") as info:
         pusher.write(samples(1))
     assert info.value.status == 422 and "bad batch" in info.value.body
@@ -119,7 +121,7 @@ def test_connection_refused_raises_push_error() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Nothing listens on the port now.
-    pusher = HttpPusher(f"http://127.0.0.1:{port}/api/v1/samples", agent_id="a", host="h", timeout=2.0)
+    pusher = HttpPusher(f"http://127.0.0.1:{port}/api/v1/samples", agent_id="a", host="n7", timeout=2.0)
     with pytest.raises(PushError, match="ConnectError") as info:
         pusher.write(samples(1))
     assert info.value.status is None
@@ -127,8 +129,8 @@ def test_connection_refused_raises_push_error() -> None:
 
 
 def test_unencodable_sample_raises_push_error(collector: Collector) -> None:
-    bad = GpuSample(ts=1.0, host="h", gpu_uuid="GPU-x", gpu_index=0, power_watts=float("nan"))
-    pusher = HttpPusher(collector.url, agent_id="a", host="h")
+    bad = GpuSample(ts=1.0, host="n7", gpu_uuid="GPU-x", gpu_index=0, power_watts=float("nan"))
+    pusher = HttpPusher(collector.url, agent_id="a", host="n7")
     with pytest.raises(PushError, match="cannot be encoded as JSON"):
         pusher.write([bad])
     assert collector.requests == []
@@ -144,7 +146,7 @@ def test_rejects_bad_config() -> None:
 
 def test_as_agent_sink_a_down_collector_does_not_stop_the_agent(collector: Collector) -> None:
     pusher = HttpPusher(collector.url, agent_id="a", host="h", seq_start=1)
-    agent = Agent(SimulatedSource(gpus=2), sinks=[pusher])
+    agent = Agent(SimulatedSource(host="h", gpus=2), sinks=[pusher])
     agent.tick()
     collector.status = 503
     agent.tick()

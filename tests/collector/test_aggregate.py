@@ -327,10 +327,9 @@ def state(agg: Aggregator) -> tuple:
     return ({k: a.values() for k, a in agg.usage.items()}, {k: a.values() for k, a in agg.hours.items()}, gpus)
 
 
-@settings(max_examples=150, deadline=None)
-@given(long_runs(), st.randoms(use_true_random=False), st.integers(0, 6))
-def test_add_many_columnar_path_is_bit_exact(seq, rnd, n_late):
-    # batches of random sizes, some with late or duplicate samples mixed in (those GPUs go one by one)
+def random_batches(seq: list[GpuSample], rnd, n_late: int) -> list[list[GpuSample]]:
+    """Batches of random sizes, ``n_late`` of them with an earlier sample mixed in again (a late or duplicate
+    one: that GPU then goes one by one)."""
     batches, i = [], 0
     while i < len(seq):
         n = rnd.choice([1, 5, 16, 40, 200])
@@ -339,6 +338,13 @@ def test_add_many_columnar_path_is_bit_exact(seq, rnd, n_late):
     for _ in range(n_late):
         k = rnd.randrange(len(batches))
         batches[k] = batches[k] + [rnd.choice(seq)]
+    return batches
+
+
+@settings(max_examples=150, deadline=None)
+@given(long_runs(), st.randoms(use_true_random=False), st.integers(0, 6))
+def test_add_many_columnar_path_is_bit_exact(seq, rnd, n_late):
+    batches = random_batches(seq, rnd, n_late)
     fast, slow = Aggregator(), Aggregator()
     for b in batches:
         counts, accepted = fast.add_many(b)
@@ -347,3 +353,48 @@ def test_add_many_columnar_path_is_bit_exact(seq, rnd, n_late):
         assert counts.duplicate == results.count(DUPLICATE) and counts.too_late == results.count(TOO_LATE)
         assert fast.take_dirty() == slow.take_dirty()
     assert state(fast) == state(slow)  # exact equality: floats bit for bit
+
+
+# -- the series path (add_series) is bit-for-bit the per-sample one too ---------------------------
+
+def as_series(samples: list[GpuSample]) -> list:
+    """Consecutive samples with the same constants as one Series each (what an agent's batch holds)."""
+    from collector.series import series_from_samples
+
+    out, run = [], []
+    for s in samples:
+        key = (s.gpu_uuid, s.model, s.job_ids, s.job_shares)
+        if run and key != (run[-1].gpu_uuid, run[-1].model, run[-1].job_ids, run[-1].job_shares):
+            out.append(series_from_samples(run))
+            run = []
+        run.append(s)
+    if run:
+        out.append(series_from_samples(run))
+    return out
+
+
+def pair_fields(rows) -> list[tuple]:
+    return [(r.ts, r.energy_joules, r.power_watts, r.sm_active_ratio, r.dram_bw_ratio, r.tensor_active_ratio,
+             r.sm_occupancy_ratio, tuple(r.job_ids), tuple(r.job_shares)) for r in rows]
+
+
+@settings(max_examples=100, deadline=None)
+@given(long_runs(), st.randoms(use_true_random=False), st.integers(0, 4))
+def test_add_series_is_bit_exact(seq, rnd, n_late):
+    batches = random_batches(seq, rnd, n_late)
+    fast, slow = Aggregator(), Aggregator()
+    for b in batches:
+        series = as_series(sorted(b, key=lambda s: (s.gpu_uuid, s.ts)))
+        rnd.shuffle(series)  # a batch's series in any order
+        folded, rest = fast.add_series(series)
+        counts, _ = fast.add_many(rest)
+        results = [slow.add(s) for s in sorted(b, key=lambda s: s.ts)]
+        assert sum(x.n for x in folded) + counts.accepted == results.count(ACCEPTED)
+        assert fast.take_dirty() == slow.take_dirty()
+    assert {k: a.values() for k, a in fast.usage.items()} == {k: a.values() for k, a in slow.usage.items()}
+    assert {k: a.values() for k, a in fast.hours.items()} == {k: a.values() for k, a in slow.hours.items()}
+    for k, g in slow.gpus.items():
+        f = fast.gpus[k]
+        assert f.totals() == g.totals()
+        assert f.ts[f.start:] == g.ts[g.start:]
+        assert pair_fields(f.rows()[f.start:]) == pair_fields(g.samples[g.start:])

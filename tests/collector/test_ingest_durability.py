@@ -140,8 +140,9 @@ def test_spool_delivers_everything_in_order_across_collector_and_agent_restarts(
         # Every batch that was spooled is in the collector: sending it again is acknowledged as a duplicate.
         for name in _spooled(kept):
             enc = {"zst": "zstd", "gz": "gzip"}.get(name.rsplit(".", 1)[-1], "")
+            ctype = "application/msgpack" if ".msgpack" in name else "application/json"
             r = httpx.post(c.url + "/api/v1/samples", content=(kept / name).read_bytes(),
-                           headers={"Content-Type": "application/json", "Content-Encoding": enc})
+                           headers={"Content-Type": ctype, "Content-Encoding": enc})
             assert r.status_code == 200 and r.json()["duplicate"] is True, (name, r.text)
         metrics = httpx.get(c.url + "/metrics").text
         assert "gpuledger_collector_samples_rejected_total{reason=\"too_late\"}" not in metrics

@@ -1,0 +1,196 @@
+"""Columnar (series) batches store and aggregate exactly what the same samples as rows do.
+
+The series path folds and packs a GPU's samples a column at a time and falls back to the per-sample path
+for anything out of order; either way the ledger must be bit-for-bit what the row layout gives, across
+restarts, late samples, job changes, gaps, counter resets and absent values.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.push import encode_batch
+from agent.records import GpuSample
+from collector.store import SqliteStore
+from collector.validate import Batch, parse_batch
+
+T0 = 1_700_000_000.0
+NOW = T0 + 10**6
+
+
+def stream(rnd: random.Random, gpus: int, n: int, step: float) -> list[GpuSample]:
+    out = []
+    for g in range(gpus):
+        e = rnd.uniform(1e5, 1e7)
+        for i in range(n):
+            ts = T0 + i * step + (700 if i > n * 0.6 else 0)  # a gap longer than max_gap_s
+            e = 50.0 if i == n // 2 else e + rnd.uniform(100, 7000)  # a counter reset
+            job = ("7",) if i < n // 3 else (("8", "9") if g % 2 else ())
+            out.append(GpuSample(
+                ts=ts, host="n1", gpu_uuid=f"G{g}", gpu_index=g, model="H200", mig="1.0" if g == 3 else None,
+                energy_joules=None if rnd.random() < 0.05 else e, power_watts=round(rnd.uniform(60, 700), 1),
+                sm_active_ratio=round(rnd.random(), 3), dram_bw_ratio=rnd.choice([None, round(rnd.random(), 3)]),
+                mem_used_bytes=rnd.choice([None, rnd.randrange(10**11)]), temp_celsius=float(rnd.randint(-5, 90)),
+                job_ids=job, job_shares=(0.25, 0.75) if len(job) == 2 and g == 1 else (),
+                xid_errors=(79,) if rnd.random() < 0.02 else ()))
+    return out
+
+
+def body(agent: str, seq: int, samples: list[GpuSample], layout: str, fmt: str) -> bytes:
+    return encode_batch(agent, "n1", seq, samples, fmt=fmt, layout=layout)
+
+
+def ingest_all(store: SqliteStore, batches: list[list[GpuSample]], layout: str, fmt: str = "msgpack",
+               restart_at: int | None = None, path=None) -> SqliteStore:
+    for i, ss in enumerate(batches):
+        if i == restart_at:
+            store.close()
+            store = SqliteStore(path)
+        ct = "application/msgpack" if fmt == "msgpack" else "application/json"
+        b = parse_batch(body("a", i, ss, layout, fmt), ct, NOW)
+        assert bool(b.series) == (layout == "series")
+        store.ingest(b)
+    return store
+
+
+def snapshot(store: SqliteStore) -> tuple:
+    gpus = [("n1", f"G{g}") for g in range(4)]
+    return (
+        [u.to_dict() for u in store.job_usage(per_gpu=True)],
+        [u.to_dict() for u in store.job_usage()],
+        store.totals(),
+        store.totals(T0 + 300, T0 + 5000),
+        [[p.to_dict() for p in store.series(h, u, 0, 2e9, mig="1.0" if u == "G3" else None)] for h, u in gpus],
+    )
+
+
+def cut(samples: list[GpuSample], rnd: random.Random, sizes: tuple[int, int], late: float) -> list[list[GpuSample]]:
+    """Time-ordered batches of random sizes; a fraction ``late`` of samples moved to the next batch."""
+    samples = sorted(samples, key=lambda s: (s.ts, s.gpu_uuid))
+    out, i = [], 0
+    while i < len(samples):
+        k = rnd.randint(*sizes)
+        out.append(samples[i:i + k])
+        i += k
+    for j in range(len(out) - 1):
+        moved = [s for s in out[j] if rnd.random() < late]
+        if moved:
+            out[j] = [s for s in out[j] if s not in moved]
+            out[j + 1] = moved + out[j + 1]
+    return [b for b in out if b]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), late=st.sampled_from([0.0, 0.0, 0.05]), restart=st.integers(0, 12),
+       fmt=st.sampled_from(["msgpack", "json"]))
+def test_series_layout_equals_row_layout(tmp_path_factory, seed, late, restart, fmt):
+    rnd = random.Random(seed)
+    batches = cut(stream(rnd, gpus=4, n=rnd.randint(20, 160), step=rnd.choice([1.0, 10.0])), rnd,
+                  (1, 300), late)
+    d = tmp_path_factory.mktemp("s")
+    rows = ingest_all(SqliteStore(d / "rows.sqlite"), batches, "samples")
+    cols = ingest_all(SqliteStore(d / "cols.sqlite"), batches, "series", fmt, restart_at=restart,
+                      path=d / "cols.sqlite")
+    assert snapshot(cols) == snapshot(rows)
+    rows.compact(now=NOW)
+    cols.compact(now=NOW)
+    assert snapshot(cols) == snapshot(rows)
+    rows.close()
+    cols.close()
+
+
+def test_in_order_series_take_the_columnar_path_and_late_ones_fall_back(tmp_path):
+    rnd = random.Random(1)
+    samples = stream(rnd, gpus=2, n=100, step=1.0)
+    store = SqliteStore(tmp_path / "s.sqlite")
+    first = [s for s in samples if s.ts < T0 + 50]
+    b = parse_batch(body("a", 0, first, "series", "msgpack"), "application/msgpack", NOW)
+    r = store.ingest(b)
+    assert r.accepted == len(first)
+    # the window holds columns (pending segments), not objects, after an in-order series
+    assert all(g.pending and not g.samples for g in store.agg.gpus.values())
+    # a late sample for G0 (between two stored ones) and in-order ones for G1
+    late = [GpuSample(ts=T0 + 10.5, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=100.0)]
+    more = [s for s in samples if T0 + 50 <= s.ts < T0 + 60 and s.gpu_uuid == "G1"]
+    r = store.ingest(parse_batch(body("a", 1, late + more, "series", "msgpack"), "application/msgpack", NOW))
+    assert r.accepted == 1 + len(more)
+    g0, g1 = store.agg.gpus[("n1", "G0", "")], store.agg.gpus[("n1", "G1", "")]
+    assert not g0.pending and g0.samples  # turned into rows to take the late one
+    assert g1.pending  # still columns
+    assert len(store.series("n1", "G0", 0, 2e9)) == len(first) // 2 + 1
+    store.close()
+
+
+def test_duplicate_series_batch_is_acknowledged_once(tmp_path):
+    samples = stream(random.Random(2), gpus=2, n=30, step=10.0)
+    store = SqliteStore(tmp_path / "s.sqlite")
+    raw = body("a", 5, samples, "series", "msgpack")
+    assert store.ingest(parse_batch(raw, "application/msgpack", NOW)).accepted == len(samples)
+    before = snapshot(store)
+    again = store.ingest(parse_batch(raw, "application/msgpack", NOW))
+    assert again.duplicate_batch and again.accepted == 0
+    assert snapshot(store) == before
+    # the same samples under another seq: every one a duplicate or too late, nothing stored twice
+    r = store.ingest(parse_batch(body("a", 6, samples, "series", "msgpack"), "application/msgpack", NOW))
+    assert r.accepted == 0 and r.duplicate_samples + r.too_late == len(samples)
+    assert snapshot(store) == before
+    store.close()
+
+
+def test_series_and_rows_in_one_python_batch(tmp_path):
+    """Only the Python API can mix layouts; the store then takes every sample one by one."""
+    samples = stream(random.Random(3), gpus=2, n=40, step=10.0)
+    half = len(samples) // 2
+    parsed = parse_batch(body("a", 0, samples[half:], "series", "msgpack"), "application/msgpack", NOW)
+    mixed = Batch("a", 0, "n1", rows=tuple(samples[:half]), series=parsed.series)
+    store = SqliteStore(tmp_path / "mixed.sqlite")
+    assert store.ingest(mixed).accepted == len(samples)
+    ref = SqliteStore(tmp_path / "ref.sqlite")
+    ref.ingest(Batch("a", 0, "n1", tuple(samples)))
+    assert snapshot(store) == snapshot(ref)
+    store.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_raw_chunks_of_a_series_read_back_exactly(tmp_path, binary):
+    samples = stream(random.Random(4), gpus=4, n=90, step=1.0)
+    fmt = "msgpack" if binary else "json"
+    store = SqliteStore(tmp_path / "s.sqlite")
+    store.ingest(parse_batch(body("a", 0, samples, "series", fmt),
+                             "application/msgpack" if binary else "application/json", time.time()))
+    for g in range(4):
+        mig = "1.0" if g == 3 else None
+        want = sorted((s for s in samples if s.gpu_uuid == f"G{g}"), key=lambda s: s.ts)
+        assert store.series("n1", f"G{g}", 0, 2e9, mig=mig) == want
+    store.close()
+
+
+def test_msgpack_series_body_is_raw_columns():
+    samples = stream(random.Random(5), gpus=1, n=10, step=1.0)
+    doc = msgpack.unpackb(body("a", 0, samples, "series", "msgpack"))
+    (series,) = [s for s in doc["series"] if s.get("job_ids") == ["7"]]
+    assert isinstance(series["ts"], bytes) and isinstance(series["power_watts"], bytes)
+    assert len(series["ts"]) == 8 * len([s for s in samples if s.job_ids == ("7",)])
+
+
+def test_compaction_merges_small_raw_chunks_and_leaves_large_ones(tmp_path):
+    h = 3600.0 * 472_223  # an hour boundary
+    mk = [GpuSample(ts=h + i, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=100.0 + i % 7,
+                    energy_joules=1e6 + 100.0 * i, job_ids=("1",)) for i in range(1200)]
+    store = SqliteStore(tmp_path / "s.sqlite")
+    parts = [mk[:600], mk[600:610], mk[610:620], mk[620:630], mk[630:]]
+    for i, p in enumerate(parts):
+        store.ingest(parse_batch(body("a", i, p, "series", "msgpack"), "application/msgpack", h + 10**5))
+    rows = lambda: sorted(n for (n,) in store._db.execute("SELECT n FROM chunks WHERE tier=0"))  # noqa: E731
+    assert rows() == [10, 10, 10, 570, 600]
+    stats = store.compact(now=h + 10**5)
+    assert stats.merged_chunks >= 2 and rows() == [30, 570, 600]  # (rollup tiers merge too)
+    assert store.series("n1", "G0", 0, 2e9) == mk
+    store.close()
