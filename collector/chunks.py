@@ -17,6 +17,9 @@ Every transformation is exact, so ``decode(encode(x)) == x``; the tests check it
 Small chunks (an agent's batch holds one or a few samples per GPU) are written in a light form instead: the
 columns as plain msgpack lists, zstd-compressed. Per-column numpy work costs far more than it saves on a handful
 of rows; compaction merges the small chunks of an interval into one columnar chunk, and readers accept both.
+
+``encode_series_many`` writes the chunks of a batch's series (one per GPU) byte for byte as ``encode_series``
+does, but encodes the numeric columns of equal-length series together, as the rows of 2-D arrays.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ _ZD = zstandard.ZstdDecompressor()
 _HDR = struct.Struct("<I")
 _POW10 = [10.0**k for k in range(10)]  # the scales a decimal column may have
 _HEAD = 4  # values that _scale_floor looks at
-_BLOCK = 16384  # values per block of encode_series_many: x 3 delta orders x 8 bytes stays in cache
-# and under malloc's mmap threshold (128 KiB; a fresh mapping per temporary costs page faults every time)
+# Values per block of encode_series_many: more rows a block, less overhead a row, but each temporary stays
+# in cache and under malloc's mmap threshold (128 KiB; a fresh mapping per temporary costs page faults).
+_BLOCK = 16384
 
 
 # -- numeric encodings -------------------------------------------------------------------------
@@ -160,68 +164,66 @@ def _decode_floats(meta: list, buf: bytes, n: int) -> np.ndarray:
 
 
 # -- the same, for the rows of a 2-D array (encode_series_many) -----------------------------------
-# One row is one chunk's column; a block's rows are mostly one field of several chunks. Row by row these
-# give exactly what the 1-D functions above give (the tests compare them), but numpy's per-call overhead,
-# most of what the 1-D path costs on a few hundred rows, is paid once per block.
+# A row is one chunk's column; a block holds the same fields of several chunks. Row by row these functions
+# give exactly what the 1-D ones above give (the tests compare them), but numpy's per-call overhead, most of
+# what the 1-D path costs on a few hundred values, is paid once per block instead of once per column.
 def _planes(a: np.ndarray) -> list[bytes]:
-    """Each row of ``a`` (r x n, C-contiguous, little-endian) as :func:`_shuffle` lays it out: byte plane
-    after plane."""
+    """Each row of ``a`` (r x n, C-contiguous, little-endian) laid out as :func:`_shuffle` does: byte
+    plane after byte plane."""
     r, n = a.shape
     w = a.dtype.itemsize
     buf = a.view(np.uint8).reshape(r, n, w).transpose(0, 2, 1).tobytes()
     return [buf[i * n * w:(i + 1) * n * w] for i in range(r)]
 
 
-def _deltas(x: np.ndarray, op: np.ufunc = np.subtract, out: np.ndarray | None = None) -> np.ndarray:
+def _deltas(x: np.ndarray, op: np.ufunc = np.subtract) -> np.ndarray:
     """Each row's first value, then ``op`` of each value and its predecessor (subtract wraps, as in
-    _encode_ints): ``op`` over the flat array, one fast pass, then each row's first value put back."""
-    if out is None:
-        out = np.empty_like(x)
-    flat, o = x.reshape(-1), out.reshape(-1)
-    op(flat[1:], flat[:-1], out=o[1:])
-    o[::x.shape[1]] = flat[::x.shape[1]]
-    return out
+    _encode_ints). ``op`` runs over the flat array, one contiguous pass, then the rows' first values go back."""
+    flat = x.reshape(-1)
+    out = np.empty_like(flat)
+    op(flat[1:], flat[:-1], out=out[1:])
+    out[::x.shape[1]] = flat[::x.shape[1]]
+    return out.reshape(x.shape)
 
 
-def _encode_ints_rows(cands: np.ndarray) -> list[tuple[list, bytes]]:
-    """:func:`_encode_ints` of each row of ``cands[0]`` (``cands``: 3 x r x n int64, n >= 1). ``cands[1]``
-    and ``[2]`` receive the two delta orders: one array for the three, so one reduction each for all."""
-    r = cands[0].shape[0]
-    if not r:
+def _encode_ints_rows(x: np.ndarray) -> list[tuple[list, bytes]]:
+    """:func:`_encode_ints` of each row of ``x`` (r x n int64, n >= 1)."""
+    if not len(x):
         return []
-    _deltas(cands[0], out=cands[1])
-    _deltas(cands[1], out=cands[2])
-    hi = np.array([np.maximum.reduce(c, axis=1) for c in cands])
+    d1 = _deltas(x)
+    cands = (x, d1, _deltas(d1))  # delta orders 0, 1, 2
+    hi = np.array([np.maximum.reduce(c, axis=1) for c in cands])  # (the ufuncs skip ndarray.max's wrapper)
     lo = np.array([np.minimum.reduce(c, axis=1) for c in cands])
     his, los = hi.tolist(), lo.tolist()
     if min(map(min, los)) > -(2**63):
         sizes = np.maximum(hi, -lo)  # max |value|
     else:  # np.abs leaves -2**63 negative: take the sizes exactly as _encode_ints does
         sizes = np.array([np.maximum.reduce(np.abs(c), axis=1) for c in cands])
-    olist = sizes.argmin(axis=0).tolist()  # the first minimum: ties go to the lowest order, like `<` there
-    high, low = [his[o][i] for i, o in enumerate(olist)], [los[o][i] for i, o in enumerate(olist)]
+    orders = sizes.argmin(axis=0).tolist()  # the first minimum: ties go to the lowest order, like `<` there
+    high = [his[o][i] for i, o in enumerate(orders)]
+    low = [los[o][i] for i, o in enumerate(orders)]
     # a row's largest zig-zagged value is that of its largest or of its smallest value
     top = [max(2 * h if h >= 0 else -2 * h - 1, 2 * lw if lw >= 0 else -2 * lw - 1) for h, lw in zip(high, low)]
     widths = [1 if t < 1 << 8 else 2 if t < 1 << 16 else 4 if t < 1 << 32 else 8 for t in top]
-    chosen = cands[olist[0]] if len(set(olist)) == 1 else np.array([cands[o][i] for i, o in enumerate(olist)])
-    data: list[bytes] = [b""] * r
+    chosen = cands[orders[0]] if len(set(orders)) == 1 else np.array([cands[o][i] for i, o in enumerate(orders)])
+    data: list[bytes] = [b""] * len(x)
     for w in set(widths):
         rows = [i for i, wi in enumerate(widths) if wi == w]
         # the values fit in w signed bytes: narrow first, then zig-zag (the same low bytes, less work)
-        c = (chosen if len(rows) == r else chosen[rows]).astype(f"<i{w}", copy=False)
+        c = (chosen if len(rows) == len(x) else chosen[rows]).astype(f"<i{w}", copy=False)
         z = c.view(f"<u{w}") << 1
         if min(low[i] for i in rows) < 0:  # (x >> 63 is 0 where x >= 0)
             z ^= (c >> (8 * w - 1)).view(f"<u{w}")
         for i, b in zip(rows, _planes(z)):
             data[i] = b
-    return [([o, w], b) for o, w, b in zip(olist, widths, data)]
+    return [([o, w], b) for o, w, b in zip(orders, widths, data)]
 
 
 def _decimal_scale_rows(v: np.ndarray, floors: list[int | None], top: list[float], out: np.ndarray) -> list[int | None]:
-    """:func:`_decimal_scale` of each row of ``v`` (r x n float64, n >= 1) -> the k of each row (None: no
-    scale); the integers go to ``out`` (r x n int64; rows without a scale are left undefined). Each row
-    starts at its floor (_scale_floor of its first value) and moves on to its next k only where it fails, like the 1-D
-    loop; usually one pass does. ``top``: each row's max |v|."""
+    """:func:`_decimal_scale` of each row of ``v`` (r x n float64, n >= 1) -> each row's k (None: no
+    scale), the integers into ``out`` (r x n int64; undefined in rows without a scale). ``floors``: each
+    row's _scale_floor, where its loop starts; ``top``: each row's max |v|. A row moves on to its next k
+    only where it fails, as in the 1-D loop; usually the first pass settles every row."""
     ks = list(floors)
     bits = v.view(_U64)
     todo = [i for i, k in enumerate(ks) if k is not None]
@@ -258,21 +260,17 @@ def _decimal_scale_rows(v: np.ndarray, floors: list[int | None], top: list[float
 
 def _encode_floats_rows(v: np.ndarray, floors: list[int | None], top: list[float]) -> list[tuple[list, bytes]]:
     """:func:`_encode_floats` of each row of ``v`` (r x n float64), given each row's floor and max |v|."""
-    r, n = v.shape
-    if not r:
+    if not len(v):
         return []
-    cands = [np.empty((r, n), dtype=np.int64) for _ in range(3)]
-    ks = _decimal_scale_rows(v, floors, top, cands[0])
-    out: list[tuple[list, bytes]] = [([], b"")] * r
+    ints = np.empty(v.shape, dtype=np.int64)
+    ks = _decimal_scale_rows(v, floors, top, ints)
+    out: list[tuple[list, bytes]] = [([], b"")] * len(v)
     dec = [i for i, k in enumerate(ks) if k is not None]
-    if len(dec) < r:  # some rows without a scale: the decimal ones on their own
-        cands = [cands[0][dec], np.empty((len(dec), n), dtype=np.int64), np.empty((len(dec), n), dtype=np.int64)]
-    for i, (meta, data) in zip(dec, _encode_ints_rows(cands)):
+    for i, (meta, data) in zip(dec, _encode_ints_rows(ints if len(dec) == len(v) else ints[dec])):
         out[i] = (["d", ks[i], *meta], data)
     xor = [i for i, k in enumerate(ks) if k is None]
-    if xor:
-        bits = v[xor].view(_U64)  # a copy (fancy index)
-        for i, data in zip(xor, _planes(_deltas(bits, np.bitwise_xor))):  # each value XOR its predecessor
+    if xor:  # each value XOR its predecessor
+        for i, data in zip(xor, _planes(_deltas(v[xor].view(_U64), np.bitwise_xor))):
             out[i] = (["x"], data)
     return out
 
@@ -281,7 +279,7 @@ def _encode_floats_rows(v: np.ndarray, floors: list[int | None], top: list[float
 # ``values`` of a column encoded beforehand, without absent rows: (name, kind, _ENCODED, meta, data). The
 # numeric columns of encode_series_many and constant OBJ columns (meta []) come this way.
 _ENCODED = object()
-Encoded = tuple[list, bytes]  # (meta, data)
+_Encoded = tuple[list, bytes]  # (meta, data)
 
 
 def _present(values: Sequence) -> tuple[list | Sequence, bytes | None]:
@@ -470,10 +468,10 @@ def encode_samples(samples: Sequence[GpuSample], light: bool | None = None) -> b
 
 
 _CONSTANTS = ("model", "source", "job_ids", "job_shares")
-_NOTHING_DONE: dict[tuple[str, str], Encoded] = {}
+_NOTHING_DONE: dict[tuple[str, str], _Encoded] = {}
 
 
-def _series_columns(s: Series, light: bool | None, done: dict[tuple[str, str], Encoded] = _NOTHING_DONE) -> list[tuple]:
+def _series_columns(s: Series, light: bool | None, done: dict[tuple[str, str], _Encoded] = _NOTHING_DONE) -> list[tuple]:
     """The columns :func:`encode_columns` gets for a series; ``done``: numeric columns already encoded,
     by (where, field) with where ``"ts"``, ``"floats"``, ``"ints"`` or ``"gpu_index"``."""
     n = s.n
@@ -528,56 +526,68 @@ def _plain(a: Any, n: int, dtype: np.dtype) -> bool:
     return type(a) is np.ndarray and a.dtype == dtype and a.shape == (n,)
 
 
-def _encode_group(group: Sequence[Series], n: int) -> list[dict[tuple[str, str], Encoded]]:
-    """The numeric columns of series of ``n`` rows each that can be encoded together (complete, plain
-    float64 or int64 arrays), encoded a block of rows at a time: per series, {(where, field): column}.
-    The rest (columns with absent rows, odd dtypes) is left to the 1-D path of encode_columns."""
-    cols: dict[tuple[str, str], list[tuple[int, Any]]] = {}
+def _batchable(group: Sequence[Series], n: int) -> tuple[list[tuple], list[tuple]]:
+    """The numeric columns of series of ``n`` rows that the 2-D path takes (complete, plain float64 or
+    int64 arrays) as rows (key, series, array), float rows and int rows, a field's rows side by side: they
+    tend to share their scale, delta order and width. Keys: (where, field), where ``"ts"``, ``"floats"``,
+    ``"ints"`` or ``"gpu_index"`` (whose array is the index itself, filled in later)."""
+    cols: dict[tuple[str, str], list[tuple]] = {}
     for j, s in enumerate(group):
         if _plain(s.ts, n, _F64):
             cols.setdefault(("ts", "ts"), []).append((j, s.ts))
         for f, a in s.floats.items():
-            if _plain(a, n, _F64):
+            if _plain(a, n, _F64):  # absent values (NaN) show only later, in the block
                 cols.setdefault(("floats", f), []).append((j, a))
         for f, (a, m) in s.ints.items():
             if _plain(a, n, _I64) and (m is None or (_plain(m, n, _BOOL) and m.all())):
                 cols.setdefault(("ints", f), []).append((j, a))
         g = s.gpu_index
         if type(g) is int and -(2**63) <= g < 2**63:
-            cols.setdefault(("gpu_index", "gpu_index"), []).append((j, g))  # a row of g
-    # a field's rows side by side: they tend to share their scale, delta order and width
+            cols.setdefault(("gpu_index", "gpu_index"), []).append((j, g))
     frows = [(key, j, a) for key, col in cols.items() if key[0] in ("ts", "floats") for j, a in col]
     irows = [(key, j, a) for key, col in cols.items() if key[0] in ("ints", "gpu_index") for j, a in col]
-    done: list[dict[tuple[str, str], Encoded]] = [{} for _ in group]
-    per = max(1, _BLOCK // n)  # rows a block may hold; blocks of about equal size
-    fstep = -(-len(frows) // -(-len(frows) // per)) if frows else 1
-    istep = -(-len(irows) // -(-len(irows) // per)) if irows else 1
-    floors = [_scale_floor([a.item(0)]) for _key, _j, a in frows]  # one value: a second pass now and then is cheaper
-    for b in range(0, len(frows), fstep):
-        block, ks = frows[b:b + fstep], floors[b:b + fstep]
+    return frows, irows
+
+
+def _blocks(rows: list, n: int) -> list[list]:
+    """``rows`` in blocks of about equal size, each of at most _BLOCK values (or one row)."""
+    if not rows:
+        return []
+    count = -(-len(rows) // max(1, _BLOCK // n))
+    step = -(-len(rows) // count)
+    return [rows[b:b + step] for b in range(0, len(rows), step)]
+
+
+def _encode_group(group: Sequence[Series], n: int) -> list[dict[tuple[str, str], _Encoded]]:
+    """The numeric columns of series of ``n`` rows each that can be encoded together, encoded a block of
+    rows at a time: per series, {(where, field): (meta, data)}. The rest (columns with absent values, odd
+    dtypes) is left to the 1-D path of encode_columns."""
+    frows, irows = _batchable(group, n)
+    done: list[dict[tuple[str, str], _Encoded]] = [{} for _ in group]
+    for block in _blocks(frows, n):
         v = np.array([a for _key, _j, a in block])
         his, los = np.maximum.reduce(v, axis=1).tolist(), np.minimum.reduce(v, axis=1).tolist()  # NaN passes on
-        if any(h != h for h in his):  # an absent value: that field needs a mask, the 1-D path (ts is stored as it is)
+        if any(h != h for h in his):  # an absent value: that field needs a mask, the 1-D path (ts is kept whole)
             keep = [i for i, (h, (key, _j, _a)) in enumerate(zip(his, block)) if h == h or key[0] == "ts"]
-            block, ks, v = [block[i] for i in keep], [ks[i] for i in keep], v[keep]
+            block, v = [block[i] for i in keep], v[keep]
             his, los = [his[i] for i in keep], [los[i] for i in keep]
         top = [h if h != h else max(h, -lw) for h, lw in zip(his, los)]  # max |v|, NaN where there is one
-        for (key, j, _a), e in zip(block, _encode_floats_rows(v, ks, top)):
+        floors = [_scale_floor([a.item(0)]) for _key, _j, a in block]  # one value: now and then a second pass
+        for (key, j, _a), e in zip(block, _encode_floats_rows(v, floors, top)):
             done[j][key] = e
-    for b in range(0, len(irows), istep):
-        block = irows[b:b + istep]
-        cands = [np.empty((len(block), n), dtype=np.int64) for _ in range(3)]
+    for block in _blocks(irows, n):
+        x = np.empty((len(block), n), dtype=np.int64)
         for i, (_key, _j, a) in enumerate(block):
-            cands[0][i] = a
-        for (key, j, _a), e in zip(block, _encode_ints_rows(cands)):
+            x[i] = a
+        for (key, j, _a), e in zip(block, _encode_ints_rows(x)):
             done[j][key] = e
     return done
 
 
 def encode_series_many(series: Sequence[Series]) -> list[bytes]:
-    """``[encode_series(s) for s in series]``, byte for byte, faster: the numeric columns of the series
-    with the same number of rows (the GPUs of one batch) are encoded together, a field at a time, as
-    the rows of a 2-D array; each chunk is then assembled and compressed on its own as before."""
+    """``[encode_series(s) for s in series]``, byte for byte, faster: the complete numeric columns of the
+    series with the same number of rows (the GPUs of one batch) are encoded together, as the rows of 2-D
+    arrays; each chunk is then assembled and compressed on its own, exactly as encode_series does it."""
     out: list[bytes] = [b""] * len(series)
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(series):

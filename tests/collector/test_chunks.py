@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.records import GpuProcess, GpuSample
+from collector import chunks
 from collector.chunks import (
     FLOAT,
     INT,
@@ -261,3 +262,31 @@ def test_encode_series_many_on_a_batch_of_telemetry():
         check_decodes(s, blob)
         assert decode_samples(blob, "h", s.gpu_uuid, None) == s.rows()
     assert encode_series_many([]) == []
+
+
+def reference_decimal_scale(v: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """The plain loop, k = 0, 1, ... (what _decimal_scale computed before its shortcuts)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k in range(10):
+            p = 10.0**k
+            m = np.rint(v * p)
+            if not np.abs(m).max() < 2.0**53:
+                return None
+            mi = m.astype(np.int64)
+            if np.array_equal((mi / p).view(np.uint64), v.view(np.uint64)):
+                return k, mi
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.lists(st.sampled_from(FLOAT_KINDS), min_size=1, max_size=3),
+       st.integers(1, 80), st.lists(st.floats(width=64), max_size=3))
+def test_decimal_scale_shortcuts_change_nothing(seed, kinds, n, head):
+    # _decimal_scale starts at a k proven by the first values and checks magnitudes from max|v|: the same
+    # answer as trying every k from 0; on mixed columns too (a scale that only later values show)
+    rng = np.random.default_rng(seed)
+    v = np.concatenate([np.array(head, dtype=np.float64)] + [float_column(k, rng, n) for k in kinds])
+    got, want = chunks._decimal_scale(v), reference_decimal_scale(v)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got[0] == want[0] and np.array_equal(got[1], want[1])
