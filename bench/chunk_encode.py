@@ -3,8 +3,8 @@
 
 The batch is bench/ingest.py's: one host, 8 GPUs x 625 seconds, 10 numeric fields a sample (random walks,
 a counter, clocks), turned into one Series per GPU the way the collector sees it. Both encoders run in
-this process on the same series; the script checks that they give the same bytes, then prints the median
-time per batch of each and their ratio.
+this process on the same series; the script checks that they give the same bytes, then prints the time
+per batch of each (the best of three rounds, a round the median of --repeat passes) and their ratio.
 
     .venv/bin/python bench/chunk_encode.py            # a few seconds
     .venv/bin/python bench/chunk_encode.py --batches 20 --repeat 50
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=10, help="distinct batches (hosts) to encode")
     ap.add_argument("--repeat", type=int, default=30, help="timed passes over them; the median counts")
     a = ap.parse_args()
-    data = Data(hosts=max(1, a.batches), t0=1_700_000_000.0)
+    data = Data(hosts=max(1, a.batches), t0=1_700_000_000.123456)  # like ingest.py's time.time(): not whole
     batches = [batch_series(data, i) for i in range(a.batches)]
     for ss in batches:  # the same bytes, or the comparison means nothing
         if encode_series_many(ss) != [encode_series(s) for s in ss]:
@@ -71,7 +71,8 @@ def main() -> None:
     t1, tm = min(one), min(many)
     n = len(batches[0])
     rows = sum(s.n for s in batches[0])
-    print(f"batch: {n} series x {rows // n} rows, {len(batches[0][0].floats) + len(batches[0][0].ints)} numeric fields + ts")
+    fields = len(batches[0][0].floats) + len(batches[0][0].ints)
+    print(f"batch: {n} series x {rows // n} rows, {fields} numeric fields + ts")
     print(f"{'[encode_series(s) for s in ss]':34}{t1 * 1e3:8.3f} ms/batch")
     print(f"{'encode_series_many(ss)':34}{tm * 1e3:8.3f} ms/batch")
     print(f"{'speed-up':34}{t1 / tm:8.2f} x")

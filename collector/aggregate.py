@@ -129,8 +129,9 @@ class WindowRow(NamedTuple):
     job_shares: tuple[float, ...]
 
 
+# the float fields an interval's contribution reads (what the window keeps of each sample)
 PAIR_FLOATS = ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
-                "sm_occupancy_ratio")
+               "sm_occupancy_ratio")
 
 
 class WindowSegment:

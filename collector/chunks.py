@@ -47,7 +47,7 @@ _ZC = zstandard.ZstdCompressor(level=3)
 _ZD = zstandard.ZstdDecompressor()
 _HDR = struct.Struct("<I")
 _POW10 = [10.0**k for k in range(10)]  # the scales a decimal column may have
-_HEAD = 4  # values that _scale_floor looks at
+_HEAD = 4  # first values from which _decimal_scale proves where to start
 # Values per block of encode_series_many: more rows a block, less overhead a row, but each temporary stays
 # in cache and under malloc's mmap threshold (128 KiB; a fresh mapping per temporary costs page faults).
 _BLOCK = 16384
@@ -219,7 +219,8 @@ def _encode_ints_rows(x: np.ndarray) -> list[tuple[list, bytes]]:
     return [([o, w], b) for o, w, b in zip(orders, widths, data)]
 
 
-def _decimal_scale_rows(v: np.ndarray, floors: list[int | None], top: list[float], out: np.ndarray) -> list[int | None]:
+def _decimal_scale_rows(v: np.ndarray, floors: list[int | None], top: list[float],
+                        out: np.ndarray) -> list[int | None]:
     """:func:`_decimal_scale` of each row of ``v`` (r x n float64, n >= 1) -> each row's k (None: no
     scale), the integers into ``out`` (r x n int64; undefined in rows without a scale). ``floors``: each
     row's _scale_floor, where its loop starts; ``top``: each row's max |v|. A row moves on to its next k
@@ -471,7 +472,8 @@ _CONSTANTS = ("model", "source", "job_ids", "job_shares")
 _NOTHING_DONE: dict[tuple[str, str], _Encoded] = {}
 
 
-def _series_columns(s: Series, light: bool | None, done: dict[tuple[str, str], _Encoded] = _NOTHING_DONE) -> list[tuple]:
+def _series_columns(s: Series, light: bool | None,
+                    done: dict[tuple[str, str], _Encoded] = _NOTHING_DONE) -> list[tuple]:
     """The columns :func:`encode_columns` gets for a series; ``done``: numeric columns already encoded,
     by (where, field) with where ``"ts"``, ``"floats"``, ``"ints"`` or ``"gpu_index"``."""
     n = s.n
@@ -523,6 +525,7 @@ _F64, _I64, _BOOL = np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.bool_)
 
 
 def _plain(a: Any, n: int, dtype: np.dtype) -> bool:
+    """An array the 2-D path takes as it is (anything else goes the 1-D way, which copes or complains)."""
     return type(a) is np.ndarray and a.dtype == dtype and a.shape == (n,)
 
 

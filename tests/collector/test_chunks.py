@@ -180,11 +180,15 @@ def series_groups(draw) -> list[Series]:
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     lengths = draw(st.lists(st.sampled_from([1, 5, 64, 65, 100, 625]), min_size=1, max_size=3))
     fkinds = {f: draw(st.sampled_from(FLOAT_KINDS)) for f in draw(st.lists(st.sampled_from(FLOAT_FIELDS), unique=True))}
-    ikinds = {f: draw(st.sampled_from(INT_KINDS)) for f in draw(st.lists(st.sampled_from(INT_FIELDS), unique=True, max_size=3))}
+    ifields = draw(st.lists(st.sampled_from(INT_FIELDS), unique=True, max_size=3))
+    ikinds = {f: draw(st.sampled_from(INT_KINDS)) for f in ifields}
     out = []
     for i in range(draw(st.integers(1, 9))):
         n = lengths[i % len(lengths)]
-        ts = np.sort(T0 + rng.integers(0, 10**6, n)).astype(np.float64) if draw(st.booleans()) else float_column("ms", rng, n)
+        ts = float_column("ms", rng, n) if draw(st.booleans()) else np.sort(T0 + rng.integers(0, 10**6, n)) * 1.0
+        if draw(st.integers(0, 19)) == 0:  # ts is stored as it is, whatever it holds
+            ts = float_column(draw(st.sampled_from(FLOAT_KINDS)), rng, n)
+            ts[rng.random(n) < 0.1] = np.nan
         floats = {}
         for f, kind in fkinds.items():
             if draw(st.integers(0, 9)) == 0:  # this GPU never reported it
@@ -202,8 +206,8 @@ def series_groups(draw) -> list[Series]:
         ints = {}
         for f, kind in ikinds.items():
             vals = int_column(draw(st.sampled_from(INT_KINDS)) if draw(st.integers(0, 3)) == 0 else kind, rng, n)
-            mask = draw(st.sampled_from([None, None, None, "full", "some"]))
-            ints[f] = (vals, None if mask is None else np.ones(n, dtype=bool) if mask == "full" else rng.random(n) < 0.7)
+            mask = draw(st.sampled_from([None, None, None, np.ones(n, dtype=bool), rng.random(n) < 0.7]))
+            ints[f] = (vals, mask)
         if draw(st.booleans()):  # another field order
             floats = dict(reversed(floats.items()))
         lists = {}
@@ -229,7 +233,8 @@ def check_decodes(s: Series, blob: bytes) -> None:
     for f, a in s.floats.items():
         assert same_bits(a, column_floats(n, cols[f]))
     for f, (v, m) in s.ints.items():
-        assert column_list(n, cols[f]) == [x if m is None or p else None for x, p in zip(v.tolist(), [True] * n if m is None else m.tolist())]
+        present = [True] * n if m is None else m.tolist()
+        assert column_list(n, cols[f]) == [x if p else None for x, p in zip(v.tolist(), present)]
     assert column_list(n, cols["gpu_index"]) == [s.gpu_index] * n
 
 
@@ -249,12 +254,15 @@ def test_encode_series_many_on_a_batch_of_telemetry():
     for g in range(8):
         n = 625
         power = (300 + np.cumsum(rng.normal(0, 5, n))).round(1)
-        ss.append(Series("h", f"GPU-{g}", g, T0 + np.arange(n, dtype=np.float64), model="H200", job_ids=("42",), floats={
+        floats = {
             "power_watts": power, "energy_joules": 1e8 + np.cumsum(power).round(),
             "sm_active_ratio": rng.random(n).round(3), "temp_celsius": 50.0 + rng.integers(-1, 2, n),
             "sm_clock_hz": np.where(rng.random(n) < 0.9, 1980e6, 1755e6), "mem_clock_hz": np.full(n, 2619e6),
             "pcie_tx_bytes_per_second": rng.integers(0, 2 * 10**9, n).astype(np.float64),
-        }, ints={"mem_used_bytes": ((60e9 + np.cumsum(rng.integers(-2**24, 2**24, n))).astype(np.int64), None)}))
+        }
+        mem = (60e9 + np.cumsum(rng.integers(-2**24, 2**24, n))).astype(np.int64)
+        ss.append(Series("h", f"GPU-{g}", g, T0 + np.arange(n, dtype=np.float64), model="H200", job_ids=("42",),
+                         floats=floats, ints={"mem_used_bytes": (mem, None)}))
     ss.append(ss[0].slice(100, 300))
     blobs = encode_series_many(ss)
     assert blobs == [encode_series(s) for s in ss]
