@@ -630,7 +630,12 @@ def decode_samples(blob: bytes, host: str, gpu_uuid: str, mig: str | None) -> li
 
 def decode_arrays(blob: bytes, fields: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(ts, {field: float64 with NaN for None}) straight from a raw chunk, without sample objects."""
-    n, cols = decode_columns(blob)
+    return columns_as_floats(*decode_columns(blob), fields)
+
+
+def columns_as_floats(n: int, cols: dict[str, tuple[str, Any, np.ndarray | None]],
+                      fields: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(ts, {field: float64 with NaN for None}) of decoded columns; a field the chunk lacks is all NaN."""
     ts = column_floats(n, cols["ts"])
     return ts, {f: column_floats(n, cols[f]) if f in cols else np.full(n, np.nan) for f in fields}
 

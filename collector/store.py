@@ -50,8 +50,8 @@ from collector.aggregate import (
 )
 from collector.chunks import (
     NUMERIC_FIELDS,
-    column_floats,
     column_list,
+    columns_as_floats,
     decode_arrays,
     decode_columns,
     decode_samples,
@@ -105,6 +105,14 @@ CREATE TABLE IF NOT EXISTS batches (
   agent_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL, samples INTEGER NOT NULL,
   PRIMARY KEY (agent_id, seq)) WITHOUT ROWID;
 """
+
+
+def _intervals(ts: np.ndarray, span: float) -> list[tuple[int, int, float]]:
+    """(start, end, interval start) of each run of time-sorted ``ts`` within one raw interval of ``span``
+    (the interval of every sample at once: the same value as math.floor(ts / span) * span)."""
+    b = np.floor(ts / span) * span
+    cuts = [0, *(np.flatnonzero(b[1:] != b[:-1]) + 1).tolist(), len(ts)]
+    return [(i, j, float(b[i])) for i, j in zip(cuts, cuts[1:])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,13 +276,13 @@ class SqliteStore:
         jobs: dict[tuple, int] = {}  # (job_ids, job_shares) -> code
         for (data,) in chunks:
             n, c = decode_columns(data)
-            ts = column_floats(n, c["ts"])
+            ts, vals = columns_as_floats(n, c, PAIR_FLOATS)
             keep = np.flatnonzero(ts >= lo)
             if not keep.size:
                 continue
             ts_parts.append(ts[keep])
             for f in PAIR_FLOATS:
-                cols[f].append(column_floats(n, c[f])[keep] if f in c else np.full(keep.size, np.nan))
+                cols[f].append(vals[f][keep])
             ids = column_list(n, c["job_ids"]) if "job_ids" in c else [()] * n
             shares = column_list(n, c["job_shares"]) if "job_shares" in c else [()] * n
             if ids.count(ids[0]) == n and shares.count(shares[0]) == n:  # the usual chunk: one job set
@@ -310,11 +318,8 @@ class SqliteStore:
         # order (MIG instances of one GPU may come in several runs; they are appended in order).
         for (host, uuid, mig), run in groupby(sorted(samples, key=_GPU_SORT), key=_GPU):
             run = list(run)
-            # the interval of every sample at once (the same value as math.floor(ts / span) * span)
-            b = np.floor(np.array(list(map(_TS, run)), dtype=np.float64) / span) * span
-            cuts = [0, *(np.flatnonzero(b[1:] != b[:-1]) + 1).tolist(), len(run)]
-            for i, j in zip(cuts, cuts[1:]):
-                groups.setdefault((host, uuid, mig or "", float(b[i])), []).extend(run[i:j])
+            for i, j, bucket in _intervals(np.array(list(map(_TS, run)), dtype=np.float64), span):
+                groups.setdefault((host, uuid, mig or "", bucket), []).extend(run[i:j])
         self._insert_raw(groups)
 
     def _write_series(self, series: list[Series]) -> None:
@@ -322,11 +327,9 @@ class SqliteStore:
         span = self.retention.raw_chunk_s
         parts, buckets = [], []
         for s in series:
-            b = np.floor(s.ts / span) * span
-            cuts = [0, s.n] if b[0] == b[-1] else [0, *(np.flatnonzero(b[1:] != b[:-1]) + 1).tolist(), s.n]
-            for i, j in zip(cuts, cuts[1:]):
+            for i, j, bucket in _intervals(s.ts, span):
                 parts.append(s if j - i == s.n else s.slice(i, j))
-                buckets.append(float(b[i]))
+                buckets.append(bucket)
         if parts:  # a batch's chunks packed together: numpy's per-call cost is shared by its GPUs
             self._db.executemany("INSERT INTO chunks VALUES (0,?,?,?,?,?,?,?,?)", [
                 (p.host, p.gpu_uuid, p.mig or "", b, float(p.ts[0]), float(p.ts[-1]), p.n, blob)

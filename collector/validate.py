@@ -559,10 +559,9 @@ def _fast_decoder() -> Any:
         "gpu_index": count, "mig": name | None, "xid_errors": tuple[num(int, ge=-MAX_INT - 1, le=MAX_INT), ...],
         "job_ids": tuple[name, ...], "job_shares": tuple[num(float, ge=0.0, le=MAX_FLOAT), ...],
         "processes": tuple[tuple[count, count | None], ...],
-        **{k: num(float, ge=0.0, le=1.0) | None for k in _RATIOS},
-        **{k: num(float, ge=0.0, le=MAX_FLOAT) | None for k in _NONNEG},
-        **{k: count | None for k in _INTS},
-        **{k: num(float, ge=-MAX_FLOAT, le=MAX_FLOAT) | None for k in _FLOATS},
+        # every other numeric field: optional, within the bounds the column checks use too
+        **{k: num(int if k in _INTS else float, ge=lo, le=hi) | None
+           for k, (lo, hi) in _COLUMN_BOUNDS.items() if k != "ts"},
     }
     # SAMPLE_FIELDS order, so astuple() feeds GpuSample(*...); gc=False: rows hold only strings, numbers
     # and tuples of them (no cycles), and skipping GC tracking makes them cheaper
