@@ -28,10 +28,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the NVML fake is a test double and lives with the tests
 
-from agent.nvml_fake import FakeNvml, fake_node  # noqa: E402
-from agent.sampler import Agent  # noqa: E402
-from agent.sources.nvml import NvmlSource  # noqa: E402
+from nvml_fake import FakeNvml, fake_node  # noqa: E402
+from gpuledger.agent.sampler import Agent  # noqa: E402
+from gpuledger.agent.sources.nvml import NvmlSource  # noqa: E402
 
 OWN_TARGET_S = 0.002
 RSS_TARGET_MB = 80.0

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from accounting.associations import Assoc, AssocTree  # noqa: E402
-from accounting.fairshare import classic, fair_tree  # noqa: E402
+from gpuledger.accounting.associations import Assoc, AssocTree  # noqa: E402
+from gpuledger.accounting.fairshare import classic, fair_tree  # noqa: E402
 
 TARGET_S = 1.0
 

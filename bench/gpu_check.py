@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.records import GpuSample  # noqa: E402
-from agent.sources.base import SourceUnavailable  # noqa: E402
-from agent.sources.nvml import NvmlSource  # noqa: E402
+from gpuledger.schema.records import GpuSample  # noqa: E402
+from gpuledger.agent.sources.base import SourceUnavailable  # noqa: E402
+from gpuledger.agent.sources.nvml import NvmlSource  # noqa: E402
 
 SM_MATMUL_MIN = 0.8
 DRAM_COPY_MIN = 0.6

@@ -43,9 +43,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.push import encode_batch  # noqa: E402
-from agent.records import GpuSample  # noqa: E402
-from collector.store import SqliteStore  # noqa: E402
+from gpuledger.agent.push import encode_batch  # noqa: E402
+from gpuledger.schema.records import GpuSample  # noqa: E402
+from gpuledger.collector.store import SqliteStore  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GPUS = 8
@@ -204,8 +204,8 @@ def settle(pid: int, idle_s: float = 2.0, limit_s: float = 30.0) -> None:
 COLLECTOR = """
 import sys
 sys.path.insert(0, sys.argv[3])
-from collector.server import CollectorServer
-from collector.store import SqliteStore
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import SqliteStore
 store = SqliteStore(sys.argv[1])
 server = CollectorServer(store, port=int(sys.argv[2]))
 server.serve_forever()

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from accounting.audit import AuditLog  # noqa: E402
-from accounting.ledger import LedgerEntry  # noqa: E402
-from accounting.report import ReportSettings, parse_period, usage_report  # noqa: E402
-from agent.records import JobRecord, JobUsage  # noqa: E402
+from gpuledger.accounting.audit import AuditLog  # noqa: E402
+from gpuledger.accounting.ledger import LedgerEntry  # noqa: E402
+from gpuledger.accounting.report import ReportSettings, parse_period, usage_report  # noqa: E402
+from gpuledger.schema.records import JobRecord, JobUsage  # noqa: E402
 
 OCT0 = datetime(2026, 10, 1, tzinfo=timezone.utc).timestamp()
 

@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from accounting import cli as acct
-from accounting.report_cli import audit_app, report_app
-from agent.cli import app as agent_app
-from collector.cli import app as collector_app
+from gpuledger.accounting import cli as acct
+from gpuledger.accounting.report_cli import audit_app, report_app
+from gpuledger.agent.cli import app as agent_app
+from gpuledger.collector.cli import app as collector_app
 
 app = typer.Typer(
     name="gpuledger",

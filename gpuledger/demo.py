@@ -16,13 +16,13 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from agent.mappers.static import StaticMapper
-from agent.push import Batcher, HttpPusher
-from agent.records import JobRecord, JobUsage
-from agent.sampler import Agent
-from agent.sources.simulated import SimulatedSource
-from collector.server import CollectorServer
-from collector.store import SqliteStore
+from gpuledger.agent.mappers.static import StaticMapper
+from gpuledger.agent.push import Batcher, HttpPusher
+from gpuledger.schema.records import JobRecord, JobUsage
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import SqliteStore
 
 CONFIG_NAME = "gpuledger.toml"
 STORE_NAME = "gpuledger.sqlite"
@@ -262,13 +262,13 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from accounting import report as rpt
-    from accounting.audit import PRIVATE_KEY_NAME, keygen, open_log, record_job_records, sign_report
-    from accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
-    from accounting.config import accounting_settings, load_config
-    from accounting.fairshare_render import render_table
-    from accounting.ledger import load as load_ledger
-    from accounting.priority import write_feed
+    from gpuledger.accounting import report as rpt
+    from gpuledger.accounting.audit import PRIVATE_KEY_NAME, keygen, open_log, record_job_records, sign_report
+    from gpuledger.accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
+    from gpuledger.accounting.config import accounting_settings, load_config
+    from gpuledger.accounting.fairshare_render import render_table
+    from gpuledger.accounting.ledger import load as load_ledger
+    from gpuledger.accounting.priority import write_feed
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(

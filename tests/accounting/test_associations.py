@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.associations import Assoc, AssocTree, AssociationError
+from gpuledger.accounting.associations import Assoc, AssocTree, AssociationError
 
-REAL = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "slurm" / "real-22.05"
+REAL = DATA_ROOT / "slurm" / "real-22.05"
 
 
 def real(name: str) -> str:
-    path = REAL / name
-    if not path.exists():
-        pytest.skip(f"capture {path} not available")
-    return path.read_text()
+    return capture(f"slurm/real-22.05/{name}").read_text()
 
 
 EXPECTED_REAL = {

@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from accounting.audit import (
+from gpuledger.accounting.audit import (
     GENESIS,
     AuditError,
     AuditLog,
@@ -28,14 +28,14 @@ from accounting.audit import (
     sign_report,
     verify_report,
 )
-from accounting.apply import Change
-from accounting.associations import AssocTree
-from accounting.config import AccountingSettings
-from accounting.decay import decayed_usage
-from accounting.fairshare import classic
-from accounting.ledger import join
-from accounting.priority import priority_feed
-from agent.records import JobRecord, JobUsage
+from gpuledger.accounting.apply import Change
+from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.config import AccountingSettings
+from gpuledger.accounting.decay import decayed_usage
+from gpuledger.accounting.fairshare import classic
+from gpuledger.accounting.ledger import join
+from gpuledger.accounting.priority import priority_feed
+from gpuledger.schema.records import JobRecord, JobUsage
 
 
 def test_canonical_json_is_sorted_compact_and_float_exact():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 import math
 from datetime import datetime, timezone
 from pathlib import Path
@@ -10,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.decay import (
+from gpuledger.accounting.decay import (
     SlurmConfigError, decayed_usage, last_reset_boundary, parse_priority_config, parse_slurm_duration,
     slurm_decay_factor,
 )
 
-REAL = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "slurm" / "real-22.05"
+REAL = DATA_ROOT / "slurm" / "real-22.05"
 DF = 1 - 0.693 / 300  # Slurm's per-second factor for a 5-minute half-life
 
 
@@ -35,9 +37,7 @@ def test_parse_slurm_duration_rejects(text: str) -> None:
 
 
 def test_real_scontrol_config() -> None:
-    path = REAL / "scontrol-show-config-priority.txt"
-    if not path.exists():
-        pytest.skip("capture not available")
+    path = capture(REAL.relative_to(DATA_ROOT) / "scontrol-show-config-priority.txt")
     cfg = parse_priority_config(path.read_text())
     assert (cfg.half_life_s, cfg.calc_period_s, cfg.reset_period, cfg.flags) == (300, 60, "NONE", ())
     assert cfg.fair_tree and cfg.dampening == 1 and cfg.max_age_s == 86400

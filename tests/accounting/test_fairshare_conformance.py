@@ -7,23 +7,22 @@ test24.1's AccountG/User6 (shares 0, usage 30) are reconstructed from its expect
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
-from accounting.associations import AssocTree
-from accounting.fairshare import assoc_fairshare, classic, fair_tree
-from accounting.fairshare_render import parse_sshare_parsable, render_parsable, render_table
+from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.fairshare import assoc_fairshare, classic, fair_tree
+from gpuledger.accounting.fairshare_render import parse_sshare_parsable, render_parsable, render_table
 
-REAL = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "slurm" / "real-22.05"
+REAL = DATA_ROOT / "slurm" / "real-22.05"
 
 
 def real(name: str) -> str:
-    path = REAL / name
-    if not path.exists():
-        pytest.skip(f"capture {path} not available")
-    return path.read_text()
+    return capture(f"slurm/real-22.05/{name}").read_text()
 
 
 TEST24_4_TREE = """account,parent,user,shares

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 import csv
 import io
 import json
@@ -10,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from accounting.associations import AssocTree
-from accounting.fairshare import UsageError, classic, fair_tree
-from accounting.fairshare_render import (
+from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.fairshare import UsageError, classic, fair_tree
+from gpuledger.accounting.fairshare_render import (
     SshareParseError, parse_sshare_parsable, parse_usage_csv, render_csv, render_table, to_json,
 )
 
-REAL = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "slurm" / "real-22.05"
+REAL = DATA_ROOT / "slurm" / "real-22.05"
 TREE = AssocTree.from_csv("account,parent,user,shares\na,,,2\na,,u,1\na,,p,parent\nb,,,1\nb,,v,1\n")
 USAGE = {("a", "u"): 10.5, ("a", "p"): 0, ("b", "v"): 0}
 
@@ -52,9 +54,7 @@ def test_table_omits_levelfs_for_classic_and_truncates_long_names() -> None:
 
 
 def test_parse_real_sshare_capture() -> None:
-    path = REAL / "sshare-a-l-P.txt"
-    if not path.exists():
-        pytest.skip("capture not available")
+    path = capture(REAL.relative_to(DATA_ROOT) / "sshare-a-l-P.txt")
     rows = parse_sshare_parsable(path.read_text())
     assert len(rows) == 11
     assert rows[0].account == "root" and rows[0].raw_shares is None and rows[0].norm_usage is None

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.associations import Assoc, AssocTree
-from accounting.fairshare import UsageError, assoc_fairshare, classic, fair_tree
+from gpuledger.accounting.associations import Assoc, AssocTree
+from gpuledger.accounting.fairshare import UsageError, assoc_fairshare, classic, fair_tree
 
 
 def tree(csv_body: str) -> AssocTree:

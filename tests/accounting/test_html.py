@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from accounting.html import PALETTE, render_html
-from accounting.ledger import join
-from accounting.report import ReportSettings, parse_period, usage_report
-from agent.records import JobRecord, JobUsage
+from gpuledger.accounting.html import PALETTE, render_html
+from gpuledger.accounting.ledger import join
+from gpuledger.accounting.report import ReportSettings, parse_period, usage_report
+from gpuledger.schema.records import JobRecord, JobUsage
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

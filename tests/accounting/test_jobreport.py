@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from accounting.jobreport import Rules, load_job_report, to_json, to_text
-from agent.records import GpuSample, JobRecord
-from collector.store import SqliteStore
-from collector.validate import Batch
+from gpuledger.accounting.jobreport import Rules, load_job_report, to_json, to_text
+from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch
 
 GIB = 1 << 30
 T0 = 1_790_000_000.0

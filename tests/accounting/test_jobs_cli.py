@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 import json
 from pathlib import Path
 
 from typer.testing import CliRunner
 
-from agent.records import GpuSample
-from collector.store import SqliteStore
-from collector.validate import Batch
+from gpuledger.schema.records import GpuSample
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch
 from gpuledger.cli import app
 
-REAL = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "slurm" / "real-22.05"
+REAL = DATA_ROOT / "slurm" / "real-22.05"
 runner = CliRunner()
 
 

@@ -13,11 +13,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from accounting.privacy import Pseudonymizer, apply_retention, is_pseudonym, load_or_create_key
-from accounting.report_cli import audit_app, report_app
-from agent.records import GpuSample, JobRecord
-from collector.store import SqliteStore
-from collector.validate import Batch
+from gpuledger.accounting.privacy import Pseudonymizer, apply_retention, is_pseudonym, load_or_create_key
+from gpuledger.accounting.report_cli import audit_app, report_app
+from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch
 
 T0 = datetime(2026, 10, 5, tzinfo=timezone.utc).timestamp()
 app = typer.Typer()

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.ledger import LedgerEntry, join
-from accounting.ledger import load as load_ledger
-from accounting.report import (
+from gpuledger.accounting.ledger import LedgerEntry, join
+from gpuledger.accounting.ledger import load as load_ledger
+from gpuledger.accounting.report import (
     TOTAL,
     GridIntensity,
     ReportError,
@@ -23,9 +23,9 @@ from accounting.report import (
     usage_report,
     usage_report_csv,
 )
-from agent.records import GpuSample, JobRecord, JobUsage
-from collector.store import SqliteStore
-from collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch
 
 
 def T(y: int, m: int, d: int, hh: int = 0, mm: int = 0, ss: int = 0) -> float:

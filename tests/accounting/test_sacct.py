@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -10,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from accounting.slurm import (
+from gpuledger.accounting.slurm import (
     SlurmClient,
     SlurmCommandError,
     SlurmParseError,
@@ -22,14 +24,13 @@ from accounting.slurm import (
     parse_tres_text,
 )
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "slurm"
+DATA = DATA_ROOT / "slurm"
 REAL = DATA / "real-22.05"
 MiB = 2**20
 
 
 def read(path: Path) -> str:
-    assert path.is_file(), f"missing capture {path} (CI clones shared/ beside the repo)"
-    return path.read_text()
+    return capture(path.relative_to(DATA_ROOT)).read_text()
 
 
 def utc(text: str) -> float:

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from accounting.apply import Change, apply_changes, feed_associations, plan_changes, run_apply
-from accounting.priority import PriorityEntry, priority_feed
-from accounting.slurm import PendingJob, SlurmClient, SlurmParseError, parse_sprio, parse_squeue_json
+from gpuledger.accounting.apply import Change, apply_changes, feed_associations, plan_changes, run_apply
+from gpuledger.accounting.priority import PriorityEntry, priority_feed
+from gpuledger.accounting.slurm import PendingJob, SlurmClient, SlurmParseError, parse_sprio, parse_squeue_json
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "slurm"
+DATA = DATA_ROOT / "slurm"
 REAL = DATA / "real-22.05"
 
 
 def read(path: Path) -> str:
-    assert path.is_file(), f"missing capture {path} (CI clones shared/ beside the repo)"
-    return path.read_text()
+    return capture(path.relative_to(DATA_ROOT)).read_text()
 
 
 # ------------------------------------------------------------------------------ parsers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 import http.server
 import json
 import threading
@@ -12,14 +14,12 @@ import pynvml
 import pytest
 from typer.testing import CliRunner
 
-from agent.cli import app
-from agent.records import SAMPLE_FIELDS, GpuSample
-from agent.wire import from_series
+from gpuledger.agent.cli import app
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
+from gpuledger.schema.wire import from_series
 
 runner = CliRunner()
-CAPTURES = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "dcgm-exporter"
-if not CAPTURES.is_dir():
-    CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "dcgm-exporter"
+CAPTURES = DATA_ROOT / "dcgm-exporter"
 
 
 def _driver_present() -> bool:

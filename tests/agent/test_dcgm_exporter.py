@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.records import RATIO_FIELDS, GpuSample
-from agent.sources.base import SourceUnavailable
-from agent.sources.dcgm_exporter import DcgmExporterSource, parse_dcgm_exporter
+from gpuledger.schema.records import RATIO_FIELDS, GpuSample
+from gpuledger.agent.sources.base import SourceUnavailable
+from gpuledger.agent.sources.dcgm_exporter import DcgmExporterSource, parse_dcgm_exporter
 
-CAPTURES = Path(__file__).resolve().parents[2].parent / "shared" / "testdata" / "dcgm-exporter"
-if not CAPTURES.is_dir():  # a checkout with shared/ inside the repository
-    CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "dcgm-exporter"
+CAPTURES = DATA_ROOT / "dcgm-exporter"
 MIB = 1024 * 1024
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.records import GpuSample
-from agent.sources.base import SourceUnavailable
-from agent.sources.dcgm import (
+from gpuledger.schema.records import GpuSample
+from gpuledger.agent.sources.base import SourceUnavailable
+from gpuledger.agent.sources.dcgm import (
     DCGM_FIELDS,
     DCGM_INT64_BLANK,
     DEFAULT_BINDINGS_PATHS,

@@ -7,11 +7,11 @@ import urllib.request
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.exposition import make_registry, serve_metrics
-from agent.mappers.static import StaticMapper
-from agent.records import GpuSample
-from agent.sampler import Agent
-from agent.sources.simulated import SimulatedSource
+from gpuledger.agent.exposition import make_registry, serve_metrics
+from gpuledger.agent.mappers.static import StaticMapper
+from gpuledger.schema.records import GpuSample
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
 
 
 def scrape(agent: Agent) -> str:
@@ -144,8 +144,8 @@ def test_serve_metrics_on_port_zero() -> None:
 
 
 def test_xid_errors_exported_as_a_counter_per_gpu() -> None:
-    from agent.nvml_fake import FakeNvml, Scenario
-    from agent.sources.nvml import NvmlSource
+    from nvml_fake import FakeNvml, Scenario
+    from gpuledger.agent.sources.nvml import NvmlSource
 
     t = [1000.0]
     lib = FakeNvml(Scenario.node(2), clock=lambda: t[0])

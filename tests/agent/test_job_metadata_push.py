@@ -7,13 +7,13 @@ from pathlib import Path
 
 import httpx
 
-from agent.mappers.mapping_dir import MappingDirMapper
-from agent.push import Batcher, HttpPusher
-from agent.records import JobRecord
-from agent.sampler import Agent
-from agent.sources.simulated import SimulatedSource
-from collector.server import CollectorServer
-from collector.store import SqliteStore
+from gpuledger.agent.mappers.mapping_dir import MappingDirMapper
+from gpuledger.agent.push import Batcher, HttpPusher
+from gpuledger.schema.records import JobRecord
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import SqliteStore
 
 
 def test_mapper_metadata_reaches_the_ledger_once_and_yields_to_slurm(tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.mappers import make_mapper
-from agent.mappers.base import JobMapper
-from agent.mappers.mapping_dir import (
+from gpuledger.agent.mappers import make_mapper
+from gpuledger.agent.mappers.base import JobMapper
+from gpuledger.agent.mappers.mapping_dir import (
     GpuKey,
     JobEntry,
     MappingDirMapper,
@@ -25,7 +25,7 @@ from agent.mappers.mapping_dir import (
     parse_mapping_name,
     read_mapping_dir,
 )
-from agent.records import GpuSample
+from gpuledger.schema.records import GpuSample
 
 CONTRIB = Path(__file__).resolve().parents[2] / "contrib" / "slurm"
 UUID0 = "GPU-5c5a6c10-0e3c-4f0a-b0e0-5b1f2b2b1c01"
@@ -143,7 +143,7 @@ def test_missing_dir_means_no_jobs_and_logs_once(tmp_path: Path, caplog: pytest.
     d = tmp_path / "absent"
     m = MappingDirMapper(d)
     keep = replace(sample(0), job_ids=("from-source",))
-    with caplog.at_level(logging.WARNING, logger="agent.mappers.mapping_dir"):
+    with caplog.at_level(logging.WARNING, logger="gpuledger.agent.mappers.mapping_dir"):
         assert m.map([sample(0)]) == [sample(0)]
         assert m.map([keep]) == [keep]
     assert len(caplog.records) == 1 and str(d) in caplog.records[0].getMessage()
@@ -151,7 +151,7 @@ def test_missing_dir_means_no_jobs_and_logs_once(tmp_path: Path, caplog: pytest.
     assert m.map([sample(0)])[0].job_ids == ("7",)
     (d / "0").unlink()
     d.rmdir()
-    with caplog.at_level(logging.WARNING, logger="agent.mappers.mapping_dir"):
+    with caplog.at_level(logging.WARNING, logger="gpuledger.agent.mappers.mapping_dir"):
         m.map([sample(0)])
     assert len(caplog.records) == 2  # logged again: it disappeared after having been there
     assert m.job_metadata() == {}

@@ -7,10 +7,10 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.mig import MigEnergySplitter, slice_fraction
-from agent.nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm
-from agent.records import GpuSample
-from agent.sources.nvml import NvmlSource
+from gpuledger.agent.mig import MigEnergySplitter, slice_fraction
+from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm
+from gpuledger.schema.records import GpuSample
+from gpuledger.agent.sources.nvml import NvmlSource
 
 
 class Clock:

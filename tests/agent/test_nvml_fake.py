@@ -7,7 +7,7 @@ import ctypes
 import pynvml
 import pytest
 
-from agent.nvml_fake import (
+from nvml_fake import (
     GPM_DRAM_BW_UTIL,
     GPM_SM_UTIL,
     FakeGpu,

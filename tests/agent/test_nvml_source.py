@@ -7,7 +7,7 @@ import logging
 import pynvml
 import pytest
 
-from agent.nvml_fake import (
+from nvml_fake import (
     MIB,
     FakeGpu,
     FakeMigInstance,
@@ -17,9 +17,9 @@ from agent.nvml_fake import (
     busy_gpm,
     fake_node,
 )
-from agent.records import RATIO_FIELDS, GpuProcess
-from agent.sources.base import GpuSource, SourceUnavailable
-from agent.sources.nvml import NvmlSource
+from gpuledger.schema.records import RATIO_FIELDS, GpuProcess
+from gpuledger.agent.sources.base import GpuSource, SourceUnavailable
+from gpuledger.agent.sources.nvml import NvmlSource
 
 
 class Clock:
@@ -111,7 +111,7 @@ def test_unsupported_function_is_none_called_once_logged_once(caplog: pytest.Log
                                                         "nvmlDeviceGetRemappedRows"}))
     lib = FakeNvml(scenario, clock=clock)
     src = _open(lib, clock)
-    caplog.set_level(logging.INFO, logger="agent.sources.nvml")
+    caplog.set_level(logging.INFO, logger="gpuledger.agent.sources.nvml")
     for _ in range(5):
         clock.t += 1
         samples = src.sample()
@@ -172,7 +172,7 @@ def test_lost_gpu_others_keep_sampling_then_reopened(caplog: pytest.LogCaptureFi
     lib = FakeNvml(scenario, clock=clock)
     src = _open(lib, clock, reopen_backoff_s=(30.0, 120.0))
     assert len(src.sample()) == 3
-    caplog.set_level(logging.INFO, logger="agent.sources.nvml")
+    caplog.set_level(logging.INFO, logger="gpuledger.agent.sources.nvml")
     lib.lose(1)
     clock.t += 1
     samples = src.sample()

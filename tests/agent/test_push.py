@@ -10,12 +10,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from agent.mappers.static import StaticMapper
-from agent.push import HttpPusher, PushError
-from agent.records import GpuSample
-from agent.wire import from_series
-from agent.sampler import Agent
-from agent.sources.simulated import SimulatedSource
+from gpuledger.agent.mappers.static import StaticMapper
+from gpuledger.agent.push import HttpPusher, PushError
+from gpuledger.schema.records import GpuSample
+from gpuledger.schema.wire import from_series
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
 
 
 class Collector:
@@ -158,7 +158,7 @@ def test_as_agent_sink_a_down_collector_does_not_stop_the_agent(collector: Colle
 
 
 def test_batcher_pushes_every_n_ticks_and_on_close() -> None:
-    from agent.push import Batcher
+    from gpuledger.agent.push import Batcher
 
     class Recorder:  # a sink at the boundary: records what it is handed
         def __init__(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.records import GpuProcess, GpuSample, JobRecord
+from gpuledger.schema.records import GpuProcess, GpuSample, JobRecord
 
 ratio = st.one_of(st.none(), st.floats(0, 1))
 samples = st.builds(

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from agent.mappers.static import StaticMapper
-from agent.records import GpuSample
-from agent.sampler import Agent
-from agent.sources.simulated import SimulatedSource
+from gpuledger.agent.mappers.static import StaticMapper
+from gpuledger.schema.records import GpuSample
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
 
 
 class ListSink:
@@ -85,7 +85,7 @@ def test_failing_mapper_is_skipped_and_sinks_still_get_data() -> None:
 def test_failing_source_empties_snapshot_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
     sink = ListSink()
     agent = Agent(FlakySource(), sinks=[sink])
-    caplog.set_level(logging.DEBUG, logger="agent.sampler")
+    caplog.set_level(logging.DEBUG, logger="gpuledger.agent.sampler")
     results = [agent.tick() for _ in range(6)]
     assert [len(r) for r in results] == [2, 0, 2, 0, 2, 0]
     assert agent.snapshot == [] and len(sink.batches) == 3  # empty batches are not written

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from testdata import DATA_ROOT, capture  # noqa: F401
+
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -11,15 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.mappers import make_mapper
-from agent.mappers.base import JobMapper
-from agent.mappers.slurm_cgroup import JobRef, SlurmCgroupMapper, parse_cgroup, sorted_job_ids
-from agent.records import GpuProcess, GpuSample
-from agent.slurm import JobResolver
+from gpuledger.agent.mappers import make_mapper
+from gpuledger.agent.mappers.base import JobMapper
+from gpuledger.agent.mappers.slurm_cgroup import JobRef, SlurmCgroupMapper, parse_cgroup, sorted_job_ids
+from gpuledger.schema.records import GpuProcess, GpuSample
+from gpuledger.agent.slurm import JobResolver
 
-REAL = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "slurm" / "real-22.05"
-if not REAL.is_dir():
-    REAL = Path("/work/shared/testdata/slurm/real-22.05")
+REAL = DATA_ROOT / "slurm" / "real-22.05"
 
 V1_BATCH = (REAL / "inside-job-cgroupv1-proc-self-cgroup.txt").read_text()
 V1_STEP0 = (REAL / "inside-step0-cgroupv1-proc-self-cgroup.txt").read_text()

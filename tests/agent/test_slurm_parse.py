@@ -1,6 +1,8 @@
-"""agent.slurm parsers on the real Slurm 22.05 captures, and JobResolver caching through a `run=` seam."""
+"""gpuledger.agent.slurm parsers on the real Slurm 22.05 captures, and JobResolver caching through a `run=` seam."""
 
 from __future__ import annotations
+
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 import json
 import subprocess
@@ -12,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.slurm import (
+from gpuledger.agent.slurm import (
     JobResolver,
     expand_hostlist,
     job_record,
@@ -24,9 +26,7 @@ from agent.slurm import (
     parse_tres,
 )
 
-REAL = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "slurm" / "real-22.05"
-if not REAL.is_dir():
-    REAL = Path("/work/shared/testdata/slurm/real-22.05")
+REAL = DATA_ROOT / "slurm" / "real-22.05"
 SCONTROL = (REAL / "scontrol-show-job-d-running-gpu.txt").read_text()
 SQUEUE = (REAL / "squeue-json.json").read_text()
 

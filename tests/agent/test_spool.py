@@ -11,12 +11,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import zstandard
 
-from agent.exposition import make_registry
-from agent.push import HttpPusher
-from agent.records import GpuSample
-from agent.sampler import Agent
-from agent.sources.simulated import SimulatedSource
-from agent.spool import Spool, SpoolingPusher
+from gpuledger.agent.exposition import make_registry
+from gpuledger.agent.push import HttpPusher
+from gpuledger.schema.records import GpuSample
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.agent.spool import Spool, SpoolingPusher
 from prometheus_client import generate_latest
 
 
@@ -138,8 +138,8 @@ def test_spool_and_seq_survive_an_agent_restart(tmp_path, scripted):
 
 
 def test_background_sender_with_the_real_collector_and_agent_metrics(tmp_path):
-    from collector.server import CollectorServer
-    from collector.store import SqliteStore
+    from gpuledger.collector.server import CollectorServer
+    from gpuledger.collector.store import SqliteStore
 
     now = time.time()
     store = SqliteStore(tmp_path / "c.sqlite")

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from agent.mappers import make_mapper
-from agent.mappers.static import StaticMapper
-from agent.records import GpuSample
+from gpuledger.agent.mappers import make_mapper
+from gpuledger.agent.mappers.static import StaticMapper
+from gpuledger.schema.records import GpuSample
 
 
 def sample(index: int, uuid: str | None = None, jobs: tuple[str, ...] = (), shares: tuple[float, ...] = ()) -> GpuSample:

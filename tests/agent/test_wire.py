@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from agent.records import GpuProcess, GpuSample
-from agent.wire import COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, from_series, to_series
+from gpuledger.schema.records import GpuProcess, GpuSample
+from gpuledger.schema.wire import COLUMNS, FLOAT_COLUMNS, INT_COLUMNS, from_series, to_series
 
 
 def mk(ts: float, gpu: int, **kw) -> GpuSample:

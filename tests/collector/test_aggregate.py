@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.records import GpuSample
-from collector.aggregate import ACCEPTED, DUPLICATE, TOO_LATE, Aggregator, UsageAcc
+from gpuledger.schema.records import GpuSample
+from gpuledger.collector.aggregate import ACCEPTED, DUPLICATE, TOO_LATE, Aggregator, UsageAcc
 
 
 def S(ts: float, gpu: str = "G0", host: str = "h1", **kw) -> GpuSample:
@@ -359,7 +359,7 @@ def test_add_many_columnar_path_is_bit_exact(seq, rnd, n_late):
 
 def as_series(samples: list[GpuSample]) -> list:
     """Consecutive samples with the same constants as one Series each (what an agent's batch holds)."""
-    from collector.series import series_from_samples
+    from gpuledger.collector.series import series_from_samples
 
     out, run = [], []
     for s in samples:

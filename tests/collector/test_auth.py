@@ -8,12 +8,12 @@ import ipaddress
 import httpx
 import pytest
 
-from agent.push import HttpPusher, PushError
-from agent.records import GpuSample, JobRecord
-from collector.auth import Authenticator
-from collector.config import ConfigError, load_settings
-from collector.server import CollectorServer, tls_context
-from collector.store import SqliteStore
+from gpuledger.agent.push import HttpPusher, PushError
+from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.collector.auth import Authenticator
+from gpuledger.collector.config import ConfigError, load_settings
+from gpuledger.collector.server import CollectorServer, tls_context
+from gpuledger.collector.store import SqliteStore
 
 NOW = 1_700_000_000.0
 N1, N2, ADMIN, READ = "tok-node01-aaaaaaaaaaaa", "tok-node02-bbbbbbbbbbbb", "tok-admin-cccccccccccc", "tok-read-dddddddddddd"
@@ -180,7 +180,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
 def test_serve_refuses_a_bad_config_with_exit_2(tmp_path):
     from typer.testing import CliRunner
 
-    from collector.cli import app
+    from gpuledger.collector.cli import app
 
     (tmp_path / "gpuledger.toml").write_text('[collector]\ntls_cert = "c.pem"\n')
     r = CliRunner().invoke(app, ["serve", "--data-dir", str(tmp_path)])

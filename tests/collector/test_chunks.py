@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.records import GpuProcess, GpuSample
-from collector import chunks
-from collector.chunks import (
+from gpuledger.schema.records import GpuProcess, GpuSample
+from gpuledger.collector import chunks
+from gpuledger.collector.chunks import (
     FLOAT,
     INT,
     OBJ,
@@ -27,7 +27,7 @@ from collector.chunks import (
     encode_series_many,
     merge_chunks,
 )
-from collector.series import Series
+from gpuledger.collector.series import Series
 
 T0 = 1_700_000_000.0
 floats = st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False, width=64),

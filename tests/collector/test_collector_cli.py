@@ -11,10 +11,10 @@ import sys
 import httpx
 from typer.testing import CliRunner
 
-from agent.records import GpuSample
-from collector.cli import app, store_path
-from collector.store import SqliteStore
-from collector.validate import Batch
+from gpuledger.schema.records import GpuSample
+from gpuledger.collector.cli import app, store_path
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch
 
 
 def _fill(data_dir):
@@ -43,7 +43,7 @@ def test_usage_without_store_says_where_it_looked(tmp_path):
 
 
 def test_serve_runs_until_sigterm(tmp_path):
-    code = "from collector.cli import app; app()"
+    code = "from gpuledger.collector.cli import app; app()"
     p = subprocess.Popen([sys.executable, "-c", code, "serve", "--data-dir", str(tmp_path), "--port", "0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from collector.server import CollectorServer
-from collector.store import SqliteStore
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import SqliteStore
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "expected.json").exists())

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from agent.records import GpuSample, JobRecord
-from collector.sinks.influx import (
+from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.collector.sinks.influx import (
     InfluxSink,
     escape_measurement,
     escape_tag,
@@ -19,8 +19,8 @@ from collector.sinks.influx import (
     sample_lines,
     string_field,
 )
-from collector.store import SqliteStore
-from collector.validate import Batch
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch
 from servers import InfluxServer, VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
 
 pytestmark = pytest.mark.influx

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from collector_proc import ROOT, CollectorProc, free_port
 
-from agent.records import GpuSample
+from gpuledger.schema.records import GpuSample
 
 GPUS = 3
 BATCHES = 100

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.records import GpuSample, JobRecord
-from collector.server import CollectorServer
-from collector.store import SqliteStore
+from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import SqliteStore
 
 NOW = 1_700_000_000.0
 

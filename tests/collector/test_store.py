@@ -7,10 +7,10 @@ import sqlite3
 
 import pytest
 
-from agent.records import GpuSample, JobRecord
-from collector.aggregate import Aggregator
-from collector.store import SqliteStore
-from collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.collector.aggregate import Aggregator
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch
 
 T0 = 1_700_000_000.0
 
@@ -182,7 +182,7 @@ def test_schema_version_mismatch_is_refused(tmp_path):
 
 
 def test_raw_rows_survive_reopen_and_refuse_reordered_fields(tmp_path):
-    from agent.records import GpuProcess
+    from gpuledger.schema.records import GpuProcess
 
     s = GpuSample(ts=T0, host="n1", gpu_uuid="G0", gpu_index=3, mig="1.0", processes=(GpuProcess(5, 7), GpuProcess(6)),
                   xid_errors=(79,), job_ids=("1", "2"), job_shares=(0.5, 0.5), temp_celsius=40.0)

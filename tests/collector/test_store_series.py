@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.push import encode_batch
-from agent.records import GpuSample
-from collector.store import SqliteStore
-from collector.validate import Batch, parse_batch
+from gpuledger.agent.push import encode_batch
+from gpuledger.schema.records import GpuSample
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import Batch, parse_batch
 
 T0 = 1_700_000_000.0
 NOW = T0 + 10**6

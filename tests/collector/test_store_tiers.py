@@ -9,10 +9,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from agent.records import SAMPLE_FIELDS, GpuSample
-from collector.rollup import RollupPoint
-from collector.store import HOUR, MINUTE, RAW, Retention, SqliteStore
-from collector.validate import Batch
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
+from gpuledger.collector.rollup import RollupPoint
+from gpuledger.collector.store import HOUR, MINUTE, RAW, Retention, SqliteStore
+from gpuledger.collector.validate import Batch
 
 H = 3600.0 * 480_000  # an hour (and day) boundary
 DAY = 86400.0

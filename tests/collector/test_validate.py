@@ -11,9 +11,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.records import GpuProcess, GpuSample
-from collector import validate
-from collector.validate import BatchError, parse_batch, parse_jobs
+from gpuledger.schema.records import GpuProcess, GpuSample
+from gpuledger.collector import validate
+from gpuledger.collector.validate import BatchError, parse_batch, parse_jobs
 
 NOW = 1_700_000_000.0
 
@@ -165,8 +165,8 @@ def test_every_record_field_has_a_validation_rule():
     # A field added to the records later must be checked, never waved through.
     from dataclasses import fields
 
-    from agent.records import JobRecord
-    from collector.validate import _HANDLED, _SAMPLE_TYPES, _check_annotation
+    from gpuledger.schema.records import JobRecord
+    from gpuledger.collector.validate import _HANDLED, _SAMPLE_TYPES, _check_annotation
 
     for name, ann in _SAMPLE_TYPES.items():
         if name not in _HANDLED:

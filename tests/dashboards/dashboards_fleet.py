@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from agent.exposition import MetricsServer, serve_metrics
-from agent.mappers.static import StaticMapper
-from agent.push import HttpPusher
-from agent.records import GpuSample
-from agent.sampler import Agent
-from agent.sources.simulated import SimulatedSource
+from gpuledger.agent.exposition import MetricsServer, serve_metrics
+from gpuledger.agent.mappers.static import StaticMapper
+from gpuledger.agent.push import HttpPusher
+from gpuledger.schema.records import GpuSample
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
 
 EXPECTED_STATES = {"busy": 4, "allocated-idle": 1, "free": 3, "lost": 2}
 LOST_HOST = "live03"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # `dashboards` is not an installed package: import it from the repository root
+if str(ROOT) not in sys.path:  # the repository root, for the test harness modules
     sys.path.insert(0, str(ROOT))
 
 PANEL_TYPES = {"row", "timeseries", "stat", "table", "bargauge"}

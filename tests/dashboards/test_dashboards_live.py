@@ -19,20 +19,20 @@ from dashboards_grafana import ROOT, Context, interpolate, load, query_variables
 from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
 from servers import InfluxServer, PrometheusServer
 
-from agent.push import HttpPusher
-from accounting.cli import fairshare_rows, feed_from_rows
-from accounting.priority import write_feed
-from collector.server import FEED_NAME, CollectorServer
-from collector.sinks.influx import InfluxSink, fairshare_lines
-from collector.store import SqliteStore
-from dashboards import influxdb_defs, lint, prometheus_defs
-from dashboards.schema import INFLUX_SCHEMA
+from gpuledger.agent.push import HttpPusher
+from gpuledger.accounting.cli import fairshare_rows, feed_from_rows
+from gpuledger.accounting.priority import write_feed
+from gpuledger.collector.server import FEED_NAME, CollectorServer
+from gpuledger.collector.sinks.influx import InfluxSink, fairshare_lines
+from gpuledger.collector.store import SqliteStore
+from gpuledger.dashboards import influxdb_defs, lint, prometheus_defs
+from gpuledger.dashboards.schema import INFLUX_SCHEMA
 from gpuledger.demo import STORE_NAME, run_demo
 
 pytestmark = [pytest.mark.influx, pytest.mark.timeout(180)]
 
-INFLUX_FILES = sorted((ROOT / "dashboards" / "influxdb").glob("*.json"))
-PROM_FILES = sorted((ROOT / "dashboards" / "prometheus").glob("*.json"))
+INFLUX_FILES = sorted((ROOT / "gpuledger" / "dashboards" / "influxdb").glob("*.json"))
+PROM_FILES = sorted((ROOT / "gpuledger" / "dashboards" / "prometheus").glob("*.json"))
 OPTIONAL_TAGS = {"mig"}  # written only for MIG instances; the test fleet has none
 
 

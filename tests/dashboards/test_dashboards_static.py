@@ -11,19 +11,19 @@ from pathlib import Path
 
 from dashboards_grafana import ROOT, load, targets, validate  # first: puts the repository root on sys.path
 
-from agent.records import SAMPLE_FIELDS
-from collector.server import CollectorServer
-from collector.store import SqliteStore
-from dashboards import build, lint
-from dashboards.schema import AGENT_GPU_METRICS, COLLECTOR_METRICS, INFLUX_SCHEMA
+from gpuledger.schema.records import SAMPLE_FIELDS
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import SqliteStore
+from gpuledger.dashboards import build, lint
+from gpuledger.dashboards.schema import AGENT_GPU_METRICS, COLLECTOR_METRICS, INFLUX_SCHEMA
 
-DASH_DIR = ROOT / "dashboards"
+DASH_DIR = ROOT / "gpuledger" / "dashboards"
 FILES = sorted(p for f in build.FLAVOURS for p in (DASH_DIR / f).glob("*.json"))
 EXPECTED = {f"{f}/{n}.json" for f in build.FLAVOURS for n in ("cluster-overview", "node-gpu", "job", "accounting")}
 
 
 def test_committed_json_is_current() -> None:
-    assert build.stale() == [], "run: python -m dashboards.build"
+    assert build.stale() == [], "run: python -m gpuledger.dashboards.build"
 
 
 def test_check_command_detects_a_stale_file(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ def test_schema_constants_match_the_code(tmp_path: Path) -> None:
     # gpu fields are GpuSample's, plus the two derived counts.
     assert INFLUX_SCHEMA["gpu"][1] - {"xid_errors", "jobs"} <= set(SAMPLE_FIELDS)
     # every GpuSample float/int measurement the agent exports is on the gpu measurement too
-    from agent.exposition import GPU_METRICS
+    from gpuledger.agent.exposition import GPU_METRICS
 
     assert {attr for _, attr, _, _ in GPU_METRICS} <= INFLUX_SCHEMA["gpu"][1]
     assert "gpuledger_gpu_energy_joules_total" in AGENT_GPU_METRICS
@@ -151,8 +151,8 @@ def _parse_line(ln: str) -> tuple[str, set[str], set[str]]:
 
 
 def test_schema_constants_match_what_the_influx_sink_writes() -> None:
-    from agent.records import GpuSample, JobRecord, JobUsage
-    from collector.sinks.influx import fairshare_lines, job_usage_lines, sample_lines
+    from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
+    from gpuledger.collector.sinks.influx import fairshare_lines, job_usage_lines, sample_lines
 
     full = {f: 0.5 for f in INFLUX_SCHEMA["gpu"][1] - {"xid_errors", "jobs", "mem_used_bytes", "mem_total_bytes",
                                                         "throttle_reasons", "ecc_errors_total", "remapped_rows_total"}}

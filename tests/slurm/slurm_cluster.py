@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from accounting.slurm import SlurmClient
+from gpuledger.accounting.slurm import SlurmClient
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from accounting.apply import Change, run_apply
-from accounting.associations import AssocTree
-from accounting.fairshare import fair_tree
-from accounting.priority import PriorityEntry, feed_document, priority_feed, write_feed
-from accounting.slurm import merge_sacct, parse_sacct_json, parse_sacct_parsable
+from gpuledger.accounting.apply import Change, run_apply
+from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.fairshare import fair_tree
+from gpuledger.accounting.priority import PriorityEntry, feed_document, priority_feed, write_feed
+from gpuledger.accounting.slurm import merge_sacct, parse_sacct_json, parse_sacct_parsable
 
 from slurm_cluster import PARTITION, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 
@@ -124,10 +124,10 @@ def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmClust
 
     from typer.testing import CliRunner
 
-    from accounting.audit import open_log
-    from agent.records import GpuSample, JobRecord
-    from collector.store import SqliteStore
-    from collector.validate import Batch
+    from gpuledger.accounting.audit import open_log
+    from gpuledger.schema.records import GpuSample, JobRecord
+    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.validate import Batch
     from gpuledger.cli import app
 
     c = slurm_cluster

@@ -1,0 +1,301 @@
+"""Accounting commands: fairshare, report, priority, jobs. Library code raises; only this module exits."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from gpuledger.accounting import report as rpt
+from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
+from gpuledger.accounting.engine import association_usage, compute, load_tree
+from gpuledger.accounting.ledger import load as load_ledger
+from gpuledger.accounting.audit import (job_charges, open_log, record_fairshare, record_job_records, record_priority_change,
+                              record_usage)
+from gpuledger.accounting.priority import feed_document, priority_feed, write_feed
+
+STORE_NAME = "gpuledger.sqlite"
+CONFIG_NAME = "gpuledger.toml"
+FEED_NAME = "priority-feed.json"
+
+DataDir = Annotated[
+    Path,
+    typer.Option("--data-dir", envvar="GPULEDGER_DATA_DIR", help="Where the embedded store and outputs live."),
+]
+ConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")
+]
+
+
+class Fmt(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+class Algorithm(str, Enum):
+    fair_tree = "fair-tree"
+    classic = "classic"
+
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+fairshare_app = typer.Typer(help="Slurm-conformant fairshare on measured usage.")
+priority_app = typer.Typer(help="The priority feed Slurm consumes.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Job records in the ledger.", no_args_is_help=True)
+
+
+def _fail(msg: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {escape(msg)}")  # messages quote TOML tables like [accounts]: not markup
+    return typer.Exit(code=2)
+
+
+def _open_store(data_dir: Path):  # -> collector.store.SqliteStore
+    from gpuledger.collector.store import SqliteStore
+
+    path = data_dir / STORE_NAME
+    if not path.exists():
+        raise _fail(f"no gpuledger store at {path} (run `gpuledger demo` or a collector first, or pass --data-dir)")
+    return SqliteStore(path)
+
+
+def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
+    path = config or data_dir / CONFIG_NAME
+    try:
+        return load_config(path), path
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+
+
+def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, associations: Path | None = None,
+                   usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None):
+    """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo).
+
+    Computed from the ledger (no --usage file), the computation is appended to the audit trail with its inputs:
+    the usage records, each job's charge and decayed charge, the decayed usage per association, the rows and,
+    when ``feed_weight`` is given, the site factors of the feed.
+    """
+    from gpuledger.accounting.fairshare_render import parse_usage_csv
+
+    cfg_path = config or data_dir / CONFIG_NAME
+    # An explicit --config must exist; the default one is optional when files give the tree (defaults then).
+    cfg = _config(data_dir, config)[0] if (config is not None or cfg_path.exists()) else {}
+    if associations is None and "accounts" not in cfg:
+        raise _fail(f"no association tree: pass --associations FILE or add [accounts] to {cfg_path}")
+    now = time.time() if now is None else now
+    try:
+        settings = accounting_settings(cfg, cfg_path)
+        tree = load_tree(associations, cfg)
+        if usage_file is not None:
+            rows = compute(tree, parse_usage_csv(usage_file.read_text()), algorithm or settings.algorithm,
+                           settings.dampening)
+            return rows, settings
+        store = _open_store(data_dir)
+        try:
+            entries = load_ledger(store)
+            usages = store.job_usage()
+        finally:
+            store.close()
+        result = association_usage(entries, settings, tree, now)
+        for (acct, user), v in sorted(result.unknown.items()):
+            err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} has no association in the tree")
+        if result.unmatched_jobs:
+            err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
+                      f"scheduler record are not charged: {escape(', '.join(result.unmatched_jobs[:10]))}")
+        rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
+        with open_log(data_dir) as log:
+            record_usage(log, usages)
+            record_fairshare(
+                log, now=now, settings=settings, charges=job_charges(entries, settings, now), usage=result.usage,
+                rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (),
+            )
+    except (ValueError, OSError) as e:
+        raise _fail(str(e)) from None
+    return rows, settings
+
+
+@fairshare_app.callback(invoke_without_command=True)
+def fairshare(
+    data_dir: DataDir = Path("gpuledger-data"),
+    config: ConfigOpt = None,
+    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares")] = None,
+    usage: Annotated[Optional[Path], typer.Option(help="CSV account,user,usage (decayed raw usage)")] = None,
+    algorithm: Annotated[Optional[Algorithm], typer.Option(help="default: the configured one")] = None,
+    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
+) -> None:
+    """Fairshare per association, like `sshare -l` (table), or JSON/CSV for machines."""
+    from gpuledger.accounting.fairshare_render import render_csv, render_table, to_json
+
+    rows, _ = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage)
+    if fmt is Fmt.json:
+        typer.echo(json.dumps(to_json(rows), indent=2))
+    elif fmt is Fmt.csv:
+        typer.echo(render_csv(rows), nl=False)
+    else:
+        typer.echo(render_table(rows), nl=False)
+
+
+def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
+               associations: Path | None = None) -> dict:
+    now = time.time() if now is None else now
+    cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
+    weight = accounting_settings(cfg).priority_weight
+    rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight)
+    return feed_from_rows(rows, settings, now)
+
+
+def feed_from_rows(rows, settings, now: float) -> dict:
+    entries = priority_feed(rows, weight=settings.priority_weight)
+    meta = {
+        "generated_at": now,
+        "algorithm": settings.algorithm,
+        "policy": settings.policy,
+        "priority_weight": settings.priority_weight,
+        "half_life_s": settings.half_life_s,
+    }
+    return feed_document(entries, meta)
+
+
+@priority_app.command("feed")
+def priority_feed_cmd(
+    data_dir: DataDir = Path("gpuledger-data"),
+    config: ConfigOpt = None,
+    output: Annotated[Optional[Path], typer.Option(help="write here (default: <data-dir>/priority-feed.json)")] = None,
+    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")] = None,
+    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
+) -> None:
+    """Per association: measured fairshare and the Slurm site factor it implies; written atomically."""
+    doc = build_feed(data_dir, config, associations=associations)
+    path = write_feed(output or data_dir / FEED_NAME, doc)
+    if fmt is Fmt.json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        from rich.table import Table
+
+        t = Table(title=f"Priority feed ({path})")
+        for c in ("Account", "User", "FairShare", "SiteFactor"):
+            t.add_column(c, justify="left" if c in ("Account", "User") else "right")
+        for e in doc["associations"]:
+            t.add_row(e["account"], e["user"], f"{e['fairshare']:.6f}", str(e["site_factor"]))
+        console.print(t)
+
+
+@jobs_app.command("list")
+def jobs_list(
+    data_dir: DataDir = Path("gpuledger-data"),
+    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
+) -> None:
+    """Jobs in the ledger: the scheduler's record joined with the measured usage."""
+    store = _open_store(data_dir)
+    try:
+        entries = load_ledger(store)
+    finally:
+        store.close()
+    objs = []
+    for e in entries:
+        r, u = e.record, e.usage
+        objs.append({
+            "job_id": e.job_id,
+            "user": r.user if r else None,
+            "account": r.account if r else None,
+            "partition": r.partition if r else None,
+            "gpus": (r.gpus if r and r.gpus is not None else (u.gpus if u else None)),
+            "start": r.start if r else None,
+            "end": r.end if r else None,
+            "state": r.state if r else None,
+            "seen_by": "both" if e.only is None else e.only,
+            "usage": u.to_dict() if u else None,
+        })
+    if fmt is Fmt.json:
+        typer.echo(json.dumps(objs, indent=2))
+    elif fmt is Fmt.csv:
+        raise _fail("jobs list supports --format table or json")
+    else:
+        console.print(rpt.rich_table("Jobs", rpt.JOB_COLUMNS, rpt.job_rows(entries)))
+
+
+def _read_arg(path: str) -> str:
+    import sys
+
+    return sys.stdin.read() if path == "-" else Path(path).read_text()
+
+
+@jobs_app.command("import")
+def jobs_import(
+    data_dir: DataDir = Path("gpuledger-data"),
+    sacct_json: Annotated[Optional[str], typer.Option("--sacct-json", help="`sacct --json` output, FILE or -")] = None,
+    sacct_parsable: Annotated[Optional[str], typer.Option("--sacct-parsable", help="`sacct -P` output with header, FILE or -")] = None,
+    slurm: Annotated[bool, typer.Option("--slurm", help="run sacct against the local cluster")] = False,
+    since: Annotated[float, typer.Option(help="live mode: hours back from now")] = 24.0,
+) -> None:
+    """Import Slurm job records into the ledger (re-importing the same jobs changes nothing)."""
+    from gpuledger.accounting.slurm import (SlurmClient, SlurmCommandError, SlurmParseError, merge_sacct, parse_sacct_json,
+                                  parse_sacct_parsable)
+
+    if not (sacct_json or sacct_parsable or slurm):
+        raise _fail("give --sacct-json, --sacct-parsable or --slurm")
+    if sacct_json == "-" and sacct_parsable == "-":
+        raise _fail("only one of --sacct-json and --sacct-parsable can read standard input")
+    try:
+        if slurm:
+            now = time.time()
+            records = SlurmClient().sacct_jobs(now - since * 3600, now)
+        else:
+            records = merge_sacct(
+                parse_sacct_json(_read_arg(sacct_json)) if sacct_json else [],
+                parse_sacct_parsable(_read_arg(sacct_parsable)) if sacct_parsable else [],
+            )
+    except (SlurmParseError, SlurmCommandError, OSError) as e:
+        raise _fail(str(e)) from None
+    data_dir.mkdir(parents=True, exist_ok=True)
+    from gpuledger.collector.store import SqliteStore
+
+    store = SqliteStore(data_dir / STORE_NAME)
+    try:
+        changed = store.put_jobs(records)
+    finally:
+        store.close()
+    with open_log(data_dir) as log:
+        record_job_records(log, records)
+    typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
+
+
+@priority_app.command("apply")
+def priority_apply(
+    data_dir: DataDir = Path("gpuledger-data"),
+    config: ConfigOpt = None,
+    slurm: Annotated[bool, typer.Option("--slurm", help="apply to the local Slurm (scontrol update SiteFactor)")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would change; change nothing")] = False,
+    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")] = None,
+) -> None:
+    """Set every pending job's SiteFactor from its association's measured fairshare, only where it changed."""
+    from gpuledger.accounting.apply import run_apply
+    from gpuledger.accounting.slurm import SlurmClient, SlurmCommandError, SlurmParseError
+
+    if not slurm:
+        raise _fail("priority apply needs a target: --slurm")
+    doc = build_feed(data_dir, config, associations=associations)
+    write_feed(data_dir / FEED_NAME, doc)
+    try:
+        with open_log(data_dir) as log:
+            plan, outcomes = run_apply(SlurmClient(), doc["associations"], dry_run, record=record_priority_change(log))
+    except (SlurmParseError, SlurmCommandError, OSError) as e:
+        raise _fail(str(e)) from None
+    for o in outcomes:
+        c = o.change
+        line = (f"{o.status:8} job {c.job_id} {c.user}@{c.account}: SiteFactor {c.old_factor} -> {c.new_factor} "
+                f"(fairshare {c.fairshare:.6f})")
+        typer.echo(line + (f": {o.error}" if o.error else ""))
+    for s in plan.skipped:
+        err.print("[yellow]skipped[/yellow] " + escape(f"job {s.job_id} ({s.user}@{s.account}): {s.reason}"))
+    typer.echo(f"{len(outcomes)} change(s), {len(plan.unchanged)} unchanged, {len(plan.skipped)} skipped")
+    if any(o.status == "failed" for o in outcomes):
+        raise typer.Exit(1)

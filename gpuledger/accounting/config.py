@@ -1,0 +1,71 @@
+"""The accounting section of the gpuledger TOML configuration, validated by pydantic.
+
+Example (``gpuledger.toml``)::
+
+    cluster = "demo"
+
+    [accounting]
+    algorithm = "classic"          # or "fair-tree"
+    policy = "blend"               # allocated | active | energy | blend
+    floor = 0.25                   # blend: what an idle allocated GPU-second still costs
+    half_life_s = 604800           # PriorityDecayHalfLife (7 days, Slurm's default)
+    calc_period_s = 300            # PriorityCalcPeriod (5 minutes, Slurm's default)
+    usage_reset = "NONE"           # PriorityUsageResetPeriod
+    priority_weight = 10000        # site factor = round(weight x fairshare)
+    [accounting.model_weights]     # like TRESBillingWeights per GPU model
+    "H200" = 1.0
+
+    [accounts.proj_a]              # the association tree (see accounting.associations)
+    shares = 60
+    [accounts.proj_a.users]
+    alice = 1
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuledger.accounting.charge import ChargePolicy
+
+
+class AccountingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: Literal["classic", "fair-tree"] = "fair-tree"
+    policy: Literal["allocated", "active", "energy", "blend"] = "blend"
+    floor: float = Field(0.25, ge=0.0, le=1.0)
+    half_life_s: float = Field(7 * 86400.0, gt=0)
+    calc_period_s: int = Field(300, gt=0)
+    usage_reset: Literal["NONE", "NOW", "DAILY", "WEEKLY", "MONTHLY", "QUARTERLY", "YEARLY"] = "NONE"
+    priority_weight: int = Field(10_000, ge=0)
+    dampening: float = Field(1.0, gt=0)
+    model_weights: dict[str, float] = {}
+
+    def charge_policy(self) -> ChargePolicy:
+        return ChargePolicy(kind=self.policy, floor=self.floor, model_weights=self.model_weights)
+
+
+class ConfigError(ValueError):
+    """A configuration file is missing or invalid; the message names the file and the setting."""
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: configuration file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def accounting_settings(data: dict[str, Any], path: str | Path = "<config>") -> AccountingSettings:
+    try:
+        return AccountingSettings.model_validate(data.get("accounting", {}))
+    except ValidationError as e:
+        where = "; ".join(f"accounting.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{path}: {where}") from None

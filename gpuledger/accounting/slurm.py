@@ -1,0 +1,483 @@
+"""Slurm's job records and pending jobs: pure parsers, and a client that runs the commands.
+
+Parsing is kept apart from fetching: every ``parse_*`` takes the text a command printed (tested on real
+captures in ``shared/testdata/slurm/``), and :class:`SlurmClient` only runs commands through its ``run=`` seam.
+
+Formats read here:
+
+- ``sacct --json``: 22.05 (``openapi/dbv0.0.38``: plain numbers, ``state.current`` a string) through 24.11
+  (``data_parser/v0.0.42``: numbers wrapped as ``{"set", "infinite", "number"}``, ``state.current`` a list).
+  22.05's JSON reports a failed job's exit code as ``SUCCESS``/0, so there it is left unknown (None) unless the
+  job COMPLETED or was signalled; :func:`merge_sacct` takes the exit codes from ``sacct -P``.
+- ``sacct -P`` with a header line (any subset of columns, named by the header): step lines are skipped.
+- ``squeue --json``: 22.05 ignores ``-t``/``-u`` with ``--json`` and lists finished jobs too, so the parser
+  filters on state itself.
+- ``sprio -h -o '%i|%u|%Y|%S'``: the site factor of each pending job; neither squeue nor ``scontrol show job``
+  prints it.
+
+Conventions of the records: times are unix seconds; ``exit_code`` is the job's return code, or minus the signal
+number when a signal ended it (Python's ``returncode`` convention), None when unknown or the job has not ended;
+TRES memory is in bytes (Slurm's M = MiB), like the agent's records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone, tzinfo
+from typing import Any
+
+from gpuledger.schema.records import JobRecord
+from gpuledger.agent.slurm import expand_hostlist
+
+__all__ = [
+    "PendingJob",
+    "SlurmClient",
+    "SlurmCommandError",
+    "SlurmParseError",
+    "SACCT_PARSABLE_FORMAT",
+    "exit_code_from_text",
+    "gpus_from_tres",
+    "merge_sacct",
+    "parse_sacct_json",
+    "parse_sacct_parsable",
+    "parse_sprio",
+    "parse_squeue_json",
+    "parse_tres_text",
+]
+
+
+class SlurmParseError(ValueError):
+    """Output of a Slurm command that does not have the expected shape; the message says what and where."""
+
+
+class SlurmCommandError(RuntimeError):
+    """A Slurm command exited with an error (the message holds the command line and its stderr)."""
+
+    def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        super().__init__(f"`{' '.join(argv)}` exited with {returncode}: {stderr.strip() or '(no stderr)'}")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingJob:
+    """A job as squeue shows it. ``job_id`` is the id scontrol accepts ("1234", "1234_7")."""
+
+    job_id: str
+    user: str | None
+    account: str | None
+    partition: str | None
+    state: str
+    priority: int | None = None
+    site_factor: int | None = None  # squeue does not print it; SlurmClient.site_factors() reads it from sprio
+    reason: str | None = None
+    submit: float | None = None
+
+
+# ------------------------------------------------------------------------------------------------ small pieces
+
+_MEM_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+_UNKNOWN_TIMES = frozenset({"", "Unknown", "None", "N/A", "(null)"})
+
+
+def parse_tres_text(text: str, where: str = "TRES") -> tuple[tuple[str, float], ...]:
+    """``billing=11,cpu=1,gres/gpu:h200=1,gres/gpu=1,mem=1000M,node=1`` -> ((name, value), ...).
+
+    Memory-like suffixes K/M/G/T/P are Slurm's binary units and become bytes. Empty text -> ().
+    """
+    out: list[tuple[str, float]] = []
+    text = text.strip()
+    if not text:
+        return ()
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        if not sep or not name:
+            raise SlurmParseError(f"{where}: {item!r} in {text!r} is not name=value")
+        mult = 1
+        if value and value[-1] in _MEM_UNITS:
+            mult, value = _MEM_UNITS[value[-1]], value[:-1]
+        try:
+            out.append((name, float(value) * mult))
+        except ValueError:
+            raise SlurmParseError(f"{where}: value of {name!r} in {text!r} is not a number") from None
+    return tuple(out)
+
+
+def gpus_from_tres(tres: Iterable[tuple[str, float]]) -> tuple[int, str | None]:
+    """Allocated GPU count and model(s) from TRES pairs.
+
+    The untyped ``gres/gpu`` is the total; typed ``gres/gpu:h200`` entries repeat the same GPUs by model
+    (sacct lists both), so they count only when the untyped entry is absent. ``gres/gpumem``/``gres/gpuutil``
+    are usage, not GPUs. No GPU entry -> 0 (what Slurm's accounting recorded).
+    """
+    total: float | None = None
+    typed: dict[str, float] = {}
+    for name, value in tres:
+        if name == "gres/gpu":
+            total = value
+        elif name.startswith("gres/gpu:"):
+            typed[name[len("gres/gpu:"):]] = typed.get(name[len("gres/gpu:"):], 0.0) + value
+    count = total if total is not None else sum(typed.values())
+    model = ",".join(sorted(typed)) or None
+    return int(count), model
+
+
+def exit_code_from_text(text: str, where: str = "ExitCode") -> int | None:
+    """sacct's ``ExitCode`` "3:0" -> 3, "0:15" (signal 15) -> -15, "" -> None."""
+    text = text.strip()
+    if not text:
+        return None
+    code, sep, sig = text.partition(":")
+    try:
+        rc, signal = int(code), int(sig) if sep else 0
+    except ValueError:
+        raise SlurmParseError(f"{where}: {text!r} is not CODE:SIGNAL") from None
+    return -signal if signal else rc
+
+
+def _state_word(state: str | None) -> str | None:
+    # "CANCELLED by 0" -> "CANCELLED"; sacct's human form may also add "+".
+    if not state:
+        return None
+    return state.split()[0].rstrip("+") or None
+
+
+def _not_ended(state: str | None) -> bool:
+    return state in ("PENDING", "RUNNING", "SUSPENDED", "REQUEUED", "RESIZING", "CONFIGURING", "COMPLETING")
+
+
+def _num(v: Any) -> Any:
+    """Slurm >= 23.02 JSON wraps numbers as {"set": bool, "infinite": bool, "number": n}: unwrap (None if unset)."""
+    if isinstance(v, dict) and "number" in v:
+        return v["number"] if v.get("set", True) and not v.get("infinite", False) else None
+    return v
+
+
+def _epoch(v: Any) -> float | None:
+    v = _num(v)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+
+def _first(v: Any) -> Any:
+    # 23.11+ prints flag sets (state, exit status) as lists.
+    if isinstance(v, list):
+        return v[0] if v else None
+    return v
+
+
+def _load_json(text: str, what: str) -> Mapping[str, Any]:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SlurmParseError(f"{what}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
+        raise SlurmParseError(f"{what}: expected an object with a 'jobs' list")
+    return doc
+
+
+# ------------------------------------------------------------------------------------------------ sacct JSON
+
+def _json_job_id(job: Mapping[str, Any], where: str) -> str:
+    raw = _num(job.get("job_id"))
+    if not isinstance(raw, int) or isinstance(raw, bool):
+        raise SlurmParseError(f"{where}: job_id {job.get('job_id')!r} is not an integer")
+    array = job.get("array") or {}
+    array_job, task = _num(array.get("job_id")), _num(array.get("task_id"))
+    if array_job and task is not None:
+        return f"{array_job}_{task}"
+    het = job.get("het") or {}
+    het_job, offset = _num(het.get("job_id")), _num(het.get("job_offset"))
+    if het_job and offset is not None:
+        return f"{het_job}+{offset}"
+    return str(raw)
+
+
+def _json_tres(items: Any, where: str) -> tuple[tuple[str, float], ...]:
+    out: list[tuple[str, float]] = []
+    for i, t in enumerate(items or []):
+        if not isinstance(t, dict) or "type" not in t:
+            raise SlurmParseError(f"{where}: tres.allocated[{i}] is not a TRES object")
+        count = _num(t.get("count"))
+        if not isinstance(count, (int, float)) or count < 0:  # -2 etc.: Slurm's "not set" sentinels
+            continue
+        name = f"{t['type']}/{t['name']}" if t.get("name") else str(t["type"])
+        out.append((name, float(count) * (2**20 if name == "mem" else 1)))  # JSON mem counts are MiB
+    return tuple(out)
+
+
+def _json_exit_code(ec: Any, state: str | None, trusted: bool) -> int | None:
+    if not isinstance(ec, dict) or _not_ended(state):
+        return None
+    status = _first(ec.get("status"))
+    signal = ec.get("signal") or {}
+    sig = _num(signal.get("id", signal.get("signal_id")))
+    if status == "SIGNALED" and isinstance(sig, int) and sig > 0:
+        return -sig
+    rc = _num(ec.get("return_code"))
+    if not isinstance(rc, int):
+        return None
+    if not trusted and rc == 0 and state != "COMPLETED":
+        return None  # 22.05: a failed job's JSON says SUCCESS/0; only sacct -P knows the code
+    return rc
+
+
+def parse_sacct_json(text: str) -> list[JobRecord]:
+    """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records."""
+    doc = _load_json(text, "sacct JSON")
+    plugin = (doc.get("meta") or {}).get("plugin") or {}
+    # openapi/dbv0.0.38 (22.05) and older have the exit-code bug; data_parser >= v0.0.39 report codes right.
+    trusted = not str(plugin.get("type", "")).startswith("openapi/dbv0.0.3")
+    out: list[JobRecord] = []
+    for i, job in enumerate(doc["jobs"]):
+        where = f"sacct JSON jobs[{i}]"
+        if not isinstance(job, dict):
+            raise SlurmParseError(f"{where}: not an object")
+        job_id = _json_job_id(job, where)
+        where = f"sacct JSON job {job_id}"
+        state = _state_word(_first((job.get("state") or {}).get("current")))
+        tres = _json_tres((job.get("tres") or {}).get("allocated"), where)
+        gpus, model = gpus_from_tres(tres)
+        times = job.get("time") or {}
+        nodes = job.get("nodes") or ""
+        out.append(JobRecord(
+            job_id=job_id,
+            cluster=job.get("cluster") or "",
+            user=job.get("user") or None,
+            account=job.get("account") or (job.get("association") or {}).get("account") or None,
+            partition=job.get("partition") or None,
+            hosts=() if nodes == "None assigned" else expand_hostlist(nodes),
+            gpus=gpus,
+            gpu_model=model,
+            submit=_epoch(times.get("submission")),
+            start=_epoch(times.get("start")),
+            end=_epoch(times.get("end")),
+            state=state,
+            exit_code=_json_exit_code(job.get("exit_code"), state, trusted),
+            tres=tres,
+        ))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ sacct -P
+
+# What SlurmClient asks sacct -P for; the parser reads any subset of these by header name.
+SACCT_PARSABLE_FORMAT = "JobID,Cluster,Partition,Account,User,UID,Submit,Start,End,State,ExitCode,AllocTRES,NodeList"
+
+
+def _parsable_time(text: str, tz: tzinfo | None, where: str) -> float | None:
+    text = text.strip()
+    if text in _UNKNOWN_TIMES:
+        return None
+    try:
+        dt = datetime.strptime(text, "%Y-%m-%dT%H:%M:%S")
+    except ValueError:
+        raise SlurmParseError(f"{where}: {text!r} is not a time like 2026-11-29T16:22:40") from None
+    # sacct prints local time without a zone: None = this machine's zone (naive .timestamp()).
+    return (dt.replace(tzinfo=tz) if tz is not None else dt).timestamp()
+
+
+def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[str] | None = None) -> list[JobRecord]:
+    """``sacct -P`` (``--parsable2``) output with its header line -> one record per job; step lines skipped.
+
+    ``tz`` is the zone sacct printed times in (its TZ); None = this machine's local zone. ``header`` names the
+    columns of output printed without a header line (``sacct -n``); then every line is data.
+    """
+    numbered = [(n, ln) for n, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
+    if not numbered:
+        return []
+    if header is None:
+        names, first = numbered[0][1].split("|"), numbered[0][1]
+        numbered = numbered[1:]
+    else:
+        names, first = list(header), "|".join(header)
+    names = [h.strip().lower() for h in names]
+    if "jobid" not in names:
+        raise SlurmParseError(f"sacct -P header: no JobID column in {first!r} (run sacct -P without -n)")
+    header = names
+    col = {name: i for i, name in enumerate(header)}
+    out: list[JobRecord] = []
+    for n, line in numbered:
+        fields = line.split("|")
+        if len(fields) != len(header):
+            raise SlurmParseError(f"sacct -P line {n}: {len(fields)} fields, header has {len(header)}: {line!r}")
+
+        def get(name: str) -> str:
+            i = col.get(name)
+            return fields[i].strip() if i is not None else ""
+
+        job_id = get("jobid")
+        if not job_id:
+            raise SlurmParseError(f"sacct -P line {n}: empty JobID")
+        if "." in job_id:  # "1234.batch", "1234_7.0", "1234+0.extern": steps of a job already listed
+            continue
+        where = f"sacct -P line {n} (job {job_id})"
+        state = _state_word(get("state"))
+        tres = parse_tres_text(get("alloctres"), f"{where} AllocTRES")
+        gpus, model = gpus_from_tres(tres)
+        uid_text = get("uid")
+        try:
+            uid = int(uid_text) if uid_text else None
+        except ValueError:
+            raise SlurmParseError(f"{where}: UID {uid_text!r} is not a number") from None
+        nodes = get("nodelist")
+        out.append(JobRecord(
+            job_id=job_id,
+            cluster=get("cluster"),
+            user=get("user") or None,
+            uid=uid,
+            account=get("account") or None,
+            partition=get("partition") or None,
+            hosts=() if nodes in ("", "None assigned") else expand_hostlist(nodes),
+            gpus=gpus,
+            gpu_model=model,
+            submit=_parsable_time(get("submit"), tz, f"{where} Submit"),
+            start=_parsable_time(get("start"), tz, f"{where} Start"),
+            end=_parsable_time(get("end"), tz, f"{where} End"),
+            state=state,
+            exit_code=None if _not_ended(state) else exit_code_from_text(get("exitcode"), f"{where} ExitCode"),
+            tres=tres,
+        ))
+    return out
+
+
+def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[JobRecord]) -> list[JobRecord]:
+    """Combine the two sacct forms of the same jobs: the JSON record, with the exit code from ``sacct -P``
+    (22.05's JSON reports it wrong) and any field the JSON left empty filled from ``-P`` (uid, hosts, ...).
+    Jobs present in only one form are kept. Order: the JSON's, then the -P-only jobs."""
+    by_id = {r.job_id: r for r in parsable_records}
+    out: list[JobRecord] = []
+    seen: set[str] = set()
+    for r in json_records:
+        seen.add(r.job_id)
+        p = by_id.get(r.job_id)
+        if p is None:
+            out.append(r)
+            continue
+        fill = {f: getattr(p, f) for f in ("cluster", "user", "uid", "account", "partition", "hosts", "gpu_model",
+                                           "submit", "start", "end", "state") if not getattr(r, f)}
+        out.append(replace(r, exit_code=p.exit_code if p.exit_code is not None else r.exit_code, **fill))
+    out.extend(p for job_id, p in by_id.items() if job_id not in seen)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ squeue, sprio
+
+def parse_squeue_json(text: str, states: Iterable[str] | None = ("PENDING",)) -> list[PendingJob]:
+    """``squeue --json`` (22.05's openapi/v0.0.38 to 24.11's data_parser) -> jobs in ``states`` (None: all)."""
+    doc = _load_json(text, "squeue JSON")
+    wanted = None if states is None else set(states)
+    out: list[PendingJob] = []
+    for i, job in enumerate(doc["jobs"]):
+        where = f"squeue JSON jobs[{i}]"
+        if not isinstance(job, dict):
+            raise SlurmParseError(f"{where}: not an object")
+        raw = _num(job.get("job_id"))
+        if not isinstance(raw, int) or isinstance(raw, bool):
+            raise SlurmParseError(f"{where}: job_id {job.get('job_id')!r} is not an integer")
+        state = _state_word(_first(job.get("job_state")))
+        if state is None:
+            raise SlurmParseError(f"{where} (job {raw}): no job_state")
+        if wanted is not None and state not in wanted:
+            continue
+        array_job, task = _num(job.get("array_job_id")), _num(job.get("array_task_id"))
+        # A pending array's meta record has no task id: its raw id addresses every pending task.
+        job_id = f"{array_job}_{task}" if array_job and task is not None else str(raw)
+        prio = _num(job.get("priority"))
+        out.append(PendingJob(
+            job_id=job_id,
+            user=job.get("user_name") or None,
+            account=job.get("account") or None,
+            partition=job.get("partition") or None,
+            state=state,
+            priority=int(prio) if isinstance(prio, (int, float)) else None,
+            reason=None if job.get("state_reason") in (None, "", "None") else job["state_reason"],
+            submit=_epoch(job.get("submit_time")),
+        ))
+    return out
+
+
+SPRIO_FORMAT = "%i|%u|%Y|%S"
+
+
+def parse_sprio(text: str) -> dict[str, int]:
+    """``sprio -h -o '%i|%u|%Y|%S[|more]'`` -> {job id: site factor}. (A job in several partitions has one line each,
+    with the same site factor.)"""
+    out: dict[str, int] = {}
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = [f.strip() for f in line.split("|")]
+        if len(fields) < 4:
+            raise SlurmParseError(f"sprio line {n}: expected fields %i|%u|%Y|%S[|...], got {line!r}")
+        try:
+            out[fields[0]] = int(fields[3])
+        except ValueError:
+            raise SlurmParseError(f"sprio line {n}: site factor {fields[3]!r} is not an integer") from None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the client
+
+Run = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def _slurm_time(t: float | datetime) -> str:
+    # Passed to sacct with TZ=UTC, so give the instant in UTC.
+    dt = t if isinstance(t, datetime) else datetime.fromtimestamp(float(t), timezone.utc)
+    if dt.tzinfo is not None:
+        dt = dt.astimezone(timezone.utc)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+class SlurmClient:
+    """Runs Slurm's commands and parses what they print.
+
+    ``run`` is ``subprocess.run`` or anything with its signature (tests pass one that replays captures);
+    ``env`` holds variables laid over this process's environment for every command (e.g. ``SLURM_CONF``).
+    """
+
+    def __init__(self, run: Run = subprocess.run, env: Mapping[str, str] | None = None,
+                 timeout_s: float = 60.0) -> None:
+        self._run = run
+        self._env = dict(env or {})
+        self._timeout_s = timeout_s
+
+    def _call(self, argv: Sequence[str], extra_env: Mapping[str, str] | None = None) -> str:
+        env = {**os.environ, **self._env, **(extra_env or {})}
+        try:
+            proc = self._run(list(argv), capture_output=True, text=True, env=env, timeout=self._timeout_s)
+        except FileNotFoundError:
+            raise SlurmCommandError(argv, 127, f"{argv[0]}: command not found (is Slurm's client installed?)") \
+                from None
+        if proc.returncode != 0:
+            raise SlurmCommandError(argv, proc.returncode, proc.stderr or "")
+        return proc.stdout
+
+    def sacct_jobs(self, start: float | datetime, end: float | datetime) -> list[JobRecord]:
+        """Jobs of all users that ran (or waited) between ``start`` and ``end``: ``sacct --json`` merged with
+        ``sacct -P`` for the exit codes. Both run with TZ=UTC so that -P's zone-less times are unambiguous."""
+        window = ["-a", "-S", _slurm_time(start), "-E", _slurm_time(end)]
+        utc = {"TZ": "UTC"}
+        as_json = parse_sacct_json(self._call(["sacct", "--json", *window], utc))
+        parsable = parse_sacct_parsable(
+            self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=timezone.utc)
+        return merge_sacct(as_json, parsable)
+
+    def pending_jobs(self) -> list[PendingJob]:
+        return parse_squeue_json(self._call(["squeue", "--json"]), states=("PENDING",))
+
+    def site_factors(self) -> dict[str, int]:
+        """Current site factor of every pending job sprio lists (held jobs, priority 0, are not listed)."""
+        return parse_sprio(self._call(["sprio", "-h", "-o", SPRIO_FORMAT]))
+
+    def set_site_factor(self, job_id: str, value: int) -> None:
+        """``scontrol update jobid=N SiteFactor=M`` (root only; pending jobs)."""
+        if not re.fullmatch(r"\d+(_\d+)?", job_id):
+            raise ValueError(f"job id {job_id!r} is not N or N_T")
+        self._call(["scontrol", "update", f"jobid={job_id}", f"SiteFactor={int(value)}"])

@@ -1,0 +1,227 @@
+"""Slurm job of each GPU process, from ``/proc/PID/cgroup``.
+
+Layouts (a path component ``job_J`` under a Slurm cgroup root):
+
+- cgroup v1: ``/slurm/uid_U/job_J/step_S/task_T`` or, with a node name,
+  ``/slurm_<node>/uid_U/job_J/step_S/...`` (captured: ``6:freezer:/slurm_vm/uid_1002/job_16/step_batch``);
+- cgroup v2: ``0::/system.slice/slurmstepd.scope/job_J/step_S/user/task_T``;
+- Slurm >= 26.05 names v2 job directories by SLUID (``.../slurmstepd.scope/sEKNKTV3WPV500/...``)
+  unless ``CgroupJobIdPaths=yes``; a ``JobResolver`` maps the SLUID back to the job id.
+
+With proctrack/linuxproc no cgroup names the job (captured: every line is ``/`` or the
+host's own cgroup). ``env_fallback=True`` then reads ``SLURM_JOB_ID`` from ``/proc/PID/environ``;
+it is off by default because a user can set their own environment, not their cgroup.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.agent.sharing import split_shares
+from gpuledger.agent.slurm import SLUID_RE, JobMeta, JobResolver, job_record, parse_job_environ
+
+log = logging.getLogger(__name__)
+
+_ROOT_RE = re.compile(r"slurm(_[^/]*)?|slurmstepd(_[^/]*)?\.scope")
+_JOB_RE = re.compile(r"job_(\d+)")
+_UID_RE = re.compile(r"uid_(\d+)")
+_STEP_RE = re.compile(r"step_(\w+)")
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """Where a cgroup path puts a process: a job id or (26.05) a SLUID, and what else it says."""
+
+    job_id: str | None = None
+    sluid: str | None = None
+    uid: int | None = None
+    step: str | None = None  # "batch", "extern", "0", ...
+
+
+def _parse_path(path: str) -> JobRef | None:
+    parts = [p for p in path.split("/") if p]
+    for i, part in enumerate(parts):
+        if not _ROOT_RE.fullmatch(part):
+            continue
+        uid: int | None = None
+        for j in range(i + 1, len(parts)):
+            comp = parts[j]
+            if m := _UID_RE.fullmatch(comp):
+                uid = int(m.group(1))
+                continue
+            job = _JOB_RE.fullmatch(comp)
+            sluid = None if job else SLUID_RE.fullmatch(comp)
+            if not (job or sluid):
+                break
+            step = None
+            if j + 1 < len(parts) and (s := _STEP_RE.fullmatch(parts[j + 1])):
+                step = s.group(1)
+            if job:
+                return JobRef(job_id=job.group(1), uid=uid, step=step)
+            return JobRef(sluid=comp, uid=uid, step=step)
+    return None
+
+
+def parse_cgroup(text: str) -> JobRef | None:
+    """The Slurm job of a ``/proc/PID/cgroup`` text (``ID:controllers:path`` lines), or None."""
+    for line in text.splitlines():
+        _, _, rest = line.partition(":")
+        _, sep, path = rest.partition(":")
+        if not sep:
+            continue
+        ref = _parse_path(path.strip())
+        if ref is not None:
+            return ref
+    return None
+
+
+def _job_sort_key(job_id: str) -> tuple[Any, ...]:
+    # Numeric order ("9" before "10", "12_2" before "12_10"), text ids after.
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in job_id.split("_"))
+
+
+def sorted_job_ids(job_ids: set[str] | Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted(set(job_ids), key=_job_sort_key))
+
+
+class SlurmCgroupMapper:
+    """JobMapper: GPU process pids -> ``<proc_root>/<pid>/cgroup`` -> Slurm job ids.
+
+    Jobs on a shared GPU get ``job_shares`` by their processes' GPU memory (all known) or
+    equal. ``skipped`` counts pids that vanished, were unreadable, were not in a job, or had a
+    SLUID nobody could resolve. ``job_metadata()`` gives a JobRecord per job seen in the last
+    ``map`` call, from the process environment (no Slurm call) or else the resolver.
+    """
+
+    def __init__(
+        self,
+        proc_root: str | Path = "/proc",
+        resolver: JobResolver | None = None,
+        *,
+        env_fallback: bool = False,
+        read_environ: bool = True,
+    ) -> None:
+        self.proc_root = Path(proc_root)
+        self.resolver = resolver
+        self.env_fallback = env_fallback
+        self.read_environ = read_environ
+        self.skipped: Counter[str] = Counter()
+        self._meta: dict[str, JobMeta] = {}
+        self._uuids: dict[str, set[str]] = {}
+        self._raw_to_id: dict[str, str] = {}
+
+    # -- reading /proc (the machine boundary) ---------------------------------------------------
+
+    def _read(self, pid: int, name: str, count: bool = True) -> bytes | None:
+        try:
+            return (self.proc_root / str(pid) / name).read_bytes()
+        except FileNotFoundError:
+            self.skipped["vanished"] += count
+        except OSError:  # permission, ESRCH mid-read, a pid that is a zombie
+            self.skipped["unreadable"] += count
+        return None
+
+    def _environ_meta(self, pid: int) -> JobMeta | None:
+        # Not counted as skipped: another user's environ is unreadable unless we are root, and
+        # the resolver covers that case; only the cgroup decides whether a pid was mapped.
+        data = self._read(pid, "environ", count=False)
+        return None if data is None else parse_job_environ(data)
+
+    def _job_of_pid(self, pid: int, cache: dict[int, str | None]) -> str | None:
+        if pid in cache:
+            return cache[pid]
+        cache[pid] = None
+        data = self._read(pid, "cgroup")
+        if data is None:
+            return None
+        ref = parse_cgroup(data.decode("utf-8", "replace"))
+        env_meta: JobMeta | None = None
+        raw: str | None = None
+        if ref is not None and ref.job_id is not None:
+            raw = ref.job_id
+        elif ref is not None and ref.sluid is not None:
+            raw = self.resolver.job_id_for_sluid(ref.sluid) if self.resolver else None
+            if raw is None and self.read_environ:
+                env_meta = self._environ_meta(pid)
+                raw = env_meta["raw_job_id"] if env_meta else None
+            if raw is None:
+                self.skipped["sluid_unresolved"] += 1
+                return None
+        elif self.env_fallback:
+            env_meta = self._environ_meta(pid)
+            raw = env_meta["raw_job_id"] if env_meta else None
+        if raw is None:
+            self.skipped["not_in_job"] += 1
+            return None
+        cache[pid] = self._job_id(raw, pid, env_meta)
+        return cache[pid]
+
+    def _job_id(self, raw: str, pid: int, env_meta: JobMeta | None) -> str:
+        """The job's id as accounting names it ("1234_7" for array tasks), plus its metadata.
+
+        The environment is read once per job (not per pid per cycle): it is cheap and needs no
+        Slurm call; the resolver is the fallback when the agent may not read it.
+        """
+        if raw in self._raw_to_id:
+            return self._raw_to_id[raw]
+        meta = env_meta
+        if meta is None and self.read_environ:
+            meta = self._environ_meta(pid)
+        if meta is not None and meta.get("raw_job_id") != raw:
+            meta = None  # a process can carry a stale SLURM_JOB_ID (e.g. nested sbatch)
+        if meta is None and self.resolver is not None:
+            meta = self.resolver.meta(raw)
+        job_id = str(meta["job_id"]) if meta and meta.get("job_id") else raw
+        self._raw_to_id[raw] = job_id
+        if meta is not None:
+            self._meta[job_id] = meta
+        return job_id
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    def map(self, samples: Sequence[GpuSample]) -> list[GpuSample]:
+        pid_cache: dict[int, str | None] = {}
+        uuids: dict[str, set[str]] = {}
+        out: list[GpuSample] = []
+        for s in samples:
+            mem: dict[str, int | None] = {}
+            for proc in s.processes:
+                job = self._job_of_pid(proc.pid, pid_cache)
+                if job is None:
+                    continue
+                prev = mem.get(job, 0)
+                mem[job] = None if prev is None or proc.used_memory_bytes is None else prev + proc.used_memory_bytes
+            if not mem:
+                out.append(s)
+                continue
+            jobs = sorted_job_ids(mem.keys())
+            for j in jobs:
+                uuids.setdefault(j, set()).add(s.gpu_uuid)
+            shares = split_shares(jobs, mem) if len(jobs) > 1 else ()
+            out.append(replace(s, job_ids=jobs, job_shares=shares))
+        seen_raw = {raw for raw, jid in self._raw_to_id.items() if jid in uuids}
+        # Forget jobs no longer on any GPU: their ids and metadata must not grow without bound.
+        self._raw_to_id = {raw: self._raw_to_id[raw] for raw in seen_raw}
+        self._meta = {j: m for j, m in self._meta.items() if j in uuids}
+        self._uuids = uuids
+        return out
+
+    def job_metadata(self) -> dict[str, JobRecord]:
+        """A JobRecord for each job seen in the last ``map`` call (gpu_uuids: the GPUs its
+        processes were on). Jobs whose metadata nobody could read get a bare record."""
+        out: dict[str, JobRecord] = {}
+        for job_id in sorted_job_ids(self._uuids.keys()):
+            uuids = sorted(self._uuids[job_id])
+            meta: Mapping[str, Any] = self._meta.get(job_id) or {"job_id": job_id}
+            out[job_id] = job_record(meta, gpu_uuids=uuids)
+        return out
+
+
+__all__ = ["JobRef", "SlurmCgroupMapper", "parse_cgroup", "sorted_job_ids"]

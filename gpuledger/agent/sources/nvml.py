@@ -1,0 +1,619 @@
+"""The ``nvml`` GPU source: reads every GPU through nvidia-ml-py (``pynvml``).
+
+Per GPU (keyed by UUID): utilisation, memory, power, the energy counter, temperature, clocks, clock-event
+reasons, ECC and remapped rows, Xid events, PCIe throughput, compute processes and, on Hopper and newer,
+GPM metrics (SM activity/occupancy, DRAM bandwidth, tensor and FP pipes), also per MIG instance.
+
+Rules the code keeps:
+
+- **Missing is None, logged once.** A function the driver lacks (``FUNCTION_NOT_FOUND``, or absent from an
+  old pynvml) is never called again by this source; one a GPU does not support (``NOT_SUPPORTED``,
+  ``NO_PERMISSION``) is never called again on that GPU. Either makes that field None and logs one line.
+  Versioned functions (``_v3``, ``_v2``, plain) are probed once and the first that exists is kept.
+- **One bad GPU never breaks the cycle.** ``GPU_IS_LOST`` / ``RESET_REQUIRED`` (or Xid 79, "fell off the
+  bus") mark that GPU lost: a log line, ``gpu_lost_total`` +1, no sample for it, and the handle is re-opened
+  later with exponential backoff. Any other exception costs that GPU's sample for that tick only.
+- **GPM needs two samples >= 100 ms apart.** The previous GPM sample per GPU (and per MIG GPU instance) is
+  kept between ticks, so each tick reports the average over the time since the previous tick; the first
+  tick (and a tick < 100 ms after the last) has no GPM values.
+- **Xid** events come from an NVML event set polled with timeout 0, so the loop never blocks on it.
+
+MIG: the GPU's own sample (``mig=None``) carries the device-level values (power, energy, temperature,
+clocks, ECC, PCIe, Xid) and the GPU-wide GPM reading where the driver gives one. Each MIG *GPU instance*
+gets one more sample with ``mig=str(gpu_instance_id)`` -- the same key dcgm-exporter's ``GPU_I_ID`` label
+and its ``<gpu>.<gi>`` job-mapping files use -- carrying that instance's memory, GPM values and processes,
+and no power or energy (those exist only for the whole GPU; never count them twice). Compute instances
+inside one GPU instance are folded into it (GPM is per GPU instance). In MIG mode processes are listed
+on their instance's sample only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuledger.schema.records import GpuProcess, GpuSample
+from gpuledger.agent.sources.base import SourceUnavailable
+
+log = logging.getLogger(__name__)
+
+# NVML constants (stable ABI values from nvml.h), so the module does not need pynvml to import.
+_SUCCESS = 0
+_ERR_NOT_SUPPORTED = 3
+_ERR_NO_PERMISSION = 4
+_ERR_NOT_FOUND = 6
+_ERR_TIMEOUT = 10
+_ERR_FUNCTION_NOT_FOUND = 13
+_ERR_GPU_IS_LOST = 15
+_ERR_RESET_REQUIRED = 16
+_ERR_LIBRARY_NOT_FOUND = 12
+_ERR_DRIVER_NOT_LOADED = 9
+_PERMANENT = frozenset({_ERR_NOT_SUPPORTED, _ERR_NO_PERMISSION})
+_LOST = frozenset({_ERR_GPU_IS_LOST, _ERR_RESET_REQUIRED})
+_TEMPERATURE_GPU = 0
+_CLOCK_SM = 1
+_CLOCK_MEM = 2
+_PCIE_TX = 0
+_PCIE_RX = 1
+_MEMORY_ERROR_UNCORRECTED = 1
+_VOLATILE_ECC = 0
+_MIG_ENABLE = 1
+_EVENT_XID = 0x8  # nvmlEventTypeXidCriticalError
+_XID_FELL_OFF_BUS = 79
+_NOT_IN_MIG = 0xFFFFFFFF
+_NOT_AVAILABLE_U64 = 2**64 - 1
+
+# GpuSample field <- NVML GPM metric id (values in percent).
+GPM_METRICS: tuple[tuple[str, int], ...] = (
+    ("sm_active_ratio", 2),  # NVML_GPM_METRIC_SM_UTIL
+    ("sm_occupancy_ratio", 3),  # NVML_GPM_METRIC_SM_OCCUPANCY
+    ("tensor_active_ratio", 5),  # NVML_GPM_METRIC_ANY_TENSOR_UTIL
+    ("dram_bw_ratio", 10),  # NVML_GPM_METRIC_DRAM_BW_UTIL
+    ("fp64_active_ratio", 11),  # NVML_GPM_METRIC_FP64_UTIL
+    ("fp32_active_ratio", 12),  # NVML_GPM_METRIC_FP32_UTIL
+    ("fp16_active_ratio", 13),  # NVML_GPM_METRIC_FP16_UTIL
+)
+GPM_MIN_INTERVAL_S = 0.1  # NVML: two GPM samples must be at least 100 ms apart
+_MAX_EVENTS_PER_TICK = 64
+_MAX_LOGGED = 4096
+_PROCESS_FUNCTIONS = (
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetComputeRunningProcesses_v2",
+    "nvmlDeviceGetComputeRunningProcesses",
+)
+_REASON_FUNCTIONS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+_EVENT_WAIT_FUNCTIONS = ("nvmlEventSetWait_v2", "nvmlEventSetWait")
+
+_MISSING = object()  # _call's answer when the function does not exist in this driver/binding
+
+
+class _GpuLost(Exception):
+    pass
+
+
+@dataclass
+class _Gpm:
+    """Two GPM sample buffers used alternately, the reused metrics request, and when the last one was taken."""
+
+    buffers: list[Any]
+    request: Any
+    cur: int = 0
+    prev_ts: float | None = None
+
+
+@dataclass
+class _Mig:
+    gi: int
+    handle: Any
+    name: str
+    gpm: _Gpm | None = None
+
+
+@dataclass
+class _Gpu:
+    index: int
+    handle: Any = None
+    uuid: str | None = None
+    name: str = ""
+    unsupported: set[str] = field(default_factory=set)
+    gpm: _Gpm | None = None
+    gpm_supported: bool = False
+    mig_enabled: bool = False
+    migs: dict[int, _Mig] = field(default_factory=dict)
+    mig_checked_at: float | None = None
+    xids: list[int] = field(default_factory=list)
+    lost: bool = False
+    retry_at: float = 0.0
+    backoff_s: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.uuid or f"index {self.index}"
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _ratio(pct: float) -> float:
+    # Percent -> 0..1; counters sampled a moment apart can overshoot 100 % slightly.
+    return min(max(pct / 100.0, 0.0), 1.0)
+
+
+def _handle_key(handle: Any) -> Any:
+    """A hashable identity for a device handle (ctypes pointers compare by object, not address)."""
+    if isinstance(handle, ctypes._Pointer):  # real pynvml handle
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle
+
+
+class NvmlSource:
+    """GPU samples from NVML. ``lib`` is the pynvml module (default: ``import pynvml``) or a fake of it."""
+
+    name = "nvml"
+
+    def __init__(
+        self,
+        lib: Any = None,
+        host: str | None = None,
+        clock: Callable[[], float] = time.time,
+        gpm: bool = True,
+        pcie: bool = True,
+        reopen_backoff_s: tuple[float, float] = (30.0, 600.0),
+        mig_refresh_s: float = 60.0,
+    ) -> None:
+        self._lib_arg = lib
+        self.lib: Any = lib
+        self.host = host or socket.gethostname()
+        self._clock = clock
+        self._gpm_enabled = gpm
+        # nvmlDeviceGetPcieThroughput samples a byte counter over 20 ms per call (wall time, not CPU).
+        self._pcie = pcie
+        self._backoff_min, self._backoff_max = reopen_backoff_s
+        self._mig_refresh_s = mig_refresh_s
+        self._gpus: list[_Gpu] = []
+        self._fns: dict[str, Any] = {}
+        self._missing: set[str] = set()
+        self._chosen: dict[str, str | None] = {}
+        self._logged: set[tuple[Any, ...]] = set()
+        self._events: Any = None
+        self._by_handle: dict[Any, _Gpu] = {}
+        self._opened = False
+        self.gpu_lost_total = 0  # times a GPU was marked lost
+        self.errors_total = 0  # unexpected per-GPU failures (the GPU's sample was skipped that tick)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def open(self) -> None:
+        if self._opened:
+            self.close()
+        if self._lib_arg is None:
+            try:
+                import pynvml  # noqa: PLC0415 - the real library only when asked for
+            except ImportError as exc:
+                raise SourceUnavailable(f"nvml: nvidia-ml-py is not installed ({exc})") from exc
+            self.lib = pynvml
+        lib = self.lib
+        try:
+            lib.nvmlInit()
+        except lib.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            hint = {
+                _ERR_LIBRARY_NOT_FOUND: " (libnvidia-ml.so.1 not found: no NVIDIA driver on this host)",
+                _ERR_DRIVER_NOT_LOADED: " (the NVIDIA kernel driver is not loaded)",
+            }.get(code, "")
+            raise SourceUnavailable(f"nvml: nvmlInit failed: {exc}{hint}") from exc
+        try:
+            count = lib.nvmlDeviceGetCount()
+        except lib.NVMLError as exc:
+            lib.nvmlShutdown()
+            raise SourceUnavailable(f"nvml: nvmlDeviceGetCount failed: {exc}") from exc
+        self._opened = True
+        self._events = self._create_event_set()
+        now = self._clock()
+        self._gpus = []
+        for index in range(count):
+            gpu = _Gpu(index)
+            self._gpus.append(gpu)
+            try:
+                self._attach(gpu, lib.nvmlDeviceGetHandleByIndex(index), now)
+            except _GpuLost:
+                self._mark_lost(gpu, now, "lost while opening")
+            except lib.NVMLError as exc:
+                if exc.value in _LOST:
+                    self._mark_lost(gpu, now, f"lost while opening: {exc}")
+                else:
+                    self._mark_lost(gpu, now, f"cannot open: {exc}")
+
+    def close(self) -> None:
+        if not self._opened:
+            return
+        self._opened = False
+        lib = self.lib
+        for gpu in self._gpus:
+            self._free_gpm(gpu)
+        if self._events is not None:
+            try:
+                lib.nvmlEventSetFree(self._events)
+            except Exception as exc:  # noqa: BLE001 - closing: nothing to do but note it
+                log.debug("nvml: nvmlEventSetFree failed: %s", exc)
+            self._events = None
+        try:
+            lib.nvmlShutdown()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("nvml: nvmlShutdown failed: %s", exc)
+        self._gpus = []
+        self._by_handle = {}
+
+    @property
+    def lost_gpus(self) -> tuple[str, ...]:
+        """UUIDs (or "index N" when never identified) of the GPUs currently marked lost."""
+        return tuple(g.label for g in self._gpus if g.lost)
+
+    # -- one cycle ---------------------------------------------------------------------------------------
+    def sample(self) -> list[GpuSample]:
+        if not self._opened:
+            raise RuntimeError("nvml: sample() before open()")
+        now = self._clock()
+        self._poll_events(now)
+        out: list[GpuSample] = []
+        for gpu in self._gpus:
+            if gpu.lost and not (now >= gpu.retry_at and self._reopen(gpu, now)):
+                continue
+            try:
+                out.extend(self._sample_gpu(gpu, now))
+            except _GpuLost as exc:
+                self._mark_lost(gpu, now, str(exc) or "GPU is lost")
+            except Exception as exc:  # noqa: BLE001 - one bad GPU must not cost the others their sample
+                self.errors_total += 1
+                self._log_once(("error", gpu.label, type(exc).__name__, str(exc)), logging.ERROR,
+                               "nvml: sampling GPU %s failed: %s: %s", gpu.label, type(exc).__name__, exc)
+        return out
+
+    def _sample_gpu(self, gpu: _Gpu, now: float) -> list[GpuSample]:
+        h = gpu.handle
+        call = self._call
+        if gpu.mig_checked_at is None or now - gpu.mig_checked_at >= self._mig_refresh_s:
+            self._refresh_mig(gpu, now)
+        mem = call(gpu, "nvmlDeviceGetMemoryInfo", h)
+        util = None if gpu.mig_enabled else call(gpu, "nvmlDeviceGetUtilizationRates", h)
+        power = call(gpu, "nvmlDeviceGetPowerUsage", h)
+        energy = call(gpu, "nvmlDeviceGetTotalEnergyConsumption", h)
+        temp = call(gpu, "nvmlDeviceGetTemperature", h, _TEMPERATURE_GPU)
+        sm_clock = call(gpu, "nvmlDeviceGetClockInfo", h, _CLOCK_SM, key="nvmlDeviceGetClockInfo(SM)")
+        mem_clock = call(gpu, "nvmlDeviceGetClockInfo", h, _CLOCK_MEM, key="nvmlDeviceGetClockInfo(MEM)")
+        reasons = self._versioned(gpu, "clock-event reasons", _REASON_FUNCTIONS, h)
+        ecc = call(gpu, "nvmlDeviceGetTotalEccErrors", h, _MEMORY_ERROR_UNCORRECTED, _VOLATILE_ECC)
+        rows = call(gpu, "nvmlDeviceGetRemappedRows", h)
+        tx = rx = None
+        if self._pcie:
+            tx = call(gpu, "nvmlDeviceGetPcieThroughput", h, _PCIE_TX, key="nvmlDeviceGetPcieThroughput(TX)")
+            rx = call(gpu, "nvmlDeviceGetPcieThroughput", h, _PCIE_RX, key="nvmlDeviceGetPcieThroughput(RX)")
+        procs = self._versioned(gpu, "compute processes", _PROCESS_FUNCTIONS, h)
+        gpm = self._gpm_read(gpu, gpu.gpm, "nvmlGpmSampleGet", (h,), now)
+
+        by_gi: dict[int, list[GpuProcess]] = {}
+        for p in procs or ():
+            used = getattr(p, "usedGpuMemory", None)
+            if used is not None and (used >= _NOT_AVAILABLE_U64 or used < 0):
+                used = None
+            gi = getattr(p, "gpuInstanceId", _NOT_IN_MIG)
+            by_gi.setdefault(_NOT_IN_MIG if gi is None else int(gi), []).append(
+                GpuProcess(int(p.pid), None if used is None else int(used)))
+
+        xids, gpu.xids = tuple(gpu.xids), []
+        samples = [GpuSample(
+            ts=now,
+            host=self.host,
+            gpu_uuid=gpu.uuid or "",
+            gpu_index=gpu.index,
+            model=gpu.name,
+            gpu_util_ratio=None if util is None else _ratio(util.gpu),
+            mem_copy_util_ratio=None if util is None else _ratio(util.memory),
+            mem_used_bytes=None if mem is None else int(mem.used),
+            mem_total_bytes=None if mem is None else int(mem.total),
+            power_watts=None if power is None else power / 1000.0,  # mW -> W
+            energy_joules=None if energy is None else energy / 1000.0,  # mJ -> J
+            temp_celsius=None if temp is None else float(temp),
+            sm_clock_hz=None if sm_clock is None else sm_clock * 1e6,  # MHz -> Hz
+            mem_clock_hz=None if mem_clock is None else mem_clock * 1e6,
+            # NVML reports KB/s; taken as KiB/s, as nvitop does.
+            pcie_tx_bytes_per_second=None if tx is None else tx * 1024.0,
+            pcie_rx_bytes_per_second=None if rx is None else rx * 1024.0,
+            throttle_reasons=None if reasons is None else int(reasons),
+            ecc_errors_total=None if ecc is None else int(ecc),
+            remapped_rows_total=None if rows is None else int(rows[0]) + int(rows[1]),
+            xid_errors=xids,
+            # Processes outside any known MIG instance stay on the GPU's own sample (never dropped).
+            processes=tuple(p for gi, ps in by_gi.items() if gi not in gpu.migs for p in ps),
+            source=self.name,
+            **(gpm or {}),
+        )]
+        for gi, mig in gpu.migs.items():
+            mmem = call(gpu, "nvmlDeviceGetMemoryInfo", mig.handle, key=f"MIG {gi} nvmlDeviceGetMemoryInfo")
+            mgpm = self._gpm_read(gpu, mig.gpm, "nvmlGpmMigSampleGet", (h, gi), now)
+            samples.append(GpuSample(
+                ts=now,
+                host=self.host,
+                gpu_uuid=gpu.uuid or "",
+                gpu_index=gpu.index,
+                model=mig.name,
+                mig=str(gi),
+                mem_used_bytes=None if mmem is None else int(mmem.used),
+                mem_total_bytes=None if mmem is None else int(mmem.total),
+                processes=tuple(by_gi.get(gi, ())),
+                source=self.name,
+                **(mgpm or {}),
+            ))
+        return samples
+
+    # -- NVML calls ----------------------------------------------------------------------------------------
+    def _fn(self, name: str) -> Any:
+        fn = self._fns.get(name)
+        if fn is None:
+            try:
+                fn = getattr(self.lib, name)
+            except AttributeError:
+                return None  # an older pynvml without this binding: same as a driver without the symbol
+            self._fns[name] = fn
+        return fn
+
+    def _call(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None) -> Any:
+        """Call ``name``; None when unavailable (logged once), _MISSING when the function does not exist."""
+        key = key or name
+        if key in gpu.unsupported:
+            return None
+        if name in self._missing:
+            return _MISSING
+        fn = self._fn(name)
+        if fn is None:
+            self._note_missing(name)
+            return _MISSING
+        try:
+            return fn(*args)
+        except self.lib.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code in _LOST:
+                raise _GpuLost(f"{name}: {exc}") from exc
+            if code == _ERR_FUNCTION_NOT_FOUND:
+                self._note_missing(name)
+                return _MISSING
+            if code in _PERMANENT:
+                gpu.unsupported.add(key)
+                self._log_once(("unsupported", gpu.label, key), logging.INFO,
+                               "nvml: GPU %s: %s: %s; that field is None from now on", gpu.label, key, exc)
+                return None
+            self._log_once(("failed", gpu.label, key, code), logging.WARNING,
+                           "nvml: GPU %s: %s failed: %s (field None this tick; later repeats not logged)",
+                           gpu.label, key, exc)
+            return None
+
+    def _note_missing(self, name: str) -> None:
+        self._missing.add(name)
+        self._log_once(("missing", name), logging.INFO,
+                       "nvml: %s is not in this driver/nvidia-ml-py; not called again", name)
+
+    def _versioned(self, gpu: _Gpu, family: str, names: Sequence[str], *args: Any) -> Any:
+        """Call the newest existing version of a function; probing happens once per source."""
+        chosen = self._chosen.get(family, "")
+        if chosen is None:
+            return None  # no version exists
+        for name in (chosen,) if chosen else names:
+            r = self._call(gpu, name, *args, key=family)
+            if r is _MISSING:
+                continue
+            if not chosen:
+                self._chosen[family] = name
+                log.debug("nvml: %s via %s", family, name)
+            return r
+        if not chosen:
+            self._chosen[family] = None
+            log.info("nvml: no version of %s (%s) exists; that field is None", family, ", ".join(names))
+        else:
+            self._chosen[family] = None
+        return None
+
+    def _log_once(self, key: tuple[Any, ...], level: int, msg: str, *args: Any) -> None:
+        if key in self._logged:
+            return
+        if len(self._logged) < _MAX_LOGGED:
+            self._logged.add(key)
+        log.log(level, msg, *args)
+
+    # -- per-GPU setup, loss and re-open ---------------------------------------------------------------
+    def _attach(self, gpu: _Gpu, handle: Any, now: float) -> None:
+        """Identify a GPU from a fresh handle and (re)build its GPM state, MIG layout and event registration."""
+        lib = self.lib
+        uuid = _text(lib.nvmlDeviceGetUUID(handle))
+        if gpu.uuid is not None and uuid != gpu.uuid:
+            raise _GpuLost(f"index {gpu.index} now holds {uuid}, expected {gpu.uuid}")
+        gpu.handle, gpu.uuid = handle, uuid
+        name = self._call(gpu, "nvmlDeviceGetName", handle)
+        gpu.name = "" if name is None or name is _MISSING else _text(name)
+        self._by_handle[_handle_key(handle)] = gpu
+        self._free_gpm(gpu)
+        gpu.gpm_supported = False
+        if self._gpm_enabled:
+            support = self._call(gpu, "nvmlGpmQueryDeviceSupport", handle)
+            gpu.gpm_supported = support not in (None, _MISSING) and bool(support.isSupportedDevice)
+            if gpu.gpm_supported:
+                gpu.gpm = self._new_gpm(gpu)
+        gpu.migs = {}
+        gpu.mig_checked_at = None
+        self._refresh_mig(gpu, now)
+        if self._events is not None:
+            r = self._call(gpu, "nvmlDeviceRegisterEvents", handle, _EVENT_XID, self._events,
+                           key="Xid events")
+            if r is _MISSING:
+                self._log_once(("xid",), logging.INFO, "nvml: no event support; Xid errors are not reported")
+
+    def _refresh_mig(self, gpu: _Gpu, now: float) -> None:
+        gpu.mig_checked_at = now
+        mode = self._call(gpu, "nvmlDeviceGetMigMode", gpu.handle)
+        enabled = mode not in (None, _MISSING) and mode[0] == _MIG_ENABLE
+        gpu.mig_enabled = enabled
+        if not enabled:
+            for m in gpu.migs.values():
+                self._free_one(m.gpm)
+            gpu.migs = {}
+            return
+        count = self._call(gpu, "nvmlDeviceGetMaxMigDeviceCount", gpu.handle)
+        found: dict[int, _Mig] = {}
+        lib = self.lib
+        for i in range(0 if count in (None, _MISSING) else int(count)):
+            try:
+                mh = lib.nvmlDeviceGetMigDeviceHandleByIndex(gpu.handle, i)
+                gi = int(lib.nvmlDeviceGetGpuInstanceId(mh))
+            except lib.NVMLError as exc:
+                if exc.value in _LOST:
+                    raise _GpuLost(str(exc)) from exc
+                continue  # NOT_FOUND: an empty slot
+            if gi in found:
+                continue  # another compute instance of the same GPU instance
+            old = gpu.migs.get(gi)
+            if old is not None:
+                old.handle = mh
+                found[gi] = old
+                continue
+            name = self._call(gpu, "nvmlDeviceGetName", mh, key="MIG nvmlDeviceGetName")
+            found[gi] = _Mig(gi, mh, gpu.name if name in (None, _MISSING) else _text(name),
+                             self._new_gpm(gpu) if gpu.gpm_supported else None)
+        for gi, m in gpu.migs.items():
+            if gi not in found:
+                self._free_one(m.gpm)
+        gpu.migs = found
+
+    def _mark_lost(self, gpu: _Gpu, now: float, reason: str) -> None:
+        if not gpu.lost:
+            self.gpu_lost_total += 1
+            gpu.backoff_s = self._backoff_min
+            log.error("nvml: GPU %s (index %d) is lost: %s; other GPUs keep being sampled, re-open in %.0f s",
+                      gpu.label, gpu.index, reason, gpu.backoff_s)
+        else:
+            gpu.backoff_s = min(gpu.backoff_s * 2, self._backoff_max)
+        gpu.lost = True
+        gpu.retry_at = now + gpu.backoff_s
+        gpu.xids = []
+        if gpu.handle is not None:
+            self._by_handle.pop(_handle_key(gpu.handle), None)
+
+    def _reopen(self, gpu: _Gpu, now: float) -> bool:
+        lib = self.lib
+        try:
+            if gpu.uuid is not None:
+                handle = lib.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            else:
+                handle = lib.nvmlDeviceGetHandleByIndex(gpu.index)
+            gpu.unsupported.clear()
+            self._attach(gpu, handle, now)
+        except (_GpuLost, lib.NVMLError) as exc:
+            self._mark_lost(gpu, now, str(exc))
+            log.info("nvml: GPU %s still unavailable (%s); next try in %.0f s", gpu.label, exc, gpu.backoff_s)
+            return False
+        gpu.lost = False
+        log.warning("nvml: GPU %s (index %d) is back", gpu.label, gpu.index)
+        return True
+
+    # -- GPM -----------------------------------------------------------------------------------------------
+    def _new_gpm(self, gpu: _Gpu) -> _Gpm | None:
+        lib = self.lib
+        try:
+            bufs = [lib.nvmlGpmSampleAlloc(), lib.nvmlGpmSampleAlloc()]
+            request = lib.c_nvmlGpmMetricsGet_t()
+        except (lib.NVMLError, AttributeError) as exc:
+            self._log_once(("gpm-alloc", gpu.label), logging.WARNING,
+                           "nvml: GPU %s: GPM sample allocation failed: %s; no GPM values", gpu.label, exc)
+            return None
+        request.version = lib.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        return _Gpm(bufs, request)
+
+    def _free_one(self, st: _Gpm | None) -> None:
+        if st is None:
+            return
+        for b in st.buffers:
+            try:
+                self.lib.nvmlGpmSampleFree(b)
+            except Exception as exc:  # noqa: BLE001 - freeing is best effort
+                log.debug("nvml: nvmlGpmSampleFree failed: %s", exc)
+        st.buffers = []
+
+    def _free_gpm(self, gpu: _Gpu) -> None:
+        self._free_one(gpu.gpm)
+        gpu.gpm = None
+        for m in gpu.migs.values():
+            self._free_one(m.gpm)
+            m.gpm = None
+
+    def _gpm_read(self, gpu: _Gpu, st: _Gpm | None, fn: str, args: tuple[Any, ...], now: float) -> dict[str, float] | None:
+        """Take a GPM sample; with a previous one >= 100 ms older, return the metrics over that window."""
+        if st is None or not st.buffers:
+            return None
+        if st.prev_ts is not None and now - st.prev_ts < GPM_MIN_INTERVAL_S:
+            return None  # keep the older sample as the window's start
+        cur = st.buffers[st.cur]
+        key = fn if len(args) == 1 else f"MIG {args[1]} {fn}"
+        if self._call(gpu, fn, *args, cur, key=key) in (None, _MISSING):
+            st.prev_ts = None
+            return None
+        values: dict[str, float] | None = None
+        if st.prev_ts is not None:
+            req = st.request
+            req.sample1 = st.buffers[1 - st.cur]
+            req.sample2 = cur
+            for i, (_, mid) in enumerate(GPM_METRICS):
+                req.metrics[i].metricId = mid
+            if self._call(gpu, "nvmlGpmMetricsGet", req, key=key + " metrics") not in (None, _MISSING):
+                values = {}
+                for i, (fname, _) in enumerate(GPM_METRICS):
+                    m = req.metrics[i]
+                    if m.nvmlReturn == _SUCCESS:
+                        values[fname] = _ratio(m.value)
+        st.prev_ts = now
+        st.cur = 1 - st.cur
+        return values
+
+    # -- Xid events -------------------------------------------------------------------------------------------
+    def _create_event_set(self) -> Any:
+        lib = self.lib
+        try:
+            return lib.nvmlEventSetCreate()
+        except (lib.NVMLError, AttributeError) as exc:
+            log.info("nvml: no event set (%s); Xid errors are not reported", exc)
+            return None
+
+    def _poll_events(self, now: float) -> None:
+        if self._events is None or not self._gpus:
+            return
+        lib = self.lib
+        wait = None
+        for name in _EVENT_WAIT_FUNCTIONS:
+            if name not in self._missing and (wait := self._fn(name)) is not None:
+                break
+        if wait is None:
+            return
+        for _ in range(_MAX_EVENTS_PER_TICK):
+            try:
+                data = wait(self._events, 0)  # timeout 0: never blocks the sampling loop
+            except lib.NVMLError as exc:
+                if exc.value == _ERR_FUNCTION_NOT_FOUND:
+                    self._missing.add(getattr(wait, "__name__", "nvmlEventSetWait_v2"))
+                elif exc.value != _ERR_TIMEOUT:
+                    self._log_once(("event-wait", exc.value), logging.WARNING, "nvml: event wait failed: %s", exc)
+                return
+            gpu = self._by_handle.get(_handle_key(data.device))
+            if gpu is None or gpu.lost:
+                continue
+            xid = int(data.eventData)
+            log.warning("nvml: GPU %s: Xid %d", gpu.label, xid)
+            if xid == _XID_FELL_OFF_BUS:
+                self._mark_lost(gpu, now, "Xid 79: fell off the bus")
+            else:
+                gpu.xids.append(xid)
+
+
+__all__ = ["GPM_METRICS", "NvmlSource"]

@@ -1,0 +1,302 @@
+"""A bounded on-disk spool of unsent batches, and the pusher that drains it in order with backoff.
+
+The spool is a directory of files ``<seq, 20 digits>-<samples>.<json|msgpack>[.gz|.zst]``, each the exact
+request body of one batch, written atomically (temporary file, fsync, rename, fsync of the directory): a
+crash leaves a whole batch or none. A batch keeps its sequence number across retries and agent restarts,
+so the collector acknowledges a re-sent batch without storing it twice. When the spool is over its bound
+(bytes or batches) the oldest batches are dropped and counted: recent data is worth more to a fairshare
+that decays, and the newest batch always fits.
+
+:class:`SpoolingPusher` is an Agent sink: ``write`` only spools (never blocks on the network); a sender
+thread posts the oldest batch first. A connection failure, a 5xx, 401/403/404 (configuration, not the
+batch), 408 or 429 is retried after an exponential, jittered delay; any other 4xx means the collector will
+never take the batch: it is dropped, counted and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuledger.agent.push import HttpPusher, PushError
+from gpuledger.schema.records import GpuSample, JobRecord
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(\d{20})-(\d+)\.(json|msgpack)(?:\.(gz|zst))?$")
+_COMPRESS_SUFFIX = {None: "", "gzip": ".gz", "zstd": ".zst"}
+_SUFFIX_COMPRESS = {None: None, "gz": "gzip", "zst": "zstd"}
+# 4xx answers that say nothing about the batch itself: keep it and retry.
+RETRY_4XX = frozenset({401, 403, 404, 408, 425, 429})
+
+
+@dataclass(frozen=True, slots=True)
+class SpooledBatch:
+    seq: int
+    samples: int
+    fmt: str  # json | msgpack
+    compress: str | None  # None | gzip | zstd
+    size: int
+    name: str
+
+
+class Spool:
+    """Batches on disk in sequence order, bounded by ``max_bytes`` and ``max_batches``. Thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 256 * 2**20, max_batches: int = 100_000) -> None:
+        if max_bytes <= 0 or max_batches <= 0:
+            raise ValueError("spool: max_bytes and max_batches must be positive")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.max_batches = max_batches
+        self._lock = threading.Lock()
+        self._index: dict[int, SpooledBatch] = {}
+        self._bytes = 0
+        self.dropped_batches = 0
+        self.dropped_samples = 0
+        for entry in self.path.iterdir():
+            if entry.name.endswith(".tmp"):  # a write cut short by a crash: never renamed, never acknowledged
+                entry.unlink(missing_ok=True)
+                continue
+            m = _NAME.match(entry.name)
+            if m is None:
+                continue
+            b = SpooledBatch(int(m[1]), int(m[2]), m[3], _SUFFIX_COMPRESS[m[4]], entry.stat().st_size, entry.name)
+            self._index[b.seq] = b
+            self._bytes += b.size
+        with self._lock:
+            self._enforce_bound()
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return len(self._index)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def max_seq(self) -> int | None:
+        with self._lock:
+            return max(self._index, default=None)
+
+    def seqs(self) -> list[int]:
+        with self._lock:
+            return sorted(self._index)
+
+    # -- operations ---------------------------------------------------------------------------
+    def put(self, seq: int, body: bytes, samples: int, fmt: str = "json", compress: str | None = None) -> None:
+        """Store one batch durably (replacing one of the same seq), then drop the oldest while over the bound."""
+        name = f"{seq:020d}-{samples}.{fmt}{_COMPRESS_SUFFIX[compress]}"
+        tmp = self.path / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / name)
+        _fsync_dir(self.path)  # the rename itself must survive a power loss
+        with self._lock:
+            old = self._index.pop(seq, None)
+            if old is not None:
+                self._bytes -= old.size
+                if old.name != name:
+                    (self.path / old.name).unlink(missing_ok=True)
+            self._index[seq] = SpooledBatch(seq, samples, fmt, compress, len(body), name)
+            self._bytes += len(body)
+            self._enforce_bound(keep=seq)
+
+    def oldest(self) -> tuple[SpooledBatch, bytes] | None:
+        """The batch with the lowest seq and its body; an unreadable file is dropped (and counted)."""
+        while True:
+            with self._lock:
+                if not self._index:
+                    return None
+                b = self._index[min(self._index)]
+            try:
+                return b, (self.path / b.name).read_bytes()
+            except OSError as exc:
+                log.error("spool: cannot read %s, dropping it: %s", b.name, exc)
+                self.remove(b.seq, dropped=True)
+
+    def remove(self, seq: int, dropped: bool = False) -> None:
+        with self._lock:
+            self._remove_locked(seq, dropped)
+
+    def _remove_locked(self, seq: int, dropped: bool) -> None:
+        b = self._index.pop(seq, None)
+        if b is None:
+            return
+        self._bytes -= b.size
+        (self.path / b.name).unlink(missing_ok=True)
+        if dropped:
+            self.dropped_batches += 1
+            self.dropped_samples += b.samples
+
+    def _enforce_bound(self, keep: int | None = None) -> None:
+        while (self._bytes > self.max_bytes or len(self._index) > self.max_batches) and len(self._index) > 1:
+            oldest = min(s for s in self._index if s != keep)
+            log.warning("spool full (%d batches, %d bytes): dropping the oldest batch, seq %d",
+                        len(self._index), self._bytes, oldest)
+            self._remove_locked(oldest, dropped=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SpoolingPusher:
+    """An Agent sink: spool each batch, deliver the spool oldest first in a background thread.
+
+    ``rng`` and ``sleep`` are the seams for tests: the delay before retry n (1-based) is
+    ``min(backoff_max_s, backoff_base_s * 2**(n-1))`` scaled by a random factor in [0.5, 1) ("equal jitter":
+    agents that lost the collector together do not return in lockstep, and no delay collapses to zero).
+    """
+
+    def __init__(
+        self,
+        pusher: HttpPusher,
+        spool: Spool,
+        fmt: str = "json",
+        compress: str | None = "zstd",
+        backoff_base_s: float = 1.0,
+        backoff_max_s: float = 300.0,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], object] | None = None,
+    ) -> None:
+        self.pusher = pusher
+        self.spool = spool
+        self.fmt = fmt
+        self.compress = compress
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._rng = rng or random.Random()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._sleep = sleep or self._stop.wait  # the thread's waits end at once on close()
+        self._send_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.failures = 0  # consecutive failed attempts (0: the last attempt succeeded)
+        self.rejected_batches = 0  # 4xx: dropped, the collector will never take them
+        self.rejected_samples = 0
+        self.sent_batches = 0
+        self.last_error: str | None = None
+        top = spool.max_seq()
+        if top is not None:  # after a restart: new batches go after the spooled ones, never reuse a number
+            pusher.bump_seq(top + 1)
+
+    # -- the sink side --------------------------------------------------------------------------
+    def write(self, samples: Sequence[GpuSample]) -> int:
+        """Spool one batch under a new seq and wake the sender; returns the seq. Raises PushError if unencodable."""
+        seq = self.pusher.next_seq()
+        body = self.pusher.encode(seq, samples, self.fmt, self.compress)
+        self.spool.put(seq, body, len(samples), self.fmt, self.compress)
+        self._wake.set()
+        return seq
+
+    def write_jobs(self, records: Sequence[JobRecord]) -> None:
+        """Job metadata rides with the next spooled batch (the pusher puts it in the body it encodes)."""
+        self.pusher.write_jobs(records)
+
+    # -- delivery -------------------------------------------------------------------------------
+    def send_pending(self) -> bool:
+        """Send spooled batches oldest first until empty (True) or a retryable failure (False)."""
+        with self._send_lock:
+            while True:
+                item = self.spool.oldest()
+                if item is None:
+                    return True
+                b, body = item
+                try:
+                    self.pusher.post(b.seq, body, b.fmt, b.compress)
+                except PushError as exc:
+                    self.last_error = str(exc)
+                    if exc.status is not None and 400 <= exc.status < 500 and exc.status not in RETRY_4XX:
+                        log.error("collector refused batch %d (%d samples) for good, dropping it: %s",
+                                  b.seq, b.samples, exc)
+                        self.rejected_batches += 1
+                        self.rejected_samples += b.samples
+                        self.spool.remove(b.seq)
+                        continue
+                    self.failures += 1
+                    if self.failures == 1:
+                        log.warning("collector unreachable, spooling (%d batches): %s", self.spool.depth, exc)
+                    return False
+                self.spool.remove(b.seq)
+                self.sent_batches += 1
+                if self.failures:
+                    log.info("collector reachable again after %d failed attempts", self.failures)
+                self.failures = 0
+                self.last_error = None
+
+    def retry_delay(self) -> float:
+        """The jittered delay before the next attempt after ``self.failures`` consecutive failures."""
+        n = max(self.failures, 1)
+        base = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** min(n - 1, 60))
+        return base * (0.5 + 0.5 * self._rng.random())
+
+    def drain(self, max_attempts: int | None = None) -> bool:
+        """Send until the spool is empty, sleeping the backoff delay between failed attempts.
+
+        Returns True once empty, False when stopped or ``max_attempts`` attempts failed.
+        """
+        attempts = 0
+        while not self._stop.is_set():
+            if self.send_pending():
+                return True
+            attempts += 1
+            if max_attempts is not None and attempts >= max_attempts:
+                return False
+            self._sleep(self.retry_delay())
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            if self.spool.depth == 0:
+                self._wake.wait(1.0)
+                continue
+            try:
+                self.drain()
+            except Exception as exc:  # noqa: BLE001 - a disk error must not end delivery for good
+                log.exception("spool sender: %s", exc)
+                self._stop.wait(self.backoff_base_s)
+
+    def start(self) -> SpoolingPusher:
+        self._thread = threading.Thread(target=self._run, name="spool-sender", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, flush: bool = True) -> None:
+        """Stop the sender; with ``flush``, one last attempt (only if the collector was reachable) to send."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if flush and self.failures == 0 and self.spool.depth:
+            try:
+                self.send_pending()  # whatever is left stays spooled for the next start
+            except Exception as exc:  # noqa: BLE001 - shutting down: report and go on
+                log.warning("final spool flush failed: %s", exc)
+        self.pusher.close()
+
+    def stats(self) -> dict[str, float]:
+        """For the agent's /metrics."""
+        return {
+            "depth": self.spool.depth,
+            "bytes": self.spool.bytes,
+            "dropped_batches": self.spool.dropped_batches,
+            "dropped_samples": self.spool.dropped_samples,
+            "rejected_batches": self.rejected_batches,
+            "sent_batches": self.sent_batches,
+        }

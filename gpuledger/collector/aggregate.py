@@ -1,0 +1,770 @@
+"""Streaming per-(job, host, GPU) aggregation, exact under duplicates, late samples, resets and gaps.
+
+Per GPU key ``(host, gpu_uuid, mig)`` the recent samples are kept sorted by time. Usage is a sum of
+contributions of consecutive pairs ``(prev, cur)``: the interval ``cur.ts - prev.ts`` belongs to
+``cur``'s jobs, split by ``cur.job_shares`` (equally when empty). Because usage is such a sum, a late
+sample landing between ``prev`` and ``next`` is exact: subtract ``(prev, next)``, add ``(prev, late)``
+and ``(late, next)``. Peaks, counts and first/last times only grow, so they need no undo.
+
+Rules (documented here because accounting depends on them):
+
+* An interval longer than ``max_gap_s`` is a gap: the GPU was not observed, so it yields no
+  GPU-seconds and no power integral; an energy-counter delta across it is still exact and is kept.
+* Energy: the counter delta when both samples carry the counter; a counter that went backwards was
+  reset (driver reload), so the energy since the reset is ``cur.energy_joules``; never negative.
+  Power is integrated (``cur.power_watts * dt``) only where a counter is missing.
+* MIG instances: power and energy exist only for the whole GPU. Sources put them on the whole-GPU
+  sample only (dcgm-exporter's copies on every instance are merged once), and the agent's
+  ``agent.mig.MigEnergySplitter`` then moves them onto the instances (a virtual counter each, summing
+  to the GPU's energy) and strips them from the whole-GPU sample. So energy is counted wherever a
+  sample carries it, and a GPU's energy is never counted twice.
+* A sample older than ``watermark - window_s`` of its GPU is rejected as ``too_late``; a second
+  sample of a GPU at the same instant is a ``duplicate`` and ignored (first one wins).
+* Time-weighted means weight each interval by the job's GPU-seconds in it (``dt * share``) and only
+  where the source reported the value.
+
+In-order samples cost O(1) amortised; a late sample costs a bisect plus a list insert in its window.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from gpuledger.schema.records import GpuSample, JobUsage
+
+if TYPE_CHECKING:
+    from gpuledger.collector.series import Series
+
+GpuKey = tuple[str, str, str]  # (host, gpu_uuid, mig or "")
+UsageKey = tuple[str, str, str]  # (job_id, host, gpu_id) where gpu_id is uuid or "uuid/mig"
+HourKey = tuple[str, str, str, float]  # GpuKey + bucket start (unix seconds)
+
+HOUR_S = 3600.0
+
+ACCEPTED = "accepted"
+DUPLICATE = "duplicate"
+TOO_LATE = "too_late"
+
+
+def gpu_key(s: GpuSample) -> GpuKey:
+    return (s.host, s.gpu_uuid, s.mig or "")
+
+
+def gpu_id(uuid: str, mig: str) -> str:
+    """The GPU name in usage records: the UUID, or ``uuid/mig`` for a MIG instance."""
+    return f"{uuid}/{mig}" if mig else uuid
+
+
+class UsageAcc:
+    """Running sums of one job on one GPU. Mirrors a row of the store's usage table."""
+
+    __slots__ = (
+        "first_ts", "last_ts", "samples", "alloc_s", "sm_s", "energy_j",
+        "sm_sum", "sm_w", "dram_sum", "dram_w", "tensor_sum", "tensor_w", "occ_sum", "occ_w",
+        "mem_peak", "power_peak", "model",
+    )
+    FIELDS: tuple[str, ...] = __slots__
+
+    def __init__(self) -> None:
+        self.first_ts = math.inf
+        self.last_ts = -math.inf
+        self.samples = 0
+        self.alloc_s = self.sm_s = self.energy_j = 0.0
+        self.sm_sum = self.sm_w = self.dram_sum = self.dram_w = 0.0
+        self.tensor_sum = self.tensor_w = self.occ_sum = self.occ_w = 0.0
+        self.mem_peak: int | None = None
+        self.power_peak: float | None = None
+        self.model = ""
+
+    def values(self) -> tuple:
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    @classmethod
+    def from_values(cls, values: Iterable) -> UsageAcc:
+        acc = cls()
+        for f, v in zip(cls.FIELDS, values, strict=True):
+            setattr(acc, f, v)
+        return acc
+
+
+class HourAcc:
+    """One GPU's totals in one hour bucket (an interval belongs to the bucket of its end)."""
+
+    __slots__ = ("observed_s", "energy_j", "alloc_s", "sm_s", "samples")
+    FIELDS: tuple[str, ...] = __slots__
+
+    def __init__(self) -> None:
+        self.observed_s = self.energy_j = self.alloc_s = self.sm_s = 0.0
+        self.samples = 0
+
+    def values(self) -> tuple:
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    @classmethod
+    def from_values(cls, values: Iterable) -> HourAcc:
+        acc = cls()
+        for f, v in zip(cls.FIELDS, values, strict=True):
+            setattr(acc, f, v)
+        return acc
+
+
+class WindowRow(NamedTuple):
+    """What the window keeps of a sample that came in a series: the fields the pair contributions read."""
+
+    ts: float
+    energy_joules: float | None
+    power_watts: float | None
+    sm_active_ratio: float | None
+    dram_bw_ratio: float | None
+    tensor_active_ratio: float | None
+    sm_occupancy_ratio: float | None
+    job_ids: tuple[str, ...]
+    job_shares: tuple[float, ...]
+
+
+# the float fields an interval's contribution reads (what the window keeps of each sample)
+PAIR_FLOATS = ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
+               "sm_occupancy_ratio")
+
+
+class WindowSegment:
+    """Window samples folded from a series, kept as columns until a late sample needs them one by one."""
+
+    __slots__ = ("ts", "cols", "job_ids", "job_shares")
+
+    def __init__(self, ts: np.ndarray, cols: dict[str, np.ndarray], job_ids: tuple[str, ...],
+                 job_shares: tuple[float, ...]) -> None:
+        self.ts, self.cols, self.job_ids, self.job_shares = ts, cols, job_ids, job_shares
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    def tail(self, k: int) -> WindowSegment:
+        return WindowSegment(self.ts[k:], {f: v[k:] for f, v in self.cols.items()}, self.job_ids, self.job_shares)
+
+    def rows(self) -> list[WindowRow]:
+        n = len(self.ts)
+        cols = [self.ts.tolist()]
+        for f in PAIR_FLOATS:
+            vals = self.cols[f].tolist()
+            cols.append([None if v != v else v for v in vals] if np.isnan(self.cols[f]).any() else vals)
+        return list(map(WindowRow, *cols, [self.job_ids] * n, [self.job_shares] * n))
+
+
+class GpuState:
+    """One GPU's recent samples (sorted) and its all-time totals.
+
+    The window is ``samples`` (objects) followed by ``pending`` (columns from series, oldest first);
+    ``ts`` holds the times of both. :meth:`rows` turns the pending columns into objects when a sample
+    must be inserted into the window (a late one); in-order series never need that."""
+
+    __slots__ = ("ts", "samples", "pending", "start", "watermark", "first_ts", "n", "observed_s", "energy_j",
+                 "model")
+    TOTAL_FIELDS: tuple[str, ...] = ("first_ts", "watermark", "n", "observed_s", "energy_j", "model")
+
+    def __init__(self) -> None:
+        self.ts: list[float] = []
+        self.samples: list = []
+        self.pending: list[WindowSegment] = []
+        self.start = 0  # samples before this index are evicted (kept until compaction)
+        self.watermark = -math.inf  # newest ts seen
+        self.first_ts = math.inf
+        self.n = 0
+        self.observed_s = 0.0
+        self.energy_j = 0.0
+        self.model = ""
+
+    def totals(self) -> tuple:
+        return tuple(getattr(self, f) for f in self.TOTAL_FIELDS)
+
+    def anchor(self) -> tuple[float, float] | None:
+        """(ts, energy counter or NaN) of the newest sample, which starts the next interval; None when empty."""
+        if self.pending:
+            seg = self.pending[-1]
+            return float(seg.ts[-1]), float(seg.cols["energy_joules"][-1])
+        if self.samples:
+            last = self.samples[-1]
+            return last.ts, math.nan if last.energy_joules is None else last.energy_joules
+        return None
+
+    def rows(self) -> list:
+        """The window as objects (``ts`` aligned), turning pending columns into rows."""
+        if self.pending:
+            self.drop(self.start)
+            for seg in self.pending:
+                self.samples.extend(seg.rows())
+            self.pending = []
+        return self.samples
+
+    def drop(self, k: int) -> None:
+        """Forget the ``k`` oldest window samples (all before ``start``)."""
+        if k <= 0:
+            return
+        del self.ts[:k]
+        m = min(k, len(self.samples))
+        del self.samples[:m]
+        k -= m
+        while k:
+            seg = self.pending[0]
+            if len(seg) <= k:
+                k -= len(seg)
+                del self.pending[0]
+            else:
+                self.pending[0] = seg.tail(k)
+                k = 0
+        self.start = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AddCounts:
+    accepted: int = 0
+    duplicate: int = 0
+    too_late: int = 0
+
+
+_TS = attrgetter("ts")
+_JOBS = attrgetter("job_ids", "job_shares")
+_RUN_MIN = 16  # shorter runs go sample by sample: numpy's per-call cost outweighs the per-sample one
+_RUN_FLOATS = {f: attrgetter(f) for f in ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio",
+                                           "tensor_active_ratio", "sm_occupancy_ratio")}
+_MEANS = {"sm_active_ratio": ("sm_sum", "sm_w"), "dram_bw_ratio": ("dram_sum", "dram_w"),
+          "tensor_active_ratio": ("tensor_sum", "tensor_w"), "sm_occupancy_ratio": ("occ_sum", "occ_w")}
+
+
+def _seqsum(start: float, terms: np.ndarray) -> float:
+    """``start + t0 + t1 + ...`` left to right, as repeated ``+=`` does (cumsum is sequential, sum is not)."""
+    if not terms.size:
+        return start
+    return float(np.cumsum(np.concatenate(([start], terms)))[-1])
+
+
+class _SeqSums:
+    """Many ``acc.attr = _seqsum(acc.attr, terms)`` at once: one sequential cumsum per term count instead of one
+    per sum (a 2-D cumsum along rows is the same left-to-right accumulation as the 1-D one, bit for bit)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[tuple[object, str, np.ndarray]] = []
+
+    def add(self, obj: object, attr: str, terms: np.ndarray) -> None:
+        if terms.size:
+            self.items.append((obj, attr, terms))
+
+    def apply(self) -> None:
+        by_len: dict[int, list[tuple[object, str, np.ndarray]]] = {}
+        for it in self.items:
+            by_len.setdefault(it[2].size, []).append(it)
+        for n, group in by_len.items():
+            if len({(id(o), a) for o, a, _ in group}) != len(group):  # one sum twice: keep the order, one by one
+                for o, a, t in group:
+                    setattr(o, a, _seqsum(getattr(o, a), t))
+                continue
+            m = np.empty((len(group), n + 1))
+            m[:, 0] = [getattr(o, a) for o, a, _ in group]
+            m[:, 1:] = [t for _, _, t in group]
+            for (o, a, _), v in zip(group, np.cumsum(m, axis=1)[:, -1].tolist()):
+                setattr(o, a, v)
+
+
+def _last_model(models: list[str]) -> str:
+    """The last non-empty model (what per-sample ``if s.model: acc.model = s.model`` leaves)."""
+    if models and models.count(models[-1]) == len(models):
+        return models[-1]
+    for m in reversed(models):
+        if m:
+            return m
+    return ""
+
+
+def _shares(s: GpuSample) -> tuple[float, ...]:
+    if s.job_shares:
+        return s.job_shares
+    n = len(s.job_ids)
+    return (1.0 / n,) * n if n else ()
+
+
+class Aggregator:
+    """In-memory streaming aggregation; the store persists what :meth:`take_dirty` names.
+
+    ``load_usage`` / ``load_hour`` fetch an accumulator that is not in memory (from the store), so
+    memory holds only the window and what it touches; the defaults start every key from zero.
+    """
+
+    def __init__(
+        self,
+        window_s: float = 600.0,
+        max_gap_s: float = 300.0,
+        load_usage: Callable[[UsageKey], UsageAcc | None] | None = None,
+        load_hour: Callable[[HourKey], HourAcc | None] | None = None,
+    ) -> None:
+        if not window_s >= 0 or not max_gap_s > 0:
+            raise ValueError(f"window_s must be >= 0 and max_gap_s > 0, got {window_s!r}, {max_gap_s!r}")
+        self.window_s = float(window_s)
+        self.max_gap_s = float(max_gap_s)
+        self._load_usage = load_usage or (lambda k: None)
+        self._load_hour = load_hour or (lambda k: None)
+        self.gpus: dict[GpuKey, GpuState] = {}
+        self.usage: dict[UsageKey, UsageAcc] = {}
+        self.hours: dict[HourKey, HourAcc] = {}
+        self.dirty_usage: set[UsageKey] = set()
+        self.dirty_gpus: set[GpuKey] = set()
+        self.dirty_hours: set[HourKey] = set()
+
+    # -- accumulators -------------------------------------------------------------------------
+    def _usage(self, key: UsageKey) -> UsageAcc:
+        acc = self.usage.get(key)
+        if acc is None:
+            acc = self._load_usage(key) or UsageAcc()
+            self.usage[key] = acc
+        self.dirty_usage.add(key)
+        return acc
+
+    def _hour(self, key: HourKey) -> HourAcc:
+        acc = self.hours.get(key)
+        if acc is None:
+            acc = self._load_hour(key) or HourAcc()
+            self.hours[key] = acc
+        self.dirty_hours.add(key)
+        return acc
+
+    def _apply_pair(self, gk: GpuKey, g: GpuState, prev: GpuSample, cur: GpuSample, sign: float) -> None:
+        """Add (sign=+1) or remove (sign=-1) the contribution of the interval (prev, cur]."""
+        dt = cur.ts - prev.ts
+        observed = dt <= self.max_gap_s
+        gpu_s = dt if observed else 0.0
+        energy = 0.0
+        pe, ce = prev.energy_joules, cur.energy_joules
+        if pe is not None and ce is not None:
+            energy = ce - pe if ce >= pe else ce  # backwards = reset: energy since the reset
+        elif observed and cur.power_watts is not None:
+            energy = cur.power_watts * dt
+        if gpu_s == 0.0 and energy == 0.0:
+            return
+        g.observed_s += sign * gpu_s
+        g.energy_j += sign * energy
+        hour = self._hour((gk[0], gk[1], gk[2], math.floor(cur.ts / HOUR_S) * HOUR_S))
+        hour.observed_s += sign * gpu_s
+        hour.energy_j += sign * energy
+        if not cur.job_ids:
+            return
+        sm, dram, ten, occ = cur.sm_active_ratio, cur.dram_bw_ratio, cur.tensor_active_ratio, cur.sm_occupancy_ratio
+        gid = gpu_id(gk[1], gk[2])
+        for job, share in zip(cur.job_ids, _shares(cur)):
+            acc = self._usage((job, gk[0], gid))
+            w = sign * gpu_s * share
+            acc.alloc_s += w
+            hour.alloc_s += w
+            acc.energy_j += sign * energy * share
+            if sm is not None:
+                acc.sm_s += sm * w
+                hour.sm_s += sm * w
+                acc.sm_sum += sm * w
+                acc.sm_w += w
+            if dram is not None:
+                acc.dram_sum += dram * w
+                acc.dram_w += w
+            if ten is not None:
+                acc.tensor_sum += ten * w
+                acc.tensor_w += w
+            if occ is not None:
+                acc.occ_sum += occ * w
+                acc.occ_w += w
+
+    def _apply_point(self, gk: GpuKey, g: GpuState, s: GpuSample) -> None:
+        """Per-sample statistics (counts, first/last, peaks): monotone, so never undone."""
+        g.n += 1
+        if s.ts < g.first_ts:
+            g.first_ts = s.ts
+        if s.model:
+            g.model = s.model
+        self._hour((gk[0], gk[1], gk[2], math.floor(s.ts / HOUR_S) * HOUR_S)).samples += 1
+        self.dirty_gpus.add(gk)
+        if not s.job_ids:
+            return
+        gid = gpu_id(gk[1], gk[2])
+        for job in s.job_ids:
+            acc = self._usage((job, gk[0], gid))
+            acc.samples += 1
+            if s.ts < acc.first_ts:
+                acc.first_ts = s.ts
+            if s.ts > acc.last_ts:
+                acc.last_ts = s.ts
+                if s.model:
+                    acc.model = s.model
+            if s.mem_used_bytes is not None and (acc.mem_peak is None or s.mem_used_bytes > acc.mem_peak):
+                acc.mem_peak = s.mem_used_bytes
+            if s.power_watts is not None and (acc.power_peak is None or s.power_watts > acc.power_peak):
+                acc.power_peak = s.power_watts
+
+    # -- ingest -------------------------------------------------------------------------------
+    def add(self, s: GpuSample) -> str:
+        """Fold one sample in; returns ACCEPTED, DUPLICATE or TOO_LATE."""
+        gk = (s.host, s.gpu_uuid, s.mig or "")
+        g = self.gpus.get(gk)
+        if g is None:
+            g = self.gpus[gk] = GpuState()
+        ts = s.ts
+        samples = g.rows()
+        if ts > g.watermark:  # the hot path: in order
+            if samples:
+                self._apply_pair(gk, g, samples[-1], s, 1.0)
+            g.ts.append(ts)
+            samples.append(s)
+            g.watermark = ts
+            self._apply_point(gk, g, s)
+            self._evict(g)
+            return ACCEPTED
+        if ts < g.watermark - self.window_s:
+            return TOO_LATE
+        i = bisect_left(g.ts, ts, g.start)
+        if g.ts[i] == ts:  # i < len because ts <= watermark == g.ts[-1]
+            return DUPLICATE
+        nxt = samples[i]
+        prev = samples[i - 1] if i > 0 else None
+        if prev is not None:
+            self._apply_pair(gk, g, prev, nxt, -1.0)
+            self._apply_pair(gk, g, prev, s, 1.0)
+        self._apply_pair(gk, g, s, nxt, 1.0)
+        g.ts.insert(i, ts)
+        samples.insert(i, s)
+        self._apply_point(gk, g, s)
+        return ACCEPTED
+
+    def add_many(self, samples: Iterable[GpuSample]) -> tuple[AddCounts, list[GpuSample]]:
+        """Fold samples in time order (so the outcome does not depend on order within a batch).
+
+        Returns the counts and the accepted samples (the ones to store raw), in time order. GPUs never
+        share state, so each GPU's samples are folded on their own: a long in-order run (an agent's
+        batch, the common case) by :meth:`_add_run` a column at a time, anything else one by one.
+        """
+        ordered = sorted(samples, key=_TS)
+        runs: dict[GpuKey, list[int]] = {}  # positions in ``ordered``: a batch may hold one object twice
+        for i, s in enumerate(ordered):
+            gk = (s.host, s.gpu_uuid, s.mig or "")
+            run = runs.get(gk)
+            if run is None:
+                runs[gk] = [i]
+            else:
+                run.append(i)
+        rejected: set[int] = set()  # positions of the samples not accepted
+        dup = late = 0
+        for gk, pos in runs.items():
+            if len(pos) >= _RUN_MIN and self._add_run(gk, [ordered[i] for i in pos]):
+                continue
+            for i in pos:
+                r = self.add(ordered[i])
+                if r is not ACCEPTED:
+                    rejected.add(i)
+                    if r is DUPLICATE:
+                        dup += 1
+                    else:
+                        late += 1
+        accepted = [s for i, s in enumerate(ordered) if i not in rejected] if rejected else ordered
+        return AddCounts(len(accepted), dup, late), accepted
+
+    def _add_run(self, gk: GpuKey, run: list[GpuSample]) -> bool:
+        """Fold one GPU's samples (sorted) if all are newer than its watermark and strictly increasing;
+        False (nothing changed) otherwise. Bit-for-bit what :meth:`add` per sample gives: every sum is
+        a sequential ``np.cumsum`` over the same terms in the same order (never a pairwise sum)."""
+        g = self.gpus.get(gk)
+        ts = np.array(list(map(_TS, run)), dtype=np.float64)
+        if g is not None and not ts[0] > g.watermark or not (ts[1:] > ts[:-1]).all():
+            return False
+        cols = {}
+        for f, get in _RUN_FLOATS.items():  # None -> NaN; a NaN reading (never validated in) takes the slow path
+            vals = list(map(get, run))
+            absent = vals.count(None)
+            a = np.array([math.nan if v is None else v for v in vals] if absent else vals, dtype=np.float64)
+            if int(np.isnan(a).sum()) != absent:
+                return False
+            cols[f] = a
+        if g is None:
+            g = self.gpus[gk] = GpuState()
+        samples = g.rows()
+        # segments with one job set (and shares): a GPU changes jobs rarely, so usually one segment
+        jobs = list(map(_JOBS, run))
+        cuts = [0] if jobs.count(jobs[0]) == len(jobs) else [0] + [i for i in range(1, len(run)) if jobs[i] != jobs[i - 1]]
+        cuts.append(len(run))
+        for a, b in zip(cuts, cuts[1:]):
+            seg = run[a:b]
+            self._run_pairs(gk, g, g.anchor(), seg[0].job_ids, _shares(seg[0]), a, b, ts, cols)
+            mem = [s.mem_used_bytes for s in seg]
+            mem = [v for v in mem if v is not None] if None in mem else mem
+            power = [s.power_watts for s in seg]
+            power = [v for v in power if v is not None] if None in power else power
+            # max() keeps the first of equals, as add() does
+            self._run_points(gk, g, ts[a:b], [s.model for s in seg], seg[0].job_ids,
+                             max(mem) if mem else None, max(power) if power else None)
+            g.ts.extend(ts[a:b].tolist())
+            samples.extend(seg)
+            g.watermark = g.ts[-1]
+        self._evict(g)  # where eviction ends depends only on the watermark
+        return True
+
+    def add_series(self, series: list[Series]) -> tuple[list[Series], list[GpuSample]]:
+        """Fold columnar series a column at a time where that is exact: each GPU's series, in time order,
+        strictly increasing, not overlapping and all newer than the GPU's watermark (an agent's batch).
+        Returns (the series folded, every other series' samples for :meth:`add_many`). GPUs never share
+        state, so a GPU either takes this path whole or the per-sample one whole."""
+        by_gpu: dict[GpuKey, list[Series]] = {}
+        for s in series:
+            by_gpu.setdefault(s.key, []).append(s)
+        folded: list[Series] = []
+        rest: list[GpuSample] = []
+        for gk, ss in by_gpu.items():
+            ss.sort(key=lambda x: x.ts[0])
+            g = self.gpus.get(gk)
+            last = -math.inf if g is None else g.watermark
+            ok = True
+            for x in ss:
+                t = x.ts
+                if not t[0] > last or not (t[1:] > t[:-1]).all():
+                    ok = False
+                    break
+                last = t[-1]
+            if not ok:
+                rest.extend(r for x in ss for r in x.rows())
+                continue
+            for x in ss:
+                self._fold_series(gk, x)
+            folded.extend(ss)
+        return folded, rest
+
+    def _fold_series(self, gk: GpuKey, s: Series) -> None:
+        g = self.gpus.get(gk)
+        if g is None:
+            g = self.gpus[gk] = GpuState()
+        ts = s.ts
+        cols = {f: s.float_col(f) for f in PAIR_FLOATS}
+        self._run_pairs(gk, g, g.anchor(), s.job_ids, _shares(s), 0, s.n, ts, cols)
+        mem_peak = None
+        if "mem_used_bytes" in s.ints:
+            v, m = s.ints["mem_used_bytes"]
+            if m is not None:
+                v = v[m]
+            mem_peak = int(v.max()) if v.size else None
+        power = cols["power_watts"]
+        power_peak = None if np.isnan(power).all() else float(np.nanmax(power))
+        self._run_points(gk, g, ts, [s.model] * s.n, s.job_ids, mem_peak, power_peak)
+        g.ts.extend(ts.tolist())
+        # the window keeps a copy of what pair contributions read, not the batch's arrays
+        g.pending.append(WindowSegment(ts.copy(), {f: c.copy() for f, c in cols.items()}, s.job_ids, s.job_shares))
+        g.watermark = g.ts[-1]
+        self._evict(g)
+
+    def _run_pairs(self, gk: GpuKey, g: GpuState, prev: tuple[float, float] | None, job_ids: tuple[str, ...],
+                   shares: tuple[float, ...], a: int, b: int, ts: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+        """:meth:`_apply_pair` (sign +1) for the intervals ending at rows a..b-1 (one job set), vectorised.
+        ``prev``: (ts, energy or NaN) of the sample before row a, None when the GPU has none."""
+        if prev is None:  # the GPU's first sample starts no interval
+            a += 1
+            if a >= b:
+                return
+            p_ts, p_e = ts[a - 1], cols["energy_joules"][a - 1]
+        else:
+            p_ts, p_e = prev
+        cur = slice(a, b)
+        t = ts[cur]
+        dt = np.diff(t, prepend=p_ts)  # cur.ts - prev.ts, pair by pair
+        observed = dt <= self.max_gap_s
+        gpu_s = np.where(observed, dt, 0.0)
+        ce = cols["energy_joules"][cur]
+        pe = np.concatenate(([p_e], ce[:-1]))
+        power = cols["power_watts"][cur]
+        counter = ~np.isnan(pe) & ~np.isnan(ce)
+        energy = np.where(counter, np.where(ce >= pe, ce - pe, ce),
+                          np.where(observed & ~np.isnan(power), power * dt, 0.0))
+        keep = ~((gpu_s == 0.0) & (energy == 0.0))  # what _apply_pair returns early on
+        if not keep.any():
+            return
+        sums = _SeqSums()
+        sums.add(g, "observed_s", gpu_s[keep])
+        sums.add(g, "energy_j", energy[keep])
+        if job_ids:
+            sh = np.array(shares, dtype=np.float64)
+            w = gpu_s[:, None] * sh  # (pairs, jobs): row-major order is add()'s order of terms
+            e = energy[:, None] * sh
+            ratios = {f: cols[f][cur] for f in _MEANS}
+            sm = ratios["sm_active_ratio"]
+            sm_w = sm[:, None] * w
+            has_sm = ~np.isnan(sm)
+        h0, h1 = math.floor(t[0] / HOUR_S) * HOUR_S, math.floor(t[-1] / HOUR_S) * HOUR_S
+        if h0 == h1:  # the usual run: within one hour
+            hours = [(h0, keep)]
+        else:
+            bucket = np.floor(t / HOUR_S) * HOUR_S
+            hours = [(hb, keep & (bucket == hb)) for hb in np.unique(bucket[keep]).tolist()]
+        for hb, rows in hours:
+            hour = self._hour((gk[0], gk[1], gk[2], hb))
+            sums.add(hour, "observed_s", gpu_s[rows])
+            sums.add(hour, "energy_j", energy[rows])
+            if job_ids:
+                sums.add(hour, "alloc_s", w[rows].ravel())
+                sums.add(hour, "sm_s", sm_w[rows & has_sm].ravel())
+        if job_ids:
+            gid = gpu_id(gk[1], gk[2])
+            present = {f: keep & ~np.isnan(v) for f, v in ratios.items()}
+            for j, job in enumerate(job_ids):
+                acc = self._usage((job, gk[0], gid))
+                sums.add(acc, "alloc_s", w[keep, j])
+                sums.add(acc, "energy_j", e[keep, j])
+                for f, (s_attr, w_attr) in _MEANS.items():
+                    m = present[f]
+                    if not m.any():
+                        continue
+                    vw = ratios[f][m] * w[m, j]
+                    if f == "sm_active_ratio":
+                        sums.add(acc, "sm_s", vw)
+                    sums.add(acc, s_attr, vw)
+                    sums.add(acc, w_attr, w[m, j])
+        sums.apply()
+
+    def _run_points(self, gk: GpuKey, g: GpuState, ts: np.ndarray, models: list[str], job_ids: tuple[str, ...],
+                    mem_peak: int | None, power_peak: float | None) -> None:
+        """:meth:`_apply_point` for rows at ``ts`` (strictly increasing, all past the watermark, one job set),
+        vectorised; ``models`` one per row, the peaks over the rows' reported values."""
+        first = float(ts[0])
+        g.n += len(ts)
+        if first < g.first_ts:
+            g.first_ts = first
+        model = _last_model(models)
+        if model:
+            g.model = model
+        h0 = math.floor(ts[0] / HOUR_S) * HOUR_S
+        if h0 == math.floor(ts[-1] / HOUR_S) * HOUR_S:
+            self._hour((gk[0], gk[1], gk[2], h0)).samples += len(ts)
+        else:
+            buckets, counts = np.unique(np.floor(ts / HOUR_S) * HOUR_S, return_counts=True)
+            for hb, c in zip(buckets.tolist(), counts.tolist()):
+                self._hour((gk[0], gk[1], gk[2], hb)).samples += c
+        self.dirty_gpus.add(gk)
+        if not job_ids:
+            return
+        gid = gpu_id(gk[1], gk[2])
+        for job in job_ids:
+            acc = self._usage((job, gk[0], gid))
+            acc.samples += len(ts)
+            if first < acc.first_ts:
+                acc.first_ts = first
+            newer = int(np.searchsorted(ts, acc.last_ts, side="right"))  # samples with ts > last_ts
+            if newer < len(ts):
+                acc.last_ts = float(ts[-1])
+                model = _last_model(models[newer:])
+                if model:
+                    acc.model = model
+            if mem_peak is not None and (acc.mem_peak is None or mem_peak > acc.mem_peak):
+                acc.mem_peak = mem_peak
+            if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
+                acc.power_peak = power_peak
+
+    def _evict(self, g: GpuState) -> None:
+        # Keep every sample inside the window plus one before it (the "anchor"), which is the prev
+        # of any late sample that can still be accepted.
+        limit = g.watermark - self.window_s
+        ts, start, n = g.ts, g.start, len(g.ts)
+        while start + 1 < n and ts[start + 1] < limit:
+            start += 1
+        g.start = start
+        if start > 256 and start * 2 > n:  # compact now and then: amortised O(1)
+            g.drop(start)
+
+    # -- persistence hooks --------------------------------------------------------------------
+    def restore_gpu(self, gk: GpuKey, totals: tuple, recent: list[GpuSample] = (),  # type: ignore[assignment]
+                    segments: list[WindowSegment] = ()) -> None:  # type: ignore[assignment]
+        """Install a GPU's totals and its recent samples (the window plus the anchor) from storage: as
+        objects (``recent``, any order) or as time-ordered columns (``segments``, what the store reads)."""
+        g = GpuState()
+        for f, v in zip(GpuState.TOTAL_FIELDS, totals, strict=True):
+            setattr(g, f, v)
+        recent = sorted(recent, key=lambda x: x.ts)
+        g.ts = [s.ts for s in recent]
+        g.samples = list(recent)
+        for seg in segments:
+            g.ts.extend(seg.ts.tolist())
+            g.pending.append(seg)
+        self.gpus[gk] = g
+        self._evict(g)
+
+    def take_dirty(self) -> tuple[set[UsageKey], set[GpuKey], set[HourKey]]:
+        d = (self.dirty_usage, self.dirty_gpus, self.dirty_hours)
+        self.dirty_usage, self.dirty_gpus, self.dirty_hours = set(), set(), set()
+        return d
+
+    def reset(self) -> None:
+        """Forget everything in memory (the store then restores from what it committed)."""
+        self.gpus.clear()
+        self.usage.clear()
+        self.hours.clear()
+        self.take_dirty()
+
+    def drop_caches(self) -> None:
+        """Drop clean accumulators; they are reloaded on demand. Call only when nothing is dirty."""
+        self.usage.clear()
+        self.hours.clear()
+
+    # -- read side (in-memory; the store reads its tables instead) ----------------------------
+    def job_usage(self, job_id: str | None = None, per_gpu: bool = False) -> list[JobUsage]:
+        rows = [(k, a) for k, a in self.usage.items() if job_id is None or k[0] == job_id]
+        return summarize(rows, per_gpu)
+
+    def gpu_totals(self) -> dict[GpuKey, tuple[float, float]]:
+        """(GPU-seconds observed, energy joules) per GPU."""
+        return {k: (g.observed_s, g.energy_j) for k, g in self.gpus.items()}
+
+
+def _mean(s: float, w: float) -> float | None:
+    return s / w if w > 0 else None
+
+
+def usage_record(job_id: str, host: str, gpu: str, a: UsageAcc, gpus: int = 1) -> JobUsage:
+    return JobUsage(
+        job_id=job_id, host=host, gpu_uuid=gpu, first_ts=a.first_ts, last_ts=a.last_ts, samples=a.samples,
+        allocated_gpu_seconds=a.alloc_s, sm_active_gpu_seconds=a.sm_s, energy_joules=a.energy_j,
+        sm_active_mean=_mean(a.sm_sum, a.sm_w), dram_bw_mean=_mean(a.dram_sum, a.dram_w),
+        tensor_active_mean=_mean(a.tensor_sum, a.tensor_w), sm_occupancy_mean=_mean(a.occ_sum, a.occ_w),
+        mem_used_peak_bytes=a.mem_peak, power_peak_watts=a.power_peak, model=a.model, gpus=gpus,
+    )
+
+
+def merge(accs: Iterable[UsageAcc]) -> UsageAcc:
+    """Combine one job's per-GPU accumulators: sums add (so means stay time-weighted), peaks max."""
+    out = UsageAcc()
+    latest = -math.inf
+    for a in accs:
+        out.first_ts = min(out.first_ts, a.first_ts)
+        out.last_ts = max(out.last_ts, a.last_ts)
+        for f in ("samples", "alloc_s", "sm_s", "energy_j", "sm_sum", "sm_w", "dram_sum", "dram_w",
+                  "tensor_sum", "tensor_w", "occ_sum", "occ_w"):
+            setattr(out, f, getattr(out, f) + getattr(a, f))
+        if a.mem_peak is not None and (out.mem_peak is None or a.mem_peak > out.mem_peak):
+            out.mem_peak = a.mem_peak
+        if a.power_peak is not None and (out.power_peak is None or a.power_peak > out.power_peak):
+            out.power_peak = a.power_peak
+        if a.model and a.last_ts >= latest:
+            out.model, latest = a.model, a.last_ts
+    return out
+
+
+def summarize(rows: Iterable[tuple[UsageKey, UsageAcc]], per_gpu: bool) -> list[JobUsage]:
+    """JobUsage per (job, host, GPU), or per job summed over its GPUs (gpu_uuid "*", host the job's
+    only host or "*" when it spans several; ``gpus`` the distinct GPU count)."""
+    rows = sorted(rows, key=lambda r: r[0])
+    if per_gpu:
+        return [usage_record(k[0], k[1], k[2], a) for k, a in rows]
+    by_job: dict[str, list[tuple[UsageKey, UsageAcc]]] = {}
+    for k, a in rows:
+        by_job.setdefault(k[0], []).append((k, a))
+    out = []
+    for job, items in by_job.items():
+        hosts = {k[1] for k, _ in items}
+        host = next(iter(hosts)) if len(hosts) == 1 else "*"
+        out.append(usage_record(job, host, "*", merge(a for _, a in items), gpus=len({(k[1], k[2]) for k, _ in items})))
+    return out

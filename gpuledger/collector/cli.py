@@ -1,0 +1,132 @@
+"""``gpuledger collector ...``: run the collector, read job usage from the embedded store."""
+
+from __future__ import annotations
+
+import json
+import signal
+import ssl
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpuledger.collector.auth import Authenticator
+from gpuledger.collector.config import ConfigError, load_settings
+from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
+from gpuledger.collector.store import SqliteStore
+
+app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
+                  no_args_is_help=True)
+
+DB_NAME = "gpuledger.sqlite"
+DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER_DATA_DIR",
+                       help="Directory of the embedded store.")
+
+
+def store_path(data_dir: Path) -> Path:
+    return data_dir / DB_NAME
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command()
+def serve(
+    data_dir: Path = DataDir,
+    config: Path | None = typer.Option(None, "--config", help="TOML file whose [collector] table configures this "
+                                       "(default: <data-dir>/gpuledger.toml if present)."),
+    host: str | None = typer.Option(None, help="Address to listen on [default: 127.0.0.1]."),
+    port: int | None = typer.Option(None, help="Port to listen on, 0 picks a free one [default: 8470]."),
+    window: float | None = typer.Option(None, help="Seconds a late sample may trail its GPU's newest and still "
+                                        "count [default: 600]."),
+    max_gap: float | None = typer.Option(None, help="Longer intervals between samples are gaps [default: 300]."),
+    tokens_file: Path | None = typer.Option(None, help="TOML file of tokens ([tokens] host = token, admin_tokens, "
+                                            "read_tokens); no tokens anywhere: authentication off."),
+    tls_cert: Path | None = typer.Option(None, help="PEM certificate: serve HTTPS (with --tls-key)."),
+    tls_key: Path | None = typer.Option(None, help="PEM private key of --tls-cert."),
+) -> None:
+    """Serve the ingest and query API until interrupted (settings: file < GPULEDGER_COLLECTOR_* < flags)."""
+    try:
+        settings = load_settings(data_dir, config, overrides={
+            "host": host, "port": port, "window_s": window, "max_gap_s": max_gap, "tokens_file": tokens_file,
+            "tls_cert": tls_cert, "tls_key": tls_key,
+        })
+        tls = tls_context(settings.tls_cert, settings.tls_key) if settings.tls_cert and settings.tls_key else None
+    except (ConfigError, OSError, ssl.SSLError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        sinks = settings.sinks()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
+                        retention=settings.retention(), sinks=sinks)
+    store.start_background(settings.compact_interval_s)
+    server = CollectorServer(
+        store, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes,
+        auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
+        priority_feed=settings.priority_feed or data_dir / FEED_NAME, max_inflight=settings.max_inflight,
+    )
+    # SIGTERM (systemd, kill) stops as cleanly as Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
+    auth = "on" if settings.auth_enabled else "off (no tokens configured)"
+    influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if sinks else ""
+    typer.echo(f"collector listening on {server.url}, store {store.path}, auth {auth}{influx}")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        store.close()
+        for sink in sinks:  # flush what is buffered for InfluxDB
+            sink.close()
+
+
+@app.command()
+def usage(
+    data_dir: Path = DataDir,
+    job: str | None = typer.Option(None, "--job", help="Only this job id."),
+    per_gpu: bool = typer.Option(False, "--per-gpu", help="One row per job and GPU."),
+    fmt: Format = typer.Option(Format.table, "--format", help="table or json."),
+) -> None:
+    """Print measured job usage from the store."""
+    path = store_path(data_dir)
+    if not path.exists():
+        typer.echo(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)", err=True)
+        raise typer.Exit(2)
+    store = SqliteStore(path)
+    try:
+        rows = store.job_usage(job, per_gpu=per_gpu)
+    finally:
+        store.close()
+    if fmt is Format.json:
+        typer.echo(json.dumps([u.to_dict() for u in rows], indent=2))
+        return
+    t = Table(title=f"GPU job usage ({path})")
+    for col in ("job", "host", "GPU", "GPUs", "GPU-h", "SM-active GPU-h", "eff.", "mean HBM", "energy kWh", "peak mem GB"):
+        t.add_column(col, justify="left" if col in ("job", "host", "GPU") else "right")
+    for u in rows:
+        eff = u.efficiency
+        t.add_row(
+            u.job_id, u.host, u.gpu_uuid, str(u.gpus), f"{u.allocated_gpu_seconds / 3600:.3f}",
+            f"{u.sm_active_gpu_seconds / 3600:.3f}", "-" if eff is None else f"{eff:.0%}",
+            "-" if u.dram_bw_mean is None else f"{u.dram_bw_mean:.2f}", f"{u.energy_joules / 3.6e6:.3f}",
+            "-" if u.mem_used_peak_bytes is None else f"{u.mem_used_peak_bytes / 1e9:.1f}",
+        )
+    Console().print(t)
+
+
+# The store's maintenance and query commands (compact, series, totals) sit beside serve and usage.
+from gpuledger.collector import store_cli  # noqa: E402
+
+app.registered_commands.extend(store_cli.app.registered_commands)

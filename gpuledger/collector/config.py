@@ -1,0 +1,197 @@
+"""The collector's settings: the ``[collector]`` table of ``gpuledger.toml``, validated by pydantic.
+
+Precedence, lowest first: defaults, the file (``<data-dir>/gpuledger.toml`` or ``--config``), environment
+variables ``GPULEDGER_COLLECTOR_<SETTING>`` (for example ``GPULEDGER_COLLECTOR_PORT=8471``), command-line flags.
+Example::
+
+    [collector]
+    host = "0.0.0.0"
+    port = 8470
+    window_s = 600                 # a late sample may trail its GPU's newest by this much and still count
+    max_gap_s = 300                # longer silences between two samples are gaps, not usage
+    max_body_bytes = 67108864      # decoded request body limit
+    max_inflight = 256             # concurrent ingest requests; more get 503 (agents back off and retry)
+    tls_cert = "/etc/gpuledger/collector.crt"   # both or neither; relative paths are relative to this file
+    tls_key = "/etc/gpuledger/collector.key"
+    tokens_file = "/etc/gpuledger/tokens.toml"  # same keys as below; keeps secrets out of this file
+    admin_tokens = ["..."]         # may read everything and POST /api/v1/jobs
+    read_tokens = ["..."]          # may GET the query endpoints
+    [collector.tokens]             # node tokens: each may write only its own host's samples
+    "node01" = "..."
+
+With no token configured at all, authentication is off (the demo and a single-host setup run that way);
+``/healthz``, ``/metrics`` and ``/api/v1/openapi.json`` are always open.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gpuledger.collector.store import Retention
+from gpuledger.collector.validate import MAX_BODY_BYTES
+
+CONFIG_NAME = "gpuledger.toml"
+ENV_PREFIX = "GPULEDGER_COLLECTOR_"
+MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
+# Settings an environment variable may override (the token tables are files' business, not the environment's).
+ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "max_body_bytes", "max_inflight", "tokens_file",
+                "tls_cert", "tls_key", "priority_feed")
+
+
+class ConfigError(ValueError):
+    """The configuration is missing or invalid; the message names the file and the setting."""
+
+
+class TokenTables(BaseModel):
+    """What a tokens file holds (and the token part of the ``[collector]`` table)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: dict[str, str] = {}
+    admin_tokens: list[str] = []
+    read_tokens: list[str] = []
+
+    @field_validator("tokens")
+    @classmethod
+    def _node_tokens(cls, v: dict[str, str]) -> dict[str, str]:
+        for host, token in v.items():
+            if not host:
+                raise ValueError("a node token needs a non-empty host name")
+            _check_token(token, f"token of {host!r}")
+        return v
+
+    @field_validator("admin_tokens", "read_tokens")
+    @classmethod
+    def _role_tokens(cls, v: list[str]) -> list[str]:
+        for i, token in enumerate(v):
+            _check_token(token, f"token #{i}")
+        return v
+
+
+def _check_token(token: str, what: str) -> None:
+    if len(token) < MIN_TOKEN_CHARS or token != token.strip():
+        raise ValueError(f"{what} must be at least {MIN_TOKEN_CHARS} characters without surrounding blanks")
+
+
+class CollectorSettings(TokenTables):
+    host: str = "127.0.0.1"
+    port: int = Field(8470, ge=0, le=65535)
+    window_s: float = Field(600.0, ge=0)
+    max_gap_s: float = Field(300.0, gt=0)
+    max_body_bytes: int = Field(MAX_BODY_BYTES, gt=0)
+    max_inflight: int = Field(256, gt=0)
+    tokens_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    priority_feed: Path | None = None  # default: <data-dir>/priority-feed.json
+    # Tiers (seconds; 0 = keep for good, except raw samples) and the background compaction that applies them.
+    raw_retention_s: float = Field(7 * 86400.0, gt=0)
+    minute_retention_s: float = Field(90 * 86400.0, ge=0)
+    hour_retention_s: float = Field(0.0, ge=0)
+    compact_interval_s: float = Field(300.0, gt=0)
+    # InfluxDB sink (off unless influx_url is set): api "v2" (2.x, 3.x, 1.8+, VictoriaMetrics) or "v1" (/write).
+    influx_url: str | None = None
+    influx_api: Literal["v1", "v2"] = "v2"
+    influx_database: str = "gpuledger"
+    influx_bucket: str = "gpuledger"
+    influx_org: str = "gpuledger"
+    influx_token: str = ""
+
+    def retention(self) -> Retention:
+        return Retention(raw_s=self.raw_retention_s, minute_s=self.minute_retention_s or None,
+                         hour_s=self.hour_retention_s or None)
+
+    def sinks(self) -> list[Any]:
+        if not self.influx_url:
+            return []
+        from gpuledger.collector.sinks.influx import InfluxSink
+
+        return [InfluxSink(self.influx_url, self.influx_api, database=self.influx_database, bucket=self.influx_bucket,
+                           org=self.influx_org, token=self.influx_token)]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CollectorSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        seen: dict[str, str] = {}
+        roles = [(t, f"node {h!r}") for h, t in self.tokens.items()]
+        roles += [(t, "admin") for t in self.admin_tokens] + [(t, "read") for t in self.read_tokens]
+        for token, role in roles:
+            if token in seen:  # one token with two roles would make the caller's rights ambiguous
+                raise ValueError(f"the same token is configured for {seen[token]} and {role}")
+            seen[token] = role
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.tokens or self.admin_tokens or self.read_tokens)
+
+
+def _errors(e: ValidationError, prefix: str) -> str:
+    return "; ".join(f"{prefix}{'.'.join(map(str, err['loc'])) or '(table)'}: {err['msg']}" for err in e.errors())
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: configuration file not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def load_settings(
+    data_dir: Path,
+    config: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> CollectorSettings:
+    """Settings from the file, then the environment, then ``overrides`` (CLI flags; None values are skipped)."""
+    env = os.environ if env is None else env
+    path = config if config is not None else data_dir / CONFIG_NAME
+    raw: dict[str, Any] = {}
+    if config is not None or path.exists():
+        table = _read_toml(path).get("collector", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [collector] must be a table")
+        raw = dict(table)
+        # Paths in the file are relative to the file; those from the environment or flags to the working directory.
+        for key in ("tokens_file", "tls_cert", "tls_key", "priority_feed"):
+            if isinstance(raw.get(key), str):
+                raw[key] = path.parent / raw[key]
+    for name in ENV_SETTINGS:
+        value = env.get(ENV_PREFIX + name.upper())
+        if value is not None and value != "":
+            raw[name] = value
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        settings = CollectorSettings.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{path}: {_errors(e, 'collector.')}") from None
+    if settings.tokens_file is not None:
+        settings = _merge_tokens_file(settings, settings.tokens_file)
+    return settings
+
+
+def _merge_tokens_file(settings: CollectorSettings, tokens_file: Path) -> CollectorSettings:
+    try:
+        extra = TokenTables.model_validate(_read_toml(tokens_file))
+    except ValidationError as e:
+        raise ConfigError(f"{tokens_file}: {_errors(e, '')}") from None
+    merged = settings.model_dump()
+    clash = set(merged["tokens"]) & set(extra.tokens)
+    if clash:
+        raise ConfigError(f"{tokens_file}: node(s) {sorted(clash)} also have a token in the [collector] table")
+    merged["tokens"] = {**merged["tokens"], **extra.tokens}
+    merged["admin_tokens"] = merged["admin_tokens"] + extra.admin_tokens
+    merged["read_tokens"] = merged["read_tokens"] + extra.read_tokens
+    try:
+        return CollectorSettings.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(f"{tokens_file}: {_errors(e, '')}") from None

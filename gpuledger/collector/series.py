@@ -1,0 +1,117 @@
+"""One validated series: a GPU's samples of one batch as numpy columns (see ``agent.wire`` for the layout).
+
+The collector folds, stores and packs a series a column at a time; ``rows()`` turns it into GpuSamples
+only where a sample at a time is needed (late or out-of-order samples, sinks, tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
+from gpuledger.schema.wire import FLOAT_COLUMNS, INT_COLUMNS
+
+_NONE: dict[str, Any] = {}
+
+
+class Series:
+    """``floats``: field -> float64 array, NaN where not reported (validated values are never NaN);
+    ``ints``: field -> (int64 array, present mask or None when all present); ``lists``: field -> one tuple
+    per row (``xid_errors``: ints, ``processes``: GpuProcess). Fields never reported are absent."""
+
+    __slots__ = ("host", "gpu_uuid", "gpu_index", "model", "mig", "source", "job_ids", "job_shares",
+                 "n", "ts", "floats", "ints", "lists")
+
+    def __init__(self, host: str, gpu_uuid: str, gpu_index: int, ts: np.ndarray, *, model: str = "",
+                 mig: str | None = None, source: str = "", job_ids: tuple[str, ...] = (),
+                 job_shares: tuple[float, ...] = (), floats: Mapping[str, np.ndarray] = _NONE,
+                 ints: Mapping[str, tuple[np.ndarray, np.ndarray | None]] = _NONE,
+                 lists: Mapping[str, tuple] = _NONE) -> None:
+        self.host, self.gpu_uuid, self.gpu_index = host, gpu_uuid, gpu_index
+        self.model, self.mig, self.source = model, mig, source
+        self.job_ids, self.job_shares = job_ids, job_shares
+        self.n = len(ts)
+        self.ts = ts
+        self.floats = dict(floats)
+        self.ints = dict(ints)
+        self.lists = dict(lists)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.host, self.gpu_uuid, self.mig or "")
+
+    def float_col(self, f: str) -> np.ndarray:
+        """A float field as float64 with NaN where absent (all NaN when never reported)."""
+        a = self.floats.get(f)
+        return np.full(self.n, np.nan) if a is None else a
+
+    def slice(self, a: int, b: int) -> Series:
+        return Series(self.host, self.gpu_uuid, self.gpu_index, self.ts[a:b], model=self.model, mig=self.mig,
+                      source=self.source, job_ids=self.job_ids, job_shares=self.job_shares,
+                      floats={f: v[a:b] for f, v in self.floats.items()},
+                      ints={f: (v[a:b], None if m is None else m[a:b]) for f, (v, m) in self.ints.items()},
+                      lists={f: v[a:b] for f, v in self.lists.items()})
+
+    def column(self, f: str) -> list:
+        """One field as a list of n Python values (None where absent)."""
+        if f in self.floats:
+            a = self.floats[f]
+            vals = a.tolist()
+            return [None if v != v else v for v in vals] if np.isnan(a).any() else vals
+        if f in self.ints:
+            v, m = self.ints[f]
+            vals = v.tolist()
+            if m is None:
+                return vals
+            return [x if p else None for x, p in zip(vals, m.tolist())]
+        if f in self.lists:
+            return list(self.lists[f])
+        return []
+
+    def rows(self) -> list[GpuSample]:
+        n = self.n
+        const = {"host": self.host, "gpu_uuid": self.gpu_uuid, "gpu_index": self.gpu_index, "model": self.model,
+                 "mig": self.mig, "source": self.source, "job_ids": self.job_ids, "job_shares": self.job_shares}
+        cols = []
+        for f in SAMPLE_FIELDS:
+            if f == "ts":
+                cols.append(self.ts.tolist())
+            elif f in const:
+                cols.append([const[f]] * n)
+            elif f in self.floats or f in self.ints or f in self.lists:
+                cols.append(self.column(f))
+            else:
+                cols.append([GpuSample.__dataclass_fields__[f].default] * n)
+        return [GpuSample(*r) for r in zip(*cols)]
+
+
+def series_from_samples(samples: list[GpuSample]) -> Series:
+    """One GPU's samples with the same constants (host, uuid, index, model, mig, source, jobs) as a Series."""
+    s0 = samples[0]
+    floats = {}
+    for f in FLOAT_COLUMNS:
+        if f == "ts":
+            continue
+        vals = [getattr(s, f) for s in samples]
+        if vals.count(None) != len(vals):
+            floats[f] = np.array([np.nan if v is None else v for v in vals], dtype=np.float64)
+    ints = {}
+    for f in INT_COLUMNS:
+        vals = [getattr(s, f) for s in samples]
+        k = vals.count(None)
+        if k == len(vals):
+            continue
+        mask = None if not k else np.array([v is not None for v in vals])
+        ints[f] = (np.array([0 if v is None else v for v in vals], dtype=np.int64), mask)
+    lists = {}
+    for f in ("xid_errors", "processes"):
+        vals = tuple(getattr(s, f) for s in samples)
+        if any(vals):
+            lists[f] = vals
+    return Series(s0.host, s0.gpu_uuid, s0.gpu_index, np.array([s.ts for s in samples], dtype=np.float64),
+                  model=s0.model, mig=s0.mig, source=s0.source, job_ids=s0.job_ids, job_shares=s0.job_shares,
+                  floats=floats, ints=ints, lists=lists)
+

@@ -1,0 +1,456 @@
+"""The collector's HTTP API on the standard library's threading server.
+
+Bad input always gets a 4xx with ``{"error": ...}`` naming the problem; an unexpected failure in one
+request gets a 500 for that request only and the server keeps serving. A batch is answered 2xx only
+after ``store.ingest`` has committed it durably. Routes live in one table (``ROUTES``) that the OpenAPI
+document is checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpuledger.collector.auth import Access, Authenticator, AuthError, Principal
+from gpuledger.collector.openapi import openapi_document
+from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import MAX_BODY_BYTES, BatchError, parse_batch, parse_jobs
+
+log = logging.getLogger(__name__)
+
+FEED_NAME = "priority-feed.json"  # written by accounting (`gpuledger priority feed`); only read here
+REQUEST_TIMEOUT_S = 60.0  # a client silent this long (slow body, idle keep-alive) loses its connection
+
+# (method, path) -> (CollectorServer method, who may call it)
+ROUTES: dict[tuple[str, str], tuple[str, Access]] = {
+    ("POST", "/api/v1/samples"): ("post_samples", "node"),
+    ("GET", "/api/v1/jobs"): ("get_jobs", "read"),
+    ("POST", "/api/v1/jobs"): ("post_jobs", "admin"),
+    ("GET", "/api/v1/usage"): ("get_usage", "read"),
+    ("GET", "/api/v1/totals"): ("get_totals", "read"),
+    ("GET", "/api/v1/series"): ("get_series", "read"),
+    ("GET", "/api/v1/priority"): ("get_priority", "read"),
+    ("GET", "/api/v1/openapi.json"): ("get_openapi", "public"),
+    ("GET", "/metrics"): ("get_metrics", "public"),
+    ("GET", "/healthz"): ("get_health", "public"),
+}
+
+
+@dataclass
+class Request:
+    query: dict[str, list[str]]
+    headers: Message
+    principal: Principal | None
+    read_body: Callable[[], bytes]
+
+
+@dataclass
+class Reply:
+    status: int
+    payload: Any
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class FeedError(Exception):
+    """The priority feed file exists but cannot be read as a feed."""
+
+
+def read_feed(path: Path) -> dict[str, Any]:
+    """The feed document; FileNotFoundError when absent, FeedError when unreadable."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise FeedError(f"priority feed {path} is unreadable: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("associations"), list):
+        raise FeedError(f"priority feed {path} has no 'associations' list")
+    return doc
+
+
+class _FeedGauges:
+    """Fairshare and site factor per association, read from the feed file at each scrape."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def describe(self) -> list[Metric]:
+        return []  # registering must not read the file
+
+    def collect(self) -> Iterator[Metric]:
+        if self.path is None:
+            return
+        try:
+            doc = read_feed(self.path)
+        except (FileNotFoundError, FeedError):
+            return  # no feed, no gauges: a stale value would be worse than none
+        fs = GaugeMetricFamily("gpuledger_fairshare_ratio", "Measured fairshare per association (0..1), from the "
+                               "priority feed.", labels=("account", "user"))
+        sf = GaugeMetricFamily("gpuledger_site_factor", "Slurm site factor per association, from the priority feed.",
+                               labels=("account", "user"))
+        for a in doc["associations"]:
+            if not isinstance(a, dict) or not isinstance(a.get("account"), str) or not isinstance(a.get("user"), str):
+                continue
+            labels = [a["account"], a["user"]]
+            for family, key in ((fs, "fairshare"), (sf, "site_factor")):
+                v = a.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    family.add_metric(labels, float(v))
+        yield fs
+        yield sf
+        gen = doc.get("generated_at")
+        if isinstance(gen, (int, float)) and not isinstance(gen, bool):
+            yield GaugeMetricFamily("gpuledger_priority_feed_generated_timestamp_seconds",
+                                    "When accounting wrote the priority feed (unix time).", value=float(gen))
+
+
+class _Metrics:
+    def __init__(self, store: SqliteStore, feed: Path | None, in_flight: Callable[[], int],
+                 ingest_depth: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.accepted = Counter("gpuledger_collector_samples_accepted", "Samples stored and aggregated.", registry=r)
+        self.rejected = Counter(
+            "gpuledger_collector_samples_rejected",
+            "Samples not stored, by reason (duplicate, too_late, invalid, future, forbidden, ...).",
+            ["reason"], registry=r,
+        )
+        self.batches_accepted = Counter("gpuledger_collector_batches_accepted", "Batches committed.", registry=r)
+        self.batches_rejected = Counter(
+            "gpuledger_collector_batches_rejected", "Requests refused with a 4xx (or 503), by status and reason.",
+            ["status", "reason"], registry=r,
+        )
+        self.deduplicated = Counter(
+            "gpuledger_collector_batches_deduplicated", "Batches acknowledged but seen before.", registry=r
+        )
+        self.errors = Counter("gpuledger_collector_internal_errors", "Requests answered 500.", registry=r)
+        self.latency = Histogram(
+            "gpuledger_collector_ingest_latency_seconds", "Time to validate, store and commit one batch.", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+        size = Gauge("gpuledger_collector_store_size_bytes", "Embedded store size on disk.", registry=r)
+        size.set_function(store.size_bytes)
+        g = Gauge("gpuledger_collector_requests_in_flight", "HTTP requests being handled now.", registry=r)
+        g.set_function(in_flight)
+        g = Gauge("gpuledger_collector_ingest_queue_depth",
+                  "Ingest requests in flight (validating, waiting for or holding the store).", registry=r)
+        g.set_function(ingest_depth)
+        r.register(_FeedGauges(feed))
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Failed TLS handshakes, clients that vanish: the request is lost, the server is not; no traceback spam.
+        log.debug("connection from %s failed", client_address, exc_info=True)
+
+
+def tls_context(cert: str | Path, key: str | Path) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(cert), str(key))
+    return ctx
+
+
+class CollectorServer:
+    """``start()`` serves in a background thread; ``url`` says where; ``stop()`` shuts down.
+
+    ``auth`` (None or an Authenticator without tokens: open), ``tls`` (an SSLContext: HTTPS),
+    ``priority_feed`` (the file GET /api/v1/priority and the fairshare gauges read), ``max_inflight``
+    (concurrent ingest requests before 503).
+    """
+
+    def __init__(
+        self,
+        store: SqliteStore,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        clock: Callable[[], float] = time.time,
+        auth: Authenticator | None = None,
+        tls: ssl.SSLContext | None = None,
+        priority_feed: Path | None = None,
+        max_inflight: int = 256,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        self.store = store
+        self.max_body_bytes = max_body_bytes
+        self.clock = clock
+        self.auth = auth or Authenticator()
+        self.priority_feed = priority_feed
+        self.max_inflight = max_inflight
+        self._count_lock = threading.Lock()
+        self._in_flight = 0
+        self._ingesting = 0
+        self.metrics = _Metrics(store, priority_feed, lambda: self._in_flight, lambda: self._ingesting)
+        self._httpd = _HTTPServer((host, port), _make_handler(self, request_timeout_s))
+        self._tls = tls
+        if tls is not None:
+            # The handshake runs in the request's thread (see Handler.setup), not in the accepting loop,
+            # so a slow or silent client cannot stall everyone else.
+            self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True, do_handshake_on_connect=False)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"{'https' if self._tls else 'http'}://{host}:{port}"
+
+    def start(self) -> CollectorServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="collector-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._httpd.serve_forever()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _count(self, attr: str, delta: int) -> None:
+        with self._count_lock:
+            setattr(self, attr, getattr(self, attr) + delta)
+
+    # -- endpoints ----------------------------------------------------------------------------
+    def post_samples(self, req: Request) -> Reply:
+        t0 = time.perf_counter()
+        with self._count_lock:
+            if self._ingesting >= self.max_inflight:
+                raise BatchError(503, f"{self._ingesting} ingest requests in flight (limit {self.max_inflight}); "
+                                 "retry later", "overloaded")
+            self._ingesting += 1
+        try:
+            host = req.principal.name if req.principal is not None else None
+            batch = parse_batch(req.read_body(), req.headers.get("Content-Type", "application/json"), self.clock(),
+                                self.max_body_bytes, req.headers.get("Content-Encoding", ""), allowed_host=host)
+            result = self.store.ingest(batch)  # returns only after the durable commit
+        finally:
+            self._count("_ingesting", -1)
+        m = self.metrics
+        m.latency.observe(time.perf_counter() - t0)
+        if result.duplicate_batch:
+            m.deduplicated.inc()
+        else:
+            m.batches_accepted.inc()
+        m.accepted.inc(result.accepted)
+        if result.duplicate_samples:
+            m.rejected.labels("duplicate").inc(result.duplicate_samples)
+        if result.too_late:
+            m.rejected.labels("too_late").inc(result.too_late)
+        return Reply(200, {
+            "accepted": result.accepted,
+            "duplicate": result.duplicate_batch,
+            "duplicate_samples": result.duplicate_samples,
+            "too_late": result.too_late,
+        })
+
+    def post_jobs(self, req: Request) -> Reply:
+        records = parse_jobs(req.read_body(), req.headers.get("Content-Type", "application/json"),
+                             self.max_body_bytes, req.headers.get("Content-Encoding", ""))
+        return Reply(200, {"received": len(records), "changed": self.store.put_jobs(records)})
+
+    def get_jobs(self, req: Request) -> Reply:
+        return Reply(200, [j.to_dict() for j in self.store.jobs()])
+
+    def get_usage(self, req: Request) -> Reply:
+        job = req.query.get("job", [None])[0]
+        per_gpu = req.query.get("per_gpu", ["0"])[0].lower() in ("1", "true", "yes")
+        return Reply(200, [u.to_dict() for u in self.store.job_usage(job, per_gpu)])
+
+    def get_totals(self, req: Request) -> Reply:
+        return Reply(200, self.store.totals(_float(req.query, "start"), _float(req.query, "end")))
+
+    def get_series(self, req: Request) -> Reply:
+        """One GPU's samples or rollup buckets in [start, end]; the store picks the tier by range and retention."""
+        host, uuid = req.query.get("host", [""])[0], req.query.get("uuid", [""])[0]
+        start, end = _float(req.query, "start"), _float(req.query, "end")
+        if not host or not uuid or start is None or end is None:
+            raise BatchError(400, "series needs the query parameters host, uuid, start and end (unix seconds)")
+        step = _float(req.query, "step")
+        if step is not None and step <= 0:
+            raise BatchError(400, f"query parameter 'step' must be positive, got {step!r}")
+        mig = req.query.get("mig", [None])[0] or None
+        points = self.store.series(host, uuid, start, end, step=step, mig=mig)
+        return Reply(200, [p.to_dict() for p in points])
+
+    def get_priority(self, req: Request) -> Reply:
+        if self.priority_feed is None:
+            return Reply(404, {"error": "no priority feed configured for this collector"})
+        try:
+            return Reply(200, read_feed(self.priority_feed))
+        except FileNotFoundError:
+            return Reply(404, {"error": f"no priority feed at {self.priority_feed} yet: accounting writes it "
+                                        "(`gpuledger priority feed --data-dir <data-dir>`)"})
+        except FeedError as e:
+            return Reply(503, {"error": str(e)})
+
+    def get_openapi(self, req: Request) -> Reply:
+        return Reply(200, openapi_document())
+
+    def get_metrics(self, req: Request) -> Reply:
+        return Reply(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
+
+    def get_health(self, req: Request) -> Reply:
+        return Reply(200, {"status": "ok"})
+
+
+def _make_handler(server: CollectorServer, timeout_s: float) -> type[BaseHTTPRequestHandler]:
+    methods = {m for m, _ in ROUTES}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "gpuledger-collector"
+        timeout = timeout_s
+        # The status line and headers go out in one write, the body in another: with Nagle on, the body waits
+        # for the client's delayed ACK of the headers (up to 40 ms a request on keep-alive connections).
+        disable_nagle_algorithm = True
+
+        def setup(self) -> None:
+            super().setup()
+            if isinstance(self.connection, ssl.SSLSocket):
+                self.connection.do_handshake()  # under the socket timeout set by super().setup()
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            log.debug("%s " + format, self.address_string(), *args)
+
+        def _send(self, reply: Reply) -> None:
+            p = reply.payload
+            data = p if isinstance(p, bytes) else json.dumps(p).encode()
+            try:
+                self.send_response(reply.status)
+                self.send_header("Content-Type", reply.content_type)
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in reply.headers.items():
+                    self.send_header(k, v)
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client went away: nothing left to tell it
+                self.close_connection = True
+
+        def _body(self) -> bytes:
+            length = self.headers.get("Content-Length")
+            if length is None:
+                self.close_connection = True
+                raise BatchError(411, "Content-Length required", "malformed")
+            try:
+                n = int(length)
+                if n < 0:
+                    raise ValueError
+            except ValueError:
+                self.close_connection = True
+                raise BatchError(400, f"bad Content-Length {length!r}", "malformed") from None
+            if n > server.max_body_bytes:
+                self.close_connection = True  # the unread body makes the connection unusable
+                raise BatchError(413, f"body of {n} bytes exceeds the limit of {server.max_body_bytes}", "too_large")
+            data = self.rfile.read(n)
+            if len(data) < n:
+                self.close_connection = True
+                raise BatchError(400, f"body ended after {len(data)} of {n} bytes", "malformed")
+            return data
+
+        def _dispatch(self, method: str) -> None:
+            url = urlsplit(self.path)
+            route = ROUTES.get((method, url.path))
+            if route is None:
+                if method == "POST":
+                    self.close_connection = True  # its body is unread
+                allowed = sorted(m for m, p in ROUTES if p == url.path)
+                if allowed:
+                    self._send(Reply(405, {"error": f"{method} not allowed on {url.path}; use {', '.join(allowed)}"},
+                                     headers={"Allow": ", ".join(allowed)}))
+                else:
+                    self._send(Reply(404, {"error": f"no such endpoint: {method} {url.path}"}))
+                return
+            name, access = route
+            server._count("_in_flight", 1)
+            try:
+                self._handle(method, url.path, url.query, name, access)
+            finally:
+                server._count("_in_flight", -1)
+
+        def _handle(self, method: str, path: str, query: str, name: str, access: Access) -> None:
+            m = server.metrics
+            try:
+                principal = server.auth.authorize(self.headers.get("Authorization"), access, f"{method} {path}")
+                req = Request(parse_qs(query), self.headers, principal, self._body)
+                reply = getattr(server, name)(req)
+            except AuthError as e:
+                if method == "POST":
+                    self.close_connection = True  # refused before its body was read
+                m.batches_rejected.labels(str(e.status), "unauthorized" if e.status == 401 else "forbidden").inc()
+                headers = {"WWW-Authenticate": 'Bearer realm="gpuledger"'} if e.status == 401 else {}
+                self._send(Reply(e.status, {"error": e.message}, headers=headers))
+            except BatchError as e:
+                m.batches_rejected.labels(str(e.status), e.reason).inc()
+                if e.samples:
+                    m.rejected.labels(e.reason).inc(e.samples)
+                if e.status == 503:
+                    self.close_connection = True  # the body was never read
+                headers = {"Retry-After": "1"} if e.status == 503 else {}
+                self._send(Reply(e.status, {"error": e.message}, headers=headers))
+            except TimeoutError:
+                self.close_connection = True
+                self._send(Reply(408, {"error": f"request not received within {timeout_s:g} s"}))
+            except Exception:  # one bad request must never take the server down
+                log.exception("internal error on %s %s", method, path)
+                m.errors.inc()
+                self.close_connection = True
+                self._send(Reply(500, {"error": "internal error"}))
+            else:
+                self._send(reply)
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            self._dispatch("POST")
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._dispatch("GET")
+
+        def _other(self) -> None:
+            self.close_connection = True
+            allowed = ", ".join(sorted(methods))
+            self._send(Reply(405, {"error": f"method {self.command} not supported; use {allowed}"},
+                             headers={"Allow": allowed}))
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other  # noqa: N815
+
+        def do_HEAD(self) -> None:  # noqa: N802 - a 405 without a body (HEAD answers never carry one)
+            self.close_connection = True
+            self.send_response(405)
+            self.send_header("Allow", ", ".join(sorted(methods)))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    return Handler
+
+
+def _float(q: Mapping[str, list[str]], name: str) -> float | None:
+    if name not in q:
+        return None
+    try:
+        v = float(q[name][0])
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v):
+        raise BatchError(400, f"query parameter {name!r} must be a finite number (unix seconds)")
+    return v

@@ -1,0 +1,682 @@
+"""Pure parsing and validation of what agents send: a batch is accepted whole or rejected whole.
+
+Every error names the batch (agent_id/seq), the sample index and the field, so an operator can find
+the offending agent from the collector's answer alone.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import operator
+import zlib
+from dataclasses import fields
+from typing import Any
+
+import msgpack
+import numpy as np
+import zstandard
+
+try:  # optional: decodes and type-checks msgpack batches in C; without it every batch takes the per-sample path
+    import msgspec
+except ImportError:  # pragma: no cover - depends on the environment
+    msgspec = None
+
+from gpuledger.schema.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, SAMPLE_FIELDS, GpuProcess, GpuSample, JobRecord
+from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, ROW_LISTS, SERIES_CONSTANTS
+from gpuledger.collector.series import Series
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB
+FUTURE_SLACK_S = 300.0
+# Bounds that keep every accepted value storable and summable: SQLite integers are signed 64-bit (a
+# larger one would fail inside the store's transaction, a 500), and a float near 1e308 would turn
+# aggregates into inf, which JSON cannot carry. No GPU reading comes near either bound.
+MAX_INT = 2**63 - 1
+MAX_FLOAT = 1e18
+BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples", "series", "jobs"})  # one of samples/series; jobs optional
+_REQUIRED = ("ts", "host", "gpu_uuid", "gpu_index")
+_RATIOS = frozenset(RATIO_FIELDS)
+_NONNEG = frozenset(NONNEG_FIELDS)
+_INTS = frozenset(INT_FIELDS)
+_FIELDS = frozenset(SAMPLE_FIELDS)
+_FLOATS = frozenset({"temp_celsius"})
+_STRS = frozenset({"host", "gpu_uuid", "model", "source"})
+_SAMPLE_TYPES = {f.name: str(f.type) for f in fields(GpuSample)}
+# Fields with a dedicated rule below; any other (newly added) field is checked by its annotation.
+_HANDLED = _RATIOS | _NONNEG | _INTS | _FLOATS | _STRS | {
+    "ts", "gpu_index", "mig", "xid_errors", "job_ids", "job_shares", "processes"}
+
+
+class BatchError(ValueError):
+    """A rejected request: ``status`` is the HTTP status to answer with, ``message`` says why.
+
+    ``reason`` is a short label for the collector's rejection metrics (``malformed``, ``too_large``,
+    ``unsupported``, ``invalid``, ``future``, ``unauthorized``, ``forbidden``); ``samples`` is how many
+    samples the rejected batch held, when that is known (0 otherwise).
+    """
+
+    def __init__(self, status: int, message: str, reason: str = "invalid", samples: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason
+        self.samples = samples
+
+
+class Batch:
+    """A validated batch: row-layout samples (``rows``) and/or columnar ``series`` (``collector.series``).
+
+    ``rows`` are what the store aggregates and packs a sample at a time: GpuSamples, or (from the msgspec
+    fast path) structs with exactly GpuSample's fields, which cost a fraction of a GpuSample to build.
+    ``samples`` turns everything into GpuSamples only when asked (tests, sinks)."""
+
+    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "series", "jobs")
+
+    def __init__(self, agent_id: str, seq: int, host: str, samples: tuple[GpuSample, ...] = (),
+                 rows: tuple[Any, ...] | list[Any] | None = None, jobs: tuple[JobRecord, ...] = (),
+                 series: tuple[Series, ...] = ()) -> None:
+        self.agent_id, self.seq, self.host = agent_id, seq, host
+        self.jobs = tuple(jobs)  # job metadata the agent knows (user, account, GPUs) for jobs on this host
+        self.series = tuple(series)
+        self._samples = None if rows is not None or self.series else tuple(samples)
+        self.rows = rows if rows is not None else tuple(samples)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.rows) + sum(s.n for s in self.series)
+
+    @property
+    def samples(self) -> tuple[GpuSample, ...]:
+        if self._samples is None:
+            self._samples = tuple([*(as_sample(r) for r in self.rows), *(r for s in self.series for r in s.rows())])
+        return self._samples
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Batch):
+            return NotImplemented
+        return (self.agent_id, self.seq, self.host, self.samples) == (other.agent_id, other.seq, other.host,
+                                                                      other.samples)
+
+    def __repr__(self) -> str:
+        return (f"Batch(agent_id={self.agent_id!r}, seq={self.seq!r}, host={self.host!r}, "
+                f"samples={self.n_samples}, series={len(self.series)})")
+
+
+def as_sample(r: Any) -> GpuSample:
+    """A GpuSample from a fast-path row (fields in SAMPLE_FIELDS order); a GpuSample is returned as is."""
+    return r if type(r) is GpuSample else GpuSample(*msgspec.structs.astuple(r))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -MAX_INT - 1 <= v <= MAX_INT
+
+
+def _is_num(v: Any) -> bool:
+    """A finite number within +-MAX_FLOAT (so NaN and inf are never numbers here); ints bounded as floats."""
+    f = _float(v)
+    return f is not None and -MAX_FLOAT <= f <= MAX_FLOAT
+
+
+def decode_body(body: bytes, content_type: str, content_encoding: str = "", max_bytes: int = MAX_BODY_BYTES) -> Any:
+    """Decompress (gzip, zstd) and decode (JSON, msgpack) a request body; BatchError on failure."""
+    return _decode(_decompress(body, content_encoding, max_bytes), content_type)
+
+
+def _decompress(body: bytes, content_encoding: str, max_bytes: int) -> bytes:
+    if len(body) > max_bytes:
+        raise BatchError(413, f"body of {len(body)} bytes exceeds the limit of {max_bytes}", "too_large")
+    enc = content_encoding.strip().lower()
+    try:
+        if enc == "gzip":
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            body = d.decompress(body, max_bytes + 1)  # bounded: a small bomb cannot eat memory
+            if len(body) > max_bytes or d.unconsumed_tail:
+                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes", "too_large")
+        elif enc == "zstd":
+            body = _unzstd_bounded(body, max_bytes + 1)
+            if len(body) > max_bytes:
+                raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes", "too_large")
+        elif enc not in ("", "identity"):
+            raise BatchError(415, f"unsupported Content-Encoding {content_encoding!r} (use gzip or zstd)", "unsupported")
+    except (zlib.error, zstandard.ZstdError, EOFError, gzip.BadGzipFile) as e:
+        raise BatchError(400, f"body is not valid {enc}: {e}", "malformed") from None
+    return body
+
+
+_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+def _decode(body: bytes, content_type: str) -> Any:
+    mime = content_type.split(";", 1)[0].strip().lower()
+    if mime in ("application/json", ""):
+        try:
+            # NaN/Infinity (not JSON, but Python emits them) parse as floats, so the field checks
+            # below reject them with the field's name.
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise BatchError(400, f"malformed JSON: {e}", "malformed") from None
+    if mime in _MSGPACK_TYPES:
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise BatchError(400, f"malformed msgpack: {e}", "malformed") from None
+    raise BatchError(
+        415, f"unsupported Content-Type {content_type!r} (use application/json or application/msgpack)", "unsupported"
+    )
+
+
+def _unzstd_bounded(body: bytes, limit: int) -> bytes:
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
+    parts, n = [], 0
+    while n < limit:
+        chunk = reader.read(min(1 << 20, limit - n))
+        if not chunk:
+            break
+        parts.append(chunk)
+        n += len(chunk)
+    return b"".join(parts)
+
+
+def parse_batch(
+    body: bytes,
+    content_type: str,
+    now: float,
+    max_bytes: int = MAX_BODY_BYTES,
+    content_encoding: str = "",
+    allowed_host: str | None = None,
+) -> Batch:
+    """Decode and validate a sample batch; raises BatchError naming batch, sample index and field.
+
+    With ``allowed_host`` (the host a node token is bound to), a batch or sample of any other host is a 403.
+    """
+    body = _decompress(body, content_encoding, max_bytes)
+    if _FAST is not None and content_type.split(";", 1)[0].strip().lower() in _MSGPACK_TYPES:
+        fast = _parse_fast(body, now, allowed_host)
+        if fast is not None:
+            return fast
+    # The per-sample path: authoritative for anything the fast path declines, and the one that words errors.
+    doc = _decode(body, content_type)
+    if not isinstance(doc, dict):
+        raise BatchError(400, f"batch must be an object with keys {sorted(BATCH_KEYS)}, got {type(doc).__name__}")
+    agent_id, seq = doc.get("agent_id"), doc.get("seq")
+    where = f"batch agent_id={agent_id!r} seq={seq!r}"
+    extra = set(doc) - BATCH_KEYS
+    if extra:
+        raise BatchError(400, f"{where}: unknown field(s) {sorted(map(str, extra))}")
+    if not isinstance(agent_id, str) or not agent_id:
+        raise BatchError(400, f"{where}: field 'agent_id' must be a non-empty string")
+    if not _is_int(seq) or seq < 0:
+        raise BatchError(400, f"{where}: field 'seq' must be an integer in 0..{MAX_INT}")
+    host, samples = doc.get("host"), doc.get("samples")
+    if not isinstance(host, str) or not host:
+        raise BatchError(400, f"{where}: field 'host' must be a non-empty string")
+    if ("samples" in doc) == ("series" in doc):
+        raise BatchError(400, f"{where}: exactly one of the fields 'samples' (one object a sample) and 'series' "
+                              "(columns) is required")
+    if "series" in doc:
+        return _parse_series_batch(doc, agent_id, seq, host, where, now, allowed_host)
+    if not isinstance(samples, list):
+        raise BatchError(400, f"{where}: field 'samples' must be a list")
+    if allowed_host is not None and host != allowed_host:
+        raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
+                         "forbidden", len(samples))
+    try:
+        bound = allowed_host is not None
+        out = tuple(_parse_sample(d, i, where, host, now, bound) for i, d in enumerate(samples))
+        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, bound)
+    except BatchError as e:
+        e.samples = len(samples)  # the whole batch is refused: every sample in it counts as rejected
+        raise
+    return Batch(agent_id, seq, host, out, jobs=tuple(jobs))
+
+
+_BAD = object()  # what a field check returns for an invalid value (None can be a valid value)
+
+
+def _opt(check: Any) -> Any:
+    """The check of an optional field: None passes as None."""
+    return lambda v: None if v is None else check(v)
+
+
+def _float(v: Any) -> float | None:
+    """A reading as the float a float field stores, or None when it is no number. An int converts first and is
+    bounded after, as msgspec's fast path does it (so 10**18 + 1 is 1e18). Exact types: bool is no number."""
+    t = type(v)
+    if t is float:
+        return v
+    if t is int:
+        try:
+            return float(v)
+        except OverflowError:
+            return None
+    return None
+
+
+def _ratio(v: Any) -> Any:
+    f = _float(v)  # NaN fails every comparison
+    return f if f is not None and 0.0 <= f <= 1.0 else _BAD
+
+
+def _nonneg(v: Any) -> Any:
+    f = _float(v)
+    return f if f is not None and 0.0 <= f <= MAX_FLOAT else _BAD
+
+
+def _finite(v: Any) -> Any:
+    f = _float(v)
+    return f if f is not None and -MAX_FLOAT <= f <= MAX_FLOAT else _BAD
+
+
+def _count(v: Any) -> Any:
+    return v if type(v) is int and 0 <= v <= MAX_INT else _BAD
+
+
+def _name(v: Any) -> Any:
+    return v if type(v) is str and v else _BAD
+
+
+def _text(v: Any) -> Any:
+    return v if type(v) is str else _BAD
+
+
+def _xids(v: Any) -> Any:
+    return tuple(v) if type(v) is list and all(_is_int(x) for x in v) else _BAD
+
+
+def _job_ids(v: Any) -> Any:
+    ok = type(v) is list and all(type(x) is str and x for x in v) and len(set(v)) == len(v)
+    return tuple(v) if ok else _BAD
+
+
+def _shares(v: Any) -> Any:
+    if type(v) is not list or not all(_is_num(x) and x >= 0 for x in v):
+        return _BAD
+    return tuple(float(x) for x in v)
+
+
+def _processes(v: Any) -> Any:
+    if type(v) is not list or not all(
+        type(p) is list and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))
+        for p in v
+    ):
+        return _BAD
+    return tuple(GpuProcess(p[0], p[1]) for p in v)
+
+
+def _by_annotation(field: str) -> Any:
+    annotation = _SAMPLE_TYPES[field]
+    return lambda v: v if _check_annotation(annotation, v) else _BAD
+
+
+# field -> (check returning the stored value or _BAD, what a valid value is). One dict lookup a field: this
+# is the collector's hottest loop.
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "ts": (lambda v: _BAD if (r := _nonneg(v)) is _BAD or r <= 0 else r,
+           "must be a positive finite number (unix seconds)"),
+    "host": (_name, "must be a non-empty string"),
+    "gpu_uuid": (_name, "must be a non-empty string"),
+    "model": (_text, "must be a string"),
+    "source": (_text, "must be a string"),
+    "gpu_index": (_count, f"must be an integer in 0..{MAX_INT}"),
+    "mig": (_opt(_name), "must be a non-empty string or null"),
+    "xid_errors": (_xids, "must be a list of integers"),
+    "job_ids": (_job_ids, "must be a list of distinct non-empty strings"),
+    "job_shares": (_shares, "must be a list of non-negative finite numbers"),
+    "processes": (_processes, "must be a list of [pid, used_memory_bytes or null]"),
+    **{k: (_opt(_ratio), "ratio must be a finite number in 0..1") for k in _RATIOS},
+    **{k: (_opt(_nonneg), f"must be a finite number in 0..{MAX_FLOAT:g}") for k in _NONNEG},
+    **{k: (_opt(_count), f"must be an integer in 0..{MAX_INT}") for k in _INTS},
+    **{k: (_opt(_finite), f"must be a finite number within +-{MAX_FLOAT:g}") for k in _FLOATS},
+}
+for _f in _FIELDS - _CHECKS.keys():  # a newly added record field: checked by its annotation
+    _CHECKS[_f] = (_by_annotation(_f), f"expected {_SAMPLE_TYPES[_f]}")
+
+
+def _parse_sample(d: Any, i: int, where: str, host: str, now: float, bound: bool = False) -> GpuSample:
+    if type(d) is not dict:
+        raise BatchError(400, f"{where}: sample[{i}]: must be an object, got {type(d).__name__}")
+    for k in _REQUIRED:
+        if k not in d:
+            if any(f not in _FIELDS for f in d):
+                break  # name the unknown field first
+            raise BatchError(400, f"{where}: sample[{i}].{k}: missing")
+    else:
+        if d["host"] != host:
+            # Checked before the values. Under a host-bound token another host's sample is a 403, else a 400.
+            status, reason = (403, "forbidden") if bound else (400, "invalid")
+            raise BatchError(status, f"{where}: sample[{i}].host: {d['host']!r} differs from the batch's host {host!r}",
+                             reason)
+    checks = _CHECKS
+    for k, v in d.items():
+        entry = checks.get(k)
+        if entry is None:
+            raise BatchError(400, f"{where}: sample[{i}]: unknown field {str(k)!r}")
+        r = entry[0](v)
+        if r is _BAD:
+            raise BatchError(400, f"{where}: sample[{i}].{k}: {entry[1]} (got {v!r})")
+        if r is not v:
+            d[k] = r  # the converted value (a float for an int reading, tuples for lists): same keys, safe
+    if d["ts"] > now + FUTURE_SLACK_S:
+        raise BatchError(400, f"{where}: sample[{i}].ts: is more than {FUTURE_SLACK_S:.0f} s in the future "
+                              f"(collector time {now:.3f}) (got {d['ts']!r})", "future")
+    shares = d.get("job_shares")
+    if shares:
+        jobs = d.get("job_ids") or ()
+        if len(shares) != len(jobs):
+            raise BatchError(400, f"{where}: sample[{i}].job_shares: must have one share per job id ({len(jobs)}) "
+                                  f"or be empty (got {list(shares)!r})")
+        if abs(math.fsum(shares) - 1.0) > 1e-6:
+            raise BatchError(400, f"{where}: sample[{i}].job_shares: must sum to 1 (got {list(shares)!r})")
+    return GpuSample(**d)
+
+
+# -- the columnar layout (agent.wire): a batch of series --------------------------------------------
+_SERIES_KEYS = frozenset((*SERIES_CONSTANTS, *COLUMNS, *ROW_LISTS))
+_INT_COLS = frozenset(INT_COLUMNS)
+
+
+def _bounds(f: str) -> tuple[float, float]:
+    """The range a numeric column's values must lie in (both ends included; ts must also be > 0)."""
+    if f in _RATIOS:
+        return 0.0, 1.0
+    if f in _NONNEG or f == "ts":
+        return 0.0, MAX_FLOAT
+    if f in _INTS:
+        return 0, MAX_INT
+    if f in _FLOATS:
+        return -MAX_FLOAT, MAX_FLOAT
+    raise TypeError(f"no rule for column {f!r}")  # a new numeric field: give it a rule here and in _CHECKS
+
+
+_COLUMN_BOUNDS = {f: _bounds(f) for f in COLUMNS}
+
+
+def _series_rows(d: Any) -> int:
+    """How many samples a (possibly invalid) series claims: for the rejection metrics only."""
+    ts = d.get("ts") if isinstance(d, dict) else None
+    return len(ts) // 8 if isinstance(ts, bytes) else len(ts) if isinstance(ts, list) else 0
+
+
+def _parse_series_batch(doc: dict, agent_id: str, seq: int, host: str, where: str, now: float,
+                        allowed_host: str | None) -> Batch:
+    series = doc["series"]
+    if not isinstance(series, list):
+        raise BatchError(400, f"{where}: field 'series' must be a list")
+    n = sum(map(_series_rows, series))
+    if allowed_host is not None and host != allowed_host:
+        raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
+                         "forbidden", n)
+    try:
+        out = tuple(_parse_series(d, i, where, host, now, typed=False) for i, d in enumerate(series))
+        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, allowed_host is not None)
+    except BatchError as e:
+        e.samples = n
+        raise
+    return Batch(agent_id, seq, host, jobs=tuple(jobs), series=out)
+
+
+def _parse_series(d: Any, i: int, where: str, host: str, now: float, typed: bool) -> Series:
+    """One series map -> Series; BatchError names ``series[i].field[row]``. ``typed``: msgspec has already
+    checked every constant and every list element (type and range), so only what it cannot is left."""
+    at = f"{where}: series[{i}]"
+    if not typed:
+        if type(d) is not dict:
+            raise BatchError(400, f"{at}: must be an object, got {type(d).__name__}")
+        for k in d:
+            if k not in _SERIES_KEYS:
+                hint = " (a series takes the batch's host)" if k == "host" else ""
+                raise BatchError(400, f"{at}: unknown field {str(k)!r}{hint}")
+        for k in ("gpu_uuid", "gpu_index", "ts"):
+            if k not in d:
+                raise BatchError(400, f"{at}.{k}: missing")
+        for k in SERIES_CONSTANTS:
+            if k in d:
+                check, what = _CHECKS[k]
+                r = check(d[k])
+                if r is _BAD:
+                    raise BatchError(400, f"{at}.{k}: {what} (got {d[k]!r})")
+                d[k] = r
+    ts_in = d["ts"]
+    if type(ts_in) not in (list, bytes):
+        raise BatchError(400, f"{at}.ts: must be a list of times or bytes of 8-byte times (got {_excerpt(ts_in)})")
+    if not ts_in:
+        raise BatchError(400, f"{at}.ts: must hold at least one time")
+    if type(ts_in) is bytes and len(ts_in) % 8:
+        raise BatchError(400, f"{at}.ts: {len(ts_in)} bytes is not a whole number of 8-byte values")
+    n = len(ts_in) // 8 if type(ts_in) is bytes else len(ts_in)
+    floats: dict[str, np.ndarray] = {}
+    ints: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
+    ts = None
+    for f in COLUMNS:
+        v = d.get(f)
+        if v is None:
+            continue
+        a, mask = _column(v, f, n, at, typed)
+        if f == "ts":
+            ts = a
+        elif f in _INT_COLS:
+            ints[f] = (a, mask)
+        else:
+            floats[f] = a
+    assert ts is not None
+    late = ts > now + FUTURE_SLACK_S
+    if late.any():
+        j = int(late.argmax())
+        raise BatchError(400, f"{at}.ts[{j}]: is more than {FUTURE_SLACK_S:.0f} s in the future (collector time "
+                              f"{now:.3f}) (got {ts[j].item()!r})", "future")
+    lists: dict[str, tuple] = {}
+    for f, check in (("xid_errors", _xids), ("processes", _processes)):
+        v = d.get(f)
+        if v is None:
+            continue
+        if type(v) is not list or len(v) != n:
+            raise BatchError(400, f"{at}.{f}: must be a list of {n} per-sample lists (got {_excerpt(v)})")
+        if typed:
+            rows = tuple(tuple(GpuProcess(p, m) for p, m in r) for r in v) if f == "processes" else tuple(map(tuple, v))
+        else:
+            rows = tuple(map(check, v))
+            if _BAD in rows:
+                j = rows.index(_BAD)
+                raise BatchError(400, f"{at}.{f}[{j}]: {_CHECKS[f][1]} (got {v[j]!r})")
+        lists[f] = rows
+    job_ids, shares = tuple(d.get("job_ids") or ()), tuple(d.get("job_shares") or ())
+    if len(set(job_ids)) != len(job_ids):
+        raise BatchError(400, f"{at}.job_ids: {_CHECKS['job_ids'][1]} (got {list(job_ids)!r})")
+    if shares:
+        if len(shares) != len(job_ids):
+            raise BatchError(400, f"{at}.job_shares: must have one share per job id ({len(job_ids)}) or be empty "
+                                  f"(got {list(shares)!r})")
+        if abs(math.fsum(shares) - 1.0) > 1e-6:
+            raise BatchError(400, f"{at}.job_shares: must sum to 1 (got {list(shares)!r})")
+    return Series(host, d["gpu_uuid"], d["gpu_index"], ts, model=d.get("model") or "", mig=d.get("mig"),
+                  source=d.get("source") or "", job_ids=job_ids, job_shares=tuple(map(float, shares)),
+                  floats=floats, ints=ints, lists=lists)
+
+
+def _excerpt(v: Any, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def _column(v: Any, f: str, n: int, at: str, typed: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """A column (bytes or list) -> (array, present mask or None); floats carry NaN where absent."""
+    is_int = f in _INT_COLS
+    lo, hi = _COLUMN_BOUNDS[f]
+    if type(v) is bytes:
+        if len(v) != 8 * n:
+            raise BatchError(400, f"{at}.{f}: {len(v)} bytes, expected {8 * n} ({n} values of 8 bytes, as ts has)")
+        a = np.frombuffer(v, dtype="<i8" if is_int else "<f8")
+        ok = (a >= lo) & (a <= hi)  # NaN fails both
+        if f == "ts":
+            ok &= a > 0
+        if not ok.all():
+            j = int(ok.argmin())
+            raise BatchError(400, f"{at}.{f}[{j}]: {_CHECKS[f][1]} (got {a[j].item()!r})")
+        return a, None
+    if type(v) is not list:
+        kind = "integers" if is_int else "numbers"
+        raise BatchError(400, f"{at}.{f}: must be a list of {n} {kind} or null, or bytes of {n} 8-byte values "
+                              f"(got {_excerpt(v)})")
+    if len(v) != n:
+        raise BatchError(400, f"{at}.{f}: has {len(v)} values, expected {n} (as ts has)")
+    if not typed:
+        check, what = _CHECKS[f]
+        for j, x in enumerate(v):
+            r = check(x)
+            if r is _BAD:
+                raise BatchError(400, f"{at}.{f}[{j}]: {what} (got {x!r})")
+            if r is not x:
+                v[j] = r
+    absent = v.count(None)
+    if is_int:
+        if absent:
+            mask = np.fromiter((x is not None for x in v), dtype=bool, count=n)
+            return np.array([0 if x is None else x for x in v], dtype=np.int64), mask
+        return np.array(v, dtype=np.int64), None
+    return np.array(v, dtype=np.float64), None  # None -> NaN: absent
+
+
+# -- the fast path (msgpack batches, msgspec installed) -------------------------------------------
+# msgspec decodes a batch straight into structs and checks types and ranges in C (bool is no number, NaN
+# fails every bound, unknown fields fail); what is left (the batch's host, future times, job id sets and
+# shares) is checked a column or a distinct job set at a time. It only ever accepts: a batch it doubts goes
+# to the per-sample path, which is authoritative and words the error. The rules mirror _CHECKS;
+# tests/collector/test_validate.py checks that both paths decide every batch alike.
+def _fast_decoder() -> Any:
+    if msgspec is None or not _FIELDS <= _HANDLED:
+        return None  # a field this path has no rule for: everything goes the per-sample way
+    from typing import Annotated
+
+    def num(t: type, **bounds: Any) -> Any:
+        return Annotated[t, msgspec.Meta(**bounds)]
+
+    name = num(str, min_length=1)
+    count = num(int, ge=0, le=MAX_INT)
+    types: dict[str, Any] = {
+        "ts": num(float, gt=0.0, le=MAX_FLOAT), "host": name, "gpu_uuid": name, "model": str, "source": str,
+        "gpu_index": count, "mig": name | None, "xid_errors": tuple[num(int, ge=-MAX_INT - 1, le=MAX_INT), ...],
+        "job_ids": tuple[name, ...], "job_shares": tuple[num(float, ge=0.0, le=MAX_FLOAT), ...],
+        "processes": tuple[tuple[count, count | None], ...],
+        # every other numeric field: optional, within the bounds the column checks use too
+        **{k: num(int if k in _INTS else float, ge=lo, le=hi) | None
+           for k, (lo, hi) in _COLUMN_BOUNDS.items() if k != "ts"},
+    }
+    # SAMPLE_FIELDS order, so astuple() feeds GpuSample(*...); gc=False: rows hold only strings, numbers
+    # and tuples of them (no cycles), and skipping GC tracking makes them cheaper
+    spec = [(f.name, types[f.name]) if f.name in _REQUIRED else (f.name, types[f.name], f.default)
+            for f in fields(GpuSample)]
+    row = msgspec.defstruct("WireSample", spec, forbid_unknown_fields=True, gc=False)
+    # a series: the constants typed as above; a column is a list (typed, null = absent; ts has no nulls) or
+    # bytes (checked with numpy); per-row lists as lists of the row fields' types
+    series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", list[types["ts"]] | bytes)]
+    series_spec += [(k, types[k], GpuSample.__dataclass_fields__[k].default)
+                    for k in SERIES_CONSTANTS if k not in ("gpu_uuid", "gpu_index")]
+    series_spec += [(k, list[types[k]] | bytes | None, None) for k in COLUMNS if k != "ts"]
+    series_spec += [(k, list[types[k]] | None, None) for k in ROW_LISTS]
+    series = msgspec.defstruct("WireSeries", series_spec, forbid_unknown_fields=True)
+    wire = msgspec.defstruct("WireBatch", [("agent_id", name), ("seq", count), ("host", name),
+                                           # UNSET, not None: an explicit null is the slow path's error
+                                           ("samples", list[row] | msgspec.UnsetType, msgspec.UNSET),
+                                           ("series", list[series] | msgspec.UnsetType, msgspec.UNSET),
+                                           ("jobs", list[Any], [])], forbid_unknown_fields=True)
+    return msgspec.msgpack.Decoder(wire)
+
+
+_FAST = _fast_decoder()
+_HOST, _TS, _JOBS = (operator.attrgetter(f) for f in ("host", "ts", "job_ids"))
+_SHARES, _PROCS = operator.attrgetter("job_shares"), operator.attrgetter("processes")
+
+
+def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | None:
+    """The batch, or None where the per-sample path must decide (and word any error)."""
+    try:
+        b = _FAST.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    host, rows = b.host, b.samples
+    if (rows is msgspec.UNSET) == (b.series is msgspec.UNSET) or (allowed_host is not None and host != allowed_host):
+        return None
+    where = f"batch agent_id={b.agent_id!r} seq={b.seq!r}"
+    if b.series is not msgspec.UNSET:
+        try:
+            series = tuple(_parse_series(msgspec.structs.asdict(d), i, where, host, now, typed=True)
+                           for i, d in enumerate(b.series))
+            jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None)
+        except BatchError:
+            return None  # the per-sample path words it (from the body as msgpack decodes it)
+        return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series)
+    if (not rows
+            or list(map(_HOST, rows)).count(host) != len(rows) or max(map(_TS, rows)) > now + FUTURE_SLACK_S):
+        return None
+    # job ids and shares: checked once per distinct combination (a GPU's job rarely changes within a batch)
+    for jobs, shares in set(zip(map(_JOBS, rows), map(_SHARES, rows))):
+        if len(set(jobs)) != len(jobs):
+            return None
+        if shares and (len(shares) != len(jobs) or abs(math.fsum(shares) - 1.0) > 1e-6):
+            return None
+    if any(map(_PROCS, rows)):
+        for r in rows:
+            if r.processes:
+                r.processes = tuple(GpuProcess(p, m) for p, m in r.processes)
+    try:
+        jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None)
+    except BatchError:
+        return None
+    return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs))
+
+
+def _check_annotation(annotation: str, v: Any) -> bool:
+    """Does a JSON value fit a record field's annotation? Covers the shapes the records use."""
+    if annotation.endswith(" | None"):
+        return v is None or _check_annotation(annotation[: -len(" | None")], v)
+    if annotation == "str":
+        return isinstance(v, str)
+    if annotation == "int":
+        return _is_int(v)
+    if annotation == "float":
+        return _is_num(v) and math.isfinite(v)
+    if annotation.startswith("tuple[") and annotation.endswith(", ...]"):
+        inner = annotation[len("tuple["): -len(", ...]")]
+        return isinstance(v, list) and all(_check_annotation(inner, x) for x in v)
+    if annotation == "tuple[str, float]":
+        return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and _check_annotation("float", v[1])
+    raise TypeError(f"validator does not know the annotation {annotation!r}")  # a new record shape: teach it
+
+
+_JOB_FIELDS = {f.name: str(f.type) for f in fields(JobRecord)}
+
+
+def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES, content_encoding: str = "") -> list[JobRecord]:
+    """Decode and validate a list of JobRecord dicts; BatchError names the record index and field."""
+    doc = decode_body(body, content_type, content_encoding, max_bytes)
+    if not isinstance(doc, list):
+        raise BatchError(400, f"jobs body must be a list of job records, got {type(doc).__name__}")
+    return _job_records(doc, "")
+
+
+def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = False) -> list[JobRecord]:
+    """Validate JobRecord dicts; with ``host`` (an agent's batch) each record must be about a job on that host."""
+    if not isinstance(doc, list):
+        raise BatchError(400, f"{where}field 'jobs' must be a list of job records")
+    out = []
+    for i, d in enumerate(doc):
+        at = f"{where}job[{i}]"
+        if not isinstance(d, dict):
+            raise BatchError(400, f"{at}: must be an object")
+        for k, v in d.items():
+            if k not in _JOB_FIELDS:
+                raise BatchError(400, f"{at}: unknown field {str(k)!r}")
+            if not _check_annotation(_JOB_FIELDS[k], v) or (k == "job_id" and not v):
+                raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})")
+        if "job_id" not in d:
+            raise BatchError(400, f"{at}.job_id: missing")
+        rec = JobRecord.from_dict(d)
+        if host is not None and rec.hosts and host not in rec.hosts:
+            # A node may describe only jobs it runs (under a host-bound token: 403, as for samples).
+            status, reason = (403, "forbidden") if bound else (400, "invalid")
+            raise BatchError(status, f"{at}.hosts: {list(rec.hosts)!r} does not include the batch's host {host!r}",
+                             reason)
+        out.append(rec)
+    return out
