@@ -23,8 +23,10 @@ import json
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence, cast
 
+from gpuledger.collector.ledger_store import LedgerReader
+from gpuledger.collector.series_store import RAW, SeriesReader
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
 GIB = float(1 << 30)
@@ -91,8 +93,8 @@ MIG_MODELS: tuple[str, ...] = ("A100", "A30", "H100", "H200", "H20", "H800", "B2
 MIG_SLICES: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (3, 4), (4, 4), (7, 8))
 
 
-class SeriesStore(Protocol):
-    def series(self, host: str, gpu_uuid: str, start: float, end: float, mig: str | None = None) -> list[GpuSample]: ...
+class JobReportSource(LedgerReader, SeriesReader, Protocol):
+    """A job's records and usage from the ledger, its GPUs' raw samples from the series store."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,7 @@ def gpu_events(samples: Iterable[GpuSample], job_id: str) -> GpuEvents:
     return GpuEvents(n, mem_total, dict(sorted(xid.items())), dict(sorted(thr.items())))
 
 
-def load_job_report(store: Any, job_id: str, rules: Rules | None = None) -> JobReport:
+def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = None) -> JobReport:
     """Gather a job's records from the store (``jobs``, ``job_usage``, ``series``) and build its report.
 
     Raises LookupError when the store knows nothing of the job.
@@ -168,7 +170,9 @@ def load_job_report(store: Any, job_id: str, rules: Rules | None = None) -> JobR
     views = []
     for u in per_gpu:
         uuid, _, mig = u.gpu_uuid.partition("/")
-        ev = gpu_events(store.series(u.host, uuid, u.first_ts, u.last_ts, mig or None), job_id)
+        # the raw tier: events need every sample (none left once raw retention dropped them)
+        samples = cast(list[GpuSample], store.series(u.host, uuid, u.first_ts, u.last_ts, mig=mig or None, tier=RAW))
+        ev = gpu_events(samples, job_id)
         views.append(GpuView(u, ev))
     return build_job_report(job_id, record, total, views, rules or Rules())
 

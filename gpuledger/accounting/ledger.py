@@ -6,14 +6,10 @@ A job seen by only one side is kept and flagged (``only``), never silently dropp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable
 
+from gpuledger.collector.ledger_store import LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage
-
-
-class UsageStore(Protocol):
-    def jobs(self) -> list[JobRecord]: ...
-    def job_usage(self, job_id: str | None = None, per_gpu: bool = False) -> list[JobUsage]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +43,7 @@ def join(records: Iterable[JobRecord], usages: Iterable[JobUsage]) -> list[Ledge
     return [LedgerEntry(j, by_rec.get(j), by_use.get(j)) for j in ids]
 
 
-def load(store: UsageStore) -> list[LedgerEntry]:
+def load(store: LedgerReader) -> list[LedgerEntry]:
     return join(store.jobs(), store.job_usage())
 
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gpuledger.collector.store import Retention
+from gpuledger.collector.series_store import Retention
 from gpuledger.collector.validate import MAX_BODY_BYTES
 
 CONFIG_NAME = "gpuledger.toml"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import typer
 
-from gpuledger.collector.store import TIER_NAMES, SqliteStore
+from gpuledger.collector.series_store import TIER_NAMES
+from gpuledger.collector.store import SqliteStore
 
 app = typer.Typer(help="Maintain and query the embedded store's tiers.", no_args_is_help=True)
 

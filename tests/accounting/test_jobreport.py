@@ -92,3 +92,17 @@ def test_unknown_job_and_bad_rules(store):
         Rules.from_mapping({"idle_sm": 5})
     with pytest.raises(ValueError, match="report.rules.bogus: unknown"):
         Rules.from_mapping({"bogus": 0.1})
+
+
+def test_job_on_a_mig_instance_reads_that_instance_samples(tmp_path):
+    """A job on a MIG instance: the report reads the instance's raw samples (its Xid is counted)."""
+    s = SqliteStore(tmp_path / "gpuledger.sqlite", clock=lambda: T0 + 1000)
+    samples = [GpuSample(**{**smp.to_dict(), "mig": "1g.18gb"}) for smp in _samples("n1", "G0", "31", xid_at=(3,))]
+    s.ingest(Batch("a", 0, "n1", tuple(samples)))
+    try:
+        rep = load_job_report(s, "31")
+    finally:
+        s.close()
+    (gpu,) = rep.gpus
+    assert gpu.usage.gpu_uuid == "G0/1g.18gb"
+    assert gpu.events.samples == 31 and gpu.events.xid == {79: 1}

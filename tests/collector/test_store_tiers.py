@@ -11,7 +11,8 @@ import pytest
 
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 from gpuledger.collector.rollup import RollupPoint
-from gpuledger.collector.store import HOUR, MINUTE, RAW, Retention, SqliteStore
+from gpuledger.collector.series_store import HOUR, MINUTE, RAW, Retention
+from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
 
 H = 3600.0 * 480_000  # an hour (and day) boundary
@@ -112,7 +113,7 @@ def test_minute_at_the_horizon_waits_for_late_samples(tmp_path):
     assert [(p.ts, p.samples) for p in store.series("n1", "G0", H, H + 59, step=60, tier=MINUTE)] == [(H, 2)]
     store.ingest(Batch("a", 1, "n1", (mk(H + 61, 4.0),)))  # late but within the window
     store.compact()
-    assert store._until(("n1", "G0", ""), MINUTE) == H + 60
+    assert store.series_store.rolled_up_until(("n1", "G0", ""), MINUTE) == H + 60
     store.ingest(Batch("a", 2, "n1", (mk(H + 721, 5.0),)))
     store.compact()  # horizon H + 120: minute H+60 now closed with the late sample
     pts = store.series("n1", "G0", H, H + 119, step=60, tier=MINUTE)
@@ -142,18 +143,18 @@ def test_retention_drops_only_rolled_up_data_and_queries_pick_the_complete_tier(
     ss = gen(1080, step=10.0, gpus=("G0",))  # H .. H + 3 h
     ingest_all(store, ss)
     gk = ("n1", "G0", "")
-    assert store.pick_tier(gk, H) == RAW and store.pick_tier(gk, H, step=60) == MINUTE
-    assert store.pick_tier(gk, H, step=3600) == HOUR and store.pick_tier(gk, H, step=30) == RAW
+    assert store.series_store.pick_tier(gk, H) == RAW and store.series_store.pick_tier(gk, H, step=60) == MINUTE
+    assert store.series_store.pick_tier(gk, H, step=3600) == HOUR and store.series_store.pick_tier(gk, H, step=30) == RAW
     st = store.compact()  # now = H + 4 h: raw before H + 2 h may go, it is rolled up (horizon H+2h50)
     raw = chunk_rows(store, RAW)
     assert st.deleted_chunks == 12 and min(r[3] for r in raw) == H + 2 * 3600
-    assert store.pick_tier(gk, H) == MINUTE and store.pick_tier(gk, H + 2 * 3600) == RAW
+    assert store.series_store.pick_tier(gk, H) == MINUTE and store.series_store.pick_tier(gk, H + 2 * 3600) == RAW
     pts = store.series("n1", "G0", H, H + 3 * 3600)
     assert isinstance(pts[0], RollupPoint) and pts[0].tier == "1m" and sum(p.samples for p in pts) == 1080
     assert len(store.series("n1", "G0", H + 2 * 3600, H + 3 * 3600)) == 360  # raw samples
     clock.t = H + 8 * 3600  # minute rows before H + 3 h expire (only up to the hour tier's H + 2 h); hours stay for good
     store.compact()
-    assert store.pick_tier(gk, H) == HOUR
+    assert store.series_store.pick_tier(gk, H) == HOUR
     hours = store.series("n1", "G0", H, H + 3 * 3600)
     assert [p.tier for p in hours] == ["1h"] * 3 and sum(p.samples for p in hours) == 1080
     assert store.tiers()[HOUR]["rows"] == 2  # third hour not closed when minutes were cut at H+2h50

@@ -1,0 +1,451 @@
+"""The series store: every GPU's samples over time, in compressed chunks, in three tiers.
+
+Raw samples sit in compressed columnar chunks (``collector.chunks``; one row per GPU per batch at
+ingest, merged per GPU per ``raw_chunk_s`` interval by compaction); 1-minute and 1-hour rollups use
+the same chunk format (``collector.rollup``). Tiers (``Retention``): raw chunks for ``raw_s`` (7 days),
+1-minute rollups for ``minute_s`` (90 days), 1-hour rollups for good. Compaction rolls up every GPU's
+closed minutes (older than its newest sample minus the late window, so no late sample can still change
+them), merges small chunks, then drops what retention allows; raw data is never dropped before it is
+rolled up. Each compaction step is one transaction and idempotent.
+
+What the rest of the code reads is :class:`SeriesReader`; what the collector's store writes through is
+:class:`SeriesStore`. :class:`SqliteSeriesStore` is the embedded implementation; it shares the
+collector's SQLite connection with the ledger, so ingest writes both in one transaction. It is not
+thread-safe by itself: ``collector.store.SqliteStore`` serialises access.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import sqlite3
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Protocol
+
+import msgpack
+import numpy as np
+
+from gpuledger.collector import rollup
+from gpuledger.collector.aggregate import PAIR_FLOATS, GpuKey, WindowSegment
+from gpuledger.collector.chunks import (
+    NUMERIC_FIELDS,
+    column_list,
+    columns_as_floats,
+    decode_arrays,
+    decode_columns,
+    decode_samples,
+    encode_samples,
+    encode_series_many,
+    merge_chunks,
+)
+from gpuledger.collector.rollup import RollupPoint
+from gpuledger.collector.series import Series
+from gpuledger.collector.sqlite_db import transaction
+from gpuledger.schema.records import GpuSample
+
+RAW, MINUTE, HOUR = 0, 1, 2
+TIERS = (RAW, MINUTE, HOUR)
+TIER_NAMES = {RAW: "raw", MINUTE: "1m", HOUR: "1h"}
+RESOLUTION = {RAW: 0.0, MINUTE: 60.0, HOUR: 3600.0}
+MERGE_OPEN_AT = 16  # an open interval's chunks are merged once there are this many
+MERGE_MAX_ROWS = 512  # raw chunks this large are not merged (see mergeable_groups)
+_sample_time = operator.attrgetter("ts")
+_sample_gpu = operator.attrgetter("host", "gpu_uuid", "mig")
+_sample_gpu_order = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks (
+  tier INTEGER NOT NULL, host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, bucket REAL NOT NULL,
+  t_min REAL NOT NULL, t_max REAL NOT NULL, n INTEGER NOT NULL, data BLOB NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS chunks_key ON chunks (tier, host, gpu_uuid, mig, bucket, t_min);
+CREATE TABLE IF NOT EXISTS rollup_state (
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, tier INTEGER NOT NULL, until REAL NOT NULL,
+  PRIMARY KEY (host, gpu_uuid, mig, tier)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS expired (
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, tier INTEGER NOT NULL, until REAL NOT NULL,
+  PRIMARY KEY (host, gpu_uuid, mig, tier)) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How long each tier is kept (seconds; None = for good) and how much time one chunk spans."""
+
+    raw_s: float = 7 * 86400.0
+    minute_s: float | None = 90 * 86400.0
+    hour_s: float | None = None
+    raw_chunk_s: float = 3600.0
+    minute_chunk_s: float = 86400.0
+    hour_chunk_s: float = 30 * 86400.0
+
+    def keep(self, tier: int) -> float | None:
+        return (self.raw_s, self.minute_s, self.hour_s)[tier]
+
+    def span(self, tier: int) -> float:
+        return (self.raw_chunk_s, self.minute_chunk_s, self.hour_chunk_s)[tier]
+
+    def check(self, window_s: float) -> None:
+        if self.raw_s < window_s + self.raw_chunk_s:
+            raise ValueError(f"raw retention {self.raw_s} s must cover the late window ({window_s} s) plus one chunk "
+                             f"({self.raw_chunk_s} s): the aggregation rebuilds its window from raw samples")
+        for tier in (MINUTE, HOUR):
+            if self.span(tier) % RESOLUTION[tier] or self.span(tier) <= 0:
+                raise ValueError(f"{TIER_NAMES[tier]} chunk span must be a positive multiple of {RESOLUTION[tier]} s")
+        if self.raw_chunk_s <= 0:
+            raise ValueError("raw chunk span must be positive")
+        keeps = [k for k in (self.minute_s, self.hour_s) if k is not None]
+        if any(k <= 0 for k in keeps):
+            raise ValueError("retentions must be positive (None keeps a tier for good)")
+
+
+@dataclass(frozen=True, slots=True)
+class MergeGroup:
+    """One GPU's chunks of one tier and interval that compaction merges into one."""
+
+    tier: int
+    gpu_key: GpuKey
+    bucket: float
+    max_rows: int  # only chunks with fewer rows take part
+
+
+class SeriesReader(Protocol):
+    """The query side: what the API, the CLI and the job report read."""
+
+    def series(
+        self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
+        tier: int | None = None,
+    ) -> list[GpuSample] | list[RollupPoint]: ...
+
+    def tiers(self) -> list[dict]: ...
+
+
+class SeriesStore(SeriesReader, Protocol):
+    """What the collector's store writes and compacts through (called with its lock held)."""
+
+    def write_samples(self, samples: list[GpuSample]) -> None: ...
+    def write_series(self, series: list[Series]) -> None: ...
+    def window(self, gpu_key: GpuKey, floor: float) -> list[WindowSegment]: ...
+    def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]: ...
+    def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]: ...
+    def merge(self, group: MergeGroup) -> int: ...
+    def expire(self, now: float) -> int: ...
+
+
+def _intervals(ts: np.ndarray, span: float) -> list[tuple[int, int, float]]:
+    """(start, end, interval start) of each run of time-sorted ``ts`` within one raw interval of ``span``
+    (the interval of every sample at once: the same value as math.floor(ts / span) * span)."""
+    starts = np.floor(ts / span) * span
+    cuts = [0, *(np.flatnonzero(starts[1:] != starts[:-1]) + 1).tolist(), len(ts)]
+    return [(i, j, float(starts[i])) for i, j in zip(cuts, cuts[1:])]
+
+
+class SqliteSeriesStore:
+    """Series in the collector's SQLite file (tables ``chunks``, ``rollup_state``, ``expired``)."""
+
+    def __init__(self, db: sqlite3.Connection, retention: Retention = Retention()) -> None:
+        self._db = db
+        self.retention = retention
+        db.executescript(SCHEMA)
+
+    def repack_v1_samples(self, fields: tuple[str, ...]) -> None:
+        """Schema 1 kept one msgpack row per sample (table ``samples``); repack them into chunks and drop
+        the table (inside the caller's transaction)."""
+        groups: dict[tuple, list[GpuSample]] = {}
+        for (data,) in self._db.execute("SELECT data FROM samples ORDER BY host, gpu_uuid, mig, ts"):
+            sample = GpuSample.from_dict(dict(zip(fields, msgpack.unpackb(data, raw=False))))
+            groups.setdefault(self._chunk_key(sample), []).append(sample)
+        self._insert_raw(groups)
+        self._db.execute("DROP TABLE samples")
+
+    # -- raw samples: compressed chunks -------------------------------------------------------
+    def _chunk_key(self, s: GpuSample) -> tuple[str, str, str, float]:
+        span = self.retention.raw_chunk_s
+        return (s.host, s.gpu_uuid, s.mig or "", math.floor(s.ts / span) * span)
+
+    def write_samples(self, samples: list[GpuSample]) -> None:
+        """One chunk per GPU and raw interval of these samples (sorted by time)."""
+        span = self.retention.raw_chunk_s
+        groups: dict[tuple, list[GpuSample]] = {}
+        # Group a GPU's run at a time, not sample by sample: a stable sort keeps each GPU's samples in time
+        # order (MIG instances of one GPU may come in several runs; they are appended in order).
+        for (host, uuid, mig), run in groupby(sorted(samples, key=_sample_gpu_order), key=_sample_gpu):
+            run = list(run)
+            for i, j, bucket in _intervals(np.array(list(map(_sample_time, run)), dtype=np.float64), span):
+                groups.setdefault((host, uuid, mig or "", bucket), []).extend(run[i:j])
+        self._insert_raw(groups)
+
+    def write_series(self, series: list[Series]) -> None:
+        """One chunk per series and raw interval (each series strictly increasing in time)."""
+        span = self.retention.raw_chunk_s
+        parts, buckets = [], []
+        for s in series:
+            for i, j, bucket in _intervals(s.ts, span):
+                parts.append(s if j - i == s.n else s.slice(i, j))
+                buckets.append(bucket)
+        if parts:  # a batch's chunks packed together: numpy's per-call cost is shared by its GPUs
+            self._db.executemany("INSERT INTO chunks VALUES (0,?,?,?,?,?,?,?,?)", [
+                (p.host, p.gpu_uuid, p.mig or "", b, float(p.ts[0]), float(p.ts[-1]), p.n, blob)
+                for p, b, blob in zip(parts, buckets, encode_series_many(parts))])
+
+    def _insert_raw(self, groups: dict[tuple, list[GpuSample]]) -> None:
+        self._db.executemany(
+            "INSERT INTO chunks VALUES (0,?,?,?,?,?,?,?,?)",
+            [(*k, g[0].ts, g[-1].ts, len(g), encode_samples(g)) for k, g in groups.items()],
+        )
+
+    def _chunk_rows(self, tier: int, gpu_key: GpuKey, start: float, end: float) -> list[tuple[bytes]]:
+        span = self.retention.span(tier)
+        lo = math.floor(start / span) * span if math.isfinite(start) else -1e300
+        return self._db.execute(
+            "SELECT data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND bucket<=? "
+            "AND t_max>=? AND t_min<=?",
+            (tier, *gpu_key, lo, end, start, end),
+        ).fetchall()
+
+    def _read_raw(self, gpu_key: GpuKey, start: float, end: float) -> list[GpuSample]:
+        host, uuid, mig = gpu_key
+        out: list[GpuSample] = []
+        for (data,) in self._chunk_rows(RAW, gpu_key, start, end):
+            out.extend(smp for smp in decode_samples(data, host, uuid, mig or None) if start <= smp.ts <= end)
+        out.sort(key=_sample_time)
+        return out
+
+    def _raw_arrays(self, gpu_key: GpuKey, start: float, end: float) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Raw samples with start <= ts < end as arrays (for rollups), unsorted."""
+        ts_parts, val_parts = [], []
+        for (data,) in self._chunk_rows(RAW, gpu_key, start, end):
+            ts, vals = decode_arrays(data, NUMERIC_FIELDS)
+            keep = (ts >= start) & (ts < end)
+            ts_parts.append(ts[keep])
+            val_parts.append({f: v[keep] for f, v in vals.items()})
+        if not ts_parts:
+            return np.zeros(0), {f: np.zeros(0) for f in NUMERIC_FIELDS}
+        return np.concatenate(ts_parts), {f: np.concatenate([p[f] for p in val_parts]) for f in NUMERIC_FIELDS}
+
+    def _rollup_rows(self, tier: int, gpu_key: GpuKey, start: float, end: float) -> rollup.Rollup:
+        """Stored rollup rows of a tier with start <= ts < end."""
+        r = rollup.concat([rollup.decode(d) for (d,) in self._chunk_rows(tier, gpu_key, start, end)])
+        return r.select((r.ts >= start) & (r.ts < end))
+
+    def window(self, gpu_key: GpuKey, floor: float) -> list[WindowSegment]:
+        """A GPU's stored samples at or after ``floor`` plus the newest one before it (the anchor), as the
+        aggregation window keeps them: time-ordered columns of the fields pair contributions read, one
+        segment per run of one job set, straight from the chunks (no object per sample: a restart reads
+        every GPU's window)."""
+        (newest_before,) = self._db.execute(
+            "SELECT MAX(t_max) FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND t_max<?",
+            (*gpu_key, floor),
+        ).fetchone()
+        # the anchor is in a chunk ending at newest_before, or in one reaching past floor
+        lo = floor if newest_before is None else newest_before
+        span = self.retention.raw_chunk_s
+        chunks = self._db.execute(
+            "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND t_max>=?",
+            (*gpu_key, math.floor(lo / span) * span, lo),
+        ).fetchall()
+        ts_parts: list[np.ndarray] = []
+        cols: dict[str, list[np.ndarray]] = {f: [] for f in PAIR_FLOATS}
+        job_set_codes: list[np.ndarray] = []
+        job_sets: dict[tuple, int] = {}  # (job_ids, job_shares) -> code
+        for (data,) in chunks:
+            n, columns = decode_columns(data)
+            ts, vals = columns_as_floats(n, columns, PAIR_FLOATS)
+            keep = np.flatnonzero(ts >= lo)
+            if not keep.size:
+                continue
+            ts_parts.append(ts[keep])
+            for f in PAIR_FLOATS:
+                cols[f].append(vals[f][keep])
+            ids = column_list(n, columns["job_ids"]) if "job_ids" in columns else [()] * n
+            shares = column_list(n, columns["job_shares"]) if "job_shares" in columns else [()] * n
+            if ids.count(ids[0]) == n and shares.count(shares[0]) == n:  # the usual chunk: one job set
+                key = (tuple(ids[0] or ()), tuple(shares[0] or ()))
+                job_set_codes.append(np.full(keep.size, job_sets.setdefault(key, len(job_sets))))
+            else:
+                job_set_codes.append(np.array([
+                    job_sets.setdefault((tuple(ids[i] or ()), tuple(shares[i] or ())), len(job_sets))
+                    for i in keep.tolist()]))
+        if not ts_parts:
+            return []
+        ts = np.concatenate(ts_parts)
+        order = np.argsort(ts, kind="stable")
+        ts = ts[order]
+        first = max(int(np.searchsorted(ts, floor, side="left")) - 1, 0)  # the anchor
+        order, ts = order[first:], ts[first:]
+        code = np.concatenate(job_set_codes)[order]
+        arrays = {f: np.concatenate(cols[f])[order] for f in PAIR_FLOATS}
+        job_set_of = {v: k for k, v in job_sets.items()}
+        cuts = [0, *(np.flatnonzero(code[1:] != code[:-1]) + 1).tolist(), len(ts)]
+        return [WindowSegment(ts[a:b], {f: v[a:b] for f, v in arrays.items()}, *job_set_of[int(code[a])])
+                for a, b in zip(cuts, cuts[1:])]
+
+    # -- compaction: rollups, merging, retention ----------------------------------------------
+    def _resume_at(self, gpu_key: GpuKey, tier: int, horizon: float) -> float:
+        """Where rolling up into ``tier`` goes on: its saved state, else the start of the finer tier's first
+        chunk (on the tier's grid), never past ``horizon``."""
+        until = self.rolled_up_until(gpu_key, tier)
+        if until is not None:
+            return until
+        (first,) = self._db.execute(
+            "SELECT MIN(t_min) FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=?", (tier - 1, *gpu_key)
+        ).fetchone()
+        res = RESOLUTION[tier]
+        return horizon if first is None else min(horizon, math.floor(first / res) * res)
+
+    def rolled_up_until(self, gpu_key: GpuKey, tier: int) -> float | None:
+        """How far ``tier`` is rolled up for this GPU (None: not yet)."""
+        row = self._db.execute(
+            "SELECT until FROM rollup_state WHERE host=? AND gpu_uuid=? AND mig=? AND tier=?", (*gpu_key, tier)
+        ).fetchone()
+        return None if row is None else row[0]
+
+    def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]:
+        """Roll up this GPU's minutes that end by ``final_before`` (no late sample can change them any
+        more), then its hours of rolled-up minutes, in one transaction. Returns (minutes, hours) written."""
+        with transaction(self._db) as db:
+            horizon = math.floor(final_before / 60.0) * 60.0
+            until = self._resume_at(gpu_key, MINUTE, horizon)
+            n_minutes = 0
+            if horizon > until:
+                ts, vals = self._raw_arrays(gpu_key, until, horizon)
+                n_minutes = self._insert_rollup(MINUTE, gpu_key, rollup.from_raw(ts, vals, 60.0))
+                until = horizon
+            db.execute("INSERT OR REPLACE INTO rollup_state VALUES (?,?,?,?,?)", (*gpu_key, MINUTE, until))
+            hour_horizon = math.floor(until / 3600.0) * 3600.0
+            hours_until = self._resume_at(gpu_key, HOUR, hour_horizon)
+            n_hours = 0
+            if hour_horizon > hours_until:
+                rows = self._rollup_rows(MINUTE, gpu_key, hours_until, hour_horizon)
+                n_hours = self._insert_rollup(HOUR, gpu_key, rollup.combine(rows, 3600.0))
+                hours_until = hour_horizon
+            db.execute("INSERT OR REPLACE INTO rollup_state VALUES (?,?,?,?,?)", (*gpu_key, HOUR, hours_until))
+        return n_minutes, n_hours
+
+    def _insert_rollup(self, tier: int, gpu_key: GpuKey, r: rollup.Rollup) -> int:
+        if not len(r):
+            return 0
+        span = self.retention.span(tier)
+        buckets = np.floor(r.ts / span) * span
+        for bucket in np.unique(buckets).tolist():
+            part = r.select(buckets == bucket)
+            self._db.execute("INSERT INTO chunks VALUES (?,?,?,?,?,?,?,?,?)", (
+                tier, *gpu_key, bucket, float(part.ts[0]), float(part.ts[-1]), len(part), rollup.encode(part)))
+        return len(r)
+
+    def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]:
+        """Each (GPU, interval) whose small chunks are to be merged into one: closed intervals always, the
+        open one once it has ``MERGE_OPEN_AT`` of them. Raw chunks of ``MERGE_MAX_ROWS`` rows or more are
+        left alone: they compress within a few per cent of a merged one, and re-packing every sample of a
+        large-batch cluster would cost compaction as much CPU as ingest."""
+        span = self.retention.span(tier)
+        max_rows = MERGE_MAX_ROWS if tier == RAW else 2**62
+        groups = self._db.execute(
+            "SELECT host, gpu_uuid, mig, bucket, COUNT(*) FROM chunks WHERE tier=? AND n<? "
+            "GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1", (tier, max_rows)
+        ).fetchall()
+        return [MergeGroup(tier, (host, uuid, mig), bucket, max_rows) for host, uuid, mig, bucket, count in groups
+                if bucket + span <= now or count >= MERGE_OPEN_AT]
+
+    def merge(self, group: MergeGroup) -> int:
+        """Merge one group's chunks in one transaction; returns how many chunks were merged away."""
+        with transaction(self._db) as db:
+            rows = db.execute(
+                "SELECT rowid, data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? AND n<?",
+                (group.tier, *group.gpu_key, group.bucket, group.max_rows),
+            ).fetchall()
+            if len(rows) > 1:
+                blob, n, t_min, t_max = merge_chunks([r[1] for r in rows])
+                db.executemany("DELETE FROM chunks WHERE rowid=?", [(r[0],) for r in rows])
+                db.execute("INSERT INTO chunks VALUES (?,?,?,?,?,?,?,?,?)",
+                           (group.tier, *group.gpu_key, group.bucket, t_min, t_max, n, blob))
+        return max(0, len(rows) - 1)
+
+    def expire(self, now: float) -> int:
+        """Delete chunks older than their tier's retention, but never raw or minute data that the
+        next tier has not rolled up yet. Returns how many chunks were deleted."""
+        deleted = 0
+        with transaction(self._db) as db:
+            for tier in TIERS:
+                keep = self.retention.keep(tier)
+                if keep is None:
+                    continue
+                span = self.retention.span(tier)
+                guard = "" if tier == HOUR else (
+                    " AND bucket + :span <= COALESCE((SELECT until FROM rollup_state r WHERE r.host=chunks.host "
+                    "AND r.gpu_uuid=chunks.gpu_uuid AND r.mig=chunks.mig AND r.tier=:next), -1e300)")
+                where = "FROM chunks WHERE tier=:tier AND bucket + :span <= :cutoff" + guard
+                args = {"tier": tier, "span": span, "cutoff": now - keep, "next": tier + 1}
+                gone = db.execute(f"SELECT host, gpu_uuid, mig, MAX(bucket) {where} GROUP BY host, gpu_uuid, mig",
+                                  args).fetchall()
+                deleted += db.execute("DELETE " + where, args).rowcount
+                # remember how far each GPU's tier is gone, so queries pick a tier that is complete
+                db.executemany(
+                    "INSERT INTO expired VALUES (?,?,?,?,?) ON CONFLICT DO UPDATE SET until=MAX(until, excluded.until)",
+                    [(h, u, m, tier, b + span) for h, u, m, b in gone],
+                )
+        return deleted
+
+    # -- reads --------------------------------------------------------------------------------
+    def pick_tier(self, gpu_key: GpuKey, start: float, step: float | None = None) -> int:
+        """The tier a query from ``start`` reads: among tiers still complete from ``start`` on (none of
+        that GPU's data after ``start`` expired), the coarsest whose resolution is at most ``step``,
+        else the finest complete one; when none reaches back that far, the hour tier."""
+        gone = dict(self._db.execute(
+            "SELECT tier, until FROM expired WHERE host=? AND gpu_uuid=? AND mig=?", gpu_key).fetchall())
+        complete = [t for t in TIERS if start >= gone.get(t, -math.inf)]
+        if not complete:
+            return HOUR
+        if step:
+            fit = [t for t in complete if RESOLUTION[t] <= step]
+            if fit:
+                return fit[-1]
+        return complete[0]
+
+    def series(
+        self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
+        tier: int | None = None,
+    ) -> list[GpuSample] | list[RollupPoint]:
+        """One GPU's (or MIG instance's) data with start <= ts <= end, in time order.
+
+        Raw samples (``GpuSample``) when the raw tier is picked and no ``step`` is asked; otherwise
+        ``RollupPoint`` buckets of ``step`` seconds (at least the tier's resolution, rounded up to a
+        multiple of it). The newest minutes that are not rolled up yet are summarised from the
+        finer tier on the fly, so a rollup query also covers recent data. ``tier`` forces a tier.
+        """
+        gpu_key = (host, gpu_uuid, mig or "")
+        tier = self.pick_tier(gpu_key, start, step) if tier is None else tier
+        if tier == RAW and not step:
+            return self._read_raw(gpu_key, start, end)
+        res = RESOLUTION[tier]
+        step = float(step) if step else res
+        if res:
+            step = math.ceil(step / res - 1e-9) * res
+        lo = math.floor(start / step) * step
+        rows = self._tier_rows(tier, gpu_key, lo, end)
+        return rollup.combine(rows, step).points(step, TIER_NAMES[tier])
+
+    def _tier_rows(self, tier: int, gpu_key: GpuKey, start: float, end: float) -> rollup.Rollup:
+        """Rows of ``tier``'s resolution (raw: one row per sample) for start <= ts <= end, filled in
+        past the tier's rolled-up horizon from the tier below."""
+        if tier == RAW:
+            ts, vals = self._raw_arrays(gpu_key, start, math.nextafter(end, math.inf))
+            return rollup.from_raw(ts, vals, 1e-6)  # one row per sample (distinct times)
+        until = self.rolled_up_until(gpu_key, tier)
+        until = -math.inf if until is None else until
+        stored = self._rollup_rows(tier, gpu_key, start, min(math.nextafter(end, math.inf), until))
+        if end < until:
+            return stored
+        tail = rollup.combine(self._tier_rows(tier - 1, gpu_key, max(start, until), end), RESOLUTION[tier])
+        return rollup.concat([stored, tail])
+
+    def tiers(self) -> list[dict]:
+        """Per tier: chunks, rows and bytes stored, oldest and newest time (for the CLI and metrics)."""
+        rows = self._db.execute(
+            "SELECT tier, COUNT(*), TOTAL(n), TOTAL(LENGTH(data)), MIN(t_min), MAX(t_max) FROM chunks GROUP BY tier"
+        ).fetchall()
+        have = {r[0]: r for r in rows}
+        return [{"tier": TIER_NAMES[t], "chunks": have[t][1] if t in have else 0,
+                 "rows": int(have[t][2]) if t in have else 0, "bytes": int(have[t][3]) if t in have else 0,
+                 "oldest": have[t][4] if t in have else None, "newest": have[t][5] if t in have else None,
+                 "retention_s": self.retention.keep(t)} for t in TIERS]
