@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuledger.accounting.audit import AuditLog  # noqa: E402
 from gpuledger.accounting.ledger import LedgerEntry  # noqa: E402
-from gpuledger.accounting.report import ReportSettings, parse_period, usage_report  # noqa: E402
+from gpuledger.accounting.report.period import parse_period  # noqa: E402
+from gpuledger.accounting.report.settings import ReportSettings  # noqa: E402
+from gpuledger.accounting.report.usage import usage_report  # noqa: E402
 from gpuledger.schema.records import JobRecord, JobUsage  # noqa: E402
 
 OCT0 = datetime(2026, 10, 1, tzinfo=timezone.utc).timestamp()

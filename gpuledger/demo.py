@@ -262,7 +262,8 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gpuledger.accounting import report as rpt
+    from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
+    from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
     from gpuledger.accounting.audit import PRIVATE_KEY_NAME, keygen, open_log, record_job_records, sign_report
     from gpuledger.accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
     from gpuledger.accounting.config import accounting_settings, load_config
@@ -290,8 +291,8 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
             record_job_records(log, store.jobs())
     finally:
         store.close()
-    job_rows = rpt.job_rows(entries)
-    console.print(rpt.rich_table("Jobs (measured)", rpt.JOB_COLUMNS, job_rows))
+    job_rows = job_rows(entries)
+    console.print(rich_table("Jobs (measured)", JOB_COLUMNS, job_rows))
 
     now = time.time()
     weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
@@ -299,13 +300,13 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     console.print(f"[bold]Fairshare[/bold] ({settings.algorithm}, charge policy {settings.policy}):")
     console.print(render_table(rows), markup=False, highlight=False)
     feed_path = write_feed(data_dir / FEED_NAME, feed_from_rows(rows, settings, now))
-    groups = rpt.by_account_user(job_rows)
+    groups = by_account_user(job_rows)
     report_path = data_dir / "usage-report.txt"
     report_path.write_text(
-        "Usage by account and user\n\n" + rpt.plain_table(rpt.GROUP_COLUMNS, groups)
-        + "\nJobs\n\n" + rpt.plain_table(rpt.JOB_COLUMNS, job_rows)
+        "Usage by account and user\n\n" + plain_table(GROUP_COLUMNS, groups)
+        + "\nJobs\n\n" + plain_table(JOB_COLUMNS, job_rows)
     )
-    (data_dir / "usage-report.json").write_text(rpt.to_json(groups) + "\n")
+    (data_dir / "usage-report.json").write_text(to_json(groups) + "\n")
     # The report carries a signed manifest naming its inputs and the audit log's head (`gpuledger audit verify`).
     if not (data_dir / PRIVATE_KEY_NAME).exists():
         keygen(data_dir)
@@ -313,7 +314,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
         manifest = sign_report(report_path, data_dir, log=log, now=now,
                                inputs={"store": STORE_NAME, "config": CONFIG_NAME, "jobs": len(job_rows)},
                                period={"from": min(j.submit for j in res.jobs), "to": now})
-    console.print(rpt.rich_table("Usage by account and user", rpt.GROUP_COLUMNS, groups))
+    console.print(rich_table("Usage by account and user", GROUP_COLUMNS, groups))
     console.print(f"priority feed: {feed_path}")
     console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')}), signed: {manifest}")
     console.print(f"next: gpuledger fairshare --data-dir {data_dir}   |   gpuledger report usage --data-dir {data_dir}")

@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpuledger.accounting import report as rpt
+from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
+from gpuledger.accounting.report.tables import rich_table
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import association_usage, compute, load_tree
 from gpuledger.accounting.ledger import load as load_ledger
@@ -219,7 +220,7 @@ def jobs_list(
     elif fmt is Fmt.csv:
         raise _fail("jobs list supports --format table or json")
     else:
-        console.print(rpt.rich_table("Jobs", rpt.JOB_COLUMNS, rpt.job_rows(entries)))
+        console.print(rich_table("Jobs", JOB_COLUMNS, job_rows(entries)))
 
 
 def _read_arg(path: str) -> str:

@@ -196,15 +196,15 @@ class _Index:
         self.use_parent_list = np.flatnonzero(use_parent).tolist()
 
         # fs parent: first strict ancestor whose shares are not "parent" (root always qualifies).
-        fsp = parent.copy()
-        todo = np.flatnonzero(use_parent[fsp] & (fsp > 0))
+        fs_parent = parent.copy()
+        todo = np.flatnonzero(use_parent[fs_parent] & (fs_parent > 0))
         while todo.size:
-            fsp[todo] = parent[fsp[todo]]
-            todo = todo[use_parent[fsp[todo]] & (fsp[todo] > 0)]
-        self.fs_parent = fsp
+            fs_parent[todo] = parent[fs_parent[todo]]
+            todo = todo[use_parent[fs_parent[todo]] & (fs_parent[todo] > 0)]
+        self.fs_parent = fs_parent
         lv = np.zeros(n, np.int64)
-        np.add.at(lv, fsp[1:], np.where(use_parent[1:], 0, shares[1:]))
-        level = lv[fsp]
+        np.add.at(lv, fs_parent[1:], np.where(use_parent[1:], 0, shares[1:]))
+        level = lv[fs_parent]
         level[0] = 0
         self.level_shares = level
         # shares / level shares as Python divides two ints (exact below 2**53), 0 when level is 0
@@ -212,7 +212,7 @@ class _Index:
             ratio = np.where(level != 0, shares / level, 0.0)
         self.ratio = ratio
         # Fair Tree S: a "parent" association shows its fs parent's shares / level shares
-        src = np.where(use_parent, fsp, np.arange(n))
+        src = np.where(use_parent, fs_parent, np.arange(n))
         src[0] = 0
         ft_s_norm = ratio[src]
         ft_s_norm[0] = 0.0  # root is nobody's child: level shares 0
@@ -240,7 +240,7 @@ class _Index:
         # number of users the walk visits in it (a user 1, a "parent" account 0: no fs children).
         fs_depth = np.zeros(n, np.intp)
         for lvl in levels:
-            fs_depth[lvl] = fs_depth[fsp[lvl]] + 1
+            fs_depth[lvl] = fs_depth[fs_parent[lvl]] + 1
         accts = np.flatnonzero(~is_user)
         accts = accts[1:]  # not root
         acct_fs_depth = fs_depth[accts]
@@ -249,25 +249,25 @@ class _Index:
         self.fs_acct_levels = [x for x in np.split(by_fs_depth, fb[:-1])[1:] if x.size]
         weight = np.zeros(n, np.int64)
         weight[is_user] = 1
-        np.add.at(weight, fsp[is_user], 1)
+        np.add.at(weight, fs_parent[is_user], 1)
         for lvl in reversed(self.fs_acct_levels):  # deepest first: a sub-account is complete
-            np.add.at(weight, fsp[lvl], weight[lvl])
+            np.add.at(weight, fs_parent[lvl], weight[lvl])
         self.fs_weight = weight
         self.classic_cache: tuple | None = None
 
 
 def _index(tree: AssocTree) -> _Index:
-    ix = tree._index
-    if ix is None:
-        ix = _Index(tree)
-        tree._index = ix
-    return ix
+    index = tree._index
+    if index is None:
+        index = _Index(tree)
+        tree._index = index
+    return index
 
 
-def _check_usage(ix: _Index, usage: Mapping[tuple[str, str | None], float]) -> np.ndarray:
+def _check_usage(index: _Index, usage: Mapping[tuple[str, str | None], float]) -> np.ndarray:
     """The validated usage per node (0 for accounts and users without usage), sequentially."""
-    raw = [0.0] * ix.n
-    pos = ix.pos
+    raw = [0.0] * index.n
+    pos = index.pos
     for key, value in usage.items():
         i = pos.get(key)
         if i is None:
@@ -281,26 +281,26 @@ def _check_usage(ix: _Index, usage: Mapping[tuple[str, str | None], float]) -> n
     return np.array(raw, dtype=np.float64)
 
 
-def _raw_usage(ix: _Index, usage: Mapping[tuple[str, str | None], float]) -> np.ndarray:
+def _raw_usage(index: _Index, usage: Mapping[tuple[str, str | None], float]) -> np.ndarray:
     """Raw usage per node: a user's own, an account's the sum of its subtree's."""
     raw = None
     if isinstance(usage, dict):
         # Fast path; on anything unusual the sequential check above raises the precise error.
         try:
             m = len(usage)
-            idx = list(map(ix.pos.get, usage))
+            idx = list(map(index.pos.get, usage))
             if None not in idx:
                 at = np.array(idx, dtype=np.intp)
                 vals = np.fromiter(map(float, usage.values()), np.float64, m)
-                if ix.is_user[at].all() and np.isfinite(vals).all() and (vals >= 0).all():
-                    raw = np.zeros(ix.n)
+                if index.is_user[at].all() and np.isfinite(vals).all() and (vals >= 0).all():
+                    raw = np.zeros(index.n)
                     np.add.at(raw, at, vals)  # 0.0 + v, as the loop does (turns -0.0 into 0.0)
         except Exception:
             raw = None
     if raw is None:
-        raw = _check_usage(ix, usage)
+        raw = _check_usage(index, usage)
     # children before parents: each account gets the sum of its children, last child first
-    for nodes, parents, accts in ix.rollup:
+    for nodes, parents, accts in index.rollup:
         if accts.size:
             raw[accts] = np.bincount(parents, weights=raw[nodes], minlength=accts.size)
     return raw
@@ -325,49 +325,49 @@ def _rows(cols: list[list]) -> list[Row]:
 @_no_gc
 def fair_tree(tree: AssocTree, usage: Mapping[tuple[str, str | None], float]) -> list[Row]:
     """Slurm's Fair Tree (the default since 19.05), as ``sshare -a -l`` shows it."""
-    ix = _index(tree)
-    raw = _raw_usage(ix, usage)
-    fsp = ix.fs_parent
+    index = _index(tree)
+    raw = _raw_usage(index, usage)
+    fs_parent = index.fs_parent
     norm = _norm_usage(raw)
-    s_norm = ix.ft_s_norm
+    s_norm = index.ft_s_norm
     with np.errstate(all="ignore"):
-        raw_f = raw[fsp]
+        raw_f = raw[fs_parent]
         eff = np.where(raw_f != 0, raw / raw_f, 0.0)
         eff[0] = 1.0
-        lf = np.where(
-            ix.use_parent,
-            np.where(ix.is_user, _INF, NO_VAL),
+        level_fs = np.where(
+            index.use_parent,
+            np.where(index.is_user, _INF, NO_VAL),
             np.where(s_norm == 0.0, 0.0, np.where(eff == 0.0, _INF, s_norm / eff)),
         )
-    if np.isnan(lf[1:]).any():  # NaN LFs break the sort's order: walk exactly as Slurm does
-        fs = _rank_walk(ix, lf.tolist())
+    if np.isnan(level_fs[1:]).any():  # NaN LFs break the sort's order: walk exactly as Slurm does
+        fs = _rank_walk(index, level_fs.tolist())
     else:
-        fs = np.zeros(ix.n)
-        fs[ix.user_pos] = _rank(ix, lf)
+        fs = np.zeros(index.n)
+        fs[index.user_pos] = _rank(index, level_fs)
         fs = fs.tolist()
-    for i in ix.acct_list:
+    for i in index.acct_list:
         fs[i] = None
-    level_fs = lf.tolist()
-    for i in ix.use_parent_list:
-        level_fs[i] = None
+    level_fs_col = level_fs.tolist()
+    for i in index.use_parent_list:
+        level_fs_col[i] = None
     cols = [
-        ix.account,
-        ix.user,
-        ix.raw_shares,
+        index.account,
+        index.user,
+        index.raw_shares,
         s_norm.tolist(),
         raw.tolist(),
         norm.tolist(),
         eff.tolist(),
         fs,
-        level_fs,
-        ix.depth.tolist(),
+        level_fs_col,
+        index.depth.tolist(),
     ]
     rows = _rows(cols)
     rows[0] = Row(ROOT, None, None, 0.0, cols[4][0], None, 1.0, None, None, 0)
     return rows
 
 
-def _rank(ix: _Index, lf: np.ndarray) -> np.ndarray:
+def _rank(index: _Index, level_fs: np.ndarray) -> np.ndarray:
     """Fair Tree's ranking walk (fair_tree.c ``_calc_tree_fs``), vectorised; FairShare per user.
 
     The walk goes depth first through the fs tree, each sibling list sorted by LF descending, users
@@ -377,57 +377,57 @@ def _rank(ix: _Index, lf: np.ndarray) -> np.ndarray:
     Slurm's ``_count_tied_accounts`` stops at the first account, so it only counts users with an
     equal LF placed after an account, which the sort never does (no NaN here): it merges nothing.
     """
-    n, n_users, fsp = ix.n, ix.n_users, ix.fs_parent
+    n, n_users, fs_parent = index.n, index.n_users, index.fs_parent
     if not n_users:
         return np.zeros(0)
-    srt = np.lexsort((~ix.is_user[1:], -lf[1:], fsp[1:])) + 1
-    g = fsp[srt]
-    lfs = lf[srt]
-    w = ix.fs_weight[srt]
-    m = srt.size
-    first = np.ones(m, dtype=bool)
-    first[1:] = g[1:] != g[:-1]
-    same_prev = np.zeros(m, dtype=bool)
-    same_prev[1:] = lfs[1:] == lfs[:-1]
-    before = np.cumsum(w) - w
+    sibling_order = np.lexsort((~index.is_user[1:], -level_fs[1:], fs_parent[1:])) + 1
+    fs_group = fs_parent[sibling_order]
+    sorted_level_fs = level_fs[sibling_order]
+    weight = index.fs_weight[sibling_order]
+    n_sorted = sibling_order.size
+    first = np.ones(n_sorted, dtype=bool)
+    first[1:] = fs_group[1:] != fs_group[:-1]
+    same_prev = np.zeros(n_sorted, dtype=bool)
+    same_prev[1:] = sorted_level_fs[1:] == sorted_level_fs[:-1]
+    before = np.cumsum(weight) - weight
     group_start = np.flatnonzero(first)
     before -= before[group_start][np.cumsum(first) - 1]  # users walked before it among siblings
     first_n = np.zeros(n, dtype=bool)
-    first_n[srt] = first
+    first_n[sibling_order] = first
     same_n = np.zeros(n, dtype=bool)
-    same_n[srt] = same_prev
+    same_n[sibling_order] = same_prev
     before_n = np.zeros(n, np.int64)
-    before_n[srt] = before
-    no_val = lf == NO_VAL
+    before_n[sibling_order] = before
+    no_val = level_fs == NO_VAL
     start = np.zeros(n, np.int64)  # users visited before the node's subtree
     tied = np.zeros(n, dtype=bool)
-    for accts in ix.fs_acct_levels:  # top-down: an fs parent is one fs level up
-        f = fsp[accts]
-        start[accts] = start[f] + before_n[accts]
-        tied[accts] = np.where(first_n[accts], tied[f] | no_val[accts], same_n[accts])
-    up = ix.user_pos
-    f = fsp[up]
-    k = start[f] + before_n[up]  # the visit number of each user
-    t = np.where(first_n[up], tied[f] | no_val[up], same_n[up])
-    tied_k = np.empty(n_users, dtype=bool)
-    tied_k[k] = t
-    last_untied = np.maximum.accumulate(np.where(tied_k, 0, np.arange(n_users)))
+    for accts in index.fs_acct_levels:  # top-down: an fs parent is one fs level up
+        fs_parent_of = fs_parent[accts]
+        start[accts] = start[fs_parent_of] + before_n[accts]
+        tied[accts] = np.where(first_n[accts], tied[fs_parent_of] | no_val[accts], same_n[accts])
+    user_pos = index.user_pos
+    fs_parent_of = fs_parent[user_pos]
+    visit = start[fs_parent_of] + before_n[user_pos]  # the visit number of each user
+    user_tied = np.where(first_n[user_pos], tied[fs_parent_of] | no_val[user_pos], same_n[user_pos])
+    tied_by_visit = np.empty(n_users, dtype=bool)
+    tied_by_visit[visit] = user_tied
+    last_untied = np.maximum.accumulate(np.where(tied_by_visit, 0, np.arange(n_users)))
     rank = n_users - last_untied
-    return rank[k] / n_users
+    return rank[visit] / n_users
 
 
-def _rank_walk(ix: _Index, lf: list[float]) -> list[float]:
+def _rank_walk(index: _Index, level_fs: list[float]) -> list[float]:
     """Fair Tree's ranking walk (fair_tree.c ``_calc_tree_fs``), iterative; for NaN LFs."""
-    is_user = ix.is_user.tolist()
-    fs_children: list[list[int]] = [[] for _ in range(ix.n)]
-    for i, f in enumerate(ix.fs_parent.tolist()):
+    is_user = index.is_user.tolist()
+    fs_children: list[list[int]] = [[] for _ in range(index.n)]
+    for i, f in enumerate(index.fs_parent.tolist()):
         if i:
             fs_children[f].append(i)
-    n_users = ix.n_users
-    fs = [0.0] * ix.n
+    n_users = index.n_users
+    fs = [0.0] * index.n
     rank = rnt = n_users
     # sort key: LF descending, users before accounts on equal LF (fair_tree.c _cmp_level_fs)
-    keys = list(zip([-v for v in lf], [not u for u in is_user]))
+    keys = list(zip([-v for v in level_fs], [not u for u in is_user]))
     key = keys.__getitem__
 
     # frame: [siblings sorted by LF, next index, LF of the previous sibling, parent was tied]
@@ -439,7 +439,7 @@ def _rank_walk(ix: _Index, lf: list[float]) -> list[float]:
             stack.pop()
             continue
         a = sibs[i]
-        la = lf[a]
+        la = level_fs[a]
         tied = True if (i == 0 and frame[3]) else frame[2] == la
         frame[2] = la
         if is_user[a]:
@@ -453,7 +453,7 @@ def _rank_walk(ix: _Index, lf: list[float]) -> list[float]:
         # counts users with an equal LF, which the sort has already placed before.
         merge = 0
         j = i + 1
-        while j < len(sibs) and is_user[sibs[j]] and lf[sibs[j]] == la:
+        while j < len(sibs) and is_user[sibs[j]] and level_fs[sibs[j]] == la:
             merge += 1
             j += 1
         children: list[int] = []
@@ -471,22 +471,22 @@ def classic(
     """Slurm's classic fairshare (``PriorityFlags=NO_FAIR_TREE``), as ``sshare -a -l`` shows it."""
     if not (isinstance(dampening, (int, float)) and math.isfinite(dampening) and dampening > 0):
         raise ValueError(f"dampening factor must be a positive number, got {dampening!r}")
-    ix = _index(tree)
-    raw = _raw_usage(ix, usage)
-    fsp, parent = ix.fs_parent, ix.parent
-    if ix.classic_cache is None:
+    index = _index(tree)
+    raw = _raw_usage(index, usage)
+    fs_parent, parent = index.fs_parent, index.parent
+    if index.classic_cache is None:
         # NormShares: the product of shares / level shares down the tree ("parent" levels add
         # nothing: x * 1.0 is x), level by level; and what UE takes per node.
-        step = np.where(ix.use_parent, 1.0, ix.ratio)
-        s_norm = np.ones(ix.n)
-        for lvl in ix.levels:
+        step = np.where(index.use_parent, 1.0, index.ratio)
+        s_norm = np.ones(index.n)
+        for lvl in index.levels:
             s_norm[lvl] = s_norm[parent[lvl]] * step[lvl]
-        takes_parent = ix.use_parent | (ix.level_shares == 0)
-        plan = [(lvl, fsp[lvl], fsp[lvl] == 0, takes_parent[lvl], ix.ratio[lvl]) for lvl in ix.levels]
-        ix.classic_cache = (s_norm, s_norm.tolist(), plan, np.flatnonzero(~(s_norm > 0)).tolist())
-    s_norm, s_norm_col, plan, no_shares = ix.classic_cache
+        takes_parent = index.use_parent | (index.level_shares == 0)
+        plan = [(lvl, fs_parent[lvl], fs_parent[lvl] == 0, takes_parent[lvl], index.ratio[lvl]) for lvl in index.levels]
+        index.classic_cache = (s_norm, s_norm.tolist(), plan, np.flatnonzero(~(s_norm > 0)).tolist())
+    s_norm, s_norm_col, plan, no_shares = index.classic_cache
     norm = _norm_usage(raw)
-    ue = np.ones(ix.n)
+    ue = np.ones(index.n)
     with np.errstate(all="ignore"):
         for lvl, f, under_root, takes_parent, r in plan:  # fs parents sit on levels above
             ua = norm[lvl]
@@ -501,16 +501,16 @@ def classic(
     ue_col = ue.tolist()
     raw_col = raw.tolist()
     cols = [
-        ix.account,
-        ix.user,
-        ix.raw_shares,
+        index.account,
+        index.user,
+        index.raw_shares,
         s_norm_col,
         raw_col,
         norm.tolist(),
         ue_col,
         factor,
-        [None] * ix.n,
-        ix.depth.tolist(),
+        [None] * index.n,
+        index.depth.tolist(),
     ]
     rows = _rows(cols)
     rows[0] = Row(ROOT, None, None, s_norm_col[0], raw_col[0], None, ue_col[0], factor[0], None, 0)

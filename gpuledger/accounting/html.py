@@ -15,7 +15,8 @@ from html import escape
 from typing import Any, Iterable, Mapping, Sequence
 
 from gpuledger.accounting.ledger import LedgerEntry
-from gpuledger.accounting.report import UsageReport, job_end, usage_columns
+from gpuledger.accounting.report.period import job_end
+from gpuledger.accounting.report.usage import usage_columns, UsageReport
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
 W, H = 760, 300

@@ -20,7 +20,11 @@ import os
 import secrets
 import sqlite3
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
+
+from gpuledger.accounting.ledger import LedgerEntry
 
 KEY_NAME = "pseudonym.key"
 PREFIX = "u-"
@@ -112,3 +116,14 @@ def apply_retention(
         return len(changed)
     finally:
         db.close()
+
+
+def pseudonymize_entries(entries: Iterable[LedgerEntry], alias: Callable[[str], str]) -> list[LedgerEntry]:
+    """The same entries with user names replaced by ``alias(user)`` and uids dropped (for every export)."""
+    out = []
+    for e in entries:
+        r = e.record
+        if r is not None and (r.user is not None or r.uid is not None):
+            r = replace(r, user=None if r.user is None else alias(r.user), uid=None)
+        out.append(LedgerEntry(e.job_id, r, e.usage))
+    return out

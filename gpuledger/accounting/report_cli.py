@@ -18,7 +18,14 @@ from rich.markup import escape
 
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
-from gpuledger.accounting import report as rpt
+from gpuledger.accounting.privacy import pseudonymize_entries
+from gpuledger.accounting.report.errors import ReportError
+from gpuledger.accounting.report.idle import IDLE_COLUMNS, idle_jobs
+from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
+from gpuledger.accounting.report.period import ALL_TIME, in_period, parse_period
+from gpuledger.accounting.report.settings import load_report_settings, ReportSettings
+from gpuledger.accounting.report.tables import rich_table, to_csv, to_json
+from gpuledger.accounting.report.usage import usage_columns, usage_report, usage_report_csv, usage_report_json, usage_report_text
 from gpuledger.accounting.ledger import load as load_ledger
 
 STORE_NAME = "gpuledger.sqlite"
@@ -84,10 +91,10 @@ def _open_store(data_dir: Path):  # -> collector.store.SqliteStore
     return SqliteStore(path)
 
 
-def _settings(data_dir: Path, config: Path | None) -> rpt.ReportSettings:
+def _settings(data_dir: Path, config: Path | None) -> ReportSettings:
     try:
-        return rpt.load_report_settings(data_dir, config)
-    except rpt.ReportError as e:
+        return load_report_settings(data_dir, config)
+    except ReportError as e:
         raise _fail(str(e)) from None
 
 
@@ -146,8 +153,8 @@ def report_usage(
     """Per group: GPU-hours allocated and SM-active, efficiency, HBM, energy, CO2e, cost, idle GPU-hours, queue
     wait. Jobs count whole in the period they ended; totals are exactly the sum of the job records."""
     try:
-        per = rpt.parse_period(period, start, end)
-    except rpt.ReportError as e:
+        per = parse_period(period, start, end)
+    except ReportError as e:
         raise _fail(str(e)) from None
     settings = _settings(data_dir, config)
     store = _open_store(data_dir)
@@ -157,19 +164,19 @@ def report_usage(
     finally:
         store.close()
     if pseudonymize:
-        entries = rpt.pseudonymize_entries(entries, _alias(data_dir))
+        entries = pseudonymize_entries(entries, _alias(data_dir))
     try:
-        rep = rpt.usage_report(entries, by.value, per, settings, per_gpu)
-    except rpt.ReportError as e:
+        rep = usage_report(entries, by.value, per, settings, per_gpu)
+    except ReportError as e:
         raise _fail(str(e)) from None
     if fmt is UsageFmt.table and output is None:
-        console.print(rpt.rich_table(f"GPU usage by {by.value}, period {per.label}", rpt.usage_columns(by.value, rep.currency),
+        console.print(rich_table(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
                                      [*rep.rows, rep.total]))
         return
     if fmt is UsageFmt.json:
-        text = rpt.usage_report_json(rep) + "\n"
+        text = usage_report_json(rep) + "\n"
     elif fmt is UsageFmt.csv:
-        text = rpt.usage_report_csv(rep)
+        text = usage_report_csv(rep)
     elif fmt is UsageFmt.html:
         from gpuledger.accounting.html import render_html
 
@@ -178,7 +185,7 @@ def report_usage(
         text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}",
                            manifest={"audit log head": f"entry {seq}, {head[:16]}...", "pseudonymized": pseudonymize})
     else:
-        text = rpt.usage_report_text(rep)
+        text = usage_report_text(rep)
     _emit(text, output)
     _sign(output, data_dir, config, {"report": "usage", "by": by.value, "format": fmt.value, "jobs": rep.total.jobs,
                                      "pseudonymized": pseudonymize}, per.to_dict())
@@ -197,14 +204,14 @@ def report_jobs(
     finally:
         store.close()
     if pseudonymize:
-        entries = rpt.pseudonymize_entries(entries, _alias(data_dir))
-    rows = rpt.job_rows(entries)
+        entries = pseudonymize_entries(entries, _alias(data_dir))
+    rows = job_rows(entries)
     if fmt is TableFmt.json:
-        typer.echo(rpt.to_json(rows))
+        typer.echo(to_json(rows))
     elif fmt is TableFmt.csv:
-        typer.echo(rpt.to_csv(rows), nl=False)
+        typer.echo(to_csv(rows), nl=False)
     else:
-        console.print(rpt.rich_table("Jobs", rpt.JOB_COLUMNS, rows))
+        console.print(rich_table("Jobs", JOB_COLUMNS, rows))
 
 
 @report_app.command("job")
@@ -251,24 +258,24 @@ def report_idle(
     """Jobs that held GPUs mostly idle, worst (most idle GPU-hours) first."""
     settings = _settings(data_dir, config)
     try:
-        per = rpt.parse_period(period) if period else rpt.ALL_TIME
-    except rpt.ReportError as e:
+        per = parse_period(period) if period else ALL_TIME
+    except ReportError as e:
         raise _fail(str(e)) from None
     store = _open_store(data_dir)
     try:
-        entries = rpt.in_period(load_ledger(store), per)
+        entries = in_period(load_ledger(store), per)
         per_gpu = _per_gpu(store)
     finally:
         store.close()
     if pseudonymize:
-        entries = rpt.pseudonymize_entries(entries, _alias(data_dir))
-    rows = rpt.idle_jobs(entries, per_gpu, settings.idle_threshold if threshold is None else threshold, min_share)
+        entries = pseudonymize_entries(entries, _alias(data_dir))
+    rows = idle_jobs(entries, per_gpu, settings.idle_threshold if threshold is None else threshold, min_share)
     if fmt is TableFmt.json:
-        typer.echo(rpt.to_json(rows))
+        typer.echo(to_json(rows))
     elif fmt is TableFmt.csv:
-        typer.echo(rpt.to_csv(rows), nl=False)
+        typer.echo(to_csv(rows), nl=False)
     else:
-        console.print(rpt.rich_table("Jobs that held GPUs mostly idle", rpt.IDLE_COLUMNS, rows))
+        console.print(rich_table("Jobs that held GPUs mostly idle", IDLE_COLUMNS, rows))
 
 
 # -- audit ----------------------------------------------------------------------------------------------------------

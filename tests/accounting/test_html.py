@@ -16,7 +16,9 @@ import pytest
 
 from gpuledger.accounting.html import PALETTE, render_html
 from gpuledger.accounting.ledger import join
-from gpuledger.accounting.report import ReportSettings, parse_period, usage_report
+from gpuledger.accounting.report.period import parse_period
+from gpuledger.accounting.report.settings import ReportSettings
+from gpuledger.accounting.report.usage import usage_report
 from gpuledger.schema.records import JobRecord, JobUsage
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

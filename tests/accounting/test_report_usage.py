@@ -11,18 +11,13 @@ from hypothesis import strategies as st
 
 from gpuledger.accounting.ledger import LedgerEntry, join
 from gpuledger.accounting.ledger import load as load_ledger
-from gpuledger.accounting.report import (
-    TOTAL,
-    GridIntensity,
-    ReportError,
-    ReportSettings,
-    idle_jobs,
-    parse_period,
-    pseudonymize_entries,
-    report_settings,
-    usage_report,
-    usage_report_csv,
-)
+from gpuledger.accounting.privacy import pseudonymize_entries
+from gpuledger.accounting.report.errors import ReportError
+from gpuledger.accounting.report.grid import GridIntensity
+from gpuledger.accounting.report.idle import idle_jobs
+from gpuledger.accounting.report.period import parse_period
+from gpuledger.accounting.report.settings import report_settings, ReportSettings
+from gpuledger.accounting.report.usage import TOTAL, usage_report, usage_report_csv
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch

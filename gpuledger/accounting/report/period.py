@@ -1,0 +1,100 @@
+"""Report periods and the period rule.
+
+A job belongs to the period in which it ENDED (scheduler end time; for a job still running or unknown to the
+scheduler, its last measurement), and is counted whole there. So consecutive periods partition the jobs, every
+job is charged once, and a period's totals are exactly the sum of its job records; a job spanning a month
+boundary lands in the month it ended (no proration). Times are UTC.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from gpuledger.accounting.ledger import LedgerEntry
+from gpuledger.accounting.report.errors import ReportError
+
+
+@dataclass(frozen=True, slots=True)
+class Period:
+    start: float  # inclusive, unix seconds
+    end: float  # exclusive
+    label: str
+
+    def to_dict(self) -> dict[str, Any]:
+        # an open end is None: JSON (and the signed manifest) has no infinity
+        return {"label": self.label, "start": self.start if math.isfinite(self.start) else None,
+                "end": self.end if math.isfinite(self.end) else None,
+                "start_iso": iso_utc(self.start), "end_iso": iso_utc(self.end), "rule": "job counted whole in the period it ended"}
+
+
+ALL_TIME = Period(-math.inf, math.inf, "all")
+
+
+def iso_utc(t: float) -> str | None:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat() if math.isfinite(t) else None
+
+
+def parse_time(text: str, what: str = "time") -> float:
+    """``YYYY-MM-DD`` (UTC midnight), an ISO 8601 date-time (UTC unless it carries an offset), or unix seconds."""
+    s = text.strip()
+    try:
+        return float(s)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(s)
+    except ValueError:
+        raise ReportError(f"{what} {text!r}: expected YYYY-MM-DD, an ISO 8601 date-time or unix seconds") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def parse_period(period: str | None = None, start: str | None = None, end: str | None = None) -> Period:
+    """``period`` as ``YYYY``, ``YYYY-MM`` or ``YYYY-MM-DD`` (UTC), or ``start``/``end`` (end exclusive)."""
+    if period is not None:
+        if start is not None or end is not None:
+            raise ReportError("give either --period or --from/--to, not both")
+        parts = period.strip().split("-")
+        try:
+            nums = [int(p) for p in parts]
+            if len(nums) == 1:
+                a, b = datetime(nums[0], 1, 1), datetime(nums[0] + 1, 1, 1)
+            elif len(nums) == 2:
+                y, m = nums
+                a, b = datetime(y, m, 1), datetime(y + (m == 12), m % 12 + 1, 1)
+            elif len(nums) == 3:
+                a = datetime(*nums)
+                b = datetime.fromordinal(a.toordinal() + 1)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ReportError(f"period {period!r}: expected YYYY, YYYY-MM or YYYY-MM-DD") from None
+        utc = timezone.utc
+        return Period(a.replace(tzinfo=utc).timestamp(), b.replace(tzinfo=utc).timestamp(), period.strip())
+    a = parse_time(start, "--from") if start is not None else -math.inf
+    b = parse_time(end, "--to") if end is not None else math.inf
+    if not a < b:
+        raise ReportError(f"--from {start} is not before --to {end}")
+    return Period(a, b, f"{start or '...'} to {end or '...'}")
+
+
+def job_end(e: LedgerEntry) -> float | None:
+    """When a job counts: the scheduler's end, else its last measurement (running or unknown to Slurm)."""
+    r, u = e.record, e.usage
+    if r is not None and r.end is not None:
+        return r.end
+    return u.last_ts if u is not None else None
+
+
+def in_period(entries: Iterable[LedgerEntry], period: Period) -> list[LedgerEntry]:
+    a, b = period.start, period.end
+    out = []
+    for e in entries:
+        t = job_end(e)
+        if t is not None and a <= t < b:
+            out.append(e)
+    return out
