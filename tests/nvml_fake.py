@@ -9,7 +9,22 @@ installed ``pynvml``, so ``except pynvml.NVMLError_GpuIsLost`` catches what the 
 Behaviour that the driver has and the fake models:
 
 - a function the driver lacks raises ``NVML_ERROR_FUNCTION_NOT_FOUND`` when called (as pynvml does when
-  the symbol is absent from ``libnvidia-ml.so``), one the GPU does not support ``NVML_ERROR_NOT_SUPPORTED``;
+  the symbol is absent from ``libnvidia-ml.so``; ``missing_functions`` names C symbols, so
+  ``nvmlDeviceGetMemoryInfo_v2`` is what ``nvmlDeviceGetMemoryInfo(h, version)`` needs), one the GPU does
+  not support ``NVML_ERROR_NOT_SUPPORTED``;
+- the unversioned wrappers pynvml decorates with ``throwOnVersionMismatch``
+  (``nvmlDeviceGetComputeRunningProcesses``, ``nvmlDeviceGetMPSComputeRunningProcesses``) call ``_v3`` and turn
+  its FUNCTION_NOT_FOUND into ``NVMLLibraryMismatchError`` -- not an ``NVMLError`` -- as pynvml does;
+  ``nvmlEventSetWait`` is only an alias of ``nvmlEventSetWait_v2``, as in pynvml;
+- MIG parents answer as ``nvml.h`` says: memory and process lists of the whole GPU need privileges
+  (``NO_PERMISSION`` unless ``Scenario.root``), utilisation and remapped rows are ``NOT_SUPPORTED``, and
+  ``nvmlDeviceGetMaxMigDeviceCount`` is 0 with MIG off;
+- ``nvmlDeviceGetMemoryInfo(h)`` is the v1 struct, whose ``used`` includes the reserved memory;
+  ``nvmlDeviceGetMemoryInfo(h, nvmlMemory_v2)`` the v2 struct, ``used`` without it, as on a real driver;
+- MPS clients are listed only by ``nvmlDeviceGetMPSComputeRunningProcesses*``;
+- GPM values may be NaN (a scenario value ``float("nan")``), as the driver can return;
+- ``nvmlEventSetWait_v2`` answers ``GPU_IS_LOST`` while a GPU registered in the set is lost, whatever
+  other GPUs have queued (so a lost GPU can starve the others' events);
 - a GPU lost after N calls on its handles raises ``NVML_ERROR_GPU_IS_LOST`` from then on (``revive()``
   brings it back, as a reset would);
 - the energy counter (mJ) grows as power x time on the injected clock; GPM metrics are the time average of
@@ -29,6 +44,7 @@ import functools
 import inspect
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -65,6 +81,7 @@ class FakeProcess:
     used_memory: int | None = None  # bytes; None = the driver cannot say (as under WDDM)
     gpu_instance: int | None = None  # MIG GPU instance id, None outside MIG
     compute_instance: int | None = None
+    mps: bool = False  # an MPS client: listed only by nvmlDeviceGetMPSComputeRunningProcesses*
 
 
 @dataclass
@@ -86,7 +103,8 @@ class FakeGpu:
     uuid: str
     name: str = "NVIDIA H100 80GB HBM3"
     mem_total: int = 81559 * MIB
-    mem_used: int = 0
+    mem_used: int = 0  # bytes used by allocations (v2 ``used``); v1 ``used`` adds ``mem_reserved``
+    mem_reserved: int = 0  # driver/firmware reserve (NVML v2 ``reserved``)
     power_w: float = 70.0
     energy_mj: float = 1.0e8  # counter value at the scenario's start
     gpu_util: int = 0
@@ -113,6 +131,7 @@ class Scenario:
     missing_functions: frozenset[str] = frozenset()  # absent from the "driver": FUNCTION_NOT_FOUND
     init_error: int | None = None  # an NVML_ERROR_* code nvmlInit raises (e.g. DRIVER_NOT_LOADED)
     driver_version: str = "550.54.15"
+    root: bool = True  # the caller's privileges: MIG parents refuse memory and processes to non-root
 
     @classmethod
     def node(cls, gpus: int = 8, *, gpm: bool = True, busy: bool = True, **gpu_fields: Any) -> Scenario:
@@ -198,7 +217,7 @@ def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self.calls[name] += 1
-            if name in self.scenario.missing_functions:
+            if name in self.scenario.missing_functions and name not in _SYMBOL_CHOSEN_INSIDE:
                 raise _err(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
             if name not in ("nvmlInit", "nvmlInitWithFlags") and self._init_count == 0:
                 raise _err(_real.NVML_ERROR_UNINITIALIZED)
@@ -219,12 +238,35 @@ def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# Wrappers whose C symbol depends on their arguments: they check ``missing_functions`` themselves.
+_SYMBOL_CHOSEN_INSIDE = frozenset({"nvmlDeviceGetMemoryInfo"})
+
 _MIG_HANDLE_OK = frozenset({
     "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetGpuInstanceId",
     "nvmlDeviceGetComputeInstanceId", "nvmlDeviceIsMigDeviceHandle", "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
     "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2",
-    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+    "nvmlDeviceGetMPSComputeRunningProcesses_v3",
 })
+
+
+def _version_mismatch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """pynvml's ``throwOnVersionMismatch``: an unversioned wrapper whose versioned symbol is absent raises
+    ``NVMLLibraryMismatchError`` (an ``Exception``, not an ``NVMLError``)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
+        self.calls[fn.__name__] += 1
+        try:
+            return fn(self, *args, **kwargs)
+        except _real.NVMLError_FunctionNotFound:
+            raise _real.NVMLLibraryMismatchError(
+                "Unversioned function called and the pyNVML version does not match the NVML lib version. "
+                "Either use matching pyNVML and NVML lib versions or use a versioned function such as "
+                + fn.__name__ + "_v2") from None
+
+    wrapper.throws_on_version_mismatch = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 class FakeNvml:
@@ -300,6 +342,15 @@ class FakeNvml:
                 return m
         raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
 
+    def _require(self, symbol: str) -> None:
+        if symbol in self.scenario.missing_functions:
+            raise _err(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    def _mig_parent_needs_root(self, handle: _Handle) -> None:
+        # nvml.h: in MIG mode, a whole-GPU handle gives aggregate memory/processes only to privileged callers.
+        if self._state(handle).spec.mig is not None and not self.scenario.root:
+            raise _err(_real.NVML_ERROR_NO_PERMISSION)
+
     def _mig_devices(self, spec: FakeGpu) -> list[tuple[int, int]]:
         return [(m.gi, ci) for m in spec.mig or () for ci in m.compute_instances]
 
@@ -364,18 +415,27 @@ class FakeNvml:
         spec = self._state(handle).spec
         if handle.mig is not None:
             gi, ci = handle.mig
-            return f"MIG-{spec.uuid[4:12]}-{gi:04x}-{ci:04x}-0000-000000000000"
+            # Real MIG UUIDs are new for every created instance: one id re-created with another profile differs.
+            profile = zlib.crc32(self._mig(handle).profile.encode()) & 0xFFFF
+            return f"MIG-{spec.uuid[4:12]}-{gi:04x}-{ci:04x}-{profile:04x}-000000000000"
         return spec.uuid
 
     @_api
     def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
+        self._require("nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo")
+        if version and version != _real.nvmlMemory_v2:
+            raise _err(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         if handle.mig is not None:
             m = self._mig(handle)
-            total, used = m.mem_total, m.mem_used
+            total, used, reserved = m.mem_total, m.mem_used, 0
         else:
             spec = self._state(handle).spec
-            total, used = spec.mem_total, spec.mem_used
-        return _real.c_nvmlMemory_t(total=total, free=total - used, used=used)
+            self._mig_parent_needs_root(handle)
+            total, used, reserved = spec.mem_total, spec.mem_used, spec.mem_reserved
+        free = total - used - reserved
+        if version:
+            return _real.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, free=free, used=used)
+        return _real.c_nvmlMemory_t(total=total, free=free, used=used + reserved)
 
     @_api
     def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> Any:
@@ -393,6 +453,14 @@ class FakeNvml:
         st = self._state(handle)
         self._now(st)
         return int(st.energy_mj)  # mJ, uint64 in the driver
+
+    @_api
+    def nvmlDeviceGetTemperatureV(self, handle: _Handle, sensor: int, version: int = _real.nvmlTemperature_v1) -> int:
+        if version != _real.nvmlTemperature_v1:
+            raise _err(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        if sensor != _real.NVML_TEMPERATURE_GPU:
+            raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
+        return self._state(handle).spec.temp_c
 
     @_api
     def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
@@ -426,6 +494,8 @@ class FakeNvml:
 
     @_api
     def nvmlDeviceGetRemappedRows(self, device: _Handle) -> tuple[int, int, int, int]:
+        if self._state(device).spec.mig is not None:
+            raise _err(_real.NVML_ERROR_NOT_SUPPORTED)  # row remapping is not reported in MIG mode
         return tuple(self._state(device).spec.remapped_rows)  # type: ignore[return-value]
 
     @_api
@@ -437,11 +507,13 @@ class FakeNvml:
             return spec.pcie_rx_kbps
         raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
 
-    def _processes(self, handle: _Handle) -> list[Any]:
+    def _processes(self, handle: _Handle, mps: bool = False) -> list[Any]:
         spec = self._state(handle).spec
+        if handle.mig is None:
+            self._mig_parent_needs_root(handle)
         out = []
         for p in spec.processes:
-            if handle.mig is not None and p.gpu_instance != handle.mig[0]:
+            if p.mps != mps or (handle.mig is not None and p.gpu_instance != handle.mig[0]):
                 continue
             out.append(_real.nvmlFriendlyObject({
                 "pid": p.pid,
@@ -459,9 +531,21 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: _Handle) -> list[Any]:
         return self._processes(handle)
 
-    @_api
+    @_version_mismatch
     def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
-        return self._processes(handle)
+        return self.nvmlDeviceGetComputeRunningProcesses_v3(handle)
+
+    @_api
+    def nvmlDeviceGetMPSComputeRunningProcesses_v3(self, handle: _Handle) -> list[Any]:
+        return self._processes(handle, mps=True)
+
+    @_api
+    def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, handle: _Handle) -> list[Any]:
+        return self._processes(handle, mps=True)
+
+    @_version_mismatch
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
+        return self.nvmlDeviceGetMPSComputeRunningProcesses_v3(handle)
 
     # -- MIG ---------------------------------------------------------------------------------------------
     @_api
@@ -472,7 +556,7 @@ class FakeNvml:
 
     @_api
     def nvmlDeviceGetMaxMigDeviceCount(self, device: _Handle) -> int:
-        return 7
+        return 0 if self._state(device).spec.mig is None else 7
 
     @_api
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Handle, index: int) -> _Handle:
@@ -520,6 +604,8 @@ class FakeNvml:
         self.event_wait_timeouts.append(timeoutms)
         if eventSet.freed:
             raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
+        if any(self._gpus[i].lost for i in eventSet.devices):
+            raise _err(_real.NVML_ERROR_GPU_IS_LOST)
         for i in sorted(eventSet.devices):
             st = self._gpus[i]
             if st.pending_xids:
@@ -529,7 +615,7 @@ class FakeNvml:
         raise _err(_real.NVML_ERROR_TIMEOUT)
 
     def nvmlEventSetWait(self, eventSet: _EventSet, timeoutms: int) -> _EventData:
-        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
+        return self.nvmlEventSetWait_v2(eventSet, timeoutms)  # pynvml: an alias, no symbol of its own
 
     @_api
     def nvmlEventSetFree(self, eventSet: _EventSet) -> None:

@@ -164,3 +164,69 @@ def test_gpm_sample_is_a_real_ctypes_pointer() -> None:
     lib.nvmlGpmSampleFree(s)
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         lib.nvmlGpmSampleGet(lib.nvmlDeviceGetHandleByIndex(0), s)
+
+
+def _fake_functions() -> dict[str, object]:
+    return {n: getattr(FakeNvml, n) for n in dir(FakeNvml) if n.startswith("nvml") and callable(getattr(FakeNvml, n))}
+
+
+def test_contract_fake_functions_match_installed_pynvml() -> None:
+    """Every function the fake offers exists in the installed nvidia-ml-py with the same parameters (names,
+    order, defaults), so a pynvml release that renames, removes or re-signs one fails here."""
+    import inspect
+
+    problems = []
+    for name, fn in sorted(_fake_functions().items()):
+        real = getattr(pynvml, name, None)
+        if real is None or not callable(real):
+            problems.append(f"{name}: not in pynvml {pynvml.__name__}")
+            continue
+        fake_params = list(inspect.signature(fn).parameters.values())[1:]  # without self
+        real_params = list(inspect.signature(real).parameters.values())
+        shape = [(p.name, p.kind, p.default) for p in fake_params]
+        want = [(p.name, p.kind, p.default) for p in real_params]
+        if shape != want:
+            problems.append(f"{name}: fake {shape} != pynvml {want}")
+        # Unversioned wrappers pynvml guards with throwOnVersionMismatch must be guarded in the fake too.
+        if hasattr(real, "__wrapped__") != getattr(fn, "throws_on_version_mismatch", False):
+            problems.append(f"{name}: pynvml and the fake disagree on raising NVMLLibraryMismatchError")
+    assert not problems, "\n".join(problems)
+
+
+def test_contract_source_uses_only_what_the_fake_and_pynvml_have() -> None:
+    """Every nvml* name the NVML source calls is implemented by the fake and exists in pynvml."""
+    import re
+    from pathlib import Path
+
+    import gpuledger.agent.sources.nvml as mod
+
+    text = Path(mod.__file__).read_text()
+    used = set(re.findall(r'"(nvml[A-Z][A-Za-z0-9_]*)', text)) | set(re.findall(r"lib\.(nvml[A-Z][A-Za-z0-9_]*)", text))
+    symbols_only = {"nvmlDeviceGetMemoryInfo_v2"}  # a C symbol pynvml looks up inside nvmlDeviceGetMemoryInfo
+    fake = _fake_functions()
+    assert used, "no NVML names found in the source"
+    assert sorted(n for n in used - symbols_only if n not in fake) == []
+    assert sorted(n for n in used - symbols_only if not callable(getattr(pynvml, n, None))) == []
+
+
+def test_strict_fake_answers_as_pynvml_and_nvml_h() -> None:
+    scenario = Scenario([FakeGpu("GPU-a", mig=[FakeMigInstance(1)])], root=False)
+    scenario.missing_functions = frozenset({"nvmlDeviceGetMPSComputeRunningProcesses_v3"})
+    lib = FakeNvml(scenario)
+    lib.nvmlInit()
+    h = lib.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLLibraryMismatchError):
+        lib.nvmlDeviceGetMPSComputeRunningProcesses(h)
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        lib.nvmlDeviceGetMemoryInfo(h)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        lib.nvmlDeviceGetRemappedRows(h)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        lib.nvmlDeviceGetUtilizationRates(h)
+    assert lib.nvmlDeviceGetMaxMigDeviceCount(h) == 7
+    mh = lib.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)
+    assert lib.nvmlDeviceGetMemoryInfo(mh, pynvml.nvmlMemory_v2).version == pynvml.nvmlMemory_v2
+    with pytest.raises(pynvml.NVMLError_FunctionNotFound):  # a missing symbol fails at the call
+        lib.nvmlDeviceGetMPSComputeRunningProcesses_v3(mh)
+    with pytest.raises(AttributeError):  # real functions the fake lacks are never reachable through it
+        lib.nvmlDeviceGetFanSpeed

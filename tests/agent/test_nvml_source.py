@@ -111,7 +111,7 @@ def test_unsupported_function_is_none_called_once_logged_once(caplog: pytest.Log
                                                         "nvmlDeviceGetRemappedRows"}))
     lib = FakeNvml(scenario, clock=clock)
     src = _open(lib, clock)
-    caplog.set_level(logging.INFO, logger="gpuledger.agent.sources.nvml")
+    caplog.set_level(logging.INFO, logger="gpuledger.agent.sources")
     for _ in range(5):
         clock.t += 1
         samples = src.sample()
@@ -122,6 +122,9 @@ def test_unsupported_function_is_none_called_once_logged_once(caplog: pytest.Log
     assert lib.calls["nvmlDeviceGetRemappedRows"] == 2
     lines = [r.getMessage() for r in caplog.records if "nvmlDeviceGetTotalEnergyConsumption" in r.getMessage()]
     assert len(lines) == 2  # one line per GPU, not per tick
+    # Counted once per GPU and field, with the reason.
+    assert src.health.unavailable == {("energy_joules", "not_supported"): 2,
+                                      ("remapped_rows_total", "not_supported"): 2}
 
 
 def test_versioned_functions_are_probed_once() -> None:
@@ -298,7 +301,9 @@ def test_one_broken_gpu_does_not_break_the_cycle() -> None:
 
     lib = Broken(Scenario.node(2), clock=clock)
     src = _open(lib, clock)
-    assert [s.gpu_index for s in src.sample()] == [1]
+    a, b = src.sample()  # degrade per field: GPU 0 loses only the field whose call broke
+    assert (a.gpu_index, a.remapped_rows_total, a.power_watts) == (0, None, 450.0)
+    assert b.remapped_rows_total == 0
     assert src.errors_total == 1 and src.lost_gpus == ()
 
 

@@ -1,36 +1,49 @@
 """The ``nvml`` GPU source: reads every GPU through nvidia-ml-py (``pynvml``).
 
 Per GPU (keyed by UUID): utilisation, memory, power, the energy counter, temperature, clocks, clock-event
-reasons, ECC and remapped rows, Xid events, PCIe throughput, compute processes and, on Hopper and newer,
-GPM metrics (SM activity/occupancy, DRAM bandwidth, tensor and FP pipes), also per MIG instance.
+reasons, ECC and remapped rows, Xid events, PCIe throughput, compute and MPS processes and, on Hopper and
+newer, GPM metrics (SM activity/occupancy, DRAM bandwidth, tensor and FP pipes), also per MIG instance.
 
 Rules the code keeps:
 
-- **Missing is None, logged once.** A function the driver lacks (``FUNCTION_NOT_FOUND``, or absent from an
-  old pynvml) is never called again by this source; one a GPU does not support (``NOT_SUPPORTED``,
-  ``NO_PERMISSION``) is never called again on that GPU. Either makes that field None and logs one line.
-  Versioned functions (``_v3``, ``_v2``, plain) are probed once and the first that exists is kept.
-- **One bad GPU never breaks the cycle.** ``GPU_IS_LOST`` / ``RESET_REQUIRED`` (or Xid 79, "fell off the
+- **Degrade per field, never per GPU.** A function the driver lacks (``FUNCTION_NOT_FOUND``, an unversioned
+  wrapper's ``NVMLLibraryMismatchError``, or absent from an old pynvml) is never called again by this source;
+  one a GPU does not support (``NOT_SUPPORTED``, ``NO_PERMISSION``) is never called again on that GPU (until
+  its MIG mode changes or it is re-opened). Either makes that field None, logs one line and counts the field
+  once in ``health.unavailable`` under its reason; the rest of the sample goes out. Any other failure of one
+  call (a transient error, a binding bug) costs that field for that tick only. Versioned functions
+  (``_v3``, ``_v2``; ``nvmlDeviceGetTemperatureV`` before the deprecated ``nvmlDeviceGetTemperature``;
+  ``nvmlDeviceGetMemoryInfo`` v2 before v1) are probed once and the first that exists is kept.
+- **Memory used** is NVML's v2 ``used``, which leaves out the driver's reserve, as DCGM's ``FB_USED`` does;
+  only a driver without ``nvmlDeviceGetMemoryInfo_v2`` gives v1's ``used``, which includes it.
+- **One lost GPU never breaks the cycle.** ``GPU_IS_LOST`` / ``RESET_REQUIRED`` (or Xid 79, "fell off the
   bus") mark that GPU lost: a log line, ``gpu_lost_total`` +1, no sample for it, and the handle is re-opened
-  later with exponential backoff. Any other exception costs that GPU's sample for that tick only.
+  later with exponential backoff. A lost GPU also makes ``nvmlEventSetWait`` answer ``GPU_IS_LOST`` for the
+  whole event set; the set is then rebuilt without it, so the healthy GPUs' Xids keep coming.
 - **GPM needs two samples >= 100 ms apart.** The previous GPM sample per GPU (and per MIG GPU instance) is
   kept between ticks, so each tick reports the average over the time since the previous tick; the first
-  tick (and a tick < 100 ms after the last) has no GPM values.
+  tick (and a tick < 100 ms after the last) has no GPM values. A NaN or infinite GPM value is None.
 - **Xid** events come from an NVML event set polled with timeout 0, so the loop never blocks on it.
+- **Processes**: compute processes and MPS clients (``nvmlDeviceGetMPSComputeRunningProcesses``: an MPS
+  client is not in the compute list), merged by pid.
 
 MIG: the GPU's own sample (``mig=None``) carries the device-level values (power, energy, temperature,
 clocks, ECC, PCIe, Xid) and the GPU-wide GPM reading where the driver gives one. Each MIG *GPU instance*
 gets one more sample with ``mig=str(gpu_instance_id)`` -- the same key dcgm-exporter's ``GPU_I_ID`` label
-and its ``<gpu>.<gi>`` job-mapping files use -- carrying that instance's memory, GPM values and processes,
-and no power or energy (those exist only for the whole GPU; never count them twice). Compute instances
-inside one GPU instance are folded into it (GPM is per GPU instance). In MIG mode processes are listed
-on their instance's sample only.
+and its ``<gpu>.<gi>`` job-mapping files use -- carrying that instance's memory, GPM values and processes
+(read through its MIG device handles: on the parent, memory and process lists need privileges), and no
+power or energy (those exist only for the whole GPU; ``agent.mig`` shares them out). Compute instances
+inside one GPU instance are folded into it (GPM is per GPU instance). The MIG mode is read every tick and
+the instances re-enumerated, each known by its MIG UUID: after a reconfiguration a GPU instance id may come
+back with another profile, and then it is a new instance (fresh name, GPM window and memory). Remapped rows
+are NOT_SUPPORTED while MIG is on and come back when it is turned off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +52,7 @@ from typing import Any
 
 from gpuledger.schema.records import GpuProcess, GpuSample
 from gpuledger.agent.sources.base import SourceUnavailable
+from gpuledger.agent.sources.health import FieldHealth
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +67,7 @@ _ERR_GPU_IS_LOST = 15
 _ERR_RESET_REQUIRED = 16
 _ERR_LIBRARY_NOT_FOUND = 12
 _ERR_DRIVER_NOT_LOADED = 9
-_PERMANENT = frozenset({_ERR_NOT_SUPPORTED, _ERR_NO_PERMISSION})
+_PERMANENT = {_ERR_NOT_SUPPORTED: "not_supported", _ERR_NO_PERMISSION: "no_permission"}
 _LOST = frozenset({_ERR_GPU_IS_LOST, _ERR_RESET_REQUIRED})
 _TEMPERATURE_GPU = 0
 _CLOCK_SM = 1
@@ -63,6 +77,7 @@ _PCIE_RX = 1
 _MEMORY_ERROR_UNCORRECTED = 1
 _VOLATILE_ECC = 0
 _MIG_ENABLE = 1
+_MEMORY_V2 = 0x02000028  # nvmlMemory_v2: NVML_STRUCT_VERSION(Memory, 2)
 _EVENT_XID = 0x8  # nvmlEventTypeXidCriticalError
 _XID_FELL_OFF_BUS = 79
 _NOT_IN_MIG = 0xFFFFFFFF
@@ -81,13 +96,33 @@ GPM_METRICS: tuple[tuple[str, int], ...] = (
 GPM_MIN_INTERVAL_S = 0.1  # NVML: two GPM samples must be at least 100 ms apart
 _MAX_EVENTS_PER_TICK = 64
 _MAX_LOGGED = 4096
-_PROCESS_FUNCTIONS = (
-    "nvmlDeviceGetComputeRunningProcesses_v3",
-    "nvmlDeviceGetComputeRunningProcesses_v2",
-    "nvmlDeviceGetComputeRunningProcesses",
-)
-_REASON_FUNCTIONS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-_EVENT_WAIT_FUNCTIONS = ("nvmlEventSetWait_v2", "nvmlEventSetWait")
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """One version of a function: the pynvml wrapper, trailing arguments, and the C symbol it needs."""
+
+    fn: str
+    extra: tuple[Any, ...] = ()
+    symbol: str = ""
+
+    @property
+    def sym(self) -> str:
+        return self.symbol or self.fn
+
+
+# Newest first. The unversioned process wrappers are left out: in pynvml they only call _v3 and raise
+# NVMLLibraryMismatchError (not an NVMLError) when it is missing, so they can never be a fallback.
+_PROCESSES = (_Variant("nvmlDeviceGetComputeRunningProcesses_v3"), _Variant("nvmlDeviceGetComputeRunningProcesses_v2"))
+_MPS_PROCESSES = (_Variant("nvmlDeviceGetMPSComputeRunningProcesses_v3"),
+                  _Variant("nvmlDeviceGetMPSComputeRunningProcesses_v2"))
+_REASONS = (_Variant("nvmlDeviceGetCurrentClocksEventReasons"), _Variant("nvmlDeviceGetCurrentClocksThrottleReasons"))
+# nvmlDeviceGetTemperature is deprecated in NVML 13 and announced for removal in CUDA 14.
+_TEMPERATURE = (_Variant("nvmlDeviceGetTemperatureV"), _Variant("nvmlDeviceGetTemperature"))
+_MEMORY = (_Variant("nvmlDeviceGetMemoryInfo", (_MEMORY_V2,), "nvmlDeviceGetMemoryInfo_v2"),
+           _Variant("nvmlDeviceGetMemoryInfo"))
+# pynvml's nvmlEventSetWait is only an alias of _v2 (same symbol): there is nothing to fall back to.
+_EVENT_WAIT = "nvmlEventSetWait_v2"
 
 _MISSING = object()  # _call's answer when the function does not exist in this driver/binding
 
@@ -109,8 +144,9 @@ class _Gpm:
 @dataclass
 class _Mig:
     gi: int
-    handle: Any
+    handles: list[Any]  # one MIG device handle per compute instance
     name: str
+    uuid: str  # MIG UUID of the first compute instance: who this instance is, across reconfigurations
     gpm: _Gpm | None = None
 
 
@@ -123,9 +159,8 @@ class _Gpu:
     unsupported: set[str] = field(default_factory=set)
     gpm: _Gpm | None = None
     gpm_supported: bool = False
-    mig_enabled: bool = False
+    mig_enabled: bool | None = None  # None: not read yet
     migs: dict[int, _Mig] = field(default_factory=dict)
-    mig_checked_at: float | None = None
     xids: list[int] = field(default_factory=list)
     lost: bool = False
     retry_at: float = 0.0
@@ -140,8 +175,11 @@ def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
-def _ratio(pct: float) -> float:
-    # Percent -> 0..1; counters sampled a moment apart can overshoot 100 % slightly.
+def _ratio(pct: float) -> float | None:
+    # Percent -> 0..1; counters sampled a moment apart can overshoot 100 % slightly. NaN (GPM can answer it,
+    # DCGM maps it to blank) is no value.
+    if not math.isfinite(pct):
+        return None
     return min(max(pct / 100.0, 0.0), 1.0)
 
 
@@ -165,7 +203,6 @@ class NvmlSource:
         gpm: bool = True,
         pcie: bool = True,
         reopen_backoff_s: tuple[float, float] = (30.0, 600.0),
-        mig_refresh_s: float = 60.0,
     ) -> None:
         self._lib_arg = lib
         self.lib: Any = lib
@@ -175,17 +212,18 @@ class NvmlSource:
         # nvmlDeviceGetPcieThroughput samples a byte counter over 20 ms per call (wall time, not CPU).
         self._pcie = pcie
         self._backoff_min, self._backoff_max = reopen_backoff_s
-        self._mig_refresh_s = mig_refresh_s
         self._gpus: list[_Gpu] = []
         self._fns: dict[str, Any] = {}
-        self._missing: set[str] = set()
-        self._chosen: dict[str, str | None] = {}
+        self._missing: dict[str, str] = {}  # C symbol -> reason it is unavailable
+        self._chosen: dict[str, _Variant | None] = {}
         self._logged: set[tuple[Any, ...]] = set()
         self._events: Any = None
+        self._events_stale = False
         self._by_handle: dict[Any, _Gpu] = {}
         self._opened = False
+        self.health = FieldHealth(self.name)
         self.gpu_lost_total = 0  # times a GPU was marked lost
-        self.errors_total = 0  # unexpected per-GPU failures (the GPU's sample was skipped that tick)
+        self.errors_total = 0  # unexpected failures of one call (that field was None that tick)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -236,12 +274,7 @@ class NvmlSource:
         lib = self.lib
         for gpu in self._gpus:
             self._free_gpm(gpu)
-        if self._events is not None:
-            try:
-                lib.nvmlEventSetFree(self._events)
-            except Exception as exc:  # noqa: BLE001 - closing: nothing to do but note it
-                log.debug("nvml: nvmlEventSetFree failed: %s", exc)
-            self._events = None
+        self._free_event_set()
         try:
             lib.nvmlShutdown()
         except Exception as exc:  # noqa: BLE001
@@ -268,42 +301,41 @@ class NvmlSource:
                 out.extend(self._sample_gpu(gpu, now))
             except _GpuLost as exc:
                 self._mark_lost(gpu, now, str(exc) or "GPU is lost")
-            except Exception as exc:  # noqa: BLE001 - one bad GPU must not cost the others their sample
+            except Exception as exc:  # noqa: BLE001 - a bug outside one call: one GPU must not cost the others
                 self.errors_total += 1
                 self._log_once(("error", gpu.label, type(exc).__name__, str(exc)), logging.ERROR,
                                "nvml: sampling GPU %s failed: %s: %s", gpu.label, type(exc).__name__, exc)
+        if self._events_stale:
+            self._rebuild_event_set()
         return out
 
     def _sample_gpu(self, gpu: _Gpu, now: float) -> list[GpuSample]:
         h = gpu.handle
         call = self._call
-        if gpu.mig_checked_at is None or now - gpu.mig_checked_at >= self._mig_refresh_s:
-            self._refresh_mig(gpu, now)
-        mem = call(gpu, "nvmlDeviceGetMemoryInfo", h)
-        util = None if gpu.mig_enabled else call(gpu, "nvmlDeviceGetUtilizationRates", h)
-        power = call(gpu, "nvmlDeviceGetPowerUsage", h)
-        energy = call(gpu, "nvmlDeviceGetTotalEnergyConsumption", h)
-        temp = call(gpu, "nvmlDeviceGetTemperature", h, _TEMPERATURE_GPU)
-        sm_clock = call(gpu, "nvmlDeviceGetClockInfo", h, _CLOCK_SM, key="nvmlDeviceGetClockInfo(SM)")
-        mem_clock = call(gpu, "nvmlDeviceGetClockInfo", h, _CLOCK_MEM, key="nvmlDeviceGetClockInfo(MEM)")
-        reasons = self._versioned(gpu, "clock-event reasons", _REASON_FUNCTIONS, h)
-        ecc = call(gpu, "nvmlDeviceGetTotalEccErrors", h, _MEMORY_ERROR_UNCORRECTED, _VOLATILE_ECC)
-        rows = call(gpu, "nvmlDeviceGetRemappedRows", h)
+        self._refresh_mig(gpu, now)
+        mig = gpu.mig_enabled
+        mem = self._versioned(gpu, "memory", _MEMORY, h, field="mem_used_bytes")
+        util = None if mig else call(gpu, "nvmlDeviceGetUtilizationRates", h, field="gpu_util_ratio")
+        power = call(gpu, "nvmlDeviceGetPowerUsage", h, field="power_watts")
+        energy = call(gpu, "nvmlDeviceGetTotalEnergyConsumption", h, field="energy_joules")
+        temp = self._versioned(gpu, "temperature", _TEMPERATURE, h, _TEMPERATURE_GPU, field="temp_celsius")
+        sm_clock = call(gpu, "nvmlDeviceGetClockInfo", h, _CLOCK_SM, key="nvmlDeviceGetClockInfo(SM)",
+                        field="sm_clock_hz")
+        mem_clock = call(gpu, "nvmlDeviceGetClockInfo", h, _CLOCK_MEM, key="nvmlDeviceGetClockInfo(MEM)",
+                         field="mem_clock_hz")
+        reasons = self._versioned(gpu, "clock-event reasons", _REASONS, h, field="throttle_reasons")
+        ecc = call(gpu, "nvmlDeviceGetTotalEccErrors", h, _MEMORY_ERROR_UNCORRECTED, _VOLATILE_ECC,
+                   field="ecc_errors_total")
+        rows = call(gpu, "nvmlDeviceGetRemappedRows", h, field="remapped_rows_total")
         tx = rx = None
         if self._pcie:
-            tx = call(gpu, "nvmlDeviceGetPcieThroughput", h, _PCIE_TX, key="nvmlDeviceGetPcieThroughput(TX)")
-            rx = call(gpu, "nvmlDeviceGetPcieThroughput", h, _PCIE_RX, key="nvmlDeviceGetPcieThroughput(RX)")
-        procs = self._versioned(gpu, "compute processes", _PROCESS_FUNCTIONS, h)
+            tx = call(gpu, "nvmlDeviceGetPcieThroughput", h, _PCIE_TX, key="nvmlDeviceGetPcieThroughput(TX)",
+                      field="pcie_tx_bytes_per_second")
+            rx = call(gpu, "nvmlDeviceGetPcieThroughput", h, _PCIE_RX, key="nvmlDeviceGetPcieThroughput(RX)",
+                      field="pcie_rx_bytes_per_second")
+        # In MIG mode the parent's process list needs privileges and each instance has its own: read there.
+        procs = () if mig else self._processes(gpu, h, "")
         gpm = self._gpm_read(gpu, gpu.gpm, "nvmlGpmSampleGet", (h,), now)
-
-        by_gi: dict[int, list[GpuProcess]] = {}
-        for p in procs or ():
-            used = getattr(p, "usedGpuMemory", None)
-            if used is not None and (used >= _NOT_AVAILABLE_U64 or used < 0):
-                used = None
-            gi = getattr(p, "gpuInstanceId", _NOT_IN_MIG)
-            by_gi.setdefault(_NOT_IN_MIG if gi is None else int(gi), []).append(
-                GpuProcess(int(p.pid), None if used is None else int(used)))
 
         xids, gpu.xids = tuple(gpu.xids), []
         samples = [GpuSample(
@@ -328,28 +360,44 @@ class NvmlSource:
             ecc_errors_total=None if ecc is None else int(ecc),
             remapped_rows_total=None if rows is None else int(rows[0]) + int(rows[1]),
             xid_errors=xids,
-            # Processes outside any known MIG instance stay on the GPU's own sample (never dropped).
-            processes=tuple(p for gi, ps in by_gi.items() if gi not in gpu.migs for p in ps),
+            processes=tuple(procs),
             source=self.name,
             **(gpm or {}),
         )]
-        for gi, mig in gpu.migs.items():
-            mmem = call(gpu, "nvmlDeviceGetMemoryInfo", mig.handle, key=f"MIG {gi} nvmlDeviceGetMemoryInfo")
-            mgpm = self._gpm_read(gpu, mig.gpm, "nvmlGpmMigSampleGet", (h, gi), now)
+        for gi, m in gpu.migs.items():
+            where = f"MIG {gi} "
+            mmem = self._versioned(gpu, "memory", _MEMORY, m.handles[0], key=where + "memory",
+                                   field="mem_used_bytes")
+            mprocs: dict[int, GpuProcess] = {}
+            for ci, mh in enumerate(m.handles):  # every compute instance of the GPU instance
+                for p in self._processes(gpu, mh, f"{where}CI {ci} "):
+                    mprocs.setdefault(p.pid, p)
+            mgpm = self._gpm_read(gpu, m.gpm, "nvmlGpmMigSampleGet", (h, gi), now)
             samples.append(GpuSample(
                 ts=now,
                 host=self.host,
                 gpu_uuid=gpu.uuid or "",
                 gpu_index=gpu.index,
-                model=mig.name,
+                model=m.name,
                 mig=str(gi),
                 mem_used_bytes=None if mmem is None else int(mmem.used),
                 mem_total_bytes=None if mmem is None else int(mmem.total),
-                processes=tuple(by_gi.get(gi, ())),
+                processes=tuple(mprocs.values()),
                 source=self.name,
                 **(mgpm or {}),
             ))
         return samples
+
+    def _processes(self, gpu: _Gpu, handle: Any, where: str) -> list[GpuProcess]:
+        """Compute processes and MPS clients on ``handle``, by pid (an MPS client is not a compute process)."""
+        out: dict[int, GpuProcess] = {}
+        for family, variants in (("compute processes", _PROCESSES), ("MPS processes", _MPS_PROCESSES)):
+            for p in self._versioned(gpu, family, variants, handle, key=where + family, field="processes") or ():
+                used = getattr(p, "usedGpuMemory", None)
+                if used is not None and (used >= _NOT_AVAILABLE_U64 or used < 0):
+                    used = None
+                out.setdefault(int(p.pid), GpuProcess(int(p.pid), None if used is None else int(used)))
+        return list(out.values())
 
     # -- NVML calls ----------------------------------------------------------------------------------------
     def _fn(self, name: str) -> Any:
@@ -362,59 +410,87 @@ class NvmlSource:
             self._fns[name] = fn
         return fn
 
-    def _call(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None) -> Any:
-        """Call ``name``; None when unavailable (logged once), _MISSING when the function does not exist."""
+    def _call(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: str | None = None,
+              symbol: str | None = None) -> Any:
+        """Call ``name``; None when the value is unavailable (see the module's rules)."""
+        r = self._call_raw(gpu, name, *args, key=key, field=field, symbol=symbol)
+        return None if r is _MISSING else r
+
+    def _call_raw(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: str | None = None,
+                  symbol: str | None = None, note_missing: bool = True) -> Any:
+        """As _call, but _MISSING (not None) when the function does not exist in this driver/binding
+        (counted against ``field`` unless ``note_missing`` is False: an older version may still exist)."""
         key = key or name
+        symbol = symbol or name
         if key in gpu.unsupported:
             return None
-        if name in self._missing:
-            return _MISSING
-        fn = self._fn(name)
-        if fn is None:
-            self._note_missing(name)
-            return _MISSING
-        try:
-            return fn(*args)
-        except self.lib.NVMLError as exc:
-            code = getattr(exc, "value", None)
-            if code in _LOST:
-                raise _GpuLost(f"{name}: {exc}") from exc
-            if code == _ERR_FUNCTION_NOT_FOUND:
-                self._note_missing(name)
-                return _MISSING
-            if code in _PERMANENT:
-                gpu.unsupported.add(key)
-                self._log_once(("unsupported", gpu.label, key), logging.INFO,
-                               "nvml: GPU %s: %s: %s; that field is None from now on", gpu.label, key, exc)
-                return None
-            self._log_once(("failed", gpu.label, key, code), logging.WARNING,
-                           "nvml: GPU %s: %s failed: %s (field None this tick; later repeats not logged)",
-                           gpu.label, key, exc)
-            return None
+        reason = self._missing.get(symbol)
+        if reason is None:
+            fn = self._fn(name)
+            if fn is None:
+                reason = self._note_missing(symbol, "function_not_found", "not in this nvidia-ml-py")
+            else:
+                try:
+                    return fn(*args)
+                except self.lib.NVMLError as exc:
+                    code = getattr(exc, "value", None)
+                    if code in _LOST:
+                        raise _GpuLost(f"{name}: {exc}") from exc
+                    if code == _ERR_FUNCTION_NOT_FOUND:
+                        reason = self._note_missing(symbol, "function_not_found", "not in this driver")
+                    elif code in _PERMANENT:
+                        gpu.unsupported.add(key)
+                        if field is not None:
+                            self.health.note(gpu.label, field, _PERMANENT[code], f"{key}: {exc}")
+                        else:
+                            self._log_once(("unsupported", gpu.label, key), logging.INFO,
+                                           "nvml: GPU %s: %s: %s; not asked again", gpu.label, key, exc)
+                        return None
+                    else:
+                        self._log_once(("failed", gpu.label, key, code), logging.WARNING,
+                                       "nvml: GPU %s: %s failed: %s (field None this tick; later repeats not logged)",
+                                       gpu.label, key, exc)
+                        return None
+                except Exception as exc:  # noqa: BLE001 - e.g. NVMLLibraryMismatchError, a binding bug
+                    if type(exc).__name__ == "NVMLLibraryMismatchError":
+                        reason = self._note_missing(symbol, "library_mismatch", str(exc))
+                    else:
+                        self.errors_total += 1
+                        self._log_once(("error", gpu.label, key, type(exc).__name__), logging.ERROR,
+                                       "nvml: GPU %s: %s raised %s: %s (field None this tick)",
+                                       gpu.label, key, type(exc).__name__, exc)
+                        return None
+        if field is not None and note_missing:
+            self.health.note(gpu.label, field, reason, f"{symbol} is missing")
+        return _MISSING
 
-    def _note_missing(self, name: str) -> None:
-        self._missing.add(name)
-        self._log_once(("missing", name), logging.INFO,
-                       "nvml: %s is not in this driver/nvidia-ml-py; not called again", name)
+    def _note_missing(self, symbol: str, reason: str, why: str) -> str:
+        self._missing[symbol] = reason
+        self._log_once(("missing", symbol), logging.INFO, "nvml: %s: %s (%s); not called again", symbol, why, reason)
+        return reason
 
-    def _versioned(self, gpu: _Gpu, family: str, names: Sequence[str], *args: Any) -> Any:
+    def _versioned(self, gpu: _Gpu, family: str, variants: Sequence[_Variant], *args: Any,
+                   key: str | None = None, field: str | None = None) -> Any:
         """Call the newest existing version of a function; probing happens once per source."""
-        chosen = self._chosen.get(family, "")
-        if chosen is None:
-            return None  # no version exists
-        for name in (chosen,) if chosen else names:
-            r = self._call(gpu, name, *args, key=family)
+        chosen = self._chosen.get(family, _MISSING)
+        if chosen is None:  # no version exists
+            if field is not None:
+                self.health.note(gpu.label, field, self._missing.get(variants[-1].sym, "function_not_found"))
+            return None
+        key = key or family
+        for v in (chosen,) if chosen is not _MISSING else variants:
+            assert isinstance(v, _Variant)
+            r = self._call_raw(gpu, v.fn, *args, *v.extra, key=key, field=field, symbol=v.sym, note_missing=False)
             if r is _MISSING:
                 continue
-            if not chosen:
-                self._chosen[family] = name
-                log.debug("nvml: %s via %s", family, name)
+            if chosen is _MISSING:
+                self._chosen[family] = v
+                log.debug("nvml: %s via %s", family, v.sym)
             return r
-        if not chosen:
-            self._chosen[family] = None
-            log.info("nvml: no version of %s (%s) exists; that field is None", family, ", ".join(names))
-        else:
-            self._chosen[family] = None
+        self._chosen[family] = None
+        log.info("nvml: no version of %s (%s) exists; that field is None", family, ", ".join(v.sym for v in variants))
+        if field is not None:
+            self.health.note(gpu.label, field, self._missing.get(variants[-1].sym, "function_not_found"))
         return None
 
     def _log_once(self, key: tuple[Any, ...], level: int, msg: str, *args: Any) -> None:
@@ -433,28 +509,29 @@ class NvmlSource:
             raise _GpuLost(f"index {gpu.index} now holds {uuid}, expected {gpu.uuid}")
         gpu.handle, gpu.uuid = handle, uuid
         name = self._call(gpu, "nvmlDeviceGetName", handle)
-        gpu.name = "" if name is None or name is _MISSING else _text(name)
+        gpu.name = "" if name is None else _text(name)
         self._by_handle[_handle_key(handle)] = gpu
         self._free_gpm(gpu)
         gpu.gpm_supported = False
         if self._gpm_enabled:
-            support = self._call(gpu, "nvmlGpmQueryDeviceSupport", handle)
-            gpu.gpm_supported = support not in (None, _MISSING) and bool(support.isSupportedDevice)
+            support = self._call(gpu, "nvmlGpmQueryDeviceSupport", handle, field="sm_active_ratio")
+            gpu.gpm_supported = support is not None and bool(support.isSupportedDevice)
             if gpu.gpm_supported:
                 gpu.gpm = self._new_gpm(gpu)
         gpu.migs = {}
-        gpu.mig_checked_at = None
+        gpu.mig_enabled = None
         self._refresh_mig(gpu, now)
-        if self._events is not None:
-            r = self._call(gpu, "nvmlDeviceRegisterEvents", handle, _EVENT_XID, self._events,
-                           key="Xid events")
-            if r is _MISSING:
-                self._log_once(("xid",), logging.INFO, "nvml: no event support; Xid errors are not reported")
+        self._register_events(gpu)
 
     def _refresh_mig(self, gpu: _Gpu, now: float) -> None:
-        gpu.mig_checked_at = now
+        """Read the MIG mode and (when on) the instances; called every tick: MIG can be reconfigured any time."""
         mode = self._call(gpu, "nvmlDeviceGetMigMode", gpu.handle)
-        enabled = mode not in (None, _MISSING) and mode[0] == _MIG_ENABLE
+        enabled = mode is not None and mode[0] == _MIG_ENABLE
+        if gpu.mig_enabled is not None and enabled != gpu.mig_enabled:
+            # Fields NOT_SUPPORTED in one mode (remapped rows, utilisation) may exist in the other.
+            log.warning("nvml: GPU %s: MIG mode turned %s", gpu.label, "on" if enabled else "off")
+            gpu.unsupported.clear()
+            self.health.forget(gpu.label)
         gpu.mig_enabled = enabled
         if not enabled:
             for m in gpu.migs.values():
@@ -464,7 +541,7 @@ class NvmlSource:
         count = self._call(gpu, "nvmlDeviceGetMaxMigDeviceCount", gpu.handle)
         found: dict[int, _Mig] = {}
         lib = self.lib
-        for i in range(0 if count in (None, _MISSING) else int(count)):
+        for i in range(int(count or 0)):
             try:
                 mh = lib.nvmlDeviceGetMigDeviceHandleByIndex(gpu.handle, i)
                 gi = int(lib.nvmlDeviceGetGpuInstanceId(mh))
@@ -473,18 +550,25 @@ class NvmlSource:
                     raise _GpuLost(str(exc)) from exc
                 continue  # NOT_FOUND: an empty slot
             if gi in found:
-                continue  # another compute instance of the same GPU instance
+                found[gi].handles.append(mh)  # another compute instance of the same GPU instance
+                continue
+            try:
+                muuid = _text(lib.nvmlDeviceGetUUID(mh))
+            except lib.NVMLError as exc:
+                if exc.value in _LOST:
+                    raise _GpuLost(str(exc)) from exc
+                continue
             old = gpu.migs.get(gi)
-            if old is not None:
-                old.handle = mh
+            if old is not None and old.uuid == muuid:
+                old.handles = [mh]
                 found[gi] = old
                 continue
             name = self._call(gpu, "nvmlDeviceGetName", mh, key="MIG nvmlDeviceGetName")
-            found[gi] = _Mig(gi, mh, gpu.name if name in (None, _MISSING) else _text(name),
+            found[gi] = _Mig(gi, [mh], gpu.name if name is None else _text(name), muuid,
                              self._new_gpm(gpu) if gpu.gpm_supported else None)
         for gi, m in gpu.migs.items():
-            if gi not in found:
-                self._free_one(m.gpm)
+            if found.get(gi) is not m:
+                self._free_one(m.gpm)  # gone, or the same id now names another instance
         gpu.migs = found
 
     def _mark_lost(self, gpu: _Gpu, now: float, reason: str) -> None:
@@ -493,6 +577,7 @@ class NvmlSource:
             gpu.backoff_s = self._backoff_min
             log.error("nvml: GPU %s (index %d) is lost: %s; other GPUs keep being sampled, re-open in %.0f s",
                       gpu.label, gpu.index, reason, gpu.backoff_s)
+            self._events_stale = self._events is not None  # a lost GPU in the set makes every wait fail
         else:
             gpu.backoff_s = min(gpu.backoff_s * 2, self._backoff_max)
         gpu.lost = True
@@ -509,6 +594,7 @@ class NvmlSource:
             else:
                 handle = lib.nvmlDeviceGetHandleByIndex(gpu.index)
             gpu.unsupported.clear()
+            self.health.forget(gpu.label)
             self._attach(gpu, handle, now)
         except (_GpuLost, lib.NVMLError) as exc:
             self._mark_lost(gpu, now, str(exc))
@@ -557,7 +643,7 @@ class NvmlSource:
             return None  # keep the older sample as the window's start
         cur = st.buffers[st.cur]
         key = fn if len(args) == 1 else f"MIG {args[1]} {fn}"
-        if self._call(gpu, fn, *args, cur, key=key) in (None, _MISSING):
+        if self._call(gpu, fn, *args, cur, key=key, field="sm_active_ratio") is None:
             st.prev_ts = None
             return None
         values: dict[str, float] | None = None
@@ -567,12 +653,12 @@ class NvmlSource:
             req.sample2 = cur
             for i, (_, mid) in enumerate(GPM_METRICS):
                 req.metrics[i].metricId = mid
-            if self._call(gpu, "nvmlGpmMetricsGet", req, key=key + " metrics") not in (None, _MISSING):
+            if self._call(gpu, "nvmlGpmMetricsGet", req, key=key + " metrics") is not None:
                 values = {}
                 for i, (fname, _) in enumerate(GPM_METRICS):
                     m = req.metrics[i]
-                    if m.nvmlReturn == _SUCCESS:
-                        values[fname] = _ratio(m.value)
+                    if m.nvmlReturn == _SUCCESS and (v := _ratio(m.value)) is not None:
+                        values[fname] = v
         st.prev_ts = now
         st.cur = 1 - st.cur
         return values
@@ -586,22 +672,54 @@ class NvmlSource:
             log.info("nvml: no event set (%s); Xid errors are not reported", exc)
             return None
 
+    def _free_event_set(self) -> None:
+        if self._events is not None:
+            try:
+                self.lib.nvmlEventSetFree(self._events)
+            except Exception as exc:  # noqa: BLE001 - closing: nothing to do but note it
+                log.debug("nvml: nvmlEventSetFree failed: %s", exc)
+            self._events = None
+
+    def _register_events(self, gpu: _Gpu) -> None:
+        if self._events is None:
+            return
+        r = self._call_raw(gpu, "nvmlDeviceRegisterEvents", gpu.handle, _EVENT_XID, self._events, key="Xid events")
+        if r is _MISSING:
+            self._log_once(("xid",), logging.INFO, "nvml: no event support; Xid errors are not reported")
+
+    def _rebuild_event_set(self) -> None:
+        """A new event set holding only the GPUs not lost (NVML cannot take one device out of a set)."""
+        self._events_stale = False
+        self._free_event_set()
+        self._events = self._create_event_set()
+        now = self._clock()
+        for gpu in self._gpus:
+            if gpu.lost or gpu.handle is None:
+                continue
+            try:
+                self._register_events(gpu)
+            except _GpuLost as exc:
+                self._mark_lost(gpu, now, str(exc))  # marks the set stale: rebuilt next tick without it
+
     def _poll_events(self, now: float) -> None:
-        if self._events is None or not self._gpus:
+        if self._events is None or not self._gpus or _EVENT_WAIT in self._missing:
             return
         lib = self.lib
-        wait = None
-        for name in _EVENT_WAIT_FUNCTIONS:
-            if name not in self._missing and (wait := self._fn(name)) is not None:
-                break
+        wait = self._fn(_EVENT_WAIT)
         if wait is None:
+            self._note_missing(_EVENT_WAIT, "function_not_found", "not in this nvidia-ml-py; no Xid events")
             return
         for _ in range(_MAX_EVENTS_PER_TICK):
             try:
                 data = wait(self._events, 0)  # timeout 0: never blocks the sampling loop
             except lib.NVMLError as exc:
                 if exc.value == _ERR_FUNCTION_NOT_FOUND:
-                    self._missing.add(getattr(wait, "__name__", "nvmlEventSetWait_v2"))
+                    self._note_missing(_EVENT_WAIT, "function_not_found", "not in this driver; no Xid events")
+                elif exc.value in _LOST:
+                    # Some GPU in the set is lost; its own calls will say which. Rebuild the set without it.
+                    self._events_stale = True
+                    self._log_once(("event-wait-lost",), logging.WARNING,
+                                   "nvml: event wait: %s; the event set is rebuilt without the lost GPU", exc)
                 elif exc.value != _ERR_TIMEOUT:
                     self._log_once(("event-wait", exc.value), logging.WARNING, "nvml: event wait failed: %s", exc)
                 return
