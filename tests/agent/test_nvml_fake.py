@@ -188,7 +188,7 @@ def test_contract_fake_functions_match_installed_pynvml() -> None:
         if shape != want:
             problems.append(f"{name}: fake {shape} != pynvml {want}")
         # Unversioned wrappers pynvml guards with throwOnVersionMismatch must be guarded in the fake too.
-        real_throws = real.__qualname__.startswith("throwOnVersionMismatch.")
+        real_throws = real.__code__.co_qualname.startswith("throwOnVersionMismatch.")
         if real_throws != getattr(fn, "throws_on_version_mismatch", False):
             problems.append(f"{name}: pynvml and the fake disagree on raising NVMLLibraryMismatchError")
     assert not problems, "\n".join(problems)
