@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import textwrap
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_values_to_samples_converts_units() -> None:
     assert (a.throttle_reasons, a.xid_errors, a.ecc_errors_total, a.remapped_rows_total) == (4, (), 1, 7)
     assert a.pcie_tx_bytes_per_second == 5_000_000.0  # PROF bytes/s wins over the old KB/s field
     assert b.gpu_uuid == "GPU-bbbb" and b.temp_celsius is None  # DCGM_INT64_NOT_SUPPORTED
-    assert b.sm_active_ratio == 1.0 and b.xid_errors == (48,)
+    assert b.sm_active_ratio == 1.0 and b.xid_errors == ()  # a last-Xid reading alone is no event
     assert (c.gpu_uuid, c.gpu_index, c.power_watts) == ("GPU-cccc", 2, 70.0)
 
 
@@ -68,56 +69,153 @@ def test_open_without_bindings_names_every_path(tmp_path: Path) -> None:
 
 
 FAKE_READER = '''
-"""Stands in for DCGM's DcgmReader (machine boundary: there is no nv-hostengine here)."""
-CONNECT = True
+"""Stands in for DCGM's DcgmReader (machine boundary: there is no nv-hostengine here).
+
+Modelled on DCGM's testing/python3/DcgmReader.py: Init() logs and stays disconnected when the host engine is
+down; a field id the library does not know raises from Init (GetFieldMetadata); a field group is found by
+name and deleted when another reader creates one with the same name; on a lost connection the reader drops
+its handle and answers {}, and re-connects on its next call.
+"""
+import dcgm_fields
+
+HOSTENGINE_UP = True
+PROFILING_OK = True
+VALUES = {0: {155: 250.0, 156: 5_000_000, 1002: 0.5}}
+GROUPS = {}  # field-group name -> the reader that owns it on the host engine
+
+
+class DCGMError(Exception):
+    pass
 
 
 class DcgmReader:
-    def __init__(self, hostname="localhost", fieldIds=None, updateFrequency=10000000, **kw):
+    def __init__(self, hostname="localhost", fieldIds=None, updateFrequency=10000000, maxKeepAge=3600.0,
+                 ignoreList=None, fieldGroupName="dcgm_fieldgroupData", gpuIds=None, entities=None,
+                 fieldIntervalMap=None):
         self.hostname, self.fieldIds, self.updateFrequency = hostname, fieldIds, updateFrequency
+        self.m_fieldGroupName = fieldGroupName
         self.m_dcgmHandle = None
         self.m_gpuIdToUUId = {}
         self.shut = False
 
+    def _connect(self):
+        known = {v for k, v in vars(dcgm_fields).items() if k.startswith("DCGM_FI_")}
+        for f in self.fieldIds:
+            if f not in known:
+                raise DCGMError("Unknown field id %d" % f)
+        if any(1001 <= f <= 1010 for f in self.fieldIds) and not PROFILING_OK:
+            raise DCGMError("Profiling is not supported for this group of GPUs or GPU")
+        self.m_dcgmHandle = object()
+        self.m_gpuIdToUUId = {0: "GPU-zero"}
+        GROUPS[self.m_fieldGroupName] = self  # deletes another reader's group of that name
+
     def Init(self, libpath=None):
-        if CONNECT:  # DcgmReader logs and stays disconnected when the host engine is down
-            self.m_dcgmHandle = object()
-            self.m_gpuIdToUUId = {0: "GPU-zero"}
+        if HOSTENGINE_UP:
+            self._connect()
 
     def GetLatestGpuValuesAsFieldIdDict(self):
-        return {0: {155: 250.0, 156: 5_000_000, 1002: 0.5}}
+        if self.m_dcgmHandle is None and HOSTENGINE_UP:
+            self._connect()
+        if not HOSTENGINE_UP:
+            self.m_dcgmHandle = None
+            return {}
+        if GROUPS.get(self.m_fieldGroupName) is not self:
+            return {}
+        return {g: {f: v for f, v in vals.items() if f in self.fieldIds} for g, vals in VALUES.items()}
 
     def Shutdown(self):
         self.shut = True
 '''
 
+# A DCGM whose bindings know every field of the table but PROF_PCIE_TX_BYTES (1009).
+FAKE_FIELDS = "".join(f"DCGM_FI_{i} = {i}\n" for i in sorted(FIELDS_BY_ID) if i != 1009)
+
 
 @pytest.fixture
 def bindings(tmp_path: Path):
     (tmp_path / "DcgmReader.py").write_text(textwrap.dedent(FAKE_READER))
-    yield tmp_path
-    sys.modules.pop("DcgmReader", None)
-    if str(tmp_path) in sys.path:
+    (tmp_path / "dcgm_fields.py").write_text(FAKE_FIELDS)
+    sys.path.insert(0, str(tmp_path))
+    import DcgmReader  # the fixture's module
+
+    yield DcgmReader
+    for mod in ("DcgmReader", "dcgm_fields"):
+        sys.modules.pop(mod, None)
+    while str(tmp_path) in sys.path:
         sys.path.remove(str(tmp_path))
 
 
-def test_open_and_sample_through_bindings(bindings: Path) -> None:
-    src = DcgmSource(bindings_path=str(bindings), host="n9", clock=lambda: 3.0, update_interval_s=0.5)
+def test_open_and_sample_through_bindings(bindings) -> None:
+    src = DcgmSource(bindings_path=str(bindings.__file__).rsplit("/", 1)[0], host="n9", clock=lambda: 3.0,
+                     update_interval_s=0.5)
     src.open()
     (s,) = src.sample()
     assert (s.gpu_uuid, s.host, s.ts, s.power_watts, s.energy_joules, s.sm_active_ratio) == (
         "GPU-zero", "n9", 3.0, 250.0, 5000.0, 0.5)
-    reader = src._reader
-    assert reader.updateFrequency == 500_000 and 1002 in reader.fieldIds
+    readers = list(src._readers)
+    assert [r.updateFrequency for r in readers] == [500_000, 500_000]
+    assert 1002 in readers[1].fieldIds and 155 in readers[0].fieldIds  # profiling fields in a reader of their own
     src.close()
-    assert reader.shut
+    assert all(r.shut for r in readers)
 
 
-def test_open_reports_hostengine_down(bindings: Path) -> None:
-    src = DcgmSource(bindings_path=str(bindings), hostengine="10.0.0.9")
-    sys.path.insert(0, str(bindings))
-    import DcgmReader  # the fixture's module
+def _src(bindings, **kw) -> DcgmSource:
+    return DcgmSource(bindings_path=str(Path(bindings.__file__).parent), host="n9", clock=lambda: 3.0, **kw)
 
-    DcgmReader.CONNECT = False
+
+def test_open_reports_hostengine_down(bindings) -> None:
+    bindings.HOSTENGINE_UP = False
     with pytest.raises(SourceUnavailable, match="nv-hostengine at 10.0.0.9"):
-        src.open()
+        _src(bindings, hostengine="10.0.0.9").open()
+
+
+def test_a_field_unknown_to_the_installed_dcgm_costs_only_that_field(bindings) -> None:
+    bindings.VALUES = {0: {155: 250.0, 156: 5_000_000, 1002: 0.5, 1010: 1000.0}}
+    src = _src(bindings)
+    src.open()  # DcgmReader would refuse the whole field group for field 1009
+    (s,) = src.sample()
+    assert (s.power_watts, s.energy_joules, s.sm_active_ratio, s.pcie_rx_bytes_per_second) == (250.0, 5000.0, 0.5, 1000.0)
+    assert src.health.unavailable == {("pcie_tx_bytes_per_second", "unknown_field"): 1}
+    assert all(1009 not in r.fieldIds for r in src._readers)
+
+
+def test_profiling_fields_that_cannot_be_watched_cost_only_themselves(bindings) -> None:
+    bindings.PROFILING_OK = False
+    src = _src(bindings)
+    src.open()
+    (s,) = src.sample()
+    assert (s.power_watts, s.energy_joules, s.sm_active_ratio) == (250.0, 5000.0, None)
+    assert src.health.unavailable[("sm_active_ratio", "watch_failed")] == 1
+
+
+def test_readers_have_their_own_field_groups(bindings) -> None:
+    first, second = _src(bindings), _src(bindings)
+    first.open()
+    second.open()  # with DcgmReader's default group name this deletes the first reader's group
+    assert first.sample()[0].power_watts == 250.0 and second.sample()[0].power_watts == 250.0
+
+
+def test_lost_host_engine_is_reported_and_reconnected(bindings, caplog: pytest.LogCaptureFixture) -> None:
+    src = _src(bindings)
+    src.open()
+    assert src.sample() and src.connected
+    caplog.set_level(logging.INFO, logger="gpuledger.agent.sources.dcgm")
+    bindings.HOSTENGINE_UP = False
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="not connected to nv-hostengine"):
+            src.sample()  # never an empty batch that looks like "no GPUs"
+    assert (src.connected, src.hostengine_disconnects_total) == (False, 1)
+    assert len([r for r in caplog.records if "lost the connection" in r.getMessage()]) == 1
+    bindings.HOSTENGINE_UP = True
+    assert src.sample()[0].power_watts == 250.0
+    assert src.connected and any("reconnected" in r.getMessage() for r in caplog.records)
+
+
+def test_sticky_last_xid_counts_once_per_change(bindings) -> None:
+    src = _src(bindings)
+    src.open()
+    seen = []
+    for xid in (0, 48, 48, 48, 13, 13):
+        bindings.VALUES = {0: {155: 250.0, 230: xid}}
+        seen.append(src.sample()[0].xid_errors)
+    assert seen == [(), (48,), (), (), (13,), ()]
