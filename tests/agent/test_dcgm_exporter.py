@@ -120,6 +120,7 @@ def test_host_argument_overrides_label() -> None:
 TESTED = {
     "l4-1gpu-k8s-full.prom", "h100-8gpu-k8s-sampled.prom", "t4-2gpu-gke-prof-pods.prom",
     "h100-mig-k8s-fragment.prom", "a30-mig-fragment.prom", "mixed-ada-a30mig-k8s-fragment.prom",
+    "synthetic-a100-mig-instance-rows-only.prom",  # hand-written (see its .source.txt); tests in test_mig_dcgm_exporter.py
 }
 
 

@@ -4,7 +4,12 @@
 uses the DCGM field table of ``agent.sources.dcgm`` (by metric name): % -> ratio, MiB -> bytes, mJ -> J,
 MHz -> Hz; DCGM blank sentinels and NaN become None.
 
-Labels: ``UUID`` names the GPU (series without it are skipped), ``gpu`` its index, ``modelName`` its model,
+Names: both the metric names of the stock counters (``DCGM_FI_DEV_POWER_USAGE``, ``DCGM_FI_PROF_SM_ACTIVE``,
+...) and DCGM 4.6's names of the same fields (``DCGM_FI_DEV_BOARD_POWER_WATTS``, ``DCGM_FI_PROF_SM_UTIL_RATIO``,
+...), which an exporter configured with the new names prints, are read (``DcgmField.names``).
+
+Labels: ``UUID`` (``GPU_UUID`` with DCGM 4.6 names) names the GPU (series without it are skipped), ``gpu``
+its index, ``modelName`` its model,
 ``Hostname`` (older exporters) or ``hostname`` (newer) the host unless the caller passes ``host`` -- in
 Kubernetes that label is the exporter pod's name, so a caller that knows the node should pass it.
 
@@ -14,15 +19,25 @@ per job: that would count the GPU several times). Empty ``hpc_job`` values are i
 
 MIG rule (count device values once): series with ``GPU_I_ID`` become one sample per GPU instance
 (``mig=GPU_I_ID``, model "<model> MIG <GPU_I_PROFILE>"), carrying the instance's own fields (profiling
-ratios, framebuffer, utilisation). Device-level fields (power, energy, temperature, clocks, PCIe, ECC, Xid;
-``DcgmField.device_level``) are repeated by the exporter on every instance of the GPU; they are taken off
-the instances and put once on the GPU's own sample (``mig=None``), using the maximum over the instances
-(the copies differ only by read time; for the energy counter the maximum is the latest reading). That
-parent sample exists only when some device-level value was seen.
+ratios, framebuffer, Xid; utilisation is ``GR_ENGINE_ACTIVE``, as ``GPU_UTIL`` reads 0 on a busy instance).
+Device-level fields (power, energy, temperature, clocks, PCIe, ECC; ``DcgmField.device_level``) are
+repeated by the exporter on every instance of the GPU, with or without a parent row; they are taken off the
+instances and put once on the GPU's own sample (``mig=None``) together with any parent row's values, using
+the maximum (the copies differ only by read time; for the energy counter the maximum is the latest
+reading). That parent sample exists only when some device-level value was seen. ``agent.mig`` then shares
+the GPU's power and energy out to its instances, exactly once.
+
+Xid: ``XID_ERRORS`` is the last Xid of the GPU or instance and stays set; ``DcgmExporterSource`` keeps an
+``XidLatch`` so a value counts once, when it changes (the pure parser reports none without one).
+
+Start-up check: the stock counters CSV comments out ``PROF_SM_ACTIVE`` and ``PROF_SM_OCCUPANCY``. Without
+them SM activity is None everywhere and MIG shares fall back to utilisation or slice size, so ``open()``
+warns, naming the counters to enable, and counts the fields ``not_exported``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +47,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sources.base import SourceUnavailable
-from gpuledger.agent.sources.dcgm import FIELDS_BY_NAME, convert_fields, dcgm_number
+from gpuledger.agent.sources.dcgm import FIELDS_BY_ID, FIELDS_BY_NAME, XidLatch, convert_fields, dcgm_number
+from gpuledger.agent.sources.health import FieldHealth
+
+log = logging.getLogger(__name__)
+
+# SM activity and occupancy (ids 1002, 1003) under either name; without them MIG shares lose their activity.
+SM_ACTIVITY_FIELDS = (1002, 1003)
 
 
 @dataclass
@@ -53,9 +74,13 @@ def _index(labels: dict[str, str]) -> int:
         return -1
 
 
-def parse_dcgm_exporter(text: str, host: str | None = None, ts: float | None = None) -> list[GpuSample]:
-    """Convert one dcgm-exporter scrape into GpuSamples (one per GPU, one per MIG GPU instance)."""
+def parse_dcgm_exporter(text: str, host: str | None = None, ts: float | None = None,
+                        xids: XidLatch | None = None) -> list[GpuSample]:
+    """Convert one dcgm-exporter scrape into GpuSamples (one per GPU, one per MIG GPU instance).
+
+    ``xids`` is the caller's latch of the sticky last-Xid values (without one, no Xid events are reported)."""
     ts = time.time() if ts is None else ts
+    xids = xids if xids is not None else XidLatch()
     groups: dict[tuple[str, str, str | None], _Group] = {}
 
     def group(h: str, uuid: str, labels: dict[str, str], mig: str | None) -> _Group:
@@ -72,7 +97,7 @@ def parse_dcgm_exporter(text: str, host: str | None = None, ts: float | None = N
         for s in family.samples:
             spec = FIELDS_BY_NAME.get(s.name) or FIELDS_BY_NAME.get(s.name.removesuffix("_total"))
             labels = s.labels
-            uuid = labels.get("UUID") or labels.get("uuid")
+            uuid = labels.get("UUID") or labels.get("uuid") or labels.get("GPU_UUID")
             if spec is None or not uuid:
                 continue
             h = host if host is not None else (labels.get("Hostname") or labels.get("hostname") or "")
@@ -92,12 +117,23 @@ def parse_dcgm_exporter(text: str, host: str | None = None, ts: float | None = N
     for (h, uuid, mig), g in groups.items():
         if mig is None and not g.values and not g.jobs and any(k[:2] == (h, uuid) and k[2] for k in groups):
             continue  # a MIG GPU's parent with nothing device-level to carry
+        conv = convert_fields(g.values, mig=mig is not None)
+        last_xid = conv.pop("_last_xid", None)
         out.append(GpuSample(
             ts=ts, host=h, gpu_uuid=uuid, gpu_index=g.index, model=g.model, mig=mig,
-            job_ids=tuple(g.jobs), source="dcgm-exporter", **convert_fields(g.values),
+            job_ids=tuple(g.jobs), source="dcgm-exporter", xid_errors=xids.events((h, uuid, mig), last_xid),
+            **conv,
         ))
     out.sort(key=lambda s: (s.host, s.gpu_index, s.gpu_uuid, s.mig is not None, _mig_order(s.mig)))
     return out
+
+
+def missing_sm_activity(text: str) -> tuple[str, ...]:
+    """The SM-activity counters (old and DCGM 4.6 names) a scrape lacks: all of them, or ()."""
+    names = [n for fid in SM_ACTIVITY_FIELDS for n in FIELDS_BY_ID[fid].names]
+    if any(n + "{" in text or n + " " in text for n in names):
+        return ()
+    return tuple(names)
 
 
 def _mig_order(mig: str | None) -> tuple[int, str]:
@@ -128,6 +164,8 @@ class DcgmExporterSource:
         self._timeout_s = timeout_s
         self._clock = clock
         self._client: Any = None
+        self._xids = XidLatch()
+        self.health = FieldHealth(self.name)
 
     def _http_fetch(self, url: str) -> str:
         response = self._client.get(url)
@@ -148,6 +186,15 @@ class DcgmExporterSource:
         if "DCGM_FI_" not in text:
             self.close()
             raise SourceUnavailable(f"dcgm-exporter: {self.url} answered, but with no DCGM_FI_* metrics")
+        if missing_sm_activity(text):
+            log.warning(
+                "dcgm-exporter: %s exports no SM activity: sm_active_ratio and sm_occupancy_ratio will be None and "
+                "MIG power/energy shares fall back to GR_ENGINE_ACTIVE or slice size. Enable DCGM_FI_PROF_SM_ACTIVE "
+                "and DCGM_FI_PROF_SM_OCCUPANCY (DCGM 4.6 names: DCGM_FI_PROF_SM_UTIL_RATIO, "
+                "DCGM_FI_PROF_SM_OCCUPANCY_RATIO) in the exporter's counters CSV (-f / --collectors); the stock "
+                "default-counters.csv has them commented out", self.url)
+            for fid in SM_ACTIVITY_FIELDS:
+                self.health.note(self.url, FIELDS_BY_ID[fid].target, "not_exported")
 
     def sample(self) -> list[GpuSample]:
         if self._fetch is None:
@@ -156,7 +203,7 @@ class DcgmExporterSource:
             text = self._fetch(self.url)
         except Exception as exc:
             raise RuntimeError(f"dcgm-exporter: scrape of {self.url} failed: {type(exc).__name__}: {exc}") from exc
-        return parse_dcgm_exporter(text, host=self.host, ts=self._clock())
+        return parse_dcgm_exporter(text, host=self.host, ts=self._clock(), xids=self._xids)
 
     def close(self) -> None:
         if self._client is not None:
@@ -166,4 +213,4 @@ class DcgmExporterSource:
             self._fetch = None
 
 
-__all__ = ["DcgmExporterSource", "parse_dcgm_exporter"]
+__all__ = ["DcgmExporterSource", "missing_sm_activity", "parse_dcgm_exporter"]
