@@ -108,6 +108,7 @@ class SnapshotCollector:
                 "gpuledger_agent_last_tick_timestamp_seconds", "When the last sampling tick started (unix time).", value=float(ts)
             )
         yield GaugeMetricFamily("gpuledger_agent_gpus", "GPUs (and MIG instances) in the latest snapshot.", value=float(len(a.snapshot)))
+        yield from self._source_metrics(getattr(a, "source", None))
         for sink in getattr(a, "sinks", ()):  # a spooling pusher (agent.spool) reports its spool
             stats = getattr(sink, "stats", None)
             st = stats() if callable(stats) else None
@@ -118,6 +119,43 @@ class SnapshotCollector:
                 yield CounterMetricFamily("gpuledger_agent_spool_dropped_samples", "Samples in batches dropped from a full spool.", value=float(st["dropped_samples"]))
                 yield CounterMetricFamily("gpuledger_agent_push_rejected_batches", "Batches the collector refused (4xx) and the agent dropped.", value=float(st["rejected_batches"]))
                 break
+
+
+    @staticmethod
+    def _source_metrics(src: Any) -> Iterator[Metric]:
+        """What the GPU source could not read (per field, with the reason), its connection, its lost GPUs."""
+        if src is None:
+            return
+        name = str(getattr(src, "name", type(src).__name__))
+        health = getattr(src, "health", None)
+        if health is not None:
+            fields = CounterMetricFamily(
+                "gpuledger_agent_unavailable_fields",
+                "GPUs (or MIG instances) found unable to give a field, counted once per GPU and field, by reason "
+                "(function_not_found, library_mismatch, not_supported, no_permission, unknown_field, watch_failed, "
+                "not_exported); that field is None, the rest of the sample is sent.",
+                labels=("source", "field", "reason"))
+            for (field, reason), n in sorted(health.unavailable.items()):
+                fields.add_metric([name, field, reason], float(n))
+            yield fields
+        connected = getattr(src, "connected", None)
+        if connected is not None:
+            yield _one("gpuledger_agent_source_connected", "1 while the source is connected to its backend "
+                       "(DCGM: nv-hostengine).", name, float(bool(connected)), counter=False)
+        disconnects = getattr(src, "hostengine_disconnects_total", None)
+        if disconnects is not None:
+            yield _one("gpuledger_agent_source_disconnects", "Times the source lost its backend (then reconnects).",
+                       name, float(disconnects), counter=True)
+        lost = getattr(src, "gpu_lost_total", None)
+        if lost is not None:
+            yield _one("gpuledger_agent_gpu_lost", "Times a GPU was marked lost (fell off the bus, reset required).",
+                       name, float(lost), counter=True)
+
+
+def _one(metric: str, doc: str, source: str, value: float, *, counter: bool) -> Metric:
+    family: Any = (CounterMetricFamily if counter else GaugeMetricFamily)(metric, doc, labels=("source",))
+    family.add_metric([source], value)
+    return family
 
 
 def make_registry(agent: Any) -> CollectorRegistry:

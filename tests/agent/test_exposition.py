@@ -161,3 +161,32 @@ def test_xid_errors_exported_as_a_counter_per_gpu() -> None:
     values = {s.labels["gpu"]: s.value for f in text_string_to_metric_families(scrape(agent))
               if f.name == "gpuledger_gpu_xid_errors" for s in f.samples if s.name.endswith("_total")}
     assert values == {"1": 2.0}
+
+
+def test_source_health_connection_and_lost_gpus_are_exported() -> None:
+    """Degrade per field is visible: each unavailable field once, with its reason; a lost host engine too."""
+    from nvml_fake import Scenario, FakeNvml
+
+    from gpuledger.agent.sources.nvml import NvmlSource
+
+    scenario = Scenario.node(2, unsupported=frozenset({"nvmlDeviceGetRemappedRows"}))
+    scenario.missing_functions = frozenset({"nvmlDeviceGetTotalEnergyConsumption"})
+    src = NvmlSource(lib=FakeNvml(scenario, clock=lambda: 5.0), host="n1", clock=lambda: 5.0)
+    agent = Agent(src)
+    agent.open()
+    for _ in range(3):
+        agent.tick()
+    fam = families(scrape(agent))
+    got = {(s.labels["field"], s.labels["reason"]): s.value for s in fam["gpuledger_agent_unavailable_fields"]}
+    assert got == {("energy_joules", "function_not_found"): 2.0, ("remapped_rows_total", "not_supported"): 2.0}
+    assert [s.value for s in fam["gpuledger_agent_gpu_lost"]] == [0.0]
+    assert len(agent.snapshot) == 2 and all(s.power_watts == 450.0 for s in agent.snapshot)
+
+    class Disconnected(FixedSource):
+        name = "dcgm"
+        connected = False
+        hostengine_disconnects_total = 1
+
+    fam = families(scrape(Agent(Disconnected([]))))
+    assert [(s.labels["source"], s.value) for s in fam["gpuledger_agent_source_connected"]] == [("dcgm", 0.0)]
+    assert [s.value for s in fam["gpuledger_agent_source_disconnects"]] == [1.0]
