@@ -320,12 +320,13 @@ def test_contract_on_real_driver() -> None:
 
         time.sleep(0.3)
         samples = src.sample()
+        opened = len(src._gpus) - len(src.lost_gpus)
     finally:
         src.close()
     assert samples and all(s.gpu_uuid.startswith("GPU-") for s in samples)
     # Degrade per field on the real driver: every GPU has its sample, no call failed outside NVML's codes,
     # and every unavailable field names a known reason.
-    assert len({s.gpu_uuid for s in samples if s.mig is None}) == len(src._gpus) - len(src.lost_gpus)
+    assert len({s.gpu_uuid for s in samples if s.mig is None}) == opened
     assert src.errors_total == 0
     reasons = {"function_not_found", "library_mismatch", "not_supported", "no_permission"}
     assert {r for _, r in src.health.unavailable} <= reasons
