@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from http_page import serve
 from testdata import DATA_ROOT, capture  # noqa: F401
 
-import http.server
 import json
-import threading
 from pathlib import Path
 
 import msgpack
@@ -76,30 +75,10 @@ def test_sources_reports_why() -> None:
         assert "no" in rows["nvml"] and "nvmlInit failed" in rows["nvml"]
 
 
-def _serve(body: bytes, received: list[bytes] | None = None) -> http.server.ThreadingHTTPServer:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self) -> None:  # noqa: N802
-            n = int(self.headers.get("Content-Length", "0"))
-            if received is not None:
-                received.append(self.rfile.read(n))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *a) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 def test_once_dcgm_exporter_url() -> None:
-    server = _serve((CAPTURES / "l4-1gpu-k8s-full.prom").read_bytes())
+    server = serve((CAPTURES / "l4-1gpu-k8s-full.prom").read_bytes())
     try:
         result = runner.invoke(app, ["once", "--source", "dcgm-exporter", "--url",
                                      f"http://127.0.0.1:{server.server_port}/metrics", "--host", "n1"])
@@ -113,7 +92,7 @@ def test_once_dcgm_exporter_url() -> None:
 
 def test_run_pushes_to_collector_and_stops() -> None:
     received: list[bytes] = []
-    collector = _serve(b"", received)
+    collector = serve(b"", received)
     try:
         result = runner.invoke(app, [
             "run", "--source", "simulated", "--gpus", "2", "--host", "h7",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from http_page import serve
 from testdata import DATA_ROOT, capture  # noqa: F401
 
 from pathlib import Path
@@ -206,23 +207,7 @@ def test_source_unavailable_names_url() -> None:
 
 def test_source_real_http_fetch(tmp_path: Path) -> None:
     # The default fetch (httpx) against a real local HTTP server serving a capture.
-    import http.server
-    import threading
-
-    body = (CAPTURES / "t4-2gpu-gke-prof-pods.prom").read_bytes()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve((CAPTURES / "t4-2gpu-gke-prof-pods.prom").read_bytes())
     try:
         src = DcgmExporterSource(f"http://127.0.0.1:{server.server_port}/metrics")
         src.open()

@@ -7,15 +7,14 @@ row repeating the GPU's power (78.012/78.012/78.104 W) and energy counter (25800
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
 import math
-import threading
 
 import pytest
 from typer.testing import CliRunner
 
+from http_page import serve
 from testdata import capture
 from gpuledger.agent.cli import app
 from gpuledger.agent.mig import MigEnergySplitter
@@ -80,24 +79,8 @@ def test_deltas_are_shared_and_sum_to_the_gpus() -> None:
     assert d[2] == pytest.approx(500.0 / 6)
 
 
-def _serve(body: bytes) -> http.server.ThreadingHTTPServer:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 def test_agent_once_counts_the_mig_gpu_exactly_once() -> None:
-    server = _serve(PAGE.encode())
+    server = serve(PAGE.encode())
     try:
         result = CliRunner().invoke(app, ["once", "--source", "dcgm-exporter", "--url",
                                           f"http://127.0.0.1:{server.server_port}/metrics", "--host", "n1"])

@@ -13,21 +13,7 @@ import pytest
 
 from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm, fake_node
 from gpuledger.schema.wire import to_series
-from gpuledger.agent.sources.nvml import NvmlSource
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _open(lib: FakeNvml, clock: Clock, **kw) -> NvmlSource:
-    src = NvmlSource(lib=lib, host="node1", clock=clock, **kw)
-    src.open()
-    return src
+from test_nvml_source import Clock, _open
 
 
 def _missing(*symbols: str, gpus: int = 2, **kw) -> FakeNvml:
