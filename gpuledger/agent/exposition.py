@@ -131,9 +131,10 @@ class SnapshotCollector:
         if health is not None:
             fields = CounterMetricFamily(
                 "gpuledger_agent_unavailable_fields",
-                "GPUs (or MIG instances) found unable to give a field, counted once per GPU and field, by reason "
-                "(function_not_found, library_mismatch, not_supported, no_permission, unknown_field, watch_failed, "
-                "not_exported); that field is None, the rest of the sample is sent.",
+                "Fields a GPU (or MIG instance) cannot give, counted once per GPU and field (again after a re-open "
+                "or MIG mode change; once for all GPUs when the cause is DCGM-wide), by reason (function_not_found, "
+                "library_mismatch, not_supported, no_permission, unknown_field, watch_failed, not_exported); that "
+                "field is None, the rest of the sample is sent.",
                 labels=("source", "field", "reason"))
             for (field, reason), n in sorted(health.unavailable.items()):
                 fields.add_metric([name, field, reason], float(n))

@@ -23,6 +23,13 @@ counters' deltas sum to the GPU's counter delta; the whole-GPU sample of a MIG G
 
 So a job on an instance is charged its share, the sum over instances equals the GPU exactly, and nothing
 downstream can count the GPU twice. (Per-GPU power on a dashboard is the sum over the GPU's instances.)
+
+The virtual counters live in this stage: after an agent restart they start again from the GPU's counter split
+by slice, so an instance's counter can step back or forward by the difference between its activity-weighted
+and its by-slice history. Downstream that is a counter discontinuity like a driver reload: the interval
+across it must not be charged from the counter step (issue #12's rule: a counter that goes back or jumps
+beyond power limit x time is not trusted and the power integral is used; the instances carry their power
+share on every sample for that).
 """
 
 from __future__ import annotations
