@@ -350,18 +350,22 @@ class DcgmSource:
         if not self._readers:
             raise RuntimeError("dcgm: sample() before open()")
         values: dict[int, dict[int, Any]] = {}
-        for reader in self._readers:
-            for gpu_id, fields in reader.GetLatestGpuValuesAsFieldIdDict().items():
-                values.setdefault(gpu_id, {}).update(fields)
+        failure = ""
+        try:
+            for reader in self._readers:
+                for gpu_id, fields in reader.GetLatestGpuValuesAsFieldIdDict().items():
+                    values.setdefault(gpu_id, {}).update(fields)
+        except Exception as exc:  # noqa: BLE001 - a failed re-connect can raise out of DcgmReader
+            failure = f" ({type(exc).__name__}: {exc})"
         # DcgmReader drops its handle when the host engine goes away and re-connects on its next call.
-        up = all(getattr(r, "m_dcgmHandle", None) is not None for r in self._readers)
+        up = not failure and all(getattr(r, "m_dcgmHandle", None) is not None for r in self._readers)
         if not up:
             if self.connected:
                 self.hostengine_disconnects_total += 1
-                log.error("dcgm: lost the connection to nv-hostengine at %s; no samples until it is back "
-                          "(reconnecting every tick)", self.hostengine)
+                log.error("dcgm: lost the connection to nv-hostengine at %s%s; no samples until it is back "
+                          "(reconnecting every tick)", self.hostengine, failure)
             self.connected = False
-            raise RuntimeError(f"dcgm: not connected to nv-hostengine at {self.hostengine}")
+            raise RuntimeError(f"dcgm: not connected to nv-hostengine at {self.hostengine}{failure}")
         if not self.connected:
             log.warning("dcgm: reconnected to nv-hostengine at %s", self.hostengine)
             self.connected = True
