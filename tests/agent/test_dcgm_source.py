@@ -82,6 +82,7 @@ HOSTENGINE_UP = True
 PROFILING_OK = True
 VALUES = {0: {155: 250.0, 156: 5_000_000, 1002: 0.5}}
 GROUPS = {}  # field-group name -> the reader that owns it on the host engine
+RAISE = None  # an exception the next read raises (a failed re-connect with another status than CONNECTION)
 
 
 class DCGMError(Exception):
@@ -114,6 +115,8 @@ class DcgmReader:
             self._connect()
 
     def GetLatestGpuValuesAsFieldIdDict(self):
+        if RAISE is not None:
+            raise RAISE
         if self.m_dcgmHandle is None and HOSTENGINE_UP:
             self._connect()
         if not HOSTENGINE_UP:
@@ -219,3 +222,14 @@ def test_sticky_last_xid_counts_once_per_change(bindings) -> None:
         bindings.VALUES = {0: {155: 250.0, 230: xid}}
         seen.append(src.sample()[0].xid_errors)
     assert seen == [(), (48,), (), (), (13,), ()]
+
+
+def test_an_exception_from_the_reader_is_a_lost_host_engine(bindings) -> None:
+    src = _src(bindings)
+    src.open()
+    bindings.RAISE = bindings.DCGMError("Host engine connection invalid/disconnected")
+    with pytest.raises(RuntimeError, match="not connected to nv-hostengine.*DCGMError"):
+        src.sample()
+    assert (src.connected, src.hostengine_disconnects_total) == (False, 1)
+    bindings.RAISE = None
+    assert src.sample()[0].power_watts == 250.0 and src.connected
