@@ -231,3 +231,22 @@ def test_strict_fake_answers_as_pynvml_and_nvml_h() -> None:
         lib.nvmlDeviceGetMPSComputeRunningProcesses_v3(mh)
     with pytest.raises(AttributeError):  # real functions the fake lacks are never reachable through it
         lib.nvmlDeviceGetFanSpeed
+
+
+def test_gpm_can_return_nan() -> None:
+    import math
+
+    clock = [100.0]
+    lib = fake_node(1, clock=lambda: clock[0])
+    lib.update(0, gpm={pynvml.NVML_GPM_METRIC_SM_UTIL: math.nan})
+    lib.nvmlInit()
+    h = lib.nvmlDeviceGetHandleByIndex(0)
+    a, b = lib.nvmlGpmSampleAlloc(), lib.nvmlGpmSampleAlloc()
+    lib.nvmlGpmSampleGet(h, a)
+    clock[0] += 1.0
+    lib.nvmlGpmSampleGet(h, b)
+    req = pynvml.c_nvmlGpmMetricsGet_t()
+    req.version, req.numMetrics, req.sample1, req.sample2 = pynvml.NVML_GPM_METRICS_GET_VERSION, 1, a, b
+    req.metrics[0].metricId = pynvml.NVML_GPM_METRIC_SM_UTIL
+    lib.nvmlGpmMetricsGet(req)
+    assert req.metrics[0].nvmlReturn == pynvml.NVML_SUCCESS and math.isnan(req.metrics[0].value)
