@@ -109,6 +109,7 @@ class DemoResult:
 
 
 MARKER = ".gpuledger-demo"
+DEMO_KEY_DIR = "demo-signing-key"  # a demo only: real keys live outside the data dir
 # What a demo run writes besides the config and the signing keys, which a rerun keeps.
 DEMO_OUTPUTS = (STORE_NAME, STORE_NAME + "-wal", STORE_NAME + "-shm", "audit.sqlite", "audit.sqlite-wal",
                 "audit.sqlite-shm", "priority-feed.json", "usage-report.txt", "usage-report.txt.manifest.json",
@@ -264,7 +265,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
 
     from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
     from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
-    from gpuledger.accounting.audit import PRIVATE_KEY_NAME, keygen, open_log, record_job_records, sign_report
+    from gpuledger.accounting.audit import PRIVATE_KEY_NAME, bind, keygen, load_signing_key, open_log, sign_report
     from gpuledger.accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
     from gpuledger.accounting.config import accounting_settings, load_config
     from gpuledger.accounting.fairshare_render import render_table
@@ -287,8 +288,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     store = SqliteStore(data_dir / STORE_NAME)
     try:
         entries = load_ledger(store)
-        with open_log(data_dir) as log:
-            record_job_records(log, store.jobs())
+        jobs, usages = store.jobs(), store.job_usage()
     finally:
         store.close()
     job_rows = job_rows(entries)
@@ -296,7 +296,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
 
     now = time.time()
     weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
-    rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight)  # audited with its inputs
+    rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight, record=True)  # audited with its inputs
     console.print(f"[bold]Fairshare[/bold] ({settings.algorithm}, charge policy {settings.policy}):")
     console.print(render_table(rows), markup=False, highlight=False)
     feed_path = write_feed(data_dir / FEED_NAME, feed_from_rows(rows, settings, now))
@@ -307,12 +307,16 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
         + "\nJobs\n\n" + plain_table(JOB_COLUMNS, job_rows)
     )
     (data_dir / "usage-report.json").write_text(to_json(groups) + "\n")
-    # The report carries a signed manifest naming its inputs and the audit log's head (`gpuledger audit verify`).
-    if not (data_dir / PRIVATE_KEY_NAME).exists():
-        keygen(data_dir)
+    # The report carries a signed manifest binding the records it used and the audit log's head. A demo keeps its
+    # key in the data dir for convenience; in production `gpuledger audit keygen` puts it outside, out of reach of
+    # whoever can rewrite the log.
+    key_path = data_dir / DEMO_KEY_DIR / PRIVATE_KEY_NAME
+    if not key_path.exists():
+        keygen(key_path)
     with open_log(data_dir) as log:
-        manifest = sign_report(report_path, data_dir, log=log, now=now,
-                               inputs={"store": STORE_NAME, "config": CONFIG_NAME, "jobs": len(job_rows)},
+        bound = bind(log, jobs, usages, now)
+        manifest = sign_report(report_path, load_signing_key(key_path), log, now=now, used=bound.used(),
+                               inputs={"config": CONFIG_NAME, "jobs": len(job_rows)},
                                period={"from": min(j.submit for j in res.jobs), "to": now})
     console.print(rich_table("Usage by account and user", GROUP_COLUMNS, groups))
     console.print(f"priority feed: {feed_path}")

@@ -17,9 +17,10 @@ from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import rich_table
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import association_usage, compute, load_tree
-from gpuledger.accounting.ledger import load as load_ledger
-from gpuledger.accounting.audit import (job_charges, open_log, record_fairshare, record_job_records, record_priority_change,
-                              record_usage)
+from gpuledger.accounting.ledger import join, load as load_ledger
+from gpuledger.accounting.audit import (bind, job_charges, open_log, record_fairshare, record_job_records,
+                                       record_priority_change, usage_key)
+from gpuledger.collector.auditlog.jobs import job_key
 from gpuledger.accounting.priority import feed_document, priority_feed, write_feed
 
 STORE_NAME = "gpuledger.sqlite"
@@ -77,12 +78,15 @@ def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
 
 
 def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, associations: Path | None = None,
-                   usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None):
+                   usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None,
+                   record: bool = False, accept_store_changes: str | None = None):
     """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo).
 
-    Computed from the ledger (no --usage file), the computation is appended to the audit trail with its inputs:
-    the usage records, each job's charge and decayed charge, the decayed usage per association, the rows and,
-    when ``feed_weight`` is given, the site factors of the feed.
+    With ``record`` (feeds, `priority apply`, `fairshare --record`) the store's job and usage records are first
+    bound to the audit log (a record that differs from its final logged one is refused, exit 1, unless
+    ``accept_store_changes`` gives the reason to log it as a correction), then the computation is appended with
+    its inputs: each job's charge and decayed charge with the entries they came from, the decayed usage per
+    association, the rows and, when ``feed_weight`` is given, the site factors of the feed. A query appends nothing.
     """
     from gpuledger.accounting.fairshare_render import parse_usage_csv
 
@@ -101,26 +105,45 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             return rows, settings
         store = _open_store(data_dir)
         try:
-            entries = load_ledger(store)
-            usages = store.job_usage()
+            jobs, usages = store.jobs(), store.job_usage()
         finally:
             store.close()
-        result = association_usage(entries, settings, tree, now)
-        for (acct, user), v in sorted(result.unknown.items()):
-            err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} has no association in the tree")
-        if result.unmatched_jobs:
-            err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
-                      f"scheduler record are not charged: {escape(', '.join(result.unmatched_jobs[:10]))}")
-        rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
+        entries = join(jobs, usages)
+        if not record:
+            result = association_usage(entries, settings, tree, now)
+            _warn(result)
+            return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings
         with open_log(data_dir) as log:
-            record_usage(log, usages)
+            bound = bind(log, jobs, usages, now, accept_reason=accept_store_changes)
+            if bound.changes and accept_store_changes is None:
+                lines = [f"  job {c.job_id} {c.record} {c.field}: logged {c.logged!r} (entry {c.seq}), stored {c.stored!r}"
+                         for c in bound.changes]
+                err.print(escape("error: refused: store rows disagree with their logged record (edited after they "
+                                 "were logged?); `--accept-store-changes REASON` logs them as corrections:\n"
+                                 + "\n".join(lines)), highlight=False, soft_wrap=True)
+                raise typer.Exit(code=1)
+            result = association_usage(entries, settings, tree, now)
+            _warn(result)
+            rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
+            by_job = {r.job_id: r for r in jobs}
+            sources = {u.job_id: {"usage_entry": bound.seq_of(usage_key(u)),
+                                  "job_entry": bound.seq_of(job_key(by_job[u.job_id])) if u.job_id in by_job else None}
+                       for u in usages}
             record_fairshare(
                 log, now=now, settings=settings, charges=job_charges(entries, settings, now), usage=result.usage,
-                rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (),
+                rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (), sources=sources,
             )
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     return rows, settings
+
+
+def _warn(result) -> None:
+    for (acct, user), v in sorted(result.unknown.items()):
+        err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} has no association in the tree")
+    if result.unmatched_jobs:
+        err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
+                  f"scheduler record are not charged: {escape(', '.join(result.unmatched_jobs[:10]))}")
 
 
 @fairshare_app.callback(invoke_without_command=True)
@@ -131,11 +154,14 @@ def fairshare(
     usage: Annotated[Optional[Path], typer.Option(help="CSV account,user,usage (decayed raw usage)")] = None,
     algorithm: Annotated[Optional[Algorithm], typer.Option(help="default: the configured one")] = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
+    record: Annotated[bool, typer.Option("--record", help="append the computation and its inputs to the audit log "
+                                         "(a plain query appends nothing)")] = False,
 ) -> None:
     """Fairshare per association, like `sshare -l` (table), or JSON/CSV for machines."""
     from gpuledger.accounting.fairshare_render import render_csv, render_table, to_json
 
-    rows, _ = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage)
+    rows, _ = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage,
+                             record=record and usage is None)
     if fmt is Fmt.json:
         typer.echo(json.dumps(to_json(rows), indent=2))
     elif fmt is Fmt.csv:
@@ -145,11 +171,12 @@ def fairshare(
 
 
 def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
-               associations: Path | None = None) -> dict:
+               associations: Path | None = None, accept_store_changes: str | None = None) -> dict:
     now = time.time() if now is None else now
     cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
     weight = accounting_settings(cfg).priority_weight
-    rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight)
+    rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight,
+                                    record=True, accept_store_changes=accept_store_changes)
     return feed_from_rows(rows, settings, now)
 
 
@@ -172,9 +199,13 @@ def priority_feed_cmd(
     output: Annotated[Optional[Path], typer.Option(help="write here (default: <data-dir>/priority-feed.json)")] = None,
     associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")] = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
+    accept_store_changes: Annotated[Optional[str], typer.Option("--accept-store-changes", metavar="REASON", help="use "
+                                    "store rows that differ from their final logged record, logging each as a "
+                                    "correction with this reason (refused without it)")] = None,
 ) -> None:
-    """Per association: measured fairshare and the Slurm site factor it implies; written atomically."""
-    doc = build_feed(data_dir, config, associations=associations)
+    """Per association: measured fairshare and the Slurm site factor it implies; written atomically. Every record
+    it uses is in the audit log first."""
+    doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes)
     path = write_feed(output or data_dir / FEED_NAME, doc)
     if fmt is Fmt.json:
         typer.echo(json.dumps(doc, indent=2))
@@ -256,16 +287,15 @@ def jobs_import(
             )
     except (SlurmParseError, SlurmCommandError, OSError) as e:
         raise _fail(str(e)) from None
-    data_dir.mkdir(parents=True, exist_ok=True)
     from gpuledger.collector.store import SqliteStore
 
+    with open_log(data_dir) as log:  # logged before stored: nothing is charged that the log has not seen
+        record_job_records(log, records)
     store = SqliteStore(data_dir / STORE_NAME)
     try:
         changed = store.put_jobs(records)
     finally:
         store.close()
-    with open_log(data_dir) as log:
-        record_job_records(log, records)
     typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
 
 

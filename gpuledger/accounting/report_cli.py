@@ -1,7 +1,7 @@
 """`gpuledger report ...` and `gpuledger audit ...`. Library code raises; only this module exits.
 
-Exit codes: 0 fine, 1 a check failed (`audit verify` found tampering), 2 bad input (missing store, bad date,
-bad configuration).
+Exit codes: 0 fine, 1 a check failed (`audit verify` found tampering, always naming the entry or range), 2 bad
+input (missing store, bad date, bad configuration, an unreadable checkpoint or key).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from gpuledger.accounting import audit as au
+from gpuledger.accounting.audit.verify import read_checkpoints
 from gpuledger.accounting import jobreport as jr
 from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
@@ -37,7 +38,7 @@ DataDir = Annotated[
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")]
 Pseudo = Annotated[bool, typer.Option("--pseudonymize", help="Replace user names by stable keyed pseudonyms (HMAC-SHA256).")]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout; signed when "
-                                                   "the data dir has an audit signing key (see `audit keygen`).")]
+                                                   "an audit signing key exists (see `audit keygen`).")]
 
 console = Console()
 err = Console(stderr=True)
@@ -120,18 +121,24 @@ def _emit(text: str, output: Path | None) -> None:
 
 
 def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict[str, Any], period: dict[str, Any]) -> None:
-    """Sign a written report when a key exists; say so either way (an unsigned report is not an error)."""
+    """Sign a written report when a key exists; say so either way (an unsigned report is not an error). The
+    manifest binds the job and usage records used, which must match the audit log (else exit 1, unsigned)."""
     if output is None:
         return
-    if not (data_dir / au.PRIVATE_KEY_NAME).exists():
-        _note(f"report written to {output} (unsigned: no key in {data_dir}; run `gpuledger audit keygen`)")
+    key_path = au.default_private_key_path()
+    if not key_path.exists():
+        _note(f"report written to {output} (unsigned: no signing key at {key_path}; run `gpuledger audit keygen`)")
         return
     cfg = config or data_dir / CONFIG_NAME
-    inputs = {**inputs, "store": str(data_dir / STORE_NAME),
-              "config": {"path": str(cfg), "sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.exists() else None}}
+    inputs = {**inputs, "config": {"name": cfg.name, "sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.exists() else None}}
     try:
+        key = au.load_signing_key(key_path)
         with au.open_log(data_dir) as log:
-            m = au.sign_report(output, data_dir, inputs=inputs, period=period, log=log)
+            bound = _bind_store(data_dir, log, write=True)
+            if bound.changes:
+                raise _fail(f"report written to {output} but NOT signed: store rows disagree with their logged record "
+                            "(see `gpuledger audit verify --store`):\n" + _store_changes(bound.changes), 1)
+            m = au.sign_report(output, key, log, inputs=inputs, period=period, used=bound.used())
     except au.AuditError as e:
         raise _fail(str(e)) from None
     _note(f"report written to {output}, signed manifest {m}")
@@ -181,9 +188,9 @@ def report_usage(
         from gpuledger.accounting.html import render_html
 
         with au.open_log(data_dir) as log:
-            seq, head = log.head()
+            size, root = log.head()
         text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}",
-                           manifest={"audit log head": f"entry {seq}, {head[:16]}...", "pseudonymized": pseudonymize})
+                           manifest={"audit log head": f"{size} entries, root {root[:16]}...", "pseudonymized": pseudonymize})
     else:
         text = usage_report_text(rep)
     _emit(text, output)
@@ -279,41 +286,199 @@ def report_idle(
 
 
 # -- audit ----------------------------------------------------------------------------------------------------------
+KeyOpt = Annotated[Optional[Path], typer.Option("--private-key", help="the signing key (default: $GPULEDGER_AUDIT_KEY, "
+                                                "else $XDG_CONFIG_HOME/gpuledger/audit-signing.key); never in the data dir")]
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    try:
+        path.resolve().relative_to(directory.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _audit_path(data_dir: Path) -> Path:
+    """The data dir's audit log; exit 2 without a data dir, 1 when the log is gone but the store is there."""
+    path = data_dir / au.AUDIT_NAME
+    if path.exists():
+        return path
+    if not data_dir.is_dir():
+        raise _fail(f"no data directory at {data_dir} (pass --data-dir)")
+    if (data_dir / STORE_NAME).exists():
+        raise _fail(f"TAMPERED: the audit log {path} is missing (deleted) beside the store {data_dir / STORE_NAME}", 1)
+    raise _fail(f"no audit log at {path}")
+
+
+def _open(path: Path, data_dir: Path):
+    try:
+        return au.open_log(data_dir) if path.name == au.AUDIT_NAME else au.AuditLog(path)
+    except au.AuditError as e:
+        raise _fail(str(e), 2 if "format 1" in str(e) else 1) from None
+
+
 @audit_app.command("keygen")
 def audit_keygen(
     data_dir: DataDir = Path("gpuledger-data"),
-    force: Annotated[bool, typer.Option("--force", help="replace an existing key (old reports then fail to verify)")] = False,
+    private_key: KeyOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="rotate: replace an existing key; the keyring beside it and an "
+                                        "audit entry keep old reports verifiable")] = False,
 ) -> None:
-    """Create the Ed25519 key pair that signs report manifests (private key mode 0600)."""
+    """Create the Ed25519 key pair that signs checkpoints and report manifests (private key 0600, public 0644)."""
+    path = private_key or au.default_private_key_path()
+    if _inside(path, data_dir):
+        raise _fail(f"{path} lies inside the data directory {data_dir}: whoever can rewrite the log could use it; "
+                    "choose a path outside (the default is the config dir)")
     try:
-        priv, pub = au.keygen(data_dir, force=force)
-    except FileExistsError as e:
+        res = au.keygen(path, force=force)
+    except (FileExistsError, au.AuditError, OSError) as e:
         raise _fail(str(e)) from None
-    typer.echo(f"private key: {priv}\npublic key:  {pub}")
+    if res.rotation is not None and data_dir.is_dir():
+        with _open(data_dir / au.AUDIT_NAME, data_dir) as log:
+            e = log.append("key_rotation", res.rotation)
+        _note(f"rotation recorded in audit entry {e.seq if e else '?'} and in {au.keyring_path(res.private)}")
+    typer.echo(f"private key: {res.private}\npublic key:  {res.public}\nkey id:      {res.key_id}")
+
+
+@audit_app.command("checkpoint")
+def audit_checkpoint(
+    data_dir: DataDir = Path("gpuledger-data"),
+    private_key: KeyOpt = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="write here (default: stdout); ship it off "
+                                                   "this machine")] = None,
+) -> None:
+    """Sign the audit log's tree head (size, root hash, time, key id) as a checkpoint (a signed note)."""
+    path = _audit_path(data_dir)
+    try:
+        key = au.load_signing_key(private_key or au.default_private_key_path())
+    except au.AuditError as e:
+        raise _fail(str(e)) from None
+    with _open(path, data_dir) as log:
+        try:
+            text = au.make_checkpoint(log, key)
+        except au.AuditError as e:
+            raise _fail(str(e), 1) from None
+        log.save_checkpoint(int(text.splitlines()[1]), text)
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text, encoding="utf-8")
+        _note(f"checkpoint of {text.splitlines()[1]} entries written to {output}")
+
+
+def _trusted(public_keys: list[Path] | None, keyring: Path | None, log, required: bool):
+    keys = list(public_keys or [])
+    default_pub = au.public_path(au.default_private_key_path())
+    if not keys and default_pub.exists():
+        keys = [default_pub]
+    if not keys:
+        if required:
+            raise _fail(f"no public key to verify signatures with: pass --public-key FILE (none at {default_pub})")
+        return None
+    rings = [keyring] if keyring is not None else [au.keyring_path(au.default_private_key_path())]
+    try:
+        return au.trusted_keys(keys, log, rings)
+    except au.AuditError as e:
+        raise _fail(str(e)) from None
+
+
+def _store_changes(changes) -> str:
+    lines = ["job\trecord\tfield\tlogged\tstored\tentry"]
+    lines += [f"{c.job_id}\t{c.record}\t{c.field}\t{json.dumps(c.logged)}\t{json.dumps(c.stored)}\t{c.seq}" for c in changes]
+    return "\n".join(lines)
 
 
 @audit_app.command("verify")
 def audit_verify(
-    report: Annotated[Optional[Path], typer.Argument(help="a signed report (its manifest lies beside it)")] = None,
+    reports: Annotated[Optional[list[Path]], typer.Argument(help="signed reports (each manifest lies beside it)")] = None,
+    data_dir: DataDir = Path("gpuledger-data"),
+    checkpoint: Annotated[Optional[list[Path]], typer.Option("--checkpoint", help="checkpoints the log must extend "
+                                                             "(repeat: several narrow the first changed entry)")] = None,
+    public_key: Annotated[Optional[list[Path]], typer.Option("--public-key", help="pin the signing key (default: the "
+                                                             "public key beside the default private key)")] = None,
+    keyring: Annotated[Optional[Path], typer.Option("--keyring", help="rotation records linking retired keys to the "
+                                                    "pinned one (default: beside the default private key)")] = None,
+    store: Annotated[bool, typer.Option("--store", help="also list store rows that disagree with their logged "
+                                        "record")] = False,
+) -> None:
+    """Recompute the Merkle log, prove it extends every checkpoint and signed report; exit 1 naming the first
+    changed entry or range, 0 when everything verifies, 2 on bad input."""
+    path = _audit_path(data_dir)
+    try:
+        cps = read_checkpoints(checkpoint or [])
+    except FileNotFoundError as e:
+        raise _fail(str(e)) from None
+    with _open(path, data_dir) as log:
+        trusted = _trusted(public_key, keyring, log, required=bool(cps or reports))
+        try:
+            v = au.verify_all(log, trusted, cps, reports or [])
+        except au.AuditError as e:
+            raise _fail(str(e)) from None
+        changes = _bind_store(data_dir, log, write=False).changes if store else []
+    res = v.result
+    if res.ok:
+        typer.echo(f"audit log {path}: {res.entries} entries, Merkle tree intact, root {res.root.hex()}")
+    for h in v.heads:
+        if h.ok:
+            typer.echo(f"extends {h.head.label()}")
+    for n in v.notes:
+        _note(n)
+    for p in v.problems:
+        _note(f"TAMPERED: {p}")
+    if reports and not any(str(r) in p or "report" in p for p in v.problems for r in reports) and v.ok:
+        typer.echo(f"report(s) {', '.join(map(str, reports))}: signature, content, input records and audit head verify")
+    if store:
+        if changes:
+            _note(f"TAMPERED: {len(changes)} store field(s) disagree with their logged record:\n" + _store_changes(changes))
+        else:
+            typer.echo("store: every job and usage record matches its logged record")
+    if not v.ok or changes:
+        raise typer.Exit(code=1)
+
+
+def _bind_store(data_dir: Path, log, write: bool, accept_reason: str | None = None, now: float | None = None):
+    import time as _time
+
+    store = _open_store(data_dir)
+    try:
+        jobs, usage = store.jobs(), store.job_usage()
+    finally:
+        store.close()
+    try:
+        return au.bind(log, jobs, usage, _time.time() if now is None else now, write=write, accept_reason=accept_reason)
+    except au.AuditError as e:
+        raise _fail(str(e)) from None
+
+
+@audit_app.command("proof")
+def audit_proof(
+    entry: Annotated[Optional[int], typer.Option("--entry", help="inclusion proof of this entry (numbered from 1)")] = None,
+    since: Annotated[Optional[int], typer.Option("--since", help="consistency proof from this tree size")] = None,
+    size: Annotated[Optional[int], typer.Option("--size", help="in the tree of this size (default: now)")] = None,
     data_dir: DataDir = Path("gpuledger-data"),
 ) -> None:
-    """Check the audit log's hash chain (and a report's signature); exit 1 naming the first bad entry."""
-    path = data_dir / au.AUDIT_NAME
-    if not path.exists():
-        raise _fail(f"no audit log at {path}")
-    with au.AuditLog(path) as log:
-        res = log.verify()
-        problems = au.verify_report(report, data_dir, log) if report is not None else []
-    if res.ok:
-        typer.echo(f"audit log {path}: {res.entries} entries, chain intact, head {res.head_seq} {res.head_hash}")
-    else:
-        _note(f"TAMPERED: {res.problem} (entries 1..{res.head_seq} verify)")
-    for p in problems:
-        _note(f"REPORT: {p}")
-    if report is not None and not problems:
-        typer.echo(f"report {report}: signature, content and audit head verify")
-    if not res.ok or problems:
-        raise typer.Exit(code=1)
+    """RFC 9162 proofs as JSON (hex hashes): an entry's inclusion proof, or a consistency proof between sizes."""
+    path = _audit_path(data_dir)
+    with _open(path, data_dir) as log:
+        n = log.size() if size is None else size
+        try:
+            if not 0 <= n <= log.size():
+                raise ValueError(f"--size {n}: the log has {log.size()} entries")
+            if entry is not None:
+                e = log.get(entry)
+                if e is None or entry > n:
+                    raise ValueError(f"--entry {entry}: no such entry in a tree of {n}")
+                doc = {"leaf_index": entry - 1, "tree_size": n, "leaf_hash": e.leaf.hex(), "root": log.root(n).hex(),
+                       "inclusion_path": [h.hex() for h in log.inclusion_proof(entry, n)]}
+            elif since is not None:
+                doc = {"first": since, "second": n, "first_root": log.root(since).hex(), "second_root": log.root(n).hex(),
+                       "consistency_path": [h.hex() for h in log.consistency_proof(since, n)]}
+            else:
+                raise ValueError("give --entry N or --since SIZE")
+        except (ValueError, au.AuditError) as e:
+            raise _fail(str(e)) from None
+    typer.echo(json.dumps(doc, indent=2))
 
 
 @audit_app.command("explain")
@@ -322,38 +487,43 @@ def audit_explain(
     data_dir: DataDir = Path("gpuledger-data"),
     fmt: Annotated[TextFmt, typer.Option("--format")] = TextFmt.text,
 ) -> None:
-    """How a job's site factor was derived, step by step, with the audit entries (seq, hash) that prove it."""
-    path = data_dir / au.AUDIT_NAME
-    if not path.exists():
-        raise _fail(f"no audit log at {path}")
-    with au.open_log(data_dir) as log:
-        ex = au.explain(log, job_id)
+    """How a job's site factor was derived, step by step, with the audit entries that prove each step."""
+    path = _audit_path(data_dir)
+    with _open(path, data_dir) as log:
+        try:
+            ex = au.explain(log, job_id)
+        except au.AuditError as e:
+            raise _fail(f"TAMPERED: {e}", 1) from None
     if fmt is TextFmt.json:
         typer.echo(json.dumps(au.plain(ex), indent=2))
     else:
-        chain = ex.chain
-        lines = [f"Job {job_id}: " + ("audit chain intact" if chain and chain.ok else f"AUDIT CHAIN BROKEN: {chain.problem if chain else ''}")]
+        lines = [f"Job {job_id}: " + ("audit log intact" if ex.chain_ok else f"AUDIT LOG BROKEN: {ex.chain_problem}")]
         for i, s in enumerate(ex.steps, 1):
             refs = ", ".join(f"#{seq} {h[:12]}" for seq, h in s.entries)
             lines.append(f"{i}. {s.name}: {s.summary}\n   proven by {refs}")
         lines += [f"not proven: {m}" for m in ex.missing]
         typer.echo("\n".join(lines))
-    if ex.chain is not None and not ex.chain.ok:
+    if not ex.chain_ok:
         raise typer.Exit(code=1)
 
 
 @audit_app.command("record")
-def audit_record(data_dir: DataDir = Path("gpuledger-data")) -> None:
-    """Append the store's job records and per-job usage to the audit log (unchanged ones are skipped)."""
-    store = _open_store(data_dir)
-    try:
-        jobs, usage = store.jobs(), store.job_usage()
-    finally:
-        store.close()
-    with au.open_log(data_dir) as log:
-        n_jobs, n_usage = au.record_job_records(log, jobs), au.record_usage(log, usage)
-        seq, head = log.head()
-    typer.echo(f"appended {n_jobs} job record(s) and {n_usage} usage record(s); head {seq} {head}")
+def audit_record(
+    data_dir: DataDir = Path("gpuledger-data"),
+    accept_store_changes: Annotated[Optional[str], typer.Option("--accept-store-changes", metavar="REASON", help="log "
+                                    "store rows that differ from their final logged record as corrections")] = None,
+) -> None:
+    """Append the store's job records and per-job usage that the log does not hold yet (final once a job ended)."""
+    path = data_dir / au.AUDIT_NAME
+    if not path.exists():
+        _open_store(data_dir).close()  # exit 2 without a store
+    with _open(path, data_dir) as log:
+        b = _bind_store(data_dir, log, write=True, accept_reason=accept_store_changes)
+        size, root = log.head()
+    if b.changes and accept_store_changes is None:
+        raise _fail("store rows disagree with their logged record (nothing appended; --accept-store-changes REASON "
+                    "logs them as corrections):\n" + _store_changes(b.changes), 1)
+    typer.echo(f"appended {b.appended} record(s); tree size {size}, root {root}")
 
 
 @audit_app.command("retention")

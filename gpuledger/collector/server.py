@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from gpuledger.collector.auditlog import AuditLog, open_log, record_job_records
 from gpuledger.collector.auth import Access, Authenticator, AuthError, Principal
 from gpuledger.collector.openapi import openapi_document
 from gpuledger.collector.store import SqliteStore
@@ -188,8 +189,11 @@ class CollectorServer:
         priority_feed: Path | None = None,
         max_inflight: int = 256,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        audit_log: AuditLog | None = None,
     ) -> None:
         self.store = store
+        self._audit = audit_log  # None: the data dir's log, opened at the first POST /api/v1/jobs
+        self._audit_lock = threading.Lock()
         self.max_body_bytes = max_body_bytes
         self.clock = clock
         self.auth = auth or Authenticator()
@@ -223,6 +227,8 @@ class CollectorServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+        if self._audit is not None:
+            self._audit.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -266,6 +272,10 @@ class CollectorServer:
     def post_jobs(self, req: Request) -> Reply:
         records = parse_jobs(req.read_body(), req.headers.get("Content-Type", "application/json"),
                              self.max_body_bytes, req.headers.get("Content-Encoding", ""))
+        with self._audit_lock:
+            if self._audit is None:
+                self._audit = open_log(self.store.path.parent)
+        record_job_records(self._audit, records)  # in the audit log before it is stored, so before it is charged
         return Reply(200, {"received": len(records), "changed": self.store.put_jobs(records)})
 
     def get_jobs(self, req: Request) -> Reply:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuledger.collector.aggregate import AddCounts, Aggregator
+from gpuledger.collector.auditlog.files import private_file
 from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_store import TIERS, Retention, SqliteSeriesStore
@@ -79,7 +80,7 @@ class SqliteStore:
     ) -> None:
         retention.check(window_s)
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(self.path)  # user names and uids: readable by the collector's account only
         self.retention = retention
         self.sinks = list(sinks)
         self.summary_interval_s = summary_interval_s

@@ -78,7 +78,7 @@ def test_usage_csv_reconciles_and_is_signed_and_verified(data_dir):
     assert math.fsum(float(by[k]["allocated_gpu_hours"]) for k in "ab") == float(by["TOTAL"]["allocated_gpu_hours"])
     r = run("audit", "verify", out, "--data-dir", data_dir)
     assert r.exit_code == 0, r.output
-    assert "signature, content and audit head verify" in r.output
+    assert "signature, content, input records and audit head verify" in r.output
     out.write_text(out.read_text().replace("a,1,", "a,2,"))
     r = run("audit", "verify", out, "--data-dir", data_dir)
     assert r.exit_code == 1 and "report altered" in r.output
@@ -93,6 +93,9 @@ def test_verify_names_the_first_tampered_entry(data_dir):
     r = run("audit", "verify", "--data-dir", data_dir)
     assert r.exit_code == 1
     assert "audit entry 2: missing" in r.output
+    (data_dir / "audit.sqlite").unlink()  # a deleted log beside its store is tampering too
+    r = run("audit", "verify", "--data-dir", data_dir)
+    assert r.exit_code == 1 and "missing (deleted)" in r.output
 
 
 def test_other_formats_and_groupings(data_dir):
@@ -144,8 +147,8 @@ def test_explain_says_what_the_log_cannot_prove_yet(data_dir):
     assert run("audit", "record", "--data-dir", data_dir).exit_code == 0
     r = run("audit", "explain", "1", "--data-dir", data_dir)
     assert r.exit_code == 0, r.output
-    assert "audit chain intact" in r.output and "1. job record" in r.output and "2. measurements" in r.output
-    assert "not proven: no fairshare entry" in r.output
+    assert "audit log intact" in r.output and "1. job record" in r.output and "2. measurements" in r.output
+    assert "not proven: charged usage: no fairshare entry" in r.output
 
 
 def test_retention_pseudonymizes_old_job_records_only(data_dir):

@@ -1,0 +1,274 @@
+"""Signing keys outside the data directory, key ids, and the keyring that keeps old reports verifiable.
+
+The private key is an Ed25519 PEM file the admin places (default ``$XDG_CONFIG_HOME/gpuledger/audit-signing.key``,
+``GPULEDGER_AUDIT_KEY`` overrides), never in the data directory: whoever rewrites the log must not also hold the
+key that signs its checkpoints. It is written 0600 and refused when group or others can read it; its public key
+(``.pub`` beside it) is written 0644 whatever the umask. A key id is ``ed25519:`` + the first 16 hex digits of
+SHA-256 of the raw public key; manifests and checkpoints name the key that signed them.
+
+Rotation (``keygen --force`` over an existing key) writes a record into the keyring beside the key
+(``audit-keyring.json``) and into the audit log: the retired and the new public key, each signing the record.
+A verifier that pins one key trusts exactly the keys reachable from it through such records, so reports signed
+before a rotation still verify against the new pinned key, and a record forged without either private key is
+ignored wherever it sits.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuledger.collector.auditlog import AuditError, AuditLog, canonical_json
+from gpuledger.collector.auditlog.files import private_dir
+
+PRIVATE_KEY_NAME = "audit-signing.key"
+KEYRING_NAME = "audit-keyring.json"
+KEYRING_FORMAT = "gpuledger-audit-keyring/1"
+ENV_KEY = "GPULEDGER_AUDIT_KEY"
+KEY_NAME = "gpuledger-audit"  # the signer's name in checkpoints (a signed note's key name)
+
+
+def default_private_key_path() -> Path:
+    env = os.environ.get(ENV_KEY)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "gpuledger" / PRIVATE_KEY_NAME
+
+
+def public_path(private_path: Path) -> Path:
+    return private_path.with_name(private_path.stem + ".pub")
+
+
+def raw_public(pub) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def key_id(raw: bytes) -> str:
+    return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PublicKey:
+    key_id: str
+    raw: bytes
+    key: Any  # Ed25519PublicKey
+
+    @classmethod
+    def from_raw(cls, raw: bytes) -> PublicKey:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        return cls(key_id(raw), raw, Ed25519PublicKey.from_public_bytes(raw))
+
+    def verifies(self, sig: bytes, data: bytes) -> bool:
+        from cryptography.exceptions import InvalidSignature
+
+        try:
+            self.key.verify(sig, data)
+            return True
+        except InvalidSignature:
+            return False
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    path: Path
+    private: Any  # Ed25519PrivateKey
+    public: PublicKey
+
+    @property
+    def key_id(self) -> str:
+        return self.public.key_id
+
+
+def load_signing_key(path: str | os.PathLike[str]) -> SigningKey:
+    """The private key at ``path``; refused when group or others may read it (it would not be a secret)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode & 0o777
+        pem = p.read_bytes()
+    except FileNotFoundError:
+        raise AuditError(f"{p}: no signing key (run `gpuledger audit keygen`, or set {ENV_KEY})") from None
+    except OSError as e:
+        raise AuditError(f"{p}: cannot read the signing key: {e.strerror}") from None
+    if mode & 0o077:
+        raise AuditError(f"{p}: private key is readable by group or others (mode {mode:04o}); run chmod 600 {p}")
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError) as e:
+        raise AuditError(f"{p}: not a PEM private key: {e}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise AuditError(f"{p}: not an Ed25519 key")
+    return SigningKey(p, key, PublicKey.from_raw(raw_public(key.public_key())))
+
+
+def load_public_key(path: str | os.PathLike[str]) -> PublicKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    p = Path(path)
+    try:
+        key = serialization.load_pem_public_key(p.read_bytes())
+    except FileNotFoundError:
+        raise AuditError(f"{p}: no public key there") from None
+    except OSError as e:
+        raise AuditError(f"{p}: cannot read the public key: {e.strerror}") from None
+    except (ValueError, TypeError) as e:
+        raise AuditError(f"{p}: not a PEM public key: {e}") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise AuditError(f"{p}: not an Ed25519 public key")
+    return PublicKey.from_raw(raw_public(key))
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    """Atomically replace ``path`` with a file created ``mode`` (exact: the umask cannot widen or narrow it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class KeygenResult:
+    private: Path
+    public: Path
+    key_id: str
+    rotation: dict[str, Any] | None  # the keyring record when an older key was retired
+
+
+def keygen(path: str | os.PathLike[str] | None = None, *, force: bool = False, now: float | None = None) -> KeygenResult:
+    """Create an Ed25519 key pair at ``path`` (default: the config dir). Over an existing key only with ``force``:
+    that is a rotation, recorded in the keyring beside the key (append its record to the audit log too)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    priv = Path(path) if path is not None else default_private_key_path()
+    pub = public_path(priv)
+    old: SigningKey | None = None
+    if priv.exists():
+        if not force:
+            raise FileExistsError(f"{priv} exists; keep it (reports signed with it verify against it) or pass --force "
+                                  "to rotate (old reports stay verifiable through the keyring)")
+        old = load_signing_key(priv)
+    private_dir(priv.parent)
+    key = Ed25519PrivateKey.generate()
+    new = SigningKey(priv, key, PublicKey.from_raw(raw_public(key.public_key())))
+    rotation = None
+    if old is not None:
+        rotation = rotation_record(old, new, time.time() if now is None else now)
+        add_to_keyring(keyring_path(priv), rotation)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    _write(priv, pem, 0o600)
+    _write(pub, key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo),
+           0o644)
+    return KeygenResult(priv, pub, new.key_id, rotation)
+
+
+def keyring_path(private_path: Path) -> Path:
+    return private_path.with_name(KEYRING_NAME)
+
+
+def _rotation_body(old: PublicKey, new: PublicKey, at: float) -> dict[str, Any]:
+    return {"retired": {"key_id": old.key_id, "public_key": base64.b64encode(old.raw).decode()},
+            "successor": {"key_id": new.key_id, "public_key": base64.b64encode(new.raw).decode()},
+            "retired_at": at}
+
+
+def rotation_record(old: SigningKey, new: SigningKey, at: float) -> dict[str, Any]:
+    """Both keys sign the record: trust flows from either one to the other."""
+    body = _rotation_body(old.public, new.public, at)
+    msg = canonical_json(body).encode()
+    return {**body, "signatures": {"retired": base64.b64encode(old.private.sign(msg)).decode(),
+                                   "successor": base64.b64encode(new.private.sign(msg)).decode()}}
+
+
+def add_to_keyring(path: Path, record: Mapping[str, Any]) -> None:
+    records = read_keyring(path) if path.exists() else []
+    private_dir(path.parent)
+    _write(path, (json.dumps({"format": KEYRING_FORMAT, "rotations": [*records, dict(record)]}, indent=2) + "\n").encode(),
+           0o644)
+
+
+def read_keyring(path: Path) -> list[dict[str, Any]]:
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != KEYRING_FORMAT or not isinstance(doc.get("rotations"), list):
+            raise ValueError(f"not a {KEYRING_FORMAT} document")
+        return list(doc["rotations"])
+    except OSError as e:
+        raise AuditError(f"{path}: cannot read the keyring: {e.strerror}") from None
+    except (ValueError, AttributeError) as e:
+        raise AuditError(f"{path}: not a keyring: {e}") from None
+
+
+class TrustedKeys:
+    """The pinned keys and every key a rotation record links to them, signed by the side already trusted."""
+
+    def __init__(self, pinned: Iterable[PublicKey], rotations: Iterable[Mapping[str, Any]] = ()) -> None:
+        self._keys = {k.key_id: k for k in pinned}
+        self.pinned = tuple(self._keys)
+        parsed = [r for r in (_parse_rotation(x) for x in rotations) if r is not None]
+        changed = True
+        while changed:
+            changed = False
+            for old, new, msg, sig_old, sig_new in parsed:
+                if new.key_id in self._keys and old.key_id not in self._keys and self._keys[new.key_id].verifies(sig_new, msg):
+                    self._keys[old.key_id] = old
+                    changed = True
+                if old.key_id in self._keys and new.key_id not in self._keys and self._keys[old.key_id].verifies(sig_old, msg):
+                    self._keys[new.key_id] = new
+                    changed = True
+
+    def get(self, kid: str) -> PublicKey | None:
+        return self._keys.get(kid)
+
+    def keys(self) -> list[PublicKey]:
+        return list(self._keys.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+
+def _parse_rotation(r: Mapping[str, Any]):
+    try:
+        old = PublicKey.from_raw(base64.b64decode(r["retired"]["public_key"], validate=True))
+        new = PublicKey.from_raw(base64.b64decode(r["successor"]["public_key"], validate=True))
+        body = _rotation_body(old, new, r["retired_at"])
+        sigs = r["signatures"]
+        return (old, new, canonical_json(body).encode(), base64.b64decode(sigs["retired"], validate=True),
+                base64.b64decode(sigs["successor"], validate=True))
+    except (KeyError, TypeError, ValueError, AuditError):
+        return None  # a malformed record links nothing
+
+
+def trusted_keys(public_keys: Iterable[str | os.PathLike[str]], log: AuditLog | None = None,
+                 keyrings: Iterable[str | os.PathLike[str]] = ()) -> TrustedKeys:
+    """Pinned public keys, extended by rotation records from the keyring files and the audit log."""
+    pinned = [load_public_key(p) for p in public_keys]
+    rotations: list[Mapping[str, Any]] = []
+    for k in keyrings:
+        if Path(k).exists():
+            rotations += read_keyring(Path(k))
+    if log is not None:
+        rotations += [e.data for e in log.entries(kind="key_rotation") if isinstance(e.data, dict)]
+    return TrustedKeys(pinned, rotations)

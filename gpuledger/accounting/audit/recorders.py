@@ -1,0 +1,130 @@
+"""What accounting appends to the audit log: usage, fairshare computations with their inputs, priority changes.
+
+Job records are appended by the collector and `jobs import` (``collector.auditlog.record_job_records``) before
+they are stored; usage as feeds and reports bind to it (``binding.bind``). A query (`gpuledger fairshare` without
+``--record``) appends nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuledger.accounting.audit.binding import usage_key
+from gpuledger.collector.auditlog import AuditError, AuditLog, Entry, plain
+from gpuledger.schema.records import JobUsage
+
+
+def record_usage(log: AuditLog, usages: Iterable[JobUsage], final: bool = False) -> int:
+    """Append a ``usage_record`` entry per usage (job total or per GPU) that is new or changed."""
+    return len(log.append_many(
+        ("usage_record", {**plain(u.to_dict()), "final": final}, u.job_id, usage_key(u)) for u in usages
+    ))
+
+
+@dataclass(frozen=True, slots=True)
+class JobCharge:
+    """One job's way into fairshare: charged under the policy, then decayed to ``now``."""
+
+    job_id: str
+    account: str
+    user: str
+    policy: str
+    charged: float
+    decayed: float
+    first_ts: float
+    last_ts: float
+
+
+def job_charges(
+    entries: Iterable[Any], settings: Any, now: float, decay: Callable[..., Mapping[Any, float]] | None = None
+) -> list[JobCharge]:
+    """Per job: the charge under ``settings``' policy and its decayed value at ``now``.
+
+    ``entries`` are ledger entries; ``settings`` an AccountingSettings. Decay is linear, so the per-job decayed
+    values of an association sum to the association's decayed usage that fairshare uses.
+    """
+    if decay is None:
+        from gpuledger.accounting.decay import decayed_usage as decay
+    policy = settings.charge_policy()
+    rows = []
+    for e in entries:
+        if e.usage is None or e.record is None or not e.record.account or not e.record.user:
+            continue
+        rows.append((e.job_id, e.record.account, e.record.user, e.usage.first_ts, e.usage.last_ts, policy.charge(e.usage)))
+    period = settings.calc_period_s
+    # decay wants an integer period (Slurm's PriorityCalcPeriod is whole seconds); settings may carry 300.0
+    period = int(period) if float(period).is_integer() else period
+    decayed = decay(
+        [(j, first, last, amount) for j, _, _, first, last, amount in rows],
+        now=now, half_life_s=settings.half_life_s, calc_period_s=period, reset=settings.usage_reset,
+    )
+    return [JobCharge(j, a, u, policy.kind, amount, float(decayed.get(j, 0.0)), first, last)
+            for j, a, u, first, last, amount in rows]
+
+
+def record_fairshare(
+    log: AuditLog,
+    *,
+    now: float,
+    settings: Any,
+    charges: Iterable[JobCharge],
+    usage: Mapping[tuple[str, str], float],
+    rows: Iterable[Any],
+    feed: Iterable[Any] = (),
+    sources: Mapping[str, Mapping[str, int | None]] | None = None,
+) -> Entry:
+    """Append one ``fairshare`` entry: inputs (settings, per-job charges with the entries of the job and usage
+    records each was computed from, decayed usage per association) and outputs (the fairshare rows and the site
+    factors of the priority feed)."""
+    cfg = settings.model_dump() if hasattr(settings, "model_dump") else plain(settings)
+    sources = sources or {}
+    jobs = {c.job_id: {**plain(c), "user": log.alias(c.user), **dict(sources.get(c.job_id, {}))} for c in charges}
+    assoc = [{"account": a, "user": log.alias(u), "decayed_usage": v} for (a, u), v in sorted(usage.items())]
+    out_rows = []
+    for r in rows:
+        if isinstance(r, Mapping) or dataclasses.is_dataclass(r) or hasattr(r, "_asdict"):
+            d = dict(r._asdict()) if hasattr(r, "_asdict") else dict(r) if isinstance(r, Mapping) else dataclasses.asdict(r)
+        else:
+            d = {k: getattr(r, k) for k in _ROW_FIELDS if hasattr(r, k)}
+        # Fair Tree's LevelFS is inf where usage is 0; JSON has no inf, so non-finite floats are written as text.
+        d = {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+        d["user"] = log.alias(d.get("user"))
+        out_rows.append(plain(d))
+    out_feed = []
+    for f in feed:
+        d = plain(f) if not isinstance(f, Mapping) else plain(dict(f))
+        d["user"] = log.alias(d.get("user"))
+        out_feed.append(d)
+    data = {"now": now, "settings": cfg, "inputs": {"jobs": jobs, "associations": assoc},
+            "outputs": {"rows": out_rows, "feed": out_feed}}
+    entry = log.append("fairshare", data)
+    assert entry is not None  # no dedupe key: always written
+    return entry
+
+
+_ROW_FIELDS = ("account", "user", "raw_shares", "norm_shares", "raw_usage", "norm_usage", "effective_usage",
+               "fairshare", "level_fs")
+
+
+def record_priority_change(log: AuditLog) -> Callable[[Any], Entry | None]:
+    """The ``record=`` callable for ``accounting.apply.apply_changes``: one ``priority_change`` entry per change.
+
+    A change is a dataclass or mapping; its ``job_id`` (or ``jobid``) field names the job and any ``user`` field
+    is pseudonymized like the rest of the log.
+    """
+    def record(change: Any) -> Entry | None:
+        d = plain(change)
+        if not isinstance(d, dict):
+            raise AuditError(f"priority change {change!r} is not a record with fields")
+        job = d.get("job_id", d.get("jobid"))
+        if job is None:
+            raise AuditError(f"priority change {d!r} names no job_id")
+        if "user" in d:
+            d["user"] = log.alias(d["user"])
+        return log.append("priority_change", d, str(job))
+
+    return record

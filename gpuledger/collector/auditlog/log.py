@@ -1,0 +1,467 @@
+"""The audit log: an append-only Merkle tree (RFC 9162 hashing) in SQLite.
+
+Each entry is stored as the exact text that was hashed::
+
+    body = canonical_json({"seq": n, "ts": t, "kind": k, "job_id": j, "key": key, "data": {...}})
+    leaf = SHA-256(0x00 || body)                  entry n is leaf n-1 of the tree
+
+Tables: ``entries`` (seq, kind, job_id, key, body, leaf), ``nodes`` (level >= 1, index, hash): every complete
+subtree's hash, written when its last leaf is appended, so the root of any tree size, an inclusion proof or a
+consistency proof reads O(log^2 n) stored hashes instead of rehashing leaves; ``meta`` keeps the tree head (size,
+root) in the same transaction as each append; ``checkpoints`` keeps signed checkpoints this log was given (they
+verify by signature, not by where they sit). The columns kind, job_id and key are indexes for queries; ``verify``
+checks them against the hashed body.
+
+Nothing in this file is a trust anchor: whoever can write the file can rebuild a consistent tree. What catches
+that is a signed checkpoint (or a signed report manifest) kept where the log's operator cannot rewrite it, and
+``verify`` naming the first entry or range that no longer matches it (see ``accounting.audit.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuledger.collector.auditlog import merkle
+from gpuledger.collector.auditlog.canonical import AuditError, dumps, plain
+from gpuledger.collector.auditlog.files import private_file
+
+AUDIT_NAME = "audit.sqlite"
+FORMAT = "2"  # 1: a hash chain (prev/hash columns); 2: the Merkle tree
+KINDS: tuple[str, ...] = ("job_record", "usage_record", "correction", "fairshare", "priority_change", "key_rotation")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+  seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, job_id TEXT, key TEXT, body TEXT NOT NULL, leaf BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS entries_by_job ON entries (job_id, seq);
+CREATE INDEX IF NOT EXISTS entries_by_kind ON entries (kind, seq);
+CREATE INDEX IF NOT EXISTS entries_by_key ON entries (key, seq);
+CREATE TABLE IF NOT EXISTS nodes (level INTEGER NOT NULL, idx INTEGER NOT NULL, hash BLOB NOT NULL,
+  PRIMARY KEY (level, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (size INTEGER NOT NULL, note TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    seq: int
+    ts: float
+    kind: str
+    job_id: str | None
+    key: str | None
+    data: Any
+    leaf: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """The first entry (or range of entries, ``first..last``) that is not what the log committed to."""
+
+    first: int
+    reason: str
+    last: int | None = None
+
+    @property
+    def seq(self) -> int:
+        return self.first
+
+    def where(self) -> str:
+        return f"audit entry {self.first}" if self.last in (None, self.first) else f"audit entries {self.first}..{self.last}"
+
+    def __str__(self) -> str:
+        return f"{self.where()}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """``entries`` in the stored tree; ``proven`` of them verify from the first on (all of them when ok)."""
+
+    entries: int
+    proven: int
+    root: bytes
+    problem: Problem | None = None
+    levels: tuple[list[bytes], ...] = ()  # the tree recomputed from the bodies: level 0 = leaf hashes
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    @property
+    def head_seq(self) -> int:
+        return self.proven
+
+    def root_at(self, size: int) -> bytes:
+        """MTH of the first ``size`` entries as recomputed from their bodies (``size`` <= entries)."""
+        return root_from_levels(self.levels, size)
+
+
+def root_from_levels(levels: tuple[list[bytes], ...] | list[list[bytes]], size: int) -> bytes:
+    """MTH(D[0:size]) from complete-subtree hashes ``levels[l][i]`` (subtree i of 2**l leaves)."""
+    if size == 0:
+        return merkle.EMPTY_ROOT
+    parts = []
+    start = 0
+    for level in range(size.bit_length() - 1, -1, -1):
+        if size >> level & 1:
+            parts.append(levels[level][start >> level])
+            start += 1 << level
+    root = parts[-1]
+    for h in reversed(parts[:-1]):
+        root = merkle.node_hash(h, root)
+    return root
+
+
+class LogDamaged(Exception):
+    """A stored hash a proof needs is missing (rows deleted); ``verify`` says which entries."""
+
+
+class AuditLog:
+    """The append-only Merkle log. ``user_alias`` maps user names before recorders write them (see open_log).
+
+    Safe to share between threads (one lock); several processes append safely (BEGIN IMMEDIATE).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        user_alias: Callable[[str], str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        private_file(self.path)
+        self.user_alias = user_alias
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA busy_timeout=10000")
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            raise AuditError(f"{self.path}: not an audit log ({e})") from None
+        if "prev" in cols:
+            self._db.close()
+            raise AuditError(f"{self.path}: audit log format 1 (a hash chain); this version keeps a Merkle tree "
+                             "(format 2): verify it with the previous version, then start a new log")
+        self._db.executescript(_SCHEMA)
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
+
+    def __enter__(self) -> AuditLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def alias(self, user: str | None) -> str | None:
+        return user if user is None or self.user_alias is None else self.user_alias(user)
+
+    # -- writes ---------------------------------------------------------------------------------------------
+    def append(self, kind: str, data: Any, job_id: str | None = None, key: str | None = None) -> Entry | None:
+        """Append one entry; see :meth:`append_many`."""
+        out = self.append_many([(kind, data, job_id, key)])
+        return out[0] if out else None
+
+    def append_many(self, items: Iterable[tuple[str, Any, str | None, str | None]]) -> list[Entry]:
+        """Append ``(kind, data, job_id, key)`` items in one transaction; returns the entries written.
+
+        With a ``key``, an item whose data equals the latest entry's under that key is skipped, so re-importing
+        unchanged job records or usage does not grow the log. The comparison reads the hashed body, never a cache.
+        """
+        prepared = []
+        for i, (kind, data, job_id, key) in enumerate(items):
+            if kind not in KINDS:
+                raise AuditError(f"audit item {i}: kind {kind!r} is not one of {', '.join(KINDS)}")
+            for name, v in (("job_id", job_id), ("key", key)):
+                if v is not None and not isinstance(v, str):
+                    raise AuditError(f"audit item {i}: {name} {v!r} must be text")
+            d = plain(data, f"item {i} ({kind}).data")
+            prepared.append((kind, d, dumps(d), job_id, key))
+        now = float(self._clock())
+        written: list[Entry] = []
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")  # serialises appenders: the tree cannot move under us
+            try:
+                size = self._size()
+                frontier = self._frontier(size)
+                seen: dict[str, str] = {}
+                for kind, data, text, job_id, key in prepared:
+                    if key is not None:
+                        last = seen.get(key)
+                        if last is None:
+                            row = db.execute("SELECT body FROM entries WHERE key=? ORDER BY seq DESC LIMIT 1",
+                                             (key,)).fetchone()
+                            last = dumps(json.loads(row[0])["data"]) if row else ""
+                        if last == text:
+                            continue
+                        seen[key] = text
+                    size += 1
+                    body = dumps({"seq": size, "ts": now, "kind": kind, "job_id": job_id, "key": key, "data": data})
+                    leaf = merkle.leaf_hash(body.encode())
+                    db.execute("INSERT INTO entries VALUES (?,?,?,?,?,?)", (size, kind, job_id, key, body, leaf))
+                    self._push(frontier, size - 1, leaf)
+                    written.append(Entry(size, now, kind, job_id, key, data, leaf))
+                if written:
+                    root = _fold(frontier)
+                    db.executemany("INSERT OR REPLACE INTO meta VALUES (?,?)",
+                                   [("tree_size", str(size)), ("root", root.hex())])
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        return written
+
+    def _push(self, frontier: list[tuple[int, bytes]], index: int, leaf: bytes) -> None:
+        """Add leaf ``index`` to the right spine, storing every subtree it completes."""
+        frontier.append((0, leaf))
+        while len(frontier) > 1 and frontier[-1][0] == frontier[-2][0]:
+            (level, right), (_, left) = frontier.pop(), frontier.pop()
+            h = merkle.node_hash(left, right)
+            self._db.execute("INSERT OR REPLACE INTO nodes VALUES (?,?,?)", (level + 1, index >> (level + 1), h))
+            frontier.append((level + 1, h))
+
+    def _frontier(self, size: int) -> list[tuple[int, bytes]]:
+        out, start = [], 0
+        for level in range(size.bit_length() - 1, -1, -1):
+            if size >> level & 1:
+                out.append((level, self._node(level, start >> level)))
+                start += 1 << level
+        return out
+
+    def save_checkpoint(self, size: int, note: str) -> None:
+        """Keep a signed checkpoint beside the log: ``verify`` narrows with it (its signature, not this table,
+        is what makes it evidence)."""
+        with self._lock:
+            self._db.execute("INSERT INTO checkpoints VALUES (?,?)", (size, note))
+
+    def saved_checkpoints(self) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT note FROM checkpoints ORDER BY size")]
+
+    # -- reads ----------------------------------------------------------------------------------------------
+    def _size(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key='tree_size'").fetchone()
+        return int(row[0]) if row else 0
+
+    def size(self) -> int:
+        with self._lock:
+            return self._size()
+
+    def head(self) -> tuple[int, str]:
+        """(tree size, root hash as hex) as stored; the empty tree's root is SHA-256 of nothing."""
+        with self._lock:
+            rows = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        return int(rows.get("tree_size", 0)), rows.get("root", merkle.EMPTY_ROOT.hex())
+
+    def _node(self, level: int, idx: int) -> bytes:
+        if level == 0:
+            row = self._db.execute("SELECT leaf FROM entries WHERE seq=?", (idx + 1,)).fetchone()
+        else:
+            row = self._db.execute("SELECT hash FROM nodes WHERE level=? AND idx=?", (level, idx)).fetchone()
+        if row is None:
+            first = (idx << level) + 1
+            raise LogDamaged(f"the stored hash of entries {first}..{first + (1 << level) - 1} is missing")
+        return bytes(row[0])
+
+    def subtree(self, start: int, end: int) -> bytes:
+        """MTH(D[start:end]) from stored complete subtrees (ranges as RFC 9162's recursion asks for them)."""
+        n = end - start
+        if n & (n - 1) == 0 and start % n == 0:
+            with self._lock:
+                return self._node(n.bit_length() - 1, start // n)
+        k = merkle.split(n)
+        return merkle.node_hash(self.subtree(start, start + k), self.subtree(start + k, end))
+
+    def root(self, size: int | None = None) -> bytes:
+        size = self.size() if size is None else size
+        return merkle.EMPTY_ROOT if size == 0 else self.subtree(0, size)
+
+    def inclusion_proof(self, seq: int, size: int | None = None) -> list[bytes]:
+        """The audit path of entry ``seq`` (leaf seq-1) in the tree of ``size`` entries (default: now)."""
+        size = self.size() if size is None else size
+        return merkle.inclusion_proof(seq - 1, size, self.subtree)
+
+    def consistency_proof(self, first: int, second: int | None = None) -> list[bytes]:
+        """Proof that the tree of ``second`` entries (default: now) extends the tree of ``first`` entries."""
+        second = self.size() if second is None else second
+        if second > self.size():
+            raise AuditError(f"the log has {self.size()} entries, not {second}")
+        return merkle.consistency_proof(first, second, self.subtree)
+
+    def get(self, seq: int) -> Entry | None:
+        with self._lock:
+            row = self._db.execute("SELECT body, leaf FROM entries WHERE seq=?", (seq,)).fetchone()
+        return _entry(*row) if row else None
+
+    def latest(self, key: str) -> Entry | None:
+        """The newest entry written under ``key`` (read from its hashed body)."""
+        with self._lock:
+            row = self._db.execute("SELECT body, leaf FROM entries WHERE key=? ORDER BY seq DESC LIMIT 1",
+                                   (key,)).fetchone()
+        return _entry(*row) if row else None
+
+    def entries(self, job_id: str | None = None, kind: str | None = None, newest_first: bool = False,
+                key_prefix: str | None = None) -> Iterator[Entry]:
+        where, args = [], []
+        for col, v in (("job_id", job_id), ("kind", kind)):
+            if v is not None:
+                where.append(f"{col}=?")
+                args.append(v)
+        if key_prefix is not None:
+            where.append("key >= ? AND key < ?")
+            args += [key_prefix, key_prefix + "\uffff"]
+        sql = "SELECT body, leaf FROM entries" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY seq" + (" DESC" if newest_first else "")
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        for row in rows:
+            yield _entry(*row)
+
+    # -- verification ---------------------------------------------------------------------------------------
+    def verify(self) -> VerifyResult:
+        """Recompute the tree from the entries' bodies and compare it with everything stored.
+
+        Per row, in order: its seq is the next one (else an entry is missing, or a row before entry 1 was
+        inserted); the seq, kind, job id and key in the hashed body match the row (else rows were renumbered or
+        re-labelled: the body's seq tells which entry is really missing or inserted); its leaf hash matches the
+        body (else it was modified). Then every stored subtree hash must match the recomputed one (else an entry
+        under it was modified and re-hashed: the lowest, left-most mismatch names the range), and the stored
+        head (size, root) must match (else the tail was cut or extended). What is reported is the first problem
+        by entry number; ``proven`` entries before it verify.
+        """
+        with self._lock:
+            return self._verify()
+
+    def _verify(self) -> VerifyResult:
+        sha = hashlib.sha256
+        leaves: list[bytes] = []
+        problems: list[Problem] = []
+        expected = 1
+        for seq, kind, job_id, key, body, leaf in self._db.execute(
+            "SELECT seq, kind, job_id, key, body, leaf FROM entries ORDER BY seq"
+        ):
+            bad: Problem | None = None
+            if seq < 1:
+                bad = Problem(seq, "inserted: the log starts at entry 1 (a forged row before it)")
+            elif seq != expected:
+                bad = Problem(expected, f"missing (deleted): the next stored entry is {seq}")
+            elif not _body_matches(body, seq, kind, job_id, key):
+                bad = _relabelled(body, seq)
+            else:
+                h = sha(b"\x00" + body.encode()).digest()
+                if h != leaf:
+                    bad = Problem(seq, "content does not match its leaf hash (modified)")
+                else:
+                    leaves.append(h)
+            if bad is not None:
+                problems.append(bad)
+                break
+            expected += 1
+        n = len(leaves)
+        levels: list[list[bytes]] = [leaves]
+        while len(levels[-1]) > 1:
+            below = levels[-1]
+            levels.append([merkle.node_hash(below[i], below[i + 1]) for i in range(0, len(below) - 1, 2)])
+        if not problems:
+            problems += self._check_nodes(levels)
+        size, root_hex = (lambda m: (int(m.get("tree_size", 0)), m.get("root")))(
+            dict(self._db.execute("SELECT key, value FROM meta").fetchall()))
+        root = root_from_levels(levels, n)
+        if not problems:
+            if size > n:
+                problems.append(Problem(n + 1, f"missing (deleted): the log head records {size} entries", size))
+            elif size < n:
+                problems.append(Problem(size + 1, f"not recorded by the log head ({size} entries): appended outside "
+                                        "the log", n))
+            elif root_hex != root.hex() and n:
+                problems.append(Problem(1, "the log head records a different root (tree rewritten)", n))
+        if not problems:
+            return VerifyResult(n, n, root, None, tuple(levels))
+        bad = min(problems, key=lambda p: (p.first, p.last or p.first))
+        return VerifyResult(n, max(bad.first - 1, 0), root, bad, tuple(levels))
+
+    def _check_nodes(self, levels: list[list[bytes]]) -> list[Problem]:
+        """The lowest, left-most stored subtree hash that differs from the recomputed one, per level."""
+        out = []
+        for level in range(1, len(levels)):
+            want = levels[level]
+            got = dict(self._db.execute("SELECT idx, hash FROM nodes WHERE level=?", (level,)).fetchall())
+            for i, h in enumerate(want):
+                if got.get(i) != h:
+                    first = (i << level) + 1
+                    why = ("its stored subtree hash is missing (deleted)" if i not in got else
+                           "do not match their stored subtree hash (one of them modified and re-hashed)")
+                    out.append(Problem(first, why, first + (1 << level) - 1))
+                    break
+        return out
+
+
+def _fold(frontier: list[tuple[int, bytes]]) -> bytes:
+    if not frontier:
+        return merkle.EMPTY_ROOT
+    root = frontier[-1][1]
+    for _, h in reversed(frontier[:-1]):
+        root = merkle.node_hash(h, root)
+    return root
+
+
+_KIND_JSON = {k: f'"{k}"' for k in KINDS}
+_PLAIN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-/*@")
+
+
+def _text(v: str | None) -> str:
+    if v is None:
+        return "null"
+    return f'"{v}"' if _PLAIN_CHARS.issuperset(v) else json.dumps(v)
+
+
+def _body_matches(body: str, seq: int, kind: str, job_id: str | None, key: str | None) -> bool:
+    """Fast check that the canonical body's top-level job_id, key, kind and seq equal the row's columns.
+
+    Canonical key order is data, job_id, key, kind, seq, ts, so the body ends with this text and then ts; the
+    text cannot occur inside ``data`` followed only by a number and the closing brace. Job ids and keys are
+    short ASCII words that JSON writes as they are, so json.dumps (slow, once per row) is needed only for others.
+    """
+    mid = f',"job_id":{_text(job_id)},"key":{_text(key)},"kind":{_KIND_JSON.get(kind) or json.dumps(kind)},"seq":{seq},"ts":'
+    pos = body.rfind(mid)
+    if pos < 0 or body[-1:] != "}":
+        return False
+    rest = body[pos + len(mid):-1]
+    return bool(rest) and rest.strip("0123456789.e+-") == ""
+
+
+def _relabelled(body: str, seq: int) -> Problem:
+    try:
+        real = json.loads(body)["seq"]
+    except (ValueError, KeyError, TypeError):
+        return Problem(seq, "body is not a canonical audit entry (modified)")
+    if isinstance(real, int) and not isinstance(real, bool) and real > seq:
+        return Problem(seq, f"missing or out of order (deleted or reordered): row {seq} holds entry {real}")
+    if isinstance(real, int) and not isinstance(real, bool) and real < seq:
+        return Problem(real, f"inserted: rows {real}..{seq - 1} were added before entry {real}, which now sits at row {seq}")
+    return Problem(seq, "stored kind/job_id/key disagree with its hashed content (modified)")
+
+
+def _entry(body: str, leaf: bytes) -> Entry:
+    """An Entry from a stored row; a body that is not an entry raises AuditError naming it (never a traceback)."""
+    try:
+        d = json.loads(body)
+        return Entry(d["seq"], d["ts"], d["kind"], d["job_id"], d.get("key"), d["data"], bytes(leaf))
+    except (ValueError, KeyError, TypeError) as e:
+        raise AuditError(f"an audit entry's body is not a canonical entry ({type(e).__name__}: {e}); run "
+                         "`gpuledger audit verify` to name it") from None
