@@ -430,7 +430,8 @@ def audit_verify(
         typer.echo(f"report(s) {', '.join(map(str, reports))}: signature, content, input records and audit head verify")
     if store:
         if changes:
-            _note(f"TAMPERED: {len(changes)} store field(s) disagree with their logged record:\n" + _store_changes(changes))
+            typer.echo(f"TAMPERED: {len(changes)} store field(s) disagree with their logged record:\n"
+                       + _store_changes(changes), err=True)  # tab-separated: rich would expand the tabs
         else:
             typer.echo("store: every job and usage record matches its logged record")
     if not v.ok or changes:

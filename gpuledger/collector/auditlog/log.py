@@ -392,7 +392,7 @@ class AuditLog:
                 problems.append(Problem(1, "the log head records a different root (tree rewritten)", n))
         if not problems:
             return VerifyResult(n, n, root, None, tuple(levels))
-        bad = min(problems, key=lambda p: (p.first, p.last or p.first))
+        bad = _first(problems)
         return VerifyResult(n, max(bad.first - 1, 0), root, bad, tuple(levels))
 
     def _check_nodes(self, levels: list[list[bytes]]) -> list[Problem]:
@@ -409,6 +409,17 @@ class AuditLog:
                     out.append(Problem(first, why, first + (1 << level) - 1))
                     break
         return out
+
+
+def _first(problems: list[Problem]) -> Problem:
+    """The left-most problem; a narrower range inside it names the changed entries more precisely (a re-hashed
+    entry's subtree hashes mismatch from the lowest level the attacker did not rewrite up to the root)."""
+    ordered = sorted(problems, key=lambda p: (p.first, p.last or p.first))
+    bad = ordered[0]
+    for p in ordered[1:]:
+        if bad.first <= p.first and (p.last or p.first) <= (bad.last or bad.first):
+            bad = p
+    return bad
 
 
 def _fold(frontier: list[tuple[int, bytes]]) -> bytes:

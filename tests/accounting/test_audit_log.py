@@ -1,0 +1,258 @@
+"""The Merkle audit log: canonical entries, RFC 9162 hashing checked by an independent implementation, proofs,
+and tampering with the SQLite file named by its first bad entry or range."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import stat
+
+import pytest
+
+from gpuledger.collector.auditlog import AuditError, AuditLog, canonical_json
+from gpuledger.collector.auditlog import merkle
+
+
+def test_canonical_json_is_sorted_compact_and_float_exact():
+    assert canonical_json({"b": 0.1 + 0.2, "a": [1, (2, 3)], "c": None}) == '{"a":[1,[2,3]],"b":0.30000000000000004,"c":null}'
+    assert json.loads(canonical_json({"x": 1e-300 / 3}))["x"] == 1e-300 / 3
+    with pytest.raises(AuditError, match=r"\$\.usage\.power: nan"):
+        canonical_json({"usage": {"power": float("nan")}})
+    with pytest.raises(AuditError, match=r"\$\.k\[1\]: <object object.*cannot be written"):
+        canonical_json({"k": [1, object()]})
+
+
+# -- an independent RFC 9162 implementation, written from the RFC's text, sharing nothing with the product --------
+def _h(b: bytes) -> bytes:
+    return hashlib.sha256(b).digest()
+
+
+def ref_mth(data: list[bytes]) -> bytes:
+    """RFC 9162 2.1.1: MTH({}) = SHA-256(); MTH({d0}) = SHA-256(0x00 || d0); else split at the largest 2^i < n."""
+    n = len(data)
+    if n == 0:
+        return _h(b"")
+    if n == 1:
+        return _h(b"\x00" + data[0])
+    k = 1
+    while k * 2 < n:
+        k *= 2
+    return _h(b"\x01" + ref_mth(data[:k]) + ref_mth(data[k:]))
+
+
+def ref_verify_inclusion(leaf_index: int, tree_size: int, leaf: bytes, path: list[bytes], root: bytes) -> bool:
+    """RFC 9162 2.1.3.2, step by step."""
+    if leaf_index >= tree_size:
+        return False
+    fn, sn, r = leaf_index, tree_size - 1, leaf
+    for p in path:
+        if sn == 0:
+            return False
+        if fn % 2 == 1 or fn == sn:
+            r = _h(b"\x01" + p + r)
+            if fn % 2 == 0:
+                while not (fn % 2 == 1 or fn == 0):
+                    fn >>= 1
+                    sn >>= 1
+        else:
+            r = _h(b"\x01" + r + p)
+        fn >>= 1
+        sn >>= 1
+    return sn == 0 and r == root
+
+
+def ref_verify_consistency(first: int, second: int, first_hash: bytes, second_hash: bytes, path: list[bytes]) -> bool:
+    """RFC 9162 2.1.4.2, step by step."""
+    if not path:
+        return False
+    path = list(path)
+    if first & (first - 1) == 0:  # an exact power of 2
+        path.insert(0, first_hash)
+    fn, sn = first - 1, second - 1
+    while fn % 2 == 1:
+        fn >>= 1
+        sn >>= 1
+    fr = sr = path[0]
+    for c in path[1:]:
+        if sn == 0:
+            return False
+        if fn % 2 == 1 or fn == sn:
+            fr = _h(b"\x01" + c + fr)
+            sr = _h(b"\x01" + c + sr)
+            if fn % 2 == 0:
+                while not (fn % 2 == 1 or fn == 0):
+                    fn >>= 1
+                    sn >>= 1
+        else:
+            sr = _h(b"\x01" + sr + c)
+        fn >>= 1
+        sn >>= 1
+    return fr == first_hash and sr == second_hash and sn == 0
+
+
+def _fill(log: AuditLog, n: int) -> None:
+    log.append_many(("usage_record", {"i": i, "gpu_s": i * 0.5}, str(1000 + i), None) for i in range(1, n + 1))
+
+
+def test_proofs_verify_with_an_independent_rfc9162_implementation(tmp_path):
+    with AuditLog(tmp_path / "audit.sqlite") as log:
+        bodies: list[bytes] = []
+        for n in range(1, 34):
+            _fill(log, 1) if n > 1 else _fill(log, 1)
+            bodies = [r[0].encode() for r in log._db.execute("SELECT body FROM entries ORDER BY seq")]
+            assert log.root() == ref_mth(bodies), n  # leaf = SHA-256(0x00 || entry body)
+            for m in range(1, n + 1):
+                root_m = ref_mth(bodies[:m])
+                assert log.root(m) == root_m
+                assert ref_verify_inclusion(m - 1, n, _h(b"\x00" + bodies[m - 1]), log.inclusion_proof(m, n), log.root())
+                if m < n:
+                    proof = log.consistency_proof(m, n)
+                    assert ref_verify_consistency(m, n, root_m, log.root(), proof), (m, n)
+                    # and a proof against a different old root fails
+                    assert not ref_verify_consistency(m, n, _h(b"x"), log.root(), proof)
+        assert not ref_verify_inclusion(3, 33, _h(b"\x00" + bodies[4]), log.inclusion_proof(4, 33), log.root())
+    # the product's own verifiers agree with the reference on the same proofs
+    assert merkle.verify_consistency(5, 33, ref_mth(bodies[:5]), ref_mth(bodies), merkle.consistency_proof(
+        5, 33, lambda a, b: ref_mth(bodies[a:b])))
+
+
+def test_append_builds_the_tree_and_files_are_private(tmp_path):
+    old = os.umask(0)
+    try:
+        with AuditLog(tmp_path / "d" / "audit.sqlite", clock=lambda: 1234.5) as log:
+            _fill(log, 5)
+            res = log.verify()
+            assert res.ok and res.entries == 5
+            e = log.get(3)
+            body = canonical_json({"seq": 3, "ts": 1234.5, "kind": "usage_record", "job_id": "1003", "key": None,
+                                   "data": {"i": 3, "gpu_s": 1.5}})
+            assert e.leaf == _h(b"\x00" + body.encode())
+            assert log.head() == (5, log.root().hex())
+            with pytest.raises(AuditError, match="kind 'bogus'"):
+                log.append("bogus", {})
+            assert log.size() == 5  # a rejected item writes nothing
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "d").st_mode) == 0o700
+    for name in ("audit.sqlite", "audit.sqlite-wal"):
+        p = tmp_path / "d" / name
+        if p.exists():
+            assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, name
+
+
+def test_keyed_entries_skip_unchanged_data(tmp_path):
+    with AuditLog(tmp_path / "audit.sqlite") as log:
+        assert log.append("job_record", {"end": None}, "7", "job:c/7") is not None
+        assert log.append("job_record", {"end": None}, "7", "job:c/7") is None
+        assert log.append("job_record", {"end": 99.0}, "7", "job:c/7") is not None
+        assert [e.data["end"] for e in log.entries(job_id="7")] == [None, 99.0]
+        assert log.latest("job:c/7").data == {"end": 99.0}
+
+
+# Each tampering is done the way an attacker with write access to the SQLite file would do it.
+def _rows(db):
+    return db.execute("SELECT seq, kind, job_id, key, body, leaf FROM entries ORDER BY seq").fetchall()
+
+
+def _modify(db):
+    seq, *_, body, leaf = _rows(db)[4]
+    db.execute("UPDATE entries SET body=? WHERE seq=?", (body.replace('"gpu_s":2.5', '"gpu_s":0.5'), seq))
+
+
+def _modify_and_rehash_leaf(db):
+    seq, *_, body, leaf = _rows(db)[4]
+    body = body.replace('"gpu_s":2.5', '"gpu_s":0.5')
+    db.execute("UPDATE entries SET body=?, leaf=? WHERE seq=?", (body, _h(b"\x00" + body.encode()), seq))
+
+
+def _delete(db):
+    db.execute("DELETE FROM entries WHERE seq=5")
+
+
+def _delete_and_renumber(db):
+    db.execute("DELETE FROM entries WHERE seq=5")
+    db.execute("UPDATE entries SET seq=seq-1 WHERE seq>5")
+
+
+def _truncate_tail(db):
+    db.execute("DELETE FROM entries WHERE seq>=9")
+
+
+def _insert_and_renumber(db):
+    db.execute("UPDATE entries SET seq=seq+100 WHERE seq>=5")
+    db.execute("UPDATE entries SET seq=seq-99 WHERE seq>=105")
+    body = canonical_json({"seq": 5, "ts": 1.0, "kind": "usage_record", "job_id": "666", "key": None, "data": {"i": 666}})
+    db.execute("INSERT INTO entries VALUES (5,'usage_record','666',NULL,?,?)", (body, _h(b"\x00" + body.encode())))
+
+
+def _forge_seq0(db):
+    body = canonical_json({"seq": 0, "ts": 1.0, "kind": "usage_record", "job_id": "666", "key": None, "data": {}})
+    db.execute("INSERT INTO entries VALUES (0,'usage_record','666',NULL,?,?)", (body, _h(b"\x00" + body.encode())))
+
+
+def _reorder(db):
+    db.execute("UPDATE entries SET seq=-1 WHERE seq=5")
+    db.execute("UPDATE entries SET seq=5 WHERE seq=6")
+    db.execute("UPDATE entries SET seq=6 WHERE seq=-1")
+
+
+def _retarget_job(db):
+    db.execute("UPDATE entries SET job_id='9999' WHERE seq=5")  # hides the entry from explain
+
+
+def _delete_node(db):
+    db.execute("DELETE FROM nodes WHERE level=2 AND idx=1")
+
+
+def _not_json(db):
+    db.execute("UPDATE entries SET body='{not json' WHERE seq=10")
+
+
+def _append_outside(db):
+    body = canonical_json({"seq": 11, "ts": 1.0, "kind": "usage_record", "job_id": "1", "key": None, "data": {}})
+    db.execute("INSERT INTO entries VALUES (11,'usage_record','1',NULL,?,?)", (body, _h(b"\x00" + body.encode())))
+
+
+@pytest.mark.parametrize(
+    "tamper, first, last, words",
+    [
+        (_modify, 5, 5, "modified"),
+        (_modify_and_rehash_leaf, 5, 6, "re-hashed"),
+        (_delete, 5, 5, "missing"),
+        (_delete_and_renumber, 5, 5, "missing"),
+        (_truncate_tail, 9, 10, "missing"),
+        (_insert_and_renumber, 5, 5, "inserted"),
+        (_forge_seq0, 0, 0, "inserted"),
+        (_reorder, 5, 5, "out of order"),
+        (_retarget_job, 5, 5, "job_id"),
+        (_delete_node, 5, 8, "missing"),
+        (_not_json, 10, 10, "not a canonical audit entry"),
+        (_append_outside, 11, 11, "appended outside"),
+    ],
+)
+def test_tampering_is_detected_and_the_first_bad_entry_named(tmp_path, tamper, first, last, words):
+    path = tmp_path / "audit.sqlite"
+    with AuditLog(path) as log:
+        _fill(log, 10)
+        assert log.verify().ok
+    db = sqlite3.connect(path)
+    tamper(db)
+    db.commit()
+    db.close()
+    with AuditLog(path) as log:
+        res = log.verify()
+    assert not res.ok
+    assert (res.problem.first, res.problem.last or res.problem.first) == (first, last), str(res.problem)
+    assert words in res.problem.reason
+    assert res.proven == max(first - 1, 0)  # everything before the first bad entry is proven
+
+
+def test_old_hash_chain_logs_are_named_not_misread(tmp_path):
+    db = sqlite3.connect(tmp_path / "audit.sqlite")
+    db.execute("CREATE TABLE entries (seq INTEGER PRIMARY KEY, kind TEXT, job_id TEXT, body TEXT, prev TEXT, hash TEXT)")
+    db.commit()
+    db.close()
+    with pytest.raises(AuditError, match="format 1"):
+        AuditLog(tmp_path / "audit.sqlite")
