@@ -18,7 +18,7 @@ from gpuledger.accounting.report.tables import rich_table
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import association_usage, compute, load_tree
 from gpuledger.accounting.ledger import join, load as load_ledger
-from gpuledger.accounting.audit import (bind, job_charges, open_log, record_fairshare, record_job_records,
+from gpuledger.accounting.audit import (EntryDamaged, bind, job_charges, open_log, record_fairshare, record_job_records,
                                        record_priority_change, usage_key)
 from gpuledger.collector.auditlog.jobs import job_key
 from gpuledger.accounting.priority import feed_document, priority_feed, write_feed
@@ -133,6 +133,9 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
                 log, now=now, settings=settings, charges=job_charges(entries, settings, now), usage=result.usage,
                 rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (), sources=sources,
             )
+    except EntryDamaged as e:
+        err.print(escape(f"error: TAMPERED: {e} (run `gpuledger audit verify`)"), highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     return rows, settings

@@ -426,7 +426,7 @@ def audit_verify(
         _note(n)
     for p in v.problems:
         _note(f"TAMPERED: {p}")
-    if reports and not any(str(r) in p or "report" in p for p in v.problems for r in reports) and v.ok:
+    if reports and v.ok:
         typer.echo(f"report(s) {', '.join(map(str, reports))}: signature, content, input records and audit head verify")
     if store:
         if changes:
@@ -448,6 +448,8 @@ def _bind_store(data_dir: Path, log, write: bool, accept_reason: str | None = No
         store.close()
     try:
         return au.bind(log, jobs, usage, _time.time() if now is None else now, write=write, accept_reason=accept_reason)
+    except au.EntryDamaged as e:
+        raise _fail(f"TAMPERED: {e}", 1) from None
     except au.AuditError as e:
         raise _fail(str(e)) from None
 

@@ -300,8 +300,11 @@ def test_head_entry_not_json_and_forged_seq0_are_named_without_traceback(data_di
     db.commit()
     r = run("audit", "verify", report, "--data-dir", data_dir)
     assert r.exit_code == 1 and f"audit entry {head}: body is not a canonical audit entry" in r.output
-    r = run("audit", "explain", "1", "--data-dir", data_dir)
-    assert r.exit_code == 1 and "Traceback" not in r.output
+    for job in ("1", "2"):
+        r = run("audit", "explain", job, "--data-dir", data_dir)
+        assert r.exit_code == 1 and f"audit entry {head}: body is not a canonical audit entry" in r.output
+    r = run("priority", "feed", "--data-dir", data_dir)
+    assert r.exit_code == 1 and f"audit entry {head}" in r.output
     db.execute("UPDATE entries SET body=? WHERE seq=?", ("x", head))
     body = canonical_json({"seq": 0, "ts": 1.0, "kind": "job_record", "job_id": "1", "key": None, "data": {}})
     db.execute("DELETE FROM entries WHERE seq=?", (head,))

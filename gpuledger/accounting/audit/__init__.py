@@ -18,13 +18,13 @@ from gpuledger.accounting.audit.manifest import MANIFEST_SUFFIX, code_version, s
 from gpuledger.accounting.audit.recorders import (JobCharge, job_charges, record_fairshare, record_priority_change,
                                                   record_usage)
 from gpuledger.accounting.audit.verify import Verdict, verify_all
-from gpuledger.collector.auditlog import (AUDIT_NAME, KINDS, AuditError, AuditLog, Entry, Problem, VerifyResult,
-                                          canonical_json, open_log, plain, record_job_records)
+from gpuledger.collector.auditlog import (AUDIT_NAME, KINDS, AuditError, AuditLog, Entry, EntryDamaged, Problem,
+                                          VerifyResult, canonical_json, open_log, plain, record_job_records)
 
 __all__ = [
     "AUDIT_NAME", "FINAL_AFTER_S", "KEY_NAME", "KINDS", "MANIFEST_SUFFIX", "PRIVATE_KEY_NAME", "AuditError", "AuditLog",
-    "Bound", "CheckpointRejected", "Entry", "Explanation", "JobCharge", "Problem", "SignedHead", "SigningKey", "Step",
-    "StoreChange", "TrustedKeys", "Verdict", "VerifyResult", "bind", "canonical_json", "check_heads", "code_version",
+    "Bound", "CheckpointRejected", "Entry", "EntryDamaged", "Explanation", "JobCharge", "Problem", "SignedHead",
+    "SigningKey", "Step", "StoreChange", "TrustedKeys", "Verdict", "VerifyResult", "bind", "canonical_json", "check_heads", "code_version",
     "default_private_key_path", "explain", "inputs_root", "job_charges", "keygen", "keyring_path", "load_public_key",
     "load_signing_key", "make_checkpoint", "open_checkpoint", "open_log", "parse_checkpoint", "plain", "public_path",
     "record_fairshare", "record_job_records", "record_priority_change", "record_usage", "sign_report", "trusted_keys",

@@ -127,7 +127,7 @@ def check_heads(log: AuditLog, result: VerifyResult, heads: Iterable[SignedHead]
     good = 0  # size of the largest head verified so far
     good_label = ""
     for h in ordered:
-        n = result.entries if result.ok else result.proven
+        n = result.entries  # the prefix recomputed from entries that read back as entries
         problem = None
         if h.size > result.entries and result.ok:
             problem = Problem(result.entries + 1, f"missing (deleted): {h.label()} covers {h.size} entries, the log "
