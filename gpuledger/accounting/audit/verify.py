@@ -48,8 +48,11 @@ def verify_all(
             heads.append(open_checkpoint(text, source, trusted))  # type: ignore[arg-type]
         except CheckpointRejected as e:
             ranked.append((0, str(e)))
+    kept = log.saved_checkpoints()
+    if trusted is None and kept:
+        v.notes.append(f"{len(kept)} checkpoint(s) kept in the log not checked: no public key (pass --public-key)")
     if trusted is not None:
-        for i, text in enumerate(log.saved_checkpoints(), 1):
+        for i, text in enumerate(kept, 1):
             try:
                 heads.append(open_checkpoint(text, f"checkpoint kept in the log #{i}", trusted))
             except Exception as e:  # noqa: BLE001 - a kept checkpoint is a hint, never the verdict's input
