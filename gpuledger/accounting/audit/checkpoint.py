@@ -42,11 +42,12 @@ class SignedHead:
     key_id: str | None = None
 
     def label(self) -> str:
-        when = f", {_iso(self.time)}" if self.time is not None else ""
+        when = f", {iso_utc(self.time)}" if self.time is not None else ""
         return f"{self.source} (size {self.size}{when})"
 
 
-def _iso(t: float) -> str:
+def iso_utc(t: float) -> str:
+    """RFC 3339 UTC to the second: the checkpoint's time line, and how explain shows times."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
@@ -60,7 +61,7 @@ def make_checkpoint(log: AuditLog, key: SigningKey, now: float | None = None, or
     if root.hex() != root_hex:
         raise AuditError(f"{log.path}: the stored head and the stored tree disagree; run `gpuledger audit verify`")
     t = time.time() if now is None else now
-    text = (f"{origin}\n{size}\n{base64.b64encode(root).decode()}\ntime {_iso(t)}\nkey {key.key_id}\n")
+    text = (f"{origin}\n{size}\n{base64.b64encode(root).decode()}\ntime {iso_utc(t)}\nkey {key.key_id}\n")
     return note.sign(text, origin, key.private)
 
 

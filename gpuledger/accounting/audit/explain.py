@@ -7,11 +7,11 @@ record under the logged policy and shown as a formula; every step without an ent
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuledger.accounting.audit.binding import is_final, record_of
+from gpuledger.accounting.audit.checkpoint import iso_utc
 from gpuledger.collector.auditlog import AuditError, AuditLog, Entry
 from gpuledger.schema.records import JobUsage
 
@@ -38,7 +38,11 @@ def _ref(*es: Entry) -> tuple[tuple[int, str], ...]:
 
 
 def _iso(t: Any) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if isinstance(t, (int, float)) else "?"
+    return iso_utc(t) if isinstance(t, (int, float)) else "?"
+
+
+def _assoc(items: list[dict[str, Any]], acct: Any, user: Any) -> dict[str, Any] | None:
+    return next((r for r in items if r.get("account") == acct and r.get("user") == user), None)
 
 
 def _latest_by_key(entries: list[Entry], prefix: str) -> dict[str, Entry]:
@@ -164,20 +168,19 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
     ex.steps.append(Step("charged usage", f"policy {c.get('policy')}: {formula + ' = ' if formula else ''}"
                          f"{c.get('charged')!r}{check}", ref))
     acct, user = c.get("account"), c.get("user")
-    a_total = next((a.get("decayed_usage") for a in fs.data["inputs"].get("associations", [])
-                    if a.get("account") == acct and a.get("user") == user), None)
+    a_total = (_assoc(fs.data["inputs"].get("associations", []), acct, user) or {}).get("decayed_usage")
     ex.steps.append(Step("decayed usage", f"half-life {s.get('half_life_s')} s, calc period {s.get('calc_period_s')} s, "
                          f"usage from {_iso(c.get('first_ts'))} to {_iso(c.get('last_ts'))} decayed to "
                          f"{_iso(fs.data.get('now'))}: {c.get('decayed')!r} of association {user}@{acct}'s {a_total!r}",
                          ref))
     outputs = fs.data.get("outputs", {})
-    row = next((r for r in outputs.get("rows", []) if r.get("account") == acct and r.get("user") == user), None)
+    row = _assoc(outputs.get("rows", []), acct, user)
     if row is not None:
         ex.steps.append(Step("fairshare", f"{s.get('algorithm')}: norm shares {row.get('norm_shares')!r}, "
                              f"effective usage {row.get('effective_usage')!r} -> fairshare {row.get('fairshare')!r}", ref))
     else:
         ex.missing.append(f"fairshare: the fairshare entry {fs.seq} has no row for {user}@{acct}")
-    feed = next((f for f in outputs.get("feed", []) if f.get("account") == acct and f.get("user") == user), None)
+    feed = _assoc(outputs.get("feed", []), acct, user)
     if feed is not None:
         ex.steps.append(Step("site factor", f"round({s.get('priority_weight')} x {feed.get('fairshare')!r}) = "
                              f"{feed.get('site_factor')}", ref))
