@@ -22,7 +22,6 @@ TRES memory is in bytes (Slurm's M = MiB), like the agent's records.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -32,7 +31,16 @@ from datetime import datetime, timezone, tzinfo
 from typing import Any
 
 from gpuledger.schema.records import JobRecord
-from gpuledger.agent.slurm import expand_hostlist
+from gpuledger.agent.slurm import (
+    SlurmParseError,
+    expand_hostlist,
+    first_flag,
+    load_jobs_json,
+    slurm_epoch,
+    slurm_number,
+    state_word,
+)
+from gpuledger.agent.slurm import parse_squeue_json as parse_squeue_meta
 
 __all__ = [
     "PendingJob",
@@ -49,10 +57,6 @@ __all__ = [
     "parse_squeue_json",
     "parse_tres_text",
 ]
-
-
-class SlurmParseError(ValueError):
-    """Output of a Slurm command that does not have the expected shape; the message says what and where."""
 
 
 class SlurmCommandError(RuntimeError):
@@ -141,58 +145,22 @@ def exit_code_from_text(text: str, where: str = "ExitCode") -> int | None:
     return -signal if signal else rc
 
 
-def _state_word(state: str | None) -> str | None:
-    # "CANCELLED by 0" -> "CANCELLED"; sacct's human form may also add "+".
-    if not state:
-        return None
-    return state.split()[0].rstrip("+") or None
-
-
 def _not_ended(state: str | None) -> bool:
     return state in ("PENDING", "RUNNING", "SUSPENDED", "REQUEUED", "RESIZING", "CONFIGURING", "COMPLETING")
-
-
-def _num(v: Any) -> Any:
-    """Slurm >= 23.02 JSON wraps numbers as {"set": bool, "infinite": bool, "number": n}: unwrap (None if unset)."""
-    if isinstance(v, dict) and "number" in v:
-        return v["number"] if v.get("set", True) and not v.get("infinite", False) else None
-    return v
-
-
-def _epoch(v: Any) -> float | None:
-    v = _num(v)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
-
-
-def _first(v: Any) -> Any:
-    # 23.11+ prints flag sets (state, exit status) as lists.
-    if isinstance(v, list):
-        return v[0] if v else None
-    return v
-
-
-def _load_json(text: str, what: str) -> Mapping[str, Any]:
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SlurmParseError(f"{what}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
-        raise SlurmParseError(f"{what}: expected an object with a 'jobs' list")
-    return doc
 
 
 # ------------------------------------------------------------------------------------------------ sacct JSON
 
 def _json_job_id(job: Mapping[str, Any], where: str) -> str:
-    raw = _num(job.get("job_id"))
+    raw = slurm_number(job.get("job_id"))
     if not isinstance(raw, int) or isinstance(raw, bool):
         raise SlurmParseError(f"{where}: job_id {job.get('job_id')!r} is not an integer")
     array = job.get("array") or {}
-    array_job, task = _num(array.get("job_id")), _num(array.get("task_id"))
+    array_job, task = slurm_number(array.get("job_id")), slurm_number(array.get("task_id"))
     if array_job and task is not None:
         return f"{array_job}_{task}"
     het = job.get("het") or {}
-    het_job, offset = _num(het.get("job_id")), _num(het.get("job_offset"))
+    het_job, offset = slurm_number(het.get("job_id")), slurm_number(het.get("job_offset"))
     if het_job and offset is not None:
         return f"{het_job}+{offset}"
     return str(raw)
@@ -203,7 +171,7 @@ def _json_tres(items: Any, where: str) -> tuple[tuple[str, float], ...]:
     for i, t in enumerate(items or []):
         if not isinstance(t, dict) or "type" not in t:
             raise SlurmParseError(f"{where}: tres.allocated[{i}] is not a TRES object")
-        count = _num(t.get("count"))
+        count = slurm_number(t.get("count"))
         if not isinstance(count, (int, float)) or count < 0:  # -2 etc.: Slurm's "not set" sentinels
             continue
         name = f"{t['type']}/{t['name']}" if t.get("name") else str(t["type"])
@@ -214,12 +182,12 @@ def _json_tres(items: Any, where: str) -> tuple[tuple[str, float], ...]:
 def _json_exit_code(ec: Any, state: str | None, trusted: bool) -> int | None:
     if not isinstance(ec, dict) or _not_ended(state):
         return None
-    status = _first(ec.get("status"))
+    status = first_flag(ec.get("status"))
     signal = ec.get("signal") or {}
-    sig = _num(signal.get("id", signal.get("signal_id")))
+    sig = slurm_number(signal.get("id", signal.get("signal_id")))
     if status == "SIGNALED" and isinstance(sig, int) and sig > 0:
         return -sig
-    rc = _num(ec.get("return_code"))
+    rc = slurm_number(ec.get("return_code"))
     if not isinstance(rc, int):
         return None
     if not trusted and rc == 0 and state != "COMPLETED":
@@ -229,7 +197,7 @@ def _json_exit_code(ec: Any, state: str | None, trusted: bool) -> int | None:
 
 def parse_sacct_json(text: str) -> list[JobRecord]:
     """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records."""
-    doc = _load_json(text, "sacct JSON")
+    doc = load_jobs_json(text, "sacct JSON")
     plugin = (doc.get("meta") or {}).get("plugin") or {}
     # openapi/dbv0.0.38 (22.05) and older have the exit-code bug; data_parser >= v0.0.39 report codes right.
     trusted = not str(plugin.get("type", "")).startswith("openapi/dbv0.0.3")
@@ -240,7 +208,7 @@ def parse_sacct_json(text: str) -> list[JobRecord]:
             raise SlurmParseError(f"{where}: not an object")
         job_id = _json_job_id(job, where)
         where = f"sacct JSON job {job_id}"
-        state = _state_word(_first((job.get("state") or {}).get("current")))
+        state = state_word(first_flag((job.get("state") or {}).get("current")))
         tres = _json_tres((job.get("tres") or {}).get("allocated"), where)
         gpus, model = gpus_from_tres(tres)
         times = job.get("time") or {}
@@ -254,9 +222,9 @@ def parse_sacct_json(text: str) -> list[JobRecord]:
             hosts=() if nodes == "None assigned" else expand_hostlist(nodes),
             gpus=gpus,
             gpu_model=model,
-            submit=_epoch(times.get("submission")),
-            start=_epoch(times.get("start")),
-            end=_epoch(times.get("end")),
+            submit=slurm_epoch(times.get("submission")),
+            start=slurm_epoch(times.get("start")),
+            end=slurm_epoch(times.get("end")),
             state=state,
             exit_code=_json_exit_code(job.get("exit_code"), state, trusted),
             tres=tres,
@@ -317,7 +285,7 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
         if "." in job_id:  # "1234.batch", "1234_7.0", "1234+0.extern": steps of a job already listed
             continue
         where = f"sacct -P line {n} (job {job_id})"
-        state = _state_word(get("state"))
+        state = state_word(get("state"))
         tres = parse_tres_text(get("alloctres"), f"{where} AllocTRES")
         gpus, model = gpus_from_tres(tres)
         uid_text = get("uid")
@@ -369,37 +337,12 @@ def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[Jo
 # ------------------------------------------------------------------------------------------------ squeue, sprio
 
 def parse_squeue_json(text: str, states: Iterable[str] | None = ("PENDING",)) -> list[PendingJob]:
-    """``squeue --json`` (22.05's openapi/v0.0.38 to 24.11's data_parser) -> jobs in ``states`` (None: all)."""
-    doc = _load_json(text, "squeue JSON")
+    """``squeue --json`` -> jobs in ``states`` (None: all), read by the one squeue parser
+    (``agent.slurm.parse_squeue_json``)."""
     wanted = None if states is None else set(states)
-    out: list[PendingJob] = []
-    for i, job in enumerate(doc["jobs"]):
-        where = f"squeue JSON jobs[{i}]"
-        if not isinstance(job, dict):
-            raise SlurmParseError(f"{where}: not an object")
-        raw = _num(job.get("job_id"))
-        if not isinstance(raw, int) or isinstance(raw, bool):
-            raise SlurmParseError(f"{where}: job_id {job.get('job_id')!r} is not an integer")
-        state = _state_word(_first(job.get("job_state")))
-        if state is None:
-            raise SlurmParseError(f"{where} (job {raw}): no job_state")
-        if wanted is not None and state not in wanted:
-            continue
-        array_job, task = _num(job.get("array_job_id")), _num(job.get("array_task_id"))
-        # A pending array's meta record has no task id: its raw id addresses every pending task.
-        job_id = f"{array_job}_{task}" if array_job and task is not None else str(raw)
-        prio = _num(job.get("priority"))
-        out.append(PendingJob(
-            job_id=job_id,
-            user=job.get("user_name") or None,
-            account=job.get("account") or None,
-            partition=job.get("partition") or None,
-            state=state,
-            priority=int(prio) if isinstance(prio, (int, float)) else None,
-            reason=None if job.get("state_reason") in (None, "", "None") else job["state_reason"],
-            submit=_epoch(job.get("submit_time")),
-        ))
-    return out
+    return [PendingJob(job_id=m["job_id"], user=m["user"], account=m["account"], partition=m["partition"],
+                       state=m["state"], priority=m["priority"], reason=m["reason"], submit=m["submit"])
+            for m in parse_squeue_meta(text) if wanted is None or m["state"] in wanted]
 
 
 SPRIO_FORMAT = "%i|%u|%Y|%S"

@@ -223,49 +223,94 @@ def _meta_from_scontrol(raw: dict[str, str], nodes: list[dict[str, str]]) -> Job
     return meta
 
 
-def _num(v: Any) -> Any:
-    """squeue JSON >= 23.02 wraps numbers as {"set": bool, "infinite": bool, "number": n}."""
+class SlurmParseError(ValueError):
+    """Output of a Slurm command that does not have the expected shape; the message says what and where."""
+
+
+def slurm_number(v: Any) -> Any:
+    """Slurm >= 23.02 JSON wraps numbers as {"set": bool, "infinite": bool, "number": n}: unwrap (None if unset)."""
     if isinstance(v, dict) and "number" in v:
         return v["number"] if v.get("set", True) and not v.get("infinite", False) else None
     return v
 
 
-def _epoch(v: Any) -> float | None:
-    v = _num(v)
-    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+def slurm_epoch(v: Any) -> float | None:
+    """A (possibly wrapped) unix time; None when unset, 0 or not a number."""
+    v = slurm_number(v)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+
+def first_flag(v: Any) -> Any:
+    """23.11+ prints flag sets (state, exit status) as lists: their first element."""
+    if isinstance(v, list):
+        return v[0] if v else None
+    return v
+
+
+def state_word(state: str | None) -> str | None:
+    """A job state as one word: "CANCELLED by 0" -> "CANCELLED"; sacct's human form may also add "+"."""
+    if not state:
+        return None
+    return state.split()[0].rstrip("+") or None
+
+
+def load_jobs_json(text: str, what: str) -> Mapping[str, Any]:
+    """A Slurm JSON document with a ``jobs`` list (squeue, sacct, slurmrestd)."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SlurmParseError(f"{what}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
+        raise SlurmParseError(f"{what}: expected an object with a 'jobs' list")
+    return doc
 
 
 def parse_squeue_json(text: str) -> list[JobMeta]:
-    """Parse ``squeue --json`` (openapi v0.0.38 of 22.05 and the wrapped-number form of later
-    versions). squeue --json ignores ``-t``/``-u``, so finished jobs are included: filter on
-    ``state`` yourself."""
-    doc = json.loads(text)
+    """Parse ``squeue --json`` (22.05's openapi/v0.0.38 to 24.11's data_parser, numbers plain or wrapped).
+
+    The one squeue parser: the agent resolves jobs with it, accounting takes pending jobs from it
+    (``accounting.slurm.parse_squeue_json``). squeue --json ignores ``-t``/``-u``, so finished jobs are
+    included: filter on ``state`` yourself. Besides the JobMeta keys, each dict has ``priority`` (int | None)
+    and ``reason`` (the pending reason | None). A record without an integer ``job_id`` or a ``job_state``
+    raises SlurmParseError naming it.
+    """
+    doc = load_jobs_json(text, "squeue JSON")
     out: list[JobMeta] = []
-    for job in doc.get("jobs", []):
+    for i, job in enumerate(doc["jobs"]):
+        where = f"squeue JSON jobs[{i}]"
+        if not isinstance(job, dict):
+            raise SlurmParseError(f"{where}: not an object")
+        raw_id = slurm_number(job.get("job_id"))
+        if not isinstance(raw_id, int) or isinstance(raw_id, bool):
+            raise SlurmParseError(f"{where}: job_id {job.get('job_id')!r} is not an integer")
+        state = state_word(first_flag(job.get("job_state")))
+        if state is None:
+            raise SlurmParseError(f"{where} (job {raw_id}): no job_state")
         meta = _empty_meta()
-        raw_id = _num(job.get("job_id"))
-        meta["raw_job_id"] = None if raw_id is None else str(raw_id)
-        array_job, array_task = _num(job.get("array_job_id")), _num(job.get("array_task_id"))
-        if array_job and array_task is not None:
-            meta["job_id"] = f"{array_job}_{array_task}"
-        else:
-            meta["job_id"] = meta["raw_job_id"]
+        meta["raw_job_id"] = str(raw_id)
+        array_job, array_task = slurm_number(job.get("array_job_id")), slurm_number(job.get("array_task_id"))
+        # A pending array's meta record has no task id: its raw id addresses every pending task.
+        meta["job_id"] = f"{array_job}_{array_task}" if array_job and array_task is not None else str(raw_id)
         sluid = job.get("sluid")
         if isinstance(sluid, str) and SLUID_RE.fullmatch(sluid):
             meta["sluid"] = sluid
         meta["cluster"] = job.get("cluster") or None
         meta["user"] = job.get("user_name") or None
-        meta["uid"] = _num(job.get("user_id"))
+        meta["uid"] = slurm_number(job.get("user_id"))
         meta["account"] = job.get("account") or None
         meta["partition"] = job.get("partition") or None
-        state = job.get("job_state")
-        meta["state"] = state[0] if isinstance(state, list) and state else (state or None)
+        meta["state"] = state
+        priority = slurm_number(job.get("priority"))
+        meta["priority"] = int(priority) if isinstance(priority, (int, float)) and not isinstance(priority, bool) \
+            else None
+        reason = job.get("state_reason")
+        meta["reason"] = None if reason in (None, "", "None") else reason
         meta["hosts"] = expand_hostlist(job.get("nodes") or "")
         meta["tres"] = parse_tres(job.get("tres_alloc_str") or "")
         meta["gpus"] = _tres_gpus(meta["tres"])
-        meta["submit"] = _epoch(job.get("submit_time"))
-        meta["start"] = _epoch(job.get("start_time"))
-        meta["end"] = _epoch(job.get("end_time"))
+        meta["submit"] = slurm_epoch(job.get("submit_time"))
+        meta["start"] = slurm_epoch(job.get("start_time"))
+        meta["end"] = slurm_epoch(job.get("end_time"))
         details = [d for d in job.get("gres_detail") or [] if isinstance(d, str)]
         node_names = _squeue_node_names(job)
         by_node: dict[str, tuple[int, ...]] = {}
@@ -441,7 +486,7 @@ class JobResolver:
             out = self._call(["squeue", "--json"])
             try:
                 self._remember(parse_squeue_json(out) if out else [])
-            except (ValueError, AttributeError) as e:
+            except SlurmParseError as e:
                 log.warning("squeue --json: unreadable output: %s", e)
         if sluid not in self._sluids or not self._fresh(self._sluids[sluid][0]):
             self._sluids[sluid] = (self._clock(), None)
@@ -452,8 +497,11 @@ __all__ = [
     "JobMeta",
     "JobResolver",
     "SLUID_RE",
+    "SlurmParseError",
     "expand_hostlist",
+    "first_flag",
     "job_record",
+    "load_jobs_json",
     "parse_environ",
     "parse_gres_idx",
     "parse_index_list",
@@ -462,4 +510,7 @@ __all__ = [
     "parse_squeue_json",
     "parse_tres",
     "run_command",
+    "slurm_epoch",
+    "slurm_number",
+    "state_word",
 ]

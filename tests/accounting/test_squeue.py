@@ -196,3 +196,38 @@ def test_a_job_that_started_meanwhile_fails_alone() -> None:
 def test_set_site_factor_rejects_odd_job_ids() -> None:
     with pytest.raises(ValueError, match="not N or N_T"):
         SlurmClient(run=FakeSlurm({})).set_site_factor("12 Priority=1", 5)
+
+
+# ------------------------------------------------------------------------------ one squeue parser
+
+@pytest.mark.parametrize("path", [REAL / "squeue-json.json",
+                                  DATA / "slurmrestd-24.05.3-v0.0.41-slurm-job-gpus-running.json",
+                                  DATA / "slurmrestd-24.11.5-v0.0.42-slurm-job-gpus-running.json"])
+def test_agent_and_accounting_read_squeue_alike(path: Path) -> None:
+    """Accounting's pending jobs are the agent's parse of the same text, field for field."""
+    from gpuledger.agent.slurm import parse_squeue_json as agent_parse
+
+    text = read(path)
+    metas = agent_parse(text)
+    jobs = parse_squeue_json(text, states=None)
+    assert len(jobs) == len(metas) > 0
+    for job, meta in zip(jobs, metas):
+        assert (job.job_id, job.user, job.account, job.partition, job.state, job.priority, job.reason, job.submit) \
+            == (meta["job_id"], meta["user"], meta["account"], meta["partition"], meta["state"], meta["priority"],
+                meta["reason"], meta["submit"])
+
+
+def test_squeue_state_words_and_bad_records_are_read_one_way() -> None:
+    """Where the two parsers differed: the agent kept a state's flags ("CANCELLED by 1000") and a record
+    without a job id; both sides now give the state word and refuse the record, naming it."""
+    from gpuledger.agent.slurm import parse_squeue_json as agent_parse
+
+    doc = {"jobs": [{"job_id": 7, "job_state": ["CANCELLED by 1000"], "submit_time": True, "user_name": "erin"}]}
+    (meta,) = agent_parse(json.dumps(doc))
+    (job,) = parse_squeue_json(json.dumps(doc), states=("CANCELLED",))
+    assert meta["state"] == job.state == "CANCELLED"
+    assert meta["submit"] is job.submit is None  # a JSON true is not a time
+    bad = json.dumps({"jobs": [{"job_state": "RUNNING"}]})
+    for parse in (agent_parse, parse_squeue_json):
+        with pytest.raises(SlurmParseError, match=r"squeue JSON jobs\[0\]: job_id None is not an integer"):
+            parse(bad)
