@@ -11,6 +11,7 @@ from gpuledger.accounting import cli as acct
 from gpuledger.accounting.report_cli import audit_app, report_app
 from gpuledger.agent.cli import app as agent_app
 from gpuledger.collector.cli import app as collector_app
+from gpuledger.dashboards.cli import app as dashboards_app
 
 app = typer.Typer(
     name="gpuledger",
@@ -25,6 +26,7 @@ app.add_typer(report_app, name="report")
 app.add_typer(audit_app, name="audit")
 app.add_typer(acct.priority_app, name="priority")
 app.add_typer(acct.jobs_app, name="jobs")
+app.add_typer(dashboards_app, name="dashboards")
 
 
 @app.command()

@@ -82,3 +82,86 @@ def test_no_top_level_packages_besides_gpuledger() -> None:
     # The old top-level names must not come back beside the namespace.
     root = PACKAGE.parent
     assert not [p for p in PARTS if (root / p / "__init__.py").exists()]
+
+
+def module_imports() -> dict[str, set[str]]:
+    """gpuledger module -> the gpuledger modules it imports (anywhere in the file, relative imports resolved)."""
+    modules: dict[str, Path] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str | None:  # the module a dotted name lives in ("pkg.mod.Class" -> "pkg.mod")
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    keep = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(keep + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            deps |= {m for t in targets if t.startswith("gpuledger") and (m := resolve(t)) and m != name}
+        graph[name] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    # e.g. the dashboard builder and the dashboard declarations once imported each other
+    assert import_cycles(module_imports()) == []
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]

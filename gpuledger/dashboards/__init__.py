@@ -1,4 +1,2 @@
-"""Grafana dashboards for gpuledger, generated from code (``python -m gpuledger.dashboards.build``).
-
-Not part of the installed package: run from the repository root (it imports ``agent`` for metric names).
-"""
+"""Grafana dashboards for gpuledger, generated from code (``python -m gpuledger.dashboards.build``) and shipped as
+package data (``gpuledger dashboards export DIR``)."""

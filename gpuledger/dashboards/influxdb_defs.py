@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuledger.dashboards.build import Dashboard, Panel, bar, custom_var, dashboard, query_var, row, stat, table, target, timeseries
+from gpuledger.dashboards.grafana import Dashboard, Panel, bar, custom_var, dashboard, query_var, row, stat, table, target, timeseries
 
 IDLE_VAR = custom_var("idle", "0.05,0.01,0.1,0.2", "Idle below (SM active)",
                       "An allocated GPU whose SM activity is below this counts as allocated-idle (waste).")

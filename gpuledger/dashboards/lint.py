@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 
 from gpuledger.agent.exposition import GPU_LABELS, JOB_LABELS
-from gpuledger.dashboards.build import Dashboard
+from gpuledger.dashboards.grafana import Dashboard
 from gpuledger.dashboards.schema import INFLUX_SCHEMA, PROMETHEUS_METRICS
 
 PROM_LABELS: frozenset[str] = frozenset(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuledger.dashboards.build import (
+from gpuledger.dashboards.grafana import (
     Dashboard,
     Panel,
     bar,
