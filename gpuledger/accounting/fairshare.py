@@ -35,6 +35,12 @@ arrays computed level by level (a handful of numpy calls per tree level), with t
 operations, in the same order, as the plain sequential definitions above: the results are bit for bit
 those of a node-by-node loop (RawUsage sums each account's children last child first, as slurmctld's
 reverse walk does). Row values are Python floats, ints, strings and None.
+
+Fair Tree's ranking has two implementations, and production needs both: ``_rank_walk`` is Slurm's
+``_calc_tree_fs`` walk step by step and is the reference; ``_rank`` computes the same ranks with a few
+numpy calls per fs level (the walk costs a Python step per association, too slow for large trees) but
+relies on a sort that NaN LevelFS values break, so a tree with a NaN LevelFS (usage sums that overflow)
+is ranked by the walk. ``tests/accounting/test_fairshare_semantics.py`` checks that they agree.
 """
 
 from __future__ import annotations

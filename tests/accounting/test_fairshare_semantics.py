@@ -171,3 +171,20 @@ def test_classic_more_usage_never_raises_own_factor(tu, extra) -> None:
     before = assoc_fairshare(classic(t, usage))[key]
     after = assoc_fairshare(classic(t, {**usage, key: usage[key] + extra}))[key]
     assert after <= before + 1e-12
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees_and_usage())
+def test_vectorised_ranking_equals_the_walk(tu) -> None:
+    """fair_tree ranks with the vectorised ``_rank``; ``_rank_walk``, Slurm's walk step by step (the
+    reference, which production uses for NaN LevelFS), must give every user the same FairShare."""
+    from gpuledger.accounting import fairshare
+
+    t, usage = tu
+    rows = fair_tree(t, usage)
+    # the LevelFS column as the ranking reads it: a "parent" user inf, a "parent" account Slurm's NO_VAL
+    level_fs = [0.0] + [r.level_fs if r.level_fs is not None else (math.inf if r.user else fairshare.NO_VAL)
+                        for r in rows[1:]]
+    walked = fairshare._rank_walk(fairshare._index(t), level_fs)
+    assert [walked[i] for i, r in enumerate(rows) if r.user is not None] == \
+        [r.fairshare for r in rows if r.user is not None]
