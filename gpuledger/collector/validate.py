@@ -6,10 +6,9 @@ the offending agent from the collector's answer alone.
 The rules have two implementations, and production needs both. The per-sample path (``_CHECKS``,
 ``_parse_sample``, ``_parse_series`` untyped) is the reference: it reads every format (JSON and msgpack)
 and words every error. The fast path (``_parse_fast``: msgspec structs typed from the same bounds, for
-msgpack bodies) checks types and ranges in C, several times cheaper per sample; it only ever accepts, and
-hands anything it doubts to the per-sample path. ``tests/collector/test_validate.py`` and
-``test_validate_series.py`` check that both
-decide every batch alike.
+msgpack bodies) checks types and ranges in C, for the ingest rate; it only ever accepts, and hands
+anything it doubts to the per-sample path. ``tests/collector/test_validate.py`` and
+``test_validate_series.py`` check that both decide every batch alike.
 """
 
 from __future__ import annotations
