@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test deps bench clean
+.PHONY: demo test lint typecheck deps bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,13 @@ deps:
 
 test: $(STAMP) deps
 	$(PY) -m pytest -q
+
+# ruff and mypy, configured in pyproject.toml
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gpuledger tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 # Speed measurements (results in bench/RESULTS.md); gpu_check.py needs a real NVIDIA GPU and torch.
 bench: $(STAMP) deps

@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "tests"))  # the NVML fake is a test double and lives with the tests
 
 from nvml_fake import FakeNvml, fake_node  # noqa: E402
+
 from gpuledger.agent.sampler import Agent  # noqa: E402
 from gpuledger.agent.sources.nvml import NvmlSource  # noqa: E402
 

@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpuledger.schema.records import GpuSample  # noqa: E402
+from ingest import Data  # noqa: E402
+
 from gpuledger.collector.chunks import encode_series, encode_series_many  # noqa: E402
 from gpuledger.collector.series import Series, series_from_samples  # noqa: E402
-from ingest import Data  # noqa: E402
+from gpuledger.schema.records import GpuSample  # noqa: E402
 
 
 def batch_series(data: Data, i: int) -> list[Series]:

@@ -48,10 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gpuledger.schema.records import GpuSample  # noqa: E402
 from gpuledger.agent.mig import MigEnergySplitter  # noqa: E402
 from gpuledger.agent.sources.base import SourceUnavailable  # noqa: E402
 from gpuledger.agent.sources.nvml import NvmlSource  # noqa: E402
+from gpuledger.schema.records import GpuSample  # noqa: E402
 
 SM_MATMUL_MIN = 0.8
 DRAM_COPY_MIN = 0.6
@@ -96,7 +96,8 @@ def summarise(phase: Phase, settle_s: float) -> dict[str, float | None]:
     sm = _mean([x.sm_active_ratio for x in s[1:] if x.sm_active_ratio is not None])
     dram = _mean([x.dram_bw_ratio for x in s[1:] if x.dram_bw_ratio is not None])
     power = _mean([x.power_watts for x in s if x.power_watts is not None])
-    pts = [(x.ts, x.power_watts, x.energy_joules) for x in s if x.power_watts is not None and x.energy_joules is not None]
+    pts = [(x.ts, x.power_watts, x.energy_joules) for x in s
+           if x.power_watts is not None and x.energy_joules is not None]
     energy = integral = None
     if len(pts) >= 2:
         energy = pts[-1][2] - pts[0][2]
@@ -141,8 +142,8 @@ def check_as_user(user: str, want: str | None, index: int) -> Check:
         pw = pwd.getpwnam(user)
     except KeyError:
         return Check(f"process list as {user}", None, f"skipped: no user {user!r}")
-    code = (
-        "import json, sys, time; sys.path.insert(0, %r)\n"
+    code = (  # a code template: %r quotes the values as Python literals
+        "import json, sys, time; sys.path.insert(0, %r)\n"  # noqa: UP031
         "from gpuledger.agent.sources.nvml import NvmlSource\n"
         "src = NvmlSource(host='gpu-check'); src.open(); src.sample(); time.sleep(0.3)\n"
         "out = [s.to_dict() for s in src.sample() if s.gpu_uuid == %r or s.gpu_index == %d]\n"
@@ -164,7 +165,8 @@ def check_as_user(user: str, want: str | None, index: int) -> Check:
     why = [f"{f}: {reason}" for f, reason, _ in got["unavailable"] if f == "processes"]
     ok = bool(whole) and got["errors"] == 0 and (os.getpid() in pids or bool(why))
     return Check(f"process list as {user}", ok,
-                 f"sample {'present' if whole else 'MISSING'}, this pid {'listed' if os.getpid() in pids else 'not listed'}"
+                 f"sample {'present' if whole else 'MISSING'}, "
+                 f"this pid {'listed' if os.getpid() in pids else 'not listed'}"
                  f"{', processes unavailable (' + '; '.join(why) + ')' if why else ''}, errors {got['errors']}")
 
 
@@ -254,9 +256,11 @@ def check_mig(src: NvmlSource, want: str | None, index: int) -> list[Check]:
             split = MigEnergySplitter().map(last)
             total_p = sum(x.power_watts or 0.0 for x in split)
             total_e = sum(x.energy_joules or 0.0 for x in split)
-            ok = abs(total_p - (parent.power_watts or 0.0)) < 1e-6 and abs(total_e - (parent.energy_joules or 0.0)) < 1e-3
+            ok = (abs(total_p - (parent.power_watts or 0.0)) < 1e-6
+                  and abs(total_e - (parent.energy_joules or 0.0)) < 1e-3)
             checks.append(Check("MIG: shares sum to the GPU's power and counter once", ok,
-                                f"{total_p:.3f} W / {parent.power_watts} W, {total_e:.1f} J / {parent.energy_joules} J"))
+                                f"{total_p:.3f} W / {parent.power_watts} W, "
+                                f"{total_e:.1f} J / {parent.energy_joules} J"))
     except RuntimeError as exc:
         checks.append(Check(name, False, str(exc)))
     finally:
@@ -377,7 +381,8 @@ def main() -> int:
 
     print(f"gpu_check: {props.name} ({want or f'device {a.device}'}), {time.time() - started:.0f} s, "
           f"sampled every {a.interval_s} s, first {a.settle_s} s of each phase left out")
-    header = f"{'phase':<8} {'n':>3} {'SM act':>7} {'DRAM bw':>8} {'power W':>8} {'energy J':>9} {'P integral J':>13} {'diff':>7}"
+    header = (f"{'phase':<8} {'n':>3} {'SM act':>7} {'DRAM bw':>8} {'power W':>8} {'energy J':>9} "
+              f"{'P integral J':>13} {'diff':>7}")
     print(header)
     fails: list[str] = []
     results = {}

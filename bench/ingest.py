@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpuledger.agent.push import encode_batch  # noqa: E402
-from gpuledger.schema.records import GpuSample  # noqa: E402
 from gpuledger.collector.store import SqliteStore  # noqa: E402
+from gpuledger.schema.records import GpuSample  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GPUS = 8

@@ -16,20 +16,20 @@ import random
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuledger.accounting.audit import AuditLog, keygen, load_signing_key, make_checkpoint, parse_checkpoint  # noqa: E402
-from gpuledger.collector.auditlog import merkle  # noqa: E402
 from gpuledger.accounting.ledger import LedgerEntry  # noqa: E402
 from gpuledger.accounting.report.period import parse_period  # noqa: E402
 from gpuledger.accounting.report.settings import ReportSettings  # noqa: E402
 from gpuledger.accounting.report.usage import usage_report  # noqa: E402
+from gpuledger.collector.auditlog import merkle  # noqa: E402
 from gpuledger.schema.records import JobRecord, JobUsage  # noqa: E402
 
-OCT0 = datetime(2026, 10, 1, tzinfo=timezone.utc).timestamp()
+OCT0 = datetime(2026, 10, 1, tzinfo=UTC).timestamp()
 
 
 def make_entries(n: int, seed: int = 0) -> list[LedgerEntry]:
@@ -135,10 +135,12 @@ def main() -> None:
           f"{dt:.2f} s (target <= 5 s); reference loop {ref:.2f} s; ratio {dt / ref:.1f}x")
     a = bench_audit(args.entries)
     print(f"audit verify, {args.entries:,} entries: {a['verify']:.2f} s (target <= 10 s); reference SELECT "
-          f"{a['verify_ref']:.2f} s; ratio {a['verify'] / a['verify_ref']:.1f}x (appending them took {a['build']:.1f} s)")
+          f"{a['verify_ref']:.2f} s; ratio {a['verify'] / a['verify_ref']:.1f}x "
+          f"(appending them took {a['build']:.1f} s)")
     print(f"audit checkpoint, {args.entries:,} entries: {a['checkpoint'] * 1e3:.1f} ms (target < 1 s)")
-    print(f"consistency proof {args.entries // 2 + 12_345:,} -> {args.entries:,} entries ({a['consistency_hashes']:.0f} "
-          f"hashes), built from stored subtrees and verified: {a['consistency'] * 1e3:.2f} ms (target < 50 ms); "
+    print(f"consistency proof {args.entries // 2 + 12_345:,} -> {args.entries:,} entries "
+          f"({a['consistency_hashes']:.0f} hashes), built from stored subtrees and verified: "
+          f"{a['consistency'] * 1e3:.2f} ms (target < 50 ms); "
           f"inclusion proof: {a['inclusion'] * 1e3:.2f} ms; reference: hashing as many pairs in a loop "
           f"{a['proof_ref'] * 1e3:.3f} ms")
 

@@ -10,19 +10,20 @@ from __future__ import annotations
 import random
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import httpx
 
 from gpuledger.agent.mappers.static import StaticMapper
 from gpuledger.agent.push import Batcher, HttpPusher
-from gpuledger.schema.records import JobRecord, JobUsage
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
+from gpuledger.schema.records import JobRecord, JobUsage
 
 CONFIG_NAME = "gpuledger.toml"
 STORE_NAME = "gpuledger.sqlite"
@@ -86,6 +87,13 @@ class DemoJob:
     end: float | None = None
     truth_energy_j: float = 0.0  # ground truth from the simulator's own integrals
     truth_sm_active_s: float = 0.0
+
+    @property
+    def placed_node(self) -> int:
+        """The node of a job that has started."""
+        if self.node is None:
+            raise RuntimeError(f"demo job {self.job_id} has not started")
+        return self.node
 
     def record(self, cluster: str, host: str) -> JobRecord:
         return JobRecord(
@@ -205,8 +213,8 @@ def run_demo(
             t = now[0]
             # Jobs end, then pending jobs start where they fit (first fit on one node, in submit order).
             for j in [j for j in running if j.start is not None and t >= j.start + j.duration]:
-                _finish(j, t, sources[j.node], mappers[j.node])
-                free[j.node].update(j.gpu_indexes)
+                _finish(j, t, sources[j.placed_node], mappers[j.placed_node])
+                free[j.placed_node].update(j.gpu_indexes)
                 running.remove(j)
             for j in [j for j in pending if j.submit <= t]:
                 node = next((n for n in range(nodes) if len(free[n]) >= j.gpus), None)
@@ -230,8 +238,8 @@ def run_demo(
                 if flush is not None:
                     flush()
         for j in running:  # still running at the end of the window: close the books at the last sample
-            _finish(j, now[0], sources[j.node], mappers[j.node], state_end=False)
-        records = [j.record(cluster, f"node{j.node + 1:02d}") for j in jobs if j.start is not None]
+            _finish(j, now[0], sources[j.placed_node], mappers[j.placed_node], state_end=False)
+        records = [j.record(cluster, f"node{j.placed_node + 1:02d}") for j in jobs if j.start is not None]
         with httpx.Client(timeout=30) as client:
             r = client.post(f"{url}/api/v1/jobs", json=[rec.to_dict() for rec in records])
             r.raise_for_status()
@@ -263,14 +271,14 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
-    from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
     from gpuledger.accounting.audit import PRIVATE_KEY_NAME, bind, keygen, load_signing_key, open_log, sign_report
     from gpuledger.accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
     from gpuledger.accounting.config import accounting_settings, load_config
     from gpuledger.accounting.fairshare_render import render_table
     from gpuledger.accounting.ledger import load as load_ledger
     from gpuledger.accounting.priority import write_feed
+    from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
+    from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(
@@ -291,20 +299,21 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
         jobs, usages = store.jobs(), store.job_usage()
     finally:
         store.close()
-    job_rows = job_rows(entries)
-    console.print(rich_table("Jobs (measured)", JOB_COLUMNS, job_rows))
+    jobs_table = job_rows(entries)
+    console.print(rich_table("Jobs (measured)", JOB_COLUMNS, jobs_table))
 
     now = time.time()
     weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
-    rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight, record=True)  # audited with its inputs
+    # audited with its inputs
+    rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight, record=True)
     console.print(f"[bold]Fairshare[/bold] ({settings.algorithm}, charge policy {settings.policy}):")
     console.print(render_table(rows), markup=False, highlight=False)
     feed_path = write_feed(data_dir / FEED_NAME, feed_from_rows(rows, settings, now))
-    groups = by_account_user(job_rows)
+    groups = by_account_user(jobs_table)
     report_path = data_dir / "usage-report.txt"
     report_path.write_text(
         "Usage by account and user\n\n" + plain_table(GROUP_COLUMNS, groups)
-        + "\nJobs\n\n" + plain_table(JOB_COLUMNS, job_rows)
+        + "\nJobs\n\n" + plain_table(JOB_COLUMNS, jobs_table)
     )
     (data_dir / "usage-report.json").write_text(to_json(groups) + "\n")
     # The report carries a signed manifest binding the records it used and the audit log's head. A demo keeps its
@@ -316,7 +325,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     with open_log(data_dir) as log:
         bound = bind(log, jobs, usages, now)
         manifest = sign_report(report_path, load_signing_key(key_path), log, now=now, used=bound.used(),
-                               inputs={"config": CONFIG_NAME, "jobs": len(job_rows)},
+                               inputs={"config": CONFIG_NAME, "jobs": len(jobs_table)},
                                period={"from": min(j.submit for j in res.jobs), "to": now})
     console.print(rich_table("Usage by account and user", GROUP_COLUMNS, groups))
     console.print(f"priority feed: {feed_path}")

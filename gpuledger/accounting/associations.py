@@ -43,6 +43,7 @@ MAX_SHARES = 0x7FFFFFFF - 1
 
 Shares = int | Literal["parent"]
 AssocKey = tuple[str, str | None]
+UserKey = tuple[str, str]  # a user association: (account, user)
 
 
 class AssociationError(ValueError):
@@ -72,7 +73,7 @@ def parse_shares(text: str, where: str) -> Shares:
     """``"parent"`` or an integer in 0..MAX_SHARES."""
     value = text.strip()
     if value.lower() == PARENT:
-        return PARENT
+        return "parent"
     try:
         shares = int(value)
     except ValueError:

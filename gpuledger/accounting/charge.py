@@ -9,8 +9,9 @@ Per-GPU-model weights multiply the charge, like Slurm's TRESBillingWeights for t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from gpuledger.schema.records import JobUsage
 

@@ -5,23 +5,38 @@ from __future__ import annotations
 import json
 import sys
 import time
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
-from gpuledger.accounting.report.tables import rich_table
+from gpuledger.accounting.audit import (
+    EntryDamaged,
+    bind,
+    job_charges,
+    open_log,
+    record_fairshare,
+    record_job_records,
+    record_priority_change,
+    usage_key,
+)
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import association_usage, compute, load_tree
-from gpuledger.accounting.ledger import join, load as load_ledger
-from gpuledger.accounting.audit import (EntryDamaged, bind, job_charges, open_log, record_fairshare, record_job_records,
-                                       record_priority_change, usage_key)
-from gpuledger.collector.auditlog.jobs import job_key
+from gpuledger.accounting.ledger import join
+from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, priority_feed, write_feed
+from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
+from gpuledger.accounting.report.tables import rich_table
+from gpuledger.collector.auditlog.jobs import job_key
+
+if TYPE_CHECKING:
+    from gpuledger.accounting.config import AccountingSettings
+    from gpuledger.accounting.engine import UsageResult
+    from gpuledger.accounting.fairshare import Row
+    from gpuledger.collector.store import SqliteStore
 
 STORE_NAME = "gpuledger.sqlite"
 CONFIG_NAME = "gpuledger.toml"
@@ -32,17 +47,19 @@ DataDir = Annotated[
     typer.Option("--data-dir", envvar="GPULEDGER_DATA_DIR", help="Where the embedded store and outputs live."),
 ]
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")
+    Path | None, typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")
 ]
+AssociationsOpt = Annotated[Path | None, typer.Option(
+    help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")]
 
 
-class Fmt(str, Enum):
+class Fmt(StrEnum):
     table = "table"
     json = "json"
     csv = "csv"
 
 
-class Algorithm(str, Enum):
+class Algorithm(StrEnum):
     fair_tree = "fair-tree"
     classic = "classic"
 
@@ -60,7 +77,7 @@ def _fail(msg: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _open_store(data_dir: Path):  # -> collector.store.SqliteStore
+def _open_store(data_dir: Path) -> SqliteStore:
     from gpuledger.collector.store import SqliteStore
 
     path = data_dir / STORE_NAME
@@ -79,7 +96,8 @@ def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
 
 def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, associations: Path | None = None,
                    usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None,
-                   record: bool = False, accept_store_changes: str | None = None):
+                   record: bool = False, accept_store_changes: str | None = None,
+                   ) -> tuple[list[Row], AccountingSettings]:
     """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo).
 
     With ``record`` (feeds, `priority apply`, `fairshare --record`) the store's job and usage records are first
@@ -116,8 +134,8 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         with open_log(data_dir) as log:
             bound = bind(log, jobs, usages, now, accept_reason=accept_store_changes)
             if bound.changes and accept_store_changes is None:
-                lines = [f"  job {c.job_id} {c.record} {c.field}: logged {c.logged!r} (entry {c.seq}), stored {c.stored!r}"
-                         for c in bound.changes]
+                lines = [f"  job {c.job_id} {c.record} {c.field}: logged {c.logged!r} (entry {c.seq}), "
+                         f"stored {c.stored!r}" for c in bound.changes]
                 err.print(escape("error: refused: store rows disagree with their logged record (edited after they "
                                  "were logged?); `--accept-store-changes REASON` logs them as corrections:\n"
                                  + "\n".join(lines)), highlight=False, soft_wrap=True)
@@ -141,9 +159,10 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     return rows, settings
 
 
-def _warn(result) -> None:
+def _warn(result: UsageResult) -> None:
     for (acct, user), v in sorted(result.unknown.items()):
-        err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} has no association in the tree")
+        err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} "
+                  "has no association in the tree")
     if result.unmatched_jobs:
         err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
                   f"scheduler record are not charged: {escape(', '.join(result.unmatched_jobs[:10]))}")
@@ -153,9 +172,10 @@ def _warn(result) -> None:
 def fairshare(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares")] = None,
-    usage: Annotated[Optional[Path], typer.Option(help="CSV account,user,usage (decayed raw usage)")] = None,
-    algorithm: Annotated[Optional[Algorithm], typer.Option(help="default: the configured one")] = None,
+    associations: Annotated[
+        Path | None, typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares")] = None,
+    usage: Annotated[Path | None, typer.Option(help="CSV account,user,usage (decayed raw usage)")] = None,
+    algorithm: Annotated[Algorithm | None, typer.Option(help="default: the configured one")] = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
     record: Annotated[bool, typer.Option("--record", help="append the computation and its inputs to the audit log "
                                          "(a plain query appends nothing)")] = False,
@@ -183,7 +203,7 @@ def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
     return feed_from_rows(rows, settings, now)
 
 
-def feed_from_rows(rows, settings, now: float) -> dict:
+def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) -> dict:
     entries = priority_feed(rows, weight=settings.priority_weight)
     meta = {
         "generated_at": now,
@@ -199,10 +219,10 @@ def feed_from_rows(rows, settings, now: float) -> dict:
 def priority_feed_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    output: Annotated[Optional[Path], typer.Option(help="write here (default: <data-dir>/priority-feed.json)")] = None,
-    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")] = None,
+    output: Annotated[Path | None, typer.Option(help="write here (default: <data-dir>/priority-feed.json)")] = None,
+    associations: AssociationsOpt = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
-    accept_store_changes: Annotated[Optional[str], typer.Option("--accept-store-changes", metavar="REASON", help="use "
+    accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="use "
                                     "store rows that differ from their final logged record, logging each as a "
                                     "correction with this reason (refused without it)")] = None,
 ) -> None:
@@ -266,14 +286,21 @@ def _read_arg(path: str) -> str:
 @jobs_app.command("import")
 def jobs_import(
     data_dir: DataDir = Path("gpuledger-data"),
-    sacct_json: Annotated[Optional[str], typer.Option("--sacct-json", help="`sacct --json` output, FILE or -")] = None,
-    sacct_parsable: Annotated[Optional[str], typer.Option("--sacct-parsable", help="`sacct -P` output with header, FILE or -")] = None,
+    sacct_json: Annotated[str | None, typer.Option("--sacct-json", help="`sacct --json` output, FILE or -")] = None,
+    sacct_parsable: Annotated[
+        str | None, typer.Option("--sacct-parsable", help="`sacct -P` output with header, FILE or -")] = None,
     slurm: Annotated[bool, typer.Option("--slurm", help="run sacct against the local cluster")] = False,
     since: Annotated[float, typer.Option(help="live mode: hours back from now")] = 24.0,
 ) -> None:
     """Import Slurm job records into the ledger (re-importing the same jobs changes nothing)."""
-    from gpuledger.accounting.slurm import (SlurmClient, SlurmCommandError, SlurmParseError, merge_sacct, parse_sacct_json,
-                                  parse_sacct_parsable)
+    from gpuledger.accounting.slurm import (
+        SlurmClient,
+        SlurmCommandError,
+        SlurmParseError,
+        merge_sacct,
+        parse_sacct_json,
+        parse_sacct_parsable,
+    )
 
     if not (sacct_json or sacct_parsable or slurm):
         raise _fail("give --sacct-json, --sacct-parsable or --slurm")
@@ -306,12 +333,13 @@ def jobs_import(
 def priority_apply(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    slurm: Annotated[bool, typer.Option("--slurm", help="apply to the local Slurm (scontrol update SiteFactor)")] = False,
+    slurm: Annotated[
+        bool, typer.Option("--slurm", help="apply to the local Slurm (scontrol update SiteFactor)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would change; change nothing")] = False,
-    associations: Annotated[Optional[Path], typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")] = None,
+    associations: AssociationsOpt = None,
 ) -> None:
     """Set every pending job's SiteFactor from its association's measured fairshare, only where it changed."""
-    from gpuledger.accounting.apply import run_apply
+    from gpuledger.accounting.apply import Change, run_apply
     from gpuledger.accounting.slurm import SlurmClient, SlurmCommandError, SlurmParseError
 
     if not slurm:
@@ -320,7 +348,12 @@ def priority_apply(
     write_feed(data_dir / FEED_NAME, doc)
     try:
         with open_log(data_dir) as log:
-            plan, outcomes = run_apply(SlurmClient(), doc["associations"], dry_run, record=record_priority_change(log))
+            recorder = record_priority_change(log)
+
+            def record(change: Change) -> None:  # the recorder's entry is not needed here
+                recorder(change)
+
+            plan, outcomes = run_apply(SlurmClient(), doc["associations"], dry_run, record=record)
     except (SlurmParseError, SlurmCommandError, OSError) as e:
         raise _fail(str(e)) from None
     for o in outcomes:

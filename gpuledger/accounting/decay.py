@@ -32,8 +32,10 @@ import re
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import TypeVar
 from zoneinfo import ZoneInfo
 
+Key = TypeVar("Key", bound=Hashable)  # what usage is decayed per (an association)
 RESET_PERIODS = ("NONE", "NOW", "DAILY", "WEEKLY", "MONTHLY", "QUARTERLY", "YEARLY")
 
 
@@ -175,14 +177,14 @@ def last_reset_boundary(period: str, t: float, tz: str = "UTC") -> float | None:
 
 
 def decayed_usage(
-    charges: Iterable[tuple[Hashable, float, float, float]],
+    charges: Iterable[tuple[Key, float, float, float]],
     now: float,
     half_life_s: float,
     calc_period_s: int = 300,
     reset: str = "NONE",
     tz: str = "UTC",
     per_second_factor: float | None = None,
-) -> dict[Hashable, float]:
+) -> dict[Key, float]:
     """Slurm's decayed raw usage per key at ``now`` (see the module docstring for the model).
 
     ``charges`` are ``(key, start_ts, end_ts, amount)``; every key seen is in the result.
@@ -204,7 +206,7 @@ def decayed_usage(
         # decay still to come for usage added at x: every tick after x's period start up to t_last
         return df ** (t_last - math.floor(x / P) * P)
 
-    out: dict[Hashable, float] = {}
+    out: dict[Key, float] = {}
     for n, (key, start, end, amount) in enumerate(charges, 1):
         if not all(math.isfinite(v) for v in (start, end, amount)):
             raise ValueError(f"charge {n} ({key!r}): start, end and amount must be finite numbers")
@@ -219,7 +221,7 @@ def decayed_usage(
             continue
         rate = amount / (end - start)
 
-        def piece(a: float, b: float) -> float:
+        def piece(a: float, b: float, rate: float = rate) -> float:
             # [a, b] accrues at b (a tick, or the job's end inside a period)
             if b > now or b < reset_tick:
                 return 0.0

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.associations import AssocTree, UserKey
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.decay import decayed_usage
-from gpuledger.accounting.fairshare import classic, fair_tree
+from gpuledger.accounting.fairshare import Usage, classic, fair_tree
 from gpuledger.accounting.ledger import LedgerEntry
-
-AssocKey = tuple[str, str]
 
 
 @dataclass(frozen=True, slots=True)
 class UsageResult:
-    usage: dict[AssocKey, float]
-    unknown: dict[AssocKey, float]  # charged usage of associations the tree does not have (reported, not dropped)
+    usage: dict[UserKey, float]
+    unknown: dict[UserKey, float]  # charged usage of associations the tree does not have (reported, not dropped)
     unmatched_jobs: tuple[str, ...]  # measured jobs with no scheduler record: no association to charge
 
 
@@ -46,7 +45,7 @@ def association_usage(
     return UsageResult(usage, unknown, tuple(unmatched))
 
 
-def compute(tree: AssocTree, usage: Mapping[AssocKey, float], algorithm: str, dampening: float = 1.0) -> list[Any]:
+def compute(tree: AssocTree, usage: Usage, algorithm: str, dampening: float = 1.0) -> list[Any]:
     if algorithm == "classic":
         return classic(tree, usage, dampening=dampening)
     if algorithm == "fair-tree":

@@ -50,11 +50,14 @@ import gc
 import math
 from collections.abc import Callable, Mapping
 from itertools import repeat
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
-from gpuledger.accounting.associations import PARENT, ROOT, AssocKey, AssocTree
+from gpuledger.accounting.associations import PARENT, ROOT, AssocKey, AssocTree, UserKey
+
+# Raw usage per user association (usage given for an account is an error, reported by name)
+Usage = Mapping[UserKey, float] | Mapping[AssocKey, float]
 
 # Slurm's NO_VAL (0xfffffffe) as a long double: the LevelFS of a FairShare=parent account and the
 # "previous LF" a sibling walk starts from.
@@ -132,12 +135,13 @@ class _Index:
         account_obj = np.array(account, dtype=object)
         user_obj = np.array(user, dtype=object)
         shares_obj = np.array([a.shares for a in assocs], dtype=object)
-        is_acct = np.equal(user_obj, None)
+        is_acct = np.equal(user_obj, None)  # type: ignore[call-overload]  # numpy's stubs: no object == None
         acct_old = np.flatnonzero(is_acct).tolist()
         acct_idx = dict(zip(map(account.__getitem__, acct_old), acct_old))
         par = np.empty(n, np.intp)
         par[0] = -1
-        par[1:] = np.fromiter(map(acct_idx.__getitem__, [a.parent for a in assocs[1:]]), np.intp, n - 1)
+        parents = cast(list[str], [a.parent for a in assocs[1:]])  # every association below root has one
+        par[1:] = np.fromiter(map(acct_idx.__getitem__, parents), np.intp, n - 1)
 
         # sshare order: below each account its users by name, then its sub-accounts by name, depth
         # first. Sort by name (Python's str order), then stably by (parent, is account): the
@@ -196,7 +200,7 @@ class _Index:
         is_user = ~is_acct[order]
         depth = depth_old[order]
         self.parent, self.is_user, self.use_parent, self.depth = parent, is_user, use_parent, depth
-        self.n_users = n_users = int(is_user.sum())
+        self.n_users = int(is_user.sum())
         self.user_pos = np.flatnonzero(is_user)
         self.acct_list = np.flatnonzero(~is_user).tolist()
         self.use_parent_list = np.flatnonzero(use_parent).tolist()
@@ -270,7 +274,7 @@ def _index(tree: AssocTree) -> _Index:
     return index
 
 
-def _check_usage(index: _Index, usage: Mapping[tuple[str, str | None], float]) -> np.ndarray:
+def _check_usage(index: _Index, usage: Usage) -> np.ndarray:
     """The validated usage per node (0 for accounts and users without usage), sequentially."""
     raw = [0.0] * index.n
     pos = index.pos
@@ -287,7 +291,7 @@ def _check_usage(index: _Index, usage: Mapping[tuple[str, str | None], float]) -
     return np.array(raw, dtype=np.float64)
 
 
-def _raw_usage(index: _Index, usage: Mapping[tuple[str, str | None], float]) -> np.ndarray:
+def _raw_usage(index: _Index, usage: Usage) -> np.ndarray:
     """Raw usage per node: a user's own, an account's the sum of its subtree's."""
     raw = None
     if isinstance(usage, dict):
@@ -329,7 +333,7 @@ def _rows(cols: list[list]) -> list[Row]:
 
 
 @_no_gc
-def fair_tree(tree: AssocTree, usage: Mapping[tuple[str, str | None], float]) -> list[Row]:
+def fair_tree(tree: AssocTree, usage: Usage) -> list[Row]:
     """Slurm's Fair Tree (the default since 19.05), as ``sshare -a -l`` shows it."""
     index = _index(tree)
     raw = _raw_usage(index, usage)
@@ -346,14 +350,15 @@ def fair_tree(tree: AssocTree, usage: Mapping[tuple[str, str | None], float]) ->
             np.where(s_norm == 0.0, 0.0, np.where(eff == 0.0, _INF, s_norm / eff)),
         )
     if np.isnan(level_fs[1:]).any():  # NaN LFs break the sort's order: walk exactly as Slurm does
-        fs = _rank_walk(index, level_fs.tolist())
+        ranks = _rank_walk(index, level_fs.tolist())
     else:
-        fs = np.zeros(index.n)
-        fs[index.user_pos] = _rank(index, level_fs)
-        fs = fs.tolist()
+        ranked = np.zeros(index.n)
+        ranked[index.user_pos] = _rank(index, level_fs)
+        ranks = ranked.tolist()
+    fs: list[float | None] = list(ranks)  # accounts get None
     for i in index.acct_list:
         fs[i] = None
-    level_fs_col = level_fs.tolist()
+    level_fs_col: list[float | None] = level_fs.tolist()
     for i in index.use_parent_list:
         level_fs_col[i] = None
     cols = [
@@ -472,7 +477,7 @@ def _rank_walk(index: _Index, level_fs: list[float]) -> list[float]:
 
 @_no_gc
 def classic(
-    tree: AssocTree, usage: Mapping[tuple[str, str | None], float], dampening: float = 1.0
+    tree: AssocTree, usage: Usage, dampening: float = 1.0
 ) -> list[Row]:
     """Slurm's classic fairshare (``PriorityFlags=NO_FAIR_TREE``), as ``sshare -a -l`` shows it."""
     if not (isinstance(dampening, (int, float)) and math.isfinite(dampening) and dampening > 0):

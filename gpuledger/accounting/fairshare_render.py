@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuledger.accounting.associations import PARENT, parse_shares, AssociationError
+from gpuledger.accounting.associations import PARENT, AssociationError, parse_shares
 from gpuledger.accounting.fairshare import Row, UsageError
 
 # (header, width, getter). A negative width is left-aligned, as in sshare's print_fields table.
@@ -168,11 +168,11 @@ def parse_sshare_parsable(text: str) -> list[Row]:
         if len(fields) != len(header):
             raise SshareParseError(f"sshare output line {n}: {len(fields)} fields, expected {len(header)}")
 
-        def cell(name: str) -> str | None:
+        def cell(name: str, fields: list[str] = fields) -> str | None:
             i = col.get(name)
             return None if i is None else fields[i]
 
-        def num(name: str) -> float | None:
+        def num(name: str, n: int = n) -> float | None:
             v = cell(name)
             if v is None or v == "":
                 return None

@@ -10,13 +10,14 @@ interval, in day buckets, or hour buckets for spans under two days), the distrib
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from html import escape
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.period import job_end
-from gpuledger.accounting.report.usage import usage_columns, UsageReport
+from gpuledger.accounting.report.usage import UsageReport, usage_columns
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
 W, H = 760, 300
@@ -62,7 +63,7 @@ def stacked_bars(chart_id: str, labels: Sequence[str], series: Mapping[str, Sequ
     every = max(1, math.ceil(n / 12))
     for i, lab in enumerate(labels):
         x = PAD_L + i * bw
-        y = H - PAD_B
+        y = float(H - PAD_B)
         for k, (name, vals) in enumerate(series.items()):
             v = vals[i]
             if v <= 0:
@@ -70,11 +71,13 @@ def stacked_bars(chart_id: str, labels: Sequence[str], series: Mapping[str, Sequ
             h = ih * v / top
             y -= h
             tip = f"{lab}: {_num(v)} {notes[i]}" if notes is not None else f"{name} {lab}: {_num(v)}"
-            parts.append(f'<rect class="bar" data-series="{escape(name)}" data-label="{escape(lab)}" data-value="{v!r}" '
-                         f'x="{x + bw * 0.1:.2f}" y="{y:.2f}" width="{bw * 0.8:.2f}" height="{h:.2f}" '
+            parts.append(f'<rect class="bar" data-series="{escape(name)}" data-label="{escape(lab)}" '
+                         f'data-value="{v!r}" x="{x + bw * 0.1:.2f}" y="{y:.2f}" '
+                         f'width="{bw * 0.8:.2f}" height="{h:.2f}" '
                          f'fill="{colors[k % len(colors)]}"><title>{escape(tip)}</title></rect>')
         if i % every == 0:
-            parts.append(f'<text x="{x + bw / 2:.1f}" y="{H - PAD_B + 16}" text-anchor="middle" class="tick">{escape(lab)}</text>')
+            parts.append(f'<text x="{x + bw / 2:.1f}" y="{H - PAD_B + 16}" text-anchor="middle" class="tick">'
+                         f'{escape(lab)}</text>')
     legend = "".join(
         f'<span class="key"><i style="background:{colors[k % len(colors)]}"></i>{escape(name)}</span>'
         for k, name in enumerate(series)) if len(series) > 1 else ""
@@ -83,7 +86,8 @@ def stacked_bars(chart_id: str, labels: Sequence[str], series: Mapping[str, Sequ
 
 
 # -- data for the charts ------------------------------------------------------------------------------------------
-def usage_over_time(entries: Iterable[LedgerEntry], start: float, end: float) -> tuple[list[str], dict[str, list[float]]]:
+def usage_over_time(entries: Iterable[LedgerEntry], start: float, end: float
+                    ) -> tuple[list[str], dict[str, list[float]]]:
     """Allocated GPU-hours per time bucket and account; each job spread evenly over [first_ts, last_ts]."""
     es = [e for e in entries if e.usage is not None]
     if not es:
@@ -98,7 +102,7 @@ def usage_over_time(entries: Iterable[LedgerEntry], start: float, end: float) ->
     b0 = math.floor(lo / step) * step
     nb = max(1, math.ceil((hi - b0) / step))
     fmt = "%m-%d %H:00" if step == 3600.0 else "%m-%d"
-    labels = [datetime.fromtimestamp(b0 + i * step, timezone.utc).strftime(fmt) for i in range(nb)]
+    labels = [datetime.fromtimestamp(b0 + i * step, UTC).strftime(fmt) for i in range(nb)]
     series: dict[str, list[float]] = {}
     for e in es:
         u = e.usage
@@ -155,10 +159,11 @@ def render_html(rep: UsageReport, entries: Sequence[LedgerEntry], title: str = "
     cols = usage_columns(rep.by, rep.currency)
     head = "".join(f"<th>{escape(n)}</th>" for n, _ in cols)
     body = "".join(
-        f'<tr{" class=total" if r is rep.total else ""}>' + "".join(f"<td>{escape(f(r))}</td>" for _, f in cols) + "</tr>"
+        f'<tr{" class=total" if r is rep.total else ""}>'
+        + "".join(f"<td>{escape(f(r))}</td>" for _, f in cols) + "</tr>"
         for r in [*rep.rows, rep.total])
-    meta = f"Period {escape(rep.period.label)} (jobs counted whole in the period they ended, UTC); grouped by {escape(rep.by)}; " \
-           f"{rep.total.jobs} jobs."
+    meta = (f"Period {escape(rep.period.label)} (jobs counted whole in the period they ended, UTC); "
+            f"grouped by {escape(rep.by)}; {rep.total.jobs} jobs.")
     if manifest:
         meta += "<br>" + escape(", ".join(f"{k}: {v}" for k, v in manifest.items()))
     hist = stacked_bars("chart-efficiency", elabels, {"jobs": ejobs}, "jobs", (PALETTE[2],),

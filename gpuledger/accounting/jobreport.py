@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Mapping, Protocol, Sequence, cast
+from typing import Any, Protocol, cast
 
 from gpuledger.collector.ledger_store import LedgerReader
 from gpuledger.collector.series_store import RAW, SeriesReader
@@ -131,7 +132,8 @@ class JobReport:
             "job_id": self.job_id,
             "record": self.record.to_dict() if self.record else None,
             "total": self.total.to_dict() if self.total else None,
-            "gpus": [{"usage": g.usage.to_dict(), "events": {**asdict(g.events), "xid": {str(k): v for k, v in g.events.xid.items()}}}
+            "gpus": [{"usage": g.usage.to_dict(),
+                      "events": {**asdict(g.events), "xid": {str(k): v for k, v in g.events.xid.items()}}}
                      for g in self.gpus],
             "notes": [asdict(n) for n in self.notes],
         }
@@ -196,10 +198,11 @@ def efficiency_notes(total: JobUsage | None, gpus: Sequence[GpuView], r: Rules) 
         u = g.usage
         if u.sm_active_mean is not None and u.sm_active_mean < r.idle_sm:
             idle.append(g)
-            notes.append(Note("idle_gpu", f"GPU {u.host}/{u.gpu_uuid} was idle: mean SM activity {_pct(u.sm_active_mean)} "
-                              f"(< {_pct(r.idle_sm)}) over {u.allocated_gpu_seconds / 3600:.2f} allocated GPU-hours",
-                              {"gpu": f"{u.host}/{u.gpu_uuid}", "sm_active_mean": u.sm_active_mean, "threshold": r.idle_sm,
-                               "allocated_gpu_hours": u.allocated_gpu_seconds / 3600}))
+            notes.append(Note("idle_gpu", f"GPU {u.host}/{u.gpu_uuid} was idle: mean SM activity "
+                              f"{_pct(u.sm_active_mean)} (< {_pct(r.idle_sm)}) over "
+                              f"{u.allocated_gpu_seconds / 3600:.2f} allocated GPU-hours",
+                              {"gpu": f"{u.host}/{u.gpu_uuid}", "sm_active_mean": u.sm_active_mean,
+                               "threshold": r.idle_sm, "allocated_gpu_hours": u.allocated_gpu_seconds / 3600}))
     eff = total.efficiency
     if eff is not None and eff < r.low_efficiency and len(idle) < len(gpus):
         notes.append(Note("low_efficiency", f"the job kept its GPUs' SMs busy {_pct(eff)} of the allocated time "
@@ -223,11 +226,13 @@ def efficiency_notes(total: JobUsage | None, gpus: Sequence[GpuView], r: Rules) 
                               + (f": {XID_MEANING[code]}" if code in XID_MEANING else ""),
                               {"gpu": f"{u.host}/{u.gpu_uuid}", "xid": code, "samples": n}))
         if ev.samples:
-            hot = {k: v for k, v in ev.throttle.items() if any(k == name and bad for name, bad in THROTTLE_BITS.values())}
+            hot = {k: v for k, v in ev.throttle.items()
+                   if any(k == name and bad for name, bad in THROTTLE_BITS.values())}
             worst = max(hot.values(), default=0)
             if worst / ev.samples > r.throttle_share:
                 notes.append(Note("throttling", f"GPU {u.host}/{u.gpu_uuid}: clocks throttled by heat or power in "
-                                  f"{worst / ev.samples:.0%} of {ev.samples} samples ({', '.join(f'{k} {v}' for k, v in hot.items())})",
+                                  f"{worst / ev.samples:.0%} of {ev.samples} samples "
+                                  f"({', '.join(f'{k} {v}' for k, v in hot.items())})",
                                   {"gpu": f"{u.host}/{u.gpu_uuid}", "samples": ev.samples, "reasons": hot,
                                    "share": worst / ev.samples, "threshold": r.throttle_share}))
     return notes
@@ -235,15 +240,15 @@ def efficiency_notes(total: JobUsage | None, gpus: Sequence[GpuView], r: Rules) 
 
 def _fit_notes(total: JobUsage, gpus: Sequence[GpuView], r: Rules) -> list[Note]:
     """Would the job fit on fewer GPUs, or one GPU on a MIG slice? Only when activity and memory are known."""
-    sms = [g.usage.sm_active_mean for g in gpus]
-    peaks = [g.usage.mem_used_peak_bytes for g in gpus]
-    sizes = [g.events.mem_total_bytes for g in gpus]
-    if any(v is None for v in sms) or any(v is None for v in peaks) or any(v is None for v in sizes):
-        return []
+    sms = [v for g in gpus if (v := g.usage.sm_active_mean) is not None]
+    peaks = [v for g in gpus if (v := g.usage.mem_used_peak_bytes) is not None]
+    sizes = [v for g in gpus if (v := g.events.mem_total_bytes) is not None]
     n = len(gpus)
-    sm_sum = math.fsum(sms)  # type: ignore[arg-type]
-    mem_sum = sum(peaks)  # type: ignore[arg-type]
-    size = min(sizes)  # type: ignore[type-var]
+    if not n or len(sms) < n or len(peaks) < n or len(sizes) < n:
+        return []
+    sm_sum = math.fsum(sms)
+    mem_sum = sum(peaks)
+    size = min(sizes)
     out = []
     if n > 1:
         k = max(1, math.ceil(sm_sum / r.fit_sm - 1e-9), math.ceil(mem_sum / (size * r.fit_mem) - 1e-9))
@@ -257,11 +262,11 @@ def _fit_notes(total: JobUsage, gpus: Sequence[GpuView], r: Rules) -> list[Note]
     if n == 1 and any(m in model for m in MIG_MODELS) and "/" not in gpus[0].usage.gpu_uuid:
         sm, peak = sms[0], peaks[0]
         for g7, m8 in MIG_SLICES:
-            if g7 / 7 * r.fit_sm >= sm and m8 / 8 * size * r.fit_mem >= peak:  # type: ignore[operator]
+            if g7 / 7 * r.fit_sm >= sm and m8 / 8 * size * r.fit_mem >= peak:
                 break
         if g7 < 7:
-            out.append(Note("mig_slice", f"would fit a MIG {g7}g slice ({m8 / 8 * size / GIB:.0f} GiB): mean SM activity "
-                            f"{_pct(sm)} of the whole GPU, memory peak {peak / GIB:.1f} GiB",  # type: ignore[operator]
+            out.append(Note("mig_slice", f"would fit a MIG {g7}g slice ({m8 / 8 * size / GIB:.0f} GiB): "
+                            f"mean SM activity {_pct(sm)} of the whole GPU, memory peak {peak / GIB:.1f} GiB",
                             {"slice": f"{g7}g", "slice_compute": g7 / 7, "slice_mem_bytes": m8 / 8 * size,
                              "sm_active_mean": sm, "mem_peak_bytes": peak, "mem_total_bytes": size,
                              "fit_sm": r.fit_sm, "fit_mem": r.fit_mem}))
@@ -289,8 +294,9 @@ def to_text(rep: JobReport) -> str:
     else:
         lines.append("  (no scheduler record: measured only)")
     if t is not None:
-        lines.append(f"  allocated {t.allocated_gpu_seconds / 3600:.2f} GPU-h, SM-active {t.sm_active_gpu_seconds / 3600:.2f} "
-                     f"GPU-h, efficiency {_pct(t.efficiency)}, energy {t.energy_joules / 3.6e6:.3f} kWh")
+        lines.append(f"  allocated {t.allocated_gpu_seconds / 3600:.2f} GPU-h, "
+                     f"SM-active {t.sm_active_gpu_seconds / 3600:.2f} GPU-h, efficiency {_pct(t.efficiency)}, "
+                     f"energy {t.energy_joules / 3.6e6:.3f} kWh")
     else:
         lines.append("  (no measurement)")
     if rep.gpus:

@@ -5,8 +5,8 @@ A job seen by only one side is kept and flagged (``only``), never silently dropp
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from gpuledger.collector.ledger_store import LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage

@@ -8,26 +8,37 @@ from __future__ import annotations
 
 import hashlib
 import json
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from gpuledger.accounting import audit as au
-from gpuledger.accounting.audit.verify import read_checkpoints
 from gpuledger.accounting import jobreport as jr
+from gpuledger.accounting.audit.verify import read_checkpoints
+from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.idle import IDLE_COLUMNS, idle_jobs
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.period import ALL_TIME, in_period, parse_period
-from gpuledger.accounting.report.settings import load_report_settings, ReportSettings
+from gpuledger.accounting.report.settings import ReportSettings, load_report_settings
 from gpuledger.accounting.report.tables import rich_table, to_csv, to_json
-from gpuledger.accounting.report.usage import usage_columns, usage_report, usage_report_csv, usage_report_json, usage_report_text
-from gpuledger.accounting.ledger import load as load_ledger
+from gpuledger.accounting.report.usage import (
+    usage_columns,
+    usage_report,
+    usage_report_csv,
+    usage_report_json,
+    usage_report_text,
+)
+
+if TYPE_CHECKING:
+    from gpuledger.accounting.privacy import Pseudonymizer
+    from gpuledger.collector.ledger_store import LedgerReader
+    from gpuledger.collector.store import SqliteStore
 
 STORE_NAME = "gpuledger.sqlite"
 CONFIG_NAME = "gpuledger.toml"
@@ -35,9 +46,11 @@ CONFIG_NAME = "gpuledger.toml"
 DataDir = Annotated[
     Path, typer.Option("--data-dir", envvar="GPULEDGER_DATA_DIR", help="Where the embedded store and outputs live."),
 ]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")]
-Pseudo = Annotated[bool, typer.Option("--pseudonymize", help="Replace user names by stable keyed pseudonyms (HMAC-SHA256).")]
-OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout; signed when "
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")]
+Pseudo = Annotated[
+    bool, typer.Option("--pseudonymize", help="Replace user names by stable keyed pseudonyms (HMAC-SHA256).")]
+OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout; signed when "
                                                    "an audit signing key exists (see `audit keygen`).")]
 
 console = Console()
@@ -47,28 +60,28 @@ report_app = typer.Typer(help="Usage reports for admins and auditors.", no_args_
 audit_app = typer.Typer(help="The tamper-evident audit trail and signed reports.", no_args_is_help=True)
 
 
-class UsageFmt(str, Enum):
+class UsageFmt(StrEnum):
     table = "table"
     csv = "csv"
     json = "json"
     html = "html"
 
 
-class TableFmt(str, Enum):
+class TableFmt(StrEnum):
     table = "table"
     json = "json"
     csv = "csv"
 
 
-class TextFmt(str, Enum):
+class TextFmt(StrEnum):
     text = "text"
     json = "json"
 
 
-class By(str, Enum):
+class By(StrEnum):
     account = "account"
     user = "user"
-    partition = "partition"
+    partition = "partition"  # type: ignore[assignment]  # shadows str.partition; typer reads the values
     model = "model"
     node = "node"
 
@@ -83,7 +96,7 @@ def _note(msg: str) -> None:
     err.print(msg, markup=False, highlight=False, soft_wrap=True)
 
 
-def _open_store(data_dir: Path):  # -> collector.store.SqliteStore
+def _open_store(data_dir: Path) -> SqliteStore:
     from gpuledger.collector.store import SqliteStore
 
     path = data_dir / STORE_NAME
@@ -99,13 +112,13 @@ def _settings(data_dir: Path, config: Path | None) -> ReportSettings:
         raise _fail(str(e)) from None
 
 
-def _alias(data_dir: Path):
+def _alias(data_dir: Path) -> Pseudonymizer:
     from gpuledger.accounting.privacy import Pseudonymizer
 
     return Pseudonymizer.for_data_dir(data_dir)
 
 
-def _per_gpu(store) -> dict[str, list]:
+def _per_gpu(store: LedgerReader) -> dict[str, list]:
     out: dict[str, list] = {}
     for u in store.job_usage(per_gpu=True):
         out.setdefault(u.job_id, []).append(u)
@@ -120,7 +133,8 @@ def _emit(text: str, output: Path | None) -> None:
         output.write_text(text)
 
 
-def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict[str, Any], period: dict[str, Any]) -> None:
+def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict[str, Any],
+          period: dict[str, Any]) -> None:
     """Sign a written report when a key exists; say so either way (an unsigned report is not an error). The
     manifest binds the job and usage records used, which must match the audit log (else exit 1, unsigned)."""
     if output is None:
@@ -149,9 +163,9 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
 def report_usage(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    start: Annotated[Optional[str], typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
-    end: Annotated[Optional[str], typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
-    period: Annotated[Optional[str], typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
+    start: Annotated[str | None, typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
+    end: Annotated[str | None, typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
+    period: Annotated[str | None, typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
     by: Annotated[By, typer.Option("--by")] = By.account,
     fmt: Annotated[UsageFmt, typer.Option("--format")] = UsageFmt.table,
     pseudonymize: Pseudo = False,
@@ -254,11 +268,11 @@ def report_job(
 def report_idle(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    threshold: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="a GPU is idle below this mean SM "
+    threshold: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="a GPU is idle below this mean SM "
                                                        "activity (default: report.idle_threshold, 0.05)")] = None,
     min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="list jobs whose idle GPUs hold at least this "
                                              "share of their GPU-time")] = 0.5,
-    period: Annotated[Optional[str], typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
+    period: Annotated[str | None, typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     pseudonymize: Pseudo = False,
 ) -> None:
@@ -286,7 +300,7 @@ def report_idle(
 
 
 # -- audit ----------------------------------------------------------------------------------------------------------
-KeyOpt = Annotated[Optional[Path], typer.Option("--private-key", help="the signing key (default: $GPULEDGER_AUDIT_KEY, "
+KeyOpt = Annotated[Path | None, typer.Option("--private-key", help="the signing key (default: $GPULEDGER_AUDIT_KEY, "
                                                 "else $XDG_CONFIG_HOME/gpuledger/audit-signing.key); never in the data dir")]
 
 
@@ -344,7 +358,7 @@ def audit_keygen(
 def audit_checkpoint(
     data_dir: DataDir = Path("gpuledger-data"),
     private_key: KeyOpt = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="write here (default: stdout); ship it off "
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="write here (default: stdout); ship it off "
                                                    "this machine")] = None,
 ) -> None:
     """Sign the audit log's tree head (size, root hash, time, key id) as a checkpoint (a signed note)."""
@@ -391,13 +405,13 @@ def _store_changes(changes) -> str:
 
 @audit_app.command("verify")
 def audit_verify(
-    reports: Annotated[Optional[list[Path]], typer.Argument(help="signed reports (each manifest lies beside it)")] = None,
+    reports: Annotated[list[Path] | None, typer.Argument(help="signed reports (each manifest lies beside it)")] = None,
     data_dir: DataDir = Path("gpuledger-data"),
-    checkpoint: Annotated[Optional[list[Path]], typer.Option("--checkpoint", help="checkpoints the log must extend "
+    checkpoint: Annotated[list[Path] | None, typer.Option("--checkpoint", help="checkpoints the log must extend "
                                                              "(repeat: several narrow the first changed entry)")] = None,
-    public_key: Annotated[Optional[list[Path]], typer.Option("--public-key", help="pin the signing key (default: the "
+    public_key: Annotated[list[Path] | None, typer.Option("--public-key", help="pin the signing key (default: the "
                                                              "public key beside the default private key)")] = None,
-    keyring: Annotated[Optional[Path], typer.Option("--keyring", help="rotation records linking retired keys to the "
+    keyring: Annotated[Path | None, typer.Option("--keyring", help="rotation records linking retired keys to the "
                                                     "pinned one (default: beside the default private key)")] = None,
     store: Annotated[bool, typer.Option("--store", help="also list store rows that disagree with their logged "
                                         "record")] = False,
@@ -456,9 +470,9 @@ def _bind_store(data_dir: Path, log, write: bool, accept_reason: str | None = No
 
 @audit_app.command("proof")
 def audit_proof(
-    entry: Annotated[Optional[int], typer.Option("--entry", help="inclusion proof of this entry (numbered from 1)")] = None,
-    since: Annotated[Optional[int], typer.Option("--since", help="consistency proof from this tree size")] = None,
-    size: Annotated[Optional[int], typer.Option("--size", help="in the tree of this size (default: now)")] = None,
+    entry: Annotated[int | None, typer.Option("--entry", help="inclusion proof of this entry (numbered from 1)")] = None,
+    since: Annotated[int | None, typer.Option("--since", help="consistency proof from this tree size")] = None,
+    size: Annotated[int | None, typer.Option("--size", help="in the tree of this size (default: now)")] = None,
     data_dir: DataDir = Path("gpuledger-data"),
 ) -> None:
     """RFC 9162 proofs as JSON (hex hashes): an entry's inclusion proof, or a consistency proof between sizes."""
@@ -513,7 +527,7 @@ def audit_explain(
 @audit_app.command("record")
 def audit_record(
     data_dir: DataDir = Path("gpuledger-data"),
-    accept_store_changes: Annotated[Optional[str], typer.Option("--accept-store-changes", metavar="REASON", help="log "
+    accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="log "
                                     "store rows that differ from their final logged record as corrections")] = None,
 ) -> None:
     """Append the store's job records and per-job usage that the log does not hold yet (final once a job ended)."""
@@ -533,7 +547,7 @@ def audit_record(
 def audit_retention(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    days: Annotated[Optional[float], typer.Option(min=0.0, help="default: report.retention_days")] = None,
+    days: Annotated[float | None, typer.Option(min=0.0, help="default: report.retention_days")] = None,
 ) -> None:
     """Pseudonymize user names in the store's job records that ended more than N days ago."""
     from gpuledger.accounting.privacy import apply_retention

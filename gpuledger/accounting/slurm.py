@@ -27,10 +27,9 @@ import re
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone, tzinfo
+from datetime import UTC, datetime, tzinfo
 from typing import Any
 
-from gpuledger.schema.records import JobRecord
 from gpuledger.agent.slurm import (
     SlurmParseError,
     expand_hostlist,
@@ -41,6 +40,7 @@ from gpuledger.agent.slurm import (
     state_word,
 )
 from gpuledger.agent.slurm import parse_squeue_json as parse_squeue_meta
+from gpuledger.schema.records import JobRecord
 
 __all__ = [
     "PendingJob",
@@ -275,7 +275,7 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
         if len(fields) != len(header):
             raise SlurmParseError(f"sacct -P line {n}: {len(fields)} fields, header has {len(header)}: {line!r}")
 
-        def get(name: str) -> str:
+        def get(name: str, fields: list[str] = fields) -> str:
             i = col.get(name)
             return fields[i].strip() if i is not None else ""
 
@@ -372,9 +372,9 @@ Run = Callable[..., "subprocess.CompletedProcess[str]"]
 
 def _slurm_time(t: float | datetime) -> str:
     # Passed to sacct with TZ=UTC, so give the instant in UTC.
-    dt = t if isinstance(t, datetime) else datetime.fromtimestamp(float(t), timezone.utc)
+    dt = t if isinstance(t, datetime) else datetime.fromtimestamp(float(t), UTC)
     if dt.tzinfo is not None:
-        dt = dt.astimezone(timezone.utc)
+        dt = dt.astimezone(UTC)
     return dt.strftime("%Y-%m-%dT%H:%M:%S")
 
 
@@ -409,7 +409,7 @@ class SlurmClient:
         utc = {"TZ": "UTC"}
         as_json = parse_sacct_json(self._call(["sacct", "--json", *window], utc))
         parsable = parse_sacct_parsable(
-            self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=timezone.utc)
+            self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC)
         return merge_sacct(as_json, parsable)
 
     def pending_jobs(self) -> list[PendingJob]:

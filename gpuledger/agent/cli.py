@@ -11,22 +11,22 @@ import socket
 import sys
 import threading
 import time
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sources import SOURCES, make_source
 from gpuledger.agent.sources.base import SourceUnavailable
+from gpuledger.schema.records import GpuSample
 
 app = typer.Typer(help="GPU node agent: read GPUs (nvml, dcgm, dcgm-exporter, simulated), expose and push samples.",
                   no_args_is_help=True)
 
 
-class OutputFormat(str, Enum):
+class OutputFormat(StrEnum):
     json = "json"
     table = "table"
 
@@ -223,8 +223,8 @@ def run(
             timer.start()
         agent.run(interval, stop)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if timer is not None:
             timer.cancel()
         if server is not None:

@@ -16,23 +16,28 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sampler import ERROR_KINDS
+from gpuledger.schema.records import GpuSample
 
 GPU_LABELS: tuple[str, ...] = ("host", "gpu", "uuid", "model", "mig")
 JOB_LABELS: tuple[str, ...] = ("host", "gpu", "uuid", "mig", "jobid")
 
 # (metric name without the counter's _total, GpuSample field, help, is_counter)
 GPU_METRICS: tuple[tuple[str, str, str, bool], ...] = (
-    ("gpuledger_gpu_sm_active_ratio", "sm_active_ratio", "Fraction of time at least one warp was resident on an SM, averaged over SMs.", False),
-    ("gpuledger_gpu_sm_occupancy_ratio", "sm_occupancy_ratio", "Resident warps over the maximum, averaged over SMs.", False),
+    ("gpuledger_gpu_sm_active_ratio", "sm_active_ratio",
+     "Fraction of time at least one warp was resident on an SM, averaged over SMs.", False),
+    ("gpuledger_gpu_sm_occupancy_ratio", "sm_occupancy_ratio",
+     "Resident warps over the maximum, averaged over SMs.", False),
     ("gpuledger_gpu_dram_bandwidth_ratio", "dram_bw_ratio", "Device memory (HBM) bandwidth utilisation.", False),
-    ("gpuledger_gpu_tensor_active_ratio", "tensor_active_ratio", "Fraction of cycles the tensor pipes were active.", False),
+    ("gpuledger_gpu_tensor_active_ratio", "tensor_active_ratio",
+     "Fraction of cycles the tensor pipes were active.", False),
     ("gpuledger_gpu_fp64_active_ratio", "fp64_active_ratio", "Fraction of cycles the FP64 pipes were active.", False),
     ("gpuledger_gpu_fp32_active_ratio", "fp32_active_ratio", "Fraction of cycles the FP32 pipes were active.", False),
     ("gpuledger_gpu_fp16_active_ratio", "fp16_active_ratio", "Fraction of cycles the FP16 pipes were active.", False),
-    ("gpuledger_gpu_utilization_ratio", "gpu_util_ratio", "Fraction of time a kernel was running (what nvidia-smi shows).", False),
-    ("gpuledger_gpu_memory_copy_utilization_ratio", "mem_copy_util_ratio", "Fraction of time device memory was read or written.", False),
+    ("gpuledger_gpu_utilization_ratio", "gpu_util_ratio",
+     "Fraction of time a kernel was running (what nvidia-smi shows).", False),
+    ("gpuledger_gpu_memory_copy_utilization_ratio", "mem_copy_util_ratio",
+     "Fraction of time device memory was read or written.", False),
     ("gpuledger_gpu_memory_used_bytes", "mem_used_bytes", "Device memory in use.", False),
     ("gpuledger_gpu_memory_total_bytes", "mem_total_bytes", "Device memory in total.", False),
     ("gpuledger_gpu_power_watts", "power_watts", "Power draw.", False),
@@ -67,7 +72,7 @@ class SnapshotCollector:
     def _gpu_metrics(self, snapshot: Iterable[GpuSample]) -> Iterator[Metric]:
         snapshot = list(snapshot)
         for name, attr, doc, is_counter in GPU_METRICS:
-            family: Metric = (
+            family: CounterMetricFamily | GaugeMetricFamily = (
                 CounterMetricFamily(name, doc, labels=GPU_LABELS)
                 if is_counter
                 else GaugeMetricFamily(name, doc, labels=GPU_LABELS)
@@ -78,13 +83,14 @@ class SnapshotCollector:
                     family.add_metric(_gpu_labels(s), float(v))
             if family.samples:
                 yield family
-        xids = CounterMetricFamily("gpuledger_gpu_xid_errors", "Xid errors the driver reported since the agent started.",
-                                   labels=GPU_LABELS)
+        xids = CounterMetricFamily("gpuledger_gpu_xid_errors",
+                                   "Xid errors the driver reported since the agent started.", labels=GPU_LABELS)
         models = {(s.host, s.gpu_index, s.gpu_uuid, s.mig or ""): s.model for s in snapshot}
         for (host, index, uuid, mig), n in sorted(getattr(self.agent, "xid_errors_total", {}).items()):
             xids.add_metric([host, str(index), uuid, models.get((host, index, uuid, mig), ""), mig], float(n))
         yield xids
-        info = GaugeMetricFamily("gpuledger_gpu_job_info", "Job holding the GPU (1 per GPU and job).", labels=JOB_LABELS)
+        info = GaugeMetricFamily("gpuledger_gpu_job_info", "Job holding the GPU (1 per GPU and job).",
+                                 labels=JOB_LABELS)
         for s in snapshot:
             for job in s.job_ids:
                 info.add_metric([s.host, str(s.gpu_index), s.gpu_uuid, s.mig or "", job], 1.0)
@@ -92,8 +98,10 @@ class SnapshotCollector:
 
     def _self_metrics(self) -> Iterator[Metric]:
         a = self.agent
-        yield CounterMetricFamily("gpuledger_agent_ticks", "Sampling ticks run.", value=float(getattr(a, "ticks_total", 0)))
-        errors = CounterMetricFamily("gpuledger_agent_errors", "Errors by kind (source, mapper, sink, internal).", labels=("kind",))
+        yield CounterMetricFamily("gpuledger_agent_ticks", "Sampling ticks run.",
+                                  value=float(getattr(a, "ticks_total", 0)))
+        errors = CounterMetricFamily("gpuledger_agent_errors", "Errors by kind (source, mapper, sink, internal).",
+                                     labels=("kind",))
         counts = dict.fromkeys(ERROR_KINDS, 0)
         counts.update(getattr(a, "errors_total", {}))
         for kind, n in sorted(counts.items()):
@@ -101,23 +109,32 @@ class SnapshotCollector:
         yield errors
         last = getattr(a, "last_tick_seconds", None)
         if last is not None:
-            yield GaugeMetricFamily("gpuledger_agent_tick_seconds", "Duration of the last sampling tick.", value=float(last))
+            yield GaugeMetricFamily("gpuledger_agent_tick_seconds", "Duration of the last sampling tick.",
+                                    value=float(last))
         ts = getattr(a, "last_tick_ts", None)
         if ts is not None:
-            yield GaugeMetricFamily(
-                "gpuledger_agent_last_tick_timestamp_seconds", "When the last sampling tick started (unix time).", value=float(ts)
-            )
-        yield GaugeMetricFamily("gpuledger_agent_gpus", "GPUs (and MIG instances) in the latest snapshot.", value=float(len(a.snapshot)))
+            yield GaugeMetricFamily("gpuledger_agent_last_tick_timestamp_seconds",
+                                    "When the last sampling tick started (unix time).", value=float(ts))
+        yield GaugeMetricFamily("gpuledger_agent_gpus", "GPUs (and MIG instances) in the latest snapshot.",
+                                value=float(len(a.snapshot)))
         yield from self._source_metrics(getattr(a, "source", None))
         for sink in getattr(a, "sinks", ()):  # a spooling pusher (agent.spool) reports its spool
             stats = getattr(sink, "stats", None)
             st = stats() if callable(stats) else None
             if st:
-                yield GaugeMetricFamily("gpuledger_agent_spool_batches", "Batches waiting in the spool.", value=float(st["depth"]))
-                yield GaugeMetricFamily("gpuledger_agent_spool_bytes", "Bytes the spool holds on disk.", value=float(st["bytes"]))
-                yield CounterMetricFamily("gpuledger_agent_spool_dropped_batches", "Oldest batches dropped from a full spool.", value=float(st["dropped_batches"]))
-                yield CounterMetricFamily("gpuledger_agent_spool_dropped_samples", "Samples in batches dropped from a full spool.", value=float(st["dropped_samples"]))
-                yield CounterMetricFamily("gpuledger_agent_push_rejected_batches", "Batches the collector refused (4xx) and the agent dropped.", value=float(st["rejected_batches"]))
+                yield GaugeMetricFamily("gpuledger_agent_spool_batches", "Batches waiting in the spool.",
+                                        value=float(st["depth"]))
+                yield GaugeMetricFamily("gpuledger_agent_spool_bytes", "Bytes the spool holds on disk.",
+                                        value=float(st["bytes"]))
+                yield CounterMetricFamily("gpuledger_agent_spool_dropped_batches",
+                                          "Oldest batches dropped from a full spool.",
+                                          value=float(st["dropped_batches"]))
+                yield CounterMetricFamily("gpuledger_agent_spool_dropped_samples",
+                                          "Samples in batches dropped from a full spool.",
+                                          value=float(st["dropped_samples"]))
+                yield CounterMetricFamily("gpuledger_agent_push_rejected_batches",
+                                          "Batches the collector refused (4xx) and the agent dropped.",
+                                          value=float(st["rejected_batches"]))
                 break
 
 

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sharing import split_mig_energy
+from gpuledger.schema.records import GpuSample
 
 # "NVIDIA A100-SXM4-80GB MIG 3g.40gb" / "1g.10gb+me": compute slices out of 7 on A100/H100/H200.
 _PROFILE = re.compile(r"(\d+)g\.\d+gb")
@@ -58,7 +58,7 @@ class MigEnergySplitter:
     def __init__(self, idle_watts: float | None = None) -> None:
         self._idle_watts = idle_watts
         self._prev: dict[tuple[str, str], tuple[float, float | None]] = {}  # GPU -> (ts, parent counter)
-        self._virtual: dict[tuple[str, str, str], float] = {}  # instance -> virtual counter (J)
+        self._virtual: dict[tuple[str, str, str | None], float] = {}  # instance -> virtual counter (J)
 
     def map(self, samples: Sequence[GpuSample]) -> list[GpuSample]:
         instances: dict[tuple[str, str], list[GpuSample]] = defaultdict(list)
@@ -81,7 +81,7 @@ class MigEnergySplitter:
                 # Each instance's counter starts at its slice of the GPU's counter: the sum is the GPU's counter.
                 start = self._split(s.energy_joules, insts, fractions, None, by_slice=True) or {}
                 for i in insts:
-                    self._virtual[(i.host, i.gpu_uuid, i.mig)] = start.get(i.mig, 0.0)  # type: ignore[arg-type]
+                    self._virtual[(i.host, i.gpu_uuid, i.mig)] = start.get(i.mig, 0.0)
                 shares: dict[str | None, float] = {}
             else:
                 # An instance seen for the first time starts at 0 and takes no share yet: downstream, a series'

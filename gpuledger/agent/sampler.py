@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from gpuledger.agent.mappers.base import JobMapper
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.agent.sources.base import GpuSource
+from gpuledger.schema.records import GpuSample, JobRecord
 
 log = logging.getLogger(__name__)
 

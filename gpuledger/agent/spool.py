@@ -15,6 +15,7 @@ never take the batch: it is dropped, counted and logged.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import random
@@ -92,7 +93,7 @@ class Spool:
             return sorted(self._index)
 
     # -- operations ---------------------------------------------------------------------------
-    def put(self, seq: int, body: bytes, samples: int, fmt: str = "json", compress: str | None = None) -> None:
+    def put(self, seq: int, body: builtins.bytes, samples: int, fmt: str = "json", compress: str | None = None) -> None:
         """Store one batch durably (replacing one of the same seq), then drop the oldest while over the bound."""
         name = f"{seq:020d}-{samples}.{fmt}{_COMPRESS_SUFFIX[compress]}"
         tmp = self.path / f".{name}.tmp"
@@ -112,7 +113,7 @@ class Spool:
             self._bytes += len(body)
             self._enforce_bound(keep=seq)
 
-    def oldest(self) -> tuple[SpooledBatch, bytes] | None:
+    def oldest(self) -> tuple[SpooledBatch, builtins.bytes] | None:
         """The batch with the lowest seq and its body; an unreadable file is dropped (and counted)."""
         while True:
             with self._lock:

@@ -42,8 +42,8 @@ import msgpack
 import numpy as np
 import zstandard
 
-from gpuledger.schema.records import SAMPLE_FIELDS, GpuProcess, GpuSample
 from gpuledger.collector.series import Series
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuProcess, GpuSample
 
 VERSION = 1
 LIGHT = 2  # the light form of small chunks
@@ -292,7 +292,7 @@ _Encoded = tuple[list, bytes]  # (meta, data)
 
 
 def _present(values: Sequence) -> tuple[list | Sequence, bytes | None]:
-    absent = values.count(None)  # type: ignore[attr-defined]  # lists and tuples: a C-speed scan
+    absent = values.count(None)  # lists and tuples: a C-speed scan
     if not absent:
         return values, None
     if absent == len(values):
@@ -303,7 +303,7 @@ def _present(values: Sequence) -> tuple[list | Sequence, bytes | None]:
 
 def _rle(values: Sequence) -> list:
     # the usual case, one value throughout (model, job ids of a GPU), checked at C speed
-    if values and values.count(values[0]) == len(values) and len(set(map(type, values))) == 1:  # type: ignore[attr-defined]
+    if values and values.count(values[0]) == len(values) and len(set(map(type, values))) == 1:
         return [[values[0], len(values)]]
     runs: list = []
     prev: Any = object()
@@ -373,15 +373,16 @@ def encode_columns(n: int, columns: Sequence[tuple], light: bool | None = None) 
             continue
         if isinstance(values, np.ndarray):
             arr, mask_arr = values, (rest[0] if rest else None)
-            if (n if mask_arr is None else int(mask_arr.sum())) != arr.size or (mask_arr is not None and mask_arr.size != n):
+            n_present = n if mask_arr is None else int(mask_arr.sum())
+            if n_present != arr.size or (mask_arr is not None and mask_arr.size != n):
                 raise ValueError(f"column {name!r}: {arr.size} present values do not fit its mask of {n} rows")
             mask = None if mask_arr is None or mask_arr.all() else np.packbits(mask_arr).tobytes()
         else:
             if len(values) != n:
                 raise ValueError(f"column {name!r} has {len(values)} values, expected {n}")
-            present, mask = _present(values)
+            present_values, mask = _present(values)
             try:
-                arr = np.array(present, dtype=np.float64 if kind == FLOAT else np.int64)
+                arr = np.array(present_values, dtype=np.float64 if kind == FLOAT else np.int64)
             except OverflowError:  # an integer beyond int64: keep it exact as a generic column
                 data = msgpack.packb(_rle(values), use_bin_type=True)
                 meta.append([name, OBJ, None, [], len(data)])
@@ -469,7 +470,7 @@ _DEFAULTS = {f: GpuSample.__dataclass_fields__[f].default for f in ROW_FIELDS}
 
 def encode_samples(samples: Sequence[GpuSample], light: bool | None = None) -> bytes:
     """One GPU's samples (any order) -> a chunk (``light``: None = by size). Tuples are stored as lists."""
-    cols = [list(map(g, samples)) for g in _GETS]  # per-field map: cheaper than transposing row tuples
+    cols: list[Sequence[Any]] = [list(map(g, samples)) for g in _GETS]  # cheaper than transposing row tuples
     procs = cols[_PROC]
     if any(procs):
         cols[_PROC] = tuple([[p.pid, p.used_memory_bytes] for p in ps] for ps in procs)
@@ -657,7 +658,7 @@ def merge_chunks(blobs: Sequence[bytes]) -> tuple[bytes, int, float, float]:
     for _, cols in decoded:
         for name, (kind, _v, _m) in cols.items():
             names.setdefault(name, kind)
-    full: dict[str, tuple[Any, np.ndarray]] = {}
+    full: dict[str, tuple[Any, Any]] = {}  # (OBJ, values) or (values array, present mask)
     for name, kind in names.items():
         if kind == OBJ or any(name in cols and cols[name][0] == OBJ for _, cols in decoded):
             vals: list = []
@@ -679,11 +680,11 @@ def merge_chunks(blobs: Sequence[bytes]) -> tuple[bytes, int, float, float]:
         full[name] = (np.concatenate(arrs), np.concatenate(masks))
     ts_arr, ts_mask = full["ts"]
     order = np.argsort(ts_arr, kind="stable")
-    out = []
+    out: list[tuple] = []
     for name, kind in names.items():
         if isinstance(full[name][0], str):  # (OBJ, values)
-            vals = full[name][1]  # also a numeric column that fell back to OBJ in some chunk
-            out.append((name, OBJ, [vals[i] for i in order.tolist()]))
+            obj_vals = full[name][1]  # also a numeric column that fell back to OBJ in some chunk
+            out.append((name, OBJ, [obj_vals[i] for i in order.tolist()]))
             continue
         a, m = full[name]
         a, m = a[order], m[order]

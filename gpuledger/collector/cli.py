@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import ssl
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import typer
@@ -29,7 +29,7 @@ def store_path(data_dir: Path) -> Path:
     return data_dir / DB_NAME
 
 
-class Format(str, Enum):
+class Format(StrEnum):
     table = "table"
     json = "json"
 
@@ -113,7 +113,8 @@ def usage(
         typer.echo(json.dumps([u.to_dict() for u in rows], indent=2))
         return
     t = Table(title=f"GPU job usage ({path})")
-    for col in ("job", "host", "GPU", "GPUs", "GPU-h", "SM-active GPU-h", "eff.", "mean HBM", "energy kWh", "peak mem GB"):
+    for col in ("job", "host", "GPU", "GPUs", "GPU-h", "SM-active GPU-h", "eff.", "mean HBM", "energy kWh",
+                "peak mem GB"):
         t.add_column(col, justify="left" if col in ("job", "host", "GPU") else "right")
     for u in rows:
         eff = u.efficiency

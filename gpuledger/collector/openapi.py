@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 from typing import Any
 
+from gpuledger.collector.validate import FUTURE_SLACK_S, MAX_FLOAT, MAX_INT
 from gpuledger.schema.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, GpuSample, JobRecord, JobUsage
 from gpuledger.schema.wire import COLUMNS, ROW_LISTS, SERIES_CONSTANTS
-from gpuledger.collector.validate import FUTURE_SLACK_S, MAX_FLOAT, MAX_INT
 
 API_VERSION = "1"
 _REF = "#/components/schemas/"
@@ -119,7 +119,7 @@ def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
 _BODY_TYPES = ("application/json", "application/msgpack")
 _AUTH_ERRORS = {"401": _error("No valid bearer token (auth on)."),
                 "403": _error("The token lacks the right (role, or another host's samples).")}
-_SECURED = [{"bearer": []}]
+_SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
 
 
 def _body(ref: str) -> dict[str, Any]:
@@ -220,7 +220,8 @@ def openapi_document() -> dict[str, Any]:
             "/api/v1/jobs": {
                 "get": {"operationId": "getJobs", "summary": "Job records known to the collector.",
                         "security": _SECURED,
-                        "responses": {"200": _json("Job records.", {"type": "array", "items": {"$ref": _REF + "JobRecord"}}),
+                        "responses": {"200": _json("Job records.",
+                                                   {"type": "array", "items": {"$ref": _REF + "JobRecord"}}),
                                       **_AUTH_ERRORS}},
                 "post": {"operationId": "postJobs", "summary": "Insert or update job records (admin).",
                          "security": _SECURED, "requestBody": _body("JobRecordList"),

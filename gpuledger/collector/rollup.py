@@ -9,7 +9,7 @@ for the energy counter, ``max`` is the counter at the bucket's end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,19 +20,28 @@ from gpuledger.collector.chunks import FLOAT, INT, NUMERIC_FIELDS, column_floats
 STATS = ("n", "sum", "min", "max")
 
 
+Stats = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # per row: n, sum, min, max of a field
+
+
+def _stats(columns: Iterable[np.ndarray]) -> Stats:
+    n, total, lo, hi = columns
+    return n, total, lo, hi
+
+
 @dataclass
 class Rollup:
     """Columnar rollup rows, sorted by ``ts``; ``stats[f]`` is (n, sum, min, max) arrays."""
 
     ts: np.ndarray
     samples: np.ndarray
-    stats: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    stats: dict[str, Stats] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.ts.size)
 
     def select(self, keep: np.ndarray) -> Rollup:
-        return Rollup(self.ts[keep], self.samples[keep], {f: tuple(a[keep] for a in s) for f, s in self.stats.items()})
+        return Rollup(self.ts[keep], self.samples[keep],
+                      {f: (n[keep], s[keep], lo[keep], hi[keep]) for f, (n, s, lo, hi) in self.stats.items()})
 
     def points(self, step: float, tier: str) -> list[RollupPoint]:
         out = []
@@ -90,7 +99,7 @@ def from_raw(ts: np.ndarray, values: dict[str, np.ndarray], step: float) -> Roll
     ts = ts[order]
     buckets, starts = _groups(ts, step)
     counts = np.diff(np.append(starts, ts.size)).astype(np.float64)
-    stats = {}
+    stats: dict[str, Stats] = {}
     for f in NUMERIC_FIELDS:
         v = values[f][order]
         ok = ~np.isnan(v)
@@ -109,7 +118,7 @@ def combine(r: Rollup, step: float) -> Rollup:
     order = np.argsort(r.ts, kind="stable")
     r = r.select(order)
     buckets, starts = _groups(r.ts, step)
-    stats = {}
+    stats: dict[str, Stats] = {}
     for f, (n, s, lo, hi) in r.stats.items():
         stats[f] = (np.add.reduceat(n, starts), np.add.reduceat(s, starts),
                     np.fmin.reduceat(lo, starts), np.fmax.reduceat(hi, starts))
@@ -121,7 +130,7 @@ def concat(parts: Sequence[Rollup]) -> Rollup:
     if not parts:
         return empty()
     return Rollup(np.concatenate([p.ts for p in parts]), np.concatenate([p.samples for p in parts]),
-                  {f: tuple(np.concatenate([p.stats[f][i] for p in parts]) for i in range(4)) for f in NUMERIC_FIELDS})
+                  {f: _stats(np.concatenate([p.stats[f][i] for p in parts]) for i in range(4)) for f in NUMERIC_FIELDS})
 
 
 def _col(a: np.ndarray, present: np.ndarray) -> list:
@@ -129,7 +138,8 @@ def _col(a: np.ndarray, present: np.ndarray) -> list:
 
 
 def encode(r: Rollup) -> bytes:
-    cols: list[tuple[str, str, Sequence]] = [("ts", FLOAT, r.ts.tolist()), ("samples", INT, r.samples.astype(np.int64).tolist())]
+    cols: list[tuple[str, str, Sequence]] = [("ts", FLOAT, r.ts.tolist()),
+                                             ("samples", INT, r.samples.astype(np.int64).tolist())]
     for f in NUMERIC_FIELDS:
         n, s, lo, hi = r.stats[f]
         present = n > 0
@@ -141,12 +151,12 @@ def encode(r: Rollup) -> bytes:
 def decode(blob: bytes) -> Rollup:
     n, cols = decode_columns(blob)
     ts = column_floats(n, cols["ts"])
-    stats = {}
+    stats: dict[str, Stats] = {}
     for f in NUMERIC_FIELDS:
         if f + ":n" not in cols:  # a field added after this chunk was written
             stats[f] = (np.zeros(n), np.zeros(n), np.full(n, np.nan), np.full(n, np.nan))
             continue
-        stats[f] = tuple(column_floats(n, cols[f"{f}:{k}"]) for k in STATS)
-    for f, (cnt, s, lo, hi) in stats.items():
+        stats[f] = _stats(column_floats(n, cols[f"{f}:{k}"]) for k in STATS)
+    for cnt, s, _lo, _hi in stats.values():
         s[cnt == 0] = 0.0
     return Rollup(ts, column_floats(n, cols["samples"]), stats)

@@ -106,11 +106,11 @@ def series_from_samples(samples: list[GpuSample]) -> Series:
             continue
         mask = None if not k else np.array([v is not None for v in vals])
         ints[f] = (np.array([0 if v is None else v for v in vals], dtype=np.int64), mask)
-    lists = {}
+    lists: dict[str, tuple] = {}
     for f in ("xid_errors", "processes"):
-        vals = tuple(getattr(s, f) for s in samples)
-        if any(vals):
-            lists[f] = vals
+        per_row = tuple(getattr(s, f) for s in samples)
+        if any(per_row):
+            lists[f] = per_row
     return Series(s0.host, s0.gpu_uuid, s0.gpu_index, np.array([s.ts for s in samples], dtype=np.float64),
                   model=s0.model, mig=s0.mig, source=s0.source, job_ids=s0.job_ids, job_shares=s0.job_shares,
                   floats=floats, ints=ints, lists=lists)

@@ -169,8 +169,8 @@ class SqliteSeriesStore:
         groups: dict[tuple, list[GpuSample]] = {}
         # Group a GPU's run at a time, not sample by sample: a stable sort keeps each GPU's samples in time
         # order (MIG instances of one GPU may come in several runs; they are appended in order).
-        for (host, uuid, mig), run in groupby(sorted(samples, key=_sample_gpu_order), key=_sample_gpu):
-            run = list(run)
+        for (host, uuid, mig), gpu_run in groupby(sorted(samples, key=_sample_gpu_order), key=_sample_gpu):
+            run = list(gpu_run)
             for i, j, bucket in _intervals(np.array(list(map(_sample_time, run)), dtype=np.float64), span):
                 groups.setdefault((host, uuid, mig or "", bucket), []).extend(run[i:j])
         self._insert_raw(groups)

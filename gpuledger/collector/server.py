@@ -214,6 +214,8 @@ class CollectorServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
+        if isinstance(host, bytes):
+            host = host.decode()
         return f"{'https' if self._tls else 'http'}://{host}:{port}"
 
     def start(self) -> CollectorServer:

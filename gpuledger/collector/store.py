@@ -24,13 +24,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gpuledger.collector.aggregate import AddCounts, Aggregator
 from gpuledger.collector.auditlog.files import private_file
 from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger
 from gpuledger.collector.rollup import RollupPoint
+from gpuledger.collector.series import Series
 from gpuledger.collector.series_store import TIERS, Retention, SqliteSeriesStore
+from gpuledger.collector.sinks import Sink
 from gpuledger.collector.sqlite_db import connect, transaction
 from gpuledger.collector.validate import Batch, as_sample
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsage
@@ -75,7 +76,7 @@ class SqliteStore:
         clock: Callable[[], float] = time.time,
         cache_limit: int = 200_000,
         retention: Retention = Retention(),
-        sinks: Sequence[Any] = (),
+        sinks: Sequence[Sink] = (),
         summary_interval_s: float = 60.0,
     ) -> None:
         retention.check(window_s)
@@ -134,6 +135,7 @@ class SqliteStore:
                     # sample); series are folded and packed a column at a time unless a GPU's samples must go
                     # one by one
                     rows = list(batch.rows)
+                    folded: list[Series]
                     if rows:  # both layouts in one batch (only through the Python API): all one by one
                         folded, rest = [], [r for s in batch.series for r in s.rows()]
                     else:

@@ -20,7 +20,7 @@ import math
 import operator
 import zlib
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import numpy as np
@@ -29,11 +29,19 @@ import zstandard
 try:  # optional: decodes and type-checks msgpack batches in C; without it every batch takes the per-sample path
     import msgspec
 except ImportError:  # pragma: no cover - depends on the environment
-    msgspec = None
+    msgspec = None  # type: ignore[assignment]
 
-from gpuledger.schema.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, SAMPLE_FIELDS, GpuProcess, GpuSample, JobRecord
-from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, ROW_LISTS, SERIES_CONSTANTS
 from gpuledger.collector.series import Series
+from gpuledger.schema.records import (
+    INT_FIELDS,
+    NONNEG_FIELDS,
+    RATIO_FIELDS,
+    SAMPLE_FIELDS,
+    GpuProcess,
+    GpuSample,
+    JobRecord,
+)
+from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, ROW_LISTS, SERIES_CONSTANTS
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB
 FUTURE_SLACK_S = 300.0
@@ -116,7 +124,7 @@ def as_sample(r: Any) -> GpuSample:
     return r if type(r) is GpuSample else GpuSample(*msgspec.structs.astuple(r))
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and -MAX_INT - 1 <= v <= MAX_INT
 
 
@@ -146,7 +154,8 @@ def _decompress(body: bytes, content_encoding: str, max_bytes: int) -> bytes:
             if len(body) > max_bytes:
                 raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes", "too_large")
         elif enc not in ("", "identity"):
-            raise BatchError(415, f"unsupported Content-Encoding {content_encoding!r} (use gzip or zstd)", "unsupported")
+            raise BatchError(415, f"unsupported Content-Encoding {content_encoding!r} (use gzip or zstd)",
+                             "unsupported")
     except (zlib.error, zstandard.ZstdError, EOFError, gzip.BadGzipFile) as e:
         raise BatchError(400, f"body is not valid {enc}: {e}", "malformed") from None
     return body
@@ -305,7 +314,8 @@ def _shares(v: Any) -> Any:
 
 def _processes(v: Any) -> Any:
     if type(v) is not list or not all(
-        type(p) is list and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))
+        type(p) is list and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
+        and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))
         for p in v
     ):
         return _BAD
@@ -559,13 +569,17 @@ def _fast_decoder() -> Any:
     def num(t: type, **bounds: Any) -> Any:
         return Annotated[t, msgspec.Meta(**bounds)]
 
+    # msgspec's types are built at run time from these bounds; Any-typed names keep a static checker out
+    tuple_of: Any = tuple
+    list_of: Any = list
+
     name = num(str, min_length=1)
     count = num(int, ge=0, le=MAX_INT)
     types: dict[str, Any] = {
         "ts": num(float, gt=0.0, le=MAX_FLOAT), "host": name, "gpu_uuid": name, "model": str, "source": str,
-        "gpu_index": count, "mig": name | None, "xid_errors": tuple[num(int, ge=-MAX_INT - 1, le=MAX_INT), ...],
-        "job_ids": tuple[name, ...], "job_shares": tuple[num(float, ge=0.0, le=MAX_FLOAT), ...],
-        "processes": tuple[tuple[count, count | None], ...],
+        "gpu_index": count, "mig": name | None, "xid_errors": tuple_of[num(int, ge=-MAX_INT - 1, le=MAX_INT), ...],
+        "job_ids": tuple_of[name, ...], "job_shares": tuple_of[num(float, ge=0.0, le=MAX_FLOAT), ...],
+        "processes": tuple_of[tuple_of[count, count | None], ...],
         # every other numeric field: optional, within the bounds the column checks use too
         **{k: num(int if k in _INTS else float, ge=lo, le=hi) | None
            for k, (lo, hi) in _COLUMN_BOUNDS.items() if k != "ts"},
@@ -577,17 +591,18 @@ def _fast_decoder() -> Any:
     row = msgspec.defstruct("WireSample", spec, forbid_unknown_fields=True, gc=False)
     # a series: the constants typed as above; a column is a list (typed, null = absent; ts has no nulls) or
     # bytes (checked with numpy); per-row lists as lists of the row fields' types
-    series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", list[types["ts"]] | bytes)]
+    time_type = types["ts"]
+    series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", list_of[time_type] | bytes)]
     series_spec += [(k, types[k], GpuSample.__dataclass_fields__[k].default)
                     for k in SERIES_CONSTANTS if k not in ("gpu_uuid", "gpu_index")]
-    series_spec += [(k, list[types[k]] | bytes | None, None) for k in COLUMNS if k != "ts"]
-    series_spec += [(k, list[types[k]] | None, None) for k in ROW_LISTS]
+    series_spec += [(k, list_of[types[k]] | bytes | None, None) for k in COLUMNS if k != "ts"]
+    series_spec += [(k, list_of[types[k]] | None, None) for k in ROW_LISTS]
     series = msgspec.defstruct("WireSeries", series_spec, forbid_unknown_fields=True)
     wire = msgspec.defstruct("WireBatch", [("agent_id", name), ("seq", count), ("host", name),
                                            # UNSET, not None: an explicit null is the slow path's error
-                                           ("samples", list[row] | msgspec.UnsetType, msgspec.UNSET),
-                                           ("series", list[series] | msgspec.UnsetType, msgspec.UNSET),
-                                           ("jobs", list[Any], [])], forbid_unknown_fields=True)
+                                           ("samples", list_of[row] | msgspec.UnsetType, msgspec.UNSET),
+                                           ("series", list_of[series] | msgspec.UnsetType, msgspec.UNSET),
+                                           ("jobs", list_of[Any], [])], forbid_unknown_fields=True)
     return msgspec.msgpack.Decoder(wire)
 
 
@@ -655,7 +670,8 @@ def _check_annotation(annotation: str, v: Any) -> bool:
 _JOB_FIELDS = {f.name: str(f.type) for f in fields(JobRecord)}
 
 
-def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES, content_encoding: str = "") -> list[JobRecord]:
+def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES,
+               content_encoding: str = "") -> list[JobRecord]:
     """Decode and validate a list of JobRecord dicts; BatchError names the record index and field."""
     doc = decode_body(body, content_type, content_encoding, max_bytes)
     if not isinstance(doc, list):

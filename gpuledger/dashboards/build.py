@@ -55,7 +55,8 @@ def to_yaml(value: Any, indent: int = 0) -> str:
     if isinstance(value, dict):
         out = ""
         for k, v in value.items():
-            out += f"{pad}{k}:" + (f"\n{to_yaml(v, indent + 2)}" if isinstance(v, (dict, list)) and v else f" {_scalar(v)}\n")
+            nested = isinstance(v, (dict, list)) and v
+            out += f"{pad}{k}:" + (f"\n{to_yaml(v, indent + 2)}" if nested else f" {_scalar(v)}\n")
         return out
     if isinstance(value, list):
         out = ""
@@ -135,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print("run: python -m gpuledger.dashboards.build", file=sys.stderr)
         return 1 if bad else 0
-    for p in write_all(args.out):
-        print(p)
+    for path in write_all(args.out):
+        print(path)
     return 0
 
 

@@ -136,7 +136,7 @@ def dashboard(uid: str, title: str, flavour: Flavour, slug: str, *rows: Row, var
 
 # -- rendering ------------------------------------------------------------------------------------------------
 def _ds(flavour: Flavour) -> dict[str, str]:
-    return {"type": flavour, "uid": "${%s}" % DS_VAR}
+    return {"type": flavour, "uid": f"${{{DS_VAR}}}"}
 
 
 def _target_json(t: Target, ref: str, flavour: Flavour) -> dict[str, Any]:

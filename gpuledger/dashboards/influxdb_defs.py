@@ -10,7 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuledger.dashboards.grafana import Dashboard, Panel, bar, custom_var, dashboard, query_var, row, stat, table, target, timeseries
+from gpuledger.dashboards.grafana import (
+    Dashboard,
+    Panel,
+    bar,
+    custom_var,
+    dashboard,
+    query_var,
+    row,
+    stat,
+    table,
+    target,
+    timeseries,
+)
 
 IDLE_VAR = custom_var("idle", "0.05,0.01,0.1,0.2", "Idle below (SM active)",
                       "An allocated GPU whose SM activity is below this counts as allocated-idle (waste).")
@@ -21,7 +33,8 @@ NOW = "time > now() - 2m"  # "now": the latest sample of every device within two
 EVERY = "GROUP BY time($__interval)"
 
 # The latest reading of every device (a MIG instance is its own device).
-_LATEST = f'SELECT last("sm_active_ratio") AS "sm", last("jobs") AS "jobs" FROM "gpu" WHERE {NOW} GROUP BY "host", "uuid", "mig"'
+_LATEST = (f'SELECT last("sm_active_ratio") AS "sm", last("jobs") AS "jobs" FROM "gpu" WHERE {NOW} '
+           'GROUP BY "host", "uuid", "mig"')
 BUSY_NOW = f'SELECT count("sm") FROM ({_LATEST}) WHERE "jobs" > 0 AND "sm" >= $idle'
 IDLE_NOW = f'SELECT count("sm") FROM ({_LATEST}) WHERE "jobs" > 0 AND "sm" < $idle'
 FREE_NOW = f'SELECT count("jobs") FROM ({_LATEST}) WHERE "jobs" = 0'
@@ -69,8 +82,9 @@ def _cluster() -> Dashboard:
             stat("Power now", target(f'SELECT sum("p") FROM (SELECT last("power_watts") AS "p" FROM "gpu" '
                                      f'WHERE {NOW} GROUP BY "host", "uuid", "mig")'), unit="watt"),
             stat("Energy today", target(
-                'SELECT sum("e") / 3600000 FROM (SELECT non_negative_difference(max("energy_joules")) AS "e" FROM "gpu" '
-                f'WHERE {TF} GROUP BY time(1m), "host", "uuid", "mig")'), unit="kwatth", decimals=1, time_from="now/d",
+                'SELECT sum("e") / 3600000 FROM (SELECT non_negative_difference(max("energy_joules")) AS "e" '
+                f'FROM "gpu" WHERE {TF} GROUP BY time(1m), "host", "uuid", "mig")'), unit="kwatth", decimals=1,
+                 time_from="now/d",
                  description="Sum of the energy counters' increase since midnight (a counter reset loses one minute)."),
             timeseries("GPUs by state", target(BUSY, "busy"), target(IDLE, "allocated idle"), target(FREE, "free"),
                        stack=True, width=24),
@@ -86,10 +100,11 @@ def _cluster() -> Dashboard:
                        target(f'SELECT mean("dram_bw_ratio") FROM "gpu" WHERE "jobs" > 0 AND {TF} {EVERY} fill(none)',
                               "allocated GPUs"), **RATIO),
             timeseries("SM activity by node", target(
-                f'SELECT mean("sm_active_ratio") FROM "gpu" WHERE {TF} {EVERY}, "host" fill(none)', "$tag_host"), **RATIO),
+                f'SELECT mean("sm_active_ratio") FROM "gpu" WHERE {TF} {EVERY}, "host" fill(none)', "$tag_host"),
+                **RATIO),
             timeseries("Power by node", target(
-                f'SELECT sum("p") FROM (SELECT mean("power_watts") AS "p" FROM "gpu" WHERE {TF} {EVERY}, "host", "uuid", '
-                f'"mig") WHERE {TF} {EVERY}, "host" fill(none)', "$tag_host"), unit="watt", stack=True),
+                f'SELECT sum("p") FROM (SELECT mean("power_watts") AS "p" FROM "gpu" WHERE {TF} {EVERY}, "host", '
+                f'"uuid", "mig") WHERE {TF} {EVERY}, "host" fill(none)', "$tag_host"), unit="watt", stack=True),
         ),
         row(
             "Accounts (jobs that reported usage in the time range)",
@@ -113,8 +128,8 @@ def _node() -> Dashboard:
                           unit=unit, **kw)
 
     def pair(title: str, a: tuple[str, str], b: tuple[str, str], unit: str, **kw: Any) -> Panel:
-        return timeseries(title, *(target(f'SELECT mean("{f}") FROM "gpu" WHERE {where} {by_gpu}', f"{name} {GPU_ALIAS}")
-                                   for name, f in (a, b)), unit=unit, **kw)
+        return timeseries(title, *(target(f'SELECT mean("{f}") FROM "gpu" WHERE {where} {by_gpu}',
+                                          f"{name} {GPU_ALIAS}") for name, f in (a, b)), unit=unit, **kw)
 
     return dashboard(
         "gpuledger-influx-node", "gpuledger / Node and GPU (InfluxDB)", "influxdb", "node-gpu",
@@ -126,14 +141,15 @@ def _node() -> Dashboard:
             per_gpu("Tensor pipes", "tensor_active_ratio", **RATIO),
             timeseries("FP pipes", *(target(f'SELECT mean("{f}_active_ratio") FROM "gpu" WHERE {where} {by_gpu}',
                                             f"{f} {GPU_ALIAS}") for f in ("fp64", "fp32", "fp16")), **RATIO),
-            pair("Utilisation (nvidia-smi) and memory copy", ("util", "gpu_util_ratio"), ("copy", "mem_copy_util_ratio"),
-                 **RATIO),
+            pair("Utilisation (nvidia-smi) and memory copy", ("util", "gpu_util_ratio"),
+                 ("copy", "mem_copy_util_ratio"), **RATIO),
         ),
         row(
             "Power, thermals, clocks",
             per_gpu("Power", "power_watts", "watt"),
             timeseries("Power from the energy counter", target(
-                f'SELECT non_negative_derivative(max("energy_joules"), 1s) FROM "gpu" WHERE {where} {by_gpu}', GPU_ALIAS),
+                f'SELECT non_negative_derivative(max("energy_joules"), 1s) FROM "gpu" WHERE {where} {by_gpu}',
+                GPU_ALIAS),
                 unit="watt", description="The counter's rate; should track sampled power."),
             per_gpu("Temperature", "temp_celsius", "celsius"),
             pair("Clocks", ("SM", "sm_clock_hz"), ("mem", "mem_clock_hz"), "hertz"),
@@ -142,7 +158,8 @@ def _node() -> Dashboard:
             "Memory and PCIe",
             per_gpu("Memory used", "mem_used_bytes", "bytes"),
             timeseries("Memory used (share)", target(
-                f'SELECT mean("mem_used_bytes") / mean("mem_total_bytes") FROM "gpu" WHERE {where} {by_gpu}', GPU_ALIAS),
+                f'SELECT mean("mem_used_bytes") / mean("mem_total_bytes") FROM "gpu" WHERE {where} {by_gpu}',
+                GPU_ALIAS),
                 **RATIO),
             pair("PCIe", ("tx", "pcie_tx_bytes_per_second"), ("rx", "pcie_rx_bytes_per_second"), "Bps"),
         ),
@@ -206,7 +223,8 @@ def _job() -> Dashboard:
             per_gpu("SM activity", "sm_active_ratio", **RATIO),
             per_gpu("HBM bandwidth", "dram_bw_ratio", **RATIO),
             per_gpu("Tensor pipes", "tensor_active_ratio", **RATIO),
-            per_gpu("Share of the GPU", "share", **RATIO, description="Below 1 when the GPU is shared with other jobs."),
+            per_gpu("Share of the GPU", "share", **RATIO,
+                    description="Below 1 when the GPU is shared with other jobs."),
             timeseries("Power (the job's share)", target(
                 f'SELECT mean("power_watts") * mean("share") FROM "gpu_job" WHERE {job} AND {TF} {by_gpu}', alias),
                 unit="watt", description="The GPU's power times the job's share of it."),
@@ -245,10 +263,12 @@ def _accounting() -> Dashboard:
         ),
         row(
             "Fairshare and site factor",
-            timeseries("Fairshare", target(f'SELECT last("fairshare") FROM "fairshare" WHERE {fs} AND {TF} {EVERY}, '
-                                           f'"account", "user" fill(previous)', "$tag_account / $tag_user"), min=0, max=1),
-            timeseries("Site factor", target(f'SELECT last("site_factor") FROM "fairshare" WHERE {fs} AND {TF} {EVERY}, '
-                                             f'"account", "user" fill(previous)', "$tag_account / $tag_user")),
+            timeseries("Fairshare", target(
+                f'SELECT last("fairshare") FROM "fairshare" WHERE {fs} AND {TF} {EVERY}, "account", "user" '
+                'fill(previous)', "$tag_account / $tag_user"), min=0, max=1),
+            timeseries("Site factor", target(
+                f'SELECT last("site_factor") FROM "fairshare" WHERE {fs} AND {TF} {EVERY}, "account", "user" '
+                'fill(previous)', "$tag_account / $tag_user")),
             table("Associations (latest)", target(
                 'SELECT last("fairshare") AS "fairshare", last("site_factor") AS "site_factor", '
                 'last("effective_usage") AS "effective_usage", last("raw_usage") AS "raw_usage" FROM "fairshare" '

@@ -56,10 +56,12 @@ def _cluster() -> Dashboard:
             stat("Allocated, idle", target(ALLOC_IDLE), description="Held by a job, SM activity below $idle: waste.",
                  thresholds=(("green", None), ("orange", 1))),
             stat("Free", target(FREE), description="Reporting, held by no job.", thresholds=(("blue", None),)),
-            stat("Lost", target(LOST, instant=True), description="Reported in the time range but not now (agent or GPU gone).",
+            stat("Lost", target(LOST, instant=True),
+                 description="Reported in the time range but not now (agent or GPU gone).",
                  thresholds=(("green", None), ("red", 1))),
             stat("Power now", target("sum(gpuledger_gpu_power_watts)"), unit="watt"),
-            stat("Energy today", target("sum(increase(gpuledger_gpu_energy_joules_total[$__range])) / 3.6e6", instant=True),
+            stat("Energy today",
+                 target("sum(increase(gpuledger_gpu_energy_joules_total[$__range])) / 3.6e6", instant=True),
                  unit="kwatth", time_from="now/d", decimals=1, description="Energy counters' increase since midnight."),
             timeseries("GPUs by state", target(BUSY, "busy"), target(ALLOC_IDLE, "allocated idle"),
                        target(FREE, "free"), stack=True, width=24),
@@ -86,15 +88,17 @@ def _cluster() -> Dashboard:
         ),
         row(
             "Collector",
-            timeseries("Samples ingested", target("sum(rate(gpuledger_collector_samples_accepted_total[$__rate_interval]))",
-                                                  "accepted"),
+            timeseries("Samples ingested",
+                       target("sum(rate(gpuledger_collector_samples_accepted_total[$__rate_interval]))", "accepted"),
                        target("sum by (reason) (rate(gpuledger_collector_samples_rejected_total[$__rate_interval]))",
                               "rejected: {{reason}}"),
                        unit="short", width=8),
             timeseries("Ingest latency p99", target(
-                "histogram_quantile(0.99, sum by (le) (rate(gpuledger_collector_ingest_latency_seconds_bucket[$__rate_interval])))",
+                "histogram_quantile(0.99, sum by (le) "
+                "(rate(gpuledger_collector_ingest_latency_seconds_bucket[$__rate_interval])))",
                 "p99"), unit="s", width=8),
-            timeseries("Store size", target("gpuledger_collector_store_size_bytes", "{{instance}}"), unit="bytes", width=8),
+            timeseries("Store size", target("gpuledger_collector_store_size_bytes", "{{instance}}"), unit="bytes",
+                       width=8),
         ),
         variables=(IDLE_VAR,),
         description="Fleet state, activity, power and energy from the agents' /metrics; collector health.",
@@ -186,8 +190,8 @@ def _job() -> Dashboard:
             "Summary over the time range (estimates; the ledger's figures are in `gpuledger report`)",
             summary("GPUs", f"max_over_time(count({j}){window})", description="Most GPUs held at once."),
             summary("GPU-hours allocated", f"sum(sum_over_time({j}{window})) * {step_h}", decimals=2),
-            summary("SM-active GPU-hours", f"sum(sum_over_time((gpuledger_gpu_sm_active_ratio {held}){window})) * {step_h}",
-                    decimals=2),
+            summary("SM-active GPU-hours",
+                    f"sum(sum_over_time((gpuledger_gpu_sm_active_ratio {held}){window})) * {step_h}", decimals=2),
             summary("Efficiency", f"sum(sum_over_time((gpuledger_gpu_sm_active_ratio {held}){window})) / "
                                   f"sum(sum_over_time({j}{window}))",
                     unit="percentunit", decimals=1, thresholds=(("red", None), ("orange", 0.3), ("green", 0.6)),
@@ -239,7 +243,8 @@ def _accounting() -> Dashboard:
         ),
         variables=(query_var("account", "label_values(gpuledger_fairshare_ratio, account)", "Account",
                              multi=True, include_all=True),),
-        description="Measured fairshare and the Slurm site factor per association. Usage per account: InfluxDB flavour.",
+        description="Measured fairshare and the Slurm site factor per association. "
+                    "Usage per account: InfluxDB flavour.",
     )
 
 

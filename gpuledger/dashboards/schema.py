@@ -21,7 +21,8 @@ INFLUX_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     ),
     "gpu_job": (
         frozenset({"host", "uuid", "mig", "jobid"}),
-        frozenset({"share", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio", "power_watts", "mem_used_bytes"}),
+        frozenset({"share", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio", "power_watts",
+                   "mem_used_bytes"}),
     ),
     "job_usage": (
         frozenset({"jobid", "user", "account", "partition", "cluster"}),
@@ -35,7 +36,8 @@ INFLUX_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 
 # Agent metrics as Prometheus stores them (counters gain "_total").
-AGENT_GPU_METRICS: frozenset[str] = frozenset(name + ("_total" if counter else "") for name, _, _, counter in GPU_METRICS)
+AGENT_GPU_METRICS: frozenset[str] = frozenset(
+    name + ("_total" if counter else "") for name, _, _, counter in GPU_METRICS)
 AGENT_METRICS: frozenset[str] = AGENT_GPU_METRICS | {
     "gpuledger_gpu_job_info", "gpuledger_agent_ticks_total", "gpuledger_agent_errors_total",
     "gpuledger_agent_tick_seconds", "gpuledger_agent_last_tick_timestamp_seconds", "gpuledger_agent_gpus",

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testdata import DATA_ROOT, capture  # noqa: F401
 
-from gpuledger.accounting.associations import Assoc, AssocTree, AssociationError
+from gpuledger.accounting.associations import Assoc, AssociationError, AssocTree
 
 REAL = DATA_ROOT / "slurm" / "real-22.05"
 
@@ -70,12 +67,16 @@ proj_b,,erin,parent
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("account,parent,user,shares\nproj_a,nowhere,,1\n", "line 2: account 'proj_a' has unknown parent account 'nowhere'"),
-        ("account,parent,user,shares\nproj_a,,,1\nproj_a,,,2\n", "line 3: duplicate association account 'proj_a' (first at associations CSV line 2)"),
-        ("account,parent,user,shares\nproj_a,,,1\nproj_a,,bob,x\n", "line 3: shares 'x' is neither an integer nor 'parent'"),
+        ("account,parent,user,shares\nproj_a,nowhere,,1\n",
+         "line 2: account 'proj_a' has unknown parent account 'nowhere'"),
+        ("account,parent,user,shares\nproj_a,,,1\nproj_a,,,2\n",
+         "line 3: duplicate association account 'proj_a' (first at associations CSV line 2)"),
+        ("account,parent,user,shares\nproj_a,,,1\nproj_a,,bob,x\n",
+         "line 3: shares 'x' is neither an integer nor 'parent'"),
         ("account,parent,user,shares\nproj_a,,,-1\n", "line 2: shares -1 outside"),
         ("account,parent,user,shares\na,b,,1\nb,a,,1\n", "account parent cycle"),
-        ("account,parent,user,shares\nproj_a,,,1\nproj_a,root,bob,1\n", "line 3: user row for 'bob' must have an empty parent"),
+        ("account,parent,user,shares\nproj_a,,,1\nproj_a,root,bob,1\n",
+         "line 3: user row for 'bob' must have an empty parent"),
         ("account,parent,user,shares\nghost,,bob,1\n", "line 2: user 'bob' has unknown parent account 'ghost'"),
         ("account,parent,user,shares\nroot,,,1\n", "line 2: the root account is implicit"),
         ("account,user,shares\n", "line 1: header must be account,parent,user,shares"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gpuledger.accounting.apply import Change
+from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.audit import (
     AuditError,
     AuditLog,
@@ -16,8 +18,6 @@ from gpuledger.accounting.audit import (
     record_priority_change,
     record_usage,
 )
-from gpuledger.accounting.apply import Change
-from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.decay import decayed_usage
 from gpuledger.accounting.fairshare import classic

@@ -9,7 +9,7 @@ import json
 import os
 import sqlite3
 import stat
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -25,7 +25,7 @@ from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
-T0 = datetime(2026, 10, 5, tzinfo=timezone.utc).timestamp()
+T0 = datetime(2026, 10, 5, tzinfo=UTC).timestamp()
 runner = CliRunner()
 
 CONFIG = """

@@ -11,8 +11,7 @@ import stat
 
 import pytest
 
-from gpuledger.collector.auditlog import AuditError, AuditLog, canonical_json
-from gpuledger.collector.auditlog import merkle
+from gpuledger.collector.auditlog import AuditError, AuditLog, canonical_json, merkle
 
 
 def test_canonical_json_is_sorted_compact_and_float_exact():

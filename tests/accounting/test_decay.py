@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import math
-from datetime import datetime, timezone
-from pathlib import Path
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.accounting.decay import (
-    SlurmConfigError, decayed_usage, last_reset_boundary, parse_priority_config, parse_slurm_duration,
+    SlurmConfigError,
+    decayed_usage,
+    last_reset_boundary,
+    parse_priority_config,
+    parse_slurm_duration,
     slurm_decay_factor,
 )
 
@@ -76,7 +78,7 @@ def test_hand_computed(start, end, now, expected) -> None:
 
 
 def test_no_decay_and_daily_reset() -> None:
-    midnight = datetime(2026, 11, 30, tzinfo=timezone.utc).timestamp()
+    midnight = datetime(2026, 11, 30, tzinfo=UTC).timestamp()
     charge = [("k", midnight - 600, midnight + 600, 1200)]
     assert decayed_usage(charge, midnight + 600, half_life_s=0) == {"k": 1200}
     # the reset at the midnight tick zeroes [-600, -300] but keeps [-300, 0], added after the reset
@@ -95,8 +97,8 @@ def test_no_decay_and_daily_reset() -> None:
     ],
 )
 def test_reset_boundaries(period, when, boundary) -> None:
-    ts = when.replace(tzinfo=timezone.utc).timestamp()
-    assert last_reset_boundary(period, ts) == boundary.replace(tzinfo=timezone.utc).timestamp()
+    ts = when.replace(tzinfo=UTC).timestamp()
+    assert last_reset_boundary(period, ts) == boundary.replace(tzinfo=UTC).timestamp()
     assert last_reset_boundary("NONE", ts) is None
 
 

@@ -7,12 +7,10 @@ test24.1's AccountG/User6 (shares 0, usage 30) are reconstructed from its expect
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.fairshare import assoc_fairshare, classic, fair_tree
@@ -187,8 +185,8 @@ def test_real_sshare_human_capture_is_reproduced() -> None:
     ours = render_table(fair_tree(tree, REAL_USAGE)).splitlines()
     theirs = [line for line in real("sshare-a-l.txt").splitlines() if line.strip()]
     assert len(ours) == len(theirs)
-    for mine, capture in zip(ours, theirs):
-        assert capture.startswith(mine), (mine, capture)
+    for mine, their_line in zip(ours, theirs):
+        assert their_line.startswith(mine), (mine, their_line)
 
 
 def test_real_capture_from_its_own_truncated_raw_usage() -> None:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import csv
 import io
 import json
 import math
-from pathlib import Path
 
 import pytest
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.fairshare import UsageError, classic, fair_tree
 from gpuledger.accounting.fairshare_render import (
-    SshareParseError, parse_sshare_parsable, parse_usage_csv, render_csv, render_table, to_json,
+    SshareParseError,
+    parse_sshare_parsable,
+    parse_usage_csv,
+    render_csv,
+    render_table,
+    to_json,
 )
 
 REAL = DATA_ROOT / "slurm" / "real-22.05"
@@ -46,7 +49,8 @@ def test_csv_round_trips_values() -> None:
 
 
 def test_table_omits_levelfs_for_classic_and_truncates_long_names() -> None:
-    t = AssocTree.from_csv("account,parent,user,shares\nan_account_name_longer_than_20,,,1\nan_account_name_longer_than_20,,someone_long,1\n")
+    t = AssocTree.from_csv("account,parent,user,shares\nan_account_name_longer_than_20,,,1\n"
+                           "an_account_name_longer_than_20,,someone_long,1\n")
     text = render_table(classic(t, {}))
     assert "LevelFS" not in text.splitlines()[0]
     assert " an_account_name_lo+ " in text and "someone_l+" in text
@@ -59,7 +63,8 @@ def test_parse_real_sshare_capture() -> None:
     assert len(rows) == 11
     assert rows[0].account == "root" and rows[0].raw_shares is None and rows[0].norm_usage is None
     erin = rows[-1]
-    assert (erin.account, erin.user, erin.raw_shares, erin.depth, erin.level_fs) == ("proj_b", "erin", "parent", 2, None)
+    assert (erin.account, erin.user, erin.raw_shares, erin.depth, erin.level_fs) == ("proj_b", "erin", "parent", 2,
+                                                                                     None)
     assert rows[1].level_fs == math.inf and rows[6].depth == 3
 
 

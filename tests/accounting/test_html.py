@@ -9,7 +9,7 @@ import shutil
 import struct
 import subprocess
 import zlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,7 @@ def _needs_chromium() -> None:
 
 
 def T(d: int, h: int = 0) -> float:
-    return datetime(2026, 10, d, h, tzinfo=timezone.utc).timestamp()
+    return datetime(2026, 10, d, h, tzinfo=UTC).timestamp()
 
 
 def _entries():

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from gpuledger.accounting.jobreport import Rules, load_job_report, to_json, to_text
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord
 
 GIB = 1 << 30
 T0 = 1_790_000_000.0
@@ -23,7 +23,8 @@ def _samples(host, gpu, job, n=31, sm=0.5, mem=10 * GIB, dram=0.3, tensor=0.4, x
             ts=T0 + 10 * k, host=host, gpu_uuid=gpu, gpu_index=int(gpu[-1]), model="NVIDIA H200",
             sm_active_ratio=sm, sm_occupancy_ratio=sm / 2, dram_bw_ratio=dram, tensor_active_ratio=tensor,
             mem_used_bytes=mem, mem_total_bytes=H200_MEM, power_watts=100 + 500 * sm, energy_joules=1000.0 * k,
-            xid_errors=(79,) if k in xid_at else (), throttle_reasons=(0x40 if throttle_every and k % throttle_every == 0 else 0),
+            xid_errors=(79,) if k in xid_at else (),
+            throttle_reasons=(0x40 if throttle_every and k % throttle_every == 0 else 0),
             job_ids=(job,),
         ))
     return out
@@ -39,7 +40,8 @@ def store(tmp_path_factory):
         batch += _samples("n1", g, "22", sm=0.02, mem=20 * GIB, tensor=0.0)  # three idle GPUs
     batch += _samples("n1", "G5", "23", sm=0.6, dram=0.8, tensor=0.05, mem=100 * GIB)  # memory-bound
     s.ingest(Batch("a", 0, "n1", tuple(batch)))
-    s.put_jobs([JobRecord("21", user="alice", account="a", gpus=1, submit=T0 - 600, start=T0, end=T0 + 300, state="COMPLETED"),
+    s.put_jobs([JobRecord("21", user="alice", account="a", gpus=1, submit=T0 - 600, start=T0, end=T0 + 300,
+                          state="COMPLETED"),
                 JobRecord("22", user="bob", account="a", gpus=4, start=T0, end=T0 + 300)])
     yield s
     s.close()

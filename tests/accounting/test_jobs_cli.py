@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import json
 from pathlib import Path
 
+from testdata import DATA_ROOT, capture  # noqa: F401
 from typer.testing import CliRunner
 
-from gpuledger.schema.records import GpuSample
+from gpuledger.cli import app
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
-from gpuledger.cli import app
+from gpuledger.schema.records import GpuSample
 
 REAL = DATA_ROOT / "slurm" / "real-22.05"
 runner = CliRunner()
@@ -43,7 +42,8 @@ def test_import_is_idempotent_and_list_joins_measurements(tmp_path: Path) -> Non
     jobs = {j["job_id"]: j for j in json.loads(r.output)}
     for key in ("job_id", "user", "account", "partition", "gpus", "start", "end", "state", "usage"):
         assert key in jobs["3"]
-    assert (jobs["3"]["user"], jobs["3"]["account"], jobs["3"]["state"], jobs["3"]["gpus"]) == ("carol", "proj_b", "FAILED", 1)
+    assert (jobs["3"]["user"], jobs["3"]["account"], jobs["3"]["state"], jobs["3"]["gpus"]) == ("carol", "proj_b",
+                                                                                                "FAILED", 1)
     assert jobs["3"]["seen_by"] == "both" and jobs["3"]["usage"]["allocated_gpu_seconds"] == 20.0
     assert jobs["999"]["seen_by"] == "measured" and jobs["999"]["user"] is None  # reported, not dropped
     assert jobs["1"]["seen_by"] == "scheduler" and jobs["1"]["usage"] is None

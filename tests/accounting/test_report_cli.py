@@ -7,7 +7,7 @@ import io
 import json
 import math
 import sqlite3
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 import typer
@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 
 from gpuledger.accounting.privacy import Pseudonymizer, apply_retention, is_pseudonym, load_or_create_key
 from gpuledger.accounting.report_cli import audit_app, report_app
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord
 
-T0 = datetime(2026, 10, 5, tzinfo=timezone.utc).timestamp()
+T0 = datetime(2026, 10, 5, tzinfo=UTC).timestamp()
 app = typer.Typer()
 app.add_typer(report_app, name="report")
 app.add_typer(audit_app, name="audit")
@@ -50,7 +50,8 @@ def data_dir(tmp_path):
                    for k in range(361)]
         store.ingest(Batch("a", 0, "n1", tuple(samples)))
         store.put_jobs([
-            JobRecord("1", cluster="c", user="alice", uid=1001, account="a", gpus=1, submit=T0 - 60, start=T0, end=T0 + 3600),
+            JobRecord("1", cluster="c", user="alice", uid=1001, account="a", gpus=1, submit=T0 - 60, start=T0,
+                      end=T0 + 3600),
             JobRecord("2", cluster="c", user="bob", uid=1002, account="b", gpus=2, submit=T0, start=T0, end=T0 + 3600),
         ])
     finally:
@@ -103,7 +104,8 @@ def test_other_formats_and_groupings(data_dir):
             "--format", "json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
-    assert doc["rows"][0]["group"] == "n1" and doc["total"]["jobs"] == 2 and doc["total"]["co2e_kg"] == pytest.approx(0.4 * 1.08)
+    assert doc["rows"][0]["group"] == "n1" and doc["total"]["jobs"] == 2
+    assert doc["total"]["co2e_kg"] == pytest.approx(0.4 * 1.08)
     r = run("report", "usage", "--data-dir", data_dir, "--by", "user", "--format", "html", "-o", data_dir / "r.html")
     assert r.exit_code == 0 and "unsigned" in r.output and "<svg" in (data_dir / "r.html").read_text()
     assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given, settings
@@ -16,15 +16,15 @@ from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
 from gpuledger.accounting.report.idle import idle_jobs
 from gpuledger.accounting.report.period import parse_period
-from gpuledger.accounting.report.settings import report_settings, ReportSettings
+from gpuledger.accounting.report.settings import ReportSettings, report_settings
 from gpuledger.accounting.report.usage import TOTAL, usage_report, usage_report_csv
-from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
 
 def T(y: int, m: int, d: int, hh: int = 0, mm: int = 0, ss: int = 0) -> float:
-    return datetime(y, m, d, hh, mm, ss, tzinfo=timezone.utc).timestamp()
+    return datetime(y, m, d, hh, mm, ss, tzinfo=UTC).timestamp()
 
 
 def U(job, alloc, active, energy, dram=None, model="NVIDIA H200", first=None, last=None, host="n1", gpu="*", gpus=1):
@@ -46,7 +46,8 @@ def fixture() -> list[LedgerEntry]:
                   start=T(2026, 10, 9, 22), end=T(2026, 10, 10)),
         JobRecord("2", user="bob", account="a", partition="gpu", gpus=1, submit=T(2026, 10, 20, 0, 30),
                   start=T(2026, 10, 20, 1), end=T(2026, 10, 20, 2)),
-        JobRecord("3", user="carol", account="b", partition="big", gpus=2, start=T(2026, 10, 31, 22), end=T(2026, 11, 1, 0, 10)),
+        JobRecord("3", user="carol", account="b", partition="big", gpus=2, start=T(2026, 10, 31, 22),
+                  end=T(2026, 11, 1, 0, 10)),
         JobRecord("4", user="carol", account="b", partition="big", gpus=1, submit=T(2026, 10, 5), start=T(2026, 10, 5),
                   end=T(2026, 10, 5, 1)),
     ]
@@ -140,8 +141,10 @@ def test_report_from_a_real_store_reconciles_by_node(tmp_path):
     try:
         # job 11 on n1 (2 GPUs, 100 s each) and n2 (1 GPU); job 12 on n2; 10 s steps, 300 J per step.
         seq = 0
-        for host, gpus in (("n1", [("G0", "11", 0.5), ("G1", "11", 1.0)]), ("n2", [("G2", "11", 0.0), ("G3", "12", 0.25)])):
-            samples = [_sample(t0 + 10 * k, g, job, sm, 300.0 * k, host=host, dram=0.4) for g, job, sm in gpus for k in range(11)]
+        for host, gpus in (("n1", [("G0", "11", 0.5), ("G1", "11", 1.0)]),
+                           ("n2", [("G2", "11", 0.0), ("G3", "12", 0.25)])):
+            samples = [_sample(t0 + 10 * k, g, job, sm, 300.0 * k, host=host, dram=0.4)
+                       for g, job, sm in gpus for k in range(11)]
             store.ingest(Batch(f"agent-{host}", seq, host, tuple(samples)))
             seq += 1
         store.put_jobs([JobRecord("11", cluster="c", user="alice", account="a", end=t0 + 100),
@@ -172,7 +175,8 @@ def test_grid_intensity_series_weights_emissions_by_time(tmp_path):
     csv_text = f"time,g_co2e_per_kwh\n{t0},100\n2026-10-10T01:00:00Z,300\n"
     grid = GridIntensity.from_csv(csv_text)
     assert grid.mean(t0, t0 + 7200) == 200.0 and grid.mean(t0 - 3600, t0) == 100.0  # clamped before the series
-    e = [LedgerEntry("1", JobRecord("1", account="a", end=t0 + 7200), U("1", 7200.0, 0.0, 7.2e6, first=t0, last=t0 + 7200))]
+    e = [LedgerEntry("1", JobRecord("1", account="a", end=t0 + 7200), U("1", 7200.0, 0.0, 7.2e6, first=t0,
+                                                                        last=t0 + 7200))]
     assert usage_report(e, "account", settings=ReportSettings(grid=grid)).total.co2e_kg == pytest.approx(0.4)
     with pytest.raises(ReportError, match="line 3: intensity 'x'"):
         GridIntensity.from_csv(f"time,g\n{t0},1\n{t0 + 1},x\n")
@@ -187,10 +191,12 @@ def test_grid_intensity_series_weights_emissions_by_time(tmp_path):
 
 def test_idle_jobs_worst_first_per_gpu():
     entries = join(
-        [JobRecord("1", user="u1", account="a"), JobRecord("2", user="u2", account="a"), JobRecord("3", user="u3", account="a")],
+        [JobRecord("1", user="u1", account="a"), JobRecord("2", user="u2", account="a"),
+         JobRecord("3", user="u3", account="a")],
         [U("1", 3600.0 * 4, 3600.0, 0.0, gpus=4), U("2", 3600.0, 36.0, 0.0), U("3", 7200.0, 7000.0, 0.0)],
     )
-    per_gpu = {"1": [U("1", 3600.0, 3600.0, 0.0, gpu="G0")] + [U("1", 3600.0, 0.0, 0.0, gpu=f"G{i}") for i in (1, 2, 3)]}
+    per_gpu = {"1": [U("1", 3600.0, 3600.0, 0.0, gpu="G0")]
+               + [U("1", 3600.0, 0.0, 0.0, gpu=f"G{i}") for i in (1, 2, 3)]}
     rows = idle_jobs(entries, per_gpu, threshold=0.05)
     assert [(r.job_id, r.idle_gpus, r.idle_gpu_hours) for r in rows] == [("1", 3, 3.0), ("2", 1, 1.0)]
     assert rows[0].idle_share == 0.75

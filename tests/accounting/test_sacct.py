@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.accounting.slurm import (
     SlurmClient,
@@ -34,7 +33,7 @@ def read(path: Path) -> str:
 
 
 def utc(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC).timestamp()
 
 
 # ------------------------------------------------------------------------------ the real 22.05 cluster's jobs
@@ -58,7 +57,7 @@ REAL_JOBS = [
 
 
 def test_sacct_parsable_real_2205_skips_steps_and_counts_typed_gpus_once() -> None:
-    recs = parse_sacct_parsable(read(REAL / "sacct-a-P-S-today.txt"), tz=timezone.utc)
+    recs = parse_sacct_parsable(read(REAL / "sacct-a-P-S-today.txt"), tz=UTC)
     assert [(r.job_id, r.user, r.account, r.gpus, r.state, r.exit_code) for r in recs] == REAL_JOBS
     by = {r.job_id: r for r in recs}
     one = by["1"]
@@ -72,7 +71,7 @@ def test_sacct_parsable_real_2205_skips_steps_and_counts_typed_gpus_once() -> No
 
 def test_sacct_json_real_2205_agrees_with_parsable_except_the_exit_code_bug() -> None:
     js = parse_sacct_json(read(REAL / "sacct-json-a-S-today.json"))
-    ps = parse_sacct_parsable(read(REAL / "sacct-a-P-S-today.txt"), tz=timezone.utc)
+    ps = parse_sacct_parsable(read(REAL / "sacct-a-P-S-today.txt"), tz=UTC)
     assert [r.job_id for r in js] == [r.job_id for r in ps]
     for j, p in zip(js, ps):
         # the two forms of the same jobs: the JSON epochs equal the -P UTC texts
@@ -90,11 +89,11 @@ def test_sacct_json_real_2205_agrees_with_parsable_except_the_exit_code_bug() ->
 
 def test_merge_takes_exit_codes_from_parsable_and_keeps_one_sided_jobs() -> None:
     js = parse_sacct_json(read(REAL / "sacct-json-a-S-today.json"))
-    ps = parse_sacct_parsable(read(REAL / "sacct-a-P-S-today.txt"), tz=timezone.utc)
+    ps = parse_sacct_parsable(read(REAL / "sacct-a-P-S-today.txt"), tz=UTC)
     merged = merge_sacct(js, ps)
     assert [(r.job_id, r.user, r.account, r.gpus, r.state, r.exit_code) for r in merged] == REAL_JOBS
     # one side only: JSON-only job 1 stays as is, -P-only job 17 is appended
-    extra = parse_sacct_parsable(read(REAL / "sacct-a-P-cancelled-by.txt"), tz=timezone.utc)
+    extra = parse_sacct_parsable(read(REAL / "sacct-a-P-cancelled-by.txt"), tz=UTC)
     merged = merge_sacct(js[:1], extra)
     assert [r.job_id for r in merged] == ["1", "17"]
     assert merged[0] == js[0]
@@ -104,7 +103,7 @@ def test_merge_takes_exit_codes_from_parsable_and_keeps_one_sided_jobs() -> None
 
 
 def test_cancelled_by_state_text_is_normalised() -> None:
-    (r,) = parse_sacct_parsable(read(REAL / "sacct-a-P-cancelled-by.txt"), tz=timezone.utc)
+    (r,) = parse_sacct_parsable(read(REAL / "sacct-a-P-cancelled-by.txt"), tz=UTC)
     assert (r.job_id, r.state, r.exit_code, r.gpus) == ("17", "CANCELLED", 0, 0)
 
 
@@ -144,7 +143,7 @@ def test_sacct_json_2405_2411_completed(name: str, job_id: str, partition: str) 
 def test_sacct_parsable_headerless_xdmod_sample() -> None:
     cols = ("jobid|jobidraw|cluster|partition|qos|account|group|gid|user|uid|submit|eligible|start|end|elapsed|"
             "exitcode|state|nnodes|ncpus|reqcpus|reqmem|reqtres|alloctres|timelimit|nodelist|jobname").split("|")
-    recs = parse_sacct_parsable(read(DATA / "sacct-P-xdmod-phillips-sample.txt"), tz=timezone.utc, header=cols)
+    recs = parse_sacct_parsable(read(DATA / "sacct-P-xdmod-phillips-sample.txt"), tz=UTC, header=cols)
     assert len(recs) == 55
     gpu_jobs = {r.job_id: r.gpus for r in recs if r.gpus}
     assert gpu_jobs == {"163485": 2, "196835": 2}
@@ -233,7 +232,7 @@ def test_client_sacct_jobs_runs_both_forms_in_utc_and_merges() -> None:
         "sacct -P": (0, read(REAL / "sacct-a-P-S-today.txt"), ""),
     })
     client = SlurmClient(run=run, env={"SLURM_CONF": "/tmp/x/slurm.conf"})
-    recs = client.sacct_jobs(utc("2026-11-29T00:00:00"), datetime(2026, 11, 30, 1, 0, tzinfo=timezone.utc))
+    recs = client.sacct_jobs(utc("2026-11-29T00:00:00"), datetime(2026, 11, 30, 1, 0, tzinfo=UTC))
     assert [(r.job_id, r.exit_code) for r in recs] == [(j[0], j[5]) for j in REAL_JOBS]
     (a_json, env1), (a_p, env2) = run.calls
     for argv, env in run.calls:

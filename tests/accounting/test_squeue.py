@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.accounting.apply import Change, apply_changes, feed_associations, plan_changes, run_apply
 from gpuledger.accounting.priority import PriorityEntry, priority_feed

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from http_page import serve
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import json
-from pathlib import Path
 
 import msgpack
 import pynvml
 import pytest
+from http_page import serve
+from testdata import DATA_ROOT, capture  # noqa: F401
 from typer.testing import CliRunner
 
 from gpuledger.agent.cli import app

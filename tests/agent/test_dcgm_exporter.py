@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from http_page import serve
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 from pathlib import Path
 
 import pytest
+from http_page import serve
 from hypothesis import given
 from hypothesis import strategies as st
+from testdata import DATA_ROOT, capture  # noqa: F401
 
-from gpuledger.schema.records import RATIO_FIELDS, GpuSample
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.dcgm_exporter import DcgmExporterSource, parse_dcgm_exporter
+from gpuledger.schema.records import RATIO_FIELDS, GpuSample
 
 CAPTURES = DATA_ROOT / "dcgm-exporter"
 MIB = 1024 * 1024
@@ -121,7 +120,8 @@ def test_host_argument_overrides_label() -> None:
 TESTED = {
     "l4-1gpu-k8s-full.prom", "h100-8gpu-k8s-sampled.prom", "t4-2gpu-gke-prof-pods.prom",
     "h100-mig-k8s-fragment.prom", "a30-mig-fragment.prom", "mixed-ada-a30mig-k8s-fragment.prom",
-    "synthetic-a100-mig-instance-rows-only.prom",  # hand-written (see its .source.txt); tests in test_mig_dcgm_exporter.py
+    # hand-written (see its .source.txt); tests in test_mig_dcgm_exporter.py
+    "synthetic-a100-mig-instance-rows-only.prom",
 }
 
 
@@ -142,9 +142,11 @@ def test_hpc_job_copies_make_one_sample_with_all_jobs() -> None:
 
 def test_mig_hpc_job_stays_on_its_instance() -> None:
     text = (
-        'DCGM_FI_DEV_POWER_USAGE{gpu="0",UUID="GPU-a",GPU_I_PROFILE="1g.6gb",GPU_I_ID="3",Hostname="h",hpc_job="77"} 52.5\n'
+        'DCGM_FI_DEV_POWER_USAGE{gpu="0",UUID="GPU-a",GPU_I_PROFILE="1g.6gb",GPU_I_ID="3",Hostname="h",'
+        'hpc_job="77"} 52.5\n'
         'DCGM_FI_DEV_POWER_USAGE{gpu="0",UUID="GPU-a",GPU_I_PROFILE="1g.6gb",GPU_I_ID="4",Hostname="h"} 52.6\n'
-        'DCGM_FI_PROF_SM_ACTIVE{gpu="0",UUID="GPU-a",GPU_I_PROFILE="1g.6gb",GPU_I_ID="3",Hostname="h",hpc_job="77"} 0.25\n'
+        'DCGM_FI_PROF_SM_ACTIVE{gpu="0",UUID="GPU-a",GPU_I_PROFILE="1g.6gb",GPU_I_ID="3",Hostname="h",'
+        'hpc_job="77"} 0.25\n'
     )
     s = by_key(parse_dcgm_exporter(text, ts=1.0))
     assert s[("GPU-a", "3")].job_ids == ("77",) and s[("GPU-a", "3")].sm_active_ratio == 0.25

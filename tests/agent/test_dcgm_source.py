@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.dcgm import (
     DCGM_FIELDS,
@@ -19,6 +18,7 @@ from gpuledger.agent.sources.dcgm import (
     DcgmSource,
     dcgm_values_to_samples,
 )
+from gpuledger.schema.records import GpuSample
 
 MIB = 1024 * 1024
 
@@ -177,7 +177,8 @@ def test_a_field_unknown_to_the_installed_dcgm_costs_only_that_field(bindings) -
     src = _src(bindings)
     src.open()  # DcgmReader would refuse the whole field group for field 1009
     (s,) = src.sample()
-    assert (s.power_watts, s.energy_joules, s.sm_active_ratio, s.pcie_rx_bytes_per_second) == (250.0, 5000.0, 0.5, 1000.0)
+    assert (s.power_watts, s.energy_joules, s.sm_active_ratio, s.pcie_rx_bytes_per_second) == (
+        250.0, 5000.0, 0.5, 1000.0)
     assert src.health.unavailable == {("pcie_tx_bytes_per_second", "unknown_field"): 1}
     assert all(1009 not in r.fieldIds for r in src._readers)
 

@@ -9,9 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuledger.agent.exposition import make_registry, serve_metrics
 from gpuledger.agent.mappers.static import StaticMapper
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.schema.records import GpuSample
 
 
 def scrape(agent: Agent) -> str:
@@ -96,7 +96,8 @@ def test_none_is_omitted_not_zero() -> None:
     # A reported zero is exported; a missing value is not.
     assert [(s.labels["uuid"], s.value) for s in fams["gpuledger_gpu_sm_active_ratio"]] == [("GPU-b", 0.0)]
     assert {s.labels["uuid"]: s.value for s in fams["gpuledger_gpu_power_watts"]} == {"GPU-a": 55.5, "GPU-b": 0.0}
-    assert {s.labels["uuid"]: s.labels["mig"] for s in fams["gpuledger_gpu_power_watts"]} == {"GPU-a": "1.0", "GPU-b": ""}
+    assert {s.labels["uuid"]: s.labels["mig"] for s in fams["gpuledger_gpu_power_watts"]} == {"GPU-a": "1.0",
+                                                                                              "GPU-b": ""}
 
 
 def test_finished_job_leaves_no_series() -> None:
@@ -145,6 +146,7 @@ def test_serve_metrics_on_port_zero() -> None:
 
 def test_xid_errors_exported_as_a_counter_per_gpu() -> None:
     from nvml_fake import FakeNvml, Scenario
+
     from gpuledger.agent.sources.nvml import NvmlSource
 
     t = [1000.0]
@@ -165,7 +167,7 @@ def test_xid_errors_exported_as_a_counter_per_gpu() -> None:
 
 def test_source_health_connection_and_lost_gpus_are_exported() -> None:
     """Degrade per field is visible: each unavailable field once, with its reason; a lost host engine too."""
-    from nvml_fake import Scenario, FakeNvml
+    from nvml_fake import FakeNvml, Scenario
 
     from gpuledger.agent.sources.nvml import NvmlSource
 

@@ -9,11 +9,11 @@ import httpx
 
 from gpuledger.agent.mappers.mapping_dir import MappingDirMapper
 from gpuledger.agent.push import Batcher, HttpPusher
-from gpuledger.schema.records import JobRecord
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
+from gpuledger.schema.records import JobRecord
 
 
 def test_mapper_metadata_reaches_the_ledger_once_and_yields_to_slurm(tmp_path: Path) -> None:

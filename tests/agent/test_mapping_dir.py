@@ -32,7 +32,8 @@ UUID0 = "GPU-5c5a6c10-0e3c-4f0a-b0e0-5b1f2b2b1c01"
 
 
 def sample(index: int, mig: str | None = None, uuid: str | None = None) -> GpuSample:
-    return GpuSample(ts=0.0, host="vm", gpu_uuid=uuid or f"GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd", gpu_index=index, mig=mig)
+    return GpuSample(ts=0.0, host="vm", gpu_uuid=uuid or f"GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd",
+                     gpu_index=index, mig=mig)
 
 
 # -- pure parsers ---------------------------------------------------------------------------------
@@ -66,11 +67,13 @@ def test_parse_file_bodies() -> None:
     assert parse_auto_mapping("") == ()
 
 
-@given(st.lists(st.tuples(st.from_regex(r"[1-9][0-9]{0,9}(_[0-9]{1,4})?", fullmatch=True), st.integers(0, 2**31)), max_size=8))
+@given(st.lists(st.tuples(st.from_regex(r"[1-9][0-9]{0,9}(_[0-9]{1,4})?", fullmatch=True), st.integers(0, 2**31)),
+                max_size=8))
 def test_jobstats_and_auto_agree_on_jobstats_files(lines: list[tuple[str, int]]) -> None:
     text = "".join(f"{j} {u}\n" for j, u in lines)
     assert parse_auto_mapping(text) == parse_jobstats_mapping(text)
-    assert [e.job_id for e in parse_dcgm_mapping("".join(f"{j}\n" for j, _ in lines))] == [e.job_id for e in parse_auto_mapping(text)]
+    dcgm = parse_dcgm_mapping("".join(f"{j}\n" for j, _ in lines))
+    assert [e.job_id for e in dcgm] == [e.job_id for e in parse_auto_mapping(text)]
 
 
 # -- the mapper -----------------------------------------------------------------------------------
@@ -167,7 +170,8 @@ def test_unreadable_file_is_skipped(tmp_path: Path) -> None:
 # -- contrib/slurm prolog and epilog, run by bash ------------------------------------------------------
 
 
-def run_script(name: str, tmp_path: Path, job: str, uid: str | None, gpus: str | None) -> subprocess.CompletedProcess[str]:
+def run_script(name: str, tmp_path: Path, job: str, uid: str | None,
+               gpus: str | None) -> subprocess.CompletedProcess[str]:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "GPULEDGER_MAPPING_CONF": str(tmp_path / "no-such.conf"),
@@ -235,7 +239,8 @@ def test_settings_from_conf_file(tmp_path: Path) -> None:
     conf.write_text(f"GPULEDGER_DCGM_DIR={tmp_path}/from-conf\nGPULEDGER_JOBSTATS_DIR=\n")
     r = subprocess.run(
         ["bash", str(CONTRIB / "prolog.sh")],
-        env={"PATH": os.environ["PATH"], "GPULEDGER_MAPPING_CONF": str(conf), "SLURM_JOB_ID": "9", "SLURM_JOB_UID": "1002", "SLURM_JOB_GPUS": "1,2"},
+        env={"PATH": os.environ["PATH"], "GPULEDGER_MAPPING_CONF": str(conf), "SLURM_JOB_ID": "9",
+             "SLURM_JOB_UID": "1002", "SLURM_JOB_GPUS": "1,2"},
         capture_output=True, text=True, timeout=30,
     )
     assert r.returncode == 0
@@ -247,6 +252,8 @@ def test_concurrent_prologs_on_one_gpu_lose_no_job(tmp_path: Path) -> None:
     env_base = {"PATH": os.environ["PATH"], "GPULEDGER_MAPPING_CONF": "/nonexistent",
                 "GPULEDGER_DCGM_DIR": str(tmp_path / "dcgm"), "GPULEDGER_JOBSTATS_DIR": str(tmp_path / "jobstats"),
                 "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "0"}
-    procs = [subprocess.Popen(["bash", str(CONTRIB / "prolog.sh")], env={**env_base, "SLURM_JOB_ID": str(100 + i)}) for i in range(12)]
+    procs = [subprocess.Popen(["bash", str(CONTRIB / "prolog.sh")], env={**env_base, "SLURM_JOB_ID": str(100 + i)})
+             for i in range(12)]
     assert all(p.wait(timeout=60) == 0 for p in procs)
-    assert sorted(parse_dcgm_mapping((tmp_path / "dcgm" / "0").read_text()), key=lambda e: e.job_id) == [JobEntry(str(100 + i)) for i in range(12)]
+    assert sorted(parse_dcgm_mapping((tmp_path / "dcgm" / "0").read_text()),
+                  key=lambda e: e.job_id) == [JobEntry(str(100 + i)) for i in range(12)]

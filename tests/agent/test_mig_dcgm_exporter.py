@@ -12,10 +12,10 @@ import logging
 import math
 
 import pytest
-from typer.testing import CliRunner
-
 from http_page import serve
 from testdata import capture
+from typer.testing import CliRunner
+
 from gpuledger.agent.cli import app
 from gpuledger.agent.mig import MigEnergySplitter
 from gpuledger.agent.sources.dcgm_exporter import DcgmExporterSource, missing_sm_activity, parse_dcgm_exporter

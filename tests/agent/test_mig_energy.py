@@ -6,11 +6,11 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm
 
 from gpuledger.agent.mig import MigEnergySplitter, slice_fraction
-from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sources.nvml import NvmlSource
+from gpuledger.schema.records import GpuSample
 
 
 class Clock:

@@ -10,10 +10,10 @@ import math
 
 import pynvml
 import pytest
-
 from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm, fake_node
-from gpuledger.schema.wire import to_series
 from test_nvml_source import Clock, _open
+
+from gpuledger.schema.wire import to_series
 
 
 def _missing(*symbols: str, gpus: int = 2, **kw) -> FakeNvml:

@@ -6,7 +6,6 @@ import ctypes
 
 import pynvml
 import pytest
-
 from nvml_fake import (
     GPM_DRAM_BW_UTIL,
     GPM_SM_UTIL,
@@ -230,7 +229,7 @@ def test_strict_fake_answers_as_pynvml_and_nvml_h() -> None:
     with pytest.raises(pynvml.NVMLError_FunctionNotFound):  # a missing symbol fails at the call
         lib.nvmlDeviceGetMPSComputeRunningProcesses_v3(mh)
     with pytest.raises(AttributeError):  # real functions the fake lacks are never reachable through it
-        lib.nvmlDeviceGetFanSpeed
+        _ = lib.nvmlDeviceGetFanSpeed
 
 
 def test_gpm_can_return_nan() -> None:

@@ -6,7 +6,6 @@ import logging
 
 import pynvml
 import pytest
-
 from nvml_fake import (
     MIB,
     FakeGpu,
@@ -17,9 +16,10 @@ from nvml_fake import (
     busy_gpm,
     fake_node,
 )
-from gpuledger.schema.records import RATIO_FIELDS, GpuProcess
+
 from gpuledger.agent.sources.base import GpuSource, SourceUnavailable
 from gpuledger.agent.sources.nvml import NvmlSource
+from gpuledger.schema.records import RATIO_FIELDS, GpuProcess
 
 
 class Clock:

@@ -12,10 +12,10 @@ import pytest
 
 from gpuledger.agent.mappers.static import StaticMapper
 from gpuledger.agent.push import HttpPusher, PushError
-from gpuledger.schema.records import GpuSample
-from gpuledger.schema.wire import from_series
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.schema.records import GpuSample
+from gpuledger.schema.wire import from_series
 
 
 class Collector:

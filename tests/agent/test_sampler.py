@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import pytest
 
 from gpuledger.agent.mappers.static import StaticMapper
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.schema.records import GpuSample
 
 
 class ListSink:

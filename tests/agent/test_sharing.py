@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from gpuledger.agent.sharing import split_mig_energy, split_shares
 
-job_lists = st.lists(st.from_regex(r"[1-9][0-9]{0,7}(_[0-9]{1,3})?", fullmatch=True), min_size=1, max_size=12, unique=True)
+job_lists = st.lists(st.from_regex(r"[1-9][0-9]{0,7}(_[0-9]{1,3})?", fullmatch=True), min_size=1, max_size=12,
+                     unique=True)
 mems = st.one_of(st.none(), st.integers(min_value=0, max_value=2**47))
 
 

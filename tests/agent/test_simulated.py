@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuledger.schema.records import RATIO_FIELDS
 from gpuledger.agent.sources import make_source
 from gpuledger.agent.sources.simulated import PROFILES, SimulatedSource
+from gpuledger.schema.records import RATIO_FIELDS
 
 
 class FakeClock:

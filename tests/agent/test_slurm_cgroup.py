@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.agent.mappers import make_mapper
 from gpuledger.agent.mappers.base import JobMapper
 from gpuledger.agent.mappers.slurm_cgroup import JobRef, SlurmCgroupMapper, parse_cgroup, sorted_job_ids
-from gpuledger.schema.records import GpuProcess, GpuSample
 from gpuledger.agent.slurm import JobResolver
+from gpuledger.schema.records import GpuProcess, GpuSample
 
 REAL = DATA_ROOT / "slurm" / "real-22.05"
 
@@ -96,7 +95,8 @@ def test_parse_cgroup_layouts(text: str, ref: JobRef | None) -> None:
     assert parse_cgroup(text) == ref
 
 
-@given(st.integers(min_value=1, max_value=2**32), st.integers(min_value=0, max_value=2**31), st.sampled_from(["batch", "extern", "0", "17", "interactive"]))
+@given(st.integers(min_value=1, max_value=2**32), st.integers(min_value=0, max_value=2**31),
+       st.sampled_from(["batch", "extern", "0", "17", "interactive"]))
 def test_parse_cgroup_v1_roundtrip(job: int, uid: int, step: str) -> None:
     text = f"5:devices:/slurm_node-07/uid_{uid}/job_{job}/step_{step}/task_0\n0::/\n"
     assert parse_cgroup(text) == JobRef(job_id=str(job), uid=uid, step=step)
@@ -125,7 +125,8 @@ def test_real_v1_capture_maps_job_and_metadata_from_environ(tmp_path: Path) -> N
     meta = m.job_metadata()
     assert list(meta) == ["16"]
     rec = meta["16"]
-    assert (rec.user, rec.uid, rec.account, rec.partition, rec.cluster, rec.gpus) == ("bob", 1002, "proj_a", "gpu", "testcluster", 2)
+    assert (rec.user, rec.uid, rec.account, rec.partition, rec.cluster, rec.gpus) == ("bob", 1002, "proj_a", "gpu",
+                                                                                      "testcluster", 2)
     assert rec.hosts == ("vm",)
     assert rec.gpu_uuids == (out[1].gpu_uuid, out[2].gpu_uuid)
 
@@ -230,7 +231,8 @@ def test_sluid_resolved_through_scontrol_and_metadata_from_resolver(tmp_path: Pa
     for _ in range(3):
         assert m.map([sample(1, (7, 1)), sample(2, (7, 1))])[0].job_ids == ("11",)
     rec = m.job_metadata()["11"]
-    assert (rec.user, rec.uid, rec.account, rec.partition, rec.gpus, rec.state) == ("bob", 1002, "proj_a", "gpu", 2, "RUNNING")
+    assert (rec.user, rec.uid, rec.account, rec.partition, rec.gpus, rec.state) == ("bob", 1002, "proj_a", "gpu", 2,
+                                                                                    "RUNNING")
     assert resolver.gpu_indexes("11", host="vm") == (1, 2)
     assert +m.skipped == {}  # a missing environ is not a skipped pid
     # One Slurm call for the SLUID, cached; none for the job (the SLUID answer filled it).

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from testdata import DATA_ROOT, capture  # noqa: F401
-
 import json
 import subprocess
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.agent.slurm import (
     JobResolver,
@@ -38,7 +36,8 @@ def environ(name: str) -> bytes:
 def test_scontrol_show_job_d_real() -> None:
     (job,) = parse_scontrol_show_job(SCONTROL)
     assert job["job_id"] == job["raw_job_id"] == "11"
-    assert (job["user"], job["uid"], job["account"], job["partition"], job["state"]) == ("bob", 1002, "proj_a", "gpu", "RUNNING")
+    assert (job["user"], job["uid"], job["account"], job["partition"], job["state"]) == ("bob", 1002, "proj_a", "gpu",
+                                                                                         "RUNNING")
     assert job["hosts"] == ("vm",)
     assert job["gpus"] == 2  # gres/gpu=2; the typed gres/gpu:h200=2 is the same GPUs
     assert job["gpu_indexes"] == (1, 2)
@@ -85,12 +84,13 @@ def test_squeue_json_real() -> None:
     assert running == {"10", "11"}
     assert jobs["11"]["gpu_indexes_by_node"] == {"vm": (1, 2)}
     assert jobs["10"]["gpu_indexes"] == (0,)
-    assert (jobs["11"]["user"], jobs["11"]["uid"], jobs["11"]["account"], jobs["11"]["cluster"]) == ("bob", 1002, "proj_a", "testcluster")
+    bob = jobs["11"]
+    assert (bob["user"], bob["uid"], bob["account"], bob["cluster"]) == ("bob", 1002, "proj_a", "testcluster")
     assert jobs["11"]["gpus"] == 2
     assert jobs["12"]["state"] == "PENDING" and jobs["12"]["gpus"] is None and jobs["12"]["start"] is None
     # The two formats agree on the same instant (scontrol prints local time, squeue epochs).
     # The capture host ran in UTC: squeue's epoch is scontrol's "StartTime=2026-11-29T16:23:29".
-    assert jobs["11"]["start"] == datetime(2026, 11, 29, 16, 23, 29, tzinfo=timezone.utc).timestamp()
+    assert jobs["11"]["start"] == datetime(2026, 11, 29, 16, 23, 29, tzinfo=UTC).timestamp()
 
 
 def test_squeue_json_wrapped_numbers_of_newer_versions() -> None:
@@ -125,7 +125,8 @@ def test_job_environ_batch_and_step_real() -> None:
     step = parse_job_environ(environ("inside-step0-cgroupv1-env.txt"))
     assert batch is not None and step is not None
     for meta in (batch, step):
-        assert (meta["job_id"], meta["user"], meta["uid"], meta["account"], meta["partition"]) == ("16", "bob", 1002, "proj_a", "gpu")
+        assert (meta["job_id"], meta["user"], meta["uid"], meta["account"], meta["partition"]) == ("16", "bob", 1002,
+                                                                                                   "proj_a", "gpu")
         # CUDA_VISIBLE_DEVICES=0,1 inside the job is renumbered; the node's GPUs are 1 and 2.
         assert meta["gpu_indexes"] == (1, 2)
         assert meta["gpus"] == 2
@@ -138,7 +139,8 @@ def test_job_environ_outside_a_job_and_odd_values() -> None:
     assert parse_job_environ(b"PATH=/bin\0HOME=/root\0") is None
     assert parse_job_environ(b"") is None
     meta = parse_job_environ(b"SLURM_JOBID=5\0SLURM_STEP_GPUS=3\0SLURM_JOB_UID=x\0\xff\xfe=1\0")
-    assert meta is not None and meta["job_id"] == "5" and meta["gpu_indexes"] == (3,) and meta["gpus"] == 1 and meta["uid"] is None
+    assert meta is not None and meta["job_id"] == "5" and meta["gpu_indexes"] == (3,)
+    assert meta["gpus"] == 1 and meta["uid"] is None
     meta = parse_job_environ(b"SLURM_JOB_ID=6\0SLURM_JOB_GPUS=GPU-1234\0")
     assert meta is not None and meta["gpu_indexes"] == () and meta["gpus"] is None
 
@@ -231,7 +233,8 @@ def test_job_record_from_meta() -> None:
     assert rec.to_dict()["job_id"] == "11"
 
 
-@pytest.mark.parametrize("name", ["inside-job-cgroupv1-env.txt", "inside-step0-cgroupv1-env.txt", "inside-job-linuxproc-env.txt"])
+@pytest.mark.parametrize("name", ["inside-job-cgroupv1-env.txt", "inside-step0-cgroupv1-env.txt",
+                                  "inside-job-linuxproc-env.txt"])
 def test_every_env_capture_names_its_account(name: str) -> None:
     meta = parse_job_environ(environ(name))
     assert meta is not None and job_record(meta).account == "proj_a"

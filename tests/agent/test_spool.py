@@ -10,14 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import zstandard
+from prometheus_client import generate_latest
 
 from gpuledger.agent.exposition import make_registry
 from gpuledger.agent.push import HttpPusher
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.agent.spool import Spool, SpoolingPusher
-from prometheus_client import generate_latest
+from gpuledger.schema.records import GpuSample
 
 
 def samples(n: int = 2, ts: float = 1_700_000_000.0) -> list[GpuSample]:

@@ -11,8 +11,10 @@ from gpuledger.agent.mappers.static import StaticMapper
 from gpuledger.schema.records import GpuSample
 
 
-def sample(index: int, uuid: str | None = None, jobs: tuple[str, ...] = (), shares: tuple[float, ...] = ()) -> GpuSample:
-    return GpuSample(ts=1.0, host="h", gpu_uuid=uuid or f"GPU-{index}", gpu_index=index, job_ids=jobs, job_shares=shares)
+def sample(index: int, uuid: str | None = None, jobs: tuple[str, ...] = (),
+           shares: tuple[float, ...] = ()) -> GpuSample:
+    return GpuSample(ts=1.0, host="h", gpu_uuid=uuid or f"GPU-{index}", gpu_index=index, job_ids=jobs,
+                     job_shares=shares)
 
 
 def test_maps_by_index_uuid_and_digit_string() -> None:
@@ -81,7 +83,7 @@ def test_concurrent_set_clear_and_map() -> None:
 
     t = threading.Thread(target=reader)
     t.start()
-    for round_ in range(50):
+    for _ in range(50):
         for i in range(64):
             m.set(i, [str(i), f"{i}b"])
         for i in range(64):

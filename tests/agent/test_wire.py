@@ -25,7 +25,8 @@ def test_one_series_per_gpu_and_job_set_with_complete_columns_as_bytes():
                   sm_active_ratio=None if i == 1 else 0.5)
                for i in range(5) for g in range(2)]
     series = to_series(samples, "n1", binary=True)
-    assert [(s["gpu_uuid"], s["job_ids"]) for s in series] == [("G0", ["7"]), ("G1", ["7"]), ("G0", ["8"]), ("G1", ["8"])]
+    assert [(s["gpu_uuid"], s["job_ids"]) for s in series] == [("G0", ["7"]), ("G1", ["7"]), ("G0", ["8"]),
+                                                               ("G1", ["8"])]
     first = series[0]
     assert first["ts"] == struct.pack("<3d", 100.0, 101.0, 102.0)
     assert first["mem_used_bytes"] == struct.pack("<3q", 10**9, 10**9 + 1, 10**9 + 2)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.collector.aggregate import ACCEPTED, DUPLICATE, TOO_LATE, Aggregator, UsageAcc
+from gpuledger.schema.records import GpuSample
 
 
 def S(ts: float, gpu: str = "G0", host: str = "h1", **kw) -> GpuSample:
@@ -31,8 +31,10 @@ def feed(samples, **kw) -> Aggregator:
 
 def test_counter_delta_sm_and_means():
     agg = feed([
-        S(0, energy_joules=1000.0, sm_active_ratio=0.2, dram_bw_ratio=0.4, job_ids=("j",), mem_used_bytes=5, power_watts=300.0),
-        S(10, energy_joules=3000.0, sm_active_ratio=0.5, dram_bw_ratio=0.6, job_ids=("j",), mem_used_bytes=9, power_watts=200.0),
+        S(0, energy_joules=1000.0, sm_active_ratio=0.2, dram_bw_ratio=0.4, job_ids=("j",), mem_used_bytes=5,
+          power_watts=300.0),
+        S(10, energy_joules=3000.0, sm_active_ratio=0.5, dram_bw_ratio=0.6, job_ids=("j",), mem_used_bytes=9,
+          power_watts=200.0),
         S(30, energy_joules=4000.0, sm_active_ratio=1.0, job_ids=("j",), mem_used_bytes=7, power_watts=250.0),
     ])
     u = usage(agg)[("j", "h1", "G0")]
@@ -235,7 +237,7 @@ def test_shared_split_conserves_gpu_seconds_and_energy(seq, rnd):
     rnd.shuffle(seq)
     agg = feed(seq, window_s=1e9)
     totals = agg.gpu_totals()
-    for (host, gpu, mig), (observed, energy) in totals.items():
+    for (_host, gpu, _mig), (observed, energy) in totals.items():
         rows = [u for u in agg.job_usage(per_gpu=True) if u.gpu_uuid == gpu]
         assert sum(u.allocated_gpu_seconds for u in rows) == pytest.approx(observed, rel=1e-9, abs=1e-6)
         assert sum(u.energy_joules for u in rows) == pytest.approx(energy, rel=1e-9, abs=1e-6)
@@ -263,8 +265,10 @@ def test_per_job_summary_combines_gpus_consistently(seq):
 
 
 def test_per_job_mean_is_time_weighted_across_gpus():
-    agg = feed([S(0, gpu="A", sm_active_ratio=1.0, job_ids=("j",)), S(100, gpu="A", sm_active_ratio=1.0, job_ids=("j",)),
-                S(0, gpu="B", sm_active_ratio=0.0, job_ids=("j",)), S(300, gpu="B", sm_active_ratio=0.0, job_ids=("j",))])
+    agg = feed([S(0, gpu="A", sm_active_ratio=1.0, job_ids=("j",)),
+                S(100, gpu="A", sm_active_ratio=1.0, job_ids=("j",)),
+                S(0, gpu="B", sm_active_ratio=0.0, job_ids=("j",)),
+                S(300, gpu="B", sm_active_ratio=0.0, job_ids=("j",))])
     (u,) = agg.job_usage()
     assert u.gpus == 2 and u.allocated_gpu_seconds == pytest.approx(400.0)
     assert u.sm_active_mean == pytest.approx(0.25)  # a mean of means would say 0.5

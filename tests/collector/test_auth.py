@@ -9,14 +9,15 @@ import httpx
 import pytest
 
 from gpuledger.agent.push import HttpPusher, PushError
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.server import CollectorServer, tls_context
 from gpuledger.collector.store import SqliteStore
+from gpuledger.schema.records import GpuSample, JobRecord
 
 NOW = 1_700_000_000.0
-N1, N2, ADMIN, READ = "tok-node01-aaaaaaaaaaaa", "tok-node02-bbbbbbbbbbbb", "tok-admin-cccccccccccc", "tok-read-dddddddddddd"
+N1, N2 = "tok-node01-aaaaaaaaaaaa", "tok-node02-bbbbbbbbbbbb"
+ADMIN, READ = "tok-admin-cccccccccccc", "tok-read-dddddddddddd"
 
 
 def batch(seq: int, host: str = "n1", sample_hosts: tuple[str, ...] = ("n1", "n1")) -> dict:
@@ -136,7 +137,7 @@ def _self_signed(tmp_path):
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuledger-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuledger.schema.records import GpuProcess, GpuSample
 from gpuledger.collector import chunks
 from gpuledger.collector.chunks import (
     FLOAT,
@@ -28,6 +27,7 @@ from gpuledger.collector.chunks import (
     merge_chunks,
 )
 from gpuledger.collector.series import Series
+from gpuledger.schema.records import GpuProcess, GpuSample
 
 T0 = 1_700_000_000.0
 floats = st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False, width=64),
@@ -47,7 +47,8 @@ def samples(draw) -> list[GpuSample]:
             energy_joules=draw(floats), temp_celsius=draw(floats), mem_used_bytes=draw(ints),
             throttle_reasons=draw(ints), ecc_errors_total=draw(ints),
             xid_errors=tuple(draw(st.lists(st.integers(0, 200), max_size=2))),
-            processes=tuple(GpuProcess(p, m) for p, m in draw(st.lists(st.tuples(st.integers(1, 2**22), ints), max_size=2))),
+            processes=tuple(GpuProcess(p, m) for p, m in draw(st.lists(st.tuples(st.integers(1, 2**22), ints),
+                                                                       max_size=2))),
             job_ids=tuple(draw(st.lists(st.sampled_from(["1", "2_3", "ü"]), max_size=2, unique=True))),
             job_shares=tuple(draw(st.lists(st.floats(0, 1), max_size=2))), source=draw(st.sampled_from(["", "nvml"])),
         ))
@@ -100,7 +101,8 @@ def test_regular_telemetry_compresses_well():
         e += rnd.randint(100, 700)
         p = round(max(0.0, p + rnd.uniform(-5, 5)), 1)
         ss.append(GpuSample(ts=T0 + i, host="h", gpu_uuid="G", gpu_index=0, model="H200", power_watts=p,
-                            energy_joules=e, sm_active_ratio=round(rnd.random(), 3), temp_celsius=float(rnd.randint(40, 45)),
+                            energy_joules=e, sm_active_ratio=round(rnd.random(), 3),
+                            temp_celsius=float(rnd.randint(40, 45)),
                             mem_used_bytes=80 * 2**30, sm_clock_hz=1.98e9, job_ids=("42",)))
     blob = encode_samples(ss)
     assert len(blob) / len(ss) < 10  # bytes per sample; msgpack rows were ~120

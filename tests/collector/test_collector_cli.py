@@ -11,10 +11,10 @@ import sys
 import httpx
 from typer.testing import CliRunner
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.collector.cli import app, store_path
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample
 
 
 def _fill(data_dir):

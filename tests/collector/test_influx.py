@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
+from servers import InfluxServer, VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
 
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.collector.sinks.influx import (
     InfluxSink,
     escape_measurement,
@@ -21,7 +21,7 @@ from gpuledger.collector.sinks.influx import (
 )
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
-from servers import InfluxServer, VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
+from gpuledger.schema.records import GpuSample, JobRecord
 
 pytestmark = pytest.mark.influx
 T0 = 1_700_000_000.0
@@ -86,7 +86,8 @@ def test_fairshare_lines():
         {"account": "phys", "user": None, "fairshare": 0.5, "site_factor": 500, "effective_usage": 0.1, "raw_usage": 3},
         {"account": "phys", "user": "ann b", "fairshare": 0.25, "site_factor": 250.0, "effective_usage": 0.2,
          "raw_usage": 7.5}], ts=T0)
-    assert acct == f"fairshare,account=phys effective_usage=0.1,fairshare=0.5,raw_usage=3.0,site_factor=500i {int(T0 * 1000)}"
+    assert acct == ("fairshare,account=phys effective_usage=0.1,fairshare=0.5,raw_usage=3.0,site_factor=500i "
+                    f"{int(T0 * 1000)}")
     assert user.startswith(r"fairshare,account=phys,user=ann\ b ")
 
 
@@ -160,7 +161,8 @@ def test_retries_with_backoff_until_the_server_appears(tmp_path):
         waits.append(s)
         time.sleep(0.2)
 
-    sink = InfluxSink(f"http://127.0.0.1:{port}", api="v2", sleep=sleep, backoff_s=0.1, max_retries=200, flush_interval_s=0.05,
+    sink = InfluxSink(f"http://127.0.0.1:{port}", api="v2", sleep=sleep, backoff_s=0.1, max_retries=200,
+                      flush_interval_s=0.05,
                       timeout_s=5)
     sink.write([sample(T0)])
     time.sleep(0.5)

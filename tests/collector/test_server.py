@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
+from gpuledger.schema.records import GpuSample, JobRecord
 
 NOW = 1_700_000_000.0
 
@@ -41,7 +41,8 @@ def srv(tmp_path):
 def test_ingest_then_query_usage(srv):
     s, c = srv
     r = c.post("/api/v1/samples", json=batch(0, samples(NOW - 100, 5)))
-    assert r.status_code == 200 and r.json() == {"accepted": 5, "duplicate": False, "duplicate_samples": 0, "too_late": 0}
+    assert r.status_code == 200 and r.json() == {"accepted": 5, "duplicate": False, "duplicate_samples": 0,
+                                                 "too_late": 0}
     (u,) = c.get("/api/v1/usage").json()
     assert u["job_id"] == "7" and u["allocated_gpu_seconds"] == pytest.approx(40.0)
     assert u["sm_active_gpu_seconds"] == pytest.approx(20.0) and u["energy_joules"] == pytest.approx(4000.0)
@@ -92,7 +93,8 @@ def test_compressed_and_msgpack_bodies(srv):
 
     s, c = srv
     body = gzip.compress(json.dumps(batch(1, samples(NOW - 100, 2))).encode())
-    r = c.post("/api/v1/samples", content=body, headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    r = c.post("/api/v1/samples", content=body, headers={"Content-Type": "application/json",
+                                                         "Content-Encoding": "gzip"})
     assert r.json()["accepted"] == 2
     r = c.post("/api/v1/samples", content=msgpack.packb(batch(2, samples(NOW - 50, 2, job="8"))),
                headers={"Content-Type": "application/msgpack"})

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openapi_spec_validator import validate as validate_spec
 
-from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord
 from gpuledger.collector.openapi import openapi_document
 from gpuledger.collector.server import ROUTES, CollectorServer
 from gpuledger.collector.store import SqliteStore
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord
 
 NOW = 1_700_000_000.0
 

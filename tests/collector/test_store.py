@@ -7,10 +7,10 @@ import sqlite3
 
 import pytest
 
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.collector.aggregate import Aggregator
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord
 
 T0 = 1_700_000_000.0
 

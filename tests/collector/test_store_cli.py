@@ -6,10 +6,10 @@ import json
 
 from typer.testing import CliRunner
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.store_cli import DB_NAME, app
 from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample
 
 H = 3600.0 * 480_000
 
@@ -40,10 +40,10 @@ def test_compact_series_totals(tmp_path):
 def test_series_endpoint_picks_the_tier(tmp_path) -> None:
     import httpx
 
-    from gpuledger.schema.records import GpuSample
     from gpuledger.collector.server import CollectorServer
     from gpuledger.collector.store import SqliteStore
     from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample
 
     t0 = 1_800_000_000.0
     store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: t0 + 7200)

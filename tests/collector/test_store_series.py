@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuledger.agent.push import encode_batch
-from gpuledger.schema.records import GpuSample
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch, parse_batch
+from gpuledger.schema.records import GpuSample
 
 T0 = 1_700_000_000.0
 NOW = T0 + 10**6

@@ -9,11 +9,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_store import HOUR, MINUTE, RAW, Retention
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 
 H = 3600.0 * 480_000  # an hour (and day) boundary
 DAY = 86400.0
@@ -144,7 +144,8 @@ def test_retention_drops_only_rolled_up_data_and_queries_pick_the_complete_tier(
     ingest_all(store, ss)
     gk = ("n1", "G0", "")
     assert store.series_store.pick_tier(gk, H) == RAW and store.series_store.pick_tier(gk, H, step=60) == MINUTE
-    assert store.series_store.pick_tier(gk, H, step=3600) == HOUR and store.series_store.pick_tier(gk, H, step=30) == RAW
+    assert store.series_store.pick_tier(gk, H, step=3600) == HOUR
+    assert store.series_store.pick_tier(gk, H, step=30) == RAW
     st = store.compact()  # now = H + 4 h: raw before H + 2 h may go, it is rolled up (horizon H+2h50)
     raw = chunk_rows(store, RAW)
     assert st.deleted_chunks == 12 and min(r[3] for r in raw) == H + 2 * 3600
@@ -152,7 +153,8 @@ def test_retention_drops_only_rolled_up_data_and_queries_pick_the_complete_tier(
     pts = store.series("n1", "G0", H, H + 3 * 3600)
     assert isinstance(pts[0], RollupPoint) and pts[0].tier == "1m" and sum(p.samples for p in pts) == 1080
     assert len(store.series("n1", "G0", H + 2 * 3600, H + 3 * 3600)) == 360  # raw samples
-    clock.t = H + 8 * 3600  # minute rows before H + 3 h expire (only up to the hour tier's H + 2 h); hours stay for good
+    # minute rows before H + 3 h expire (only up to the hour tier's H + 2 h); hours stay for good
+    clock.t = H + 8 * 3600
     store.compact()
     assert store.series_store.pick_tier(gk, H) == HOUR
     hours = store.series("n1", "G0", H, H + 3 * 3600)

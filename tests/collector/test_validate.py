@@ -11,9 +11,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuledger.schema.records import GpuProcess, GpuSample
 from gpuledger.collector import validate
 from gpuledger.collector.validate import BatchError, parse_batch, parse_jobs
+from gpuledger.schema.records import GpuProcess, GpuSample
 
 NOW = 1_700_000_000.0
 
@@ -165,8 +165,8 @@ def test_every_record_field_has_a_validation_rule():
     # A field added to the records later must be checked, never waved through.
     from dataclasses import fields
 
-    from gpuledger.schema.records import JobRecord
     from gpuledger.collector.validate import _HANDLED, _SAMPLE_TYPES, _check_annotation
+    from gpuledger.schema.records import JobRecord
 
     for name, ann in _SAMPLE_TYPES.items():
         if name not in _HANDLED:
@@ -179,9 +179,9 @@ def test_every_record_field_has_a_validation_rule():
 
 # -- the msgpack fast path decides exactly as the per-sample path ---------------------------------
 
-_ODD = st.sampled_from([None, True, False, 0, 1, -1, 2, 0.0, -0.0, 0.5, 1.5, -0.5, 1e18, 2e18, 2**63 - 1, 2**63, 2**64 - 1,
-                        -2**63, float("nan"), float("inf"), "", "x", [], ["1"], ["1", "1"], [""], [1, None], [[1, None]],
-                        [[1]], [[-1, 2]], [0.5, 0.5], [1.0], [2**63]])
+_ODD = st.sampled_from([None, True, False, 0, 1, -1, 2, 0.0, -0.0, 0.5, 1.5, -0.5, 1e18, 2e18,
+                        2**63 - 1, 2**63, 2**64 - 1, -2**63, float("nan"), float("inf"), "", "x", [], ["1"],
+                        ["1", "1"], [""], [1, None], [[1, None]], [[1]], [[-1, 2]], [0.5, 0.5], [1.0], [2**63]])
 
 
 @st.composite

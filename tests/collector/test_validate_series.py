@@ -23,12 +23,12 @@ import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gpuledger.schema.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, GpuProcess, GpuSample
-from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, from_series, to_series
 from gpuledger.collector import validate
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import BatchError, parse_batch
+from gpuledger.schema.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, GpuProcess, GpuSample
+from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, from_series, to_series
 
 NOW = 1_700_000_000.0
 MAX_INT = 2**63 - 1

@@ -18,9 +18,9 @@ from typing import Any
 from gpuledger.agent.exposition import MetricsServer, serve_metrics
 from gpuledger.agent.mappers.static import StaticMapper
 from gpuledger.agent.push import HttpPusher
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.schema.records import GpuSample
 
 EXPECTED_STATES = {"busy": 4, "allocated-idle": 1, "free": 3, "lost": 2}
 LOST_HOST = "live03"

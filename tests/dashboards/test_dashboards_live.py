@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboards_grafana import ROOT, Context, interpolate, load, query_variables, targets  # first: sys.path
 from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
+from dashboards_grafana import ROOT, Context, interpolate, load, query_variables, targets  # first: sys.path
 from servers import InfluxServer, PrometheusServer
 
-from gpuledger.agent.push import HttpPusher
 from gpuledger.accounting.cli import fairshare_rows, feed_from_rows
 from gpuledger.accounting.priority import write_feed
+from gpuledger.agent.push import HttpPusher
 from gpuledger.collector.server import FEED_NAME, CollectorServer
 from gpuledger.collector.sinks.influx import InfluxSink, fairshare_lines
 from gpuledger.collector.store import SqliteStore
@@ -139,7 +139,8 @@ def test_prometheus_panels_return_data(stack: Stack, path: Path) -> None:
     for q in targets(doc):
         c = ctx.for_panel(q.time_from, _midnight(ctx.end))
         expr = interpolate(q.text, "prometheus", c)
-        data = stack.prom.query(expr, at=c.end) if q.instant else stack.prom.query_range(expr, c.start, c.end, c.interval_s)
+        data = stack.prom.query(expr, at=c.end) if q.instant else stack.prom.query_range(expr, c.start, c.end,
+                                                                                         c.interval_s)
         if not _prom_has_data(data):
             empty.append(f"{q.where}: {expr}")
     assert empty == []
@@ -236,4 +237,5 @@ def test_influx_names_exist(stack: Stack) -> None:
     assert _missing_influx_names(stack, queries) == []
     # ... and the check does see a name the collector does not write
     bogus = ['SELECT mean("sm_util") FROM "gpu"', 'SELECT last("x") FROM "gpus"']
-    assert _missing_influx_names(stack, bogus) == [f"'sm_util' in {bogus[0]}", "measurement 'gpus'", f"'x' in {bogus[1]}"]
+    assert _missing_influx_names(stack, bogus) == [f"'sm_util' in {bogus[0]}", "measurement 'gpus'",
+                                                   f"'x' in {bogus[1]}"]

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from dashboards_grafana import ROOT, load, targets, validate  # first: puts the repository root on sys.path
 
-from gpuledger.schema.records import SAMPLE_FIELDS
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
 from gpuledger.dashboards import build, lint
 from gpuledger.dashboards.schema import AGENT_GPU_METRICS, COLLECTOR_METRICS, INFLUX_SCHEMA
+from gpuledger.schema.records import SAMPLE_FIELDS
 
 DASH_DIR = ROOT / "gpuledger" / "dashboards"
 FILES = sorted(p for f in build.FLAVOURS for p in (DASH_DIR / f).glob("*.json"))
@@ -92,7 +92,8 @@ def test_lint_rejects_unknown_names() -> None:
     assert lint.check_influxql('SELECT last("jobid") FROM "gpu"') == ["'jobid' is no field or tag of ['gpu']"]
     assert lint.check_promql('sum by (hots) (gpuledger_gpu_power_watt)') == [
         "unknown metric 'gpuledger_gpu_power_watt'", "unknown label 'hots'"]
-    assert lint.check_promql('rate(gpuledger_gpu_energy_joules[5m])') == ["unknown metric 'gpuledger_gpu_energy_joules'"]
+    assert lint.check_promql('rate(gpuledger_gpu_energy_joules[5m])') == [
+        "unknown metric 'gpuledger_gpu_energy_joules'"]
     assert lint.check_promql('gpuledger_gpu_job_info{job="1"} and on(host, uuid, mig) vector(1)') == []
 
 
@@ -140,7 +141,8 @@ def test_provisioning_files() -> None:
         text = (DASH_DIR / "provisioning" / name).read_text()
         assert text.startswith("# Generated") and "apiVersion: 1\n" in text
     # the emitter writes YAML a YAML reader agrees with (checked on a value of every kind)
-    assert build.to_yaml({"a": [{"b": True, "c": 1.5}, "x"], "d": {}}) == 'a:\n  - b: true\n    c: 1.5\n  - "x"\nd: {}\n'
+    assert build.to_yaml({"a": [{"b": True, "c": 1.5}, "x"],
+                          "d": {}}) == 'a:\n  - b: true\n    c: 1.5\n  - "x"\nd: {}\n'
 
 
 def _parse_line(ln: str) -> tuple[str, set[str], set[str]]:
@@ -151,8 +153,8 @@ def _parse_line(ln: str) -> tuple[str, set[str], set[str]]:
 
 
 def test_schema_constants_match_what_the_influx_sink_writes() -> None:
-    from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
     from gpuledger.collector.sinks.influx import fairshare_lines, job_usage_lines, sample_lines
+    from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
     full = {f: 0.5 for f in INFLUX_SCHEMA["gpu"][1] - {"xid_errors", "jobs", "mem_used_bytes", "mem_total_bytes",
                                                         "throttle_reasons", "ecc_errors_total", "remapped_rows_total"}}

@@ -9,18 +9,17 @@ both of the node's GPUs, so they start one at a time, in priority order, once th
 from __future__ import annotations
 
 import time
-from datetime import timezone
+from datetime import UTC
 from typing import Any
 
 import pytest
+from slurm_cluster import PARTITION, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 
 from gpuledger.accounting.apply import Change, run_apply
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.fairshare import fair_tree
 from gpuledger.accounting.priority import PriorityEntry, feed_document, priority_feed, write_feed
 from gpuledger.accounting.slurm import merge_sacct, parse_sacct_json, parse_sacct_parsable
-
-from slurm_cluster import PARTITION, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 
 pytestmark = pytest.mark.slurm
 
@@ -125,10 +124,10 @@ def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmClust
     from typer.testing import CliRunner
 
     from gpuledger.accounting.audit import open_log
-    from gpuledger.schema.records import GpuSample, JobRecord
+    from gpuledger.cli import app
     from gpuledger.collector.store import SqliteStore
     from gpuledger.collector.validate import Batch
-    from gpuledger.cli import app
+    from gpuledger.schema.records import GpuSample, JobRecord
 
     c = slurm_cluster
     monkeypatch.setenv("SLURM_CONF", str(c.conf))
@@ -141,7 +140,8 @@ def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmClust
     store = SqliteStore(tmp_path / "gpuledger.sqlite")
     try:
         now = time.time()
-        store.put_jobs([JobRecord(job_id=j, cluster="testcluster", account=a, user=u, gpus=1) for j, (a, u, _) in measured.items()])
+        store.put_jobs([JobRecord(job_id=j, cluster="testcluster", account=a, user=u, gpus=1)
+                        for j, (a, u, _) in measured.items()])
         samples = [GpuSample(ts=now - 500 + t, host="vm", gpu_uuid=f"GPU-{j}", gpu_index=i, job_ids=(j,))
                    for i, (j, (_, _, secs)) in enumerate(measured.items()) if secs for t in range(0, secs + 1, 50)]
         store.ingest(Batch("test", 1, "vm", tuple(sorted(samples, key=lambda x: x.ts))))
@@ -235,7 +235,7 @@ def test_sacct_import_matches_what_was_submitted(slurm_cluster: SlurmCluster, jo
     parsable_text = c.cmd(*env_utc, "sacct", "-P", *window,
                           "--format=JobID,User,Account,Partition,Start,End,AllocTRES,State,ExitCode")
     assert ".batch|" in parsable_text  # steps are there, and skipped
-    parsable = {r.job_id: r for r in parse_sacct_parsable(parsable_text, tz=timezone.utc)}
+    parsable = {r.job_id: r for r in parse_sacct_parsable(parsable_text, tz=UTC)}
     assert set(as_json) == set(parsable) == set(mine)
     assert as_json[jobs["carol"]].exit_code is None and parsable[jobs["carol"]].exit_code == 3
     assert {r.job_id: r.start for r in merge_sacct(as_json.values(), parsable.values())} == \

@@ -8,18 +8,51 @@ logged records: refusing store edits, explicit corrections), ``recorders`` (what
 """
 
 from gpuledger.accounting.audit.binding import FINAL_AFTER_S, Bound, StoreChange, bind, inputs_root, usage_key
-from gpuledger.accounting.audit.checkpoint import (CheckpointRejected, SignedHead, check_heads, make_checkpoint,
-                                                   open_checkpoint, parse_checkpoint)
+from gpuledger.accounting.audit.checkpoint import (
+    CheckpointRejected,
+    SignedHead,
+    check_heads,
+    make_checkpoint,
+    open_checkpoint,
+    parse_checkpoint,
+)
 from gpuledger.accounting.audit.explain import Explanation, Step, explain
-from gpuledger.accounting.audit.keys import (KEY_NAME, PRIVATE_KEY_NAME, SigningKey, TrustedKeys, default_private_key_path,
-                                             keygen, keyring_path, load_public_key, load_signing_key, public_path,
-                                             trusted_keys)
+from gpuledger.accounting.audit.keys import (
+    KEY_NAME,
+    PRIVATE_KEY_NAME,
+    SigningKey,
+    TrustedKeys,
+    default_private_key_path,
+    keygen,
+    keyring_path,
+    load_public_key,
+    load_signing_key,
+    public_path,
+    trusted_keys,
+)
 from gpuledger.accounting.audit.manifest import MANIFEST_SUFFIX, code_version, sign_report, verify_report
-from gpuledger.accounting.audit.recorders import (JobCharge, job_charges, record_fairshare, record_priority_change,
-                                                  record_usage)
+from gpuledger.accounting.audit.recorders import (
+    JobCharge,
+    job_charges,
+    record_fairshare,
+    record_priority_change,
+    record_usage,
+)
 from gpuledger.accounting.audit.verify import Verdict, verify_all
-from gpuledger.collector.auditlog import (AUDIT_NAME, KINDS, AuditError, AuditLog, Entry, EntryDamaged, Problem,
-                                          VerifyResult, canonical_json, open_log, plain, record_job_records)
+from gpuledger.collector.auditlog import (
+    AUDIT_NAME,
+    KINDS,
+    AuditError,
+    AuditLog,
+    Entry,
+    EntryDamaged,
+    Problem,
+    VerifyResult,
+    canonical_json,
+    open_log,
+    plain,
+    record_job_records,
+)
 
 __all__ = [
     "AUDIT_NAME", "FINAL_AFTER_S", "KEY_NAME", "KINDS", "MANIFEST_SUFFIX", "PRIVATE_KEY_NAME", "AuditError", "AuditLog",

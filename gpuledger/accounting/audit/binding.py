@@ -19,8 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuledger.collector.auditlog import AuditLog, Entry, job_data, job_key, plain
-from gpuledger.collector.auditlog import merkle
+from gpuledger.collector.auditlog import AuditLog, Entry, job_data, job_key, merkle, plain
 from gpuledger.collector.auditlog.canonical import dumps
 from gpuledger.schema.records import JobRecord, JobUsage
 

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 from gpuledger.accounting.audit import note
 from gpuledger.accounting.audit.keys import KEY_NAME, SigningKey, TrustedKeys
-from gpuledger.collector.auditlog import AuditError, AuditLog, LogDamaged, Problem, VerifyResult
-from gpuledger.collector.auditlog import merkle
+from gpuledger.collector.auditlog import AuditError, AuditLog, LogDamaged, Problem, VerifyResult, merkle
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,7 @@ from typing import Any
 from gpuledger.accounting.audit.binding import inputs_root, parse_ranges
 from gpuledger.accounting.audit.checkpoint import SignedHead
 from gpuledger.accounting.audit.keys import SigningKey, TrustedKeys
-from gpuledger.collector.auditlog import AuditLog, Entry, VerifyResult, canonical_json, plain
-from gpuledger.collector.auditlog import merkle
+from gpuledger.collector.auditlog import AuditLog, Entry, VerifyResult, canonical_json, merkle, plain
 
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = "gpuledger-report-manifest/2"

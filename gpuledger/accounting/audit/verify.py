@@ -8,7 +8,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuledger.accounting.audit.checkpoint import CheckpointRejected, HeadCheck, SignedHead, check_heads, open_checkpoint
+from gpuledger.accounting.audit.checkpoint import (
+    CheckpointRejected,
+    HeadCheck,
+    SignedHead,
+    check_heads,
+    open_checkpoint,
+)
 from gpuledger.accounting.audit.keys import TrustedKeys
 from gpuledger.accounting.audit.manifest import verify_report
 from gpuledger.collector.auditlog import AuditLog, Problem, VerifyResult

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.period import parse_time

@@ -46,7 +46,8 @@ def idle_jobs(
         if u is None or u.allocated_gpu_seconds <= 0:
             continue
         gpus = (per_gpu or {}).get(e.job_id) or [u]
-        idle = [g for g in gpus if (g.sm_active_mean if g.sm_active_mean is not None else _efficiency_or_zero(g)) < threshold]
+        idle = [g for g in gpus
+                if (g.sm_active_mean if g.sm_active_mean is not None else _efficiency_or_zero(g)) < threshold]
         idle_s = math.fsum(g.allocated_gpu_seconds for g in idle)
         share = idle_s / u.allocated_gpu_seconds
         if idle and share >= min_share:

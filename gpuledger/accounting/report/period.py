@@ -9,9 +9,10 @@ boundary lands in the month it ended (no proration). Times are UTC.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Iterable
+from datetime import UTC, datetime
+from typing import Any
 
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.errors import ReportError
@@ -27,14 +28,15 @@ class Period:
         # an open end is None: JSON (and the signed manifest) has no infinity
         return {"label": self.label, "start": self.start if math.isfinite(self.start) else None,
                 "end": self.end if math.isfinite(self.end) else None,
-                "start_iso": iso_utc(self.start), "end_iso": iso_utc(self.end), "rule": "job counted whole in the period it ended"}
+                "start_iso": iso_utc(self.start), "end_iso": iso_utc(self.end),
+                "rule": "job counted whole in the period it ended"}
 
 
 ALL_TIME = Period(-math.inf, math.inf, "all")
 
 
 def iso_utc(t: float) -> str | None:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat() if math.isfinite(t) else None
+    return datetime.fromtimestamp(t, UTC).isoformat() if math.isfinite(t) else None
 
 
 def parse_time(text: str, what: str = "time") -> float:
@@ -49,7 +51,7 @@ def parse_time(text: str, what: str = "time") -> float:
     except ValueError:
         raise ReportError(f"{what} {text!r}: expected YYYY-MM-DD, an ISO 8601 date-time or unix seconds") from None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
 
 
@@ -67,19 +69,19 @@ def parse_period(period: str | None = None, start: str | None = None, end: str |
                 y, m = nums
                 a, b = datetime(y, m, 1), datetime(y + (m == 12), m % 12 + 1, 1)
             elif len(nums) == 3:
-                a = datetime(*nums)
+                a = datetime(nums[0], nums[1], nums[2])
                 b = datetime.fromordinal(a.toordinal() + 1)
             else:
                 raise ValueError
         except ValueError:
             raise ReportError(f"period {period!r}: expected YYYY, YYYY-MM or YYYY-MM-DD") from None
-        utc = timezone.utc
+        utc = UTC
         return Period(a.replace(tzinfo=utc).timestamp(), b.replace(tzinfo=utc).timestamp(), period.strip())
-    a = parse_time(start, "--from") if start is not None else -math.inf
-    b = parse_time(end, "--to") if end is not None else math.inf
-    if not a < b:
+    since = parse_time(start, "--from") if start is not None else -math.inf
+    until = parse_time(end, "--to") if end is not None else math.inf
+    if not since < until:
         raise ReportError(f"--from {start} is not before --to {end}")
-    return Period(a, b, f"{start or '...'} to {end or '...'}")
+    return Period(since, until, f"{start or '...'} to {end or '...'}")
 
 
 def job_end(e: LedgerEntry) -> float | None:

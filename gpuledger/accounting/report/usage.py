@@ -88,8 +88,10 @@ GROUP_KEY: dict[str, Callable[[Any, JobUsage | None], str]] = {
     "account": lambda r, u: r.account if r is not None and r.account else "(unknown)",
     "user": lambda r, u: r.user if r is not None and r.user else "(unknown)",
     "partition": lambda r, u: r.partition if r is not None and r.partition else "(unknown)",
-    "model": lambda r, u: u.model if u is not None and u.model else (r.gpu_model if r is not None and r.gpu_model else "(unknown)"),
-    "node": lambda r, u: u.host if u is not None else (r.hosts[0] if r is not None and len(r.hosts) == 1 else "(unknown)"),
+    "model": lambda r, u: (u.model if u is not None and u.model
+                           else r.gpu_model if r is not None and r.gpu_model else "(unknown)"),
+    "node": lambda r, u: (u.host if u is not None
+                          else r.hosts[0] if r is not None and len(r.hosts) == 1 else "(unknown)"),
 }
 
 
@@ -159,14 +161,15 @@ def usage_report(
             continue
         # _add_usage(), inlined for the common path: this runs once per job record
         alloc, energy, dram = usage.allocated_gpu_seconds, usage.energy_joules, usage.dram_bw_mean
-        price: float | None = 0.0
+        price = 0.0
         if priced:
             model = usage.model or (record.gpu_model if record is not None and record.gpu_model else "")
-            price = prices.get(model)
-            if price is None:
-                price = prices[model] = settings.gpu_hour_price(model)
+            known = prices.get(model)
+            if known is None:
+                known = prices[model] = settings.gpu_hour_price(model)
+            price = known
         cols.values.extend((alloc, usage.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc,
-                            0.0 if dram is None else alloc, alloc * price if priced else 0.0))  # type: ignore[operator]
+                            0.0 if dram is None else alloc, alloc * price if priced else 0.0))
         if grid is not None:
             cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(usage.first_ts, usage.last_ts) / 1000.0)
     rows = [_usage_row(k, [cols], cols.jobs, cols.waits, cols.unmeasured, settings)
@@ -180,14 +183,15 @@ def _add_usage(cols: _GroupColumns, record: Any, usage: JobUsage, grid: GridInte
                prices: dict[str, float], settings: ReportSettings) -> None:
     """Copy one usage record's numbers into the group's columns (inlined in usage_report's common path)."""
     alloc, energy, dram = usage.allocated_gpu_seconds, usage.energy_joules, usage.dram_bw_mean
-    price: float | None = 0.0
+    price = 0.0
     if priced:
         model = usage.model or (record.gpu_model if record is not None and record.gpu_model else "")
-        price = prices.get(model)
-        if price is None:
-            price = prices[model] = settings.gpu_hour_price(model)
+        known = prices.get(model)
+        if known is None:
+            known = prices[model] = settings.gpu_hour_price(model)
+        price = known
     cols.values.extend((alloc, usage.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc,
-                        0.0 if dram is None else alloc, alloc * price))  # type: ignore[operator]
+                        0.0 if dram is None else alloc, alloc * price))
     if grid is not None:
         cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(usage.first_ts, usage.last_ts) / 1000.0)
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Literal
 
 from gpuledger.agent.mappers.slurm_cgroup import sorted_job_ids
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.agent.sharing import split_shares
+from gpuledger.schema.records import GpuSample, JobRecord
 
 log = logging.getLogger(__name__)
 

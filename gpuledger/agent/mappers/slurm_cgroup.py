@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.agent.sharing import split_shares
 from gpuledger.agent.slurm import SLUID_RE, JobMeta, JobResolver, job_record, parse_job_environ
+from gpuledger.schema.records import GpuSample, JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _job_sort_key(job_id: str) -> tuple[Any, ...]:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in job_id.split("_"))
 
 
-def sorted_job_ids(job_ids: set[str] | Sequence[str]) -> tuple[str, ...]:
+def sorted_job_ids(job_ids: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(set(job_ids), key=_job_sort_key))
 
 

@@ -40,9 +40,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.health import FieldHealth
+from gpuledger.schema.records import GpuSample
 
 log = logging.getLogger(__name__)
 

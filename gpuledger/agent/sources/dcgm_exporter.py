@@ -45,10 +45,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuledger.schema.records import GpuSample
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.dcgm import FIELDS_BY_ID, FIELDS_BY_NAME, XidLatch, convert_fields, dcgm_number
 from gpuledger.agent.sources.health import FieldHealth
+from gpuledger.schema.records import GpuSample
 
 log = logging.getLogger(__name__)
 

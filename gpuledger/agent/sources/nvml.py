@@ -50,9 +50,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuledger.schema.records import GpuProcess, GpuSample
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.health import FieldHealth
+from gpuledger.schema.records import GpuProcess, GpuSample
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,16 @@ reports and explanations on top."""
 
 from gpuledger.collector.auditlog.canonical import AuditError, canonical_json, plain
 from gpuledger.collector.auditlog.jobs import job_data, job_key, open_log, record_job_records
-from gpuledger.collector.auditlog.log import (AUDIT_NAME, KINDS, AuditLog, Entry, EntryDamaged, LogDamaged, Problem,
-                                             VerifyResult)
+from gpuledger.collector.auditlog.log import (
+    AUDIT_NAME,
+    KINDS,
+    AuditLog,
+    Entry,
+    EntryDamaged,
+    LogDamaged,
+    Problem,
+    VerifyResult,
+)
 
 __all__ = ["AUDIT_NAME", "KINDS", "AuditError", "AuditLog", "Entry", "EntryDamaged", "LogDamaged", "Problem", "VerifyResult",
            "canonical_json", "job_data", "job_key", "open_log", "plain", "record_job_records"]

@@ -85,19 +85,20 @@ def fields(pairs: Iterable[tuple[str, Any]]) -> str:
     for k, v in pairs:
         if v is None:
             continue
+        text: str | None
         if isinstance(v, bool):
-            s = "true" if v else "false"
+            text = "true" if v else "false"
         elif isinstance(v, int):
             if not -_I64 <= v < _I64:
                 continue  # beyond int64: not representable as an InfluxDB integer
-            s = f"{v}i"
+            text = f"{v}i"
         elif isinstance(v, float):
-            s = _f(v)
-            if s is None:
+            text = _f(v)
+            if text is None:
                 continue
         else:
-            s = string_field(str(v))
-        out.append(f"{escape_tag(k)}={s}")
+            text = string_field(str(v))
+        out.append(f"{escape_tag(k)}={text}")
     return ",".join(out)
 
 
@@ -248,6 +249,9 @@ class InfluxSink:
         self._stop = False
         self._wake = threading.Event()
         self._sleep = sleep or self._wake.wait
+        self._client: Any = None  # influxdb_client.InfluxDBClient (imported only for the v2 API)
+        self._write_api: Any = None
+        self._http: httpx.Client | None = None
         if api == "v2":
             from influxdb_client import InfluxDBClient
             from influxdb_client.client.write_api import SYNCHRONOUS
@@ -255,9 +259,7 @@ class InfluxSink:
             self._client = InfluxDBClient(url=self.url, token=token, org=org, timeout=int(timeout_s * 1000),
                                           enable_gzip=gzip)
             self._write_api = self._client.write_api(write_options=SYNCHRONOUS)
-            self._http = None
         else:
-            self._client = None
             auth = (username, password or "") if username else None
             self._http = httpx.Client(timeout=timeout_s, auth=auth)
         self._thread = threading.Thread(target=self._run, name="influx-sink", daemon=True)
