@@ -109,7 +109,8 @@ def module_imports() -> dict[str, set[str]]:
                 if node.level:
                     keep = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(keep + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+                # "from pkg import submodule" needs the submodule, not what pkg/__init__ defines
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             deps |= {m for t in targets if t.startswith("gpuledger") and (m := resolve(t)) and m != name}
         graph[name] = deps
     return graph
