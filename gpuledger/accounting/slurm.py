@@ -1,7 +1,7 @@
 """Slurm's job records and pending jobs: pure parsers, and a client that runs the commands.
 
 Parsing is kept apart from fetching: every ``parse_*`` takes the text a command printed (tested on real
-captures in ``shared/testdata/slurm/``), and :class:`SlurmClient` only runs commands through its ``run=`` seam.
+captures in ``tests/data/slurm/``), and :class:`SlurmClient` only runs commands through its ``run=`` seam.
 
 Formats read here:
 

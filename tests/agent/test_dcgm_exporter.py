@@ -1,4 +1,4 @@
-"""parse_dcgm_exporter against every real capture in shared/testdata/dcgm-exporter, and the scrape source."""
+"""parse_dcgm_exporter against every capture in tests/data/dcgm-exporter, and the scrape source."""
 
 from __future__ import annotations
 
