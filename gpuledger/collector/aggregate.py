@@ -347,11 +347,7 @@ def _sample(r: object) -> GpuSample:
     return r if isinstance(r, GpuSample) else GpuSample(*(getattr(r, f) for f in SAMPLE_FIELDS))
 
 
-def _same(vals: list[float]) -> bool:
-    return vals.count(vals[0]) == len(vals)
-
-
-def normalize_mig(samples: Iterable[GpuSample]) -> tuple[list, set[int]]:
+def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
     """Put each MIG GPU's power and energy on its whole-GPU row, once, whatever shape the source sent.
 
     Per (host, GPU, instant) with instance rows: the GPU's counter and power are the whole-GPU row's when it
@@ -836,10 +832,9 @@ class Aggregator:
         power = cols["power_watts"][cur]
         counter = ~np.isnan(pe) & ~np.isnan(ce)
         energy = np.where(counter, ce - pe, np.where(~np.isnan(power), np.minimum(power, caps[cur]) * dt, 0.0))
-        keep = np.ones(len(t), dtype=bool)
         sums = _SeqSums()
-        sums.add(g, "observed_s", gpu_s[keep])
-        sums.add(g, "energy_j", energy[keep])
+        sums.add(g, "observed_s", gpu_s)
+        sums.add(g, "energy_j", energy)
         if job_ids:
             sh = np.array(shares, dtype=np.float64)
             w = gpu_s[:, None] * sh  # (pairs, jobs): row-major order is add()'s order of terms
@@ -850,10 +845,10 @@ class Aggregator:
             has_sm = ~np.isnan(sm)
         h0, h1 = math.floor(t[0] / HOUR_S) * HOUR_S, math.floor(t[-1] / HOUR_S) * HOUR_S
         if h0 == h1:  # the usual run: within one hour
-            hours = [(h0, keep)]
+            hours = [(h0, np.ones(len(t), dtype=bool))]
         else:
             bucket = np.floor(t / HOUR_S) * HOUR_S
-            hours = [(hb, keep & (bucket == hb)) for hb in np.unique(bucket[keep]).tolist()]
+            hours = [(hb, bucket == hb) for hb in np.unique(bucket).tolist()]
         for hb, rows in hours:
             hour = self._hour((gk[0], gk[1], gk[2], hb))
             sums.add(hour, "observed_s", gpu_s[rows])
@@ -864,11 +859,11 @@ class Aggregator:
                 sums.add(hour, "sm_s", sm_w[rows & has_sm].ravel())
         if job_ids:
             gid = gpu_id(gk[1], gk[2])
-            present = {f: keep & ~np.isnan(v) for f, v in ratios.items()}
+            present = {f: ~np.isnan(v) for f, v in ratios.items()}
             for j, job in enumerate(job_ids):
                 acc = self._usage((job, gk[0], gid))
-                sums.add(acc, "alloc_s", w[keep, j])
-                sums.add(acc, "energy_j", e[keep, j])
+                sums.add(acc, "alloc_s", w[:, j])
+                sums.add(acc, "energy_j", e[:, j])
                 for f, (s_attr, w_attr) in _MEANS.items():
                     m = present[f]
                     if not m.any():
