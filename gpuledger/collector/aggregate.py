@@ -421,7 +421,8 @@ class Aggregator:
         if not window_s >= 0 or not max_gap_s > 0:
             raise ValueError(f"window_s must be >= 0 and max_gap_s > 0, got {window_s!r}, {max_gap_s!r}")
         caps = dict(power_caps or {})
-        bad = {k: v for k, v in {"power_cap_w": power_cap_w, **caps}.items() if not (isinstance(v, (int, float)) and v > 0)}
+        bad = {k: v for k, v in {"power_cap_w": power_cap_w, **caps}.items()
+               if not (isinstance(v, (int, float)) and v > 0)}
         if bad:
             raise ValueError(f"power caps must be positive watts, got {bad!r}")
         self.window_s = float(window_s)
@@ -804,7 +805,8 @@ class Aggregator:
         model = "" if g is None else g.model
         for x in ss:
             e = x.float_col("energy_joules")
-            if not self._clean(anchor, x.ts, e, self._series_caps(model, x.model, x.n, x.float_col("power_limit_watts"))):
+            caps = self._series_caps(model, x.model, x.n, x.float_col("power_limit_watts"))
+            if not self._clean(anchor, x.ts, e, caps):
                 return False
             anchor, model = (float(x.ts[-1]), float(e[-1])), x.model or model
         return True
