@@ -236,6 +236,8 @@ def test_long_stream_evicts_but_still_accepts_late_samples_in_window():
 def test_constructor_rejects_bad_parameters():
     with pytest.raises(ValueError, match="max_gap_s"):
         Aggregator(max_gap_s=0)
+    with pytest.raises(ValueError, match="power caps"):
+        Aggregator(power_caps={"H200": 0})
 
 
 # -- properties -----------------------------------------------------------------------------------
