@@ -193,7 +193,11 @@ class SqliteLedger:
         return summarize((((r[0], r[1], r[2]), UsageAcc.from_values(r[3:])) for r in rows), per_gpu)
 
     def totals(self, start: float | None = None, end: float | None = None) -> dict:
-        """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end)."""
+        """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end).
+
+        ``gpus`` counts physical GPUs (a MIG GPU once), observed GPU-seconds and energy are the physical GPUs',
+        allocated and SM-active GPU-seconds count a MIG instance's seconds by its slice fraction, ``samples``
+        the samples agents sent; ``unattributed_energy_joules`` is the energy charged to no job."""
         where, args = "", []
         if start is not None:
             where, args = " WHERE hour >= ?", [math.floor(start / 3600.0) * 3600.0]
