@@ -6,22 +6,50 @@ contributions of consecutive pairs ``(prev, cur)``: the interval ``cur.ts - prev
 sample landing between ``prev`` and ``next`` is exact: subtract ``(prev, next)``, add ``(prev, late)``
 and ``(late, next)``. Peaks, counts and first/last times only grow, so they need no undo.
 
-Rules (documented here because accounting depends on them):
+Rules (documented here because accounting depends on them; :meth:`Aggregator._apply_pair` is the one
+statement of them):
 
-* An interval longer than ``max_gap_s`` is a gap: the GPU was not observed, so it yields no
-  GPU-seconds and no power integral; an energy-counter delta across it is still exact and is kept.
-* Energy: the counter delta when both samples carry the counter; a counter that went backwards was
-  reset (driver reload), so the energy since the reset is ``cur.energy_joules``; never negative.
-  Power is integrated (``cur.power_watts * dt``) only where a counter is missing.
-* MIG instances: power and energy exist only for the whole GPU. Sources put them on the whole-GPU
-  sample only (dcgm-exporter's copies on every instance are merged once), and the agent's
-  ``agent.mig.MigEnergySplitter`` then moves them onto the instances (a virtual counter each, summing
-  to the GPU's energy) and strips them from the whole-GPU sample. So energy is counted wherever a
-  sample carries it, and a GPU's energy is never counted twice.
+* **Observed interval**: ``dt <= max_gap_s`` (``[collector] max_gap_s``, default 60 s: six of the agent's
+  default 10 s sampling intervals). It yields ``dt`` GPU-seconds and the energy below, in the hour bucket
+  of its end.
+* **Energy of an interval**: the counter delta ``ce - pe`` when both samples carry the counter and
+  ``0 <= ce - pe <= cap * dt``, where ``cap`` is the GPU's power limit: the sample's ``power_limit_watts``
+  when reported (never above the configured cap), else the configured cap for the model (``power_caps``:
+  the exact model name, else the longest pattern contained in it) or ``power_cap_w``. A counter that went
+  backwards (reset, driver reload, another source, a replaced GPU) or jumped by more than that is not
+  trusted: the interval takes the power integral ``min(power, cap) * dt`` (0 J without a power reading)
+  and counts one **counter anomaly** (per GPU and hour). Without a counter the power integral is used. So
+  no job is ever charged more than ``cap`` x its GPU-seconds.
+* **Gap**: ``dt > max_gap_s``. The GPU was not observed: no GPU-seconds, no power integral. A trusted
+  counter delta across it is still the GPU's energy, spread over the hour buckets the gap covers in
+  proportion to time. When the same job set is on both sides of the gap, those jobs held the GPU: they get
+  the energy (split by ``cur``'s shares) and the gap's seconds as ``gap_s`` (held, not observed). Otherwise
+  it is the GPU's **unattributed** energy. Every gap is kept as a record (GPU, start, end, energy, the
+  jobs charged) so that accounting can reassign unattributed gaps from the scheduler's records later.
+* **Unattributed (idle) energy** of a GPU = its energy minus the energy charged to jobs
+  (``HourAcc.energy_j - HourAcc.job_energy_j`` per hour): jobless intervals, unattributed gaps, MIG slices
+  nobody holds. Conservation: per physical GPU, sum over jobs + unattributed = the GPU's energy; likewise
+  seconds (``observed_s - alloc_s`` is the unallocated part).
+* **MIG and sharing, exactly once** (:func:`normalize_mig`, applied to every batch before folding): a
+  physical GPU's power and energy live on its whole-GPU key (``mig == ""``) only, whatever shape a source
+  sends (a parent row; only instance rows repeating the parent's values, as dcgm-exporter does; both; or
+  the agent's per-instance virtual counters, which sum to the GPU's). Instance rows then carry the whole
+  GPU's counter and power, and their job shares are scaled by the instance's slice fraction (compute
+  slices of the profile in the model name, ``3g.40gb`` -> 3/7; unknown profiles: equal fractions of the
+  instances reported at that instant). Instance keys never add to a GPU's observed seconds, energy or
+  anomalies; they only charge jobs. So a job on a 3g slice is charged 3/7 of the GPU's energy and 3/7
+  GPU-seconds per second, and the whole-GPU key's seconds and energy are the physical GPU's.
 * A sample older than ``watermark - window_s`` of its GPU is rejected as ``too_late``; a second
   sample of a GPU at the same instant is a ``duplicate`` and ignored (first one wins).
 * Time-weighted means weight each interval by the job's GPU-seconds in it (``dt * share``) and only
   where the source reported the value.
+
+Two implementations, on purpose: :meth:`Aggregator.add` (one sample, any order: a late sample needs the
+undo/redo of its neighbours' pairs) is the **reference**; :meth:`Aggregator._run_pairs` folds an in-order
+run a column at a time, which is what makes ingest fast (numpy instead of a Python step per sample). The
+columnar path takes only runs where every interval is observed and every counter delta is trusted; any
+other run (gaps, anomalies, MIG instances) goes sample by sample. Property tests in
+``tests/collector/test_aggregate.py`` hold the two equal bit for bit.
 
 In-order samples cost O(1) amortised; a late sample costs a bisect plus a list insert in its window.
 """
@@ -30,14 +58,15 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from gpuledger.schema.records import GpuSample, JobUsage
+from gpuledger.agent.mig import slice_fraction as _slice_fraction
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobUsage
 
 if TYPE_CHECKING:
     from gpuledger.collector.series import Series
@@ -45,8 +74,13 @@ if TYPE_CHECKING:
 GpuKey = tuple[str, str, str]  # (host, gpu_uuid, mig or "")
 UsageKey = tuple[str, str, str]  # (job_id, host, gpu_id) where gpu_id is uuid or "uuid/mig"
 HourKey = tuple[str, str, str, float]  # GpuKey + bucket start (unix seconds)
+GapKey = tuple[str, str, str, float, float]  # GpuKey + gap start and end (unix seconds)
 
 HOUR_S = 3600.0
+MADE_SOURCE = "gpuledger-collector"  # the source of a whole-GPU row normalize_mig made
+DEFAULT_MAX_GAP_S = 60.0  # six of the agent's default 10 s sampling intervals
+MAX_SPREAD_HOURS = 24 * 31  # a longer gap's energy goes to the hour it ends in
+DEFAULT_POWER_CAP_W = 1500.0  # above every single GPU's board power limit today (B200: 1000 W)
 
 ACCEPTED = "accepted"
 DUPLICATE = "duplicate"
@@ -68,7 +102,7 @@ class UsageAcc:
     __slots__ = (
         "first_ts", "last_ts", "samples", "alloc_s", "sm_s", "energy_j",
         "sm_sum", "sm_w", "dram_sum", "dram_w", "tensor_sum", "tensor_w", "occ_sum", "occ_w",
-        "mem_peak", "power_peak", "model",
+        "mem_peak", "power_peak", "model", "gap_s",
     )
     FIELDS: tuple[str, ...] = __slots__
 
@@ -82,6 +116,7 @@ class UsageAcc:
         self.mem_peak: int | None = None
         self.power_peak: float | None = None
         self.model = ""
+        self.gap_s = 0.0  # seconds held across gaps (not observed; their energy is in energy_j)
 
     def values(self) -> tuple:
         return tuple(getattr(self, f) for f in self.FIELDS)
@@ -95,14 +130,17 @@ class UsageAcc:
 
 
 class HourAcc:
-    """One GPU's totals in one hour bucket (an interval belongs to the bucket of its end)."""
+    """One GPU's totals in one hour bucket (an interval belongs to the bucket of its end; a gap's energy is
+    spread over the buckets it covers). ``energy_j - job_energy_j`` is the GPU's unattributed energy."""
 
-    __slots__ = ("observed_s", "energy_j", "alloc_s", "sm_s", "samples")
+    __slots__ = ("observed_s", "energy_j", "alloc_s", "sm_s", "samples", "job_energy_j", "anomalies")
     FIELDS: tuple[str, ...] = __slots__
 
     def __init__(self) -> None:
         self.observed_s = self.energy_j = self.alloc_s = self.sm_s = 0.0
         self.samples = 0
+        self.job_energy_j = 0.0
+        self.anomalies = 0
 
     def values(self) -> tuple:
         return tuple(getattr(self, f) for f in self.FIELDS)
@@ -125,13 +163,14 @@ class WindowRow(NamedTuple):
     dram_bw_ratio: float | None
     tensor_active_ratio: float | None
     sm_occupancy_ratio: float | None
+    power_limit_watts: float | None
     job_ids: tuple[str, ...]
     job_shares: tuple[float, ...]
 
 
 # the float fields an interval's contribution reads (what the window keeps of each sample)
 PAIR_FLOATS = ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
-               "sm_occupancy_ratio")
+               "sm_occupancy_ratio", "power_limit_watts")
 
 
 class WindowSegment:
@@ -166,8 +205,8 @@ class GpuState:
     must be inserted into the window (a late one); in-order series never need that."""
 
     __slots__ = ("ts", "samples", "pending", "start", "watermark", "first_ts", "n", "observed_s", "energy_j",
-                 "model")
-    TOTAL_FIELDS: tuple[str, ...] = ("first_ts", "watermark", "n", "observed_s", "energy_j", "model")
+                 "model", "anomalies")
+    TOTAL_FIELDS: tuple[str, ...] = ("first_ts", "watermark", "n", "observed_s", "energy_j", "model", "anomalies")
 
     def __init__(self) -> None:
         self.ts: list[float] = []
@@ -180,6 +219,7 @@ class GpuState:
         self.observed_s = 0.0
         self.energy_j = 0.0
         self.model = ""
+        self.anomalies = 0  # intervals whose counter delta was not trusted
 
     def totals(self) -> tuple:
         return tuple(getattr(self, f) for f in self.TOTAL_FIELDS)
@@ -232,8 +272,7 @@ class AddCounts:
 _TS = attrgetter("ts")
 _JOBS = attrgetter("job_ids", "job_shares")
 _RUN_MIN = 16  # shorter runs go sample by sample: numpy's per-call cost outweighs the per-sample one
-_RUN_FLOATS = {f: attrgetter(f) for f in ("energy_joules", "power_watts", "sm_active_ratio", "dram_bw_ratio",
-                                           "tensor_active_ratio", "sm_occupancy_ratio")}
+_RUN_FLOATS = {f: attrgetter(f) for f in PAIR_FLOATS}
 _MEANS = {"sm_active_ratio": ("sm_sum", "sm_w"), "dram_bw_ratio": ("dram_sum", "dram_w"),
           "tensor_active_ratio": ("tensor_sum", "tensor_w"), "sm_occupancy_ratio": ("occ_sum", "occ_w")}
 
@@ -284,11 +323,83 @@ def _last_model(models: list[str]) -> str:
     return ""
 
 
+def _hour_parts(t0: float, t1: float) -> list[tuple[float, float]]:
+    """(hour bucket start, seconds of (t0, t1] in it) for every hour the span touches."""
+    out = []
+    h = math.floor(t0 / HOUR_S) * HOUR_S
+    while h < t1:
+        part = min(t1, h + HOUR_S) - max(t0, h)
+        if part > 0:
+            out.append((h, part))
+        h += HOUR_S
+    return out
+
+
 def _shares(s: GpuSample) -> tuple[float, ...]:
     if s.job_shares:
         return s.job_shares
     n = len(s.job_ids)
     return (1.0 / n,) * n if n else ()
+
+
+def _sample(r: object) -> GpuSample:
+    """A GpuSample of a row (a GpuSample already, or the validator's struct with the same fields)."""
+    return r if isinstance(r, GpuSample) else GpuSample(*(getattr(r, f) for f in SAMPLE_FIELDS))
+
+
+def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
+    """Put each MIG GPU's power and energy on its whole-GPU row, once, whatever shape the source sent.
+
+    Per (host, GPU, instant) with instance rows: the GPU's counter and power are the whole-GPU row's when it
+    reports them; else, beside a whole-GPU row without them, the sum over instances (the agent's virtual
+    per-instance counters); else (instance rows only, dcgm-exporter repeats the GPU's values on each) the
+    largest instance value, i.e. the repeated one, counted once. The whole-GPU row (made when missing, with
+    ``source == MADE_SOURCE``: stored, but not counted as a sample anyone sent) gets them and no jobs; every
+    instance row gets them too, with its job shares scaled by its slice fraction (see the module docstring).
+    Returns the rows, other GPUs' unchanged, the made ones last.
+    """
+    rows = list(samples)
+    groups: dict[tuple[str, str, float], list[int]] = {}
+    mig_gpus = {(r.host, r.gpu_uuid) for r in rows if r.mig}
+    if not mig_gpus:
+        return rows
+    for i, r in enumerate(rows):
+        if (r.host, r.gpu_uuid) in mig_gpus:
+            groups.setdefault((r.host, r.gpu_uuid, r.ts), []).append(i)
+    extra: list[GpuSample] = []
+    for idx in groups.values():
+        parent_i = next((i for i in idx if not rows[i].mig), None)
+        insts = [i for i in idx if rows[i].mig]
+        if not insts:
+            continue
+        parent = None if parent_i is None else _sample(rows[parent_i])
+        inst = [_sample(rows[i]) for i in insts]
+        values = {}
+        for f in ("energy_joules", "power_watts", "power_limit_watts"):
+            own = None if parent is None else getattr(parent, f)
+            vals = [v for v in (getattr(x, f) for x in inst) if v is not None]
+            if own is not None or not vals:
+                values[f] = own
+            elif parent is not None and f != "power_limit_watts":
+                values[f] = math.fsum(vals)  # virtual per-instance shares of the GPU's
+            else:
+                values[f] = max(vals)  # the GPU's value repeated on each instance
+        fractions = [_slice_fraction(x.model) for x in inst]
+        if any(f is None for f in fractions):
+            fractions = [1.0 / len(inst)] * len(inst)
+        total = sum(fractions)
+        if total > 1.0:  # profiles claiming more than the GPU: scale down
+            fractions = [f / total for f in fractions]
+        for i, x, f in zip(insts, inst, fractions):
+            shares = tuple(sh * f for sh in _shares(x))
+            rows[i] = replace(x, job_shares=shares, **values)
+        if parent is None:
+            x = inst[0]
+            extra.append(GpuSample(ts=x.ts, host=x.host, gpu_uuid=x.gpu_uuid, gpu_index=x.gpu_index,
+                                   model=x.model.split(" MIG ")[0], source=MADE_SOURCE, **values))
+        else:
+            rows[parent_i] = replace(parent, job_ids=(), job_shares=(), **values)
+    return rows + extra
 
 
 class Aggregator:
@@ -301,14 +412,25 @@ class Aggregator:
     def __init__(
         self,
         window_s: float = 600.0,
-        max_gap_s: float = 300.0,
+        max_gap_s: float = DEFAULT_MAX_GAP_S,
         load_usage: Callable[[UsageKey], UsageAcc | None] | None = None,
         load_hour: Callable[[HourKey], HourAcc | None] | None = None,
+        power_cap_w: float = DEFAULT_POWER_CAP_W,
+        power_caps: Mapping[str, float] | None = None,
     ) -> None:
         if not window_s >= 0 or not max_gap_s > 0:
             raise ValueError(f"window_s must be >= 0 and max_gap_s > 0, got {window_s!r}, {max_gap_s!r}")
+        caps = dict(power_caps or {})
+        bad = {k: v for k, v in {"power_cap_w": power_cap_w, **caps}.items()
+               if not (isinstance(v, (int, float)) and v > 0)}
+        if bad:
+            raise ValueError(f"power caps must be positive watts, got {bad!r}")
         self.window_s = float(window_s)
         self.max_gap_s = float(max_gap_s)
+        self.power_cap_w = float(power_cap_w)
+        self.power_caps = {str(k): float(v) for k, v in caps.items()}
+        self._model_caps: dict[str, float] = {}
+        self.gaps: dict[GapKey, tuple[float, tuple[str, ...]] | None] = {}  # dirty gap records; None: deleted
         self._load_usage = load_usage or (lambda k: None)
         self._load_hour = load_hour or (lambda k: None)
         self.gpus: dict[GpuKey, GpuState] = {}
@@ -317,6 +439,17 @@ class Aggregator:
         self.dirty_usage: set[UsageKey] = set()
         self.dirty_gpus: set[GpuKey] = set()
         self.dirty_hours: set[HourKey] = set()
+
+    def cap_w(self, model: str, limit: float | None = None) -> float:
+        """The most a GPU of ``model`` can draw (W): its reported limit, never above the configured cap."""
+        conf = self._model_caps.get(model)
+        if conf is None:
+            conf = self.power_caps.get(model)
+            if conf is None:
+                hits = [p for p in self.power_caps if p and p in model]
+                conf = self.power_caps[max(hits, key=len)] if hits else self.power_cap_w
+            self._model_caps[model] = conf
+        return conf if limit is None or not limit > 0 else min(limit, conf)
 
     # -- accumulators -------------------------------------------------------------------------
     def _usage(self, key: UsageKey) -> UsageAcc:
@@ -335,26 +468,43 @@ class Aggregator:
         self.dirty_hours.add(key)
         return acc
 
+    def _pair_energy(self, g: GpuState, prev: GpuSample, cur: GpuSample, dt: float, gap: bool) -> tuple[float, int]:
+        """(joules, anomalies) of the interval (prev, cur]: the trusted counter delta, else the capped power
+        integral (none across a gap); anomalies is 1 when both counters exist but their delta is not trusted."""
+        cap = self.cap_w(g.model, cur.power_limit_watts)
+        p = cur.power_watts
+        integral = 0.0 if gap or p is None else min(p, cap) * dt
+        pe, ce = prev.energy_joules, cur.energy_joules
+        if pe is None or ce is None:
+            return integral, 0
+        d = ce - pe
+        if 0.0 <= d <= cap * dt:
+            return d, 0
+        return integral, 1
+
     def _apply_pair(self, gk: GpuKey, g: GpuState, prev: GpuSample, cur: GpuSample, sign: float) -> None:
         """Add (sign=+1) or remove (sign=-1) the contribution of the interval (prev, cur]."""
         dt = cur.ts - prev.ts
-        observed = dt <= self.max_gap_s
-        gpu_s = dt if observed else 0.0
-        energy = 0.0
-        pe, ce = prev.energy_joules, cur.energy_joules
-        if pe is not None and ce is not None:
-            energy = ce - pe if ce >= pe else ce  # backwards = reset: energy since the reset
-        elif observed and cur.power_watts is not None:
-            energy = cur.power_watts * dt
-        if gpu_s == 0.0 and energy == 0.0:
+        gap = dt > self.max_gap_s
+        energy, anomaly = self._pair_energy(g, prev, cur, dt, gap)
+        physical = not gk[2]  # a MIG instance key charges jobs only; its GPU's key holds the GPU's totals
+        if gap:
+            self._apply_gap(gk, g, prev, cur, sign, dt, energy, anomaly if physical else 0)
             return
-        g.observed_s += sign * gpu_s
-        g.energy_j += sign * energy
+        if not physical and not cur.job_ids:
+            return
+        if physical:
+            g.observed_s += sign * dt
+            g.energy_j += sign * energy
+            g.anomalies += int(sign) * anomaly
         hour = self._hour((gk[0], gk[1], gk[2], math.floor(cur.ts / HOUR_S) * HOUR_S))
-        hour.observed_s += sign * gpu_s
-        hour.energy_j += sign * energy
+        if physical:
+            hour.observed_s += sign * dt
+            hour.energy_j += sign * energy
+            hour.anomalies += int(sign) * anomaly
         if not cur.job_ids:
             return
+        gpu_s = dt
         sm, dram, ten, occ = cur.sm_active_ratio, cur.dram_bw_ratio, cur.tensor_active_ratio, cur.sm_occupancy_ratio
         gid = gpu_id(gk[1], gk[2])
         for job, share in zip(cur.job_ids, _shares(cur)):
@@ -362,7 +512,9 @@ class Aggregator:
             w = sign * gpu_s * share
             acc.alloc_s += w
             hour.alloc_s += w
-            acc.energy_j += sign * energy * share
+            e = sign * energy * share
+            acc.energy_j += e
+            hour.job_energy_j += e
             if sm is not None:
                 acc.sm_s += sm * w
                 hour.sm_s += sm * w
@@ -378,14 +530,47 @@ class Aggregator:
                 acc.occ_sum += occ * w
                 acc.occ_w += w
 
+    def _apply_gap(self, gk: GpuKey, g: GpuState, prev: GpuSample, cur: GpuSample, sign: float, dt: float,
+                   energy: float, anomaly: int) -> None:
+        """A gap (prev, cur]: its energy spread over the hours it covers, charged to the jobs on both sides of it
+        (held) or left unattributed, and kept as a gap record."""
+        physical = not gk[2]
+        held = bool(cur.job_ids) and set(prev.job_ids) == set(cur.job_ids)
+        if physical:
+            g.energy_j += sign * energy
+            g.anomalies += int(sign) * anomaly
+            if anomaly:
+                self._hour((gk[0], gk[1], gk[2], math.floor(cur.ts / HOUR_S) * HOUR_S)).anomalies += int(sign) * anomaly
+            key = (gk[0], gk[1], gk[2], prev.ts, cur.ts)
+            self.gaps[key] = (energy, tuple(cur.job_ids) if held else ()) if sign > 0 else None
+        if energy == 0.0 and not held:
+            return
+        parts = _hour_parts(prev.ts, cur.ts)
+        if len(parts) > MAX_SPREAD_HOURS:  # bounded work and rows whatever the timestamps: all in the last hour
+            parts = [(parts[-1][0], dt)]
+        hours = [(self._hour((gk[0], gk[1], gk[2], hb)), energy * part / dt) for hb, part in parts]
+        if physical:
+            for hour, e in hours:
+                hour.energy_j += sign * e
+        if not held:
+            return
+        gid = gpu_id(gk[1], gk[2])
+        for job, share in zip(cur.job_ids, _shares(cur)):
+            acc = self._usage((job, gk[0], gid))
+            acc.energy_j += sign * energy * share
+            acc.gap_s += sign * dt * share
+            for hour, e in hours:
+                hour.job_energy_j += sign * e * share
+
     def _apply_point(self, gk: GpuKey, g: GpuState, s: GpuSample) -> None:
         """Per-sample statistics (counts, first/last, peaks): monotone, so never undone."""
-        g.n += 1
+        sent = s.source != MADE_SOURCE
+        g.n += sent
         if s.ts < g.first_ts:
             g.first_ts = s.ts
         if s.model:
             g.model = s.model
-        self._hour((gk[0], gk[1], gk[2], math.floor(s.ts / HOUR_S) * HOUR_S)).samples += 1
+        self._hour((gk[0], gk[1], gk[2], math.floor(s.ts / HOUR_S) * HOUR_S)).samples += sent
         self.dirty_gpus.add(gk)
         if not s.job_ids:
             return
@@ -445,7 +630,8 @@ class Aggregator:
         share state, so each GPU's samples are folded on their own: a long in-order run (an agent's
         batch, the common case) by :meth:`_add_run` a column at a time, anything else one by one.
         """
-        ordered = sorted(samples, key=_TS)
+        ordered = normalize_mig(samples)
+        ordered.sort(key=_TS)
         runs: dict[GpuKey, list[int]] = {}  # positions in ``ordered``: a batch may hold one object twice
         for i, s in enumerate(ordered):
             gk = (s.host, s.gpu_uuid, s.mig or "")
@@ -463,17 +649,22 @@ class Aggregator:
                 r = self.add(ordered[i])
                 if r is not ACCEPTED:
                     rejected.add(i)
+                    if ordered[i].source == MADE_SOURCE:  # not the sender's
+                        continue
                     if r is DUPLICATE:
                         dup += 1
                     else:
                         late += 1
         accepted = [s for i, s in enumerate(ordered) if i not in rejected] if rejected else ordered
-        return AddCounts(len(accepted), dup, late), accepted
+        n_made = sum(1 for s in accepted if s.source == MADE_SOURCE)
+        return AddCounts(len(accepted) - n_made, dup, late), accepted
 
     def _add_run(self, gk: GpuKey, run: list[GpuSample]) -> bool:
         """Fold one GPU's samples (sorted) if all are newer than its watermark and strictly increasing;
         False (nothing changed) otherwise. Bit-for-bit what :meth:`add` per sample gives: every sum is
         a sequential ``np.cumsum`` over the same terms in the same order (never a pairwise sum)."""
+        if gk[2] or any(s.source == MADE_SOURCE for s in run):  # MIG GPUs go one by one (rare; rules differ)
+            return False
         g = self.gpus.get(gk)
         ts = np.array(list(map(_TS, run)), dtype=np.float64)
         if g is not None and not ts[0] > g.watermark or not (ts[1:] > ts[:-1]).all():
@@ -486,6 +677,10 @@ class Aggregator:
             if int(np.isnan(a).sum()) != absent:
                 return False
             cols[f] = a
+        models = [s.model for s in run]
+        caps = self._pair_caps("" if g is None else g.model, models, cols["power_limit_watts"])
+        if not self._clean(None if g is None else g.anchor(), ts, cols["energy_joules"], caps):
+            return False
         if g is None:
             g = self.gpus[gk] = GpuState()
         samples = g.rows()
@@ -495,7 +690,7 @@ class Aggregator:
         cuts.append(len(run))
         for a, b in zip(cuts, cuts[1:]):
             seg = run[a:b]
-            self._run_pairs(gk, g, g.anchor(), seg[0].job_ids, _shares(seg[0]), a, b, ts, cols)
+            self._run_pairs(gk, g, g.anchor(), seg[0].job_ids, _shares(seg[0]), a, b, ts, cols, caps)
             mem = [s.mem_used_bytes for s in seg]
             mem = [v for v in mem if v is not None] if None in mem else mem
             power = [s.power_watts for s in seg]
@@ -515,11 +710,17 @@ class Aggregator:
         Returns (the series folded, every other series' samples for :meth:`add_many`). GPUs never share
         state, so a GPU either takes this path whole or the per-sample one whole."""
         by_gpu: dict[GpuKey, list[Series]] = {}
+        mig_gpus = set()
         for s in series:
             by_gpu.setdefault(s.key, []).append(s)
+            if s.mig or s.source == MADE_SOURCE:
+                mig_gpus.add((s.host, s.gpu_uuid))
         folded: list[Series] = []
         rest: list[GpuSample] = []
         for gk, ss in by_gpu.items():
+            if (gk[0], gk[1]) in mig_gpus:  # a MIG GPU's rows are normalised together (normalize_mig)
+                rest.extend(r for x in ss for r in x.rows())
+                continue
             ss.sort(key=lambda x: x.ts[0])
             g = self.gpus.get(gk)
             last = -math.inf if g is None else g.watermark
@@ -530,6 +731,8 @@ class Aggregator:
                     ok = False
                     break
                 last = t[-1]
+            if ok:
+                ok = self._series_clean(gk, ss)
             if not ok:
                 rest.extend(r for x in ss for r in x.rows())
                 continue
@@ -544,7 +747,8 @@ class Aggregator:
             g = self.gpus[gk] = GpuState()
         ts = s.ts
         cols = {f: s.float_col(f) for f in PAIR_FLOATS}
-        self._run_pairs(gk, g, g.anchor(), s.job_ids, _shares(s), 0, s.n, ts, cols)
+        caps = self._series_caps(g.model, s.model, s.n, cols["power_limit_watts"])
+        self._run_pairs(gk, g, g.anchor(), s.job_ids, _shares(s), 0, s.n, ts, cols, caps)
         mem_peak = None
         if "mem_used_bytes" in s.ints:
             v, m = s.ints["mem_used_bytes"]
@@ -560,10 +764,60 @@ class Aggregator:
         g.watermark = g.ts[-1]
         self._evict(g)
 
+    # -- the columnar path's preconditions and caps -------------------------------------------
+    def _pair_caps(self, g_model: str, models: list[str], limits: np.ndarray) -> np.ndarray:
+        """The cap (W) of the interval ending at each row, as :meth:`_apply_pair` takes it one by one: the
+        GPU's model as known before that row (the last non-empty one), bounded by the row's reported limit."""
+        n = len(models)
+        if models.count(models[0]) == n:
+            return self._series_caps(g_model, models[0], n, limits)
+        conf = np.empty(n)
+        model = g_model
+        for k, m in enumerate(models):
+            conf[k] = self.cap_w(model)
+            if m:
+                model = m
+        return np.where(limits > 0, np.minimum(limits, conf), conf)
+
+    def _series_caps(self, g_model: str, model: str, n: int, limits: np.ndarray) -> np.ndarray:
+        conf = np.full(n, self.cap_w(model or g_model))
+        conf[0] = self.cap_w(g_model)
+        return np.where(limits > 0, np.minimum(limits, conf), conf)
+
+    def _clean(self, anchor: tuple[float, float] | None, ts: np.ndarray, energy: np.ndarray, caps: np.ndarray) -> bool:
+        """Whether every interval ending at these rows is observed (no gap) and every counter delta trusted:
+        then the columnar path gives what :meth:`_apply_pair` would. ``anchor``: the GPU's newest sample."""
+        if anchor is None:
+            pt, pe, ct, ce, caps = ts[:-1], energy[:-1], ts[1:], energy[1:], caps[1:]
+        else:
+            pt, pe = np.concatenate(([anchor[0]], ts[:-1])), np.concatenate(([anchor[1]], energy[:-1]))
+            ct, ce = ts, energy
+        dt = ct - pt
+        if (dt > self.max_gap_s).any():
+            return False
+        d = ce - pe
+        both = ~np.isnan(d)
+        return bool(((d[both] >= 0.0) & (d[both] <= caps[both] * dt[both])).all())
+
+    def _series_clean(self, gk: GpuKey, ss: list[Series]) -> bool:
+        g = self.gpus.get(gk)
+        anchor = None if g is None else g.anchor()
+        model = "" if g is None else g.model
+        for x in ss:
+            e = x.float_col("energy_joules")
+            caps = self._series_caps(model, x.model, x.n, x.float_col("power_limit_watts"))
+            if not self._clean(anchor, x.ts, e, caps):
+                return False
+            anchor, model = (float(x.ts[-1]), float(e[-1])), x.model or model
+        return True
+
     def _run_pairs(self, gk: GpuKey, g: GpuState, prev: tuple[float, float] | None, job_ids: tuple[str, ...],
-                   shares: tuple[float, ...], a: int, b: int, ts: np.ndarray, cols: dict[str, np.ndarray]) -> None:
-        """:meth:`_apply_pair` (sign +1) for the intervals ending at rows a..b-1 (one job set), vectorised.
-        ``prev``: (ts, energy or NaN) of the sample before row a, None when the GPU has none."""
+                   shares: tuple[float, ...], a: int, b: int, ts: np.ndarray, cols: dict[str, np.ndarray],
+                   caps: np.ndarray) -> None:
+        """:meth:`_apply_pair` (sign +1) for the intervals ending at rows a..b-1 (one job set), vectorised; only
+        for runs that :meth:`_clean` passed (no gap, no untrusted counter). ``prev``: (ts, energy or NaN) of
+        the sample before row a, None when the GPU has none; ``caps``: per row, the cap of the interval ending
+        there."""
         if prev is None:  # the GPU's first sample starts no interval
             a += 1
             if a >= b:
@@ -574,20 +828,15 @@ class Aggregator:
         cur = slice(a, b)
         t = ts[cur]
         dt = np.diff(t, prepend=p_ts)  # cur.ts - prev.ts, pair by pair
-        observed = dt <= self.max_gap_s
-        gpu_s = np.where(observed, dt, 0.0)
+        gpu_s = dt  # every interval observed (_clean)
         ce = cols["energy_joules"][cur]
         pe = np.concatenate(([p_e], ce[:-1]))
         power = cols["power_watts"][cur]
         counter = ~np.isnan(pe) & ~np.isnan(ce)
-        energy = np.where(counter, np.where(ce >= pe, ce - pe, ce),
-                          np.where(observed & ~np.isnan(power), power * dt, 0.0))
-        keep = ~((gpu_s == 0.0) & (energy == 0.0))  # what _apply_pair returns early on
-        if not keep.any():
-            return
+        energy = np.where(counter, ce - pe, np.where(~np.isnan(power), np.minimum(power, caps[cur]) * dt, 0.0))
         sums = _SeqSums()
-        sums.add(g, "observed_s", gpu_s[keep])
-        sums.add(g, "energy_j", energy[keep])
+        sums.add(g, "observed_s", gpu_s)
+        sums.add(g, "energy_j", energy)
         if job_ids:
             sh = np.array(shares, dtype=np.float64)
             w = gpu_s[:, None] * sh  # (pairs, jobs): row-major order is add()'s order of terms
@@ -598,24 +847,25 @@ class Aggregator:
             has_sm = ~np.isnan(sm)
         h0, h1 = math.floor(t[0] / HOUR_S) * HOUR_S, math.floor(t[-1] / HOUR_S) * HOUR_S
         if h0 == h1:  # the usual run: within one hour
-            hours = [(h0, keep)]
+            hours = [(h0, np.ones(len(t), dtype=bool))]
         else:
             bucket = np.floor(t / HOUR_S) * HOUR_S
-            hours = [(hb, keep & (bucket == hb)) for hb in np.unique(bucket[keep]).tolist()]
+            hours = [(hb, bucket == hb) for hb in np.unique(bucket).tolist()]
         for hb, rows in hours:
             hour = self._hour((gk[0], gk[1], gk[2], hb))
             sums.add(hour, "observed_s", gpu_s[rows])
             sums.add(hour, "energy_j", energy[rows])
             if job_ids:
                 sums.add(hour, "alloc_s", w[rows].ravel())
+                sums.add(hour, "job_energy_j", e[rows].ravel())
                 sums.add(hour, "sm_s", sm_w[rows & has_sm].ravel())
         if job_ids:
             gid = gpu_id(gk[1], gk[2])
-            present = {f: keep & ~np.isnan(v) for f, v in ratios.items()}
+            present = {f: ~np.isnan(v) for f, v in ratios.items()}
             for j, job in enumerate(job_ids):
                 acc = self._usage((job, gk[0], gid))
-                sums.add(acc, "alloc_s", w[keep, j])
-                sums.add(acc, "energy_j", e[keep, j])
+                sums.add(acc, "alloc_s", w[:, j])
+                sums.add(acc, "energy_j", e[:, j])
                 for f, (s_attr, w_attr) in _MEANS.items():
                     m = present[f]
                     if not m.any():
@@ -698,12 +948,19 @@ class Aggregator:
         self.dirty_usage, self.dirty_gpus, self.dirty_hours = set(), set(), set()
         return d
 
+    def take_gaps(self) -> dict[GapKey, tuple[float, tuple[str, ...]] | None]:
+        """The gap records changed since the last call: (energy J, jobs charged; empty = unattributed), or None
+        for a gap a late sample split (delete it)."""
+        g, self.gaps = self.gaps, {}
+        return g
+
     def reset(self) -> None:
         """Forget everything in memory (the store then restores from what it committed)."""
         self.gpus.clear()
         self.usage.clear()
         self.hours.clear()
         self.take_dirty()
+        self.take_gaps()
 
     def drop_caches(self) -> None:
         """Drop clean accumulators; they are reloaded on demand. Call only when nothing is dirty."""
@@ -716,7 +973,7 @@ class Aggregator:
         return summarize(rows, per_gpu)
 
     def gpu_totals(self) -> dict[GpuKey, tuple[float, float]]:
-        """(GPU-seconds observed, energy joules) per GPU."""
+        """(GPU-seconds observed, energy joules) per GPU key (a MIG instance's key holds neither)."""
         return {k: (g.observed_s, g.energy_j) for k, g in self.gpus.items()}
 
 
@@ -731,6 +988,7 @@ def usage_record(job_id: str, host: str, gpu: str, a: UsageAcc, gpus: int = 1) -
         sm_active_mean=_mean(a.sm_sum, a.sm_w), dram_bw_mean=_mean(a.dram_sum, a.dram_w),
         tensor_active_mean=_mean(a.tensor_sum, a.tensor_w), sm_occupancy_mean=_mean(a.occ_sum, a.occ_w),
         mem_used_peak_bytes=a.mem_peak, power_peak_watts=a.power_peak, model=a.model, gpus=gpus,
+        gap_gpu_seconds=a.gap_s,
     )
 
 
@@ -742,7 +1000,7 @@ def merge(accs: Iterable[UsageAcc]) -> UsageAcc:
         out.first_ts = min(out.first_ts, a.first_ts)
         out.last_ts = max(out.last_ts, a.last_ts)
         for f in ("samples", "alloc_s", "sm_s", "energy_j", "sm_sum", "sm_w", "dram_sum", "dram_w",
-                  "tensor_sum", "tensor_w", "occ_sum", "occ_w"):
+                  "tensor_sum", "tensor_w", "occ_sum", "occ_w", "gap_s"):
             setattr(out, f, getattr(out, f) + getattr(a, f))
         if a.mem_peak is not None and (out.mem_peak is None or a.mem_peak > out.mem_peak):
             out.mem_peak = a.mem_peak

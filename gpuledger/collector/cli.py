@@ -47,7 +47,7 @@ def serve(
     port: int | None = typer.Option(None, help="Port to listen on, 0 picks a free one [default: 8470]."),
     window: float | None = typer.Option(None, help="Seconds a late sample may trail its GPU's newest and still "
                                         "count [default: 600]."),
-    max_gap: float | None = typer.Option(None, help="Longer intervals between samples are gaps [default: 300]."),
+    max_gap: float | None = typer.Option(None, help="Longer intervals between samples are gaps [default: 60]."),
     tokens_file: Path | None = typer.Option(None, help="TOML file of tokens ([tokens] host = token, admin_tokens, "
                                             "read_tokens); no tokens anywhere: authentication off."),
     tls_cert: Path | None = typer.Option(None, help="PEM certificate: serve HTTPS (with --tls-key)."),
@@ -69,7 +69,8 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
-                        retention=settings.retention(), sinks=sinks)
+                        retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
+                        power_caps=settings.power_caps)
     store.start_background(settings.compact_interval_s)
     server = CollectorServer(
         store, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes,

@@ -8,7 +8,10 @@ Example::
     host = "0.0.0.0"
     port = 8470
     window_s = 600                 # a late sample may trail its GPU's newest by this much and still count
-    max_gap_s = 300                # longer silences between two samples are gaps, not usage
+    max_gap_s = 60                 # longer silences between two samples are gaps: not observed usage (a few of
+                                   # the agents' sampling intervals: raise it with the agents' --interval)
+    power_cap_w = 1500             # the most a GPU can draw when its sample reports no power limit; a counter
+                                   # delta above cap x seconds is not trusted (see collector.aggregate)
     max_body_bytes = 67108864      # decoded request body limit
     max_inflight = 256             # concurrent ingest requests; more get 503 (agents back off and retry)
     tls_cert = "/etc/gpuledger/collector.crt"   # both or neither; relative paths are relative to this file
@@ -18,6 +21,9 @@ Example::
     read_tokens = ["..."]          # may GET the query endpoints
     [collector.tokens]             # node tokens: each may write only its own host's samples
     "node01" = "..."
+    [collector.power_caps]         # per GPU model (exact name, else the longest contained pattern), watts
+    "A100" = 400
+    "H200" = 700
 
 With no token configured at all, authentication is off (the demo and a single-host setup run that way);
 ``/healthz``, ``/metrics`` and ``/api/v1/openapi.json`` are always open.
@@ -31,8 +37,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
+from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W
 from gpuledger.collector.series_store import Retention
 from gpuledger.collector.validate import MAX_BODY_BYTES
 
@@ -40,7 +47,7 @@ CONFIG_NAME = "gpuledger.toml"
 ENV_PREFIX = "GPULEDGER_COLLECTOR_"
 MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 # Settings an environment variable may override (the token tables are files' business, not the environment's).
-ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "max_body_bytes", "max_inflight", "tokens_file",
+ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
                 "tls_cert", "tls_key", "priority_feed")
 
 
@@ -83,7 +90,9 @@ class CollectorSettings(TokenTables):
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
     window_s: float = Field(600.0, ge=0)
-    max_gap_s: float = Field(300.0, gt=0)
+    max_gap_s: float = Field(DEFAULT_MAX_GAP_S, gt=0)
+    power_cap_w: float = Field(DEFAULT_POWER_CAP_W, gt=0)
+    power_caps: dict[str, PositiveFloat] = Field(default_factory=dict)
     max_body_bytes: int = Field(MAX_BODY_BYTES, gt=0)
     max_inflight: int = Field(256, gt=0)
     tokens_file: Path | None = None

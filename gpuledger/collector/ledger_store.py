@@ -1,5 +1,7 @@
 """The ledger: job records, measured usage per (job, host, GPU), per-GPU totals, per-GPU hourly buckets
-(cluster totals over a time range) and the ids of ingested batches (so a resent batch is not counted twice).
+(cluster totals over a time range; energy charged to jobs and counter anomalies, so unattributed energy per
+GPU and hour), gap records (energy across gaps in a GPU's samples, see ``collector.aggregate``) and the ids
+of ingested batches (so a resent batch is not counted twice).
 
 Queries read these tables, never the samples. What the rest of the code reads is :class:`LedgerReader`;
 what the collector's store writes through is :class:`LedgerStore`. :class:`SqliteLedger` is the embedded
@@ -12,10 +14,10 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from gpuledger.collector.aggregate import GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
+from gpuledger.collector.aggregate import GapKey, GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
 from gpuledger.collector.sqlite_db import transaction
 from gpuledger.schema.records import JobRecord, JobUsage
 
@@ -37,6 +39,10 @@ CREATE TABLE IF NOT EXISTS gpu_hours (
 CREATE INDEX IF NOT EXISTS gpu_hours_by_hour ON gpu_hours (hour);
 CREATE TABLE IF NOT EXISTS jobs (
   job_id TEXT NOT NULL, cluster TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (job_id, cluster)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS energy_gaps (
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, start REAL NOT NULL, end REAL NOT NULL,
+  energy_j REAL NOT NULL, jobs TEXT NOT NULL, PRIMARY KEY (host, gpu_uuid, mig, start, end)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS energy_gaps_by_end ON energy_gaps (end);
 CREATE TABLE IF NOT EXISTS batches (
   agent_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL, samples INTEGER NOT NULL,
   PRIMARY KEY (agent_id, seq)) WITHOUT ROWID;
@@ -49,6 +55,9 @@ class LedgerReader(Protocol):
     def jobs(self) -> list[JobRecord]: ...
     def job_usage(self, job_id: str | None = None, per_gpu: bool = False) -> list[JobUsage]: ...
     def totals(self, start: float | None = None, end: float | None = None) -> dict: ...
+    def gpu_energy(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
+    def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
+    def counter_anomalies(self) -> int: ...
 
 
 class LedgerStore(LedgerReader, Protocol):
@@ -65,6 +74,7 @@ class LedgerStore(LedgerReader, Protocol):
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]: ...
     def write_aggregates(self, usage: Iterable[tuple[UsageKey, tuple]], gpus: Iterable[tuple[GpuKey, tuple]],
                          hours: Iterable[tuple[HourKey, tuple]]) -> None: ...
+    def write_gaps(self, gaps: Mapping[GapKey, tuple[float, tuple[str, ...]] | None]) -> None: ...
     def batches_seen(self) -> int: ...
 
 
@@ -79,6 +89,15 @@ class SqliteLedger:
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
         db.executescript(SCHEMA)
+        self._add_columns()
+
+    def _add_columns(self) -> None:
+        """Accumulator fields added since a store was created become columns (0 for what came before)."""
+        for table, names in (("usage", USAGE_FIELDS), ("gpus", GPU_TOTAL_FIELDS), ("gpu_hours", HOUR_FIELDS)):
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for name in names:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} DEFAULT 0")
 
     # -- batches ------------------------------------------------------------------------------
     def batch_seen(self, agent_id: str, seq: int) -> bool:
@@ -156,6 +175,13 @@ class SqliteLedger:
             f"INSERT OR REPLACE INTO gpu_hours VALUES (?,?,?,?,{','.join('?' * len(HOUR_FIELDS))})",
             [(*k, *v) for k, v in hours])
 
+    def write_gaps(self, gaps: Mapping[GapKey, tuple[float, tuple[str, ...]] | None]) -> None:
+        """Store gap records (energy J, jobs charged) and delete those a late sample split (None)."""
+        self._db.executemany("DELETE FROM energy_gaps WHERE host=? AND gpu_uuid=? AND mig=? AND start=? AND end=?",
+                             [k for k, v in gaps.items() if v is None])
+        self._db.executemany("INSERT OR REPLACE INTO energy_gaps VALUES (?,?,?,?,?,?,?)",
+                             [(*k, v[0], json.dumps(list(v[1]))) for k, v in gaps.items() if v is not None])
+
     # -- reads --------------------------------------------------------------------------------
     def job_usage(self, job_id: str | None = None, per_gpu: bool = False) -> list[JobUsage]:
         """Usage per job (summed over its GPUs) or per (job, host, GPU), from the usage table."""
@@ -167,17 +193,22 @@ class SqliteLedger:
         return summarize((((r[0], r[1], r[2]), UsageAcc.from_values(r[3:])) for r in rows), per_gpu)
 
     def totals(self, start: float | None = None, end: float | None = None) -> dict:
-        """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end)."""
+        """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end).
+
+        ``gpus`` counts physical GPUs (a MIG GPU once), observed GPU-seconds and energy are the physical GPUs',
+        allocated and SM-active GPU-seconds count a MIG instance's seconds by its slice fraction, ``samples``
+        the samples agents sent; ``unattributed_energy_joules`` is the energy charged to no job."""
         where, args = "", []
         if start is not None:
             where, args = " WHERE hour >= ?", [math.floor(start / 3600.0) * 3600.0]
         if end is not None:
             where += (" AND" if where else " WHERE") + " hour < ?"
             args.append(end)
+        # physical GPUs: a MIG instance's key holds no seconds or energy of its own (aggregate's rules)
         row = self._db.execute(
-            "SELECT COUNT(DISTINCT host || char(0) || gpu_uuid || char(0) || mig), "
-            "TOTAL(observed_s), TOTAL(energy_j), TOTAL(alloc_s), TOTAL(sm_s), TOTAL(samples) "
-            "FROM gpu_hours" + where,
+            "SELECT COUNT(DISTINCT host || char(0) || gpu_uuid), "
+            "TOTAL(observed_s), TOTAL(energy_j), TOTAL(alloc_s), TOTAL(sm_s), TOTAL(samples), TOTAL(job_energy_j), "
+            "TOTAL(anomalies) FROM gpu_hours" + where,
             args,
         ).fetchone()
         jobs = self._db.execute("SELECT COUNT(DISTINCT job_id) FROM usage").fetchone()[0]
@@ -190,5 +221,35 @@ class SqliteLedger:
             "allocated_gpu_seconds": row[3],
             "sm_active_gpu_seconds": row[4],
             "energy_joules": row[2],
+            "unattributed_energy_joules": row[2] - row[6],
+            "counter_anomalies": int(row[7]),
             "jobs_measured": jobs,
         }
+
+    def gpu_energy(self, start: float | None = None, end: float | None = None) -> list[dict]:
+        """Per physical GPU (host, gpu_uuid), over whole hours in [start, end): observed and allocated GPU-seconds,
+        energy, the part charged to jobs, the unattributed (idle) rest and counter anomalies."""
+        lo = -math.inf if start is None else math.floor(start / 3600.0) * 3600.0
+        hi = math.inf if end is None else end
+        rows = self._db.execute(
+            "SELECT host, gpu_uuid, TOTAL(observed_s), TOTAL(alloc_s), TOTAL(energy_j), TOTAL(job_energy_j), "
+            "TOTAL(anomalies) FROM gpu_hours WHERE hour >= ? AND hour < ? GROUP BY host, gpu_uuid "
+            "ORDER BY host, gpu_uuid", (lo, hi)).fetchall()
+        return [{"host": h, "gpu_uuid": u, "observed_gpu_seconds": obs, "allocated_gpu_seconds": alloc,
+                 "energy_joules": e, "job_energy_joules": je, "unattributed_energy_joules": e - je,
+                 "counter_anomalies": int(an)} for h, u, obs, alloc, e, je, an in rows]
+
+    def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]:
+        """Gaps in each GPU's samples that ended in [start, end): span, the counter delta across it (J) and the
+        jobs it was charged to (empty: unattributed). Accounting may reassign these from the scheduler's records."""
+        lo = -math.inf if start is None else start
+        hi = math.inf if end is None else end
+        rows = self._db.execute(
+            "SELECT host, gpu_uuid, mig, start, end, energy_j, jobs FROM energy_gaps WHERE end >= ? AND end < ? "
+            "ORDER BY host, gpu_uuid, mig, start", (lo, hi)).fetchall()
+        return [{"host": h, "gpu_uuid": u, "mig": m or None, "start": a, "end": b, "energy_joules": e,
+                 "job_ids": json.loads(j)} for h, u, m, a, b, e, j in rows]
+
+    def counter_anomalies(self) -> int:
+        """Intervals whose energy counter was not trusted, over all GPUs (for the collector's metric)."""
+        return int(self._db.execute("SELECT TOTAL(anomalies) FROM gpus").fetchone()[0])

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuledger.collector.auditlog import AuditLog, open_log, record_job_records
 from gpuledger.collector.auth import Access, Authenticator, AuthError, Principal
@@ -120,6 +120,20 @@ class _FeedGauges:
                                     "When accounting wrote the priority feed (unix time).", value=float(gen))
 
 
+class _StoreCounters:
+    """Counters kept in the store (they survive restarts): read at scrape time."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily("gpuledger_collector_energy_counter_anomalies",
+                                "Intervals whose energy counter went backwards or jumped beyond the power limit "
+                                "(charged from the power integral instead), over all GPUs.")
+        c.add_metric([], float(self.store.counter_anomalies()))
+        yield c
+
+
 class _Metrics:
     def __init__(self, store: SqliteStore, feed: Path | None, in_flight: Callable[[], int],
                  ingest_depth: Callable[[], int]) -> None:
@@ -152,6 +166,7 @@ class _Metrics:
                   "Ingest requests in flight (validating, waiting for or holding the store).", registry=r)
         g.set_function(ingest_depth)
         r.register(_FeedGauges(feed))
+        r.register(_StoreCounters(store))
 
 
 class _HTTPServer(ThreadingHTTPServer):

@@ -21,11 +21,11 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuledger.collector.aggregate import AddCounts, Aggregator
+from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator
 from gpuledger.collector.auditlog.files import private_file
 from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger
 from gpuledger.collector.rollup import RollupPoint
@@ -72,12 +72,14 @@ class SqliteStore:
         self,
         path: str | os.PathLike[str],
         window_s: float = 600.0,
-        max_gap_s: float = 300.0,
+        max_gap_s: float = DEFAULT_MAX_GAP_S,
         clock: Callable[[], float] = time.time,
         cache_limit: int = 200_000,
         retention: Retention = Retention(),
         sinks: Sequence[Sink] = (),
         summary_interval_s: float = 60.0,
+        power_cap_w: float = DEFAULT_POWER_CAP_W,
+        power_caps: Mapping[str, float] | None = None,
     ) -> None:
         retention.check(window_s)
         self.path = Path(path)
@@ -112,7 +114,8 @@ class SqliteStore:
                 self.series_store.repack_v1_samples(stored)
                 db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
         self._db.execute("INSERT OR REPLACE INTO meta VALUES ('sample_fields', ?)", (json.dumps(SAMPLE_FIELDS),))
-        self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour)
+        self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
+                              power_cap_w=power_cap_w, power_caps=power_caps)
         self._restore()
 
     def _restore(self) -> None:
@@ -169,6 +172,7 @@ class SqliteStore:
         self.ledger.write_aggregates(((k, agg.usage[k].values()) for k in usage),
                                      ((k, agg.gpus[k].totals()) for k in gpus),
                                      ((k, agg.hours[k].values()) for k in hours))
+        self.ledger.write_gaps(agg.take_gaps())
         return {k[0] for k in usage}
 
     def _emit_summaries(self, force: bool) -> int:
@@ -259,6 +263,20 @@ class SqliteStore:
         """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end)."""
         with self._lock:
             return self.ledger.totals(start, end)
+
+    def gpu_energy(self, start: float | None = None, end: float | None = None) -> list[dict]:
+        """Per physical GPU: energy, the part charged to jobs, unattributed energy, counter anomalies."""
+        with self._lock:
+            return self.ledger.gpu_energy(start, end)
+
+    def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]:
+        """Gap records that ended in [start, end) (see ``SqliteLedger.energy_gaps``)."""
+        with self._lock:
+            return self.ledger.energy_gaps(start, end)
+
+    def counter_anomalies(self) -> int:
+        with self._lock:
+            return self.ledger.counter_anomalies()
 
     def series(
         self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,

@@ -30,6 +30,7 @@ NONNEG_FIELDS: tuple[str, ...] = (
     "mem_clock_hz",
     "pcie_tx_bytes_per_second",
     "pcie_rx_bytes_per_second",
+    "power_limit_watts",
 )
 # Non-negative integer fields.
 INT_FIELDS: tuple[str, ...] = (
@@ -90,6 +91,8 @@ class GpuSample:
     job_ids: tuple[str, ...] = ()
     job_shares: tuple[float, ...] = ()
     source: str = ""
+    # The enforced power limit (NVML's enforced limit); bounds what the energy counter can plausibly advance.
+    power_limit_watts: float | None = None
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -193,6 +196,9 @@ class JobUsage:
     power_peak_watts: float | None = None
     model: str = ""
     gpus: int = 1
+    # Seconds the job held the GPU across a gap in the samples (same jobs on both sides): not observed, so not
+    # in ``allocated_gpu_seconds``, but the gap's counter delta is in ``energy_joules``.
+    gap_gpu_seconds: float = 0.0
 
     @property
     def efficiency(self) -> float | None:

@@ -45,7 +45,8 @@ def test_golden_case(tmp_path, case):
     folder = GOLDEN / case
     expected = json.loads((folder / "expected.json").read_text())
     store = SqliteStore(tmp_path / "g.sqlite")
-    server = CollectorServer(store, clock=lambda: 2000.0).start()
+    clock = float(expected.get("clock", 2000.0))  # "now" for the server: samples after it are refused
+    server = CollectorServer(store, clock=lambda: clock).start()
     try:
         with httpx.Client(base_url=server.url) as c:
             responses = []
