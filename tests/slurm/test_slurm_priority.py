@@ -171,6 +171,9 @@ def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmClust
     assert recorded == changed and changed
     feed = _json.loads((tmp_path / "priority-feed.json").read_text())
     assert {(e["account"], e["user"]): e["site_factor"] for e in feed["associations"]} == want
+    flat = (tmp_path / "priority-feed.txt").read_text().splitlines()  # what job_submit.lua reads
+    assert flat[0].startswith("# gpuledger-priority-feed v1 ") and flat[0].endswith(f" entries={len(want)}")
+    assert {(a, u): int(f) for a, u, f in (ln.split() for ln in flat[1:])} == want
     r = runner.invoke(app, args)  # same ledger again: nothing to change
     assert r.exit_code == 0 and "0 changed, 0 failed" in r.output and "0 scontrol call(s)" in r.output, r.output
     # Put back the factors the start-order step expects.

@@ -154,3 +154,89 @@ def test_a_job_that_ends_during_the_apply_fails_alone(slurm_cluster: SlurmCluste
     want = {j: third[u] for u, js in ids.items() for j in js if j not in (ended, started)}
     assert {j: got[j] for j in want} == want
     assert applied.calls > 2  # the batch with the ended job was split until it stood alone
+
+
+def test_watch_daemon_applies_the_ledger_and_follows_a_job_end(slurm_cluster: SlurmCluster, submitted,
+                                                               tmp_path) -> None:
+    """`gpuledger priority watch` as a process: its first cycle sets every pending record to the feed it wrote;
+    a job end with usage arriving in the ledger (as the collector stores it) moves the factors again, and the
+    lag metric says so; SIGTERM ends it cleanly."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample, JobRecord
+
+    c = slurm_cluster
+    ids, arrays = submitted
+    (tmp_path / "assoc.txt").write_text(c.cmd("sacctmgr", "-P", "show", "associations",
+                                              "format=Cluster,Account,User,ParentName,Share"))
+    (tmp_path / "gpuledger.toml").write_text('[accounting]\nalgorithm = "fair-tree"\npolicy = "allocated"\n'
+                                             "priority_weight = 10000\n")
+
+    def ended_job(job_id: str, account: str, user: str, end: float) -> None:
+        store = SqliteStore(tmp_path / "gpuledger.sqlite")
+        try:
+            store.put_jobs([JobRecord(job_id=job_id, cluster="testcluster", account=account, user=user, gpus=1,
+                                      start=end - 100, end=end, state="COMPLETED")])
+            store.ingest(Batch("t", int(end), "vm", tuple(
+                GpuSample(ts=t, host="vm", gpu_uuid="GPU-w", gpu_index=0, job_ids=(job_id,))
+                for t in range(int(end) - 100, int(end) + 1, 10))))
+        finally:
+            store.close()
+
+    ended_job("w1", "proj_a", "alice", time.time() - 600)
+    port = _free_port()
+    gpuledger = str(Path(sys.executable).parent / "gpuledger")
+    proc = subprocess.Popen([gpuledger, "priority", "watch", "--data-dir", str(tmp_path), "--associations",
+                             str(tmp_path / "assoc.txt"), "--no-import-jobs", "--poll", "0.5", "--min-interval", "1",
+                             "--metrics-port", str(port)], env={**c.env, "SLURM_CONF": str(c.conf)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def metrics() -> str:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return ""
+
+    def sample(name: str) -> float:
+        m = re.search(rf"^{re.escape(name)} (\S+)$", metrics(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def feed_matches() -> dict[str, int] | None:
+        flat = flat_path(tmp_path / "priority-feed.json")
+        if not flat.exists():
+            return None
+        want = {u: int(f) for _, u, f in (ln.split() for ln in flat.read_text().splitlines()[1:])}
+        got = sprio(c)
+        records = {j: u for u, js in ids.items() for j in js if j in got} | {a: u for u, a in arrays.items()}
+        return want if all(got.get(j) == want[u] for j, u in records.items()) else None
+
+    try:
+        first = c.wait("the daemon's first cycle to set the feed on every pending record", feed_matches,
+                       timeout_s=60, every_s=0.3)
+        assert first["alice"] < first["carol"]  # alice has usage, carol none
+        ended_job("w2", "proj_b", "carol", time.time())
+        second = c.wait("the factors to follow the job end", lambda: (f := feed_matches()) and f != first and f,
+                        timeout_s=60, every_s=0.3)
+        assert second["carol"] < first["carol"]
+        lag = c.wait("the lag metric", lambda: sample("gpuledger_priority_lag_seconds"), timeout_s=10)
+        assert 0 < lag < 60
+        assert sample('gpuledger_priority_cycles_total{result="ok"}') >= 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
