@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 
 from gpuledger.accounting.apply import PARALLEL, run_apply  # noqa: E402
 from gpuledger.accounting.priority import PriorityEntry  # noqa: E402
-from slurm_cluster import PARTITION, SlurmCluster, running_cluster  # noqa: E402
+from slurm_cluster import PARTITION, SlurmCluster, free_ports, running_cluster  # noqa: E402
 
 TARGET_APPLY_10K_S = 5.0
 TARGET_NOCHANGE_S = 1.0
@@ -217,7 +217,7 @@ def main() -> None:
                                              'priority_weight = 10000\n')
         subprocess.run([GPULEDGER, "jobs", "import", "--slurm", "--data-dir", str(data)],
                        env={**os.environ, "SLURM_CONF": str(c.conf)}, check=True, capture_output=True)
-        port = _free_port()
+        port = free_ports(1)[0]
         for i, n in enumerate(args.jobs):
             r = measure_apply(c, assoc, n, args)
             if not args.no_lag:  # a user without usage yet, so that its job's end moves its fairshare
@@ -265,14 +265,6 @@ def metric(port: int, name: str) -> float | None:
         return None
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) or None if m else None
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 STORE_NAME = "gpuledger.sqlite"
 CONFIG_NAME = "gpuledger.toml"
 FEED_NAME = "priority-feed.json"
+SACCT_OVERLAP_S = 300.0  # `priority watch`: how far each sacct poll reaches back before the previous one
 
 DataDir = Annotated[
     Path,
@@ -219,7 +220,8 @@ def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) ->
 def priority_feed_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    output: Annotated[Path | None, typer.Option(help="write here (default: <data-dir>/priority-feed.json)")] = None,
+    output: Annotated[Path | None, typer.Option(
+        help="write here (default: <data-dir>/priority-feed.json); the flat feed goes beside it as .txt")] = None,
     associations: AssociationsOpt = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
     accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="use "
@@ -455,17 +457,22 @@ def priority_watch(
     feed_path = output or data_dir / FEED_NAME
     client = SlurmClient()
     since = [time.time() - 3600.0]
-    imported: set[tuple[str, str, float]] = set()  # (cluster, job id, end) already put into the ledger
+    # (cluster, job id, end) of the jobs imported within the overlap window, so that a poll imports only new ones
+    imported: set[tuple[str, str, float]] = set()
 
     def ledger_state() -> tuple:
         if import_jobs:  # sacct's job ends into the ledger first, so that the fingerprint sees them
             now = time.time()
-            ended = client.sacct_jobs(since[0] - 60.0, now, states=ENDED_STATES)  # overlap: late sacct rows
+            # the window reaches SACCT_OVERLAP_S back: a job end that reaches slurmdbd late is still seen
+            start = since[0] - SACCT_OVERLAP_S
+            ended = client.sacct_jobs(start, now, states=ENDED_STATES)
             new = [r for r in ended if r.end is not None and (r.cluster, r.job_id, r.end) not in imported]
             if new:
                 _import_jobs(data_dir, new)
                 imported.update((r.cluster, r.job_id, r.end) for r in new)
             since[0] = now
+            for key in [k for k in imported if k[2] < start]:  # out of every later window: bounded memory
+                imported.discard(key)
         return _store_fingerprint(data_dir)
 
     def cycle() -> CycleResult:

@@ -110,12 +110,13 @@ def write_atomically(path: str | os.PathLike[str], text: str) -> Path:
     return path
 
 
-def write_feed(path: str | os.PathLike[str], document: Mapping[str, Any], flat: bool = True) -> Path:
-    """Write the JSON feed and (``flat``) the flat one beside it (:func:`flat_path`), each atomically.
-    Both texts are built before either file is replaced: a bad entry leaves both files as they were."""
+def write_feed(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:
+    """Write the JSON feed and the flat one beside it (:func:`flat_path`), each atomically. Both texts are built
+    before either file is replaced: a bad entry leaves both files as they were."""
+    if flat_path(path) == Path(path):
+        raise ValueError(f"priority feed {path}: the JSON feed's name must not end in .txt (the flat feed goes there)")
     text = json.dumps(document, indent=2) + "\n"
-    flat_text = flat_feed(document) if flat else None
+    flat_text = flat_feed(document)
     out = write_atomically(path, text)
-    if flat_text is not None:
-        write_atomically(flat_path(path), flat_text)
+    write_atomically(flat_path(path), flat_text)
     return out

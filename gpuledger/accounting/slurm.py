@@ -366,17 +366,15 @@ SQUEUE_PENDING_FORMAT = "%A|%i|%u|%a|%P|%T"
 
 def _task_ranges(tasks: Iterable[int]) -> str:
     """[3, 4, 5, 9] -> "3-5,9" (Slurm's array task expression)."""
+    ts = sorted(set(tasks))
     out: list[str] = []
-    run: list[int] = []
-    for t in sorted(set(tasks)):
-        if run and t == run[-1] + 1:
-            run.append(t)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [t]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    i = 0
+    while i < len(ts):
+        j = i
+        while j + 1 < len(ts) and ts[j + 1] == ts[j] + 1:
+            j += 1
+        out.append(str(ts[i]) if i == j else f"{ts[i]}-{ts[j]}")
+        i = j + 1
     return ",".join(out)
 
 
@@ -398,7 +396,7 @@ def parse_squeue_pending(text: str) -> list[PendingJob]:
     out: list[PendingJob] = []
     for record_id, lines in rows.items():
         _, first, user, account, partition, state = lines[0]
-        job_id = first
+        job_id = record_id if "+" in first else first  # a heterogeneous job's component "12+1": its own record
         if len(lines) > 1:
             tasks: list[int] = []
             array = None

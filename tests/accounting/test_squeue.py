@@ -143,6 +143,14 @@ def test_squeue_pending_folds_shared_array_tasks_into_one_record() -> None:
     assert parse_sprio(read(REAL / "sprio-h-o-array.txt")) == {"16": 0, "17": 0, "18": 5}
 
 
+def test_squeue_pending_task_ranges_and_het_components() -> None:
+    text = "".join(f"40|40_{t}|u|p|gpu|PENDING\n" for t in (9, 1, 2, 3, 5, 7, 8))
+    text += "50|50+0|u|p|gpu|PENDING\n51|50+1|u|p|gpu|PENDING\n"
+    jobs = parse_squeue_pending(text)
+    assert [(j.job_id, j.sprio_id, j.tasks) for j in jobs] == [("40_[1-3,5,7-9]", "40", 7), ("50", "50", 1),
+                                                              ("51", "51", 1)]
+
+
 def test_squeue_pending_errors_name_the_line() -> None:
     with pytest.raises(SlurmParseError, match="squeue line 2: expected"):
         parse_squeue_pending("16|16|alice|proj_a|gpu|PENDING\n16 alice\n")

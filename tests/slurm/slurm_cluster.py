@@ -82,7 +82,8 @@ class SlurmCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n free loopback TCP ports (free now; the caller binds them soon after)."""
     socks = []
     try:
         for _ in range(n):
@@ -122,7 +123,7 @@ def running_cluster(extra_env: dict[str, str] | None = None, with_lua: bool = Tr
     lua, n = re.subn(r'(?m)^local FEED_PATH = ".*"$', f'local FEED_PATH = "{flat_path(feed)}"', LUA.read_text())
     assert n == 1, f"{LUA}: no `local FEED_PATH = \"...\"` line to point at the test feed"
     (own / "job_submit.lua").write_text(lua)
-    ctld, slurmd, dbd, mysql = _free_ports(4)
+    ctld, slurmd, dbd, mysql = free_ports(4)
     env = {
         **os.environ,
         "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin",

@@ -16,7 +16,7 @@ import pytest
 from gpuledger.accounting.apply import Change, apply_changes, plan_changes, run_apply
 from gpuledger.accounting.priority import PriorityEntry, feed_document, flat_path, write_atomically, write_feed
 
-from slurm_cluster import PARTITION, USERS, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
+from slurm_cluster import PARTITION, USERS, SlurmCluster, free_ports  # tests/slurm is on sys.path (rootdir imports)
 
 pytestmark = pytest.mark.slurm
 
@@ -191,7 +191,7 @@ def test_watch_daemon_applies_the_ledger_and_follows_a_job_end(slurm_cluster: Sl
             store.close()
 
     ended_job("w1", "proj_a", "alice", time.time() - 600)
-    port = _free_port()
+    port = free_ports(1)[0]
     gpuledger = str(Path(sys.executable).parent / "gpuledger")
     proc = subprocess.Popen([gpuledger, "priority", "watch", "--data-dir", str(tmp_path), "--associations",
                              str(tmp_path / "assoc.txt"), "--no-import-jobs", "--poll", "0.5", "--min-interval", "1",
@@ -232,11 +232,3 @@ def test_watch_daemon_applies_the_ledger_and_follows_a_job_end(slurm_cluster: Sl
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port

@@ -1,4 +1,5 @@
-"""The watch daemon's loop: when it runs a cycle, that it survives a failed one, and what it measures."""
+"""The flat feed beside the JSON one; the watch daemon's loop: when it runs a cycle, that it survives a failed
+one, and what it measures."""
 
 from __future__ import annotations
 
@@ -104,3 +105,5 @@ def test_a_name_the_flat_format_cannot_carry_leaves_both_files_alone(tmp_path) -
         write_feed(path, bad)
     assert (path.read_text(), flat_path(path).read_text()) == before
     assert flat_feed({"associations": []}) == "# gpuledger-priority-feed v1 generated_at=0.000 entries=0\n"
+    with pytest.raises(ValueError, match="must not end in .txt"):
+        write_feed(tmp_path / "feed.txt", good)
