@@ -37,7 +37,7 @@ MAX_ARG_BYTES = 100_000
 MAX_BISECTED_FAILURES = 100
 # scontrol sends one RPC per listed job (an array's shared record is one), each with a munge credential, and
 # waits for each answer; a few commands at once let slurmctld's RPC threads and munged overlap that latency
-# (bench/priority.py: 1.5x faster than one command at 10,000 jobs). A command holds at least MIN_SPLIT jobs.
+# (bench/priority.py: about 1.9x faster than one command at 10,000 jobs). A command holds at least MIN_SPLIT jobs.
 PARALLEL = 4
 MIN_SPLIT = 250
 
