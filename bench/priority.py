@@ -44,9 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 
+from slurm_cluster import PARTITION, SlurmCluster, free_ports, running_cluster  # noqa: E402
+
 from gpuledger.accounting.apply import PARALLEL, run_apply  # noqa: E402
 from gpuledger.accounting.priority import PriorityEntry  # noqa: E402
-from slurm_cluster import PARTITION, SlurmCluster, free_ports, running_cluster  # noqa: E402
 
 TARGET_APPLY_10K_S = 5.0
 TARGET_NOCHANGE_S = 1.0
@@ -119,7 +120,8 @@ def measure_apply(c: SlurmCluster, assoc: dict[str, str], n: int, args) -> dict:
     runs: dict[str, list[dict]] = {}
     for label, salt, parallel in plan_runs:
         drained(c)
-        t, (plan, applied) = timed(lambda: run_apply(client, feed(assoc, salt), parallel=parallel))
+        t, (plan, applied) = timed(
+            lambda salt=salt, parallel=parallel: run_apply(client, feed(assoc, salt), parallel=parallel))
         assert plan.jobs == n, (plan.jobs, n)
         assert applied.count("failed") == 0 and not plan.skipped
         runs.setdefault(label, []).append({"s": t, "calls": applied.calls, "changed": len(applied.outcomes)})
@@ -247,8 +249,9 @@ def report(r: dict) -> None:
               f"(target {target:.2f} s)")
     ref = r["reference"]
     per_1k_ref = ref["s"] / ref["jobs"] * 1000
+    speedup = per_1k_ref / (r["apply"]["median_s"] / n * 1000)
     print(f"  reference one scontrol per job: {ref['s']:.3f} s for {ref['jobs']} jobs = {per_1k_ref:.3f} s per "
-          f"1,000 jobs; batched apply (median) is {per_1k_ref / (r['apply']['median_s'] / n * 1000):.1f}x faster per job")
+          f"1,000 jobs; batched apply (median) is {speedup:.1f}x faster per job")
     if "lag" in r:
         lag = r["lag"]
         metric = f"{lag['metric_s']:.1f} s" if lag["metric_s"] is not None else "not set"

@@ -9,8 +9,8 @@ Two steps, so that the decision can be tested and shown without a cluster:
 - :func:`apply_changes` groups the changes by new factor and sets each group with as few
   ``scontrol update jobid=A,B,C SiteFactor=M`` commands as one command line holds, a few at a time (unless
   ``dry_run``). A command that fails (a job ended meanwhile) is split in halves and retried until the failing
-  jobs stand alone, so only they are reported failed. Every applied change, with its inputs, goes to ``record`` in one call (the
-  ledger's audit trail writes them in one transaction).
+  jobs stand alone, so only they are reported failed. Every applied change, with its inputs, goes to ``record``
+  in one call (the ledger's audit trail writes them in one transaction).
 
 An array's pending tasks that still share one job record are one change (one record, ``tasks`` jobs).
 A second apply with the same feed changes nothing: the factors already match, so the plan is empty.

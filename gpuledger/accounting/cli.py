@@ -33,10 +33,14 @@ from gpuledger.accounting.report.tables import rich_table
 from gpuledger.collector.auditlog.jobs import job_key
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gpuledger.accounting.apply import Applied, Plan
     from gpuledger.accounting.config import AccountingSettings
     from gpuledger.accounting.engine import UsageResult
     from gpuledger.accounting.fairshare import Row
     from gpuledger.collector.store import SqliteStore
+    from gpuledger.schema.records import JobRecord
 
 STORE_NAME = "gpuledger.sqlite"
 CONFIG_NAME = "gpuledger.toml"
@@ -244,8 +248,8 @@ def priority_feed_cmd(
         t = Table(title=f"Priority feed ({path})")
         for c in ("Account", "User", "FairShare", "SiteFactor"):
             t.add_column(c, justify="left" if c in ("Account", "User") else "right")
-        for e in doc["associations"]:
-            t.add_row(e["account"], e["user"], f"{e['fairshare']:.6f}", str(e["site_factor"]))
+        for a in doc["associations"]:
+            t.add_row(a["account"], a["user"], f"{a['fairshare']:.6f}", str(a["site_factor"]))
         console.print(t)
 
 
@@ -289,7 +293,7 @@ def _read_arg(path: str) -> str:
     return sys.stdin.read() if path == "-" else Path(path).read_text()
 
 
-def _import_jobs(data_dir: Path, records) -> int:
+def _import_jobs(data_dir: Path, records: Sequence[JobRecord]) -> int:
     """Put Slurm job records into the ledger and the audit trail; returns how many were new or changed."""
     from gpuledger.collector.store import SqliteStore
 
@@ -342,7 +346,7 @@ def jobs_import(
     typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
 
 
-def _report_apply(plan, applied, verbose: bool) -> None:
+def _report_apply(plan: Plan, applied: Applied, verbose: bool) -> None:
     """Per association one line (jobs set, factor); each failed job on its own line; totals."""
     from collections import Counter
 
@@ -399,9 +403,9 @@ def priority_apply(
         raise typer.Exit(1)
 
 
-def _store_fingerprint(data_dir: Path) -> tuple:
+def _store_fingerprint(data_dir: Path) -> tuple[tuple[int, int] | None, ...]:
     """(mtime, size) of the store's files: changes whenever a job record or usage is written (WAL included)."""
-    out = []
+    out: list[tuple[int, int] | None] = []
     for suffix in ("", "-wal"):
         try:
             st = (data_dir / (STORE_NAME + suffix)).stat()
@@ -435,8 +439,11 @@ def priority_watch(
     associations: AssociationsOpt = None,
     output: Annotated[Path | None, typer.Option(
         help="JSON feed path (default: <data-dir>/priority-feed.json; the flat feed goes beside it as .txt)")] = None,
-    slurm: Annotated[bool, typer.Option("--slurm/--feed-only", help="apply to the local Slurm, or only write the feed")] = True,
-    import_jobs: Annotated[bool, typer.Option("--import-jobs/--no-import-jobs", help="import ended jobs from sacct at every poll (off when a collector or timer imports them)")] = True,
+    slurm: Annotated[bool, typer.Option(
+        "--slurm/--feed-only", help="apply to the local Slurm, or only write the feed")] = True,
+    import_jobs: Annotated[bool, typer.Option(
+        "--import-jobs/--no-import-jobs",
+        help="import ended jobs from sacct at every poll (off when a collector or timer imports them)")] = True,
     poll: Annotated[float, typer.Option(help="seconds between looks at the ledger (and sacct)")] = 5.0,
     min_interval: Annotated[float, typer.Option(help="at most one cycle per this many seconds")] = 10.0,
     resync: Annotated[float, typer.Option(help="a cycle at least this often, for new pending jobs")] = 300.0,
@@ -469,7 +476,7 @@ def priority_watch(
             new = [r for r in ended if r.end is not None and (r.cluster, r.job_id, r.end) not in imported]
             if new:
                 _import_jobs(data_dir, new)
-                imported.update((r.cluster, r.job_id, r.end) for r in new)
+                imported.update((r.cluster, r.job_id, r.end) for r in new if r.end is not None)
             since[0] = now
             for key in [k for k in imported if k[2] < start]:  # out of every later window: bounded memory
                 imported.discard(key)

@@ -409,7 +409,7 @@ def parse_squeue_pending(text: str) -> list[PendingJob]:
                 tasks.append(int(t))
             job_id = f"{array}_[{_task_ranges(tasks)}]"
         out.append(PendingJob(job_id=job_id, user=user or None, account=account or None,
-                              partition=partition or None, state=_state_word(state) or state,
+                              partition=partition or None, state=state_word(state) or state,
                               record_id=record_id, tasks=len(lines)))
     return out
 

@@ -226,7 +226,8 @@ def test_apply_batches_by_factor_records_once_and_is_idempotent() -> None:
     assert [(c.job_id, c.user, c.old_factor, c.new_factor, c.raw_usage, c.time) for c in batch] == [
         ("17_4", "carol", 5, 9000, 1.0, 5.0), ("17_[1-3,5-6]", "carol", 0, 9000, 1.0, 5.0),
         ("16", "alice", 0, 2000, 9.0, 5.0)]
-    assert [(s.job_id, s.reason) for s in plan.skipped] == [("19", "association bob@proj_a is not in the priority feed")]
+    assert [(s.job_id, s.reason) for s in plan.skipped] == [
+        ("19", "association bob@proj_a is not in the priority feed")]
     # same inputs again: nothing to change, nothing recorded, no scontrol
     plan2, applied2 = run_apply(client, REAL_FEED, record=recorded.append)
     assert plan2.changes == () and applied2.outcomes == () and applied2.calls == 0 and len(recorded) == 1

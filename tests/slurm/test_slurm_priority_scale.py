@@ -12,11 +12,10 @@ import time
 from typing import Any
 
 import pytest
+from slurm_cluster import PARTITION, USERS, SlurmCluster, free_ports  # tests/slurm is on sys.path (rootdir imports)
 
 from gpuledger.accounting.apply import Change, apply_changes, plan_changes, run_apply
 from gpuledger.accounting.priority import PriorityEntry, feed_document, flat_path, write_atomically, write_feed
-
-from slurm_cluster import PARTITION, USERS, SlurmCluster, free_ports  # tests/slurm is on sys.path (rootdir imports)
 
 pytestmark = pytest.mark.slurm
 
