@@ -20,27 +20,32 @@ from gpuledger.accounting.audit import (
     open_log,
     record_fairshare,
     record_job_records,
-    record_priority_change,
+    record_priority_changes,
     usage_key,
 )
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import association_usage, compute, load_tree
 from gpuledger.accounting.ledger import join
 from gpuledger.accounting.ledger import load as load_ledger
-from gpuledger.accounting.priority import feed_document, priority_feed, write_feed
+from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import rich_table
 from gpuledger.collector.auditlog.jobs import job_key
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gpuledger.accounting.apply import Applied, Plan
     from gpuledger.accounting.config import AccountingSettings
     from gpuledger.accounting.engine import UsageResult
     from gpuledger.accounting.fairshare import Row
     from gpuledger.collector.store import SqliteStore
+    from gpuledger.schema.records import JobRecord
 
 STORE_NAME = "gpuledger.sqlite"
 CONFIG_NAME = "gpuledger.toml"
 FEED_NAME = "priority-feed.json"
+SACCT_OVERLAP_S = 300.0  # `priority watch`: how far each sacct poll reaches back before the previous one
 
 DataDir = Annotated[
     Path,
@@ -219,17 +224,22 @@ def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) ->
 def priority_feed_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    output: Annotated[Path | None, typer.Option(help="write here (default: <data-dir>/priority-feed.json)")] = None,
+    output: Annotated[Path | None, typer.Option(
+        help="write here (default: <data-dir>/priority-feed.json); the flat feed goes beside it as .txt")] = None,
     associations: AssociationsOpt = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
     accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="use "
                                     "store rows that differ from their final logged record, logging each as a "
                                     "correction with this reason (refused without it)")] = None,
 ) -> None:
-    """Per association: measured fairshare and the Slurm site factor it implies; written atomically. Every record
+    """Per association: measured fairshare and the Slurm site factor it implies; written atomically, as JSON and,
+    beside it with the suffix .txt, as the flat `account user factor` file job_submit.lua reads. Every record
     it uses is in the audit log first."""
     doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes)
-    path = write_feed(output or data_dir / FEED_NAME, doc)
+    try:
+        path = write_feed(output or data_dir / FEED_NAME, doc)
+    except (ValueError, OSError) as e:
+        raise _fail(str(e)) from None
     if fmt is Fmt.json:
         typer.echo(json.dumps(doc, indent=2))
     else:
@@ -238,8 +248,8 @@ def priority_feed_cmd(
         t = Table(title=f"Priority feed ({path})")
         for c in ("Account", "User", "FairShare", "SiteFactor"):
             t.add_column(c, justify="left" if c in ("Account", "User") else "right")
-        for e in doc["associations"]:
-            t.add_row(e["account"], e["user"], f"{e['fairshare']:.6f}", str(e["site_factor"]))
+        for a in doc["associations"]:
+            t.add_row(a["account"], a["user"], f"{a['fairshare']:.6f}", str(a["site_factor"]))
         console.print(t)
 
 
@@ -283,6 +293,21 @@ def _read_arg(path: str) -> str:
     return sys.stdin.read() if path == "-" else Path(path).read_text()
 
 
+def _import_jobs(data_dir: Path, records: Sequence[JobRecord]) -> int:
+    """Put Slurm job records into the ledger and the audit trail; returns how many were new or changed."""
+    from gpuledger.collector.store import SqliteStore
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open_log(data_dir) as log:  # logged before stored: nothing is charged that the log has not seen
+        record_job_records(log, records)
+    store = SqliteStore(data_dir / STORE_NAME)
+    try:
+        changed = store.put_jobs(records)
+    finally:
+        store.close()
+    return changed
+
+
 @jobs_app.command("import")
 def jobs_import(
     data_dir: DataDir = Path("gpuledger-data"),
@@ -317,16 +342,35 @@ def jobs_import(
             )
     except (SlurmParseError, SlurmCommandError, OSError) as e:
         raise _fail(str(e)) from None
-    from gpuledger.collector.store import SqliteStore
-
-    with open_log(data_dir) as log:  # logged before stored: nothing is charged that the log has not seen
-        record_job_records(log, records)
-    store = SqliteStore(data_dir / STORE_NAME)
-    try:
-        changed = store.put_jobs(records)
-    finally:
-        store.close()
+    changed = _import_jobs(data_dir, records)
     typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
+
+
+def _report_apply(plan: Plan, applied: Applied, verbose: bool) -> None:
+    """Per association one line (jobs set, factor); each failed job on its own line; totals."""
+    from collections import Counter
+
+    per_assoc: Counter[tuple[str, str, str, int, float]] = Counter()
+    for o in applied.outcomes:
+        c = o.change
+        if o.status == "failed":
+            typer.echo(f"failed   job {c.job_id} {c.user}@{c.account}: SiteFactor {c.old_factor} -> {c.new_factor}: "
+                       f"{o.error}")
+            continue
+        per_assoc[(o.status, c.user, c.account, c.new_factor, c.fairshare)] += c.tasks
+        if verbose:
+            typer.echo(f"{o.status:8} job {c.job_id} {c.user}@{c.account}: SiteFactor {c.old_factor} -> "
+                       f"{c.new_factor} (fairshare {c.fairshare:.6f})")
+    if not verbose:
+        for (status, user, account, factor, fs), n in per_assoc.items():
+            typer.echo(f"{status:8} {n} job(s) of {user}@{account}: SiteFactor -> {factor} (fairshare {fs:.6f})")
+    for s in plan.skipped:
+        err.print("[yellow]skipped[/yellow] " + escape(f"job {s.job_id} ({s.user}@{s.account}): {s.reason}"))
+    changed = sum(o.change.tasks for o in applied.outcomes if o.status != "failed")
+    failed = sum(o.change.tasks for o in applied.outcomes if o.status == "failed")
+    verb = "would change" if any(o.status == "dry-run" for o in applied.outcomes) else "changed"
+    typer.echo(f"{plan.jobs} pending job(s): {changed} {verb}, {failed} failed, {len(plan.unchanged)} record(s) "
+               f"unchanged, {len(plan.skipped)} skipped; {applied.calls} scontrol call(s)")
 
 
 @priority_app.command("apply")
@@ -337,32 +381,136 @@ def priority_apply(
         bool, typer.Option("--slurm", help="apply to the local Slurm (scontrol update SiteFactor)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would change; change nothing")] = False,
     associations: AssociationsOpt = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="one line per changed job record")] = False,
 ) -> None:
-    """Set every pending job's SiteFactor from its association's measured fairshare, only where it changed."""
-    from gpuledger.accounting.apply import Change, run_apply
+    """Set every pending job's SiteFactor from its association's measured fairshare, only where it changed
+    (one scontrol command per factor and command line of jobs)."""
+    from gpuledger.accounting.apply import run_apply
     from gpuledger.accounting.slurm import SlurmClient, SlurmCommandError, SlurmParseError
 
     if not slurm:
         raise _fail("priority apply needs a target: --slurm")
     doc = build_feed(data_dir, config, associations=associations)
-    write_feed(data_dir / FEED_NAME, doc)
     try:
+        write_feed(data_dir / FEED_NAME, doc)
         with open_log(data_dir) as log:
-            recorder = record_priority_change(log)
-
-            def record(change: Change) -> None:  # the recorder's entry is not needed here
-                recorder(change)
-
-            plan, outcomes = run_apply(SlurmClient(), doc["associations"], dry_run, record=record)
-    except (SlurmParseError, SlurmCommandError, OSError) as e:
+            plan, applied = run_apply(SlurmClient(), doc["associations"], dry_run,
+                                      record=record_priority_changes(log))
+    except (SlurmParseError, SlurmCommandError, ValueError, OSError) as e:
         raise _fail(str(e)) from None
-    for o in outcomes:
-        c = o.change
-        line = (f"{o.status:8} job {c.job_id} {c.user}@{c.account}: SiteFactor {c.old_factor} -> {c.new_factor} "
-                f"(fairshare {c.fairshare:.6f})")
-        typer.echo(line + (f": {o.error}" if o.error else ""))
-    for s in plan.skipped:
-        err.print("[yellow]skipped[/yellow] " + escape(f"job {s.job_id} ({s.user}@{s.account}): {s.reason}"))
-    typer.echo(f"{len(outcomes)} change(s), {len(plan.unchanged)} unchanged, {len(plan.skipped)} skipped")
-    if any(o.status == "failed" for o in outcomes):
+    _report_apply(plan, applied, verbose)
+    if applied.count("failed"):
         raise typer.Exit(1)
+
+
+def _store_fingerprint(data_dir: Path) -> tuple[tuple[int, int] | None, ...]:
+    """(mtime, size) of the store's files: changes whenever a job record or usage is written (WAL included)."""
+    out: list[tuple[int, int] | None] = []
+    for suffix in ("", "-wal"):
+        try:
+            st = (data_dir / (STORE_NAME + suffix)).stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except FileNotFoundError:
+            out.append(None)
+    return tuple(out)
+
+
+def _newest_end(data_dir: Path) -> float | None:
+    """End time of the newest ended job the feed charges (a scheduler record with measured usage): what the
+    watch daemon's lag is measured from."""
+    from gpuledger.collector.store import SqliteStore
+
+    path = data_dir / STORE_NAME
+    if not path.exists():
+        return None
+    store = SqliteStore(path)
+    try:
+        entries = load_ledger(store)
+    finally:
+        store.close()
+    return max((e.record.end for e in entries if e.record is not None and e.record.end is not None
+                and e.usage is not None), default=None)
+
+
+@priority_app.command("watch")
+def priority_watch(
+    data_dir: DataDir = Path("gpuledger-data"),
+    config: ConfigOpt = None,
+    associations: AssociationsOpt = None,
+    output: Annotated[Path | None, typer.Option(
+        help="JSON feed path (default: <data-dir>/priority-feed.json; the flat feed goes beside it as .txt)")] = None,
+    slurm: Annotated[bool, typer.Option(
+        "--slurm/--feed-only", help="apply to the local Slurm, or only write the feed")] = True,
+    import_jobs: Annotated[bool, typer.Option(
+        "--import-jobs/--no-import-jobs",
+        help="import ended jobs from sacct at every poll (off when a collector or timer imports them)")] = True,
+    poll: Annotated[float, typer.Option(help="seconds between looks at the ledger (and sacct)")] = 5.0,
+    min_interval: Annotated[float, typer.Option(help="at most one cycle per this many seconds")] = 10.0,
+    resync: Annotated[float, typer.Option(help="a cycle at least this often, for new pending jobs")] = 300.0,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port (0: none)")] = 9816,
+    metrics_addr: Annotated[str, typer.Option(help="address the metrics listen on")] = "127.0.0.1",
+) -> None:
+    """Daemon: when jobs end (new job records or usage in the ledger), recompute the feed and apply it, at most
+    every --min-interval seconds; exports its lag (job end to applied factor) as a Prometheus metric."""
+    import logging
+    import signal
+
+    from gpuledger.accounting.apply import run_apply
+    from gpuledger.accounting.priority_watch import CycleResult, PriorityWatch
+    from gpuledger.accounting.slurm import ENDED_STATES, SlurmClient
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logger = logging.getLogger("gpuledger.priority.watch")
+    feed_path = output or data_dir / FEED_NAME
+    client = SlurmClient()
+    since = [time.time() - 3600.0]
+    # (cluster, job id, end) of the jobs imported within the overlap window, so that a poll imports only new ones
+    imported: set[tuple[str, str, float]] = set()
+
+    def ledger_state() -> tuple:
+        if import_jobs:  # sacct's job ends into the ledger first, so that the fingerprint sees them
+            now = time.time()
+            # the window reaches SACCT_OVERLAP_S back: a job end that reaches slurmdbd late is still seen
+            start = since[0] - SACCT_OVERLAP_S
+            ended = client.sacct_jobs(start, now, states=ENDED_STATES)
+            new = [r for r in ended if r.end is not None and (r.cluster, r.job_id, r.end) not in imported]
+            if new:
+                _import_jobs(data_dir, new)
+                imported.update((r.cluster, r.job_id, r.end) for r in new if r.end is not None)
+            since[0] = now
+            for key in [k for k in imported if k[2] < start]:  # out of every later window: bounded memory
+                imported.discard(key)
+        return _store_fingerprint(data_dir)
+
+    def cycle() -> CycleResult:
+        try:
+            doc = build_feed(data_dir, config, associations=associations)
+        except typer.Exit as e:  # build_feed printed what is wrong
+            raise RuntimeError(f"the feed could not be computed (exit {e.exit_code})") from None
+        write_feed(feed_path, doc)
+        newest_end = _newest_end(data_dir)
+        if not slurm:
+            return CycleResult(newest_end, 0, 0)
+        with open_log(data_dir) as log:
+            _, applied = run_apply(client, doc["associations"], record=record_priority_changes(log))
+        for o in applied.outcomes:
+            if o.status == "failed":
+                logger.warning("job %s: %s", o.change.job_id, o.error)
+        changed = sum(o.change.tasks for o in applied.outcomes if o.status == "applied")
+        return CycleResult(newest_end, changed, applied.count("failed"))
+
+    try:
+        watch = PriorityWatch(cycle, ledger_state, poll_s=poll, min_interval_s=min_interval, resync_s=resync)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(metrics_port, addr=metrics_addr, registry=watch.registry)
+        except OSError as e:
+            raise _fail(f"metrics on {metrics_addr}:{metrics_port}: {e}") from None
+    signal.signal(signal.SIGTERM, lambda *_: watch.stop())
+    signal.signal(signal.SIGINT, lambda *_: watch.stop())
+    logger.info("watching %s (feed %s and %s)", data_dir, feed_path, flat_path(feed_path))
+    watch.run()

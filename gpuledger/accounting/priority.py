@@ -4,6 +4,16 @@ Slurm adds a job's site factor to its priority as is. With ``PriorityWeightFairs
 from this feed (``scontrol update jobid=N SiteFactor=M`` or ``job_submit.lua``), measured fairshare replaces
 allocation-based fairshare: ``site_factor = round(weight x fairshare)``, so ``weight`` plays the role of
 ``PriorityWeightFairshare``.
+
+Two files carry the feed: the JSON document (everything a person or a program may want to know) and a flat file
+for ``job_submit.lua`` inside slurmctld, which reads it with plain string functions on every submission:
+
+    # gpuledger-priority-feed v1 generated_at=1795969360.000 entries=2
+    proj_a alice 5000
+    proj_b carol 10000
+
+The header names the format and the entry count (a reader rejects a file whose count does not match) and changes
+with every write, so a reader may cache the parsed table until the first line changes.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_WEIGHT = 10_000
+FLAT_MAGIC = "# gpuledger-priority-feed v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,19 +71,52 @@ def feed_document(entries: Iterable[PriorityEntry], meta: Mapping[str, Any]) -> 
     return {**meta, "associations": [asdict(e) for e in entries]}
 
 
-def write_feed(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:
-    """Write atomically (temp file + rename) so a reader such as job_submit.lua never sees half a file."""
+def flat_feed(document: Mapping[str, Any]) -> str:
+    """The flat form of a feed document: a header line, then ``account user site_factor`` per association.
+
+    Slurm's account and user names hold no whitespace; one that does would break the line format, so it is an
+    error naming the entry rather than a line the lua would misread.
+    """
+    assocs = list(document.get("associations", ()))
+    lines = [f"{FLAT_MAGIC} generated_at={float(document.get('generated_at', 0.0)):.3f} entries={len(assocs)}"]
+    for i, a in enumerate(assocs):
+        account, user, factor = str(a["account"]), str(a["user"]), int(a["site_factor"])
+        if not account or not user or any(ch.isspace() for ch in account + user):
+            raise ValueError(f"priority feed entry {i}: account {account!r} / user {user!r} empty or with whitespace")
+        lines.append(f"{account} {user} {factor}")
+    return "\n".join(lines) + "\n"
+
+
+def flat_path(json_path: str | os.PathLike[str]) -> Path:
+    """Where the flat feed goes beside a JSON feed: the same name with ``.txt``."""
+    return Path(json_path).with_suffix(".txt")
+
+
+def write_atomically(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to a temp file in the same directory, fsync, rename: a reader sees the old or the new file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(document, f, indent=2)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; slurmctld may run as another user than the writer
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_feed(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:
+    """Write the JSON feed and the flat one beside it (:func:`flat_path`), each atomically. Both texts are built
+    before either file is replaced: a bad entry leaves both files as they were."""
+    if flat_path(path) == Path(path):
+        raise ValueError(f"priority feed {path}: the JSON feed's name must not end in .txt (the flat feed goes there)")
+    text = json.dumps(document, indent=2) + "\n"
+    flat_text = flat_feed(document)
+    out = write_atomically(path, text)
+    write_atomically(flat_path(path), flat_text)
+    return out

@@ -9,9 +9,17 @@ from pathlib import Path
 import pytest
 from testdata import DATA_ROOT, capture  # noqa: F401
 
-from gpuledger.accounting.apply import Change, apply_changes, feed_associations, plan_changes, run_apply
+from gpuledger.accounting.apply import Change, apply_changes, batches, feed_associations, plan_changes, run_apply
 from gpuledger.accounting.priority import PriorityEntry, priority_feed
-from gpuledger.accounting.slurm import PendingJob, SlurmClient, SlurmParseError, parse_sprio, parse_squeue_json
+from gpuledger.accounting.slurm import (
+    PendingJob,
+    SlurmClient,
+    SlurmCommandError,
+    SlurmParseError,
+    parse_sprio,
+    parse_squeue_json,
+    parse_squeue_pending,
+)
 
 DATA = DATA_ROOT / "slurm"
 REAL = DATA / "real-22.05"
@@ -121,80 +129,202 @@ def test_feed_errors_name_the_entry() -> None:
         feed_associations([{"account": "a", "user": "u", "fairshare": 0.5}])
 
 
+# ------------------------------------------------------------------------------ squeue -r, arrays
+
+def test_squeue_pending_folds_shared_array_tasks_into_one_record() -> None:
+    jobs = parse_squeue_pending(read(REAL / "squeue-h-r-t-PD-o-array.txt"))
+    assert [(j.job_id, j.sprio_id, j.tasks, j.user, j.account, j.state) for j in jobs] == [
+        ("17_4", "18", 1, "carol", "proj_b", "PENDING"),  # split off into record 18 by an update
+        ("17_[1-3,5-6]", "17", 5, "carol", "proj_b", "PENDING"),  # five tasks, one record
+        ("16", "16", 1, "alice", "proj_a", "PENDING"),
+        ("19", "19", 1, "bob", "proj_a", "PENDING"),  # held
+    ]
+    # sprio of the same moment lists records by their own id: every record but the held one
+    assert parse_sprio(read(REAL / "sprio-h-o-array.txt")) == {"16": 0, "17": 0, "18": 5}
+
+
+def test_squeue_pending_task_ranges_and_het_components() -> None:
+    text = "".join(f"40|40_{t}|u|p|gpu|PENDING\n" for t in (9, 1, 2, 3, 5, 7, 8))
+    text += "50|50+0|u|p|gpu|PENDING\n51|50+1|u|p|gpu|PENDING\n"
+    jobs = parse_squeue_pending(text)
+    assert [(j.job_id, j.sprio_id, j.tasks) for j in jobs] == [("40_[1-3,5,7-9]", "40", 7), ("50", "50", 1),
+                                                              ("51", "51", 1)]
+
+
+def test_squeue_pending_errors_name_the_line() -> None:
+    with pytest.raises(SlurmParseError, match="squeue line 2: expected"):
+        parse_squeue_pending("16|16|alice|proj_a|gpu|PENDING\n16 alice\n")
+    with pytest.raises(SlurmParseError, match="record 17 has several lines but '18' is not an array task"):
+        parse_squeue_pending("17|17_1|c|p|gpu|PENDING\n17|18|c|p|gpu|PENDING\n")
+
+
 # ------------------------------------------------------------------------------ apply, through a fake Slurm
 
 class FakeSlurm:
-    """Slurm's commands at the subprocess boundary: squeue --json from the real 22.05 capture, sprio and
-    scontrol over an in-memory table of site factors (what slurmctld holds)."""
+    """Slurm's commands at the subprocess boundary: squeue from the real 22.05 capture (an array included),
+    sprio and scontrol over an in-memory table of site factors per record (what slurmctld holds). Like 22.05's
+    scontrol, an update of a list sets every job it can and exits 1 if any one failed (a job that ended)."""
 
-    def __init__(self, factors: dict[str, int], started: set[str] = frozenset()) -> None:
-        self.factors = dict(factors)
-        self.started = set(started)
+    RECORD = {"17_4": "18", "17_[1-3,5-6]": "17", "16": "16", "19": "19"}
+
+    def __init__(self, factors: dict[str, int], ended: set[str] = frozenset()) -> None:
+        self.factors = dict(factors)  # record id -> site factor
+        self.ended = set(ended)  # scontrol ids of jobs that ended since squeue
         self.updates: list[list[str]] = []
 
     def __call__(self, argv, *, capture_output, text, env, timeout):
-        if argv[:2] == ["squeue", "--json"]:
-            return subprocess.CompletedProcess(argv, 0, read(REAL / "squeue-json.json"), "")
+        if argv[0] == "squeue":
+            assert argv[1:] == ["-h", "-r", "-t", "PD", "-o", "%A|%i|%u|%a|%P|%T"]
+            return subprocess.CompletedProcess(argv, 0, read(REAL / "squeue-h-r-t-PD-o-array.txt"), "")
         if argv[0] == "sprio":
             assert argv[1:] == ["-h", "-o", "%i|%u|%Y|%S"]
-            out = "".join(f"{j}|u|1|{v}\n" for j, v in self.factors.items() if j not in self.started)
+            out = "".join(f"{j}|u|1|{v}\n" for j, v in self.factors.items())
             return subprocess.CompletedProcess(argv, 0, out, "")
         if argv[:2] == ["scontrol", "update"]:
             self.updates.append(argv)
-            job_id = argv[2].removeprefix("jobid=")
-            if job_id in self.started:
-                return subprocess.CompletedProcess(argv, 1, "", "Job is no longer pending execution for job "
-                                                   f"{job_id}\n")
-            self.factors[job_id] = int(argv[3].removeprefix("SiteFactor="))
-            return subprocess.CompletedProcess(argv, 0, "", "")
+            value = int(argv[3].removeprefix("SiteFactor="))
+            errs = []
+            for job_id in _split_ids(argv[2].removeprefix("jobid=")):
+                if job_id in self.ended:
+                    errs.append(f"Job has already finished for job {job_id}\n")
+                else:
+                    self.factors[self.RECORD.get(job_id, job_id)] = value
+            return subprocess.CompletedProcess(argv, 1 if errs else 0, "", "".join(errs))
         raise AssertionError(f"unexpected command {argv}")
 
 
+def _split_ids(text: str) -> list[str]:
+    """ "16,17_[1-3,5-6]" -> ["16", "17_[1-3,5-6]"] (commas inside brackets belong to the array expression)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur]
+
+
 REAL_FEED = [PriorityEntry("proj_a", "alice", 0.2, 2000, 9.0, 0.6, 0.3),
-             PriorityEntry("proj_b", "carol", 0.9, 9000, 1.0, 0.1, 0.4)]  # dave@proj_a_ml missing
+             PriorityEntry("proj_b", "carol", 0.9, 9000, 1.0, 0.1, 0.4)]  # bob missing
 
 
-def test_apply_sets_records_and_is_idempotent() -> None:
-    slurm = FakeSlurm({"12": -1500, "13": 5000, "14": 0})
+def test_apply_batches_by_factor_records_once_and_is_idempotent() -> None:
+    slurm = FakeSlurm({"16": 0, "17": 0, "18": 5})
     client = SlurmClient(run=slurm)
-    recorded: list[Change] = []
-    plan, outcomes = run_apply(client, REAL_FEED, record=recorded.append, now=5.0)
-    assert [(o.change.job_id, o.status) for o in outcomes] == [("12", "applied"), ("13", "applied")]
-    assert slurm.updates == [["scontrol", "update", "jobid=12", "SiteFactor=2000"],
-                             ["scontrol", "update", "jobid=13", "SiteFactor=9000"]]
-    assert slurm.factors == {"12": 2000, "13": 9000, "14": 0}
-    assert [(c.job_id, c.user, c.old_factor, c.new_factor, c.raw_usage, c.time) for c in recorded] == [
-        ("12", "alice", -1500, 2000, 9.0, 5.0), ("13", "carol", 5000, 9000, 1.0, 5.0)]
-    assert [s.job_id for s in plan.skipped] == ["14"]
-    # same inputs again: nothing to change, nothing recorded
-    plan2, outcomes2 = run_apply(client, REAL_FEED, record=recorded.append)
-    assert plan2.changes == () and outcomes2 == [] and len(recorded) == 2
-    assert plan2.unchanged == ("12", "13") and len(slurm.updates) == 2
+    recorded: list[list[Change]] = []
+    plan, applied = run_apply(client, REAL_FEED, record=recorded.append, now=5.0)
+    assert [(o.change.job_id, o.change.tasks, o.status) for o in applied.outcomes] == [
+        ("17_4", 1, "applied"), ("17_[1-3,5-6]", 5, "applied"), ("16", 1, "applied")]
+    # one command per factor; the array's shared record addressed by its pending tasks
+    assert sorted(slurm.updates) == [["scontrol", "update", "jobid=16", "SiteFactor=2000"],
+                                     ["scontrol", "update", "jobid=17_4,17_[1-3,5-6]", "SiteFactor=9000"]]
+    assert applied.calls == 2 and plan.jobs == 8
+    assert slurm.factors == {"16": 2000, "17": 9000, "18": 9000}
+    (batch,) = recorded  # one call: one transaction in the audit trail
+    assert [(c.job_id, c.user, c.old_factor, c.new_factor, c.raw_usage, c.time) for c in batch] == [
+        ("17_4", "carol", 5, 9000, 1.0, 5.0), ("17_[1-3,5-6]", "carol", 0, 9000, 1.0, 5.0),
+        ("16", "alice", 0, 2000, 9.0, 5.0)]
+    assert [(s.job_id, s.reason) for s in plan.skipped] == [
+        ("19", "association bob@proj_a is not in the priority feed")]
+    # same inputs again: nothing to change, nothing recorded, no scontrol
+    plan2, applied2 = run_apply(client, REAL_FEED, record=recorded.append)
+    assert plan2.changes == () and applied2.outcomes == () and applied2.calls == 0 and len(recorded) == 1
+    assert plan2.unchanged == ("17_4", "17_[1-3,5-6]", "16") and len(slurm.updates) == 2
 
 
 def test_dry_run_changes_nothing() -> None:
-    slurm = FakeSlurm({"12": -1500, "13": 5000, "14": 0})
-    recorded: list[Change] = []
-    _, outcomes = run_apply(SlurmClient(run=slurm), REAL_FEED, dry_run=True, record=recorded.append)
-    assert [o.status for o in outcomes] == ["dry-run", "dry-run"]
-    assert slurm.updates == [] and recorded == [] and slurm.factors["12"] == -1500
+    slurm = FakeSlurm({"16": 0, "17": 0, "18": 5})
+    recorded: list = []
+    _, applied = run_apply(SlurmClient(run=slurm), REAL_FEED, dry_run=True, record=recorded.append)
+    assert [o.status for o in applied.outcomes] == ["dry-run"] * 3
+    assert slurm.updates == [] and recorded == [] and slurm.factors["16"] == 0
 
 
-def test_a_job_that_started_meanwhile_fails_alone() -> None:
-    slurm = FakeSlurm({"12": -1500, "13": 5000, "14": 0})
+def test_a_job_that_ended_meanwhile_fails_alone() -> None:
+    slurm = FakeSlurm({"16": 0, "17": 0, "18": 5})
     client = SlurmClient(run=slurm)
     plan = plan_changes(client.pending_jobs(), REAL_FEED, client.site_factors(), now=0.0)
-    slurm.started.add("12")  # job 12 starts between the plan and the update
-    recorded: list[Change] = []
-    outcomes = apply_changes(client, plan.changes, dry_run=False, record=recorded.append)
-    assert [(o.change.job_id, o.status) for o in outcomes] == [("12", "failed"), ("13", "applied")]
-    assert "no longer pending" in (outcomes[0].error or "")
-    assert [c.job_id for c in recorded] == ["13"]
+    slurm.ended.add("17_4")  # ends between the plan and the update
+    recorded: list[list[Change]] = []
+    applied = apply_changes(client, plan.changes, dry_run=False, record=recorded.append)
+    assert [(o.change.job_id, o.status) for o in applied.outcomes] == [
+        ("17_4", "failed"), ("17_[1-3,5-6]", "applied"), ("16", "applied")]
+    assert "already finished" in (applied.outcomes[0].error or "")
+    assert [c.job_id for c in recorded[0]] == ["17_[1-3,5-6]", "16"]
+    # the failed batch was split in halves until the ended job stood alone
+    assert sorted(u[2] for u in slurm.updates) == ["jobid=16", "jobid=17_4", "jobid=17_4,17_[1-3,5-6]",
+                                                   "jobid=17_[1-3,5-6]"]
+    assert applied.calls == 4
 
 
-def test_set_site_factor_rejects_odd_job_ids() -> None:
-    with pytest.raises(ValueError, match="not N or N_T"):
+def test_bisection_finds_each_failing_job_in_a_large_batch() -> None:
+    class Setter:
+        def __init__(self) -> None:
+            self.calls, self.factors = 0, {}
+
+        def set_site_factors(self, ids, value):
+            self.calls += 1
+            bad = [j for j in ids if int(j) % 250 == 7]
+            self.factors.update((j, value) for j in ids if j not in bad)
+            if bad:
+                raise SlurmCommandError(["scontrol"], 1, f"Job has already finished for job {bad[0]}")
+
+    changes = [Change(str(i), "a", "u", None, None, 0.5, 0, 5000, 0.0) for i in range(10_000)]
+    s = Setter()
+    applied = apply_changes(s, changes, dry_run=False)
+    failed = {o.change.job_id for o in applied.outcomes if o.status == "failed"}
+    assert failed == {str(i) for i in range(7, 10_000, 250)}  # 40 jobs, each alone
+    assert all(s.factors[str(i)] == 5000 for i in range(10_000) if str(i) not in failed)
+    assert applied.calls == s.calls < 40 * 2 * 14  # about two commands per failure per halving
+
+
+def test_an_error_that_hits_every_job_is_not_bisected_to_the_end() -> None:
+    class Denied:
+        calls = 0
+
+        def set_site_factors(self, ids, value):
+            self.calls += 1
+            raise SlurmCommandError(["scontrol"], 1, "Access/permission denied")
+
+    changes = [Change(str(i), "a", "u", None, None, 0.5, 0, 5000, 0.0) for i in range(5_000)]
+    applied = apply_changes(Denied(), changes, dry_run=False)
+    assert applied.count("failed") == 5_000 and applied.calls < 400  # not ~2 per job
+    assert "permission denied" in (applied.outcomes[-1].error or "")
+
+
+def test_batches_respect_the_argument_length() -> None:
+    ids = [str(100_000 + i) for i in range(30_000)]
+    got = batches(ids, max_arg_bytes=100_000)
+    assert [j for b in got for j in b] == ids
+    assert all(len("jobid=" + ",".join(b)) <= 100_000 for b in got)
+    assert len(got) == 3  # 7 bytes a job: ~14,285 jobs a command
+
+
+def test_large_groups_are_spread_over_concurrent_commands() -> None:
+    class Setter:
+        def __init__(self) -> None:
+            self.commands: list[tuple[int, int]] = []
+
+        def set_site_factors(self, ids, value):
+            self.commands.append((len(ids), value))
+
+    changes = [Change(str(i), "a", "u", None, None, 0.5, 0, 5000 if i < 1000 else 7000, 0.0) for i in range(1100)]
+    s = Setter()
+    applied = apply_changes(s, changes, dry_run=False, parallel=4)
+    assert applied.count("applied") == 1100 and applied.calls == 4
+    assert sorted(s.commands) == [(100, 7000), (250, 5000), (250, 5000), (500, 5000)]
+    s = Setter()
+    apply_changes(s, changes, dry_run=False, parallel=1)  # one command per factor
+    assert sorted(s.commands) == [(100, 7000), (1000, 5000)]
+
+
+def test_set_site_factors_rejects_odd_job_ids() -> None:
+    with pytest.raises(ValueError, match="not N, N_T or N_"):
         SlurmClient(run=FakeSlurm({})).set_site_factor("12 Priority=1", 5)
+    with pytest.raises(ValueError, match="not N, N_T or N_"):
+        SlurmClient(run=FakeSlurm({})).set_site_factors(["12", "13_[1-3]x"], 5)
 
 
 # ------------------------------------------------------------------------------ one squeue parser

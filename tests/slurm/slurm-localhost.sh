@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Copied from shared/research/slurm-localhost.sh (the tested recipe in shared/research/slurm-localhost.md,
 # written by an earlier gpuledger research session) so that the repository owns its test harness.
-# Changes here: SLH_LUA_SCRIPT (install a given job_submit.lua) and SLH_WEIGHT_FAIRSHARE.
+# Changes here: SLH_LUA_SCRIPT (install a given job_submit.lua), SLH_WEIGHT_FAIRSHARE, SLH_MAX_JOBS.
 #
 # slurm-localhost.sh -- bring up a REAL single-node Slurm cluster on loopback
 # (munged + MariaDB + slurmdbd + slurmctld + slurmd), all state in one scratch
@@ -48,6 +48,9 @@
 #                    site_factor.map demo (needs SLH_LUA=1)
 #   SLH_WEIGHT_FAIRSHARE [10000]  PriorityWeightFairshare (0 when an outside
 #                    site factor replaces Slurm's own fair share)
+#   SLH_MAX_JOBS [10000]  MaxJobCount (jobs slurmctld holds, finished ones
+#                    included until MinJobAge) and MaxArraySize (+1); raise
+#                    it to submit 10,000 jobs and more
 #   SLH_DECAY_HALFLIFE [0-00:05:00]  PriorityDecayHalfLife
 #   SLH_TRES_BILLING [unset]  e.g. "CPU=1.0,GRES/gpu=10.0": partition
 #                    TRESBillingWeights, i.e. what fair-share usage counts
@@ -83,6 +86,7 @@ _slh_vars() {
     SLH_DECAY_HALFLIFE=${SLH_DECAY_HALFLIFE:-0-00:05:00}
     SLH_LUA_SCRIPT=${SLH_LUA_SCRIPT:-}
     SLH_WEIGHT_FAIRSHARE=${SLH_WEIGHT_FAIRSHARE:-10000}
+    SLH_MAX_JOBS=${SLH_MAX_JOBS:-10000}
     SLH_LINK_ETC=${SLH_LINK_ETC:-0}
     SLH_TIMEOUT=${SLH_TIMEOUT:-60}
     SLH_DB_PASS=slurmdbpass
@@ -272,6 +276,8 @@ GresTypes=gpu
 InactiveLimit=0
 KillWait=5
 MinJobAge=300
+MaxJobCount=$SLH_MAX_JOBS
+MaxArraySize=$((SLH_MAX_JOBS + 1))
 # accounting via slurmdbd
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1

@@ -12,6 +12,7 @@ cluster's SLURM_CONF, and removes the directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from gpuledger.accounting.priority import flat_path
 from gpuledger.accounting.slurm import SlurmClient
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +46,7 @@ GPUS = 2
 class SlurmCluster:
     dir: Path
     conf: Path
-    feed: Path
+    feed: Path  # the JSON feed; job_submit.lua reads the flat one beside it (flat_path)
     env: dict[str, str] = field(default_factory=dict)
 
     def client(self) -> SlurmClient:
@@ -80,7 +82,8 @@ class SlurmCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n free loopback TCP ports (free now; the caller binds them soon after)."""
     socks = []
     try:
         for _ in range(n):
@@ -105,23 +108,31 @@ def _preflight() -> None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
+    with running_cluster() as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def running_cluster(extra_env: dict[str, str] | None = None, with_lua: bool = True) -> Iterator[SlurmCluster]:
+    """Bring a cluster up (also for bench/priority.py), yield it, purge it. ``extra_env``: SLH_* knobs."""
     _preflight()
     d = Path(tempfile.mkdtemp(prefix="gpuledger-slurm-", dir="/tmp"))
     own = d / "gpuledger"
     own.mkdir()
     feed = own / "priority-feed.json"
-    lua, n = re.subn(r'(?m)^local FEED_PATH = ".*"$', f'local FEED_PATH = "{feed}"', LUA.read_text())
+    lua, n = re.subn(r'(?m)^local FEED_PATH = ".*"$', f'local FEED_PATH = "{flat_path(feed)}"', LUA.read_text())
     assert n == 1, f"{LUA}: no `local FEED_PATH = \"...\"` line to point at the test feed"
     (own / "job_submit.lua").write_text(lua)
-    ctld, slurmd, dbd, mysql = _free_ports(4)
+    ctld, slurmd, dbd, mysql = free_ports(4)
     env = {
         **os.environ,
         "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin",
         "SLH_USERS": " ".join(f"{u}:{a}" for u, a in USERS.items()),
         "SLH_PARTITION": PARTITION, "SLH_GPUS": str(GPUS), "SLH_GPU_TYPE": "h200",
-        "SLH_LUA": "1", "SLH_LUA_SCRIPT": str(own / "job_submit.lua"), "SLH_WEIGHT_FAIRSHARE": "0",
+        "SLH_LUA": "1" if with_lua else "0", "SLH_LUA_SCRIPT": str(own / "job_submit.lua") if with_lua else "",
+        "SLH_WEIGHT_FAIRSHARE": "0",
         "SLH_CTLD_PORT": str(ctld), "SLH_SLURMD_PORT": str(slurmd), "SLH_DBD_PORT": str(dbd),
-        "SLH_MYSQL_PORT": str(mysql), "SLH_TIMEOUT": "60",
+        "SLH_MYSQL_PORT": str(mysql), "SLH_TIMEOUT": "60", **(extra_env or {}),
     }
     cluster = SlurmCluster(d, d / "etc" / "slurm.conf", feed, env)
     try:

@@ -91,11 +91,12 @@ def test_priority_apply_sets_measured_fairshare_once(slurm_cluster: SlurmCluster
     want = factors(feed)
     before = sprio(c)
     # dry run: the plan, but Slurm is not touched
-    plan, outcomes = run_apply(client, feed, dry_run=True)
-    assert {o.status for o in outcomes} == {"dry-run"} and sprio(c) == before
+    plan, applied = run_apply(client, feed, dry_run=True)
+    assert {o.status for o in applied.outcomes} == {"dry-run"} and sprio(c) == before
 
     recorded: list[Change] = []
-    plan, outcomes = run_apply(client, feed, record=recorded.append)
+    plan, applied = run_apply(client, feed, record=recorded.extend)
+    outcomes = applied.outcomes
     expect = {jobs[k]: want[a] for k, a in (("alice", ("proj_a", "alice")), ("bob", ("proj_a", "bob")),
                                             ("carol", ("proj_b", "carol")),
                                             ("alice_default", ("proj_a", "alice")))}
@@ -109,8 +110,8 @@ def test_priority_apply_sets_measured_fairshare_once(slurm_cluster: SlurmCluster
            ("proj_b", "carol", 0.0, factors(state["feed_at_submit"])[("proj_b", "carol")], want[("proj_b", "carol")])
     assert by_job[jobs["alice_default"]].old_factor == 0
     # same inputs again: nothing changes
-    plan2, outcomes2 = run_apply(client, feed, record=recorded.append)
-    assert plan2.changes == () and outcomes2 == [] and len(recorded) == len(expect)
+    plan2, applied2 = run_apply(client, feed, record=recorded.extend)
+    assert plan2.changes == () and applied2.outcomes == () and len(recorded) == len(expect)
     assert sprio(c) == after
     state["feed_now"] = feed
 
@@ -170,8 +171,11 @@ def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmClust
     assert recorded == changed and changed
     feed = _json.loads((tmp_path / "priority-feed.json").read_text())
     assert {(e["account"], e["user"]): e["site_factor"] for e in feed["associations"]} == want
+    flat = (tmp_path / "priority-feed.txt").read_text().splitlines()  # what job_submit.lua reads
+    assert flat[0].startswith("# gpuledger-priority-feed v1 ") and flat[0].endswith(f" entries={len(want)}")
+    assert {(a, u): int(f) for a, u, f in (ln.split() for ln in flat[1:])} == want
     r = runner.invoke(app, args)  # same ledger again: nothing to change
-    assert r.exit_code == 0 and "0 change(s)" in r.output, r.output
+    assert r.exit_code == 0 and "0 changed, 0 failed" in r.output and "0 scontrol call(s)" in r.output, r.output
     # Put back the factors the start-order step expects.
     run_apply(c.client(), state["feed_now"])
     assert sprio(c) == before

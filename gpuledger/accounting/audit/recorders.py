@@ -111,20 +111,33 @@ _ROW_FIELDS = ("account", "user", "raw_shares", "norm_shares", "raw_usage", "nor
 
 
 def record_priority_change(log: AuditLog) -> Callable[[Any], Entry | None]:
-    """The ``record=`` callable for ``accounting.apply.apply_changes``: one ``priority_change`` entry per change.
+    """One ``priority_change`` entry for one change (see :func:`record_priority_changes`)."""
+    def record(change: Any) -> Entry | None:
+        out = record_priority_changes(log)([change])
+        return out[0] if out else None
+
+    return record
+
+
+def record_priority_changes(log: AuditLog) -> Callable[[Iterable[Any]], list[Entry]]:
+    """The ``record=`` callable for ``accounting.apply.apply_changes``: one ``priority_change`` entry per change,
+    all changes of one call in one transaction.
 
     A change is a dataclass or mapping; its ``job_id`` (or ``jobid``) field names the job and any ``user`` field
     is pseudonymized like the rest of the log.
     """
-    def record(change: Any) -> Entry | None:
-        d = plain(change)
-        if not isinstance(d, dict):
-            raise AuditError(f"priority change {change!r} is not a record with fields")
-        job = d.get("job_id", d.get("jobid"))
-        if job is None:
-            raise AuditError(f"priority change {d!r} names no job_id")
-        if "user" in d:
-            d["user"] = log.alias(d["user"])
-        return log.append("priority_change", d, str(job))
+    def record(changes: Iterable[Any]) -> list[Entry]:
+        items = []
+        for change in changes:
+            d = plain(change)
+            if not isinstance(d, dict):
+                raise AuditError(f"priority change {change!r} is not a record with fields")
+            job = d.get("job_id", d.get("jobid"))
+            if job is None:
+                raise AuditError(f"priority change {d!r} names no job_id")
+            if "user" in d:
+                d["user"] = log.alias(d["user"])
+            items.append(("priority_change", d, str(job), None))
+        return log.append_many(items)
 
     return record
