@@ -173,6 +173,9 @@ def run(
     ca_cert: str | None = typer.Option(None, help="CA bundle (PEM) to verify an https collector with"),
     push_every: int = typer.Option(1, min=1, help="push every N sampling cycles (fewer, larger batches)"),
     wire: str = typer.Option("msgpack", help="body encoding: msgpack (columns as raw bytes) or json"),
+    cluster: str | None = typer.Option(None, help="Slurm cluster this host is in, sent with every batch so that "
+                                       "jobs are told apart by (cluster, job id) (default: ClusterName from "
+                                       "$SLURM_CONF or /etc/slurm/slurm.conf, else none)"),
 ) -> None:
     """Run the agent: sample every --interval, serve /metrics, push batches to --collector."""
     from gpuledger.agent.exposition import serve_metrics  # noqa: PLC0415
@@ -194,7 +197,10 @@ def run(
                 raise typer.BadParameter(f"--token-file: {exc}") from exc
         if wire not in ("msgpack", "json"):
             raise typer.BadParameter(f"--wire must be msgpack or json, got {wire!r}")
-        pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True, fmt=wire)
+        from gpuledger.agent.slurm import local_cluster_name  # noqa: PLC0415
+
+        pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True, fmt=wire,
+                            cluster=local_cluster_name() if cluster is None else cluster)
         sink: Any = pusher
         if spool_dir:
             from gpuledger.agent.spool import Spool, SpoolingPusher  # noqa: PLC0415

@@ -14,6 +14,7 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -50,7 +51,7 @@ class EncodeError(ValueError):
 
 
 def encode_batch(agent_id: str, host: str, seq: int, samples: Sequence[GpuSample], jobs: Sequence[JobRecord] = (),
-                 fmt: str = "json", compress: str | None = None, layout: str = "series") -> bytes:
+                 fmt: str = "json", compress: str | None = None, layout: str = "series", cluster: str = "") -> bytes:
     """A batch's request body: ``fmt`` json or msgpack, ``compress`` None, gzip or zstd; ``layout`` series
     (columns per GPU, ``agent.wire``: what agents send; complete columns as raw bytes in msgpack) or samples
     (one object a sample). Raises EncodeError for what the collector would refuse, ValueError for bad options."""
@@ -61,6 +62,8 @@ def encode_batch(agent_id: str, host: str, seq: int, samples: Sequence[GpuSample
     if compress not in (None, "gzip", "zstd"):
         raise ValueError(f"unknown compression {compress!r} (gzip or zstd)")
     payload: dict[str, Any] = {"agent_id": agent_id, "seq": seq, "host": host}
+    if cluster:  # optional on the wire: collectors before it was added refuse unknown fields, so only when set
+        payload["cluster"] = cluster
     try:
         if layout == "series":
             payload["series"] = to_series(samples, host, binary=fmt == "msgpack")
@@ -69,7 +72,8 @@ def encode_batch(agent_id: str, host: str, seq: int, samples: Sequence[GpuSample
                 raise ValueError("NaN or infinite value")
             payload["samples"] = [s.to_wire() for s in samples]
         if jobs:  # job metadata rides along with the next batch (spooled with it, so never ahead of it)
-            payload["jobs"] = [r.to_dict() for r in jobs]
+            # a record describes the job this host runs: it lists the host (the collector refuses one without)
+            payload["jobs"] = [(r if host in r.hosts else replace(r, hosts=(*r.hosts, host))).to_dict() for r in jobs]
         if fmt == "json":
             # NaN/inf are not JSON: fail here, naming the batch, rather than send what the collector rejects.
             body = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode()
@@ -100,6 +104,7 @@ class HttpPusher:
         headers: Mapping[str, str] | None = None,
         verify: str | bool = True,
         fmt: str = "json",
+        cluster: str = "",
     ) -> None:
         if fmt not in CONTENT_TYPES:
             raise ValueError(f"pusher: fmt must be json or msgpack, got {fmt!r}")
@@ -111,6 +116,7 @@ class HttpPusher:
         self.fmt = fmt  # what write() sends: json, or msgpack with complete columns as raw bytes (the agent's)
         self.agent_id = agent_id
         self.host = host
+        self.cluster = cluster  # the Slurm cluster this host is in, sent with every batch ("" = not named)
         self._jobs: dict[str, JobRecord] = {}  # job metadata waiting for the next batch
         self._jobs_lock = threading.Lock()
         self._headers: dict[str, str] = dict(headers or {})
@@ -152,7 +158,8 @@ class HttpPusher:
         with self._jobs_lock:
             jobs, self._jobs = self._jobs, {}
         try:
-            return encode_batch(self.agent_id, self.host, seq, samples, list(jobs.values()), fmt, compress, layout)
+            return encode_batch(self.agent_id, self.host, seq, samples, list(jobs.values()), fmt, compress, layout,
+                                self.cluster)
         except EncodeError as exc:
             raise PushError(f"batch {seq} for {self.url} cannot be encoded as {fmt.upper()}: {exc}") from exc
 

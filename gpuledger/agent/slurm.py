@@ -514,3 +514,27 @@ __all__ = [
     "slurm_number",
     "state_word",
 ]
+
+
+def cluster_name_from_conf(text: str) -> str:
+    """``ClusterName=`` of slurm.conf text ("" when absent); keys are case-insensitive, ``#`` starts a comment."""
+    for line in text.splitlines():
+        key, sep, value = line.split("#", 1)[0].strip().partition("=")
+        if sep and key.strip().lower() == "clustername":
+            return value.strip().split()[0] if value.strip() else ""
+    return ""
+
+
+def local_cluster_name(paths: Sequence[str] | None = None) -> str:
+    """This host's Slurm cluster name from slurm.conf ($SLURM_CONF, then /etc/slurm/slurm.conf); "" if none."""
+    import os
+
+    for path in paths if paths is not None else (os.environ.get("SLURM_CONF", ""), "/etc/slurm/slurm.conf"):
+        if not path:
+            continue
+        try:
+            with open(path) as f:
+                return cluster_name_from_conf(f.read())
+        except OSError:
+            continue
+    return ""

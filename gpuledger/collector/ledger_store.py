@@ -7,29 +7,55 @@ Queries read these tables, never the samples. What the rest of the code reads is
 what the collector's store writes through is :class:`LedgerStore`. :class:`SqliteLedger` is the embedded
 implementation; it shares the collector's SQLite connection with the series store, so ingest writes both
 in one transaction. It is not thread-safe by itself: ``collector.store.SqliteStore`` serialises access.
+
+Job identity is ``(cluster, job_id)``: two clusters feeding one collector may both have a job 1234.
+
+- ``jobs`` holds one row per (cluster, job, source): ``slurm`` (the scheduler's record, the authority) and
+  ``agent`` (what a node's agent said of a job it ran, kept apart so that it can never overwrite or outvote
+  the scheduler's record; the first agent's description wins).
+- ``usage`` rows carry the cluster of the GPU they were measured on. A physical GPU belongs to one cluster:
+  ``gpu_clusters`` keeps the cluster the GPU's agent named first ("" = not named; a later name replaces "",
+  never another name). So the aggregation's own keys (job, host, GPU) stay unique without naming the cluster.
+
+Schema history: v2 keyed ``jobs`` by (job_id, cluster) with agents' and the scheduler's records mixed, and
+``usage`` by (job_id, host, gpu). :func:`migrate_v2` moves such a store to v3: usage rows get cluster "" (their
+agents named none), and job records become scheduler records (v2 did not record their source; re-import from
+sacct to re-establish authority).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields, replace
 from typing import Protocol
 
 from gpuledger.collector.aggregate import GapKey, GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
 from gpuledger.collector.sqlite_db import transaction
 from gpuledger.schema.records import JobRecord, JobUsage
 
+log = logging.getLogger(__name__)
+
 USAGE_FIELDS = UsageAcc.FIELDS
 HOUR_FIELDS = HourAcc.FIELDS
 GPU_TOTAL_FIELDS = GpuState.TOTAL_FIELDS
 _IN_CLAUSE_LIMIT = 500  # ids per "IN (...)" query, well under SQLite's parameter limit
+SLURM, AGENT = "slurm", "agent"  # sources of a job record
+
+_USAGE_TABLE = f"""CREATE TABLE IF NOT EXISTS usage (
+  cluster TEXT NOT NULL, job_id TEXT NOT NULL, host TEXT NOT NULL, gpu TEXT NOT NULL, {", ".join(USAGE_FIELDS)},
+  PRIMARY KEY (cluster, job_id, host, gpu)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS usage_by_gpu ON usage (job_id, host, gpu);"""
+_JOBS_TABLE = """CREATE TABLE IF NOT EXISTS jobs (
+  cluster TEXT NOT NULL, job_id TEXT NOT NULL, source TEXT NOT NULL, data TEXT NOT NULL,
+  PRIMARY KEY (cluster, job_id, source)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS jobs_by_id ON jobs (job_id);"""
 
 SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS usage (
-  job_id TEXT NOT NULL, host TEXT NOT NULL, gpu TEXT NOT NULL, {", ".join(USAGE_FIELDS)},
-  PRIMARY KEY (job_id, host, gpu)) WITHOUT ROWID;
+{_USAGE_TABLE}
 CREATE TABLE IF NOT EXISTS gpus (
   host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, {", ".join(GPU_TOTAL_FIELDS)},
   PRIMARY KEY (host, gpu_uuid, mig)) WITHOUT ROWID;
@@ -37,8 +63,9 @@ CREATE TABLE IF NOT EXISTS gpu_hours (
   host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, hour REAL NOT NULL, {", ".join(HOUR_FIELDS)},
   PRIMARY KEY (host, gpu_uuid, mig, hour)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS gpu_hours_by_hour ON gpu_hours (hour);
-CREATE TABLE IF NOT EXISTS jobs (
-  job_id TEXT NOT NULL, cluster TEXT NOT NULL, data TEXT NOT NULL, PRIMARY KEY (job_id, cluster)) WITHOUT ROWID;
+{_JOBS_TABLE}
+CREATE TABLE IF NOT EXISTS gpu_clusters (
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, cluster TEXT NOT NULL, PRIMARY KEY (host, gpu_uuid)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS energy_gaps (
   host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, start REAL NOT NULL, end REAL NOT NULL,
   energy_j REAL NOT NULL, jobs TEXT NOT NULL, PRIMARY KEY (host, gpu_uuid, mig, start, end)) WITHOUT ROWID;
@@ -49,15 +76,56 @@ CREATE TABLE IF NOT EXISTS batches (
 """
 
 
+def _columns(db: sqlite3.Connection, table: str) -> list[str]:
+    return [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+
+
+def needs_migration(db: sqlite3.Connection) -> bool:
+    """True for a v2 ledger (usage without a cluster column)."""
+    cols = _columns(db, "usage")
+    return bool(cols) and "cluster" not in cols
+
+
+def migrate_v2(db: sqlite3.Connection) -> None:
+    """Move a v2 ledger to v3 (call inside a transaction): see the module docstring."""
+    db.execute("ALTER TABLE usage RENAME TO usage_v2")
+    db.execute("DROP INDEX IF EXISTS usage_by_gpu")
+    db.executescript(_USAGE_TABLE.replace("IF NOT EXISTS ", ""))
+    # fields added since the v2 store was written (energy accumulators) start at 0, as _add_columns does
+    have = set(_columns(db, "usage_v2"))
+    values = ", ".join(f if f in have else "0" for f in USAGE_FIELDS)
+    db.execute(f"INSERT INTO usage SELECT '', job_id, host, gpu, {values} FROM usage_v2")
+    db.execute("DROP TABLE usage_v2")
+    if "source" not in _columns(db, "jobs"):
+        db.execute("ALTER TABLE jobs RENAME TO jobs_v2")
+        db.executescript(_JOBS_TABLE.replace("IF NOT EXISTS ", ""))
+        db.execute(f"INSERT INTO jobs SELECT cluster, job_id, '{SLURM}', data FROM jobs_v2")
+        db.execute("DROP TABLE jobs_v2")
+
+
+_EMPTY = (None, "", ())
+
+
+def merge_record(old: JobRecord, new: JobRecord) -> JobRecord:
+    """``new`` with every field it lacks (None, "", empty) taken from ``old``: one sacct format never erases
+    what another gave (``sacct -P`` has no GPU UUIDs, a JSON record may lack the uid)."""
+    kept = {f.name: getattr(old, f.name) for f in fields(JobRecord)
+            if getattr(new, f.name) in _EMPTY and getattr(old, f.name) not in _EMPTY}
+    return replace(new, **kept) if kept else new
+
+
 class LedgerReader(Protocol):
     """The query side: what accounting, the API and the CLI read."""
 
     def jobs(self) -> list[JobRecord]: ...
-    def job_usage(self, job_id: str | None = None, per_gpu: bool = False) -> list[JobUsage]: ...
+    def job_records(self) -> list[tuple[JobRecord, str]]: ...
+    def job_usage(self, job_id: str | None = None, per_gpu: bool = False,
+                  cluster: str | None = None) -> list[JobUsage]: ...
     def totals(self, start: float | None = None, end: float | None = None) -> dict: ...
     def gpu_energy(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
     def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
     def counter_anomalies(self) -> int: ...
+    def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
 
 
 class LedgerStore(LedgerReader, Protocol):
@@ -66,8 +134,11 @@ class LedgerStore(LedgerReader, Protocol):
 
     def batch_seen(self, agent_id: str, seq: int) -> bool: ...
     def record_batch(self, agent_id: str, seq: int, received: float, samples: int) -> None: ...
-    def add_agent_jobs(self, records: Iterable[JobRecord]) -> None: ...
+    def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None: ...
+    def add_agent_jobs(self, records: Iterable[JobRecord], host: str, cluster: str,
+                       batch_job_ids: Iterable[str]) -> int: ...
     def put_jobs(self, records: Iterable[JobRecord]) -> int: ...
+    def merge_jobs(self, records: Iterable[JobRecord]) -> list[JobRecord]: ...
     def jobs_by_id(self, job_ids: Sequence[str]) -> list[JobRecord]: ...
     def load_usage(self, key: UsageKey) -> UsageAcc | None: ...
     def load_hour(self, key: HourKey) -> HourAcc | None: ...
@@ -82,14 +153,22 @@ def _job_json(record: JobRecord) -> str:
     return json.dumps(record.to_dict(), sort_keys=True)
 
 
+def _record(data: str) -> JobRecord:
+    return JobRecord.from_dict(json.loads(data))
+
+
 class SqliteLedger:
     """The ledger in the collector's SQLite file (tables ``usage``, ``gpus``, ``gpu_hours``, ``jobs``,
-    ``batches``)."""
+    ``gpu_clusters``, ``batches``). A v2 ledger is migrated by the store (:func:`migrate_v2`) before this opens it."""
 
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
+        if needs_migration(db):
+            raise RuntimeError("ledger tables are schema v2: open the store through SqliteStore to migrate them")
         db.executescript(SCHEMA)
         self._add_columns()
+        self._gpu_cluster: dict[tuple[str, str], str] = {
+            (h, g): c for h, g, c in db.execute("SELECT host, gpu_uuid, cluster FROM gpu_clusters")}
 
     def _add_columns(self) -> None:
         """Accumulator fields added since a store was created become columns (0 for what came before)."""
@@ -110,46 +189,117 @@ class SqliteLedger:
     def batches_seen(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
 
+    # -- clusters -----------------------------------------------------------------------------
+    def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None:
+        """The cluster a batch's agent named for its GPUs (host, uuid); call before the batch's aggregates are
+        written. A GPU's first named cluster sticks (a GPU is in one cluster); a name given later for a GPU
+        first seen unnamed ("") renames its usage rows."""
+        for host, uuid in gpus:
+            known = self._gpu_cluster.get((host, uuid))
+            if known == cluster or (known is not None and known != "" and cluster == ""):
+                continue
+            if known:
+                log.warning("GPU %s/%s is in cluster %r; its agent now names %r (kept %r)", host, uuid, known,
+                            cluster, known)
+                continue
+            self._gpu_cluster[(host, uuid)] = cluster
+            self._db.execute("INSERT OR REPLACE INTO gpu_clusters VALUES (?,?,?)", (host, uuid, cluster))
+            if known == "":
+                self._db.execute("UPDATE usage SET cluster=? WHERE cluster='' AND host=? AND (gpu=? OR gpu LIKE ?)",
+                                 (cluster, host, uuid, uuid + "/%"))
+
+    def _cluster_of(self, host: str, gpu: str) -> str:
+        return self._gpu_cluster.get((host, gpu.partition("/")[0]), "")
+
     # -- jobs ---------------------------------------------------------------------------------
-    def add_agent_jobs(self, records: Iterable[JobRecord]) -> None:
-        """An agent's job metadata fills a gap; it never replaces a record the scheduler gave."""
-        self._db.executemany(
-            "INSERT INTO jobs SELECT ?,?,? WHERE NOT EXISTS (SELECT 1 FROM jobs WHERE job_id=?)",
-            [(r.job_id, r.cluster, _job_json(r), r.job_id) for r in records])
+    def add_agent_jobs(self, records: Iterable[JobRecord], host: str, cluster: str,
+                       batch_job_ids: Iterable[str]) -> int:
+        """An agent's job metadata, kept apart from the scheduler's records (which always win when read).
+
+        Accepted only for a job whose samples came from the agent's ``host``: in this batch (``batch_job_ids``)
+        or already in the ledger. A record names the batch's cluster (filled in when it names none). The first
+        agent description of a job is kept. Returns how many records were refused."""
+        records = list(records)
+        if not records:
+            return 0
+        in_batch = set(batch_job_ids)
+        refused, rows = 0, []
+        for r in records:
+            r = r if r.cluster else replace(r, cluster=cluster)
+            if r.job_id not in in_batch and self._db.execute(
+                    "SELECT 1 FROM usage WHERE job_id=? AND host=? LIMIT 1", (r.job_id, host)).fetchone() is None:
+                refused += 1
+                continue
+            rows.append((r.cluster, r.job_id, AGENT, _job_json(r)))
+        self._db.executemany("INSERT OR IGNORE INTO jobs VALUES (?,?,?,?)", rows)
+        if refused:
+            log.warning("host %s: %d job description(s) refused: no sample of those jobs came from the host",
+                        host, refused)
+        return refused
+
+    def _slurm_match(self, cluster: str, job_id: str) -> tuple[str, JobRecord] | None:
+        """The stored scheduler record that ``(cluster, job_id)`` names: the same cluster, or one side unnamed
+        and the job id unique among the scheduler's records."""
+        rows = self._db.execute("SELECT cluster, data FROM jobs WHERE job_id=? AND source=?", (job_id, SLURM)).fetchall()
+        exact = [r for r in rows if r[0] == cluster]
+        if exact:
+            return exact[0][0], _record(exact[0][1])
+        loose = [r for r in rows if r[0] == "" or cluster == ""]
+        if len(loose) == 1:
+            return loose[0][0], _record(loose[0][1])
+        return None
+
+    def merge_jobs(self, records: Iterable[JobRecord]) -> list[JobRecord]:
+        """Insert or merge the scheduler's job records (one transaction); returns the stored records that are
+        new or whose data changed. A field a record lacks keeps its stored value (:func:`merge_record`), so
+        importing the same jobs in another sacct format changes nothing."""
+        changed: list[JobRecord] = []
+        with transaction(self._db) as db:
+            for r in records:
+                match = self._slurm_match(r.cluster, r.job_id)
+                if match is None:
+                    db.execute("INSERT INTO jobs VALUES (?,?,?,?)", (r.cluster, r.job_id, SLURM, _job_json(r)))
+                    changed.append(r)
+                    continue
+                stored_cluster, old = match
+                merged = merge_record(old, r)
+                if merged == old:
+                    continue
+                if stored_cluster != merged.cluster:  # an unnamed record gets its cluster
+                    db.execute("DELETE FROM jobs WHERE cluster=? AND job_id=? AND source=?",
+                               (stored_cluster, r.job_id, SLURM))
+                db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?)",
+                           (merged.cluster, merged.job_id, SLURM, _job_json(merged)))
+                changed.append(merged)
+        return changed
 
     def put_jobs(self, records: Iterable[JobRecord]) -> int:
-        """Insert or update the scheduler's job records in one transaction; returns how many rows changed
-        (a re-import changes none)."""
-        rows = [(r.job_id, r.cluster, _job_json(r)) for r in records]
-        before = self._db.total_changes
-        with transaction(self._db) as db:
-            # The scheduler's record replaces what an agent reported without knowing the cluster.
-            db.executemany("DELETE FROM jobs WHERE job_id=? AND cluster='' AND ?<>''",
-                           [(job_id, cluster) for job_id, cluster, _ in rows])
-            db.executemany(
-                "INSERT INTO jobs VALUES (?,?,?) ON CONFLICT (job_id, cluster) "
-                "DO UPDATE SET data=excluded.data WHERE data != excluded.data",
-                rows,
-            )
-        return self._db.total_changes - before
+        """:meth:`merge_jobs`, counted: how many records are new or changed (a re-import changes none)."""
+        return len(self.merge_jobs(records))
+
+    def job_records(self) -> list[tuple[JobRecord, str]]:
+        """Every stored record with its source (``slurm`` or ``agent``), by cluster and job id."""
+        rows = self._db.execute("SELECT data, source FROM jobs ORDER BY cluster, job_id, source").fetchall()
+        return [(_record(d), src) for d, src in rows]
 
     def jobs(self) -> list[JobRecord]:
-        rows = self._db.execute("SELECT data FROM jobs ORDER BY cluster, job_id").fetchall()
-        return [JobRecord.from_dict(json.loads(r[0])) for r in rows]
+        """One record per job: the scheduler's, else the first agent's description (see :func:`authoritative`)."""
+        return authoritative(self.job_records())
 
     def jobs_by_id(self, job_ids: Sequence[str]) -> list[JobRecord]:
-        out = []
+        out: list[tuple[JobRecord, str]] = []
         for i in range(0, len(job_ids), _IN_CLAUSE_LIMIT):
             part = job_ids[i:i + _IN_CLAUSE_LIMIT]
-            out += [JobRecord.from_dict(json.loads(r[0])) for r in self._db.execute(
-                f"SELECT data FROM jobs WHERE job_id IN ({','.join('?' * len(part))})", part)]
-        return out
+            out += [(_record(r[0]), r[1]) for r in self._db.execute(
+                f"SELECT data, source FROM jobs WHERE job_id IN ({','.join('?' * len(part))})", part)]
+        return authoritative(out)
 
     # -- aggregates ---------------------------------------------------------------------------
     def load_usage(self, key: UsageKey) -> UsageAcc | None:
+        job_id, host, gpu = key
         row = self._db.execute(
-            f"SELECT {', '.join(USAGE_FIELDS)} FROM usage WHERE job_id=? AND host=? AND gpu=?", key
-        ).fetchone()
+            f"SELECT {', '.join(USAGE_FIELDS)} FROM usage WHERE cluster=? AND job_id=? AND host=? AND gpu=?",
+            (self._cluster_of(host, gpu), job_id, host, gpu)).fetchone()
         return UsageAcc.from_values(row) if row else None
 
     def load_hour(self, key: HourKey) -> HourAcc | None:
@@ -166,9 +316,9 @@ class SqliteLedger:
     def write_aggregates(self, usage: Iterable[tuple[UsageKey, tuple]], gpus: Iterable[tuple[GpuKey, tuple]],
                          hours: Iterable[tuple[HourKey, tuple]]) -> None:
         """Store changed accumulators: (key, ``USAGE_FIELDS`` values), (key, ``GPU_TOTAL_FIELDS`` values),
-        (key, ``HOUR_FIELDS`` values)."""
-        self._db.executemany(f"INSERT OR REPLACE INTO usage VALUES (?,?,?,{','.join('?' * len(USAGE_FIELDS))})",
-                             [(*k, *v) for k, v in usage])
+        (key, ``HOUR_FIELDS`` values). A usage row goes under its GPU's cluster (:meth:`note_gpus`)."""
+        self._db.executemany(f"INSERT OR REPLACE INTO usage VALUES (?,?,?,?,{','.join('?' * len(USAGE_FIELDS))})",
+                             [(self._cluster_of(k[1], k[2]), *k, *v) for k, v in usage])
         self._db.executemany(f"INSERT OR REPLACE INTO gpus VALUES (?,?,?,{','.join('?' * len(GPU_TOTAL_FIELDS))})",
                              [(*k, *v) for k, v in gpus])
         self._db.executemany(
@@ -183,14 +333,36 @@ class SqliteLedger:
                              [(*k, v[0], json.dumps(list(v[1]))) for k, v in gaps.items() if v is not None])
 
     # -- reads --------------------------------------------------------------------------------
-    def job_usage(self, job_id: str | None = None, per_gpu: bool = False) -> list[JobUsage]:
-        """Usage per job (summed over its GPUs) or per (job, host, GPU), from the usage table."""
-        sql = f"SELECT job_id, host, gpu, {', '.join(USAGE_FIELDS)} FROM usage"
-        args: tuple = ()
+    def job_usage(self, job_id: str | None = None, per_gpu: bool = False,
+                  cluster: str | None = None) -> list[JobUsage]:
+        """Usage per job (summed over its GPUs) or per (job, host, GPU), from the usage table; a job is
+        (cluster, job_id), so the same job id in two clusters gives two records."""
+        sql = f"SELECT cluster, job_id, host, gpu, {', '.join(USAGE_FIELDS)} FROM usage"
+        where, args = [], []
         if job_id is not None:
-            sql, args = sql + " WHERE job_id=?", (job_id,)
-        rows = self._db.execute(sql, args).fetchall()
-        return summarize((((r[0], r[1], r[2]), UsageAcc.from_values(r[3:])) for r in rows), per_gpu)
+            where.append("job_id=?")
+            args.append(job_id)
+        if cluster is not None:
+            where.append("cluster=?")
+            args.append(cluster)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        by_cluster: dict[str, list] = {}
+        for r in self._db.execute(sql, args).fetchall():
+            by_cluster.setdefault(r[0], []).append(((r[1], r[2], r[3]), UsageAcc.from_values(r[4:])))
+        out = []
+        for c in sorted(by_cluster):
+            out += [replace(u, cluster=c) for u in summarize(by_cluster[c], per_gpu)]
+        return out
+
+    def _hour_range(self, start: float | None, end: float | None) -> tuple[str, list[float]]:
+        where, args = "", []
+        if start is not None:
+            where, args = " WHERE hour >= ?", [math.floor(start / 3600.0) * 3600.0]
+        if end is not None:
+            where += (" AND" if where else " WHERE") + " hour < ?"
+            args.append(end)
+        return where, args
 
     def totals(self, start: float | None = None, end: float | None = None) -> dict:
         """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end).
@@ -198,12 +370,7 @@ class SqliteLedger:
         ``gpus`` counts physical GPUs (a MIG GPU once), observed GPU-seconds and energy are the physical GPUs',
         allocated and SM-active GPU-seconds count a MIG instance's seconds by its slice fraction, ``samples``
         the samples agents sent; ``unattributed_energy_joules`` is the energy charged to no job."""
-        where, args = "", []
-        if start is not None:
-            where, args = " WHERE hour >= ?", [math.floor(start / 3600.0) * 3600.0]
-        if end is not None:
-            where += (" AND" if where else " WHERE") + " hour < ?"
-            args.append(end)
+        where, args = self._hour_range(start, end)
         # physical GPUs: a MIG instance's key holds no seconds or energy of its own (aggregate's rules)
         row = self._db.execute(
             "SELECT COUNT(DISTINCT host || char(0) || gpu_uuid), "
@@ -211,7 +378,7 @@ class SqliteLedger:
             "TOTAL(anomalies) FROM gpu_hours" + where,
             args,
         ).fetchone()
-        jobs = self._db.execute("SELECT COUNT(DISTINCT job_id) FROM usage").fetchone()[0]
+        jobs = self._db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT cluster, job_id FROM usage)").fetchone()[0]
         return {
             "start": start,
             "end": end,
@@ -253,3 +420,37 @@ class SqliteLedger:
     def counter_anomalies(self) -> int:
         """Intervals whose energy counter was not trusted, over all GPUs (for the collector's metric)."""
         return int(self._db.execute("SELECT TOTAL(anomalies) FROM gpus").fetchone()[0])
+
+    def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]:
+        """Per GPU (host, uuid, mig) over whole hours in [start, end): observed GPU-seconds, GPU-seconds that
+        carried a job, energy, the GPU's model and cluster (for reconciliation)."""
+        where, args = self._hour_range(start, end)
+        rows = self._db.execute(
+            "SELECT h.host, h.gpu_uuid, h.mig, TOTAL(h.observed_s), TOTAL(h.alloc_s), TOTAL(h.energy_j), "
+            "COALESCE(g.model, ''), COALESCE(c.cluster, '') FROM gpu_hours h "
+            "LEFT JOIN gpus g ON g.host=h.host AND g.gpu_uuid=h.gpu_uuid AND g.mig=h.mig "
+            "LEFT JOIN gpu_clusters c ON c.host=h.host AND c.gpu_uuid=h.gpu_uuid"
+            + where.replace("hour", "h.hour") + " GROUP BY h.host, h.gpu_uuid, h.mig ORDER BY h.host, h.gpu_uuid, h.mig",
+            args).fetchall()
+        return [{"host": r[0], "gpu_uuid": r[1], "mig": r[2], "observed_gpu_seconds": r[3],
+                 "job_gpu_seconds": r[4], "energy_joules": r[5], "model": r[6], "cluster": r[7]} for r in rows]
+
+
+def authoritative(records: Iterable[tuple[JobRecord, str]]) -> list[JobRecord]:
+    """One record per job from (record, source) pairs: every scheduler record; an agent's only for a job the
+    scheduler has no record of (same cluster, or either cluster unnamed). Scheduler records always win."""
+    records = list(records)
+    slurm = [r for r, src in records if src == SLURM]
+    by_id: dict[str, set[str]] = {}
+    for r in slurm:
+        by_id.setdefault(r.job_id, set()).add(r.cluster)
+    out = list(slurm)
+    for r, src in records:
+        if src != AGENT:
+            continue
+        clusters = by_id.get(r.job_id, set())
+        if r.cluster in clusters or "" in clusters or (r.cluster == "" and clusters):
+            continue
+        out.append(r)
+    return out
+

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator
 from gpuledger.collector.auditlog.files import private_file
-from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger
+from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger, migrate_v2, needs_migration
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.collector.series_store import TIERS, Retention, SqliteSeriesStore
@@ -38,7 +38,7 @@ from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsa
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: jobs keyed by (cluster, job_id), agents' job records apart (ledger_store)
 _META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
 
 
@@ -98,9 +98,15 @@ class SqliteStore:
         row = None
         if self._db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if row is not None and int(row[0]) not in (1, SCHEMA_VERSION):
-            raise RuntimeError(f"{self.path}: store schema {row[0]}, this collector reads {SCHEMA_VERSION}")
+        if row is not None and int(row[0]) not in (1, 2, SCHEMA_VERSION):
+            raise RuntimeError(f"{self.path}: store schema {row[0]}, this collector reads {SCHEMA_VERSION} "
+                               f"(and migrates 1 and 2); use a gpuledger release that knows schema {row[0]}")
         self._db.executescript(_META)
+        if needs_migration(self._db):
+            with transaction(self._db) as db:
+                migrate_v2(db)
+                db.execute("UPDATE meta SET value=? WHERE key='schema' AND value='2'", (str(SCHEMA_VERSION),))
+            log.info("%s: ledger migrated to schema %d (jobs keyed by cluster and job id)", self.path, SCHEMA_VERSION)
         self.ledger = SqliteLedger(self._db)
         self.series_store = SqliteSeriesStore(self._db, retention)
         if row is None:
@@ -146,7 +152,12 @@ class SqliteStore:
                     counts, accepted = self.agg.add_many(rows + rest) if rows or rest else (AddCounts(), [])
                     self.series_store.write_samples(accepted)
                     self.series_store.write_series(folded)
-                    self.ledger.add_agent_jobs(getattr(batch, "jobs", ()))
+                    cluster = getattr(batch, "cluster", "")
+                    self.ledger.note_gpus(cluster, {(batch.host, r.gpu_uuid) for r in (*rows, *batch.series)})
+                    if batch.jobs:
+                        # an agent's job metadata is kept only for jobs whose samples came from its host
+                        job_ids = {j for r in (*rows, *batch.series) for j in r.job_ids}
+                        self.ledger.add_agent_jobs(batch.jobs, batch.host, cluster, job_ids)
                     n_accepted = counts.accepted + sum(s.n for s in folded)
                     self.ledger.record_batch(batch.agent_id, batch.seq, self._clock(), n_accepted)
                     jobs = self._flush()
@@ -195,9 +206,15 @@ class SqliteStore:
         return len(rows)
 
     def put_jobs(self, records: Iterable[JobRecord]) -> int:
-        """Insert or update job records; returns how many rows changed (a re-import changes none)."""
+        """Insert or merge the scheduler's job records; returns how many are new or changed (a re-import, in
+        any sacct format, changes none)."""
         with self._lock:
             return self.ledger.put_jobs(records)
+
+    def merge_jobs(self, records: Iterable[JobRecord]) -> list[JobRecord]:
+        """Like :meth:`put_jobs`; returns the new or changed records as stored (merged)."""
+        with self._lock:
+            return self.ledger.merge_jobs(records)
 
     # -- compaction: rollups, merging, retention ----------------------------------------------
     def compact(self, now: float | None = None) -> CompactStats:
@@ -254,10 +271,21 @@ class SqliteStore:
         with self._lock:
             return self.ledger.jobs()
 
-    def job_usage(self, job_id: str | None = None, per_gpu: bool = False) -> list[JobUsage]:
-        """Usage per job (summed over its GPUs) or per (job, host, GPU)."""
+    def job_records(self) -> list[tuple[JobRecord, str]]:
+        """Every job record with its source, ``slurm`` or ``agent``."""
         with self._lock:
-            return self.ledger.job_usage(job_id, per_gpu)
+            return self.ledger.job_records()
+
+    def job_usage(self, job_id: str | None = None, per_gpu: bool = False,
+                  cluster: str | None = None) -> list[JobUsage]:
+        """Usage per job (summed over its GPUs) or per (job, host, GPU); jobs are (cluster, job_id)."""
+        with self._lock:
+            return self.ledger.job_usage(job_id, per_gpu, cluster)
+
+    def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]:
+        """Per GPU over whole hours in [start, end): observed and job-carrying GPU-seconds, energy."""
+        with self._lock:
+            return self.ledger.gpu_hours(start, end)
 
     def totals(self, start: float | None = None, end: float | None = None) -> dict:
         """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end)."""

@@ -50,7 +50,9 @@ FUTURE_SLACK_S = 300.0
 # aggregates into inf, which JSON cannot carry. No GPU reading comes near either bound.
 MAX_INT = 2**63 - 1
 MAX_FLOAT = 1e18
-BATCH_KEYS = frozenset({"agent_id", "seq", "host", "samples", "series", "jobs"})  # one of samples/series; jobs optional
+BATCH_KEYS = frozenset({"agent_id", "seq", "host", "cluster", "samples", "series", "jobs"})  # one of samples/series;
+# jobs and cluster optional (cluster: the Slurm cluster the agent's host is in; absent or "" = not named)
+MAX_CLUSTER_CHARS = 256
 _REQUIRED = ("ts", "host", "gpu_uuid", "gpu_index")
 _RATIOS = frozenset(RATIO_FIELDS)
 _NONNEG = frozenset(NONNEG_FIELDS)
@@ -87,12 +89,12 @@ class Batch:
     fast path) structs with exactly GpuSample's fields, which cost a fraction of a GpuSample to build.
     ``samples`` turns everything into GpuSamples only when asked (tests, sinks)."""
 
-    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "series", "jobs")
+    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "series", "jobs", "cluster")
 
     def __init__(self, agent_id: str, seq: int, host: str, samples: tuple[GpuSample, ...] = (),
                  rows: tuple[Any, ...] | list[Any] | None = None, jobs: tuple[JobRecord, ...] = (),
-                 series: tuple[Series, ...] = ()) -> None:
-        self.agent_id, self.seq, self.host = agent_id, seq, host
+                 series: tuple[Series, ...] = (), cluster: str = "") -> None:
+        self.agent_id, self.seq, self.host, self.cluster = agent_id, seq, host, cluster
         self.jobs = tuple(jobs)  # job metadata the agent knows (user, account, GPUs) for jobs on this host
         self.series = tuple(series)
         self._samples = None if rows is not None or self.series else tuple(samples)
@@ -228,11 +230,14 @@ def parse_batch(
     host, samples = doc.get("host"), doc.get("samples")
     if not isinstance(host, str) or not host:
         raise BatchError(400, f"{where}: field 'host' must be a non-empty string")
+    cluster = doc.get("cluster", "")
+    if not isinstance(cluster, str) or len(cluster) > MAX_CLUSTER_CHARS:
+        raise BatchError(400, f"{where}: field 'cluster' must be a string of at most {MAX_CLUSTER_CHARS} characters")
     if ("samples" in doc) == ("series" in doc):
         raise BatchError(400, f"{where}: exactly one of the fields 'samples' (one object a sample) and 'series' "
                               "(columns) is required")
     if "series" in doc:
-        return _parse_series_batch(doc, agent_id, seq, host, where, now, allowed_host)
+        return _parse_series_batch(doc, agent_id, seq, host, where, now, allowed_host, cluster)
     if not isinstance(samples, list):
         raise BatchError(400, f"{where}: field 'samples' must be a list")
     if allowed_host is not None and host != allowed_host:
@@ -241,11 +246,11 @@ def parse_batch(
     try:
         bound = allowed_host is not None
         out = tuple(_parse_sample(d, i, where, host, now, bound) for i, d in enumerate(samples))
-        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, bound)
+        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, bound, cluster)
     except BatchError as e:
         e.samples = len(samples)  # the whole batch is refused: every sample in it counts as rejected
         raise
-    return Batch(agent_id, seq, host, out, jobs=tuple(jobs))
+    return Batch(agent_id, seq, host, out, jobs=tuple(jobs), cluster=cluster)
 
 
 _BAD = object()  # what a field check returns for an invalid value (None can be a valid value)
@@ -417,7 +422,7 @@ def _series_rows(d: Any) -> int:
 
 
 def _parse_series_batch(doc: dict, agent_id: str, seq: int, host: str, where: str, now: float,
-                        allowed_host: str | None) -> Batch:
+                        allowed_host: str | None, cluster: str = "") -> Batch:
     series = doc["series"]
     if not isinstance(series, list):
         raise BatchError(400, f"{where}: field 'series' must be a list")
@@ -427,11 +432,11 @@ def _parse_series_batch(doc: dict, agent_id: str, seq: int, host: str, where: st
                          "forbidden", n)
     try:
         out = tuple(_parse_series(d, i, where, host, now, typed=False) for i, d in enumerate(series))
-        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, allowed_host is not None)
+        jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, allowed_host is not None, cluster)
     except BatchError as e:
         e.samples = n
         raise
-    return Batch(agent_id, seq, host, jobs=tuple(jobs), series=out)
+    return Batch(agent_id, seq, host, jobs=tuple(jobs), series=out, cluster=cluster)
 
 
 def _parse_series(d: Any, i: int, where: str, host: str, now: float, typed: bool) -> Series:
@@ -602,7 +607,9 @@ def _fast_decoder() -> Any:
                                            # UNSET, not None: an explicit null is the slow path's error
                                            ("samples", list_of[row] | msgspec.UnsetType, msgspec.UNSET),
                                            ("series", list_of[series] | msgspec.UnsetType, msgspec.UNSET),
-                                           ("jobs", list_of[Any], [])], forbid_unknown_fields=True)
+                                           ("jobs", list_of[Any], []),
+                                           ("cluster", num(str, max_length=MAX_CLUSTER_CHARS), "")],
+                             forbid_unknown_fields=True)
     return msgspec.msgpack.Decoder(wire)
 
 
@@ -625,10 +632,10 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | No
         try:
             series = tuple(_parse_series(msgspec.structs.asdict(d), i, where, host, now, typed=True)
                            for i, d in enumerate(b.series))
-            jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None)
+            jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None, b.cluster)
         except BatchError:
             return None  # the per-sample path words it (from the body as msgpack decodes it)
-        return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series)
+        return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series, cluster=b.cluster)
     if (not rows
             or list(map(_HOST, rows)).count(host) != len(rows) or max(map(_TS, rows)) > now + FUTURE_SLACK_S):
         return None
@@ -643,10 +650,10 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | No
             if r.processes:
                 r.processes = tuple(GpuProcess(p, m) for p, m in r.processes)
     try:
-        jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None)
+        jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None, b.cluster)
     except BatchError:
         return None
-    return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs))
+    return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs), cluster=b.cluster)
 
 
 def _check_annotation(annotation: str, v: Any) -> bool:
@@ -679,8 +686,12 @@ def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES,
     return _job_records(doc, "")
 
 
-def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = False) -> list[JobRecord]:
-    """Validate JobRecord dicts; with ``host`` (an agent's batch) each record must be about a job on that host."""
+def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = False,
+                 cluster: str = "") -> list[JobRecord]:
+    """Validate JobRecord dicts; with ``host`` (an agent's batch) each record must be about a job on that host
+    (its ``hosts`` list it; a record with no hosts is left out) in the batch's cluster (when both name one).
+    Whether samples of the job came from
+    the host is the store's check (``ledger_store.SqliteLedger.add_agent_jobs``)."""
     if not isinstance(doc, list):
         raise BatchError(400, f"{where}field 'jobs' must be a list of job records")
     out = []
@@ -696,10 +707,17 @@ def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = Fa
         if "job_id" not in d:
             raise BatchError(400, f"{at}.job_id: missing")
         rec = JobRecord.from_dict(d)
-        if host is not None and rec.hosts and host not in rec.hosts:
+        if host is not None:
             # A node may describe only jobs it runs (under a host-bound token: 403, as for samples).
             status, reason = (403, "forbidden") if bound else (400, "invalid")
-            raise BatchError(status, f"{at}.hosts: {list(rec.hosts)!r} does not include the batch's host {host!r}",
-                             reason)
+            if not rec.hosts:
+                # refused, but not the batch with it: agents before 0.x sent no hosts; their samples still count
+                continue
+            if host not in rec.hosts:
+                raise BatchError(status, f"{at}.hosts: {list(rec.hosts)!r} does not include the batch's host "
+                                         f"{host!r}", reason)
+            if rec.cluster and cluster and rec.cluster != cluster:
+                raise BatchError(status, f"{at}.cluster: {rec.cluster!r} is not the batch's cluster {cluster!r}",
+                                 reason)
         out.append(rec)
     return out

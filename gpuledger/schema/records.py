@@ -175,7 +175,8 @@ class JobRecord:
 class JobUsage:
     """Measured usage of one job on one GPU (or summed over GPUs when ``gpu_uuid`` is "*").
 
-    This is what the collector hands accounting; accounting never reads raw samples.
+    This is what the collector hands accounting; accounting never reads raw samples. A job is identified by
+    ``(cluster, job_id)``; ``cluster`` is the one the reporting agent named ("" when it named none).
     """
 
     job_id: str
@@ -199,6 +200,7 @@ class JobUsage:
     # Seconds the job held the GPU across a gap in the samples (same jobs on both sides): not observed, so not
     # in ``allocated_gpu_seconds``, but the gap's counter delta is in ``energy_joules``.
     gap_gpu_seconds: float = 0.0
+    cluster: str = ""
 
     @property
     def efficiency(self) -> float | None:
