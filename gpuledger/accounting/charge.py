@@ -1,22 +1,88 @@
-"""Charge policies: what a job's measured usage costs in fairshare terms.
+"""Charge policies: what a job costs in fairshare terms. Allocation is the frame, measurement fills it.
 
-``allocated``  allocated GPU-seconds (what Slurm itself would charge)
+The scheduler's record says who held which GPUs when: a job's **allocated** GPU-seconds are Slurm's elapsed time
+x GPUs (per GPU model from AllocTRES' typed ``gres/gpu:<type>``). The agents' usage says what was **observed**
+(GPU-seconds in which a sample carried the job); ``coverage = observed / allocated``.
+
+Policies (on the observed part):
+
+``allocated``  allocated GPU-seconds (what Slurm itself charges), whether or not anything was measured
 ``active``     SM-active GPU-seconds (sum of SM activity x interval)
 ``energy``     joules
-``blend``      allocated GPU-seconds x (floor + (1 - floor) x SM activity): an idle allocation still costs the floor
-Per-GPU-model weights multiply the charge, like Slurm's TRESBillingWeights for typed GRES.
+``blend``      GPU-seconds x (floor + (1 - floor) x SM activity): an idle allocation still costs the floor
+
+Under the measured policies the **unmeasured** GPU-seconds (allocated - observed, never below 0) are charged by
+``unmeasured``: ``allocated`` (default, conservative: as if fully used, 1 per GPU-second; for ``energy`` the
+configured ``full_power_watts``), ``floor`` (the blend floor per GPU-second; ``energy``: floor x full power) or
+``mean`` (the job's own measured charge per observed GPU-second; as ``allocated`` when nothing was observed).
+So an allocation nobody measured is never free. A job without a scheduler record is charged from its
+measurements alone (and flagged by the ledger).
+
+Per-GPU-model weights multiply the charge, like Slurm's TRESBillingWeights for typed GRES: the exact model name,
+else the longest pattern contained in it (case-insensitive; ties by name). A MIG instance ("... MIG 3g.40gb")
+is further weighted by its compute-slice fraction (3/7): the aggregation counts an instance's GPU-seconds whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpuledger.schema.records import JobUsage
+from gpuledger.agent.mig import slice_fraction
+from gpuledger.schema.records import JobRecord, JobUsage
 
 PolicyKind = Literal["allocated", "active", "energy", "blend"]
 POLICIES: tuple[str, ...] = ("allocated", "active", "energy", "blend")
+UNMEASURED_RULES: tuple[str, ...] = ("allocated", "floor", "mean")
+_RUNNING = ("RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "RESIZING")
+
+
+def allocation(record: JobRecord | None, now: float) -> dict[str, float] | None:
+    """Slurm-allocated GPU-seconds per GPU model ("" when untyped) of a job: (end or now) - start, x GPUs.
+
+    None when there is no scheduler record or it has no start (never ran); {} for a job without GPUs. A typed
+    ``gres/gpu:<type>`` entry of AllocTRES gives the model; the untyped count covers what the typed ones don't.
+    """
+    if record is None or record.start is None:
+        return None
+    end = record.end if record.end is not None else (now if record.state in _RUNNING or record.state is None else None)
+    if end is None:
+        return None
+    elapsed = max(0.0, min(end, now) - record.start)
+    typed: dict[str, float] = {}
+    total: float | None = None
+    for name, value in record.tres:
+        if name == "gres/gpu":
+            total = value
+        elif name.startswith("gres/gpu:"):
+            typed[name[len("gres/gpu:"):]] = typed.get(name[len("gres/gpu:"):], 0.0) + value
+    if total is None:
+        total = sum(typed.values()) if typed else float(record.gpus or 0)
+    out = {m: n * elapsed for m, n in typed.items() if n > 0}
+    rest = total - sum(typed.values())
+    if rest > 0:
+        out[record.gpu_model if record.gpu_model and not typed else ""] = rest * elapsed
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class JobCharge:
+    """One job's charge and how it was made up (units: GPU-seconds, or joules under ``energy``)."""
+
+    allocated_gpu_seconds: float | None  # Slurm's; None without a scheduler record
+    observed_gpu_seconds: float
+    unmeasured_gpu_seconds: float
+    measured: float  # charge of what was observed (weighted)
+    unmeasured: float  # charge of the unmeasured part (weighted)
+    total: float
+
+    @property
+    def coverage(self) -> float | None:
+        """Observed / allocated GPU-seconds (None without an allocation; may exceed 1 on clock skew)."""
+        a = self.allocated_gpu_seconds
+        return None if not a else self.observed_gpu_seconds / a
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,43 +90,82 @@ class ChargePolicy:
     kind: PolicyKind = "blend"
     floor: float = 0.25
     model_weights: Mapping[str, float] = field(default_factory=dict)
+    unmeasured: str = "allocated"
+    full_power_watts: float = 700.0
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
             raise ValueError(f"charge policy {self.kind!r} is not one of {', '.join(POLICIES)}")
         if not 0.0 <= self.floor <= 1.0:
             raise ValueError(f"charge policy floor {self.floor!r} must lie in 0..1")
+        if self.unmeasured not in UNMEASURED_RULES:
+            raise ValueError(f"unmeasured rule {self.unmeasured!r} is not one of {', '.join(UNMEASURED_RULES)}")
+        if not (math.isfinite(self.full_power_watts) and self.full_power_watts > 0):
+            raise ValueError(f"full_power_watts {self.full_power_watts!r} must be a positive number")
         for model, w in self.model_weights.items():
             if not w >= 0:
                 raise ValueError(f"charge weight for GPU model {model!r} must be >= 0, got {w!r}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ChargePolicy:
-        """From the ``[accounting.charge]`` table: ``policy``, ``floor``, ``[...model_weights]``."""
+        """From the ``[accounting.charge]`` table: ``policy``, ``floor``, ``unmeasured``, ``[...model_weights]``."""
         return cls(
             kind=cfg.get("policy", "blend"),
             floor=float(cfg.get("floor", 0.25)),
             model_weights={str(k): float(v) for k, v in cfg.get("model_weights", {}).items()},
+            unmeasured=cfg.get("unmeasured", "allocated"),
+            full_power_watts=float(cfg.get("full_power_watts", 700.0)),
         )
 
     def weight(self, model: str) -> float:
-        # Exact model name first, then a case-insensitive substring ("H200" matches "NVIDIA H200").
+        """The model's weight (exact name, else the longest contained pattern), x a MIG slice's fraction."""
+        fraction = slice_fraction(model) or 1.0
         if model in self.model_weights:
-            return self.model_weights[model]
+            return self.model_weights[model] * fraction
         low = model.lower()
-        for name, w in self.model_weights.items():
-            if name.lower() in low:
-                return w
-        return 1.0
+        hits = [(len(name), name, w) for name, w in self.model_weights.items() if name.lower() in low]
+        if not hits:
+            return fraction
+        return max(hits, key=lambda h: (h[0], h[1]))[2] * fraction
+
+    def _base(self, u: JobUsage) -> float:
+        if self.kind == "allocated":
+            return u.allocated_gpu_seconds
+        if self.kind == "active":
+            return u.sm_active_gpu_seconds
+        if self.kind == "energy":
+            return u.energy_joules
+        return self.floor * u.allocated_gpu_seconds + (1.0 - self.floor) * u.sm_active_gpu_seconds
 
     def charge(self, u: JobUsage) -> float:
-        """The charged amount for one usage record (per GPU or per job)."""
+        """The charged amount of one usage record's measurements (per GPU or per job)."""
+        return self._base(u) * self.weight(u.model)
+
+    def _full_rate(self) -> float:
+        return self.full_power_watts if self.kind == "energy" else 1.0
+
+    def charge_job(self, alloc: Mapping[str, float] | None, gpus: Sequence[JobUsage]) -> JobCharge:
+        """A job's charge from its Slurm allocation per model (:func:`allocation`; None without a scheduler
+        record) and its per-GPU usage records."""
+        observed = math.fsum(u.allocated_gpu_seconds for u in gpus)
+        measured = math.fsum(self.charge(u) for u in gpus)
+        if alloc is None:
+            return JobCharge(None, observed, 0.0, measured, 0.0, measured)
+        allocated = math.fsum(alloc.values())
+        fallback_model = next((u.model for u in gpus if u.model), "")
+        weighted_alloc = math.fsum(s * self.weight(m or fallback_model) for m, s in alloc.items())
+        unmeasured_s = max(0.0, allocated - observed)
         if self.kind == "allocated":
-            base = u.allocated_gpu_seconds
-        elif self.kind == "active":
-            base = u.sm_active_gpu_seconds
-        elif self.kind == "energy":
-            base = u.energy_joules
-        else:
-            base = self.floor * u.allocated_gpu_seconds + (1.0 - self.floor) * u.sm_active_gpu_seconds
-        return base * self.weight(u.model)
+            # Slurm's allocation is the charge; the measured part is the observed share of it
+            share = min(observed, allocated) / allocated if allocated > 0 else 0.0
+            return JobCharge(allocated, observed, unmeasured_s, weighted_alloc * share,
+                             weighted_alloc * (1.0 - share), weighted_alloc)
+        mean_weight = weighted_alloc / allocated if allocated > 0 else 1.0
+        if self.unmeasured == "allocated" or (self.unmeasured == "mean" and observed <= 0):
+            rate = self._full_rate()
+        elif self.unmeasured == "floor":
+            rate = self.floor * self._full_rate()
+        else:  # the job's own measured rate per observed GPU-second, unweighted
+            rate = math.fsum(self._base(u) for u in gpus) / observed
+        unmeasured = unmeasured_s * rate * mean_weight
+        return JobCharge(allocated, observed, unmeasured_s, measured, unmeasured, measured + unmeasured)

@@ -7,6 +7,7 @@ import sys
 import time
 from enum import StrEnum
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -16,7 +17,6 @@ from rich.markup import escape
 from gpuledger.accounting.audit import (
     EntryDamaged,
     bind,
-    job_charges,
     open_log,
     record_fairshare,
     record_job_records,
@@ -24,8 +24,8 @@ from gpuledger.accounting.audit import (
     usage_key,
 )
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
-from gpuledger.accounting.engine import association_usage, compute, load_tree
-from gpuledger.accounting.ledger import join
+from gpuledger.accounting.engine import association_usage, audit_charges, compute, load_tree
+from gpuledger.accounting.ledger import LedgerEntry, join
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
@@ -129,11 +129,12 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         store = _open_store(data_dir)
         try:
             jobs, usages = store.jobs(), store.job_usage()
+            entries = join(store.job_records(), usages, store.job_usage(per_gpu=True))
         finally:
             store.close()
-        entries = join(jobs, usages)
+        alias = _history_alias(data_dir, entries)
         if not record:
-            result = association_usage(entries, settings, tree, now)
+            result = association_usage(entries, settings, tree, now, alias=alias)
             _warn(result)
             return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings
         with open_log(data_dir) as log:
@@ -145,15 +146,13 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
                                  "were logged?); `--accept-store-changes REASON` logs them as corrections:\n"
                                  + "\n".join(lines)), highlight=False, soft_wrap=True)
                 raise typer.Exit(code=1)
-            result = association_usage(entries, settings, tree, now)
+            result = association_usage(entries, settings, tree, now, alias=alias)
             _warn(result)
             rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
-            by_job = {r.job_id: r for r in jobs}
-            sources = {u.job_id: {"usage_entry": bound.seq_of(usage_key(u)),
-                                  "job_entry": bound.seq_of(job_key(by_job[u.job_id])) if u.job_id in by_job else None}
-                       for u in usages}
+            charges = audit_charges(result.jobs)
+            sources = _sources(entries, result.jobs, charges, bound)
             record_fairshare(
-                log, now=now, settings=settings, charges=job_charges(entries, settings, now), usage=result.usage,
+                log, now=now, settings=settings, charges=charges, usage=result.usage,
                 rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (), sources=sources,
             )
     except EntryDamaged as e:
@@ -164,13 +163,35 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     return rows, settings
 
 
-def _warn(result: UsageResult) -> None:
+def _sources(entries: list[LedgerEntry], jobs, charges, bound) -> dict[str, dict[str, int | None]]:
+    """Per charged job (by its id in the audit entry): the log entries of its usage and job records."""
+    by_key = {e.key: e for e in entries}
+    out = {}
+    for j, c in zip(jobs, charges):
+        e = by_key[(j.cluster, j.job_id)]
+        out[c.job_id] = {"usage_entry": bound.seq_of(usage_key(e.usage)) if e.usage is not None else None,
+                         "job_entry": bound.seq_of(job_key(e.described)) if e.described is not None else None}
+    return out
+
+
+def _warn(result) -> None:
     for (acct, user), v in sorted(result.unknown.items()):
         err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} "
                   "has no association in the tree")
     if result.unmatched_jobs:
         err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
-                  f"scheduler record are not charged: {escape(', '.join(result.unmatched_jobs[:10]))}")
+                  f"scheduler record or an agent's account are not charged: "
+                  f"{escape(', '.join(result.unmatched_jobs[:10]))}")
+
+
+def _history_alias(data_dir: Path, entries) -> Callable[[str], str] | None:
+    """The data dir's pseudonymizer when some record's user was pseudonymized (``audit retention``), so that
+    such history still charges its association."""
+    from gpuledger.accounting.privacy import Pseudonymizer, is_pseudonym
+
+    if any(e.described is not None and e.described.user and is_pseudonym(e.described.user) for e in entries):
+        return Pseudonymizer.for_data_dir(data_dir)
+    return None
 
 
 @fairshare_app.callback(invoke_without_command=True)
@@ -302,7 +323,7 @@ def _import_jobs(data_dir: Path, records: Sequence[JobRecord]) -> int:
         record_job_records(log, records)
     store = SqliteStore(data_dir / STORE_NAME)
     try:
-        changed = store.put_jobs(records)
+        changed = store.merge_jobs(records)
     finally:
         store.close()
     return changed

@@ -8,9 +8,12 @@ Example (``gpuledger.toml``)::
     algorithm = "classic"          # or "fair-tree"
     policy = "blend"               # allocated | active | energy | blend
     floor = 0.25                   # blend: what an idle allocated GPU-second still costs
-    half_life_s = 604800           # PriorityDecayHalfLife (7 days, Slurm's default)
+    unmeasured = "allocated"       # allocated GPU-time no agent observed: allocated (as fully used) | floor | mean
+    full_power_watts = 700         # energy policy: what an unmeasured GPU-second costs "fully used"
+    half_life_s = 604800           # PriorityDecayHalfLife (7 days, Slurm's default; 0 = no decay)
     calc_period_s = 300            # PriorityCalcPeriod (5 minutes, Slurm's default)
     usage_reset = "NONE"           # PriorityUsageResetPeriod
+    timezone = ""                  # zone the reset periods are cut in (IANA name; "" = this machine's, as Slurm)
     priority_weight = 10000        # site factor = round(weight x fairshare)
     [accounting.model_weights]     # like TRESBillingWeights per GPU model
     "H200" = 1.0
@@ -27,7 +30,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpuledger.accounting.charge import ChargePolicy
 
@@ -38,15 +43,29 @@ class AccountingSettings(BaseModel):
     algorithm: Literal["classic", "fair-tree"] = "fair-tree"
     policy: Literal["allocated", "active", "energy", "blend"] = "blend"
     floor: float = Field(0.25, ge=0.0, le=1.0)
-    half_life_s: float = Field(7 * 86400.0, gt=0)
+    unmeasured: Literal["allocated", "floor", "mean"] = "allocated"
+    full_power_watts: float = Field(700.0, gt=0)
+    half_life_s: float = Field(7 * 86400.0, ge=0)
     calc_period_s: int = Field(300, gt=0)
     usage_reset: Literal["NONE", "NOW", "DAILY", "WEEKLY", "MONTHLY", "QUARTERLY", "YEARLY"] = "NONE"
+    timezone: str = ""
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, v: str) -> str:
+        if v:
+            try:
+                ZoneInfo(v)
+            except (ZoneInfoNotFoundError, ValueError):
+                raise ValueError(f"unknown time zone {v!r} (an IANA name like Europe/Berlin, or \"\" for local)")
+        return v
     priority_weight: int = Field(10_000, ge=0)
     dampening: float = Field(1.0, gt=0)
     model_weights: dict[str, float] = {}
 
     def charge_policy(self) -> ChargePolicy:
-        return ChargePolicy(kind=self.policy, floor=self.floor, model_weights=self.model_weights)
+        return ChargePolicy(kind=self.policy, floor=self.floor, model_weights=self.model_weights,
+                            unmeasured=self.unmeasured, full_power_watts=self.full_power_watts)
 
 
 class ConfigError(ValueError):

@@ -16,7 +16,7 @@ What is modelled (from ``_decay_thread`` and ``_apply_new_usage`` in priority_mu
   once their add time is <= ``now``: usage a running job accrued after the last tick is not yet in
   Slurm's numbers, and so not in ours.
 * ``PriorityUsageResetPeriod``: DAILY / WEEKLY (Sunday) / MONTHLY / QUARTERLY / YEARLY boundaries
-  at local midnight in ``tz``; at the first tick at or after a boundary all usage is zeroed *before*
+  at local midnight in ``tz`` (default: this machine's zone, like slurmctld); at the first tick at or after a boundary all usage is zeroed *before*
   that tick's new usage is added (so the piece accrued just before the boundary survives, as in
   Slurm). NONE never resets; NOW resets once when slurmctld starts, which from an empty ledger is
   the same as NONE.
@@ -154,14 +154,15 @@ def slurm_decay_factor(half_life_s: float) -> float:
     return 1.0 - 0.693 / half_life_s if half_life_s > 0 else 1.0
 
 
-def last_reset_boundary(period: str, t: float, tz: str = "UTC") -> float | None:
-    """The latest PriorityUsageResetPeriod boundary at or before ``t`` (None for NONE/NOW)."""
+def last_reset_boundary(period: str, t: float, tz: str | None = None) -> float | None:
+    """The latest PriorityUsageResetPeriod boundary at or before ``t`` (None for NONE/NOW), at midnight in ``tz``
+    (an IANA zone name; None or "" = this machine's local zone, where slurmctld cuts them)."""
     period = period.upper()
     if period not in RESET_PERIODS:
         raise ValueError(f"unknown reset period {period!r}; one of {RESET_PERIODS}")
     if period in ("NONE", "NOW"):
         return None
-    zone = ZoneInfo(tz)
+    zone = ZoneInfo(tz) if tz else None  # None: naive local time, its DST offset applied by timestamp()
     d = datetime.fromtimestamp(t, zone).replace(hour=0, minute=0, second=0, microsecond=0)
     if period == "WEEKLY":  # Slurm resets at the start of Sunday (tm_wday 0)
         d = d - timedelta(days=(d.weekday() + 1) % 7)
@@ -182,7 +183,7 @@ def decayed_usage(
     half_life_s: float,
     calc_period_s: int = 300,
     reset: str = "NONE",
-    tz: str = "UTC",
+    tz: str | None = None,
     per_second_factor: float | None = None,
 ) -> dict[Key, float]:
     """Slurm's decayed raw usage per key at ``now`` (see the module docstring for the model).

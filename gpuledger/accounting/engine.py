@@ -1,13 +1,27 @@
-"""From the ledger to fairshare: charge each job by the policy, decay as Slurm does, compute fairshare."""
+"""From the ledger to fairshare: charge each job by the policy, decay as Slurm does, compute fairshare.
+
+Every job Slurm ran is charged: at least its allocation's unmeasured part (``charge``), so a job no agent saw
+still moves fairshare. A job without a scheduler record is charged from its measurements to the association an
+agent described (flagged ``seen_by: agent``), or, when nobody named one, reported as unmatched.
+
+Placement in time (what decay sees): the part charged for Slurm's allocation is spread over the allocation's
+[start, end]; each GPU's measured part over that GPU's [first, last] sample. (The collector keeps hourly buckets
+per GPU, not per job, so a job's own hours are not stored; per-GPU spans are the closest stored placement.)
+
+Pseudonymized history: after ``audit retention`` a record's user is a pseudonym; it still charges the tree's
+association whose user pseudonymizes to it (``alias``), so fairshare does not forget it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gpuledger.accounting.associations import AssocTree, UserKey
+from gpuledger.accounting.charge import ChargePolicy, JobCharge, allocation
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.decay import decayed_usage
 from gpuledger.accounting.fairshare import Usage, classic, fair_tree
@@ -15,34 +29,112 @@ from gpuledger.accounting.ledger import LedgerEntry
 
 
 @dataclass(frozen=True, slots=True)
+class ChargedJob:
+    """One job's way into fairshare (what the audit trail's ``fairshare`` entry lists per job)."""
+
+    job_id: str
+    cluster: str
+    account: str
+    user: str
+    policy: str
+    seen_by: str
+    allocated_gpu_seconds: float | None
+    observed_gpu_seconds: float
+    coverage: float | None
+    unmeasured_gpu_seconds: float
+    unmeasured_rule: str
+    charged: float
+    decayed: float
+    first_ts: float
+    last_ts: float
+
+
+@dataclass(frozen=True, slots=True)
 class UsageResult:
     usage: dict[UserKey, float]
     unknown: dict[UserKey, float]  # charged usage of associations the tree does not have (reported, not dropped)
-    unmatched_jobs: tuple[str, ...]  # measured jobs with no scheduler record: no association to charge
+    unmatched_jobs: tuple[str, ...]  # jobs nobody named an association for (no scheduler record, no agent's)
+    jobs: tuple[ChargedJob, ...] = ()
+
+
+def job_charge(e: LedgerEntry, settings: AccountingSettings, now: float) -> JobCharge:
+    """The charge of one ledger entry under the settings' policy."""
+    return settings.charge_policy().charge_job(allocation(e.record, now), e.measured)
+
+
+def _pieces(e: LedgerEntry, c: JobCharge, policy: ChargePolicy, now: float) -> list[tuple[float, float, float]]:
+    """(start, end, amount) placements of a job's charge in time (see the module docstring)."""
+    out = []
+    r = e.record
+    if c.unmeasured > 0 and r is not None and r.start is not None:
+        out.append((r.start, max(r.start, min(r.end if r.end is not None else now, now)), c.unmeasured))
+    if c.measured > 0:
+        gpus = e.measured
+        weights = [policy.charge(u) for u in gpus]
+        if sum(weights) <= 0:
+            weights = [max(u.allocated_gpu_seconds, 0.0) for u in gpus]
+        if sum(weights) <= 0:
+            weights = [1.0] * len(gpus)
+        total = sum(weights)
+        out += [(u.first_ts, u.last_ts, c.measured * w / total) for u, w in zip(gpus, weights)]
+    return out
 
 
 def association_usage(
-    entries: Iterable[LedgerEntry], settings: AccountingSettings, tree: AssocTree, now: float
+    entries: Iterable[LedgerEntry], settings: AccountingSettings, tree: AssocTree, now: float,
+    alias: Callable[[str], str] | None = None,
 ) -> UsageResult:
     policy = settings.charge_policy()
-    charges = []
+    known = set(tree.user_keys())
+    # a pseudonymized record's user -> the tree's user it stands for
+    unalias = {(a, alias(u)): (a, u) for a, u in known} if alias is not None else {}
+    charges: list[tuple[Any, float, float, float]] = []
+    rows = []
     unmatched = []
     for e in entries:
-        if e.usage is None:
+        d = e.described
+        if d is None or not d.account or not d.user:
+            if e.usage is not None or e.record is not None:
+                unmatched.append(e.label)
             continue
-        if e.record is None or not e.record.account or not e.record.user:
-            unmatched.append(e.job_id)
+        c = policy.charge_job(allocation(e.record, now), e.measured)
+        if c.total <= 0 and e.usage is None:
             continue
-        amount = policy.charge(e.usage)
-        charges.append(((e.record.account, e.record.user), e.usage.first_ts, e.usage.last_ts, amount))
+        key = (d.account, d.user)
+        key = key if key in known else unalias.get(key, key)
+        pieces = _pieces(e, c, policy, now)
+        for start, end, amount in pieces:
+            charges.append(((key, e.key), start, end, amount))
+        first = min((p[0] for p in pieces), default=now)
+        last = max((p[1] for p in pieces), default=now)
+        rows.append((e, key, c, first, last))
     decayed = decayed_usage(
         charges, now=now, half_life_s=settings.half_life_s, calc_period_s=settings.calc_period_s,
-        reset=settings.usage_reset,
+        reset=settings.usage_reset, tz=settings.timezone,
     )
-    known = set(tree.user_keys())
-    usage = {k: v for k, v in decayed.items() if k in known}
-    unknown = {k: v for k, v in decayed.items() if k not in known}
-    return UsageResult(usage, unknown, tuple(unmatched))
+    per_assoc: dict[UserKey, float] = {}
+    per_job: dict[Any, float] = {}
+    for (assoc, job), v in decayed.items():
+        per_assoc[assoc] = per_assoc.get(assoc, 0.0) + v
+        per_job[job] = per_job.get(job, 0.0) + v
+    for _, key, _, _, _ in rows:
+        per_assoc.setdefault(key, 0.0)
+    usage = {k: v for k, v in per_assoc.items() if k in known}
+    unknown = {k: v for k, v in per_assoc.items() if k not in known}
+    jobs = tuple(
+        ChargedJob(e.job_id, e.cluster, key[0], key[1], settings.policy, e.seen_by, c.allocated_gpu_seconds,
+                   c.observed_gpu_seconds, c.coverage, c.unmeasured_gpu_seconds, settings.unmeasured, c.total,
+                   per_job.get(e.key, 0.0), first, last)
+        for e, key, c, first, last in rows)
+    return UsageResult(usage, unknown, tuple(unmatched), jobs)
+
+
+def audit_charges(jobs: Iterable[ChargedJob]) -> list[ChargedJob]:
+    """The per-job charges as the audit trail lists them (by job id): a job id that two clusters share is
+    written ``<job_id>@<cluster>`` so that neither hides the other."""
+    jobs = list(jobs)
+    seen = Counter(j.job_id for j in jobs)
+    return [replace(j, job_id=f"{j.job_id}@{j.cluster}") if seen[j.job_id] > 1 else j for j in jobs]
 
 
 def compute(tree: AssocTree, usage: Usage, algorithm: str, dampening: float = 1.0) -> list[Any]:

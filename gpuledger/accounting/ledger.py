@@ -1,6 +1,11 @@
-"""The ledger: Slurm's job records joined with the agents' measurements.
+"""The ledger: Slurm's job records joined with the agents' measurements, job by (cluster, job_id).
 
-A job seen by only one side is kept and flagged (``only``), never silently dropped.
+A job seen by only one side is kept and flagged, never silently dropped: ``seen_by`` is ``both``, ``slurm`` (no
+measurement: charged at its allocation) or ``agent`` (no scheduler record: charged from measurements, described
+at most by an agent's metadata).
+
+Clusters: usage carries the cluster its agent named, scheduler records the one sacct printed. Either may be
+unnamed (""): then it joins the other side's record of the same job id when exactly one cluster has that id.
 """
 
 from __future__ import annotations
@@ -8,43 +13,129 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpuledger.collector.ledger_store import LedgerReader
+from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage
+
+JobKey = tuple[str, str]  # (cluster, job_id)
 
 
 @dataclass(frozen=True, slots=True)
 class LedgerEntry:
     job_id: str
-    record: JobRecord | None
-    usage: JobUsage | None
+    record: JobRecord | None  # the scheduler's record (the authority)
+    usage: JobUsage | None  # measured, summed over the job's GPUs
+    cluster: str = ""
+    agent_record: JobRecord | None = None  # an agent's description; used only without a scheduler record
+    gpus: tuple[JobUsage, ...] = ()  # measured, per GPU
+
+    @property
+    def key(self) -> JobKey:
+        return (self.cluster, self.job_id)
+
+    @property
+    def seen_by(self) -> str:
+        """'both', 'slurm' (no measurement) or 'agent' (no scheduler record)."""
+        if self.record is None:
+            return "agent"
+        return "both" if self.usage is not None else "slurm"
 
     @property
     def only(self) -> str | None:
         """'scheduler' when no measurement exists, 'measured' when Slurm does not know the job, else None."""
-        if self.usage is None:
-            return "scheduler"
-        if self.record is None:
-            return "measured"
-        return None
+        return {"slurm": "scheduler", "agent": "measured"}.get(self.seen_by)
+
+    @property
+    def described(self) -> JobRecord | None:
+        """Who the job belongs to: the scheduler's record, else the agent's description."""
+        return self.record if self.record is not None else self.agent_record
 
     @property
     def account(self) -> str:
-        return (self.record.account if self.record and self.record.account else "(unknown)")
+        d = self.described
+        return d.account if d and d.account else "(unknown)"
 
     @property
     def user(self) -> str:
-        return (self.record.user if self.record and self.record.user else "(unknown)")
+        d = self.described
+        return d.user if d and d.user else "(unknown)"
+
+    @property
+    def measured(self) -> tuple[JobUsage, ...]:
+        """Per-GPU usage records, or the job-level one where per-GPU records were not loaded."""
+        return self.gpus or ((self.usage,) if self.usage is not None else ())
+
+    @property
+    def label(self) -> str:
+        """The job id, with its cluster where one is named: ``1234@alpha``."""
+        return f"{self.job_id}@{self.cluster}" if self.cluster else self.job_id
 
 
-def join(records: Iterable[JobRecord], usages: Iterable[JobUsage]) -> list[LedgerEntry]:
-    by_rec = {r.job_id: r for r in records}
-    by_use = {u.job_id: u for u in usages}
-    ids = sorted(set(by_rec) | set(by_use), key=_job_sort_key)
-    return [LedgerEntry(j, by_rec.get(j), by_use.get(j)) for j in ids]
+def _resolver(slurm_keys: Iterable[JobKey]):
+    """Maps a key of the agents' side to the scheduler's key it names (see the module docstring)."""
+    keys = set(slurm_keys)
+    by_id: dict[str, list[str]] = {}
+    for c, j in keys:
+        by_id.setdefault(j, []).append(c)
+
+    def resolve(key: JobKey) -> JobKey:
+        if key in keys:
+            return key
+        cluster, job_id = key
+        clusters = by_id.get(job_id, [])
+        if cluster == "" and len(clusters) == 1:
+            return (clusters[0], job_id)
+        if "" in clusters:
+            return ("", job_id)
+        return key
+
+    return resolve
+
+
+def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[JobUsage],
+         per_gpu: Iterable[JobUsage] = ()) -> list[LedgerEntry]:
+    """Entries from job records (scheduler records, or (record, source) pairs from ``job_records()``), job-level
+    usage and per-GPU usage; sorted by job id then cluster."""
+    slurm: dict[JobKey, JobRecord] = {}
+    agent: list[JobRecord] = []
+    for item in records:
+        rec, src = item if isinstance(item, tuple) else (item, SLURM)
+        if src == AGENT:
+            agent.append(rec)
+        else:
+            slurm[(rec.cluster, rec.job_id)] = rec
+    resolve = _resolver(slurm)
+    by_agent: dict[JobKey, JobRecord] = {}
+    for rec in agent:
+        by_agent.setdefault(resolve((rec.cluster, rec.job_id)), rec)
+    by_use: dict[JobKey, list[JobUsage]] = {}
+    for u in usages:
+        by_use.setdefault(resolve((u.cluster, u.job_id)), []).append(u)
+    by_gpu: dict[JobKey, list[JobUsage]] = {}
+    for u in per_gpu:
+        by_gpu.setdefault(resolve((u.cluster, u.job_id)), []).append(u)
+    keys = sorted(set(slurm) | set(by_use) | set(by_agent), key=lambda k: (_job_sort_key(k[1]), k[0]))
+    out = []
+    for k in keys:
+        uses = by_use.get(k, [])
+        # an unnamed agent side joined to a named record: two usage records of one job (rare) are summed
+        usage = uses[0] if len(uses) == 1 else (_sum(uses) if uses else None)
+        out.append(LedgerEntry(k[1], slurm.get(k), usage, k[0], by_agent.get(k), tuple(by_gpu.get(k, ()))))
+    return out
+
+
+def _sum(uses: list[JobUsage]) -> JobUsage:
+    from dataclasses import replace
+
+    first = uses[0]
+    return replace(first, host="*", first_ts=min(u.first_ts for u in uses), last_ts=max(u.last_ts for u in uses),
+                   samples=sum(u.samples for u in uses),
+                   allocated_gpu_seconds=sum(u.allocated_gpu_seconds for u in uses),
+                   sm_active_gpu_seconds=sum(u.sm_active_gpu_seconds for u in uses),
+                   energy_joules=sum(u.energy_joules for u in uses), gpus=sum(u.gpus for u in uses))
 
 
 def load(store: LedgerReader) -> list[LedgerEntry]:
-    return join(store.jobs(), store.job_usage())
+    return join(store.job_records(), store.job_usage(), store.job_usage(per_gpu=True))
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:

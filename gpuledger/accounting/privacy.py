@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.collector.pseudonym import KEY_NAME, PREFIX, Pseudonymizer, is_pseudonym, load_or_create_key  # noqa: F401
+from gpuledger.schema.records import JobRecord
 
 
 def apply_retention(
@@ -24,8 +25,8 @@ def apply_retention(
 ) -> int:
     """Pseudonymize user name (and drop the uid) in job records that ended more than ``days`` ago.
 
-    Works on the collector's SQLite store directly (its ``jobs`` table: ``job_id, cluster, data`` with ``data``
-    the JobRecord's JSON), one transaction. Jobs without an end are still running and kept. Returns the number
+    Works on the collector's SQLite store directly (its ``jobs`` table: ``cluster, job_id, source, data`` with
+    ``data`` the JobRecord's JSON), one transaction. Jobs without an end are still running and kept. Returns the number
     of records changed; running it again changes none.
     """
     if not days >= 0:
@@ -34,13 +35,16 @@ def apply_retention(
     path = Path(store_path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no gpuledger store")
+    from gpuledger.collector.store import SqliteStore
+
+    SqliteStore(path).close()  # an older store is migrated to today's tables first
     db = sqlite3.connect(path, isolation_level=None)
     try:
         db.execute("PRAGMA busy_timeout=10000")
         db.execute("BEGIN IMMEDIATE")
         changed = []
         try:
-            for job_id, cluster, data in db.execute("SELECT job_id, cluster, data FROM jobs").fetchall():
+            for job_id, cluster, source, data in db.execute("SELECT job_id, cluster, source, data FROM jobs").fetchall():
                 try:
                     d = json.loads(data)
                 except ValueError as e:
@@ -50,8 +54,8 @@ def apply_retention(
                     continue
                 d["user"] = None if user is None else pseudonymize(user)
                 d["uid"] = None
-                changed.append((json.dumps(d, sort_keys=True), job_id, cluster))
-            db.executemany("UPDATE jobs SET data=? WHERE job_id=? AND cluster=?", changed)
+                changed.append((json.dumps(d, sort_keys=True), job_id, cluster, source))
+            db.executemany("UPDATE jobs SET data=? WHERE job_id=? AND cluster=? AND source=?", changed)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -63,10 +67,9 @@ def apply_retention(
 
 def pseudonymize_entries(entries: Iterable[LedgerEntry], alias: Callable[[str], str]) -> list[LedgerEntry]:
     """The same entries with user names replaced by ``alias(user)`` and uids dropped (for every export)."""
-    out = []
-    for e in entries:
-        r = e.record
+    def hide(r: JobRecord | None) -> JobRecord | None:
         if r is not None and (r.user is not None or r.uid is not None):
             r = replace(r, user=None if r.user is None else alias(r.user), uid=None)
-        out.append(LedgerEntry(e.job_id, r, e.usage))
-    return out
+        return r
+
+    return [replace(e, record=hide(e.record), agent_record=hide(e.agent_record)) for e in entries]
