@@ -285,11 +285,14 @@ def jobs_list(
         entries = load_ledger(store)
     finally:
         store.close()
+    now = time.time()
+    rows = job_rows(entries, now)
     objs = []
-    for e in entries:
-        r, u = e.record, e.usage
+    for e, row in zip(entries, rows):
+        r, u = e.described, e.usage
         objs.append({
             "job_id": e.job_id,
+            "cluster": e.cluster,
             "user": r.user if r else None,
             "account": r.account if r else None,
             "partition": r.partition if r else None,
@@ -297,7 +300,11 @@ def jobs_list(
             "start": r.start if r else None,
             "end": r.end if r else None,
             "state": r.state if r else None,
-            "seen_by": "both" if e.only is None else e.only,
+            "seen_by": e.seen_by,
+            "slurm_gpu_seconds": None if row.slurm_gpu_hours is None else row.slurm_gpu_hours * 3600.0,
+            "observed_gpu_seconds": u.allocated_gpu_seconds if u else 0.0,
+            "coverage": row.coverage,
+            "unmeasured_gpu_seconds": row.unmeasured_gpu_hours * 3600.0,
             "usage": u.to_dict() if u else None,
         })
     if fmt is Fmt.json:
@@ -305,7 +312,7 @@ def jobs_list(
     elif fmt is Fmt.csv:
         raise _fail("jobs list supports --format table or json")
     else:
-        console.print(rich_table("Jobs", JOB_COLUMNS, job_rows(entries)))
+        console.print(rich_table("Jobs", JOB_COLUMNS, rows))
 
 
 def _read_arg(path: str) -> str:

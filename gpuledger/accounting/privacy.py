@@ -20,14 +20,36 @@ from gpuledger.collector.pseudonym import KEY_NAME, PREFIX, Pseudonymizer, is_ps
 from gpuledger.schema.records import JobRecord
 
 
+HORIZON_HALF_LIVES = 10  # usage older than this many half-lives weighs < 0.1% in fairshare
+
+
+def decay_horizon_start(now: float, half_life_s: float, reset: str = "NONE", tz: str | None = None) -> float:
+    """The earliest end time whose job still weighs in fairshare at ``now``: the last usage reset boundary, or
+    ``HORIZON_HALF_LIVES`` half-lives back, whichever is later; -inf when nothing decays or resets."""
+    from gpuledger.accounting.decay import last_reset_boundary
+
+    boundary = last_reset_boundary(reset, now, tz)
+    decayed = now - HORIZON_HALF_LIVES * half_life_s if half_life_s > 0 else -float("inf")
+    return max(decayed, boundary) if boundary is not None else decayed
+
+
+class InsideDecayHorizon(ValueError):
+    """Retention would pseudonymize job records that fairshare still weighs."""
+
+
 def apply_retention(
-    store_path: str | os.PathLike[str], pseudonymize: Pseudonymizer, days: float, now: float | None = None
+    store_path: str | os.PathLike[str], pseudonymize: Pseudonymizer, days: float, now: float | None = None,
+    horizon_start: float | None = None,
 ) -> int:
     """Pseudonymize user name (and drop the uid) in job records that ended more than ``days`` ago.
 
     Works on the collector's SQLite store directly (its ``jobs`` table: ``cluster, job_id, source, data`` with
     ``data`` the JobRecord's JSON), one transaction. Jobs without an end are still running and kept. Returns the number
     of records changed; running it again changes none.
+
+    With ``horizon_start`` (:func:`decay_horizon_start`), a record that would change and ended at or after it
+    (still weighs in fairshare) makes it raise :class:`InsideDecayHorizon` and change nothing; pass None to
+    go ahead (``--force``: fairshare still charges a pseudonymized user's association, through the key).
     """
     if not days >= 0:
         raise ValueError(f"retention days must be >= 0, got {days!r}")
@@ -52,6 +74,10 @@ def apply_retention(
                 end, user = d.get("end"), d.get("user")
                 if end is None or end >= cutoff or ((user is None or is_pseudonym(user)) and d.get("uid") is None):
                     continue
+                if horizon_start is not None and end >= horizon_start:
+                    raise InsideDecayHorizon(
+                        f"job {job_id}@{cluster} ended inside the decay horizon (after {horizon_start:.0f}): its "
+                        f"usage still weighs in fairshare; retention refuses such records without --force")
                 d["user"] = None if user is None else pseudonymize(user)
                 d["uid"] = None
                 changed.append((json.dumps(d, sort_keys=True), job_id, cluster, source))

@@ -212,6 +212,48 @@ def report_usage(
                                      "pseudonymized": pseudonymize}, per.to_dict())
 
 
+@report_app.command("reconcile")
+def report_reconcile(
+    data_dir: DataDir = Path("gpuledger-data"),
+    config: ConfigOpt = None,
+    start: Annotated[Optional[str], typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
+    end: Annotated[Optional[str], typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
+    period: Annotated[Optional[str], typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
+    fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
+    output: OutputOpt = None,
+) -> None:
+    """Per account, node and GPU model: Slurm-allocated vs observed GPU-hours, coverage, unmeasured GPU-hours,
+    and GPU-time and energy with no job (unattributed). What an auditor signs."""
+    import math
+
+    from gpuledger.accounting.report.reconcile import (RECONCILE_COLUMNS, reconcile, reconcile_csv,
+                                                       reconcile_json, reconcile_text)
+
+    try:
+        per = parse_period(period, start, end)
+    except ReportError as e:
+        raise _fail(str(e)) from None
+    store = _open_store(data_dir)
+    try:
+        entries = load_ledger(store)
+        hours = store.gpu_hours(per.start if math.isfinite(per.start) else None,
+                                per.end if math.isfinite(per.end) else None)
+    finally:
+        store.close()
+    rec = reconcile(entries, hours, per)
+    if fmt is TableFmt.table and output is None:
+        console.print(rich_table(f"Reconciliation with Slurm, period {per.label}", RECONCILE_COLUMNS,
+                                 [*rec.rows, rec.total]))
+        for n in rec.notes:
+            console.print(f"note: {escape(n)}")
+        return
+    text = {TableFmt.json: lambda: reconcile_json(rec) + "\n", TableFmt.csv: lambda: reconcile_csv(rec),
+            TableFmt.table: lambda: reconcile_text(rec)}[fmt]()
+    _emit(text, output)
+    _sign(output, data_dir, config, {"report": "reconcile", "format": fmt.value, "rows": len(rec.rows)},
+          per.to_dict())
+
+
 @report_app.command("jobs")
 def report_jobs(
     data_dir: DataDir = Path("gpuledger-data"),
@@ -548,16 +590,30 @@ def audit_retention(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
     days: Annotated[float | None, typer.Option(min=0.0, help="default: report.retention_days")] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="also records still inside the fairshare decay horizon")
+    ] = False,
 ) -> None:
-    """Pseudonymize user names in the store's job records that ended more than N days ago."""
-    from gpuledger.accounting.privacy import apply_retention
+    """Pseudonymize user names in the store's job records that ended more than N days ago (records still inside
+    the decay horizon, 10 half-lives or since the last usage reset, only with --force)."""
+    import time
+
+    from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
+    from gpuledger.accounting.privacy import apply_retention, decay_horizon_start
 
     settings = _settings(data_dir, config)
     days = settings.retention_days if days is None else days
     if days is None:
         raise _fail("no retention period: pass --days or set report.retention_days")
+    cfg_path = config or data_dir / "gpuledger.toml"
     try:
-        n = apply_retention(data_dir / STORE_NAME, _alias(data_dir), days)
+        acct = accounting_settings(load_config(cfg_path) if cfg_path.exists() else {}, cfg_path)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    horizon = None if force else decay_horizon_start(time.time(), acct.half_life_s, acct.usage_reset,
+                                                     acct.timezone or None)
+    try:
+        n = apply_retention(data_dir / STORE_NAME, _alias(data_dir), days, horizon_start=horizon)
     except (OSError, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"pseudonymized {n} job record(s) that ended more than {days:g} days ago")

@@ -252,10 +252,12 @@ class SqliteLedger:
     def merge_jobs(self, records: Iterable[JobRecord]) -> list[JobRecord]:
         """Insert or merge the scheduler's job records (one transaction); returns the stored records that are
         new or whose data changed. A field a record lacks keeps its stored value (:func:`merge_record`), so
-        importing the same jobs in another sacct format changes nothing."""
+        importing the same jobs in another sacct format changes nothing (a uid that only ``sacct -P`` prints
+        is stored without counting as a change: it is personal data, not accounting data)."""
         changed: list[JobRecord] = []
         with transaction(self._db) as db:
             for r in records:
+                r = replace(r, tres=tuple(sorted(r.tres)))  # sacct's JSON and -P list TRES in other orders
                 match = self._slurm_match(r.cluster, r.job_id)
                 if match is None:
                     db.execute("INSERT INTO jobs VALUES (?,?,?,?)", (r.cluster, r.job_id, SLURM, _job_json(r)))
@@ -265,12 +267,13 @@ class SqliteLedger:
                 merged = merge_record(old, r)
                 if merged == old:
                     continue
+                if replace(merged, uid=old.uid) != old:  # a uid only -P prints is stored, but is no change
+                    changed.append(merged)
                 if stored_cluster != merged.cluster:  # an unnamed record gets its cluster
                     db.execute("DELETE FROM jobs WHERE cluster=? AND job_id=? AND source=?",
                                (stored_cluster, r.job_id, SLURM))
                 db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?)",
                            (merged.cluster, merged.job_id, SLURM, _job_json(merged)))
-                changed.append(merged)
         return changed
 
     def put_jobs(self, records: Iterable[JobRecord]) -> int:

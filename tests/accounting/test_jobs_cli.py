@@ -45,8 +45,39 @@ def test_import_is_idempotent_and_list_joins_measurements(tmp_path: Path) -> Non
     assert (jobs["3"]["user"], jobs["3"]["account"], jobs["3"]["state"], jobs["3"]["gpus"]) == ("carol", "proj_b",
                                                                                                 "FAILED", 1)
     assert jobs["3"]["seen_by"] == "both" and jobs["3"]["usage"]["allocated_gpu_seconds"] == 20.0
-    assert jobs["999"]["seen_by"] == "measured" and jobs["999"]["user"] is None  # reported, not dropped
-    assert jobs["1"]["seen_by"] == "scheduler" and jobs["1"]["usage"] is None
+    assert jobs["999"]["seen_by"] == "agent" and jobs["999"]["user"] is None  # reported, not dropped
+    assert jobs["999"]["slurm_gpu_seconds"] is None and jobs["999"]["coverage"] is None
+    assert jobs["1"]["seen_by"] == "slurm" and jobs["1"]["usage"] is None
+    # job 1 ran with no agent: Slurm's allocation (end - start) x GPUs, none of it observed
+    j1 = jobs["1"]
+    assert j1["slurm_gpu_seconds"] == (j1["end"] - j1["start"]) * j1["gpus"] > 0
+    assert j1["unmeasured_gpu_seconds"] == j1["slurm_gpu_seconds"] and j1["coverage"] == 0.0
+    j3 = jobs["3"]  # 20 s observed of its allocation
+    assert j3["coverage"] == 20.0 / j3["slurm_gpu_seconds"]
+
+
+def test_reimport_in_another_format_keeps_what_the_richer_one_gave(tmp_path: Path) -> None:
+    d = str(tmp_path)
+    r = runner.invoke(app, ["jobs", "import", "--data-dir", d, "--sacct-json", str(REAL / "sacct-json-a-S-today.json")])
+    assert r.exit_code == 0, r.output
+    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    before = {j.job_id: j for j in store.jobs()}
+    store.close()
+    audit_before = (tmp_path / "audit.jsonl").read_text().count("\n") if (tmp_path / "audit.jsonl").exists() else None
+    # sacct -P of the same jobs has no GPU UUIDs and prints times in the machine's zone; nothing Slurm said changed
+    r = runner.invoke(app, ["jobs", "import", "--data-dir", d, "--sacct-parsable", str(REAL / "sacct-a-P-S-today.txt")])
+    assert r.exit_code == 0, r.output
+    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    after = {j.job_id: j for j in store.jobs()}
+    store.close()
+    assert set(after) >= set(before)
+    for job_id, old in before.items():
+        assert after[job_id].hosts == old.hosts and after[job_id].account == old.account, job_id
+        assert after[job_id].tres == old.tres or not old.tres, job_id
+    if audit_before is not None:
+        audit_after = (tmp_path / "audit.jsonl").read_text().count("\n")
+        changed = int(r.output.split("; ")[1].split()[0])
+        assert audit_after - audit_before <= changed  # an audit entry only for a record that changed
 
 
 def test_import_names_the_bad_input(tmp_path: Path) -> None:

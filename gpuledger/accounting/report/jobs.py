@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from gpuledger.accounting.charge import allocation
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.tables import fmt_optional
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
@@ -22,6 +25,11 @@ class JobRow:
     energy_kwh: float
     efficiency: float | None
     only: str | None  # which side alone saw the job (see LedgerEntry.only)
+    cluster: str = ""
+    seen_by: str = "both"  # both | slurm | agent (LedgerEntry.seen_by)
+    slurm_gpu_hours: float | None = None  # Slurm-allocated (elapsed x GPUs); None without a scheduler record
+    coverage: float | None = None  # observed / Slurm-allocated GPU-time
+    unmeasured_gpu_hours: float = 0.0  # Slurm-allocated GPU-time no agent observed
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +43,15 @@ class GroupRow:
     energy_kwh: float
 
 
-def job_rows(entries: Iterable[LedgerEntry]) -> list[JobRow]:
+def job_rows(entries: Iterable[LedgerEntry], now: float | None = None) -> list[JobRow]:
+    now = time.time() if now is None else now
     rows = []
     for e in entries:
         u = e.usage
-        gpus = u.gpus if u else (e.record.gpus or 0 if e.record else 0)
+        alloc = allocation(e.record, now)
+        slurm_s = None if alloc is None else math.fsum(alloc.values())
+        observed = u.allocated_gpu_seconds if u else 0.0
+        gpus = e.record.gpus if e.record and e.record.gpus is not None else (u.gpus if u else 0)
         rows.append(
             JobRow(
                 job_id=e.job_id,
@@ -52,6 +64,11 @@ def job_rows(entries: Iterable[LedgerEntry]) -> list[JobRow]:
                 energy_kwh=u.energy_joules / JOULES_PER_KWH if u else 0.0,
                 efficiency=u.efficiency if u else None,
                 only=e.only,
+                cluster=e.cluster,
+                seen_by=e.seen_by,
+                slurm_gpu_hours=None if slurm_s is None else slurm_s / SECONDS_PER_HOUR,
+                coverage=observed / slurm_s if slurm_s else None,
+                unmeasured_gpu_hours=0.0 if slurm_s is None else max(0.0, slurm_s - observed) / SECONDS_PER_HOUR,
             )
         )
     return rows
@@ -75,11 +92,15 @@ def _group(account: str, user: str | None, rows: Sequence[JobRow]) -> GroupRow:
 
 
 JOB_COLUMNS: list[tuple[str, Callable[[JobRow], str]]] = [
-    ("Job", lambda r: r.job_id + ("*" if r.only else "")),
+    ("Job", lambda r: r.job_id + (f"@{r.cluster}" if r.cluster else "") + ("*" if r.only else "")),
+    ("Seen by", lambda r: r.seen_by),
     ("User", lambda r: r.user),
     ("Account", lambda r: r.account),
     ("GPUs", lambda r: str(r.gpus)),
+    ("Slurm GPU-h", lambda r: fmt_optional(r.slurm_gpu_hours, ".2f")),
     ("GPU-h", lambda r: fmt_optional(r.gpu_hours, ".2f")),
+    ("Coverage", lambda r: fmt_optional(r.coverage, ".0%")),
+    ("Unmeasured GPU-h", lambda r: fmt_optional(r.unmeasured_gpu_hours, ".2f")),
     ("SM-active GPU-h", lambda r: fmt_optional(r.sm_active_gpu_hours, ".2f")),
     ("Mean HBM", lambda r: fmt_optional(r.hbm_mean, ".0%")),
     ("Energy kWh", lambda r: fmt_optional(r.energy_kwh, ".2f")),

@@ -10,12 +10,14 @@ import csv
 import io
 import json
 import math
+import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from itertools import chain
 from typing import Any
 
+from gpuledger.accounting.charge import allocation
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
@@ -44,6 +46,8 @@ class UsageRow:
     queue_wait_mean_h: float | None  # start - submit, over the jobs whose Slurm record has both
     queue_wait_jobs: int
     unmeasured_jobs: int  # jobs Slurm knows that have no measurement (counted, zero usage)
+    slurm_gpu_hours: float = 0.0  # Slurm-allocated GPU-hours (elapsed x GPUs) of the jobs Slurm knows
+    unmeasured_gpu_hours: float = 0.0  # of those, allocated GPU-hours no agent observed (charged by the rule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +72,12 @@ class _GroupColumns:
     one group lie scattered in memory.
     """
 
-    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured", "job_ids")
+    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured", "job_ids", "slurm_s", "unmeasured_s")
 
     def __init__(self) -> None:
         self.values = array("d")
         self.co2e_kg, self.waits = array("d"), array("d")
+        self.slurm_s, self.unmeasured_s = array("d"), array("d")  # per job Slurm knows
         self.jobs = self.unmeasured = 0
         self.job_ids: set[str] = set()  # by node only: a job on several GPUs of a node is one job there
 
@@ -123,7 +128,7 @@ def usage_report(
     n_jobs = 0
     start, end = period.start, period.end
     for entry in entries:
-        record, usage = entry.record, entry.usage
+        record, usage = entry.described, entry.usage
         # period.job_end(), inlined: this runs once per job record
         ended = record.end if record is not None and record.end is not None else (
             usage.last_ts if usage is not None else None)
@@ -136,6 +141,11 @@ def usage_report(
             everything.waits.append(wait)
         if usage is None:
             everything.unmeasured += 1
+        alloc_s = _slurm_seconds(entry, end)
+        if alloc_s is not None:
+            missing = max(0.0, alloc_s - (usage.allocated_gpu_seconds if usage is not None else 0.0))
+            everything.slurm_s.append(alloc_s)
+            everything.unmeasured_s.append(missing)
         if per_gpu is not None and by == "node" and usage is not None:
             # a job counts once per node; its per-GPU records split its numbers among the nodes
             for gpu_usage in per_gpu.get(entry.job_id) or (usage,):
@@ -156,6 +166,9 @@ def usage_report(
         cols.jobs += 1
         if wait is not None:
             cols.waits.append(wait)
+        if alloc_s is not None:
+            cols.slurm_s.append(alloc_s)
+            cols.unmeasured_s.append(missing)
         if usage is None:
             cols.unmeasured += 1
             continue
@@ -175,7 +188,8 @@ def usage_report(
     rows = [_usage_row(k, [cols], cols.jobs, cols.waits, cols.unmeasured, settings)
             for k, cols in sorted(groups.items())]
     # The totals: one fsum over every record (not a sum of rounded group sums), so they reconcile exactly.
-    total = _usage_row(TOTAL, list(groups.values()), n_jobs, everything.waits, everything.unmeasured, settings)
+    total = _usage_row(TOTAL, list(groups.values()), n_jobs, everything.waits, everything.unmeasured, settings,
+                       everything)
     return UsageReport(by, period, rows, total, settings.currency)
 
 
@@ -196,8 +210,14 @@ def _add_usage(cols: _GroupColumns, record: Any, usage: JobUsage, grid: GridInte
         cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(usage.first_ts, usage.last_ts) / 1000.0)
 
 
+def _slurm_seconds(entry: LedgerEntry, period_end: float) -> float | None:
+    """Slurm-allocated GPU-seconds of a job (None without a scheduler record); a running job up to now."""
+    alloc = allocation(entry.record, min(period_end, time.time()))
+    return None if alloc is None else math.fsum(alloc.values())
+
+
 def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence[float], unmeasured: int,
-               settings: ReportSettings) -> UsageRow:
+               settings: ReportSettings, slurm: _GroupColumns | None = None) -> UsageRow:
     def fsum(column: int) -> float:
         return math.fsum(chain.from_iterable(g.values[column::N_COLUMNS] for g in groups))
 
@@ -223,6 +243,11 @@ def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence
         queue_wait_mean_h=math.fsum(waits) / len(waits) / SECONDS_PER_HOUR if waits else None,
         queue_wait_jobs=len(waits),
         unmeasured_jobs=unmeasured,
+        # by node a job's Slurm allocation is not split among nodes: the totals row holds it (slurm=)
+        slurm_gpu_hours=math.fsum(chain.from_iterable(g.slurm_s for g in ([slurm] if slurm else groups)))
+        / SECONDS_PER_HOUR,
+        unmeasured_gpu_hours=math.fsum(chain.from_iterable(g.unmeasured_s for g in ([slurm] if slurm else groups)))
+        / SECONDS_PER_HOUR,
     )
 
 
@@ -239,6 +264,8 @@ def usage_columns(by: str, currency: str = "") -> list[tuple[str, Callable[[Usag
         ("CO2e kg", lambda r: fmt_optional(r.co2e_kg, ".2f")),
         (cost, lambda r: fmt_optional(r.cost, ".2f")),
         ("Idle GPU-h", lambda r: fmt_optional(r.idle_gpu_hours, ".2f")),
+        ("Slurm GPU-h", lambda r: fmt_optional(r.slurm_gpu_hours, ".2f")),
+        ("Unmeasured GPU-h", lambda r: fmt_optional(r.unmeasured_gpu_hours, ".2f")),
         ("Mean wait h", lambda r: fmt_optional(r.queue_wait_mean_h, ".2f")),
     ]
 
