@@ -28,6 +28,7 @@ from gpuledger.accounting.engine import association_usage, audit_charges, comput
 from gpuledger.accounting.ledger import LedgerEntry, join
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
+from gpuledger.accounting.privacy import decay_horizon_start
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import rich_table
 from gpuledger.collector.auditlog.jobs import job_key
@@ -130,11 +131,13 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         try:
             jobs, usages = store.jobs(), store.job_usage()
             entries = join(store.job_records(), usages, store.job_usage(per_gpu=True))
+            busy = store.busy_hours(decay_horizon_start(now, settings.half_life_s, settings.usage_reset,
+                                                        settings.timezone or None))
         finally:
             store.close()
         alias = _history_alias(data_dir, entries)
         if not record:
-            result = association_usage(entries, settings, tree, now, alias=alias)
+            result = association_usage(entries, settings, tree, now, alias=alias, busy=busy)
             _warn(result)
             return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings
         with open_log(data_dir) as log:
@@ -146,7 +149,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
                                  "were logged?); `--accept-store-changes REASON` logs them as corrections:\n"
                                  + "\n".join(lines)), highlight=False, soft_wrap=True)
                 raise typer.Exit(code=1)
-            result = association_usage(entries, settings, tree, now, alias=alias)
+            result = association_usage(entries, settings, tree, now, alias=alias, busy=busy)
             _warn(result)
             rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
             charges = audit_charges(result.jobs)

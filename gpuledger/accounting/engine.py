@@ -4,9 +4,14 @@ Every job Slurm ran is charged: at least its allocation's unmeasured part (``cha
 still moves fairshare. A job without a scheduler record is charged from its measurements to the association an
 agent described (flagged ``seen_by: agent``), or, when nobody named one, reported as unmatched.
 
-Placement in time (what decay sees): the part charged for Slurm's allocation is spread over the allocation's
-[start, end]; each GPU's measured part over that GPU's [first, last] sample. (The collector keeps hourly buckets
-per GPU, not per job, so a job's own hours are not stored; per-GPU spans are the closest stored placement.)
+Placement in time (what decay sees): the part charged for Slurm's allocation (unmeasured GPU-time, or all of it
+under ``allocated``'s unobserved share) is spread evenly over the allocation's [start, end], as Slurm accrues
+it. Each GPU's measured part goes into the hours it was used, from the collector's hourly buckets of that GPU
+(``busy_hours``: GPU-seconds that carried a job per hour): hour h gets the weight min(the job's span on the GPU
+within h, the GPU's busy seconds in h), so an hour the agent was silent (busy 0) gets nothing, and a job that
+shares an hour with the GPU's next job gets only its own part of it. The buckets are per GPU, not per job: when
+two jobs share a GPU-hour, each is weighted by its span, not its exact seconds. Without buckets (a ledger from
+elsewhere), a GPU's part is spread over its [first, last] sample.
 
 Pseudonymized history: after ``audit retention`` a record's user is a pseudonym; it still charges the tree's
 association whose user pseudonymizes to it (``alias``), so fairshare does not forget it.
@@ -15,7 +20,9 @@ association whose user pseudonymizes to it (``alias``), so fairshare does not fo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+import bisect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,7 @@ from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.decay import decayed_usage
 from gpuledger.accounting.fairshare import Usage, classic, fair_tree
 from gpuledger.accounting.ledger import LedgerEntry
+from gpuledger.schema.records import JobUsage
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +70,35 @@ def job_charge(e: LedgerEntry, settings: AccountingSettings, now: float) -> JobC
     return settings.charge_policy().charge_job(allocation(e.record, now), e.measured)
 
 
-def _pieces(e: LedgerEntry, c: JobCharge, policy: ChargePolicy, now: float) -> list[tuple[float, float, float]]:
+HOUR = 3600.0
+Busy = Mapping[tuple[str, str, str], Sequence[tuple[float, float]]]
+
+
+def _gpu_key(u: JobUsage) -> tuple[str, str, str]:
+    uuid, _, mig = u.gpu_uuid.partition("/")
+    return (u.host, uuid, mig)
+
+
+def hourly_pieces(u: JobUsage, amount: float, busy: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
+    """One GPU's measured charge placed in the hours it was used (module docstring); ``busy`` the GPU's
+    (hour start, busy GPU-seconds) in time order."""
+    first, last = u.first_ts, u.last_ts
+    i = bisect.bisect_left(busy, (math.floor(first / HOUR) * HOUR, -math.inf))
+    weights = []
+    while i < len(busy) and busy[i][0] < last:
+        h, seconds = busy[i]
+        span = min(h + HOUR, last) - max(h, first)
+        if span > 0 and seconds > 0:
+            weights.append((max(h, first), min(h + HOUR, last), min(span, seconds)))
+        i += 1
+    total = math.fsum(w for _, _, w in weights)
+    if total <= 0:
+        return [(first, last, amount)]
+    return [(a, b, amount * w / total) for a, b, w in weights]
+
+
+def _pieces(e: LedgerEntry, c: JobCharge, policy: ChargePolicy, now: float,
+            busy: Busy | None = None) -> list[tuple[float, float, float]]:
     """(start, end, amount) placements of a job's charge in time (see the module docstring)."""
     out = []
     r = e.record
@@ -76,14 +112,19 @@ def _pieces(e: LedgerEntry, c: JobCharge, policy: ChargePolicy, now: float) -> l
         if sum(weights) <= 0:
             weights = [1.0] * len(gpus)
         total = sum(weights)
-        out += [(u.first_ts, u.last_ts, c.measured * w / total) for u, w in zip(gpus, weights)]
+        for u, w in zip(gpus, weights):
+            hours = busy.get(_gpu_key(u)) if busy is not None else None
+            amount = c.measured * w / total
+            out += hourly_pieces(u, amount, hours) if hours else [(u.first_ts, u.last_ts, amount)]
     return out
 
 
 def association_usage(
     entries: Iterable[LedgerEntry], settings: AccountingSettings, tree: AssocTree, now: float,
-    alias: Callable[[str], str] | None = None,
+    alias: Callable[[str], str] | None = None, busy: Busy | None = None,
 ) -> UsageResult:
+    """Decayed usage per association at ``now``; ``busy`` (the store's ``busy_hours``) places measured charges
+    in the hours they were used, ``alias`` maps pseudonymized users back to the tree's (module docstring)."""
     policy = settings.charge_policy()
     known = set(tree.user_keys())
     # a pseudonymized record's user -> the tree's user it stands for
@@ -102,7 +143,7 @@ def association_usage(
             continue
         key = (d.account, d.user)
         key = key if key in known else unalias.get(key, key)
-        pieces = _pieces(e, c, policy, now)
+        pieces = _pieces(e, c, policy, now, busy)
         for start, end, amount in pieces:
             charges.append(((key, e.key), start, end, amount))
         first = min((p[0] for p in pieces), default=now)

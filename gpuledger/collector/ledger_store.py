@@ -126,6 +126,7 @@ class LedgerReader(Protocol):
     def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
     def counter_anomalies(self) -> int: ...
     def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
+    def busy_hours(self, since: float | None = None) -> dict[GpuKey, list[tuple[float, float]]]: ...
 
 
 class LedgerStore(LedgerReader, Protocol):
@@ -437,6 +438,18 @@ class SqliteLedger:
             args).fetchall()
         return [{"host": r[0], "gpu_uuid": r[1], "mig": r[2], "observed_gpu_seconds": r[3],
                  "job_gpu_seconds": r[4], "energy_joules": r[5], "model": r[6], "cluster": r[7]} for r in rows]
+
+    def busy_hours(self, since: float | None = None) -> dict[GpuKey, list[tuple[float, float]]]:
+        """Per GPU: (hour start, GPU-seconds that carried a job) of every hour bucket with any, in time order;
+        hours starting before ``since`` left out. Where in time a job's measured use fell (decay placement)."""
+        sql = "SELECT host, gpu_uuid, mig, hour, alloc_s FROM gpu_hours WHERE alloc_s > 0"
+        args: tuple = ()
+        if since is not None and math.isfinite(since):
+            sql, args = sql + " AND hour >= ?", (math.floor(since / 3600.0) * 3600.0,)
+        out: dict[GpuKey, list[tuple[float, float]]] = {}
+        for host, uuid, mig, hour, alloc in self._db.execute(sql + " ORDER BY host, gpu_uuid, mig, hour", args):
+            out.setdefault((host, uuid, mig), []).append((hour, alloc))
+        return out
 
 
 def authoritative(records: Iterable[tuple[JobRecord, str]]) -> list[JobRecord]:

@@ -282,6 +282,11 @@ class SqliteStore:
         with self._lock:
             return self.ledger.job_usage(job_id, per_gpu, cluster)
 
+    def busy_hours(self, since: float | None = None) -> dict[tuple[str, str, str], list[tuple[float, float]]]:
+        """Per GPU: (hour start, GPU-seconds that carried a job) of its hour buckets (``SqliteLedger.busy_hours``)."""
+        with self._lock:
+            return self.ledger.busy_hours(since)
+
     def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]:
         """Per GPU over whole hours in [start, end): observed and job-carrying GPU-seconds, energy."""
         with self._lock:
