@@ -7,11 +7,13 @@ agent described (flagged ``seen_by: agent``), or, when nobody named one, reporte
 Placement in time (what decay sees): the part charged for Slurm's allocation (unmeasured GPU-time, or all of it
 under ``allocated``'s unobserved share) is spread evenly over the allocation's [start, end], as Slurm accrues
 it. Each GPU's measured part goes into the hours it was used, from the collector's hourly buckets of that GPU
-(``busy_hours``: GPU-seconds that carried a job per hour): hour h gets the weight min(the job's span on the GPU
-within h, the GPU's busy seconds in h), so an hour the agent was silent (busy 0) gets nothing, and a job that
-shares an hour with the GPU's next job gets only its own part of it. The buckets are per GPU, not per job: when
-two jobs share a GPU-hour, each is weighted by its span, not its exact seconds. Without buckets (a ledger from
-elsewhere), a GPU's part is spread over its [first, last] sample.
+(``busy_hours``: GPU-seconds that carried a job, each sample interval in the bucket of the hour its end falls
+in): bucket h gets the weight min(the job's span on the GPU within that bucket's reach, the GPU's busy seconds
+in it), so an hour the agent was silent (busy 0) gets nothing, and a job that shares an hour with the GPU's next
+job gets at most its own span of it. A bucket reaches one sample interval back (an interval ending at h + 10 s
+began before h); the interval is estimated as observed GPU-seconds / (samples - 1). The buckets are per GPU,
+not per job: when two jobs share a GPU-hour at once, each is weighted by its span, not its exact seconds.
+Without buckets (a ledger from elsewhere), a GPU's part is spread over its [first, last] sample.
 
 Pseudonymized history: after ``audit retention`` a record's user is a pseudonym; it still charges the tree's
 association whose user pseudonymizes to it (``alias``), so fairshare does not forget it.
@@ -83,13 +85,14 @@ def hourly_pieces(u: JobUsage, amount: float, busy: Sequence[tuple[float, float]
     """One GPU's measured charge placed in the hours it was used (module docstring); ``busy`` the GPU's
     (hour start, busy GPU-seconds) in time order."""
     first, last = u.first_ts, u.last_ts
+    step = u.allocated_gpu_seconds / (u.samples - 1) if u.samples > 1 else 0.0  # a sample interval, estimated
     i = bisect.bisect_left(busy, (math.floor(first / HOUR) * HOUR, -math.inf))
     weights = []
-    while i < len(busy) and busy[i][0] < last:
+    while i < len(busy) and busy[i][0] - step < last:
         h, seconds = busy[i]
-        span = min(h + HOUR, last) - max(h, first)
-        if span > 0 and seconds > 0:
-            weights.append((max(h, first), min(h + HOUR, last), min(span, seconds)))
+        a, b = max(h - step, first), min(h + HOUR - step, last)  # the time bucket h's intervals cover
+        if b > a and seconds > 0:
+            weights.append((a, b, min(b - a + step, seconds)))  # + step: the estimate's slack at the edges
         i += 1
     total = math.fsum(w for _, _, w in weights)
     if total <= 0:

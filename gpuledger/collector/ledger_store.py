@@ -90,7 +90,7 @@ def migrate_v2(db: sqlite3.Connection) -> None:
     """Move a v2 ledger to v3 (call inside a transaction): see the module docstring."""
     db.execute("ALTER TABLE usage RENAME TO usage_v2")
     db.execute("DROP INDEX IF EXISTS usage_by_gpu")
-    db.executescript(_USAGE_TABLE.replace("IF NOT EXISTS ", ""))
+    _statements(db, _USAGE_TABLE)
     # fields added since the v2 store was written (energy accumulators) start at 0, as _add_columns does
     have = set(_columns(db, "usage_v2"))
     values = ", ".join(f if f in have else "0" for f in USAGE_FIELDS)
@@ -98,9 +98,17 @@ def migrate_v2(db: sqlite3.Connection) -> None:
     db.execute("DROP TABLE usage_v2")
     if "source" not in _columns(db, "jobs"):
         db.execute("ALTER TABLE jobs RENAME TO jobs_v2")
-        db.executescript(_JOBS_TABLE.replace("IF NOT EXISTS ", ""))
+        db.execute("DROP INDEX IF EXISTS jobs_by_id")
+        _statements(db, _JOBS_TABLE)
         db.execute(f"INSERT INTO jobs SELECT cluster, job_id, '{SLURM}', data FROM jobs_v2")
         db.execute("DROP TABLE jobs_v2")
+
+
+def _statements(db: sqlite3.Connection, script: str) -> None:
+    # one by one: executescript would commit the migration's transaction half-way
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
 
 
 _EMPTY = (None, "", ())
