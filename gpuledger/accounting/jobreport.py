@@ -120,16 +120,31 @@ class Note:
 
 
 @dataclass(frozen=True, slots=True)
+class Coverage:
+    """Slurm's allocation against what agents observed (``accounting.charge``)."""
+
+    seen_by: str  # both | slurm | agent
+    slurm_gpu_seconds: float | None  # None without a scheduler record
+    observed_gpu_seconds: float
+    coverage: float | None
+    unmeasured_gpu_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class JobReport:
     job_id: str
     record: JobRecord | None
     total: JobUsage | None
     gpus: list[GpuView]
     notes: list[Note]
+    cluster: str = ""
+    allocation: Coverage | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
+            "cluster": self.cluster,
+            "allocation": asdict(self.allocation) if self.allocation else None,
             "record": self.record.to_dict() if self.record else None,
             "total": self.total.to_dict() if self.total else None,
             "gpus": [{"usage": g.usage.to_dict(),
@@ -159,16 +174,35 @@ def gpu_events(samples: Iterable[GpuSample], job_id: str) -> GpuEvents:
     return GpuEvents(n, mem_total, dict(sorted(xid.items())), dict(sorted(thr.items())))
 
 
-def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = None) -> JobReport:
-    """Gather a job's records from the store (``jobs``, ``job_usage``, ``series``) and build its report.
+def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = None, cluster: str | None = None,
+                    now: float | None = None) -> JobReport:
+    """Gather a job's records from the store (``job_records``, ``job_usage``, ``series``) and build its report.
 
-    Raises LookupError when the store knows nothing of the job.
+    Raises LookupError when the store knows nothing of the job, or when the id is in several clusters and
+    ``cluster`` does not say which.
     """
-    record = next((r for r in store.jobs() if r.job_id == job_id), None)
-    per_gpu = store.job_usage(job_id, per_gpu=True)
-    if record is None and not per_gpu:
-        raise LookupError(f"job {job_id}: neither a scheduler record nor a measurement in the store")
-    total = next(iter(store.job_usage(job_id)), None)
+    import time
+
+    from gpuledger.accounting.charge import allocation
+    from gpuledger.accounting.ledger import join
+
+    entries = join([(r, src) for r, src in store.job_records() if r.job_id == job_id], store.job_usage(job_id),
+                   store.job_usage(job_id, per_gpu=True))
+    if cluster is not None:
+        entries = [e for e in entries if e.cluster == cluster]
+    if not entries:
+        where = f" in cluster {cluster!r}" if cluster is not None else ""
+        raise LookupError(f"job {job_id}{where}: neither a scheduler record nor a measurement in the store")
+    if len(entries) > 1:
+        raise LookupError(f"job {job_id} is in clusters {', '.join(repr(e.cluster) for e in entries)}: "
+                          f"name one with --cluster")
+    (e,) = entries
+    record, total, per_gpu = e.described, e.usage, e.gpus
+    alloc = allocation(e.record, time.time() if now is None else now)
+    slurm_s = None if alloc is None else math.fsum(alloc.values())
+    observed = total.allocated_gpu_seconds if total is not None else 0.0
+    coverage = Coverage(e.seen_by, slurm_s, observed, observed / slurm_s if slurm_s else None,
+                        0.0 if slurm_s is None else max(0.0, slurm_s - observed))
     views = []
     for u in per_gpu:
         uuid, _, mig = u.gpu_uuid.partition("/")
@@ -176,13 +210,14 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
         samples = cast(list[GpuSample], store.series(u.host, uuid, u.first_ts, u.last_ts, mig=mig or None, tier=RAW))
         ev = gpu_events(samples, job_id)
         views.append(GpuView(u, ev))
-    return build_job_report(job_id, record, total, views, rules or Rules())
+    return build_job_report(job_id, record, total, views, rules or Rules(), e.cluster, coverage)
 
 
 def build_job_report(
-    job_id: str, record: JobRecord | None, total: JobUsage | None, gpus: Sequence[GpuView], rules: Rules
+    job_id: str, record: JobRecord | None, total: JobUsage | None, gpus: Sequence[GpuView], rules: Rules,
+    cluster: str = "", coverage: Coverage | None = None,
 ) -> JobReport:
-    return JobReport(job_id, record, total, list(gpus), efficiency_notes(total, gpus, rules))
+    return JobReport(job_id, record, total, list(gpus), efficiency_notes(total, gpus, rules), cluster, coverage)
 
 
 def _pct(x: float | None) -> str:
@@ -283,15 +318,22 @@ def _f(v: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def to_text(rep: JobReport) -> str:
-    lines = [f"Job {rep.job_id}"]
+    lines = [f"Job {rep.job_id}" + (f" (cluster {rep.cluster})" if rep.cluster else "")]
     r, t = rep.record, rep.total
+    a = rep.allocation
+    if a is not None and a.seen_by == "agent":
+        lines.append("  (no scheduler record: measured only, seen_by agent"
+                     + ("; user and account as an agent described them)" if r is not None else ")"))
+    if a is not None and a.slurm_gpu_seconds is not None:
+        lines.append(f"  Slurm allocated {a.slurm_gpu_seconds / 3600:.2f} GPU-h, observed {a.observed_gpu_seconds / 3600:.2f} "
+                     f"GPU-h, coverage {_pct(a.coverage)}, unmeasured {a.unmeasured_gpu_seconds / 3600:.2f} GPU-h")
     if r is not None:
         lines.append(f"  user {r.user or '-'}  account {r.account or '-'}  partition {r.partition or '-'}  "
                      f"state {r.state or '-'}  GPUs {r.gpus if r.gpus is not None else '-'}")
         if r.start is not None and r.end is not None:
             lines.append(f"  run time {(r.end - r.start) / 3600:.2f} h" + (
                 f", queued {(r.start - r.submit) / 3600:.2f} h" if r.submit is not None else ""))
-    else:
+    elif a is None:
         lines.append("  (no scheduler record: measured only)")
     if t is not None:
         lines.append(f"  allocated {t.allocated_gpu_seconds / 3600:.2f} GPU-h, "

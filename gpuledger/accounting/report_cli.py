@@ -284,8 +284,10 @@ def report_job(
     config: ConfigOpt = None,
     fmt: Annotated[TextFmt, typer.Option("--format")] = TextFmt.text,
     pseudonymize: Pseudo = False,
+    cluster: Annotated[Optional[str], typer.Option(help="the job's cluster, where two clusters share the id")] = None,
 ) -> None:
-    """One job's efficiency report: per GPU activity, memory, power, energy, events; notes with their numbers."""
+    """One job's efficiency report: Slurm allocation vs observed (coverage); per GPU activity, memory, power,
+    energy, events; notes with their numbers."""
     settings = _settings(data_dir, config)
     try:
         rules = jr.Rules.from_mapping(settings.rules)
@@ -293,7 +295,7 @@ def report_job(
         raise _fail(f"{config or data_dir / CONFIG_NAME}: {e}") from None
     store = _open_store(data_dir)
     try:
-        rep = jr.load_job_report(store, job_id, rules)
+        rep = jr.load_job_report(store, job_id, rules, cluster)
     except LookupError as e:
         raise _fail(str(e)) from None
     finally:

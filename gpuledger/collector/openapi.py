@@ -165,12 +165,16 @@ def openapi_document() -> dict[str, Any]:
                                 "description": "(agent_id, seq) identifies a batch: a batch seen before is "
                                                "acknowledged and not stored again"},
                         "host": {"type": "string", "minLength": 1, "description": "every sample's host"},
+                        "cluster": {"type": "string", "maxLength": 256,
+                                    "description": "optional: the Slurm cluster the host is in (jobs are "
+                                                   "(cluster, job_id)); absent or empty = not named"},
                         "samples": {"type": "array", "items": {"$ref": _REF + "GpuSample"}},
                         "series": {"type": "array", "items": {"$ref": _REF + "GpuSeries"}},
                         "jobs": {"type": "array", "items": {"$ref": _REF + "JobRecord"},
                                  "description": "optional: metadata of jobs on this host (user, account, GPUs); "
-                                                "it fills jobs the ledger does not know and never replaces "
-                                                "a record the scheduler gave"},
+                                                "each must list the batch's host in hosts (one without hosts "
+                                                "is left out), and is kept only for a job whose samples came "
+                                                "from the host; the scheduler's record of a job always wins"},
                     },
                 },
                 "IngestResult": {

@@ -17,6 +17,7 @@ from gpuledger.accounting.charge import ChargePolicy, allocation
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.engine import association_usage
+from gpuledger.accounting.jobreport import load_job_report, to_text
 from gpuledger.accounting.ledger import load
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.server import CollectorServer
@@ -90,6 +91,10 @@ def test_job_seen_only_by_slurm_is_charged_its_allocation(collector):
     res = association_usage([e], AccountingSettings(policy="allocated", **NO_DECAY), TREE, NOW)
     assert res.usage[("proj_a", "alice")] == pytest.approx(7200.0)
     assert res.jobs[0].seen_by == "slurm" and res.jobs[0].coverage == 0.0
+    rep = load_job_report(store, "10", now=NOW)
+    assert (rep.allocation.seen_by, rep.allocation.coverage, rep.allocation.unmeasured_gpu_seconds) == \
+        ("slurm", 0.0, 7200.0)
+    assert "coverage 0.0%, unmeasured 2.00 GPU-h" in to_text(rep)
 
 
 def test_job_seen_only_by_agents_is_charged_from_measurements_and_flagged(collector):
@@ -129,6 +134,11 @@ def test_two_clusters_with_the_same_job_id_stay_apart(collector):
     res = association_usage(list(entries.values()), AccountingSettings(policy="allocated", **NO_DECAY), TREE, NOW)
     assert res.usage == pytest.approx({("proj_a", "alice"): 20.0, ("proj_b", "bob"): 40.0})
     assert sorted(j.coverage for j in res.jobs) == [1.0, 1.0]
+    # `report job 7` must say which: the id is in two clusters
+    with pytest.raises(LookupError, match="clusters 'alpha', 'beta'"):
+        load_job_report(store, "7")
+    rep = load_job_report(store, "7", cluster="beta", now=NOW)
+    assert (rep.record.account, rep.allocation.slurm_gpu_seconds, rep.allocation.coverage) == ("proj_b", 40.0, 1.0)
 
 
 def test_forged_agent_metadata_is_refused_or_outvoted(collector):
