@@ -39,31 +39,54 @@ UNMEASURED_RULES: tuple[str, ...] = ("allocated", "floor", "mean")
 _RUNNING = ("RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "RESIZING")
 
 
-def allocation(record: JobRecord | None, now: float) -> dict[str, float] | None:
-    """Slurm-allocated GPU-seconds per GPU model ("" when untyped) of a job: (end or now) - start, x GPUs.
-
-    None when there is no scheduler record or it has no start (never ran); {} for a job without GPUs. A typed
-    ``gres/gpu:<type>`` entry of AllocTRES gives the model; the untyped count covers what the typed ones don't.
-    """
+def _elapsed(record: JobRecord | None, now: float) -> float | None:
+    """Seconds the job held its allocation: (end, or now while it runs) - start; None if it never ran."""
     if record is None or record.start is None:
         return None
-    end = record.end if record.end is not None else (now if record.state in _RUNNING or record.state is None else None)
+    end = record.end
     if end is None:
-        return None
-    elapsed = max(0.0, min(end, now) - record.start)
+        if record.state is not None and record.state not in _RUNNING:
+            return None  # pending, or ended without an end time: no allocation to charge
+        end = now
+    return max(0.0, min(end, now) - record.start)
+
+
+def _gpu_counts(record: JobRecord) -> tuple[float, dict[str, float]]:
+    """Allocated GPUs in all, and per typed ``gres/gpu:<type>`` (sacct lists the untyped total beside them)."""
+    if not record.tres:
+        return float(record.gpus or 0), {}
     typed: dict[str, float] = {}
     total: float | None = None
     for name, value in record.tres:
         if name == "gres/gpu":
             total = value
         elif name.startswith("gres/gpu:"):
-            typed[name[len("gres/gpu:"):]] = typed.get(name[len("gres/gpu:"):], 0.0) + value
+            typed[name[9:]] = typed.get(name[9:], 0.0) + value
     if total is None:
         total = sum(typed.values()) if typed else float(record.gpus or 0)
+    return total, typed
+
+
+def allocated_gpu_seconds(record: JobRecord | None, now: float) -> float | None:
+    """Slurm-allocated GPU-seconds of a job, all models together (:func:`allocation`, summed; for reports)."""
+    elapsed = _elapsed(record, now)
+    return None if elapsed is None else elapsed * _gpu_counts(record)[0]  # type: ignore[arg-type]
+
+
+def allocation(record: JobRecord | None, now: float) -> dict[str, float] | None:
+    """Slurm-allocated GPU-seconds per GPU model ("" when untyped) of a job: (end or now) - start, x GPUs.
+
+    None when there is no scheduler record or it has no start (never ran); {} for a job without GPUs. A typed
+    ``gres/gpu:<type>`` entry of AllocTRES gives the model; the untyped count covers what the typed ones don't.
+    """
+    elapsed = _elapsed(record, now)
+    if elapsed is None:
+        return None
+    total, typed = _gpu_counts(record)  # type: ignore[arg-type]
     out = {m: n * elapsed for m, n in typed.items() if n > 0}
     rest = total - sum(typed.values())
     if rest > 0:
-        out[record.gpu_model if record.gpu_model and not typed else ""] = rest * elapsed
+        out[record.gpu_model if record.gpu_model and not typed else ""] = rest * elapsed  # type: ignore[union-attr]
     return out
 
 

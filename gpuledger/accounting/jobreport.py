@@ -183,7 +183,7 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
     """
     import time
 
-    from gpuledger.accounting.charge import allocation
+    from gpuledger.accounting.charge import allocated_gpu_seconds
     from gpuledger.accounting.ledger import join
 
     entries = join([(r, src) for r, src in store.job_records() if r.job_id == job_id], store.job_usage(job_id),
@@ -198,8 +198,7 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
                           f"name one with --cluster")
     (e,) = entries
     record, total, per_gpu = e.described, e.usage, e.gpus
-    alloc = allocation(e.record, time.time() if now is None else now)
-    slurm_s = None if alloc is None else math.fsum(alloc.values())
+    slurm_s = allocated_gpu_seconds(e.record, time.time() if now is None else now)
     observed = total.allocated_gpu_seconds if total is not None else 0.0
     coverage = Coverage(e.seen_by, slurm_s, observed, observed / slurm_s if slurm_s else None,
                         0.0 if slurm_s is None else max(0.0, slurm_s - observed))

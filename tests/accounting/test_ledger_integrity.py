@@ -291,3 +291,24 @@ def test_agent_sends_its_cluster_and_its_host_in_job_metadata(tmp_path):
                                    [JobRecord("5", account="p")], cluster="beta"))
     assert body["cluster"] == "beta" and body["jobs"][0]["hosts"] == ["n1"]
     assert "cluster" not in json.loads(encode_batch("a", "n1", 1, [], []))  # unnamed: the old wire exactly
+
+
+def test_usage_report_shows_unmeasured_gpu_hours_per_account(ledger_dir):
+    from gpuledger.accounting.report.usage import usage_report
+
+    store = SqliteStore(ledger_dir / "gpuledger.sqlite")
+    try:
+        entries = load(store)
+        per_gpu: dict[str, list[JobUsage]] = {}
+        for u in store.job_usage(per_gpu=True):
+            per_gpu.setdefault(u.job_id, []).append(u)
+    finally:
+        store.close()
+    # proj: job 1 (1 GPU-h, all observed) and job 2 (1 GPU-h, nobody observed): 2 Slurm GPU-h, 1 unmeasured
+    rep = usage_report(entries, "account", parse_period("2026-10"))
+    (row,) = rep.rows
+    assert (row.group, row.slurm_gpu_hours, row.unmeasured_gpu_hours) == ("proj", 2.0, 1.0)
+    assert (rep.total.slurm_gpu_hours, rep.total.unmeasured_gpu_hours) == (2.0, 1.0)
+    # by node the allocation is not split among nodes: only the totals row holds it
+    rep = usage_report(entries, "node", parse_period("2026-10"), per_gpu=per_gpu)
+    assert (rep.total.slurm_gpu_hours, rep.total.unmeasured_gpu_hours) == (2.0, 1.0)

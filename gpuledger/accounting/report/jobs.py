@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from gpuledger.accounting.charge import allocation
+from gpuledger.accounting.charge import allocated_gpu_seconds
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.tables import fmt_optional
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
@@ -48,8 +47,7 @@ def job_rows(entries: Iterable[LedgerEntry], now: float | None = None) -> list[J
     rows = []
     for e in entries:
         u = e.usage
-        alloc = allocation(e.record, now)
-        slurm_s = None if alloc is None else math.fsum(alloc.values())
+        slurm_s = allocated_gpu_seconds(e.record, now)
         observed = u.allocated_gpu_seconds if u else 0.0
         gpus = e.record.gpus if e.record and e.record.gpus is not None else (u.gpus if u else 0)
         rows.append(

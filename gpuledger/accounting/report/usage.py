@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from itertools import chain
 from typing import Any
 
-from gpuledger.accounting.charge import allocation
+from gpuledger.accounting.charge import allocated_gpu_seconds
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
@@ -72,19 +72,21 @@ class _GroupColumns:
     one group lie scattered in memory.
     """
 
-    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured", "job_ids", "slurm_s", "unmeasured_s")
+    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured", "job_ids", "slurm")
 
     def __init__(self) -> None:
         self.values = array("d")
         self.co2e_kg, self.waits = array("d"), array("d")
-        self.slurm_s, self.unmeasured_s = array("d"), array("d")  # per job Slurm knows
+        self.slurm = array("d")  # by node only: per job Slurm knows, (allocated, unmeasured) GPU-seconds
         self.jobs = self.unmeasured = 0
         self.job_ids: set[str] = set()  # by node only: a job on several GPUs of a node is one job there
 
 
 # Column order in _GroupColumns.values. HBM_WEIGHTED and HBM_SECONDS are 0 where HBM is not reported (adding 0
 # leaves an fsum exact).
-ALLOCATED_S, ACTIVE_S, ENERGY_J, HBM_WEIGHTED, HBM_SECONDS, PRICED_S, N_COLUMNS = range(7)
+# SLURM_S and UNMEASURED_S: Slurm-allocated GPU-seconds of the job and the part no agent observed (0 for a job
+# without a scheduler record, and on per-GPU records by node: a job's allocation is not split among nodes).
+ALLOCATED_S, ACTIVE_S, ENERGY_J, HBM_WEIGHTED, HBM_SECONDS, PRICED_S, SLURM_S, UNMEASURED_S, N_COLUMNS = range(9)
 
 
 # Group key of a (record, usage) unit; usage is the per-GPU record when grouping by node. Inline conditionals:
@@ -127,6 +129,7 @@ def usage_report(
     everything = _GroupColumns()
     n_jobs = 0
     start, end = period.start, period.end
+    alloc_now = min(end, time.time())  # a running job's allocation so far
     for entry in entries:
         record, usage = entry.described, entry.usage
         # period.job_end(), inlined: this runs once per job record
@@ -141,11 +144,19 @@ def usage_report(
             everything.waits.append(wait)
         if usage is None:
             everything.unmeasured += 1
-        alloc_s = _slurm_seconds(entry, end)
-        if alloc_s is not None:
-            missing = max(0.0, alloc_s - (usage.allocated_gpu_seconds if usage is not None else 0.0))
-            everything.slurm_s.append(alloc_s)
-            everything.unmeasured_s.append(missing)
+        # charge.allocated_gpu_seconds(), inlined for a finished job (this runs once per job record)
+        slurm_rec = entry.record
+        if slurm_rec is None or slurm_rec.start is None:
+            slurm_s = 0.0
+        elif slurm_rec.end is not None and not slurm_rec.tres:
+            slurm_s = max(0.0, min(slurm_rec.end, alloc_now) - slurm_rec.start) * (slurm_rec.gpus or 0)
+        else:
+            slurm_s = allocated_gpu_seconds(slurm_rec, alloc_now) or 0.0
+        missing = slurm_s - usage.allocated_gpu_seconds if usage is not None else slurm_s
+        if missing < 0.0:
+            missing = 0.0
+        if per_gpu is not None and by == "node":
+            everything.slurm.extend((slurm_s, missing))
         if per_gpu is not None and by == "node" and usage is not None:
             # a job counts once per node; its per-GPU records split its numbers among the nodes
             for gpu_usage in per_gpu.get(entry.job_id) or (usage,):
@@ -166,11 +177,10 @@ def usage_report(
         cols.jobs += 1
         if wait is not None:
             cols.waits.append(wait)
-        if alloc_s is not None:
-            cols.slurm_s.append(alloc_s)
-            cols.unmeasured_s.append(missing)
         if usage is None:
             cols.unmeasured += 1
+            if slurm_s:
+                cols.values.extend((0.0, 0.0, 0.0, 0.0, 0.0, 0.0, slurm_s, missing))
             continue
         # _add_usage(), inlined for the common path: this runs once per job record
         alloc, energy, dram = usage.allocated_gpu_seconds, usage.energy_joules, usage.dram_bw_mean
@@ -182,14 +192,15 @@ def usage_report(
                 known = prices[model] = settings.gpu_hour_price(model)
             price = known
         cols.values.extend((alloc, usage.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc,
-                            0.0 if dram is None else alloc, alloc * price if priced else 0.0))
+                            0.0 if dram is None else alloc, alloc * price if priced else 0.0,
+                            slurm_s, missing))
         if grid is not None:
             cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(usage.first_ts, usage.last_ts) / 1000.0)
     rows = [_usage_row(k, [cols], cols.jobs, cols.waits, cols.unmeasured, settings)
             for k, cols in sorted(groups.items())]
     # The totals: one fsum over every record (not a sum of rounded group sums), so they reconcile exactly.
     total = _usage_row(TOTAL, list(groups.values()), n_jobs, everything.waits, everything.unmeasured, settings,
-                       everything)
+                       everything if by == "node" else None)
     return UsageReport(by, period, rows, total, settings.currency)
 
 
@@ -205,15 +216,9 @@ def _add_usage(cols: _GroupColumns, record: Any, usage: JobUsage, grid: GridInte
             known = prices[model] = settings.gpu_hour_price(model)
         price = known
     cols.values.extend((alloc, usage.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc,
-                        0.0 if dram is None else alloc, alloc * price))
+                        0.0 if dram is None else alloc, alloc * price, 0.0, 0.0))
     if grid is not None:
         cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(usage.first_ts, usage.last_ts) / 1000.0)
-
-
-def _slurm_seconds(entry: LedgerEntry, period_end: float) -> float | None:
-    """Slurm-allocated GPU-seconds of a job (None without a scheduler record); a running job up to now."""
-    alloc = allocation(entry.record, min(period_end, time.time()))
-    return None if alloc is None else math.fsum(alloc.values())
 
 
 def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence[float], unmeasured: int,
@@ -243,11 +248,9 @@ def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence
         queue_wait_mean_h=math.fsum(waits) / len(waits) / SECONDS_PER_HOUR if waits else None,
         queue_wait_jobs=len(waits),
         unmeasured_jobs=unmeasured,
-        # by node a job's Slurm allocation is not split among nodes: the totals row holds it (slurm=)
-        slurm_gpu_hours=math.fsum(chain.from_iterable(g.slurm_s for g in ([slurm] if slurm else groups)))
-        / SECONDS_PER_HOUR,
-        unmeasured_gpu_hours=math.fsum(chain.from_iterable(g.unmeasured_s for g in ([slurm] if slurm else groups)))
-        / SECONDS_PER_HOUR,
+        # by node a job's Slurm allocation is not split among nodes: only the totals row holds it (slurm=)
+        slurm_gpu_hours=(math.fsum(slurm.slurm[0::2]) if slurm else fsum(SLURM_S)) / SECONDS_PER_HOUR,
+        unmeasured_gpu_hours=(math.fsum(slurm.slurm[1::2]) if slurm else fsum(UNMEASURED_S)) / SECONDS_PER_HOUR,
     )
 
 
