@@ -329,13 +329,14 @@ def _import_jobs(data_dir: Path, records: Sequence[JobRecord]) -> int:
     from gpuledger.collector.store import SqliteStore
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    with open_log(data_dir) as log:  # logged before stored: nothing is charged that the log has not seen
-        record_job_records(log, records)
-    store = SqliteStore(data_dir / STORE_NAME)
-    try:
-        changed = store.merge_jobs(records)
-    finally:
-        store.close()
+    with open_log(data_dir) as log:
+        store = SqliteStore(data_dir / STORE_NAME)
+        try:
+            # logged before stored (nothing is charged that the log has not seen), merged as stored: a re-import
+            # in another sacct format logs nothing, as it changes nothing of what Slurm said
+            changed = store.put_jobs(records, before_store=lambda merged: record_job_records(log, merged))
+        finally:
+            store.close()
     return changed
 
 

@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import sqlite3
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Protocol
 
@@ -44,6 +44,7 @@ HOUR_FIELDS = HourAcc.FIELDS
 GPU_TOTAL_FIELDS = GpuState.TOTAL_FIELDS
 _IN_CLAUSE_LIMIT = 500  # ids per "IN (...)" query, well under SQLite's parameter limit
 SLURM, AGENT = "slurm", "agent"  # sources of a job record
+BeforeStore = Callable[[list[JobRecord]], object]  # sees the merged records a write will store, before it does
 
 _USAGE_TABLE = f"""CREATE TABLE IF NOT EXISTS usage (
   cluster TEXT NOT NULL, job_id TEXT NOT NULL, host TEXT NOT NULL, gpu TEXT NOT NULL, {", ".join(USAGE_FIELDS)},
@@ -146,8 +147,8 @@ class LedgerStore(LedgerReader, Protocol):
     def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None: ...
     def add_agent_jobs(self, records: Iterable[JobRecord], host: str, cluster: str,
                        batch_job_ids: Iterable[str]) -> int: ...
-    def put_jobs(self, records: Iterable[JobRecord]) -> int: ...
-    def merge_jobs(self, records: Iterable[JobRecord]) -> list[JobRecord]: ...
+    def put_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> int: ...
+    def merge_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> list[JobRecord]: ...
     def jobs_by_id(self, job_ids: Sequence[str]) -> list[JobRecord]: ...
     def load_usage(self, key: UsageKey) -> UsageAcc | None: ...
     def load_hour(self, key: HourKey) -> HourAcc | None: ...
@@ -258,18 +259,22 @@ class SqliteLedger:
             return loose[0][0], _record(loose[0][1])
         return None
 
-    def merge_jobs(self, records: Iterable[JobRecord]) -> list[JobRecord]:
+    def merge_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> list[JobRecord]:
         """Insert or merge the scheduler's job records (one transaction); returns the stored records that are
         new or whose data changed. A field a record lacks keeps its stored value (:func:`merge_record`), so
         importing the same jobs in another sacct format changes nothing (a uid that only ``sacct -P`` prints
-        is stored without counting as a change: it is personal data, not accounting data)."""
+        is stored without counting as a change: it is personal data, not accounting data).
+
+        ``before_store`` gets those records, as they will be stored, before anything is written (the audit log
+        appends them there: nothing is charged that the log has not seen); if it raises, nothing is stored."""
         changed: list[JobRecord] = []
+        writes: list[tuple[str, str, str, str]] = []
         with transaction(self._db) as db:
             for r in records:
                 r = replace(r, tres=tuple(sorted(r.tres)))  # sacct's JSON and -P list TRES in other orders
                 match = self._slurm_match(r.cluster, r.job_id)
                 if match is None:
-                    db.execute("INSERT INTO jobs VALUES (?,?,?,?)", (r.cluster, r.job_id, SLURM, _job_json(r)))
+                    writes.append(("put", r.cluster, r.job_id, _job_json(r)))
                     changed.append(r)
                     continue
                 stored_cluster, old = match
@@ -279,15 +284,20 @@ class SqliteLedger:
                 if replace(merged, uid=old.uid) != old:  # a uid only -P prints is stored, but is no change
                     changed.append(merged)
                 if stored_cluster != merged.cluster:  # an unnamed record gets its cluster
-                    db.execute("DELETE FROM jobs WHERE cluster=? AND job_id=? AND source=?",
-                               (stored_cluster, r.job_id, SLURM))
-                db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?)",
-                           (merged.cluster, merged.job_id, SLURM, _job_json(merged)))
+                    writes.append(("delete", stored_cluster, r.job_id, ""))
+                writes.append(("put", merged.cluster, merged.job_id, _job_json(merged)))
+            if before_store is not None and changed:
+                before_store(changed)
+            for op, cluster, job_id, data in writes:
+                if op == "delete":
+                    db.execute("DELETE FROM jobs WHERE cluster=? AND job_id=? AND source=?", (cluster, job_id, SLURM))
+                else:
+                    db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?)", (cluster, job_id, SLURM, data))
         return changed
 
-    def put_jobs(self, records: Iterable[JobRecord]) -> int:
+    def put_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> int:
         """:meth:`merge_jobs`, counted: how many records are new or changed (a re-import changes none)."""
-        return len(self.merge_jobs(records))
+        return len(self.merge_jobs(records, before_store))
 
     def job_records(self) -> list[tuple[JobRecord, str]]:
         """Every stored record with its source (``slurm`` or ``agent``), by cluster and job id."""

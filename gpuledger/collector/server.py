@@ -292,8 +292,9 @@ class CollectorServer:
         with self._audit_lock:
             if self._audit is None:
                 self._audit = open_log(self.store.path.parent)
-        record_job_records(self._audit, records)  # in the audit log before it is stored, so before it is charged
-        return Reply(200, {"received": len(records), "changed": self.store.put_jobs(records)})
+        # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)
+        changed = self.store.put_jobs(records, before_store=lambda merged: record_job_records(self._audit, merged))
+        return Reply(200, {"received": len(records), "changed": changed})
 
     def get_jobs(self, req: Request) -> Reply:
         return Reply(200, [j.to_dict() for j in self.store.jobs()])

@@ -205,16 +205,19 @@ class SqliteStore:
             sink.write_job_usage(rows, records)
         return len(rows)
 
-    def put_jobs(self, records: Iterable[JobRecord]) -> int:
+    def put_jobs(self, records: Iterable[JobRecord],
+                 before_store: Callable[[list[JobRecord]], object] | None = None) -> int:
         """Insert or merge the scheduler's job records; returns how many are new or changed (a re-import, in
-        any sacct format, changes none)."""
+        any sacct format, changes none). ``before_store`` sees them as they will be stored, first (the audit
+        log appends them there)."""
         with self._lock:
-            return self.ledger.put_jobs(records)
+            return self.ledger.put_jobs(records, before_store)
 
-    def merge_jobs(self, records: Iterable[JobRecord]) -> list[JobRecord]:
+    def merge_jobs(self, records: Iterable[JobRecord],
+                   before_store: Callable[[list[JobRecord]], object] | None = None) -> list[JobRecord]:
         """Like :meth:`put_jobs`; returns the new or changed records as stored (merged)."""
         with self._lock:
-            return self.ledger.merge_jobs(records)
+            return self.ledger.merge_jobs(records, before_store)
 
     # -- compaction: rollups, merging, retention ----------------------------------------------
     def compact(self, now: float | None = None) -> CompactStats:

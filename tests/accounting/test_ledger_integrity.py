@@ -312,3 +312,35 @@ def test_usage_report_shows_unmeasured_gpu_hours_per_account(ledger_dir):
     # by node the allocation is not split among nodes: only the totals row holds it
     rep = usage_report(entries, "node", parse_period("2026-10"), per_gpu=per_gpu)
     assert (rep.total.slurm_gpu_hours, rep.total.unmeasured_gpu_hours) == (2.0, 1.0)
+
+
+def test_recorded_fairshare_keeps_two_clusters_with_one_job_id_apart(tmp_path):
+    """`fairshare --record` binds the store's records to the audit log; job 7 of alpha and job 7 of beta are
+    two jobs there too (one log key each), so recording again appends no usage and refuses nothing."""
+    (tmp_path / "gpuledger.toml").write_text(
+        '[accounting]\npolicy = "allocated"\nhalf_life_s = 0\ncalc_period_s = 1\n'
+        '[accounts.proj]\nshares = 1\n[accounts.proj.users]\nalice = 1\nbob = 1\n')
+    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    try:
+        for n, (cluster, host, user, k) in enumerate((("alpha", "a1", "alice", 3), ("beta", "b1", "bob", 5))):
+            store.ingest(Batch(host, n, host, tuple(GpuSample(ts=T0 + 10 * i, host=host, gpu_uuid=f"G-{host}",
+                                                              gpu_index=0, job_ids=("7",)) for i in range(k)),
+                               cluster=cluster))
+            store.put_jobs([JobRecord("7", cluster=cluster, user=user, account="proj", gpus=1, start=T0,
+                                      end=T0 + 10 * (k - 1), state="COMPLETED", hosts=(host,))])
+    finally:
+        store.close()
+    for _ in range(2):
+        r = runner.invoke(app, ["fairshare", "--data-dir", str(tmp_path), "--format", "json", "--record"])
+        assert r.exit_code == 0, r.output
+    from gpuledger.accounting.audit import open_log
+
+    with open_log(tmp_path) as log:
+        usage = list(log.entries(kind="usage_record"))
+        fs = list(log.entries(kind="fairshare"))
+    # one usage entry per job (final: they ended long ago), none appended by the second run
+    assert sorted((e.data["cluster"], e.data["allocated_gpu_seconds"]) for e in usage) == [("alpha", 20.0),
+                                                                                         ("beta", 40.0)]
+    jobs = fs[-1].data["inputs"]["jobs"]
+    assert {j: (c["account"], c["allocated_gpu_seconds"]) for j, c in jobs.items()} == {
+        "7@alpha": ("proj", 20.0), "7@beta": ("proj", 40.0)}

@@ -27,8 +27,10 @@ FINAL_AFTER_S = 600.0  # the collector's default window for late samples: after 
 
 
 def usage_key(u: JobUsage) -> str:
-    """A job total has one key per job whatever host it names (a job seen on one host, then on two, is one job)."""
-    return f"usage:{u.job_id}" if u.gpu_uuid == "*" else f"usage:{u.job_id}/{u.host}/{u.gpu_uuid}"
+    """A job total has one key per job whatever host it names (a job seen on one host, then on two, is one job).
+    A job is (cluster, job_id): a named cluster is part of the key (unnamed, the key is what it always was)."""
+    job = f"{u.cluster}/{u.job_id}" if u.cluster else u.job_id
+    return f"usage:{job}" if u.gpu_uuid == "*" else f"usage:{job}/{u.host}/{u.gpu_uuid}"
 
 
 def record_of(e: Entry) -> dict[str, Any]:
@@ -87,7 +89,8 @@ def bind(
     nothing is appended either (``audit verify --store``).
     """
     out = Bound()
-    ends = {r.job_id: r.end for r in jobs}
+    ends = {(r.cluster, r.job_id): r.end for r in jobs}
+    ends_by_id = {r.job_id: r.end for r in jobs}  # usage of an unnamed cluster: the job's record by id
     new: list[tuple[str, Any, str, str]] = []  # kind, data, job id, key
     corrections: list[tuple[Entry, dict[str, Any], str, str, list[tuple[str, Any, Any]]]] = []
     for r in jobs:
@@ -107,7 +110,7 @@ def bind(
             corrections.append((last, want, r.job_id, key, diff))
     for u in usages:
         key = usage_key(u)
-        end = ends.get(u.job_id)
+        end = ends.get((u.cluster, u.job_id), ends_by_id.get(u.job_id) if not u.cluster else None)
         final = end is not None and now - end >= final_after_s
         want = {**plain(u.to_dict()), "final": final}
         last = log.latest(key)
