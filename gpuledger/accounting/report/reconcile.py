@@ -21,18 +21,16 @@ A GPU model is the measured one; a Slurm GRES type (``h200``) joins the measured
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from gpuledger.accounting.charge import allocation
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.period import ALL_TIME, Period, job_end
-from gpuledger.accounting.report.tables import fmt_optional, plain_table
+from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
 
 NO_JOB = "(no job)"
@@ -178,13 +176,7 @@ RECONCILE_COLUMNS: list[tuple[str, Callable[[ReconcileRow], str]]] = [
 
 def reconcile_csv(rec: Reconciliation) -> str:
     """One line per row and a final TOTAL line, floats at full precision (``repr``)."""
-    buf = io.StringIO()
-    names = [f.name for f in fields(ReconcileRow)]
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(names)
-    for r in [*rec.rows, rec.total]:
-        w.writerow(["" if (v := getattr(r, n)) is None else repr(v) if isinstance(v, float) else v for n in names])
-    return buf.getvalue()
+    return exact_csv([*rec.rows, rec.total])
 
 
 def reconcile_json(rec: Reconciliation) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,6 +29,19 @@ def to_csv(rows: Sequence[Any]) -> str:
         w.writeheader()
         for r in rows:
             w.writerow(asdict(r))
+    return buf.getvalue()
+
+
+def exact_csv(rows: Sequence[Any], header: Mapping[str, str] | None = None) -> str:
+    """Dataclass rows as CSV at full float precision (``repr``), so the file reconciles like the numbers;
+    None is an empty cell. ``header`` renames columns (field name -> header)."""
+    buf = io.StringIO()
+    if rows:
+        names = [f.name for f in fields(rows[0])]
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow([(header or {}).get(n, n) for n in names])
+        for r in rows:
+            w.writerow(["" if (v := getattr(r, n)) is None else repr(v) if isinstance(v, float) else v for n in names])
     return buf.getvalue()
 
 

@@ -6,14 +6,12 @@ records, so the totals row is exactly the sum of the records.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from itertools import chain
 from typing import Any
 
@@ -23,7 +21,7 @@ from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
 from gpuledger.accounting.report.period import ALL_TIME, Period
 from gpuledger.accounting.report.settings import ReportSettings
-from gpuledger.accounting.report.tables import fmt_optional, plain_table
+from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
 from gpuledger.schema.records import JobUsage
 
@@ -275,13 +273,7 @@ def usage_columns(by: str, currency: str = "") -> list[tuple[str, Callable[[Usag
 
 def usage_report_csv(rep: UsageReport) -> str:
     """One line per group and a final TOTAL line; full float precision (``repr``) so the CSV reconciles too."""
-    buf = io.StringIO()
-    names = [f.name for f in fields(UsageRow)]
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow([rep.by if n == "group" else n for n in names])
-    for r in [*rep.rows, rep.total]:
-        w.writerow(["" if (v := getattr(r, n)) is None else repr(v) if isinstance(v, float) else v for n in names])
-    return buf.getvalue()
+    return exact_csv([*rep.rows, rep.total], {"group": rep.by})
 
 
 def usage_report_json(rep: UsageReport) -> str:
