@@ -21,13 +21,15 @@ association whose user pseudonymizes to it (``alias``), so fairshare does not fo
 
 from __future__ import annotations
 
-from collections import Counter
 import bisect
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from gpuledger.accounting.associations import AssocTree, UserKey
 from gpuledger.accounting.charge import ChargePolicy, JobCharge, allocation
@@ -67,11 +69,6 @@ class UsageResult:
     jobs: tuple[ChargedJob, ...] = ()
 
 
-def job_charge(e: LedgerEntry, settings: AccountingSettings, now: float) -> JobCharge:
-    """The charge of one ledger entry under the settings' policy."""
-    return settings.charge_policy().charge_job(allocation(e.record, now), e.measured)
-
-
 HOUR = 3600.0
 Busy = Mapping[tuple[str, str, str], Sequence[tuple[float, float]]]
 
@@ -81,45 +78,91 @@ def _gpu_key(u: JobUsage) -> tuple[str, str, str]:
     return (u.host, uuid, mig)
 
 
+class HourlyPlacer:
+    """Places GPUs' measured charges in the hours they were used (module docstring), all at once: the GPUs'
+    bucket rows are one pair of arrays, and every (GPU record, amount) is computed in one vectorised pass."""
+
+    def __init__(self, busy: Busy) -> None:
+        self._hours: dict[tuple[str, str, str], tuple[list[float], int]] = {}  # GPU -> (its hours, offset)
+        hours: list[float] = []
+        seconds: list[float] = []
+        for key, rows in busy.items():
+            own = [h for h, _ in rows]
+            self._hours[key] = (own, len(hours))
+            hours += own
+            seconds += [x for _, x in rows]
+        self._h = np.asarray(hours, dtype=float)
+        self._s = np.asarray(seconds, dtype=float)
+
+    def place(self, items: Sequence[tuple[JobUsage, float]]) -> list[list[tuple[float, float, float]]]:
+        """Per (GPU usage record, amount): its (start, end, amount) pieces; even over first..last where the GPU
+        has no bucket with busy time in the record's span."""
+        out: list[list[tuple[float, float, float]]] = [[(u.first_ts, u.last_ts, x)] for u, x in items]
+        sel, lo_hi = [], []
+        for i, (u, _) in enumerate(items):
+            found = self._hours.get(_gpu_key(u))
+            if found is None:
+                continue
+            own, offset = found
+            step = u.allocated_gpu_seconds / (u.samples - 1) if u.samples > 1 else 0.0  # a sample interval
+            lo = bisect.bisect_left(own, math.floor(u.first_ts / HOUR) * HOUR)
+            hi = bisect.bisect_left(own, u.last_ts + step)  # buckets h with h - step < last
+            if hi > lo:
+                sel.append((i, step))
+                lo_hi.append((offset + lo, hi - lo))
+        if not sel:
+            return out
+        counts = np.fromiter((n for _, n in lo_hi), dtype=np.int64, count=len(lo_hi))
+        starts = np.fromiter((o for o, _ in lo_hi), dtype=np.int64, count=len(lo_hi))
+        item = np.repeat(np.arange(len(sel)), counts)
+        rows = np.arange(len(item)) - np.repeat(np.cumsum(counts) - counts, counts) + starts[item]
+        first = np.fromiter((items[i][0].first_ts for i, _ in sel), dtype=float, count=len(sel))[item]
+        last = np.fromiter((items[i][0].last_ts for i, _ in sel), dtype=float, count=len(sel))[item]
+        step = np.fromiter((st for _, st in sel), dtype=float, count=len(sel))[item]
+        h, seconds = self._h[rows], self._s[rows]
+        a = np.maximum(h - step, first)  # the time bucket h's intervals cover
+        b = np.minimum(h + HOUR - step, last)
+        keep = (b > a) & (seconds > 0)
+        item, a, b, step = item[keep], a[keep], b[keep], step[keep]
+        w = np.minimum(b - a + step, seconds[keep])  # + step: the estimate's slack at the edges
+        if not len(w):
+            return out
+        # Adjacent buckets of one record at the same rate are one even piece (exact: decay is linear), so a GPU
+        # busy throughout costs decay a few pieces, not one per hour.
+        rate = w / (b - a)
+        same = (item[1:] == item[:-1]) & (a[1:] == b[:-1]) & (np.abs(rate[1:] - rate[:-1]) <= 1e-12 * rate[1:])
+        run = np.flatnonzero(np.concatenate(([True], ~same)))
+        run_end = np.concatenate((run[1:], [len(w)])) - 1
+        run_w = np.add.reduceat(w, run)
+        run_item = item[run]
+        totals = np.bincount(run_item, weights=run_w, minlength=len(sel))
+        placed: dict[int, list[tuple[float, float, float]]] = {}
+        for k, ra, rb, rw in zip(run_item.tolist(), a[run].tolist(), b[run_end].tolist(), run_w.tolist()):
+            placed.setdefault(k, []).append((ra, rb, rw))
+        for k, pieces in placed.items():
+            i = sel[k][0]
+            amount, total = items[i][1], float(totals[k])
+            out[i] = [(ra, rb, amount * rw / total) for ra, rb, rw in pieces]
+        return out
+
+
 def hourly_pieces(u: JobUsage, amount: float, busy: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
-    """One GPU's measured charge placed in the hours it was used (module docstring); ``busy`` the GPU's
-    (hour start, busy GPU-seconds) in time order."""
-    first, last = u.first_ts, u.last_ts
-    step = u.allocated_gpu_seconds / (u.samples - 1) if u.samples > 1 else 0.0  # a sample interval, estimated
-    i = bisect.bisect_left(busy, (math.floor(first / HOUR) * HOUR, -math.inf))
-    weights = []
-    while i < len(busy) and busy[i][0] - step < last:
-        h, seconds = busy[i]
-        a, b = max(h - step, first), min(h + HOUR - step, last)  # the time bucket h's intervals cover
-        if b > a and seconds > 0:
-            weights.append((a, b, min(b - a + step, seconds)))  # + step: the estimate's slack at the edges
-        i += 1
-    total = math.fsum(w for _, _, w in weights)
-    if total <= 0:
-        return [(first, last, amount)]
-    return [(a, b, amount * w / total) for a, b, w in weights]
+    """One GPU's measured charge placed in the hours it was used; ``busy`` its (hour start, busy GPU-seconds)."""
+    return HourlyPlacer({_gpu_key(u): busy}).place([(u, amount)])[0]
 
 
-def _pieces(e: LedgerEntry, c: JobCharge, policy: ChargePolicy, now: float,
-            busy: Busy | None = None) -> list[tuple[float, float, float]]:
-    """(start, end, amount) placements of a job's charge in time (see the module docstring)."""
-    out = []
-    r = e.record
-    if c.unmeasured > 0 and r is not None and r.start is not None:
-        out.append((r.start, max(r.start, min(r.end if r.end is not None else now, now)), c.unmeasured))
-    if c.measured > 0:
-        gpus = e.measured
-        weights = [policy.charge(u) for u in gpus]
-        if sum(weights) <= 0:
-            weights = [max(u.allocated_gpu_seconds, 0.0) for u in gpus]
-        if sum(weights) <= 0:
-            weights = [1.0] * len(gpus)
-        total = sum(weights)
-        for u, w in zip(gpus, weights):
-            hours = busy.get(_gpu_key(u)) if busy is not None else None
-            amount = c.measured * w / total
-            out += hourly_pieces(u, amount, hours) if hours else [(u.first_ts, u.last_ts, amount)]
-    return out
+def _measured_items(e: LedgerEntry, c: JobCharge, policy: ChargePolicy) -> list[tuple[JobUsage, float]]:
+    """A job's measured charge split over its GPU records, by what each was charged."""
+    if c.measured <= 0:
+        return []
+    gpus = e.measured
+    weights = [policy.charge(u) for u in gpus]
+    if sum(weights) <= 0:
+        weights = [max(u.allocated_gpu_seconds, 0.0) for u in gpus]
+    if sum(weights) <= 0:
+        weights = [1.0] * len(gpus)
+    total = sum(weights)
+    return [(u, c.measured * w / total) for u, w in zip(gpus, weights)]
 
 
 def association_usage(
@@ -132,8 +175,10 @@ def association_usage(
     known = set(tree.user_keys())
     # a pseudonymized record's user -> the tree's user it stands for
     unalias = {(a, alias(u)): (a, u) for a, u in known} if alias is not None else {}
-    charges: list[tuple[Any, float, float, float]] = []
+    placer = HourlyPlacer(busy) if busy else None
     rows = []
+    items: list[tuple[JobUsage, float]] = []
+    owner: list[int] = []  # items[k] belongs to rows[owner[k]]
     unmatched = []
     for e in entries:
         d = e.described
@@ -146,12 +191,25 @@ def association_usage(
             continue
         key = (d.account, d.user)
         key = key if key in known else unalias.get(key, key)
-        pieces = _pieces(e, c, policy, now, busy)
-        for start, end, amount in pieces:
-            charges.append(((key, e.key), start, end, amount))
-        first = min((p[0] for p in pieces), default=now)
-        last = max((p[1] for p in pieces), default=now)
-        rows.append((e, key, c, first, last))
+        mine = _measured_items(e, c, policy)
+        owner += [len(rows)] * len(mine)
+        items += mine
+        rows.append((e, key, c))
+    placed = placer.place(items) if placer is not None else [[(u.first_ts, u.last_ts, x)] for u, x in items]
+    spans: list[dict[tuple[float, float], float]] = [{} for _ in rows]  # a job's GPUs mostly share spans
+    for k, pieces in zip(owner, placed):
+        for a, b, x in pieces:
+            spans[k][(a, b)] = spans[k].get((a, b), 0.0) + x
+    charges: list[tuple[Any, float, float, float]] = []
+    ranges = []
+    for (e, key, c), own in zip(rows, spans):
+        r = e.record
+        pieces = [(a, b, x) for (a, b), x in own.items()]
+        if c.unmeasured > 0 and r is not None and r.start is not None:
+            # Slurm's allocation accrues evenly over [start, end]
+            pieces.append((r.start, max(r.start, min(r.end if r.end is not None else now, now)), c.unmeasured))
+        charges += [((key, e.key), a, b, x) for a, b, x in pieces]
+        ranges.append((min((p[0] for p in pieces), default=now), max((p[1] for p in pieces), default=now)))
     decayed = decayed_usage(
         charges, now=now, half_life_s=settings.half_life_s, calc_period_s=settings.calc_period_s,
         reset=settings.usage_reset, tz=settings.timezone,
@@ -161,7 +219,7 @@ def association_usage(
     for (assoc, job), v in decayed.items():
         per_assoc[assoc] = per_assoc.get(assoc, 0.0) + v
         per_job[job] = per_job.get(job, 0.0) + v
-    for _, key, _, _, _ in rows:
+    for _, key, _ in rows:
         per_assoc.setdefault(key, 0.0)
     usage = {k: v for k, v in per_assoc.items() if k in known}
     unknown = {k: v for k, v in per_assoc.items() if k not in known}
@@ -169,7 +227,7 @@ def association_usage(
         ChargedJob(e.job_id, e.cluster, key[0], key[1], settings.policy, e.seen_by, c.allocated_gpu_seconds,
                    c.observed_gpu_seconds, c.coverage, c.unmeasured_gpu_seconds, settings.unmeasured, c.total,
                    per_job.get(e.key, 0.0), first, last)
-        for e, key, c, first, last in rows)
+        for (e, key, c), (first, last) in zip(rows, ranges))
     return UsageResult(usage, unknown, tuple(unmatched), jobs)
 
 

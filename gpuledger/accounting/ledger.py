@@ -11,7 +11,7 @@ unnamed (""): then it joins the other side's record of the same job id when exac
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage
@@ -124,8 +124,6 @@ def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[
 
 
 def _sum(uses: list[JobUsage]) -> JobUsage:
-    from dataclasses import replace
-
     first = uses[0]
     return replace(first, host="*", first_ts=min(u.first_ts for u in uses), last_ts=max(u.last_ts for u in uses),
                    samples=sum(u.samples for u in uses),
