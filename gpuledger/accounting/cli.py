@@ -238,6 +238,7 @@ def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) ->
         "generated_at": now,
         "algorithm": settings.algorithm,
         "policy": settings.policy,
+        "unmeasured": settings.unmeasured,
         "priority_weight": settings.priority_weight,
         "half_life_s": settings.half_life_s,
     }
