@@ -145,6 +145,7 @@ class LedgerStore(LedgerReader, Protocol):
     def batch_seen(self, agent_id: str, seq: int) -> bool: ...
     def record_batch(self, agent_id: str, seq: int, received: float, samples: int) -> None: ...
     def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None: ...
+    def reload_clusters(self) -> None: ...
     def add_agent_jobs(self, records: Iterable[JobRecord], host: str, cluster: str,
                        batch_job_ids: Iterable[str]) -> int: ...
     def put_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> int: ...
@@ -177,8 +178,13 @@ class SqliteLedger:
             raise RuntimeError("ledger tables are schema v2: open the store through SqliteStore to migrate them")
         db.executescript(SCHEMA)
         self._add_columns()
-        self._gpu_cluster: dict[tuple[str, str], str] = {
-            (h, g): c for h, g, c in db.execute("SELECT host, gpu_uuid, cluster FROM gpu_clusters")}
+        self._gpu_cluster: dict[tuple[str, str], str] = {}
+        self.reload_clusters()
+
+    def reload_clusters(self) -> None:
+        """Re-read the GPUs' clusters (after a rolled-back ingest: :meth:`note_gpus` caches what it writes)."""
+        rows = self._db.execute("SELECT host, gpu_uuid, cluster FROM gpu_clusters")
+        self._gpu_cluster = {(h, g): c for h, g, c in rows}
 
     def _add_columns(self) -> None:
         """Accumulator fields added since a store was created become columns (0 for what came before)."""

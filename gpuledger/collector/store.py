@@ -162,7 +162,8 @@ class SqliteStore:
                     self.ledger.record_batch(batch.agent_id, batch.seq, self._clock(), n_accepted)
                     jobs = self._flush()
             except BaseException:
-                # The in-memory aggregation already moved; put it back to what is committed.
+                # The in-memory aggregation (and the GPUs' clusters) already moved; put them back to what is committed.
+                self.ledger.reload_clusters()
                 self._restore()
                 raise
             if len(self.agg.usage) + len(self.agg.hours) > self._cache_limit:
