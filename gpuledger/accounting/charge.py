@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gpuledger.accounting.slurm import gpu_tres
 from gpuledger.agent.mig import slice_fraction
 from gpuledger.schema.records import JobRecord, JobUsage
 
@@ -52,16 +53,10 @@ def _elapsed(record: JobRecord | None, now: float) -> float | None:
 
 
 def _gpu_counts(record: JobRecord) -> tuple[float, dict[str, float]]:
-    """Allocated GPUs in all, and per typed ``gres/gpu:<type>`` (sacct lists the untyped total beside them)."""
+    """Allocated GPUs in all, and per typed ``gres/gpu:<type>`` (``slurm.gpu_tres``); no TRES: ``gpus``."""
     if not record.tres:
         return float(record.gpus or 0), {}
-    typed: dict[str, float] = {}
-    total: float | None = None
-    for name, value in record.tres:
-        if name == "gres/gpu":
-            total = value
-        elif name.startswith("gres/gpu:"):
-            typed[name[9:]] = typed.get(name[9:], 0.0) + value
+    total, typed = gpu_tres(record.tres)
     if total is None:
         total = sum(typed.values()) if typed else float(record.gpus or 0)
     return total, typed

@@ -50,6 +50,7 @@ __all__ = [
     "SlurmParseError",
     "SACCT_PARSABLE_FORMAT",
     "exit_code_from_text",
+    "gpu_tres",
     "gpus_from_tres",
     "merge_sacct",
     "parse_sacct_json",
@@ -127,13 +128,11 @@ def parse_tres_text(text: str, where: str = "TRES") -> tuple[tuple[str, float], 
     return tuple(out)
 
 
-def gpus_from_tres(tres: Iterable[tuple[str, float]]) -> tuple[int, str | None]:
-    """Allocated GPU count and model(s) from TRES pairs.
+def gpu_tres(tres: Iterable[tuple[str, float]]) -> tuple[float | None, dict[str, float]]:
+    """The untyped ``gres/gpu`` count (None when absent) and the typed ``gres/gpu:<type>`` counts of TRES pairs.
 
-    The untyped ``gres/gpu`` is the total; typed ``gres/gpu:h200`` entries repeat the same GPUs by model
-    (sacct lists both), so they count only when the untyped entry is absent. ``gres/gpumem``/``gres/gpuutil``
-    are usage, not GPUs. No GPU entry -> 0 (what Slurm's accounting recorded).
-    """
+    sacct lists both: the untyped entry is the total, the typed ones repeat the same GPUs by model.
+    ``gres/gpumem``/``gres/gpuutil`` are usage, not GPUs."""
     total: float | None = None
     typed: dict[str, float] = {}
     for name, value in tres:
@@ -141,6 +140,13 @@ def gpus_from_tres(tres: Iterable[tuple[str, float]]) -> tuple[int, str | None]:
             total = value
         elif name.startswith("gres/gpu:"):
             typed[name[len("gres/gpu:"):]] = typed.get(name[len("gres/gpu:"):], 0.0) + value
+    return total, typed
+
+
+def gpus_from_tres(tres: Iterable[tuple[str, float]]) -> tuple[int, str | None]:
+    """Allocated GPU count and model(s) from TRES pairs (:func:`gpu_tres`): typed entries count only when the
+    untyped one is absent. No GPU entry -> 0 (what Slurm's accounting recorded)."""
+    total, typed = gpu_tres(tres)
     count = total if total is not None else sum(typed.values())
     model = ",".join(sorted(typed)) or None
     return int(count), model

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -88,8 +89,6 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
               now: float | None = None) -> Reconciliation:
     """The reconciliation of the ledger's entries and the collector's per-GPU hourly totals (``gpu_hours`` of
     the store over the period) for ``period``."""
-    import time
-
     now = time.time() if now is None else now
     acc: dict[tuple[str, str, str], _Acc] = {}
 
