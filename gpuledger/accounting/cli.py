@@ -23,6 +23,7 @@ from gpuledger.accounting.audit import (
     record_priority_changes,
     usage_key,
 )
+from gpuledger.accounting.charge import allocated_gpu_seconds
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import association_usage, audit_charges, compute, load_tree
 from gpuledger.accounting.ledger import LedgerEntry, join
@@ -294,6 +295,7 @@ def jobs_list(
     objs = []
     for e, row in zip(entries, rows):
         r, u = e.described, e.usage
+        slurm_s, observed = allocated_gpu_seconds(e.record, now), (u.allocated_gpu_seconds if u else 0.0)
         objs.append({
             "job_id": e.job_id,
             "cluster": e.cluster,
@@ -305,10 +307,10 @@ def jobs_list(
             "end": r.end if r else None,
             "state": r.state if r else None,
             "seen_by": e.seen_by,
-            "slurm_gpu_seconds": None if row.slurm_gpu_hours is None else row.slurm_gpu_hours * 3600.0,
-            "observed_gpu_seconds": u.allocated_gpu_seconds if u else 0.0,
+            "slurm_gpu_seconds": slurm_s,
+            "observed_gpu_seconds": observed,
             "coverage": row.coverage,
-            "unmeasured_gpu_seconds": row.unmeasured_gpu_hours * 3600.0,
+            "unmeasured_gpu_seconds": 0.0 if slurm_s is None else max(0.0, slurm_s - observed),
             "usage": u.to_dict() if u else None,
         })
     if fmt is Fmt.json:
