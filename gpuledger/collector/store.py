@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -37,6 +38,7 @@ from gpuledger.collector.validate import Batch, as_sample
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsage
 
 log = logging.getLogger(__name__)
+_UUID = operator.attrgetter("gpu_uuid")
 
 SCHEMA_VERSION = 3  # 3: jobs keyed by (cluster, job_id), agents' job records apart (ledger_store)
 _META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
@@ -153,7 +155,9 @@ class SqliteStore:
                     self.series_store.write_samples(accepted)
                     self.series_store.write_series(folded)
                     cluster = getattr(batch, "cluster", "")
-                    self.ledger.note_gpus(cluster, {(batch.host, r.gpu_uuid) for r in (*rows, *batch.series)})
+                    uuids = set(map(_UUID, rows))
+                    uuids.update(map(_UUID, batch.series))
+                    self.ledger.note_gpus(cluster, [(batch.host, u) for u in uuids])
                     if batch.jobs:
                         # an agent's job metadata is kept only for jobs whose samples came from its host
                         job_ids = {j for r in (*rows, *batch.series) for j in r.job_ids}
