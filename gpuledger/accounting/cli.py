@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -35,11 +35,10 @@ from gpuledger.accounting.report.tables import rich_table
 from gpuledger.collector.auditlog.jobs import job_key
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from gpuledger.accounting.apply import Applied, Plan
+    from gpuledger.accounting.audit import Bound
     from gpuledger.accounting.config import AccountingSettings
-    from gpuledger.accounting.engine import UsageResult
+    from gpuledger.accounting.engine import ChargedJob, UsageResult
     from gpuledger.accounting.fairshare import Row
     from gpuledger.collector.store import SqliteStore
     from gpuledger.schema.records import JobRecord
@@ -167,10 +166,11 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     return rows, settings
 
 
-def _sources(entries: list[LedgerEntry], jobs, charges, bound) -> dict[str, dict[str, int | None]]:
+def _sources(entries: list[LedgerEntry], jobs: Sequence[ChargedJob], charges: Sequence[ChargedJob],
+             bound: Bound) -> dict[str, dict[str, int | None]]:
     """Per charged job (by its id in the audit entry): the log entries of its usage and job records."""
     by_key = {e.key: e for e in entries}
-    out = {}
+    out: dict[str, dict[str, int | None]] = {}
     for j, c in zip(jobs, charges):
         e = by_key[(j.cluster, j.job_id)]
         out[c.job_id] = {"usage_entry": bound.seq_of(usage_key(e.usage)) if e.usage is not None else None,
@@ -178,7 +178,7 @@ def _sources(entries: list[LedgerEntry], jobs, charges, bound) -> dict[str, dict
     return out
 
 
-def _warn(result) -> None:
+def _warn(result: UsageResult) -> None:
     for (acct, user), v in sorted(result.unknown.items()):
         err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} "
                   "has no association in the tree")
@@ -188,7 +188,7 @@ def _warn(result) -> None:
                   f"{escape(', '.join(result.unmatched_jobs[:10]))}")
 
 
-def _history_alias(data_dir: Path, entries) -> Callable[[str], str] | None:
+def _history_alias(data_dir: Path, entries: Iterable[LedgerEntry]) -> Callable[[str], str] | None:
     """The data dir's pseudonymizer when some record's user was pseudonymized (``audit retention``), so that
     such history still charges its association."""
     from gpuledger.accounting.privacy import Pseudonymizer, is_pseudonym

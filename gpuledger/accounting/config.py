@@ -29,7 +29,6 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
-
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -57,7 +56,8 @@ class AccountingSettings(BaseModel):
             try:
                 ZoneInfo(v)
             except (ZoneInfoNotFoundError, ValueError):
-                raise ValueError(f"unknown time zone {v!r} (an IANA name like Europe/Berlin, or \"\" for local)")
+                raise ValueError(
+                    f"unknown time zone {v!r} (an IANA name like Europe/Berlin, or \"\" for local)") from None
         return v
     priority_weight: int = Field(10_000, ge=0)
     dampening: float = Field(1.0, gt=0)

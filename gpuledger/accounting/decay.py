@@ -16,8 +16,9 @@ What is modelled (from ``_decay_thread`` and ``_apply_new_usage`` in priority_mu
   once their add time is <= ``now``: usage a running job accrued after the last tick is not yet in
   Slurm's numbers, and so not in ours.
 * ``PriorityUsageResetPeriod``: DAILY / WEEKLY (Sunday) / MONTHLY / QUARTERLY / YEARLY boundaries
-  at local midnight in ``tz`` (default: this machine's zone, like slurmctld); at the first tick at or after a boundary all usage is zeroed *before*
-  that tick's new usage is added (so the piece accrued just before the boundary survives, as in
+  at local midnight in ``tz`` (default: this machine's zone, like slurmctld); at the first tick at or
+  after a boundary all usage is zeroed *before* that tick's new usage is added (so the piece accrued
+  just before the boundary survives, as in
   Slurm). NONE never resets; NOW resets once when slurmctld starts, which from an empty ledger is
   the same as NONE.
 

@@ -104,11 +104,11 @@ class HourlyPlacer:
             if found is None:
                 continue
             own, offset = found
-            step = u.allocated_gpu_seconds / (u.samples - 1) if u.samples > 1 else 0.0  # a sample interval
+            interval = u.allocated_gpu_seconds / (u.samples - 1) if u.samples > 1 else 0.0  # between samples
             lo = bisect.bisect_left(own, math.floor(u.first_ts / HOUR) * HOUR)
-            hi = bisect.bisect_left(own, u.last_ts + step)  # buckets h with h - step < last
+            hi = bisect.bisect_left(own, u.last_ts + interval)  # buckets h with h - interval < last
             if hi > lo:
-                sel.append((i, step))
+                sel.append((i, interval))
                 lo_hi.append((offset + lo, hi - lo))
         if not sel:
             return out
@@ -172,11 +172,11 @@ def association_usage(
     """Decayed usage per association at ``now``; ``busy`` (the store's ``busy_hours``) places measured charges
     in the hours they were used, ``alias`` maps pseudonymized users back to the tree's (module docstring)."""
     policy = settings.charge_policy()
-    known = set(tree.user_keys())
+    known: set[UserKey] = {(a, u) for a, u in tree.user_keys() if u is not None}
     # a pseudonymized record's user -> the tree's user it stands for
     unalias = {(a, alias(u)): (a, u) for a, u in known} if alias is not None else {}
     placer = HourlyPlacer(busy) if busy else None
-    rows = []
+    rows: list[tuple[LedgerEntry, UserKey, JobCharge]] = []
     items: list[tuple[JobUsage, float]] = []
     owner: list[int] = []  # items[k] belongs to rows[owner[k]]
     unmatched = []

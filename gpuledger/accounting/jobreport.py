@@ -324,8 +324,9 @@ def to_text(rep: JobReport) -> str:
         lines.append("  (no scheduler record: measured only, seen_by agent"
                      + ("; user and account as an agent described them)" if r is not None else ")"))
     if a is not None and a.slurm_gpu_seconds is not None:
-        lines.append(f"  Slurm allocated {a.slurm_gpu_seconds / 3600:.2f} GPU-h, observed {a.observed_gpu_seconds / 3600:.2f} "
-                     f"GPU-h, coverage {_pct(a.coverage)}, unmeasured {a.unmeasured_gpu_seconds / 3600:.2f} GPU-h")
+        lines.append(f"  Slurm allocated {a.slurm_gpu_seconds / 3600:.2f} GPU-h, "
+                     f"observed {a.observed_gpu_seconds / 3600:.2f} GPU-h, coverage {_pct(a.coverage)}, "
+                     f"unmeasured {a.unmeasured_gpu_seconds / 3600:.2f} GPU-h")
     if r is not None:
         lines.append(f"  user {r.user or '-'}  account {r.account or '-'}  partition {r.partition or '-'}  "
                      f"state {r.state or '-'}  GPUs {r.gpus if r.gpus is not None else '-'}")

@@ -10,7 +10,7 @@ unnamed (""): then it joins the other side's record of the same job id when exac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
@@ -70,7 +70,7 @@ class LedgerEntry:
         return f"{self.job_id}@{self.cluster}" if self.cluster else self.job_id
 
 
-def _resolver(slurm_keys: Iterable[JobKey]):
+def _resolver(slurm_keys: Iterable[JobKey]) -> Callable[[JobKey], JobKey]:
     """Maps a key of the agents' side to the scheduler's key it names (see the module docstring)."""
     keys = set(slurm_keys)
     by_id: dict[str, list[str]] = {}

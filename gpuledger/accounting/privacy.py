@@ -19,7 +19,6 @@ from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.collector.pseudonym import KEY_NAME, PREFIX, Pseudonymizer, is_pseudonym, load_or_create_key  # noqa: F401
 from gpuledger.schema.records import JobRecord
 
-
 HORIZON_HALF_LIVES = 10  # usage older than this many half-lives weighs < 0.1% in fairshare
 
 
@@ -66,7 +65,8 @@ def apply_retention(
         db.execute("BEGIN IMMEDIATE")
         changed = []
         try:
-            for job_id, cluster, source, data in db.execute("SELECT job_id, cluster, source, data FROM jobs").fetchall():
+            rows = db.execute("SELECT job_id, cluster, source, data FROM jobs").fetchall()
+            for job_id, cluster, source, data in rows:
                 try:
                     d = json.loads(data)
                 except ValueError as e:

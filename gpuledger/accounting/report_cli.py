@@ -216,9 +216,9 @@ def report_usage(
 def report_reconcile(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    start: Annotated[Optional[str], typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
-    end: Annotated[Optional[str], typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
-    period: Annotated[Optional[str], typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
+    start: Annotated[str | None, typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
+    end: Annotated[str | None, typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
+    period: Annotated[str | None, typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     output: OutputOpt = None,
 ) -> None:
@@ -226,8 +226,13 @@ def report_reconcile(
     and GPU-time and energy with no job (unattributed). What an auditor signs."""
     import math
 
-    from gpuledger.accounting.report.reconcile import (RECONCILE_COLUMNS, reconcile, reconcile_csv,
-                                                       reconcile_json, reconcile_text)
+    from gpuledger.accounting.report.reconcile import (
+        RECONCILE_COLUMNS,
+        reconcile,
+        reconcile_csv,
+        reconcile_json,
+        reconcile_text,
+    )
 
     try:
         per = parse_period(period, start, end)
@@ -284,7 +289,7 @@ def report_job(
     config: ConfigOpt = None,
     fmt: Annotated[TextFmt, typer.Option("--format")] = TextFmt.text,
     pseudonymize: Pseudo = False,
-    cluster: Annotated[Optional[str], typer.Option(help="the job's cluster, where two clusters share the id")] = None,
+    cluster: Annotated[str | None, typer.Option(help="the job's cluster, where two clusters share the id")] = None,
 ) -> None:
     """One job's efficiency report: Slurm allocation vs observed (coverage); per GPU activity, memory, power,
     energy, events; notes with their numbers."""

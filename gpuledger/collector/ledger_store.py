@@ -256,7 +256,8 @@ class SqliteLedger:
     def _slurm_match(self, cluster: str, job_id: str) -> tuple[str, JobRecord] | None:
         """The stored scheduler record that ``(cluster, job_id)`` names: the same cluster, or one side unnamed
         and the job id unique among the scheduler's records."""
-        rows = self._db.execute("SELECT cluster, data FROM jobs WHERE job_id=? AND source=?", (job_id, SLURM)).fetchall()
+        rows = self._db.execute("SELECT cluster, data FROM jobs WHERE job_id=? AND source=?",
+                                (job_id, SLURM)).fetchall()
         exact = [r for r in rows if r[0] == cluster]
         if exact:
             return exact[0][0], _record(exact[0][1])
@@ -458,7 +459,8 @@ class SqliteLedger:
             "COALESCE(g.model, ''), COALESCE(c.cluster, '') FROM gpu_hours h "
             "LEFT JOIN gpus g ON g.host=h.host AND g.gpu_uuid=h.gpu_uuid AND g.mig=h.mig "
             "LEFT JOIN gpu_clusters c ON c.host=h.host AND c.gpu_uuid=h.gpu_uuid"
-            + where.replace("hour", "h.hour") + " GROUP BY h.host, h.gpu_uuid, h.mig ORDER BY h.host, h.gpu_uuid, h.mig",
+            + where.replace("hour", "h.hour")
+            + " GROUP BY h.host, h.gpu_uuid, h.mig ORDER BY h.host, h.gpu_uuid, h.mig",
             args).fetchall()
         return [{"host": r[0], "gpu_uuid": r[1], "mig": r[2], "observed_gpu_seconds": r[3],
                  "job_gpu_seconds": r[4], "energy_joules": r[5], "model": r[6], "cluster": r[7]} for r in rows]

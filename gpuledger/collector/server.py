@@ -292,8 +292,9 @@ class CollectorServer:
         with self._audit_lock:
             if self._audit is None:
                 self._audit = open_log(self.store.path.parent)
+            audit = self._audit
         # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)
-        changed = self.store.put_jobs(records, before_store=lambda merged: record_job_records(self._audit, merged))
+        changed = self.store.put_jobs(records, before_store=lambda merged: record_job_records(audit, merged))
         return Reply(200, {"received": len(records), "changed": changed})
 
     def get_jobs(self, req: Request) -> Reply:

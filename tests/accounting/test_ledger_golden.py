@@ -13,8 +13,8 @@ import json
 import httpx
 import pytest
 
-from gpuledger.accounting.charge import ChargePolicy, allocation
 from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.charge import ChargePolicy, allocation
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.engine import association_usage
 from gpuledger.accounting.jobreport import load_job_report, to_text
@@ -121,8 +121,10 @@ def test_two_clusters_with_the_same_job_id_stay_apart(collector):
                   "start": T0, "end": T0 + 20, "state": "COMPLETED", "tres": [["gres/gpu", 1]]},
                  {"job_id": "7", "cluster": "beta", "user": "bob", "account": "proj_b", "hosts": ["b1"], "gpus": 1,
                   "start": T0, "end": T0 + 40, "state": "COMPLETED", "tres": [["gres/gpu", 1]]}]).status_code == 200
-    assert post("a1", batch("a1", 1, [sample(T0 + 10 * k, "GPU-A1", "7") for k in range(3)], "alpha")).status_code == 200
-    assert post("b1", batch("b1", 1, [sample(T0 + 10 * k, "GPU-B1", "7") for k in range(5)], "beta")).status_code == 200
+    a1 = batch("a1", 1, [sample(T0 + 10 * k, "GPU-A1", "7") for k in range(3)], "alpha")
+    b1 = batch("b1", 1, [sample(T0 + 10 * k, "GPU-B1", "7") for k in range(5)], "beta")
+    assert post("a1", a1).status_code == 200
+    assert post("b1", b1).status_code == 200
     usage = {(u.cluster, u.job_id): u.allocated_gpu_seconds for u in store.job_usage()}
     assert usage == {("alpha", "7"): 20.0, ("beta", "7"): 40.0}
     entries = {e.key: e for e in load(store)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 import typer
@@ -29,7 +29,7 @@ from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
-T0 = datetime(2026, 10, 5, tzinfo=timezone.utc).timestamp()  # a whole hour
+T0 = datetime(2026, 10, 5, tzinfo=UTC).timestamp()  # a whole hour
 app = typer.Typer()
 app.add_typer(report_app, name="report")
 app.add_typer(audit_app, name="audit")
@@ -56,9 +56,11 @@ def test_model_weight_exact_then_longest_pattern_then_mig_fraction():
 
 # -- allocation frame ------------------------------------------------------------------------------------------
 def test_allocation_from_slurm_elapsed_times_gpus_per_model():
-    r = JobRecord("1", start=T0, end=T0 + 600, state="COMPLETED", gpus=2, tres=(("gres/gpu", 2.0), ("gres/gpu:h200", 2.0)))
+    r = JobRecord("1", start=T0, end=T0 + 600, state="COMPLETED", gpus=2,
+                  tres=(("gres/gpu", 2.0), ("gres/gpu:h200", 2.0)))
     assert allocation(r, T0 + 10_000) == {"h200": 1200.0}  # 600 s x 2
-    untyped = JobRecord("2", start=T0, end=T0 + 100, state="COMPLETED", gpus=3, gpu_model="a100", tres=(("gres/gpu", 3.0),))
+    untyped = JobRecord("2", start=T0, end=T0 + 100, state="COMPLETED", gpus=3, gpu_model="a100",
+                        tres=(("gres/gpu", 3.0),))
     assert allocation(untyped, T0 + 10_000) == {"a100": 300.0}
     running = JobRecord("3", start=T0, state="RUNNING", gpus=1, tres=(("gres/gpu", 1.0),))
     assert allocation(running, T0 + 50) == {"": 50.0}  # up to now
@@ -100,10 +102,10 @@ def test_half_life_zero_means_no_decay_and_zone_is_checked():
 
 
 def test_reset_periods_are_cut_in_the_configured_zone_default_local(monkeypatch):
-    t = datetime(2026, 10, 5, 3, 0, tzinfo=timezone.utc).timestamp()  # 23:00 on Oct 4 in New York
-    assert last_reset_boundary("DAILY", t, "UTC") == datetime(2026, 10, 5, tzinfo=timezone.utc).timestamp()
+    t = datetime(2026, 10, 5, 3, 0, tzinfo=UTC).timestamp()  # 23:00 on Oct 4 in New York
+    assert last_reset_boundary("DAILY", t, "UTC") == datetime(2026, 10, 5, tzinfo=UTC).timestamp()
     ny = last_reset_boundary("DAILY", t, "America/New_York")
-    assert ny == datetime(2026, 10, 4, 4, 0, tzinfo=timezone.utc).timestamp()  # midnight EDT = 04:00 UTC
+    assert ny == datetime(2026, 10, 4, 4, 0, tzinfo=UTC).timestamp()  # midnight EDT = 04:00 UTC
     monkeypatch.setenv("TZ", "America/New_York")
     time.tzset()
     try:

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
+from slurm_cluster import GPUS, PARTITION, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 from typer.testing import CliRunner
 
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.fairshare import fair_tree
 from gpuledger.accounting.priority import priority_feed
 from gpuledger.cli import app
-
-from slurm_cluster import GPUS, PARTITION, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 
 pytestmark = pytest.mark.slurm
 WEIGHT = 10_000
@@ -35,7 +34,7 @@ def _sacct_elapsed(c: SlurmCluster, job_id: str) -> float | None:
     state, start, end = out.splitlines()[0].split("|")
     if not state.startswith("COMPLETED"):
         return None
-    t = lambda s: datetime.strptime(s, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()  # noqa: E731
+    t = lambda s: datetime.strptime(s, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC).timestamp()  # noqa: E731
     return t(end) - t(start)
 
 

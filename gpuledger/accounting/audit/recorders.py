@@ -71,7 +71,7 @@ def record_fairshare(
     *,
     now: float,
     settings: Any,
-    charges: Iterable[JobCharge],
+    charges: Iterable[Any],  # per-job records with job_id and user: engine.ChargedJob (or JobCharge above)
     usage: Mapping[tuple[str, str], float],
     rows: Iterable[Any],
     feed: Iterable[Any] = (),
