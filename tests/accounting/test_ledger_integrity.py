@@ -167,9 +167,10 @@ def test_a_v2_store_is_migrated(tmp_path):
     store.ingest(Batch("a", 1, "n1", (mk(T0), mk(T0 + 10))))
     store.put_jobs([JobRecord("1", cluster="c", account="a", user="u")])
     store.close()
-    # turn it into what schema 2 wrote: usage keyed (job_id, host, gpu), jobs (job_id, cluster, data)
+    # turn it into what schema 2 wrote: usage keyed (job_id, host, gpu) and without the energy rules' gap_s
+    # (v2 stores predate it), jobs (job_id, cluster, data)
     db = sqlite3.connect(path)
-    cols = [r[1] for r in db.execute("PRAGMA table_info(usage)")][1:]
+    cols = [c for c in [r[1] for r in db.execute("PRAGMA table_info(usage)")][1:] if c != "gap_s"]
     db.executescript(f"""
         CREATE TABLE u2 ({', '.join(cols)}, PRIMARY KEY (job_id, host, gpu)) WITHOUT ROWID;
         INSERT INTO u2 SELECT {', '.join(cols)} FROM usage; DROP TABLE usage; ALTER TABLE u2 RENAME TO usage;
@@ -184,6 +185,7 @@ def test_a_v2_store_is_migrated(tmp_path):
         assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
         (e,) = load(store)
         assert (e.key, e.seen_by, e.account, e.usage.allocated_gpu_seconds) == (("c", "1"), "both", "a", 10.0)
+        assert e.usage.gap_gpu_seconds == 0.0  # a field the v2 store had no column for starts at 0
     finally:
         store.close()
     db = sqlite3.connect(path)
