@@ -6,6 +6,7 @@ Only this module turns errors into exit codes; everything it calls raises or ret
 from __future__ import annotations
 
 import json
+import math
 import signal
 import socket
 import sys
@@ -20,6 +21,7 @@ from rich.table import Table
 
 from gpuledger.agent.sources import SOURCES, make_source
 from gpuledger.agent.sources.base import SourceUnavailable
+from gpuledger.agent.sources.simulated import LOADS
 from gpuledger.schema.records import GpuSample
 
 app = typer.Typer(help="GPU node agent: read GPUs (nvml, dcgm, dcgm-exporter, simulated), expose and push samples.",
@@ -31,9 +33,14 @@ class OutputFormat(StrEnum):
     table = "table"
 
 
-def _source_options(source: str, url: str | None, host: str | None, gpus: int, seed: int) -> dict[str, Any]:
+def _source_options(source: str, url: str | None, host: str | None, gpus: int, seed: int,
+                    load: str | None = None) -> dict[str, Any]:
     if source == "simulated":
-        return {"host": host or "sim-node", "gpus": gpus, "seed": seed}
+        if load is not None and load not in LOADS:
+            raise typer.BadParameter(f"unknown load {load!r}; known: {', '.join(LOADS)}", param_hint="--load")
+        return {"host": host or "sim-node", "gpus": gpus, "seed": seed, "load": load}
+    if load is not None:
+        raise typer.BadParameter("only the simulated source takes a load", param_hint="--load")
     if source == "dcgm-exporter":
         if not url:
             raise typer.BadParameter("--url (the exporter's /metrics URL) is required for --source dcgm-exporter")
@@ -41,10 +48,11 @@ def _source_options(source: str, url: str | None, host: str | None, gpus: int, s
     return {"host": host}
 
 
-def _open_source(source: str, url: str | None, host: str | None, gpus: int, seed: int) -> Any:
+def _open_source(source: str, url: str | None, host: str | None, gpus: int, seed: int,
+                 load: str | None = None) -> Any:
     if source not in SOURCES:
         raise typer.BadParameter(f"unknown source {source!r}; known: {', '.join(sorted(SOURCES))}")
-    src = make_source(source, **_source_options(source, url, host, gpus, seed))
+    src = make_source(source, **_source_options(source, url, host, gpus, seed, load))
     try:
         src.open()
     except SourceUnavailable as exc:
@@ -72,6 +80,14 @@ def _stages(mapper: list[str], mapping_dir: str | None) -> list[Any]:
 
 
 MAPPER_HELP = "job mapper(s), applied in order: slurm-cgroup, mapping-dir, static (repeat the option for several)"
+LOAD_HELP = (f"simulated source: the node's workload, one of {', '.join(LOADS)} (mixed: training, inference, a "
+             "stalling loader and an idle GPU, like the demo); busy GPUs carry simulated job ids [default: free]")
+# /metrics listens on every interface by default so that a central Prometheus can scrape it. It is read-only and
+# unauthenticated and shows this node's GPU activity and job ids: keep it inside the cluster network (firewall),
+# or pass --metrics-addr 127.0.0.1 behind a local proxy (docs/deploy.md).
+METRICS_ADDR_HELP = ("address for /metrics; 0.0.0.0 (all interfaces) so Prometheus can scrape it. It is "
+                     "unauthenticated and shows GPU activity and job ids: firewall it to the monitoring hosts, "
+                     "or use 127.0.0.1")
 
 
 def _fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -102,6 +118,7 @@ def once(
     host: str | None = typer.Option(None, help="host name to record (default: this host's name)"),
     gpus: int = typer.Option(8, help="simulated source: number of GPUs"),
     seed: int = typer.Option(0, help="simulated source: random seed"),
+    load: str | None = typer.Option(None, help=LOAD_HELP, show_default=False),
     mapper: list[str] = typer.Option([], "--mapper", "-m", help=MAPPER_HELP),
     mapping_dir: str | None = typer.Option(None, help="directory written by the Slurm prolog (mapping-dir)"),
 ) -> None:
@@ -109,7 +126,7 @@ def once(
     from gpuledger.agent.sampler import Agent  # noqa: PLC0415 - sub-command imports stay lazy
 
     stages = _stages(mapper, mapping_dir)
-    src = _open_source(source, url, host, gpus, seed)
+    src = _open_source(source, url, host, gpus, seed, load)
     agent = Agent(src, stages)
     try:
         if getattr(src, "name", "") == "nvml":
@@ -155,13 +172,15 @@ def run(
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL (for --source dcgm-exporter)"),
     collector: str | None = typer.Option(None, help="collector samples URL to push each batch to"),
     metrics_port: int | None = typer.Option(9445, help="serve /metrics on this port (0: any free port)"),
-    metrics_addr: str = typer.Option("127.0.0.1", help="address for /metrics"),
+    metrics_addr: str = typer.Option("0.0.0.0", help=METRICS_ADDR_HELP),
     interval: float = typer.Option(10.0, help="seconds between sampling cycles"),
     host: str | None = typer.Option(None, help="host name to record (default: this host's name)"),
     agent_id: str | None = typer.Option(None, help="agent id sent to the collector (default: host name)"),
     gpus: int = typer.Option(8, help="simulated source: number of GPUs"),
     seed: int = typer.Option(0, help="simulated source: random seed"),
-    duration: float = typer.Option(0.0, help="stop after this many seconds (0: run until SIGTERM/SIGINT)"),
+    load: str | None = typer.Option(None, help=LOAD_HELP, show_default=False),
+    duration: float = typer.Option(0.0, min=0.0, help="run for this many seconds: duration / interval cycles, "
+                                   "rounded up (0: run until SIGTERM/SIGINT)"),
     mapper: list[str] = typer.Option([], "--mapper", "-m", help=MAPPER_HELP),
     mapping_dir: str | None = typer.Option(None, help="directory written by the Slurm prolog (mapping-dir)"),
     token_file: str | None = typer.Option(None, help="file holding this node's bearer token for the collector"),
@@ -182,7 +201,7 @@ def run(
         raise typer.BadParameter("--interval must be positive")
     node = host or socket.gethostname()
     stages = _stages(mapper, mapping_dir)
-    src = _open_source(source, url, node, gpus, seed)  # samples carry the host the agent pushes as
+    src = _open_source(source, url, node, gpus, seed, load)  # samples carry the host the agent pushes as
     sinks: list[Any] = []
     if collector:
         from gpuledger.agent.push import HttpPusher  # noqa: PLC0415
@@ -208,7 +227,6 @@ def run(
     agent = Agent(src, stages, sinks=sinks)
     stop = threading.Event()
     server = None
-    timer = None
     previous: dict[int, Any] = {}
     try:
         if metrics_port is not None:
@@ -217,16 +235,13 @@ def run(
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, lambda *_: stop.set())
-        if duration > 0:
-            timer = threading.Timer(duration, stop.set)
-            timer.daemon = True
-            timer.start()
-        agent.run(interval, stop)
+        # Cycles start at 0, interval, 2 x interval, ... while before --duration: counted, not timed, so a
+        # slow cycle never adds one.
+        cycles = math.ceil(duration / interval - 1e-9) if duration > 0 else None
+        agent.run(interval, stop, max_ticks=cycles)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if timer is not None:
-            timer.cancel()
         if server is not None:
             server.shutdown()
         agent.close()

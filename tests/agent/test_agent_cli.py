@@ -101,7 +101,45 @@ def test_run_pushes_to_collector_and_stops() -> None:
         collector.shutdown()
         collector.server_close()
     assert result.exit_code == 0, result.output
-    assert "serving /metrics on 127.0.0.1:" in result.output and "stopped after" in result.output
-    assert len(received) >= 2
+    assert "serving /metrics on 0.0.0.0:" in result.output  # the default: a central Prometheus can scrape it
+    assert "stopped after 4 cycle(s)" in result.output  # 0.35 s at 0.1 s: cycles at 0, 0.1, 0.2, 0.3
+    assert len(received) == 4
     batch = msgpack.unpackb(received[0])  # the agent's default wire: msgpack, complete columns as raw bytes
     assert batch["host"] == "h7" and batch["agent_id"] == "h7" and len(from_series(batch["series"], "h7")) == 2
+
+
+def test_run_duration_counts_cycles_not_wall_time() -> None:
+    # --duration 0.6 at --interval 0.1 is 6 cycles (0.0 .. 0.5), never a 7th at 0.6
+    result = runner.invoke(app, ["run", "--source", "simulated", "--gpus", "1", "--metrics-port", "0",
+                                 "--metrics-addr", "127.0.0.1", "--interval", "0.1", "--duration", "0.6"])
+    assert result.exit_code == 0, result.output
+    assert "serving /metrics on 127.0.0.1:" in result.output
+    assert "stopped after 6 cycle(s)" in result.output
+
+
+def test_once_simulated_load_mixed_has_busy_gpus_and_jobs() -> None:
+    result = runner.invoke(app, ["once", "--source", "simulated", "--load", "mixed", "--gpus", "8", "--host", "n1"])
+    assert result.exit_code == 0, result.output
+    samples = [GpuSample.from_dict(d) for d in json.loads(result.stdout)]
+    jobs = [s.job_ids for s in samples]
+    # 4-GPU training job, 2-GPU inference job, a stalling loader, an allocated-idle GPU: four distinct jobs
+    assert jobs[0] == jobs[1] == jobs[2] == jobs[3] and jobs[4] == jobs[5]
+    assert len({j for j in jobs}) == 4 and all(len(j) == 1 for j in jobs)
+    assert all(s.sm_active_ratio > 0.8 for s in samples[:4])  # training
+    assert all(s.dram_bw_ratio > 0.6 for s in samples[4:6])  # memory-bound inference
+    assert samples[7].sm_active_ratio == 0.0 and samples[7].mem_used_bytes > 0  # allocated but idle
+    again = runner.invoke(app, ["once", "--source", "simulated", "--load", "mixed", "--gpus", "8", "--host", "n1"])
+    assert [s["job_ids"] for s in json.loads(again.stdout)] == [list(j) for j in jobs]  # stable per host
+
+
+def test_load_refused_for_unknown_name_and_other_sources() -> None:
+    bad = runner.invoke(app, ["once", "--source", "simulated", "--load", "busy"])
+    assert bad.exit_code == 2 and "unknown load 'busy'" in bad.output
+    other = runner.invoke(app, ["once", "--source", "dcgm-exporter", "--url", "http://127.0.0.1:1/metrics",
+                                "--load", "training"])
+    assert other.exit_code == 2 and "only the simulated source" in other.output
+
+
+def test_default_load_leaves_gpus_free() -> None:
+    result = runner.invoke(app, ["once", "--source", "simulated", "--gpus", "2"])
+    assert all(d["sm_active_ratio"] == 0.0 and d["job_ids"] == [] for d in json.loads(result.stdout))

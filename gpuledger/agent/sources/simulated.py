@@ -9,6 +9,7 @@ collector computes against what "really" happened.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 import threading
@@ -60,6 +61,39 @@ PROFILES: dict[str, Profile] = {
 # A free GPU (no job): nothing runs and no memory is held.
 _FREE = Profile("free", Levels(0.0, 0.0, 0.0, 0.0, 0.0, 0.0), noise=0.0)
 
+# Node loads for `agent run|once --source simulated --load NAME`: each GPU's profile (None = free), the pattern
+# repeated over the node's GPUs. Neighbouring GPUs with the same profile form one job, as on a real node.
+# "mixed" is the demo's mix on one node: a 4-GPU training job, 2-GPU inference, a stalling loader, an idle GPU.
+LOADS: dict[str, tuple[str | None, ...]] = {
+    "free": (None,),
+    "training": ("training",),
+    "inference": ("inference",),
+    "dataloader-stall": ("dataloader-stall",),
+    "idle": ("idle",),
+    "mixed": ("training", "training", "training", "training", "inference", "inference", "dataloader-stall", "idle"),
+}
+
+
+def load_plan(load: str, host: str, gpus: int) -> dict[int, tuple[str, str]]:
+    """GPU index -> (profile, job id) for a named load; free GPUs are absent. Job ids are numeric and stable for
+    a host (so reruns of a hand-run pipeline charge the same jobs), consecutive within the node."""
+    try:
+        pattern = LOADS[load]
+    except KeyError:
+        raise ValueError(f"simulated source: unknown load {load!r}; known: {', '.join(LOADS)}") from None
+    profiles = list(itertools.islice(itertools.cycle(pattern), gpus))
+    base = 100_000 + int(hashlib.sha1(host.encode()).hexdigest()[:8], 16) % 800_000 * 10
+    plan: dict[int, tuple[str, str]] = {}
+    job = 0
+    for i, p in enumerate(profiles):
+        if p is None:
+            continue
+        # One job for a run of one profile, but an allocated-idle GPU is always its own job.
+        if i == 0 or profiles[i - 1] != p or p == "idle" or i % len(pattern) == 0:
+            job += 1
+        plan[i] = (p, str(base + job))
+    return plan
+
 # Power weights of each activity: f = sum(w * level), clipped to 0..1, power = idle + (tdp - idle) * f.
 # Chosen so training lands near 90 % of TDP and inference mid-range, as on real Hopper parts.
 _W_SM, _W_DRAM, _W_TENSOR = 0.55, 0.35, 0.40
@@ -101,7 +135,8 @@ def _clip(x: float, lo: float = 0.0, hi: float = 1.0) -> float:
 
 
 class _Gpu:
-    __slots__ = ("index", "uuid", "profile", "rng", "stall_offset", "last_ts", "energy", "truth_energy", "truth_sm")
+    __slots__ = ("index", "uuid", "profile", "rng", "stall_offset", "last_ts", "energy", "truth_energy", "truth_sm",
+                 "job_ids")
 
     def __init__(self, index: int, uuid: str, profile: Profile, rng: random.Random) -> None:
         self.index = index
@@ -115,6 +150,7 @@ class _Gpu:
         self.energy = rng.uniform(1e6, 50e6)
         self.truth_energy = 0.0
         self.truth_sm = 0.0
+        self.job_ids: tuple[str, ...] = ()
 
 
 class SimulatedSource:
@@ -133,7 +169,10 @@ class SimulatedSource:
         idle_watts: float = 75.0,
         mem_total_bytes: int = 141_000_000_000,
         profiles: Mapping[int, str | Profile | None] | None = None,
+        load: str | None = None,
     ) -> None:
+        """``profiles`` sets GPUs' workloads (no job ids: a mapper or the caller names the jobs); ``load`` names a
+        whole node's mix from :data:`LOADS`, and then the samples carry simulated job ids as well."""
         if not isinstance(gpus, int) or gpus < 0:
             raise ValueError(f"simulated source: gpus must be a non-negative integer, got {gpus!r}")
         if not (0.0 <= idle_watts < tdp_watts):
@@ -153,6 +192,9 @@ class SimulatedSource:
         self._gpus = [
             _Gpu(i, gpu_uuid_for(host, i), _FREE, random.Random(f"{seed}/{host}/{i}")) for i in range(gpus)
         ]
+        for index, (profile, job_id) in (load_plan(load, host, gpus) if load else {}).items():
+            self.set_profile(index, profile)
+            self._gpus[index].job_ids = (job_id,)
         for index, profile in (profiles or {}).items():
             self.set_profile(index, profile)
 
@@ -280,5 +322,6 @@ class SimulatedSource:
             throttle_reasons=_THROTTLE_IDLE if util == 0.0 else (_THROTTLE_SW_POWER_CAP if power > 0.97 * self.tdp_watts else 0),
             ecc_errors_total=0,
             remapped_rows_total=0,
+            job_ids=g.job_ids,
             source=self.name,
         )
