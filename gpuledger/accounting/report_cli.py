@@ -204,7 +204,8 @@ def report_usage(
         with au.open_log(data_dir) as log:
             size, root = log.head()
         text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}",
-                           manifest={"audit log head": f"{size} entries, root {root[:16]}...", "pseudonymized": pseudonymize})
+                           manifest={"audit log head": f"{size} entries, root {root[:16]}...",
+                                     "user names": "pseudonymized" if pseudonymize else "shown as recorded"})
     else:
         text = usage_report_text(rep)
     _emit(text, output)
