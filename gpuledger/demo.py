@@ -8,6 +8,8 @@ time, accelerated); then accounting: per-job usage, fairshare, the priority feed
 from __future__ import annotations
 
 import random
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +115,7 @@ class DemoResult:
     usage: dict[str, JobUsage]
     wall_seconds: float
     samples_pushed: int
+    end: float  # the last simulated sample time: "now" for the accounting that follows
     extra: dict = field(default_factory=dict)
 
 
@@ -163,10 +166,12 @@ def run_demo(
     cluster: str = "demo",
     progress: Callable[[int, int], None] | None = None,
     extra_sinks: Sequence[Any] = (),
+    end: float | None = None,
 ) -> DemoResult:
     """Run the simulated cluster through the real HTTP path and return jobs, ground truth and measured usage.
 
     ``extra_sinks`` also receive every agent's samples (e.g. an InfluxDB sink to fill dashboards in tests).
+    ``end`` is where simulated time ends (default: the last full hour, UTC).
     """
     _fresh_demo_dir(data_dir)
     cfg = data_dir / CONFIG_NAME
@@ -174,8 +179,11 @@ def run_demo(
         cfg.write_text(DEMO_CONFIG)
     wall0 = time.perf_counter()
     span = hours * 3600.0
-    # Simulated time ends now, so the data lands where a real cluster's would (and is never "in the future").
-    t_end = float(int(time.time()))
+    # Simulated time ends at the last full hour, so the data lands where a real cluster's would (never "in the
+    # future"). Everything is an offset from this anchor (job plan, stall phases, the fairshare's "now"), and the
+    # anchor sits on the grid of Slurm's decay periods and the store's rollups, so a seed gives the same numbers
+    # whatever the wall clock says.
+    t_end = float(int(time.time()) // 3600 * 3600) if end is None else float(end)
     t0 = t_end - span - step_s * 2
     now = [t0]
     clock = lambda: now[0]  # noqa: E731 - the one shared simulated clock
@@ -246,7 +254,7 @@ def run_demo(
             r = client.get(f"{url}/api/v1/usage")
             r.raise_for_status()
             usage = {d["job_id"]: JobUsage.from_dict(d) for d in r.json()}
-        return DemoResult(data_dir, url, jobs, usage, time.perf_counter() - wall0, pushed)
+        return DemoResult(data_dir, url, jobs, usage, time.perf_counter() - wall0, pushed, now[0])
     finally:
         for a in agents:
             a.close()
@@ -264,6 +272,20 @@ def _finish(j: DemoJob, t: float, src: SimulatedSource, mapper: StaticMapper, st
             mapper.clear(g)
     if state_end:
         j.end = t
+
+
+def command_name(argv0: str | None = None, which: Callable[[str], str | None] = shutil.which) -> str:
+    """How to type `gpuledger` again in this shell: the bare name when PATH finds this same program, else the path
+    it was started by (`.venv/bin/gpuledger` after `make demo`), else `python -m gpuledger`."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if Path(argv0).name != "gpuledger":
+        return f"{shlex.quote(sys.executable)} -m gpuledger"
+    found = which("gpuledger")
+    if "/" not in argv0 and found:  # started through PATH
+        return "gpuledger"
+    if found and Path(found).resolve() == Path(argv0).resolve():
+        return "gpuledger"
+    return shlex.quote(argv0)
 
 
 def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, seed: int) -> DemoResult:
@@ -302,7 +324,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     jobs_table = job_rows(entries)
     console.print(rich_table("Jobs (measured)", JOB_COLUMNS, jobs_table))
 
-    now = time.time()
+    now = res.end  # simulated time, not the wall clock: the fairshare's decay is the same for every run of a seed
     weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
     # audited with its inputs
     rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight, record=True)
@@ -330,5 +352,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     console.print(rich_table("Usage by account and user", GROUP_COLUMNS, groups))
     console.print(f"priority feed: {feed_path}")
     console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')}), signed: {manifest}")
-    console.print(f"next: gpuledger fairshare --data-dir {data_dir}   |   gpuledger report usage --data-dir {data_dir}")
+    cmd, d = command_name(), shlex.quote(str(data_dir))
+    console.print(f"next: {cmd} fairshare --data-dir {d}   |   {cmd} report usage --data-dir {d}",
+                  markup=False, highlight=False, soft_wrap=True)
     return res

@@ -52,7 +52,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         sink = InfluxSink(influx.url, api="v1", database=influx.db, flush_interval_s=0.2)
         es.callback(sink.close)
         data = tmp / "data"
-        demo = run_demo(data, nodes=2, gpus_per_node=4, hours=0.2, step_s=10, seed=0, extra_sinks=[EnrichingSink(sink)])
+        demo = run_demo(data, nodes=2, gpus_per_node=4, hours=0.2, step_s=10, seed=0, extra_sinks=[EnrichingSink(sink)],
+                        end=time.time())  # in the panels' last-15-minutes window
         store = SqliteStore(data / STORE_NAME)
         es.callback(store.close)
         jobs = {j.job_id: j for j in store.jobs()}

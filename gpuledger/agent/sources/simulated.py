@@ -136,15 +136,17 @@ def _clip(x: float, lo: float = 0.0, hi: float = 1.0) -> float:
 
 class _Gpu:
     __slots__ = ("index", "uuid", "profile", "rng", "stall_offset", "last_ts", "energy", "truth_energy", "truth_sm",
-                 "job_ids")
+                 "job_ids", "anchor")
 
     def __init__(self, index: int, uuid: str, profile: Profile, rng: random.Random) -> None:
         self.index = index
         self.uuid = uuid
         self.profile = profile
         self.rng = rng
-        # Stall phases differ per GPU so a node's GPUs do not stall in lockstep.
+        # Stall phases differ per GPU so a node's GPUs do not stall in lockstep; they count from the GPU's first
+        # sample (``anchor``), not from the epoch, so a seed gives the same numbers whatever the wall clock says.
         self.stall_offset = rng.uniform(0.0, 90.0)
+        self.anchor: float | None = None
         self.last_ts: float | None = None
         # A realistic counter: some megajoules accumulated since the driver loaded.
         self.energy = rng.uniform(1e6, 50e6)
@@ -258,14 +260,17 @@ class SimulatedSource:
         # A clock that steps back yields a zero-length interval, never negative energy.
         start = now if g.last_ts is None or now < g.last_ts else g.last_ts
         dt = now - start
+        if g.anchor is None:
+            g.anchor = now
         p = g.profile
         levels = p.busy
         if p.stall is not None:
+            offset = g.anchor + g.stall_offset
             if dt > 0:
-                stalled = _stalled_time(p, g.stall_offset, now) - _stalled_time(p, g.stall_offset, start)
+                stalled = _stalled_time(p, offset, now) - _stalled_time(p, offset, start)
                 frac = _clip(stalled / dt)
             else:
-                frac = 1.0 if (now - g.stall_offset) % p.period_s < p.stall_s else 0.0
+                frac = 1.0 if (now - offset) % p.period_s < p.stall_s else 0.0
             levels = _blend(p.busy, p.stall, frac)
 
         rng = g.rng
