@@ -30,6 +30,7 @@ from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import rich_table
+from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
 
 if TYPE_CHECKING:
@@ -54,8 +55,10 @@ DataDir = Annotated[
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")
 ]
-AssociationsOpt = Annotated[Path | None, typer.Option(
-    help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")]
+ASSOC_HELP = ("the association tree: `slurm` (ask sacctmgr), a file of `sacctmgr -P show associations "
+              "format=cluster,account,parentname,user,share` output, or a CSV account,parent,user,shares "
+              "(default: the config's accounts table)")
+AssociationsOpt = Annotated[Path | None, typer.Option(help=ASSOC_HELP)]
 
 
 class Fmt(StrEnum):
@@ -78,7 +81,8 @@ jobs_app = typer.Typer(help="Job records in the ledger.", no_args_is_help=True)
 
 
 def _fail(msg: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(msg)}")  # messages quote TOML tables like [accounts]: not markup
+    # messages quote TOML tables like [accounts]: not markup; one line, never wrapped (paths stay whole)
+    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
 
 
@@ -159,7 +163,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     except EntryDamaged as e:
         err.print(escape(f"error: TAMPERED: {e} (run `gpuledger audit verify`)"), highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, SlurmCommandError) as e:
         raise _fail(str(e)) from None
     return rows, settings
 
@@ -177,8 +181,7 @@ def _warn(result: UsageResult) -> None:
 def fairshare(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    associations: Annotated[
-        Path | None, typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares")] = None,
+    associations: AssociationsOpt = None,
     usage: Annotated[Path | None, typer.Option(help="CSV account,user,usage (decayed raw usage)")] = None,
     algorithm: Annotated[Algorithm | None, typer.Option(help="default: the configured one")] = None,
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, tzinfo
 from typing import Any
 
+from gpuledger.accounting.associations import SACCTMGR_FORMAT
 from gpuledger.agent.slurm import (
     SlurmParseError,
     expand_hostlist,
@@ -49,6 +50,7 @@ __all__ = [
     "SlurmCommandError",
     "SlurmParseError",
     "SACCT_PARSABLE_FORMAT",
+    "SACCTMGR_ASSOC_FORMAT",
     "exit_code_from_text",
     "gpus_from_tres",
     "merge_sacct",
@@ -440,6 +442,7 @@ Run = Callable[..., "subprocess.CompletedProcess[str]"]
 # sacct -s states of a job that has ended (what `priority watch` imports)
 ENDED_STATES = ("BF", "CA", "CD", "DL", "F", "NF", "OOM", "PR", "TO")
 _SCONTROL_JOB_ID = re.compile(r"\d+(_(\d+|\[\d+(-\d+)?(,\d+(-\d+)?)*\]))?")
+SACCTMGR_ASSOC_FORMAT = SACCTMGR_FORMAT
 
 
 def _slurm_time(t: float | datetime) -> str:
@@ -487,6 +490,11 @@ class SlurmClient:
         parsable = parse_sacct_parsable(
             self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC)
         return merge_sacct(as_json, parsable)
+
+    def associations(self) -> str:
+        """``sacctmgr -P show associations`` with the columns a tree needs (the default columns lack
+        ParentName); parse it with ``AssocTree.from_sacctmgr``."""
+        return self._call(["sacctmgr", "-P", "show", "associations", f"format={SACCTMGR_ASSOC_FORMAT}"])
 
     def pending_jobs(self) -> list[PendingJob]:
         """Pending job records (an array's tasks that share one record are one entry): ``squeue -r -t PD``,
