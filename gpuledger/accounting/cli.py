@@ -7,7 +7,7 @@ import sys
 import time
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -59,6 +59,10 @@ ASSOC_HELP = ("the association tree: `slurm` (ask sacctmgr), a file of `sacctmgr
               "format=cluster,account,parentname,user,share` output, or a CSV account,parent,user,shares "
               "(default: the config's accounts table)")
 AssociationsOpt = Annotated[Path | None, typer.Option(help=ASSOC_HELP)]
+
+
+INFLUX_HELP = ("also write the fairshare measurement (per association: fairshare, site factor, usage) to the "
+               "InfluxDB of the collector table's influx_url")
 
 
 class Fmt(StrEnum):
@@ -187,12 +191,16 @@ def fairshare(
     fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
     record: Annotated[bool, typer.Option("--record", help="append the computation and its inputs to the audit log "
                                          "(a plain query appends nothing)")] = False,
+    influx: Annotated[bool, typer.Option("--influx", help=INFLUX_HELP)] = False,
 ) -> None:
     """Fairshare per association, like `sshare -l` (table), or JSON/CSV for machines."""
     from gpuledger.accounting.fairshare_render import render_csv, render_table, to_json
 
-    rows, _ = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage,
-                             record=record and usage is None)
+    now = time.time()
+    rows, settings = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage,
+                                    now=now, record=record and usage is None)
+    if influx:
+        _to_influx(data_dir, config, rows, feed_from_rows(rows, settings, now))
     if fmt is Fmt.json:
         typer.echo(json.dumps(to_json(rows), indent=2))
     elif fmt is Fmt.csv:
@@ -202,13 +210,37 @@ def fairshare(
 
 
 def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
-               associations: Path | None = None, accept_store_changes: str | None = None) -> dict:
+               associations: Path | None = None, accept_store_changes: str | None = None,
+               with_rows: bool = False) -> Any:
+    """The feed document (and, ``with_rows``, the fairshare rows it came from, as a pair)."""
     now = time.time() if now is None else now
     cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
     weight = accounting_settings(cfg).priority_weight
     rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight,
                                     record=True, accept_store_changes=accept_store_changes)
-    return feed_from_rows(rows, settings, now)
+    doc = feed_from_rows(rows, settings, now)
+    return (rows, doc) if with_rows else doc
+
+
+def _influx_configured(data_dir: Path, config: Path | None) -> bool:
+    from gpuledger.collector.config import ConfigError as CollectorConfigError, load_settings
+
+    try:
+        return bool(load_settings(data_dir, config).influx_url)
+    except CollectorConfigError as e:
+        raise _fail(str(e)) from None
+
+
+def _to_influx(data_dir: Path, config: Path | None, rows, doc: dict) -> None:
+    """The fairshare measurement to InfluxDB; a failure exits 1 (the feed file is written already)."""
+    from gpuledger.accounting.influx_out import InfluxNotConfigured, InfluxPublishError, fairshare_to_influx
+
+    try:
+        where = fairshare_to_influx(data_dir, config, rows, doc["associations"], doc["generated_at"])
+    except InfluxPublishError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2 if isinstance(e, InfluxNotConfigured) else 1) from None
+    err.print(f"fairshare written to InfluxDB {where}", markup=False, highlight=False, soft_wrap=True)
 
 
 def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) -> dict:
@@ -234,15 +266,21 @@ def priority_feed_cmd(
     accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="use "
                                     "store rows that differ from their final logged record, logging each as a "
                                     "correction with this reason (refused without it)")] = None,
+    influx: Annotated[bool | None, typer.Option("--influx/--no-influx", show_default=False,
+                                                   help="write to InfluxDB [default: when influx_url is set]")] = None,
 ) -> None:
     """Per association: measured fairshare and the Slurm site factor it implies; written atomically, as JSON and,
-    beside it with the suffix .txt, as the flat `account user factor` file job_submit.lua reads. Every record
-    it uses is in the audit log first."""
-    doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes)
+    beside it with the suffix .txt, as the flat `account user factor` file job_submit.lua reads; and to InfluxDB
+    (measurement fairshare) when the collector table sets influx_url. Every record it uses is in the audit log
+    first."""
+    rows, doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes,
+                           with_rows=True)
     try:
         path = write_feed(output or data_dir / FEED_NAME, doc)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
+    if influx is not False and (influx or _influx_configured(data_dir, config)):
+        _to_influx(data_dir, config, rows, doc)
     if fmt is Fmt.json:
         typer.echo(json.dumps(doc, indent=2))
     else:

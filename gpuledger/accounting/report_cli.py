@@ -158,6 +158,16 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
     _note(f"report written to {output}, signed manifest {m}")
 
 
+def _jobs_to_influx(data_dir: Path, config: Path | None, entries) -> None:
+    from gpuledger.accounting.influx_out import InfluxNotConfigured, InfluxPublishError, jobs_to_influx
+
+    try:
+        where = jobs_to_influx(data_dir, config, entries)
+    except InfluxPublishError as e:
+        raise _fail(str(e), 2 if isinstance(e, InfluxNotConfigured) else 1) from None
+    _note(f"job usage written to InfluxDB {where}")
+
+
 # -- report ---------------------------------------------------------------------------------------------------------
 @report_app.command("usage")
 def report_usage(
@@ -170,6 +180,9 @@ def report_usage(
     fmt: Annotated[UsageFmt, typer.Option("--format")] = UsageFmt.table,
     pseudonymize: Pseudo = False,
     output: OutputOpt = None,
+    influx: Annotated[bool, typer.Option("--influx", help="also write the period's jobs (measurement job_usage, "
+                                         "tagged with account and user) to the InfluxDB of the collector table's "
+                                         "influx_url")] = False,
 ) -> None:
     """Per group: GPU-hours allocated and SM-active, efficiency, HBM, energy, CO2e, cost, idle GPU-hours, queue
     wait. Jobs count whole in the period they ended; totals are exactly the sum of the job records."""
@@ -190,6 +203,8 @@ def report_usage(
         rep = usage_report(entries, by.value, per, settings, per_gpu)
     except ReportError as e:
         raise _fail(str(e)) from None
+    if influx:
+        _jobs_to_influx(data_dir, config, rpt.in_period(entries, per))
     if fmt is UsageFmt.table and output is None:
         console.print(rich_table(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
                                      [*rep.rows, rep.total]))

@@ -117,12 +117,17 @@ class CollectorSettings(TokenTables):
                          hour_s=self.hour_retention_s or None)
 
     def sinks(self) -> list[Any]:
+        sink = self.influx_sink()
+        return [] if sink is None else [sink]
+
+    def influx_sink(self, **options: Any) -> Any:
+        """The configured InfluxDB sink (None without ``influx_url``); ``options`` tune InfluxSink (retries, ...)."""
         if not self.influx_url:
-            return []
+            return None
         from gpuledger.collector.sinks.influx import InfluxSink
 
-        return [InfluxSink(self.influx_url, self.influx_api, database=self.influx_database, bucket=self.influx_bucket,
-                           org=self.influx_org, token=self.influx_token)]
+        return InfluxSink(self.influx_url, self.influx_api, database=self.influx_database, bucket=self.influx_bucket,
+                          org=self.influx_org, token=self.influx_token, **options)
 
     @model_validator(mode="after")
     def _consistent(self) -> CollectorSettings:
