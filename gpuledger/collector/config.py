@@ -48,7 +48,7 @@ ENV_PREFIX = "GPULEDGER_COLLECTOR_"
 MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 # Settings an environment variable may override (the token tables are files' business, not the environment's).
 ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
-                "tls_cert", "tls_key", "priority_feed")
+                "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token")
 
 
 class ConfigError(ValueError):

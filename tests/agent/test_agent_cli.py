@@ -122,12 +122,12 @@ def test_once_simulated_load_mixed_has_busy_gpus_and_jobs() -> None:
     assert result.exit_code == 0, result.output
     samples = [GpuSample.from_dict(d) for d in json.loads(result.stdout)]
     jobs = [s.job_ids for s in samples]
-    # 4-GPU training job, 2-GPU inference job, a stalling loader, an allocated-idle GPU: four distinct jobs
-    assert jobs[0] == jobs[1] == jobs[2] == jobs[3] and jobs[4] == jobs[5]
-    assert len({j for j in jobs}) == 4 and all(len(j) == 1 for j in jobs)
-    assert all(s.sm_active_ratio > 0.8 for s in samples[:4])  # training
-    assert all(s.dram_bw_ratio > 0.6 for s in samples[4:6])  # memory-bound inference
-    assert samples[7].sm_active_ratio == 0.0 and samples[7].mem_used_bytes > 0  # allocated but idle
+    # two 2-GPU training jobs, two inference jobs, an allocated-idle GPU, a stalling loader: six distinct jobs
+    assert jobs[0] == jobs[1] and jobs[4] == jobs[5] and jobs[0] != jobs[4]
+    assert len(set(jobs)) == 6 and all(len(j) == 1 for j in jobs)
+    assert all(s.sm_active_ratio > 0.8 for s in samples[:2] + samples[4:6])  # training
+    assert all(s.dram_bw_ratio > 0.6 for s in (samples[2], samples[6]))  # memory-bound inference
+    assert samples[3].sm_active_ratio == 0.0 and samples[3].mem_used_bytes > 0  # allocated but idle
     again = runner.invoke(app, ["once", "--source", "simulated", "--load", "mixed", "--gpus", "8", "--host", "n1"])
     assert [s["job_ids"] for s in json.loads(again.stdout)] == [list(j) for j in jobs]  # stable per host
 

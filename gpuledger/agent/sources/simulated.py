@@ -63,14 +63,15 @@ _FREE = Profile("free", Levels(0.0, 0.0, 0.0, 0.0, 0.0, 0.0), noise=0.0)
 
 # Node loads for `agent run|once --source simulated --load NAME`: each GPU's profile (None = free), the pattern
 # repeated over the node's GPUs. Neighbouring GPUs with the same profile form one job, as on a real node.
-# "mixed" is the demo's mix on one node: a 4-GPU training job, 2-GPU inference, a stalling loader, an idle GPU.
+# "mixed" is the demo's mix on one node, so that even 4 GPUs show it: per 8 GPUs a 2-GPU training job, inference,
+# an allocated-but-idle GPU, another 2-GPU training job, inference, and training whose data loader stalls.
 LOADS: dict[str, tuple[str | None, ...]] = {
     "free": (None,),
     "training": ("training",),
     "inference": ("inference",),
     "dataloader-stall": ("dataloader-stall",),
     "idle": ("idle",),
-    "mixed": ("training", "training", "training", "training", "inference", "inference", "dataloader-stall", "idle"),
+    "mixed": ("training", "training", "inference", "idle", "training", "training", "inference", "dataloader-stall"),
 }
 
 
