@@ -83,20 +83,29 @@ def _stop(proc: subprocess.Popen, timeout_s: float) -> int:
     return proc.wait(timeout=timeout_s)
 
 
-@pytest.mark.parametrize("name", ["gpuledger-collector.service", "gpuledger-agent.service"])
+@pytest.mark.parametrize("name", ["gpuledger-collector.service", "gpuledger-agent.service",
+                                  "gpuledger-jobs-import.service", "gpuledger-jobs-import.timer"])
 def test_units_verify_and_keep_their_hardening(name: str, tmp_path: Path) -> None:
     u = unit(name)
+    if name.endswith(".timer"):
+        assert (UNITS / name.replace(".timer", ".service")).exists() and u["OnUnitActiveSec"]
+    else:
+        _check_hardening(u)
+    verify = shutil.which("systemd-analyze")
+    assert verify, "systemd-analyze is needed to check the units (Debian package systemd)"
+    # verify needs the binary to exist: the same units with the venv's gpuledger
+    for f in UNITS.iterdir():
+        (tmp_path / f.name).write_text(f.read_text().replace("/usr/local/bin/gpuledger", EXE))
+    r = subprocess.run([verify, "verify", str(tmp_path / name)], capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in (r.stdout + r.stderr).splitlines() if "gpuledger" in ln]
+    assert r.returncode == 0 and problems == [], r.stdout + r.stderr
+
+
+def _check_hardening(u: dict[str, list[str]]) -> None:
     assert u["ProtectSystem"] == ["strict"] and u["ProtectHome"] == ["yes"] and u["NoNewPrivileges"] == ["yes"]
     assert u.get("DynamicUser") == ["yes"] or u.get("User") == ["gpuledger"]
     assert u["StateDirectory"] and "${STATE_DIRECTORY}" in u["ExecStart"][0]
     assert u["ExecStart"][0].startswith("/usr/local/bin/gpuledger ")
-    verify = shutil.which("systemd-analyze")
-    assert verify, "systemd-analyze is needed to check the units (Debian package systemd)"
-    # verify needs the binary to exist: the same unit with the venv's gpuledger
-    (tmp_path / name).write_text((UNITS / name).read_text().replace("/usr/local/bin/gpuledger", EXE))
-    r = subprocess.run([verify, "verify", str(tmp_path / name)], capture_output=True, text=True, timeout=60)
-    problems = [ln for ln in (r.stdout + r.stderr).splitlines() if name in ln]
-    assert r.returncode == 0 and problems == [], r.stdout + r.stderr
 
 
 def test_units_boot_talk_tls_are_scraped_and_stop(tmp_path: Path) -> None:
