@@ -204,7 +204,7 @@ def report_usage(
     except ReportError as e:
         raise _fail(str(e)) from None
     if influx:
-        _jobs_to_influx(data_dir, config, rpt.in_period(entries, per))
+        _jobs_to_influx(data_dir, config, in_period(entries, per))
     if fmt is UsageFmt.table and output is None:
         console.print(rich_table(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
                                      [*rep.rows, rep.total]))
