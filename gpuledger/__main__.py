@@ -1,5 +1,5 @@
 """`python -m gpuledger`: the same command as the `gpuledger` script."""
 
-from gpuledger.cli import app
+from gpuledger.cli import main
 
-app(prog_name="gpuledger")
+main()

@@ -1,0 +1,129 @@
+"""How commands print, in one place: ``--format table|json|csv``; tables for people, JSON and CSV for machines.
+
+- Tables: a rich table on a terminal; in a pipe or file the same table as plain fixed-width text, never truncated
+  and never wrapped (UUIDs and paths stay whole). Units for people: GiB, kWh, W, percentages.
+- JSON and CSV: the records' own fields in SI base units, ratios as 0..1 (what ``gpuledger.schema`` carries).
+
+Imports nothing of ours, so every part's command-line module can use it (like ``gpuledger.schema``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NoReturn
+
+FORMAT_HELP = "table for people; json or csv for machines (SI units, ratios 0..1)"
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+def is_terminal(stream: Any = None) -> bool:
+    stream = sys.stdout if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich Console that never truncates: the terminal's width on a terminal, unbounded in a pipe."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    if is_terminal(stream):
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=1_000_000, no_color=True, highlight=False, soft_wrap=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column: its header for people (with the unit), the record key for JSON/CSV, and how a value reads in
+    the table (``cell``; "-" for None)."""
+
+    header: str
+    key: str
+    cell: Callable[[Any], str] = str
+    left: bool = False
+
+
+def percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.0f}%"
+
+
+def gib(n_bytes: float | None) -> str:
+    return "-" if n_bytes is None else f"{n_bytes / 2**30:.1f}"
+
+
+def fixed(digits: int, scale: float = 1.0) -> Callable[[float | None], str]:
+    return lambda v: "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[bool]) -> str:
+    """Fixed-width text: columns as wide as their widest cell, text left and numbers right."""
+    cells = [list(headers)] + [list(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
+    out = []
+    for line in cells:
+        out.append("  ".join(c.ljust(w) if lf else c.rjust(w) for c, w, lf in zip(line, widths, left)).rstrip())
+    return "\n".join(out) + "\n"
+
+
+def table_text(title: str | None, columns: Sequence[Column], records: Iterable[Mapping[str, Any]]) -> str:
+    rows = [[("-" if r.get(c.key) is None else c.cell(r.get(c.key))) for c in columns] for r in records]
+    text = plain_table([c.header for c in columns], rows, [c.left for c in columns])
+    return (f"{title}\n\n" if title else "") + text
+
+
+def to_csv(columns: Sequence[Column] | None, records: Sequence[Mapping[str, Any]]) -> str:
+    """CSV with the records' keys as header (``columns`` chooses and orders them; all keys without)."""
+    keys = [c.key for c in columns] if columns else (list(records[0]) if records else [])
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in records:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+    return buf.getvalue()
+
+
+def emit(fmt: Format, records: Sequence[Mapping[str, Any]], columns: Sequence[Column], title: str | None = None,
+         json_doc: Any = None) -> None:
+    """Print ``records`` as ``fmt``: a table of ``columns``; JSON of the whole records (or ``json_doc``); CSV of the
+    columns' keys."""
+    if fmt is Format.json:
+        sys.stdout.write(json.dumps(records if json_doc is None else json_doc, indent=2) + "\n")
+    elif fmt is Format.csv:
+        sys.stdout.write(to_csv(columns, records))
+    elif is_terminal():
+        from rich.table import Table
+
+        t = Table(title=title)
+        for c in columns:
+            t.add_column(c.header, justify="left" if c.left else "right")
+        for r in records:
+            t.add_row(*[("-" if r.get(c.key) is None else c.cell(r.get(c.key))) for c in columns])
+        console().print(t)
+    else:
+        sys.stdout.write(table_text(title, columns, records))
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """End a command: ``error: <message>`` as one line on stderr, exit 2 (bad input) or 1 (a failure)."""
+    import typer
+
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    raise typer.Exit(code)
+
+
+def note(message: str) -> None:
+    """A remark for people on stderr (an empty period, where a file went), never mixed into the data on stdout."""
+    sys.stderr.write(" ".join(str(message).split()) + "\n")
