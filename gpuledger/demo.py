@@ -25,6 +25,7 @@ from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
+from gpuledger.output import console as output_console
 from gpuledger.schema.records import JobRecord, JobUsage
 
 CONFIG_NAME = "gpuledger.toml"
@@ -290,7 +291,6 @@ def command_name(argv0: str | None = None, which: Callable[[str], str | None] = 
 
 def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, seed: int) -> DemoResult:
     """The `gpuledger demo` command: run, then print the per-job table and fairshare and write feed + report."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gpuledger.accounting.audit import PRIVATE_KEY_NAME, bind, keygen, load_signing_key, open_log, sign_report
@@ -302,7 +302,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
     from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = output_console()
     console.print(
         f"[bold]gpuledger demo[/bold]: {nodes} nodes x {gpus} simulated H200 GPUs, {len(JOB_PLAN)} jobs, "
         f"{hours:g} simulated hour(s) at {step:g} s steps -> {data_dir}"

@@ -32,6 +32,7 @@ from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import rich_table
 from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
+from gpuledger.output import FORMAT_HELP, Column, Format, console, emit, fail, fixed, note, to_csv
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -65,10 +66,7 @@ INFLUX_HELP = ("also write the fairshare measurement (per association: fairshare
                "InfluxDB of the collector table's influx_url")
 
 
-class Fmt(StrEnum):
-    table = "table"
-    json = "json"
-    csv = "csv"
+Fmt = Format  # every table command takes --format table|json|csv (gpuledger.output)
 
 
 class Algorithm(StrEnum):
@@ -76,7 +74,6 @@ class Algorithm(StrEnum):
     classic = "classic"
 
 
-console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 fairshare_app = typer.Typer(help="Slurm-conformant fairshare on measured usage.")
@@ -84,10 +81,12 @@ priority_app = typer.Typer(help="The priority feed Slurm consumes.", no_args_is_
 jobs_app = typer.Typer(help="Job records in the ledger.", no_args_is_help=True)
 
 
-def _fail(msg: str) -> typer.Exit:
-    # messages quote TOML tables like [accounts]: not markup; one line, never wrapped (paths stay whole)
-    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
+def _fail(msg: str, code: int = 2) -> typer.Exit:
+    """``raise _fail(...)``: one line on stderr (see gpuledger.output.fail), exit 2 bad input or 1 failure."""
+    try:
+        fail(msg, code)
+    except typer.Exit as e:
+        return e
 
 
 def _open_store(data_dir: Path) -> SqliteStore:
@@ -188,7 +187,7 @@ def fairshare(
     associations: AssociationsOpt = None,
     usage: Annotated[Path | None, typer.Option(help="CSV account,user,usage (decayed raw usage)")] = None,
     algorithm: Annotated[Algorithm | None, typer.Option(help="default: the configured one")] = None,
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
+    fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.table,
     record: Annotated[bool, typer.Option("--record", help="append the computation and its inputs to the audit log "
                                          "(a plain query appends nothing)")] = False,
     influx: Annotated[bool, typer.Option("--influx", help=INFLUX_HELP)] = False,
@@ -255,6 +254,11 @@ def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) ->
     return feed_document(entries, meta)
 
 
+FEED_COLUMNS = (Column("Account", "account", left=True), Column("User", "user", left=True),
+                Column("FairShare", "fairshare", fixed(6)), Column("SiteFactor", "site_factor"),
+                Column("RawUsage", "raw_usage", fixed(1)), Column("EffectvUsage", "effective_usage", fixed(6)))
+
+
 @priority_app.command("feed")
 def priority_feed_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
@@ -262,7 +266,7 @@ def priority_feed_cmd(
     output: Annotated[Path | None, typer.Option(
         help="write here (default: <data-dir>/priority-feed.json); the flat feed goes beside it as .txt")] = None,
     associations: AssociationsOpt = None,
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
+    fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.json,
     accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="use "
                                     "store rows that differ from their final logged record, logging each as a "
                                     "correction with this reason (refused without it)")] = None,
@@ -281,23 +285,19 @@ def priority_feed_cmd(
         raise _fail(str(e)) from None
     if influx is not False and (influx or _influx_configured(data_dir, config)):
         _to_influx(data_dir, config, rows, doc)
-    if fmt is Fmt.json:
-        typer.echo(json.dumps(doc, indent=2))
-    else:
-        from rich.table import Table
+    emit(fmt, doc["associations"], FEED_COLUMNS, title=f"Priority feed ({path})", json_doc=doc)
 
-        t = Table(title=f"Priority feed ({path})")
-        for c in ("Account", "User", "FairShare", "SiteFactor"):
-            t.add_column(c, justify="left" if c in ("Account", "User") else "right")
-        for a in doc["associations"]:
-            t.add_row(a["account"], a["user"], f"{a['fairshare']:.6f}", str(a["site_factor"]))
-        console.print(t)
+
+# jobs list --format csv: the record and the measurement, one flat row a job (SI units, ratios)
+JOBS_CSV = tuple(Column(k, k) for k in (
+    "job_id", "user", "account", "partition", "gpus", "start", "end", "state", "seen_by", "allocated_gpu_seconds",
+    "sm_active_gpu_seconds", "efficiency", "energy_joules", "sm_active_mean", "dram_bw_mean", "mem_used_peak_bytes"))
 
 
 @jobs_app.command("list")
 def jobs_list(
     data_dir: DataDir = Path("gpuledger-data"),
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
+    fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.table,
 ) -> None:
     """Jobs in the ledger: the scheduler's record joined with the measured usage."""
     store = _open_store(data_dir)
@@ -320,12 +320,15 @@ def jobs_list(
             "seen_by": "both" if e.only is None else e.only,
             "usage": u.to_dict() if u else None,
         })
+    if not objs:
+        note(f"no jobs in {data_dir / STORE_NAME} yet")
     if fmt is Fmt.json:
         typer.echo(json.dumps(objs, indent=2))
     elif fmt is Fmt.csv:
-        raise _fail("jobs list supports --format table or json")
+        flat = [{**{k: v for k, v in o.items() if k != "usage"}, **(o["usage"] or {})} for o in objs]
+        typer.echo(to_csv(JOBS_CSV, flat), nl=False)
     else:
-        console.print(rich_table("Jobs", JOB_COLUMNS, job_rows(entries)))
+        console().print(rich_table("Jobs", JOB_COLUMNS, job_rows(entries)))
 
 
 def _read_arg(path: str) -> str:

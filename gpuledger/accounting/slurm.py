@@ -211,6 +211,10 @@ def _json_exit_code(ec: Any, state: str | None, trusted: bool) -> int | None:
     return rc
 
 
+# What every job of `sacct --json` (22.05 to 24.11) and slurmrestd carries, whatever its state.
+_JSON_JOB_KEYS = ("user", "state", "time")
+
+
 def parse_sacct_json(text: str) -> list[JobRecord]:
     """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records."""
     doc = load_jobs_json(text, "sacct JSON")
@@ -224,6 +228,10 @@ def parse_sacct_json(text: str) -> list[JobRecord]:
             raise SlurmParseError(f"{where}: not an object")
         job_id = _json_job_id(job, where)
         where = f"sacct JSON job {job_id}"
+        missing = [k for k in _JSON_JOB_KEYS if k not in job]
+        if missing:  # e.g. {"job_id": 1}: a record with no owner and no times would be a blank job in the ledger
+            raise SlurmParseError(f"{where} (jobs[{i}]): no {', '.join(repr(k) for k in missing)}; "
+                                  "expected `sacct --json` output")
         state = state_word(first_flag((job.get("state") or {}).get("current")))
         tres = _json_tres((job.get("tres") or {}).get("allocated"), where)
         gpus, model = gpus_from_tres(tres)
