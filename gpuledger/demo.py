@@ -132,13 +132,23 @@ class DemoDirError(RuntimeError):
     """The data directory holds a store that a demo did not write: the demo never touches it."""
 
 
-def _fresh_demo_dir(data_dir: Path) -> None:
-    """A rerun starts from an empty ledger (job ids repeat), but only in a directory a demo made."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    marker = data_dir / MARKER
-    if (data_dir / STORE_NAME).exists() and not marker.exists():
+def check_demo_dir(data_dir: Path) -> None:
+    """Refuse, before anything is written, a --data-dir the demo may not use: a file, or another store."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise DemoDirError(f"--data-dir {data_dir} is not a directory")
+    if (data_dir / STORE_NAME).exists() and not (data_dir / MARKER).exists():
         raise DemoDirError(f"{data_dir} holds a gpuledger store the demo did not write; "
                            f"give the demo another --data-dir")
+
+
+def _fresh_demo_dir(data_dir: Path) -> None:
+    """A rerun starts from an empty ledger (job ids repeat), but only in a directory a demo made."""
+    check_demo_dir(data_dir)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoDirError(f"--data-dir {data_dir}: {e.strerror or e}") from None
+    marker = data_dir / MARKER
     for name in DEMO_OUTPUTS:
         (data_dir / name).unlink(missing_ok=True)
     marker.write_text("written by `gpuledger demo`: a rerun replaces this directory's ledger\n")
@@ -302,6 +312,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
     from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
 
+    check_demo_dir(data_dir)  # before the banner: a refused directory prints one line and nothing else
     console = output_console()
     console.print(
         f"[bold]gpuledger demo[/bold]: {nodes} nodes x {gpus} simulated H200 GPUs, {len(JOB_PLAN)} jobs, "

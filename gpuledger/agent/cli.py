@@ -5,32 +5,26 @@ Only this module turns errors into exit codes; everything it calls raises or ret
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import socket
-import sys
 import threading
 import time
-from enum import StrEnum
 from typing import Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from gpuledger.agent.sources import SOURCES, make_source
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.simulated import LOADS
-from gpuledger.schema.records import GpuSample
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, percent, to_csv
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 
 app = typer.Typer(help="GPU node agent: read GPUs (nvml, dcgm, dcgm-exporter, simulated), expose and push samples.",
                   no_args_is_help=True)
 
 
-class OutputFormat(StrEnum):
-    json = "json"
-    table = "table"
+OutputFormat = Format  # gpuledger.output: --format table|json|csv
 
 
 def _source_options(source: str, url: str | None, host: str | None, gpus: int, seed: int,
@@ -90,31 +84,38 @@ METRICS_ADDR_HELP = ("address for /metrics; 0.0.0.0 (all interfaces) so Promethe
                      "or use 127.0.0.1")
 
 
-def _fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "-" if v is None else f"{v * scale:.{digits}f}"
+def _join(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
 
-def render_table(samples: list[GpuSample]) -> Table:
-    t = Table(title=f"{len(samples)} GPU sample(s)")
-    for col in ("host", "gpu", "mig", "model", "util", "sm", "occ", "dram", "tensor", "mem GiB", "power W",
-                "energy kJ", "temp C", "jobs", "pids"):
-        t.add_column(col)
-    for s in samples:
-        mem = "-" if s.mem_used_bytes is None else f"{s.mem_used_bytes / 2**30:.1f}"
-        if s.mem_total_bytes is not None:
-            mem += f"/{s.mem_total_bytes / 2**30:.1f}"
-        t.add_row(s.host, str(s.gpu_index), s.mig or "", s.model, _fmt(s.gpu_util_ratio), _fmt(s.sm_active_ratio),
-                  _fmt(s.sm_occupancy_ratio), _fmt(s.dram_bw_ratio), _fmt(s.tensor_active_ratio), mem,
-                  _fmt(s.power_watts, digits=1), _fmt(s.energy_joules, 1e-3, 1), _fmt(s.temp_celsius, digits=0),
-                  ",".join(s.job_ids), ",".join(map(str, s.pids)))
-    return t
+# The table for people: percentages, GiB, W, kJ, °C. JSON and CSV carry every field in SI units and ratios.
+SAMPLE_COLUMNS = (
+    Column("host", "host", left=True), Column("gpu", "gpu_index"), Column("mig", "mig", left=True),
+    Column("model", "model", left=True), Column("util", "gpu_util_ratio", percent),
+    Column("sm", "sm_active_ratio", percent), Column("occ", "sm_occupancy_ratio", percent),
+    Column("dram", "dram_bw_ratio", percent), Column("tensor", "tensor_active_ratio", percent),
+    Column("mem GiB", "mem_used_bytes", gib), Column("power W", "power_watts", fixed(1)),
+    Column("energy kJ", "energy_joules", fixed(1, 1e-3)), Column("temp C", "temp_celsius", fixed(0)),
+    Column("jobs", "job_ids", _join, left=True), Column("pids", "pids", _join, left=True),
+    Column("uuid", "gpu_uuid", left=True),
+)
+
+
+def print_samples(samples: list[GpuSample], fmt: Format) -> None:
+    records = [s.to_dict() for s in samples]
+    if fmt is Format.csv:  # every field; lists joined by ";" so that a cell stays a cell
+        typer.echo(to_csv([Column(k, k) for k in SAMPLE_FIELDS],
+                          [{k: (";".join(map(str, v)) if isinstance(v, list) else v) for k, v in r.items()}
+                           for r in records]), nl=False)
+    else:
+        emit(fmt, records, SAMPLE_COLUMNS, title=f"{len(samples)} GPU sample(s)")
 
 
 @app.command()
 def once(
     source: str = typer.Option("nvml", "--source", "-s", help=f"one of: {', '.join(SOURCES)}"),
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL (for --source dcgm-exporter)"),
-    fmt: OutputFormat = typer.Option(OutputFormat.json, "--format", "-f", help="json or table"),
+    fmt: OutputFormat = typer.Option(OutputFormat.json, "--format", "-f", help=FORMAT_HELP),
     host: str | None = typer.Option(None, help="host name to record (default: this host's name)"),
     gpus: int = typer.Option(8, help="simulated source: number of GPUs"),
     seed: int = typer.Option(0, help="simulated source: random seed"),
@@ -136,34 +137,39 @@ def once(
         samples = agent.tick()
     finally:
         agent.close()
-    if fmt is OutputFormat.json:
-        typer.echo(json.dumps([s.to_dict() for s in samples], indent=2))
-    else:
-        Console(width=None if sys.stdout.isatty() else 200).print(render_table(samples))
+    print_samples(samples, fmt)
 
 
 @app.command()
 def sources(
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL to try"),
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help=FORMAT_HELP),
 ) -> None:
     """Say which GPU sources work on this host, and why the others do not."""
-    table = Table(title="GPU sources")
-    for col in ("source", "works", "why not"):
-        table.add_column(col)
+    rows: list[dict[str, Any]] = []
     for name in SOURCES:
         try:
             src = make_source(name, **_source_options(name, url, None, 1, 0))
             src.open()
             src.close()
         except typer.BadParameter as exc:
-            table.add_row(name, "no", str(exc))
+            rows.append({"source": name, "works": False, "why_not": exc.format_message()})
         except SourceUnavailable as exc:
-            table.add_row(name, "no", str(exc))
+            rows.append({"source": name, "works": False, "why_not": str(exc)})
         except Exception as exc:  # noqa: BLE001 - report any failure as "does not work", with its text
-            table.add_row(name, "no", f"{type(exc).__name__}: {exc}")
+            rows.append({"source": name, "works": False, "why_not": f"{type(exc).__name__}: {exc}"})
         else:
-            table.add_row(name, "yes", "")
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+            rows.append({"source": name, "works": True, "why_not": ""})
+    emit(fmt, rows, (Column("source", "source", left=True), Column("works", "works", lambda w: "yes" if w else "no"),
+                     Column("why not", "why_not", left=True)), title="GPU sources")
+
+
+def _check_listen(addr: str, port: int) -> None:
+    try:
+        socket.create_server((addr, port)).close()
+    except OSError as exc:
+        fail(f"/metrics cannot listen on {addr}:{port}: {exc.strerror or exc} (--metrics-port, --metrics-addr)",
+             code=1)
 
 
 @app.command()
@@ -199,6 +205,8 @@ def run(
 
     if interval <= 0:
         raise typer.BadParameter("--interval must be positive")
+    if metrics_port:  # before anything is opened or created (the spool): the address must be free
+        _check_listen(metrics_addr, metrics_port)
     node = host or socket.gethostname()
     stages = _stages(mapper, mapping_dir)
     src = _open_source(source, url, node, gpus, seed, load)  # samples carry the host the agent pushes as
@@ -230,7 +238,10 @@ def run(
     previous: dict[int, Any] = {}
     try:
         if metrics_port is not None:
-            server = serve_metrics(agent, metrics_port, metrics_addr)
+            try:
+                server = serve_metrics(agent, metrics_port, metrics_addr)
+            except OSError as exc:
+                fail(f"/metrics cannot listen on {metrics_addr}:{metrics_port}: {exc.strerror or exc}", code=1)
             typer.echo(f"serving /metrics on {metrics_addr}:{server.port}")
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):

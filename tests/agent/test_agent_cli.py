@@ -63,14 +63,17 @@ def test_once_nvml_unavailable_exits_2() -> None:
 
 
 def test_sources_reports_why() -> None:
-    result = runner.invoke(app, ["sources"])
+    result = runner.invoke(app, ["sources", "--format", "json"])
     assert result.exit_code == 0, result.output
-    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") >= 3}
-    assert "yes" in rows["simulated"]
-    assert "--url" in rows["dcgm-exporter"]
-    assert "no" in rows["dcgm"] and "bindings" in result.stdout
+    rows = {r["source"]: r for r in json.loads(result.stdout)}
+    assert rows["simulated"]["works"] is True
+    assert "--url" in rows["dcgm-exporter"]["why_not"]
+    assert rows["dcgm"]["works"] is False and "bindings" in rows["dcgm"]["why_not"]
     if not _driver_present():
-        assert "no" in rows["nvml"] and "nvmlInit failed" in rows["nvml"]
+        assert rows["nvml"]["works"] is False and "nvmlInit failed" in rows["nvml"]["why_not"]
+    table = runner.invoke(app, ["sources"])  # in a pipe: plain text, every reason whole on its row
+    lines = {ln.split()[0]: ln for ln in table.stdout.splitlines()[2:] if ln.strip()}
+    assert lines["simulated"].split()[1] == "yes" and rows["dcgm"]["why_not"] in lines["dcgm"]
 
 
 
