@@ -32,7 +32,7 @@ from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import rich_table
 from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
-from gpuledger.output import FORMAT_HELP, Column, Format, console, emit, fail, fixed, note, to_csv
+from gpuledger.output import FORMAT_HELP, Column, Format, console, emit, fail, fixed, note, os_error, to_csv
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -166,7 +166,9 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     except EntryDamaged as e:
         err.print(escape(f"error: TAMPERED: {e} (run `gpuledger audit verify`)"), highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
-    except (ValueError, OSError, SlurmCommandError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except (ValueError, SlurmCommandError) as e:
         raise _fail(str(e)) from None
     return rows, settings
 
@@ -384,8 +386,12 @@ def jobs_import(
                 parse_sacct_json(_read_arg(sacct_json)) if sacct_json else [],
                 parse_sacct_parsable(_read_arg(sacct_parsable)) if sacct_parsable else [],
             )
-    except (SlurmParseError, SlurmCommandError, OSError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except (SlurmParseError, SlurmCommandError) as e:
         raise _fail(str(e)) from None
+    if data_dir.exists() and not data_dir.is_dir():
+        raise _fail(f"--data-dir {data_dir} is not a directory")
     changed = _import_jobs(data_dir, records)
     typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
 

@@ -124,6 +124,13 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def os_error(exc: OSError) -> str:
+    """``PATH: No such file or directory`` rather than Python's ``[Errno 2] ...: 'PATH'``."""
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return exc.strerror or str(exc)
+
+
 def note(message: str) -> None:
     """A remark for people on stderr (an empty period, where a file went), never mixed into the data on stdout."""
     sys.stderr.write(" ".join(str(message).split()) + "\n")
