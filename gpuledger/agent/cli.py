@@ -24,9 +24,6 @@ app = typer.Typer(help="GPU node agent: read GPUs (nvml, dcgm, dcgm-exporter, si
                   no_args_is_help=True)
 
 
-OutputFormat = Format  # gpuledger.output: --format table|json|csv
-
-
 def _source_options(source: str, url: str | None, host: str | None, gpus: int, seed: int,
                     load: str | None = None) -> dict[str, Any]:
     if source == "simulated":
@@ -115,7 +112,7 @@ def print_samples(samples: list[GpuSample], fmt: Format) -> None:
 def once(
     source: str = typer.Option("nvml", "--source", "-s", help=f"one of: {', '.join(SOURCES)}"),
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL (for --source dcgm-exporter)"),
-    fmt: OutputFormat = typer.Option(OutputFormat.json, "--format", "-f", help=FORMAT_HELP),
+    fmt: Format = typer.Option(Format.json, "--format", "-f", help=FORMAT_HELP),
     host: str | None = typer.Option(None, help="host name to record (default: this host's name)"),
     gpus: int = typer.Option(8, help="simulated source: number of GPUs"),
     seed: int = typer.Option(0, help="simulated source: random seed"),
