@@ -133,21 +133,22 @@ class DemoDirError(RuntimeError):
 
 
 def check_demo_dir(data_dir: Path) -> None:
-    """Refuse, before anything is written, a --data-dir the demo may not use: a file, or another store."""
+    """Refuse a --data-dir the demo may not use (a file, another store, a place it cannot create), before anything
+    in it is written."""
     if data_dir.exists() and not data_dir.is_dir():
         raise DemoDirError(f"--data-dir {data_dir} is not a directory")
     if (data_dir / STORE_NAME).exists() and not (data_dir / MARKER).exists():
         raise DemoDirError(f"{data_dir} holds a gpuledger store the demo did not write; "
                            f"give the demo another --data-dir")
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoDirError(f"--data-dir {data_dir}: {e.strerror or e}") from None
 
 
 def _fresh_demo_dir(data_dir: Path) -> None:
     """A rerun starts from an empty ledger (job ids repeat), but only in a directory a demo made."""
     check_demo_dir(data_dir)
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DemoDirError(f"--data-dir {data_dir}: {e.strerror or e}") from None
     marker = data_dir / MARKER
     for name in DEMO_OUTPUTS:
         (data_dir / name).unlink(missing_ok=True)

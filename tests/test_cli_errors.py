@@ -171,3 +171,20 @@ def test_tables_in_a_pipe_are_whole_and_every_format_is_honoured(capsys, demo_di
 def test_help_keeps_bracketed_text(capsys) -> None:
     code, out, _ = call(capsys, "collector", "serve", "--help")
     assert code == 0 and "[collector] table" in out and "[default: 8470]" in out and "[tokens]" in out
+
+
+def test_ports_in_use_fail_in_one_line_exit_1_and_create_nothing(capsys, tmp_path: Path) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        code, out, err = call(capsys, "collector", "serve", "--data-dir", tmp_path / "c", "--port", port)
+        assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in one_error_line(err)
+        assert not (tmp_path / "c").exists()  # no store made on the way to the failure
+        code, out, err = call(capsys, "agent", "run", "--source", "simulated", "--metrics-addr", "127.0.0.1",
+                              "--metrics-port", port, "--spool-dir", tmp_path / "spool", "--collector",
+                              "http://127.0.0.1:1/api/v1/samples", "--duration", "1")
+        assert code == 1 and f"/metrics cannot listen on 127.0.0.1:{port}" in one_error_line(err)
+        assert not (tmp_path / "spool").exists()
+    code, out, err = call(capsys, "demo", "--data-dir", tmp_path / "c" / "x", "--nodes", "0")
+    assert code == 2 and out == "" and not (tmp_path / "c").exists()
