@@ -24,7 +24,7 @@ from gpuledger.accounting.audit import (
     usage_key,
 )
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
-from gpuledger.accounting.engine import association_usage, compute, load_tree
+from gpuledger.accounting.engine import LIVE_SLURM, association_usage, compute, load_tree
 from gpuledger.accounting.ledger import join
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
@@ -123,11 +123,15 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     cfg_path = config or data_dir / CONFIG_NAME
     # An explicit --config must exist; the default one is optional when files give the tree (defaults then).
     cfg = _config(data_dir, config)[0] if (config is not None or cfg_path.exists()) else {}
-    if associations is None and "accounts" not in cfg:
-        raise _fail(f"no association tree: pass --associations FILE or add [accounts] to {cfg_path}")
     now = time.time() if now is None else now
     try:
         settings = accounting_settings(cfg, cfg_path)
+        if associations is None and settings.associations is not None:
+            associations = (Path(settings.associations) if settings.associations == LIVE_SLURM
+                            else cfg_path.parent / settings.associations)
+        if associations is None and "accounts" not in cfg:
+            raise _fail(f"no association tree: pass --associations slurm|FILE, or set associations in the "
+                        f"[accounting] table of {cfg_path}, or add an [accounts] table there")
         tree = load_tree(associations, cfg)
         if usage_file is not None:
             rows = compute(tree, parse_usage_csv(usage_file.read_text()), algorithm or settings.algorithm,

@@ -12,6 +12,7 @@ Example (``gpuledger.toml``)::
     calc_period_s = 300            # PriorityCalcPeriod (5 minutes, Slurm's default)
     usage_reset = "NONE"           # PriorityUsageResetPeriod
     priority_weight = 10000        # site factor = round(weight x fairshare)
+    associations = "slurm"         # the tree when no --associations is given: "slurm" (sacctmgr) or a file
     [accounting.model_weights]     # like TRESBillingWeights per GPU model
     "H200" = 1.0
 
@@ -44,6 +45,9 @@ class AccountingSettings(BaseModel):
     priority_weight: int = Field(10_000, ge=0)
     dampening: float = Field(1.0, gt=0)
     model_weights: dict[str, float] = {}
+    # Where the association tree comes from when a command is not given --associations: "slurm" (sacctmgr on
+    # this host) or a file (relative to the configuration file); unset: the [accounts] table.
+    associations: str | None = None
 
     def charge_policy(self) -> ChargePolicy:
         return ChargePolicy(kind=self.policy, floor=self.floor, model_weights=self.model_weights)

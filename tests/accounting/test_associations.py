@@ -194,3 +194,26 @@ def test_csv_and_sacctmgr_round_trip(assocs: list[Assoc]) -> None:
     expected = set(assocs) | {Assoc("root", None, None, 1)}
     assert set(AssocTree.from_csv("\n".join(csv_lines)).assocs) == expected
     assert set(AssocTree.from_sacctmgr("\n".join(sacct_lines)).assocs) == expected
+
+
+def test_the_config_names_a_tree_file_relative_to_itself(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app
+
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "tree.txt").write_text(real("sacctmgr-assoc-P-client-format.txt"))
+    (tmp_path / "etc" / "g.toml").write_text('[accounting]\nassociations = "tree.txt"\n')
+    usage = tmp_path / "u.csv"
+    usage.write_text("account,user,usage\nproj_a,bob,5\n")
+    r = CliRunner().invoke(app, ["fairshare", "--config", str(tmp_path / "etc" / "g.toml"), "--usage", str(usage),
+                                 "--format", "json", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    import json
+
+    assert {(x["account"], x["user"]) for x in json.loads(r.stdout) if x["user"]} == {
+        (a.account, a.user) for a in EXPECTED_REAL if a.user}
+    (tmp_path / "etc" / "g.toml").write_text("[accounting]\n")
+    r = CliRunner().invoke(app, ["fairshare", "--config", str(tmp_path / "etc" / "g.toml"), "--usage", str(usage),
+                                 "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "no association tree: pass --associations slurm|FILE" in r.stderr

@@ -30,6 +30,16 @@ def test_fairshare_reads_the_tree_from_sacctmgr(slurm_cluster: SlurmCluster, tmp
     assert users[("proj_b", "carol")] > users[("proj_a", "alice")] > users[("proj_a", "bob")]
 
 
+def test_the_config_can_name_slurm_as_the_tree(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    (tmp_path / "gpuledger.toml").write_text('[accounting]\nassociations = "slurm"\n')
+    usage = tmp_path / "usage.csv"
+    usage.write_text("account,user,usage\nproj_a,alice,1\n")
+    r = runner.invoke(app, ["fairshare", "--usage", str(usage), "--format", "csv", "--data-dir", str(tmp_path)],
+                      env={"SLURM_CONF": str(slurm_cluster.conf)})
+    assert r.exit_code == 0, r.output
+    assert {tuple(ln.split(",")[:2]) for ln in r.stdout.splitlines()[1:]} >= {("proj_a", "alice"), ("proj_b", "carol")}
+
+
 def test_plain_sacctmgr_file_is_refused_naming_the_command(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     plain = tmp_path / "assoc.txt"
     plain.write_text(slurm_cluster.cmd("sacctmgr", "-P", "show", "associations"))
