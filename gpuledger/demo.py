@@ -23,6 +23,7 @@ from gpuledger.agent.mappers.static import StaticMapper
 from gpuledger.agent.push import Batcher, HttpPusher
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
 from gpuledger.output import console as output_console
@@ -141,7 +142,7 @@ def check_demo_dir(data_dir: Path) -> None:
         raise DemoDirError(f"{data_dir} holds a gpuledger store the demo did not write; "
                            f"give the demo another --data-dir")
     try:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(data_dir)
     except OSError as e:
         raise DemoDirError(f"--data-dir {data_dir}: {e.strerror or e}") from None
 

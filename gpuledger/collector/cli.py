@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
@@ -67,7 +68,7 @@ def serve(
     if data_dir.exists() and not data_dir.is_dir():
         fail(f"--data-dir {data_dir} is not a directory")
     try:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(data_dir)
     except OSError as e:
         fail(f"--data-dir {data_dir}: {e.strerror or e}", code=1)
     store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
