@@ -8,13 +8,10 @@ Prometheus configuration scrapes both. What is substituted is only what cannot e
 from __future__ import annotations
 
 import json
-import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import ssl
@@ -22,40 +19,10 @@ from pathlib import Path
 
 import pytest
 from servers import PrometheusServer, free_port, self_signed_cert
+from systemd_units import EXE, UNITS, environment, exec_start, unit
 
 ROOT = Path(__file__).resolve().parents[1]
-UNITS = ROOT / "contrib" / "systemd"
-EXE = str(Path(sys.executable).with_name("gpuledger"))
 TOKEN = "node-token-for-the-deploy-test-0123456789"
-
-
-def unit(name: str) -> dict[str, list[str]]:
-    """A unit file's settings, every occurrence of each key in order (systemd allows repeats)."""
-    out: dict[str, list[str]] = {}
-    for line in (UNITS / name).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith(("#", ";", "[")):
-            key, _, value = line.partition("=")
-            out.setdefault(key.strip(), []).append(value.strip())
-    return out
-
-
-def exec_start(u: dict[str, list[str]], subst: dict[str, str]) -> list[str]:
-    (line,) = u["ExecStart"]
-    for old, new in subst.items():
-        line = line.replace(old, new)
-    assert "${" not in line, f"unsubstituted systemd variable in {line}"
-    return shlex.split(line)
-
-
-def environment(u: dict[str, list[str]], subst: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULEDGER_")}
-    for item in u.get("Environment", []):
-        key, _, value = item.partition("=")
-        for old, new in subst.items():
-            value = value.replace(old, new)
-        env[key] = value
-    return env
 
 
 def _get(url: str, ca: Path | None = None) -> tuple[int, str]:

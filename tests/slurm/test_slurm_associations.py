@@ -53,3 +53,24 @@ def test_associations_slurm_without_slurm_fails_in_one_line(tmp_path: Path) -> N
     r = runner.invoke(app, ["fairshare", "--associations", "slurm", "--data-dir", str(tmp_path)],
                       env={"PATH": str(tmp_path)})  # no sacctmgr on this PATH
     assert r.exit_code == 2 and "sacctmgr: command not found" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_the_jobs_import_unit_imports_from_a_real_slurm(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """contrib/systemd/gpuledger-jobs-import.service's ExecStart, paths substituted, against the test cluster."""
+    import subprocess
+
+    from systemd_units import EXE, environment, exec_start, unit
+
+    job = slurm_cluster.sbatch_as("alice", "-A", "proj_a", "--wrap", "true")
+    # ended before the next test file's scenario starts on the same cluster
+    slurm_cluster.wait(f"job {job} to complete", lambda: "COMPLETED" in slurm_cluster.cmd(
+        "sacct", "-a", "-n", "-X", "-P", "-j", job, "-o", "State"), timeout_s=60, every_s=0.3)
+    u = unit("gpuledger-jobs-import.service")
+    sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(tmp_path), "/var/lib/gpuledger": str(tmp_path)}
+    env = {**environment(u, sub), "SLURM_CONF": str(slurm_cluster.conf)}
+    p = subprocess.run(exec_start(u, sub), capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.startswith("imported ") and "job record(s)" in p.stdout
+    listed = subprocess.run([EXE, "jobs", "list", "--format", "json"], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert job in {j["job_id"] for j in json.loads(listed.stdout)}
