@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from gpuledger.output import Format, console, fail, note
-from rich.markup import escape
 
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
@@ -55,7 +53,6 @@ Pseudo = Annotated[
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout; signed when "
                                                    "an audit signing key exists (see `audit keygen`).")]
 
-err = Console(stderr=True)
 
 report_app = typer.Typer(help="Usage reports for admins and auditors.", no_args_is_help=True)
 audit_app = typer.Typer(help="The tamper-evident audit trail and signed reports.", no_args_is_help=True)
