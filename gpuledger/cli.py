@@ -9,13 +9,18 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer._click import exceptions as click_exc
+
+try:  # newer typer carries its own copy of click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - older typer depends on click
+    from click import exceptions as click_exc
 
 from gpuledger.accounting import cli as acct
 from gpuledger.accounting.report_cli import audit_app, report_app
 from gpuledger.agent.cli import app as agent_app
 from gpuledger.collector.cli import app as collector_app
 from gpuledger.dashboards.cli import app as dashboards_app
+from gpuledger.output import error
 
 app = typer.Typer(
     name="gpuledger",
@@ -64,11 +69,6 @@ def _plain_help(typer_app: typer.Typer) -> None:
 _plain_help(app)
 
 
-def _error(message: str) -> None:
-    """One line on stderr, whatever the message holds."""
-    sys.stderr.write("error: " + " ".join(message.split()) + "\n")
-
-
 def run(argv: Sequence[str] | None = None) -> int:
     """The `gpuledger` command without the process exit: returns the exit code. Every error is one line on stderr:
     2 for bad input (a bad flag or value, a missing file), 1 for a failure; never a traceback (GPULEDGER_DEBUG=1
@@ -82,10 +82,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 0
     except click_exc.UsageError as e:
         where = e.ctx.command_path if e.ctx is not None else "gpuledger"
-        _error(f"{where}: {e.format_message()} (see `{where} --help`)")
+        error(f"{where}: {e.format_message()} (see `{where} --help`)")
         return 2
     except click_exc.ClickException as e:
-        _error(e.format_message())
+        error(e.format_message())
         return e.exit_code
     except (KeyboardInterrupt, typer.Abort):
         return 130
@@ -94,7 +94,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a line and exit 1
         if os.environ.get("GPULEDGER_DEBUG"):
             raise
-        _error(f"unexpected {type(e).__name__}: {e} (GPULEDGER_DEBUG=1 shows where)")
+        error(f"unexpected {type(e).__name__}: {e} (GPULEDGER_DEBUG=1 shows where)")
         return 1
     return rv if isinstance(rv, int) else 0
 

@@ -50,7 +50,6 @@ __all__ = [
     "SlurmCommandError",
     "SlurmParseError",
     "SACCT_PARSABLE_FORMAT",
-    "SACCTMGR_ASSOC_FORMAT",
     "exit_code_from_text",
     "gpus_from_tres",
     "merge_sacct",
@@ -450,7 +449,6 @@ Run = Callable[..., "subprocess.CompletedProcess[str]"]
 # sacct -s states of a job that has ended (what `priority watch` imports)
 ENDED_STATES = ("BF", "CA", "CD", "DL", "F", "NF", "OOM", "PR", "TO")
 _SCONTROL_JOB_ID = re.compile(r"\d+(_(\d+|\[\d+(-\d+)?(,\d+(-\d+)?)*\]))?")
-SACCTMGR_ASSOC_FORMAT = SACCTMGR_FORMAT
 
 
 def _slurm_time(t: float | datetime) -> str:
@@ -502,7 +500,7 @@ class SlurmClient:
     def associations(self) -> str:
         """``sacctmgr -P show associations`` with the columns a tree needs (the default columns lack
         ParentName); parse it with ``AssocTree.from_sacctmgr``."""
-        return self._call(["sacctmgr", "-P", "show", "associations", f"format={SACCTMGR_ASSOC_FORMAT}"])
+        return self._call(["sacctmgr", "-P", "show", "associations", f"format={SACCTMGR_FORMAT}"])
 
     def pending_jobs(self) -> list[PendingJob]:
         """Pending job records (an array's tasks that share one record are one entry): ``squeue -r -t PD``,

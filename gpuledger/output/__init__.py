@@ -116,11 +116,16 @@ def emit(fmt: Format, records: Sequence[Mapping[str, Any]], columns: Sequence[Co
         sys.stdout.write(table_text(title, columns, records))
 
 
+def error(message: str) -> None:
+    """``error: <message>`` on stderr as one line, whatever line breaks the message holds."""
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
-    """End a command: ``error: <message>`` as one line on stderr, exit 2 (bad input) or 1 (a failure)."""
+    """End a command: :func:`error`, then exit 2 (bad input) or 1 (a failure)."""
     import typer
 
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    error(message)
     raise typer.Exit(code)
 
 
