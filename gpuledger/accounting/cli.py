@@ -29,10 +29,10 @@ from gpuledger.accounting.ledger import join
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
-from gpuledger.accounting.report.tables import rich_table
+from gpuledger.accounting.report.tables import show
 from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
-from gpuledger.output import FORMAT_HELP, Column, Format, console, emit, fail, fixed, note, os_error, to_csv
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, note, os_error, to_csv
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -334,7 +334,7 @@ def jobs_list(
         flat = [{**{k: v for k, v in o.items() if k != "usage"}, **(o["usage"] or {})} for o in objs]
         typer.echo(to_csv(JOBS_CSV, flat), nl=False)
     else:
-        console().print(rich_table("Jobs", JOB_COLUMNS, job_rows(entries)))
+        show("Jobs", JOB_COLUMNS, job_rows(entries))
 
 
 def _read_arg(path: str) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gpuledger.output import Format, console, fail, note
+from gpuledger.output import Format, fail, note
 
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
@@ -26,7 +26,7 @@ from gpuledger.accounting.report.idle import IDLE_COLUMNS, idle_jobs
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.period import ALL_TIME, PERIOD_FORMS, in_period, iso_utc, job_end, parse_period
 from gpuledger.accounting.report.settings import ReportSettings, load_report_settings
-from gpuledger.accounting.report.tables import rich_table, to_csv, to_json
+from gpuledger.accounting.report.tables import show, to_csv, to_json
 from gpuledger.accounting.report.usage import (
     usage_columns,
     usage_report,
@@ -214,8 +214,8 @@ def report_usage(
     if rep.total.jobs == 0:
         _note_empty(per, entries)
     if fmt is UsageFmt.table and output is None:
-        console().print(rich_table(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
-                                     [*rep.rows, rep.total]))
+        show(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
+             [*rep.rows, rep.total])
         return
     if fmt is UsageFmt.json:
         text = usage_report_json(rep) + "\n"
@@ -256,7 +256,7 @@ def report_jobs(
     elif fmt is TableFmt.csv:
         typer.echo(to_csv(rows), nl=False)
     else:
-        console().print(rich_table("Jobs", JOB_COLUMNS, rows))
+        show("Jobs", JOB_COLUMNS, rows)
 
 
 @report_app.command("job")
@@ -323,7 +323,7 @@ def report_idle(
     elif fmt is TableFmt.csv:
         typer.echo(to_csv(rows), nl=False)
     else:
-        console().print(rich_table("Jobs that held GPUs mostly idle", IDLE_COLUMNS, rows))
+        show("Jobs that held GPUs mostly idle", IDLE_COLUMNS, rows)
 
 
 # -- audit ----------------------------------------------------------------------------------------------------------

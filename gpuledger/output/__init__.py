@@ -78,10 +78,8 @@ def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Seq
     return "\n".join(out) + "\n"
 
 
-def table_text(title: str | None, columns: Sequence[Column], records: Iterable[Mapping[str, Any]]) -> str:
-    rows = [[("-" if r.get(c.key) is None else c.cell(r.get(c.key))) for c in columns] for r in records]
-    text = plain_table([c.header for c in columns], rows, [c.left for c in columns])
-    return (f"{title}\n\n" if title else "") + text
+def _cells(columns: Sequence[Column], record: Mapping[str, Any]) -> list[str]:
+    return ["-" if record.get(c.key) is None else c.cell(record.get(c.key)) for c in columns]
 
 
 def to_csv(columns: Sequence[Column] | None, records: Sequence[Mapping[str, Any]]) -> str:
@@ -95,6 +93,22 @@ def to_csv(columns: Sequence[Column] | None, records: Sequence[Mapping[str, Any]
     return buf.getvalue()
 
 
+def print_table(title: str | None, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                left: Sequence[bool]) -> None:
+    """Cells already formatted for people: a rich table on a terminal, fixed-width text in a pipe or a file."""
+    if is_terminal():
+        from rich.table import Table
+
+        t = Table(title=title)
+        for h, lf in zip(headers, left):
+            t.add_column(h, justify="left" if lf else "right")
+        for r in rows:
+            t.add_row(*r)
+        console().print(t)
+    else:
+        sys.stdout.write((f"{title}\n\n" if title else "") + plain_table(headers, rows, left))
+
+
 def emit(fmt: Format, records: Sequence[Mapping[str, Any]], columns: Sequence[Column], title: str | None = None,
          json_doc: Any = None) -> None:
     """Print ``records`` as ``fmt``: a table of ``columns``; JSON of the whole records (or ``json_doc``); CSV of the
@@ -103,17 +117,9 @@ def emit(fmt: Format, records: Sequence[Mapping[str, Any]], columns: Sequence[Co
         sys.stdout.write(json.dumps(records if json_doc is None else json_doc, indent=2) + "\n")
     elif fmt is Format.csv:
         sys.stdout.write(to_csv(columns, records))
-    elif is_terminal():
-        from rich.table import Table
-
-        t = Table(title=title)
-        for c in columns:
-            t.add_column(c.header, justify="left" if c.left else "right")
-        for r in records:
-            t.add_row(*[("-" if r.get(c.key) is None else c.cell(r.get(c.key))) for c in columns])
-        console().print(t)
     else:
-        sys.stdout.write(table_text(title, columns, records))
+        print_table(title, [c.header for c in columns], [_cells(columns, r) for r in records],
+                    [c.left for c in columns])
 
 
 def error(message: str) -> None:

@@ -111,6 +111,8 @@ def parse_period(period: str | None = None, start: str | None = None, end: str |
         except ValueError:
             raise ReportError(f"period {period!r}: not a month or day of the calendar") from None
         return Period(_utc(a), _utc(b), label)
+    if start is None and end is None:
+        return ALL_TIME
     since = parse_time(start, "--from") if start is not None else -math.inf
     until = parse_time(end, "--to") if end is not None else math.inf
     if not since < until:
