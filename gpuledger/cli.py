@@ -13,7 +13,7 @@ import typer
 try:  # newer typer carries its own copy of click
     from typer._click import exceptions as click_exc
 except ImportError:  # pragma: no cover - older typer depends on click
-    from click import exceptions as click_exc
+    from click import exceptions as click_exc  # type: ignore[no-redef, import-not-found, unused-ignore]
 
 from gpuledger.accounting import cli as acct
 from gpuledger.accounting.report_cli import audit_app, report_app

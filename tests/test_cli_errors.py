@@ -80,7 +80,8 @@ def test_bad_value_is_one_line_exit_2(capsys, path: tuple[str, ...]) -> None:
 # Commands without --format take a value-less --data-dir as their bad value instead.
 NO_FORMAT = {("agent", "run"), ("collector", "serve"), ("collector", "series"), ("collector", "totals"),
              ("collector", "compact"), ("jobs", "import"), ("priority", "apply"), ("audit", "verify"),
-             ("audit", "record"), ("audit", "retention"), ("audit", "keygen"), ("demo",)}
+             ("audit", "record"), ("audit", "retention"), ("audit", "keygen"), ("demo",),
+             ("dashboards", "export")}
 
 
 def missing_cases(tmp: Path) -> list[tuple[tuple[str, ...], int, str]]:
@@ -105,6 +106,7 @@ def missing_cases(tmp: Path) -> list[tuple[tuple[str, ...], int, str]]:
         (("agent", "run", "--source", "simulated", "--metrics-port", "0", "--duration", "1", "--collector",
           "http://127.0.0.1:1/api/v1/samples", "--token-file", nowhere / "token"), 2, "--token-file"),
         (("demo", "--data-dir", Path(__file__)), 2, "is not a directory"),
+        (("dashboards", "export", Path(__file__)), 2, f"{Path(__file__)}: exists and is not a directory"),
     ]
 
 

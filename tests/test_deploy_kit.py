@@ -11,10 +11,10 @@ import json
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
-import ssl
 from pathlib import Path
 
 import pytest
@@ -96,9 +96,11 @@ def test_units_boot_talk_tls_are_scraped_and_stop(tmp_path: Path) -> None:
     a_state.mkdir()
     c_sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(c_state), "/var/lib/gpuledger": str(c_state),
              "/etc/gpuledger/": f"{etc}/", "--host 0.0.0.0": "--host 127.0.0.1", "--port 8470": f"--port {port}"}
-    a_sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(a_state), "${CREDENTIALS_DIRECTORY}": str(creds),
+    a_sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(a_state),
+             "${CREDENTIALS_DIRECTORY}": str(creds),
              "/etc/gpuledger/ca.pem": str(cert), "gpuledger.example.org:8470": f"127.0.0.1:{port}",
-             "--source nvml": "--source simulated --load mixed --gpus 4", "--metrics-addr 0.0.0.0": "--metrics-addr 127.0.0.1",
+             "--source nvml": "--source simulated --load mixed --gpus 4",
+             "--metrics-addr 0.0.0.0": "--metrics-addr 127.0.0.1",
              "--metrics-port 9445": f"--metrics-port {metrics_port}", "--interval 10": "--interval 0.5"}
     cu, au = unit("gpuledger-collector.service"), unit("gpuledger-agent.service")
     c_log, a_log = tmp_path / "collector.log", tmp_path / "agent.log"
@@ -144,7 +146,8 @@ def test_units_boot_talk_tls_are_scraped_and_stop(tmp_path: Path) -> None:
         finally:
             if agent is not None and agent.poll() is None:
                 agent.kill()
-            code = _stop(collector, float(cu["TimeoutStopSec"][0])) if collector.poll() is None else collector.returncode
+            code = (_stop(collector, float(cu["TimeoutStopSec"][0])) if collector.poll() is None
+                    else collector.returncode)
         assert code == 0, c_log.read_text()[-2000:]
     # what the collector stored is there for the accounting commands, in the unit's state directory
     r = subprocess.run([EXE, "collector", "usage", "--format", "json"], capture_output=True, text=True, timeout=60,

@@ -124,9 +124,9 @@ def _numbers(res):
 
 def test_demo_is_deterministic_for_a_seed_whatever_the_wall_clock(tmp_path):
     """The same seed gives the same numbers to the last bit, whenever it runs: time is an offset from an anchor."""
-    from gpuledger.accounting.cli import fairshare_rows
-
     import time
+
+    from gpuledger.accounting.cli import fairshare_rows
 
     anchor = time.time() // 3600 * 3600 - 30 * 86400 - 7 * 3600  # the collector refuses samples from the future
     kw = dict(nodes=2, gpus_per_node=4, hours=0.1, step_s=10, seed=5)
@@ -137,9 +137,10 @@ def test_demo_is_deterministic_for_a_seed_whatever_the_wall_clock(tmp_path):
     assert _numbers(a) != _numbers(c)  # the check sees a different seed
     shift = b.end - a.end
     assert {j: u.first_ts + shift for j, u in a.usage.items()} == {j: u.first_ts for j, u in b.usage.items()}
-    fs_a = [(r.account, r.user, r.raw_usage, r.fairshare) for r in fairshare_rows(tmp_path / "a", None, None, now=a.end)[0]]
-    fs_b = [(r.account, r.user, r.raw_usage, r.fairshare) for r in fairshare_rows(tmp_path / "b", None, None, now=b.end)[0]]
-    assert fs_a == fs_b
+    def fs(run_dir: Path, now: float) -> list[tuple]:
+        return [(r.account, r.user, r.raw_usage, r.fairshare) for r in fairshare_rows(run_dir, None, None, now=now)[0]]
+
+    assert fs(tmp_path / "a", a.end) == fs(tmp_path / "b", b.end)
 
 
 def test_demo_prints_the_same_tables_twice_and_a_next_command_that_works(tmp_path):

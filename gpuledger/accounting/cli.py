@@ -228,7 +228,8 @@ def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
 
 
 def _influx_configured(data_dir: Path, config: Path | None) -> bool:
-    from gpuledger.collector.config import ConfigError as CollectorConfigError, load_settings
+    from gpuledger.collector.config import ConfigError as CollectorConfigError
+    from gpuledger.collector.config import load_settings
 
     try:
         return bool(load_settings(data_dir, config).influx_url)
@@ -236,7 +237,7 @@ def _influx_configured(data_dir: Path, config: Path | None) -> bool:
         raise _fail(str(e)) from None
 
 
-def _to_influx(data_dir: Path, config: Path | None, rows, doc: dict) -> None:
+def _to_influx(data_dir: Path, config: Path | None, rows: list[Row], doc: dict) -> None:
     """The fairshare measurement to InfluxDB; a failure exits 1 (the feed file is written already)."""
     from gpuledger.accounting.influx_out import InfluxNotConfigured, InfluxPublishError, fairshare_to_influx
 
@@ -311,7 +312,7 @@ def jobs_list(
         entries = load_ledger(store)
     finally:
         store.close()
-    objs = []
+    objs: list[dict[str, Any]] = []
     for e in entries:
         r, u = e.record, e.usage
         objs.append({
@@ -338,7 +339,6 @@ def jobs_list(
 
 
 def _read_arg(path: str) -> str:
-    import sys
 
     return sys.stdin.read() if path == "-" else Path(path).read_text()
 

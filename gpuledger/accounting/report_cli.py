@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gpuledger.output import Format, fail, note
-
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
 from gpuledger.accounting.audit.verify import read_checkpoints
@@ -34,6 +32,7 @@ from gpuledger.accounting.report.usage import (
     usage_report_json,
     usage_report_text,
 )
+from gpuledger.output import Format, fail, note
 
 if TYPE_CHECKING:
     from gpuledger.accounting.privacy import Pseudonymizer
@@ -159,7 +158,8 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
 def _note_empty(per, entries) -> None:
     """An empty period is not an error, but say so, and where the ledger's jobs are."""
     ends = [t for e in entries if (t := job_end(e)) is not None]
-    where = (f"the ledger's jobs ended between {iso_utc(min(ends))[:10]} and {iso_utc(max(ends))[:10]}" if ends
+    days = [str(iso_utc(t))[:10] for t in (min(ends), max(ends))] if ends else []  # job ends are finite
+    where = (f"the ledger's jobs ended between {days[0]} and {days[1]}" if days
              else "the ledger holds no jobs yet")
     _note(f"note: no job ended in period {per.label} (jobs count in the period they ended); {where}")
 

@@ -13,15 +13,15 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any, NoReturn
 
 FORMAT_HELP = "table for people; json or csv for machines (SI units, ratios 0..1)"
 
 
-class Format(str, Enum):
+class Format(StrEnum):
     table = "table"
     json = "json"
     csv = "csv"

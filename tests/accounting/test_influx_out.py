@@ -56,7 +56,8 @@ def test_fairshare_feed_and_report_reach_influxdb(demo_dir: Path, tmp_path: Path
         assert r.exit_code == 0 and "job usage written to InfluxDB" in r.stderr, r.output
         jobs = influx.query('SELECT last("allocated_gpu_seconds") FROM "job_usage" GROUP BY "jobid", "account"')
         got = {s["tags"]["jobid"]: s["tags"]["account"] for res in jobs for s in res["series"]}
-        listed = json.loads(runner.invoke(app, ["jobs", "list", "--data-dir", str(demo_dir), "--format", "json"]).stdout)
+        listed = json.loads(
+            runner.invoke(app, ["jobs", "list", "--data-dir", str(demo_dir), "--format", "json"]).stdout)
         assert got == {j["job_id"]: j["account"] for j in listed if j["usage"]} and len(got) >= 5
 
 
@@ -69,4 +70,5 @@ def test_influx_errors_are_one_line(demo_dir: Path) -> None:
     (demo_dir / CONFIG_NAME).write_text((demo_dir / CONFIG_NAME).read_text().split("\n[collector]")[0])
     r = runner.invoke(app, ["fairshare", "--data-dir", str(demo_dir), "--influx"])
     assert r.exit_code == 2 and "no InfluxDB configured: set influx_url" in r.stderr and r.stderr.count("\n") == 1
-    assert runner.invoke(app, ["priority", "feed", "--data-dir", str(demo_dir)]).exit_code == 0  # not configured: no write
+    # not configured: no write
+    assert runner.invoke(app, ["priority", "feed", "--data-dir", str(demo_dir)]).exit_code == 0

@@ -205,11 +205,12 @@ def test_bad_json_input_names_position_and_job() -> None:
         parse_sacct_json('{"meta": {}}')
     ok = '{"job_id": 1, "user": "a", "state": {"current": "COMPLETED"}, "time": {}}'
     with pytest.raises(SlurmParseError, match=r"jobs\[1\]: job_id 'x' is not an integer"):
-        parse_sacct_json('{"jobs": [%s, {"job_id": "x"}]}' % ok)
+        parse_sacct_json(f'{{"jobs": [{ok}, {{"job_id": "x"}}]}}')
     # a job with nothing but an id is not sacct output: refused, not imported as a blank job
-    with pytest.raises(SlurmParseError, match=r"job 1 \(jobs\[0\]\): no 'user', 'state', 'time'; expected `sacct --json`"):
+    with pytest.raises(SlurmParseError,
+                       match=r"job 1 \(jobs\[0\]\): no 'user', 'state', 'time'; expected `sacct --json`"):
         parse_sacct_json('{"jobs": [{"job_id": 1}]}')
-    assert [r.user for r in parse_sacct_json('{"jobs": [%s]}' % ok)] == ["a"]
+    assert [r.user for r in parse_sacct_json(f'{{"jobs": [{ok}]}}')] == ["a"]
 
 
 # ------------------------------------------------------------------------------ live mode through the run seam

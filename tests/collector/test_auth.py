@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 from servers import self_signed_cert

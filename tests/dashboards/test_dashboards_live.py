@@ -18,7 +18,6 @@ import pytest
 from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
 from dashboards_grafana import ROOT, Context, interpolate, load, query_variables, targets  # first: sys.path
 from servers import InfluxServer, PrometheusServer
-
 from typer.testing import CliRunner
 
 from gpuledger.agent.push import HttpPusher

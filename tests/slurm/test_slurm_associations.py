@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from slurm_cluster import USERS, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 from typer.testing import CliRunner
 
 from gpuledger.cli import app
-
-from slurm_cluster import USERS, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 
 pytestmark = pytest.mark.slurm
 runner = CliRunner()

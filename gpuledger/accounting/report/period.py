@@ -87,8 +87,8 @@ def parse_period(period: str | None = None, start: str | None = None, end: str |
         text = period.strip()
         label = text
         if (m := _LAST.fullmatch(text)) is not None:
-            b = time.time() if now is None else now
-            return Period(b - int(m["n"]) * _DAY_S, b, label)
+            until = time.time() if now is None else now
+            return Period(until - int(m["n"]) * _DAY_S, until, label)
         if ".." in text:
             first, _, last = text.partition("..")
             a, z = _day(first, text), _day(last, text)

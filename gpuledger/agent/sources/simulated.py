@@ -195,8 +195,8 @@ class SimulatedSource:
         self._gpus = [
             _Gpu(i, gpu_uuid_for(host, i), _FREE, random.Random(f"{seed}/{host}/{i}")) for i in range(gpus)
         ]
-        for index, (profile, job_id) in (load_plan(load, host, gpus) if load else {}).items():
-            self.set_profile(index, profile)
+        for index, (planned, job_id) in (load_plan(load, host, gpus) if load else {}).items():
+            self.set_profile(index, planned)
             self._gpus[index].job_ids = (job_id,)
         for index, profile in (profiles or {}).items():
             self.set_profile(index, profile)
