@@ -81,7 +81,7 @@ def test_bad_value_is_one_line_exit_2(capsys, path: tuple[str, ...]) -> None:
 NO_FORMAT = {("agent", "run"), ("collector", "serve"), ("collector", "series"), ("collector", "totals"),
              ("collector", "compact"), ("jobs", "import"), ("priority", "apply"), ("audit", "verify"),
              ("audit", "record"), ("audit", "retention"), ("audit", "keygen"), ("demo",),
-             ("dashboards", "export")}
+             ("dashboards", "export"), ("priority", "watch")}
 
 
 def missing_cases(tmp: Path) -> list[tuple[tuple[str, ...], int, str]]:

@@ -288,7 +288,9 @@ def priority_feed_cmd(
                            with_rows=True)
     try:
         path = write_feed(output or data_dir / FEED_NAME, doc)
-    except (ValueError, OSError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except ValueError as e:
         raise _fail(str(e)) from None
     if influx is not False and (influx or _influx_configured(data_dir, config)):
         _to_influx(data_dir, config, rows, doc)
@@ -450,7 +452,9 @@ def priority_apply(
         with open_log(data_dir) as log:
             plan, applied = run_apply(SlurmClient(), doc["associations"], dry_run,
                                       record=record_priority_changes(log))
-    except (SlurmParseError, SlurmCommandError, ValueError, OSError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except (SlurmParseError, SlurmCommandError, ValueError) as e:
         raise _fail(str(e)) from None
     _report_apply(plan, applied, verbose)
     if applied.count("failed"):
@@ -563,7 +567,7 @@ def priority_watch(
         try:
             start_http_server(metrics_port, addr=metrics_addr, registry=watch.registry)
         except OSError as e:
-            raise _fail(f"metrics on {metrics_addr}:{metrics_port}: {e}") from None
+            raise _fail(f"/metrics cannot listen on {metrics_addr}:{metrics_port}: {e.strerror or e}", 1) from None
     signal.signal(signal.SIGTERM, lambda *_: watch.stop())
     signal.signal(signal.SIGINT, lambda *_: watch.stop())
     logger.info("watching %s (feed %s and %s)", data_dir, feed_path, flat_path(feed_path))
