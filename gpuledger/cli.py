@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+try:  # newer typer carries its own copy of click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - older typer depends on click
+    from click import exceptions as click_exc  # type: ignore[no-redef, import-not-found, unused-ignore]
 
 from gpuledger.accounting import cli as acct
 from gpuledger.accounting.report_cli import audit_app, report_app
 from gpuledger.agent.cli import app as agent_app
 from gpuledger.collector.cli import app as collector_app
 from gpuledger.dashboards.cli import app as dashboards_app
+from gpuledger.output import error
 
 app = typer.Typer(
     name="gpuledger",
@@ -48,5 +57,58 @@ def demo(
         raise typer.Exit(2) from None
 
 
+def _plain_help(typer_app: typer.Typer) -> None:
+    """Help as plain text, everywhere: help strings quote TOML tables and defaults in brackets ([collector],
+    [default: 8470]), which rich markup would swallow, and plain text pipes and greps cleanly."""
+    typer_app.rich_markup_mode = None
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _plain_help(group.typer_instance)
+
+
+_plain_help(app)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """The `gpuledger` command without the process exit: returns the exit code. Every error is one line on stderr:
+    2 for bad input (a bad flag or value, a missing file), 1 for a failure; never a traceback (GPULEDGER_DEBUG=1
+    lets an unexpected exception through with its traceback)."""
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="gpuledger",
+                          standalone_mode=False)
+    except click_exc.NoArgsIsHelpError as e:  # `gpuledger report`: show what there is
+        sys.stdout.write(e.ctx.get_help() + "\n")
+        return 0
+    except click_exc.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "gpuledger"
+        error(f"{where}: {e.format_message()} (see `{where} --help`)")
+        return 2
+    except click_exc.ClickException as e:
+        error(e.format_message())
+        return e.exit_code
+    except (KeyboardInterrupt, typer.Abort):
+        return 130
+    except BrokenPipeError:  # `gpuledger ... | head`: the reader has what it wanted
+        return 0
+    except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a line and exit 1
+        if os.environ.get("GPULEDGER_DEBUG"):
+            raise
+        error(f"unexpected {type(e).__name__}: {e} (GPULEDGER_DEBUG=1 shows where)")
+        return 1
+    return rv if isinstance(rv, int) else 0
+
+
+def main() -> None:
+    """Entry point of the `gpuledger` script."""
+    code = run()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit; point it at /dev/null so a closed pipe stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    app()
+    main()

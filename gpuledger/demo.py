@@ -8,6 +8,8 @@ time, accelerated); then accounting: per-job usage, fairshare, the priority feed
 from __future__ import annotations
 
 import random
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +23,10 @@ from gpuledger.agent.mappers.static import StaticMapper
 from gpuledger.agent.push import Batcher, HttpPusher
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
+from gpuledger.output import console as output_console
 from gpuledger.schema.records import JobRecord, JobUsage
 
 CONFIG_NAME = "gpuledger.toml"
@@ -113,6 +117,7 @@ class DemoResult:
     usage: dict[str, JobUsage]
     wall_seconds: float
     samples_pushed: int
+    end: float  # the last simulated sample time: "now" for the accounting that follows
     extra: dict = field(default_factory=dict)
 
 
@@ -128,13 +133,24 @@ class DemoDirError(RuntimeError):
     """The data directory holds a store that a demo did not write: the demo never touches it."""
 
 
-def _fresh_demo_dir(data_dir: Path) -> None:
-    """A rerun starts from an empty ledger (job ids repeat), but only in a directory a demo made."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    marker = data_dir / MARKER
-    if (data_dir / STORE_NAME).exists() and not marker.exists():
+def check_demo_dir(data_dir: Path) -> None:
+    """Refuse a --data-dir the demo may not use (a file, another store, a place it cannot create), before anything
+    in it is written."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise DemoDirError(f"--data-dir {data_dir} is not a directory")
+    if (data_dir / STORE_NAME).exists() and not (data_dir / MARKER).exists():
         raise DemoDirError(f"{data_dir} holds a gpuledger store the demo did not write; "
                            f"give the demo another --data-dir")
+    try:
+        private_dir(data_dir)
+    except OSError as e:
+        raise DemoDirError(f"--data-dir {data_dir}: {e.strerror or e}") from None
+
+
+def _fresh_demo_dir(data_dir: Path) -> None:
+    """A rerun starts from an empty ledger (job ids repeat), but only in a directory a demo made."""
+    check_demo_dir(data_dir)
+    marker = data_dir / MARKER
     for name in DEMO_OUTPUTS:
         (data_dir / name).unlink(missing_ok=True)
     marker.write_text("written by `gpuledger demo`: a rerun replaces this directory's ledger\n")
@@ -163,10 +179,12 @@ def run_demo(
     cluster: str = "demo",
     progress: Callable[[int, int], None] | None = None,
     extra_sinks: Sequence[Any] = (),
+    end: float | None = None,
 ) -> DemoResult:
     """Run the simulated cluster through the real HTTP path and return jobs, ground truth and measured usage.
 
     ``extra_sinks`` also receive every agent's samples (e.g. an InfluxDB sink to fill dashboards in tests).
+    ``end`` is where simulated time ends (default: the last full hour, UTC).
     """
     _fresh_demo_dir(data_dir)
     cfg = data_dir / CONFIG_NAME
@@ -174,8 +192,11 @@ def run_demo(
         cfg.write_text(DEMO_CONFIG)
     wall0 = time.perf_counter()
     span = hours * 3600.0
-    # Simulated time ends now, so the data lands where a real cluster's would (and is never "in the future").
-    t_end = float(int(time.time()))
+    # Simulated time ends at the last full hour, so the data lands where a real cluster's would (never "in the
+    # future"). Everything is an offset from this anchor (job plan, stall phases, the fairshare's "now"), and the
+    # anchor sits on the grid of Slurm's decay periods and the store's rollups, so a seed gives the same numbers
+    # whatever the wall clock says.
+    t_end = float(int(time.time()) // 3600 * 3600) if end is None else float(end)
     t0 = t_end - span - step_s * 2
     now = [t0]
     clock = lambda: now[0]  # noqa: E731 - the one shared simulated clock
@@ -246,7 +267,7 @@ def run_demo(
             r = client.get(f"{url}/api/v1/usage")
             r.raise_for_status()
             usage = {d["job_id"]: JobUsage.from_dict(d) for d in r.json()}
-        return DemoResult(data_dir, url, jobs, usage, time.perf_counter() - wall0, pushed)
+        return DemoResult(data_dir, url, jobs, usage, time.perf_counter() - wall0, pushed, now[0])
     finally:
         for a in agents:
             a.close()
@@ -266,9 +287,22 @@ def _finish(j: DemoJob, t: float, src: SimulatedSource, mapper: StaticMapper, st
         j.end = t
 
 
+def command_name(argv0: str | None = None, which: Callable[[str], str | None] = shutil.which) -> str:
+    """How to type `gpuledger` again in this shell: the bare name when PATH finds this same program, else the path
+    it was started by (`.venv/bin/gpuledger` after `make demo`), else `python -m gpuledger`."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if Path(argv0).name != "gpuledger":
+        return f"{shlex.quote(sys.executable)} -m gpuledger"
+    found = which("gpuledger")
+    if "/" not in argv0 and found:  # started through PATH
+        return "gpuledger"
+    if found and Path(found).resolve() == Path(argv0).resolve():
+        return "gpuledger"
+    return shlex.quote(argv0)
+
+
 def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, seed: int) -> DemoResult:
     """The `gpuledger demo` command: run, then print the per-job table and fairshare and write feed + report."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gpuledger.accounting.audit import PRIVATE_KEY_NAME, bind, keygen, load_signing_key, open_log, sign_report
@@ -280,7 +314,8 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
     from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    check_demo_dir(data_dir)  # before the banner: a refused directory prints one line and nothing else
+    console = output_console()
     console.print(
         f"[bold]gpuledger demo[/bold]: {nodes} nodes x {gpus} simulated H200 GPUs, {len(JOB_PLAN)} jobs, "
         f"{hours:g} simulated hour(s) at {step:g} s steps -> {data_dir}"
@@ -302,7 +337,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     jobs_table = job_rows(entries)
     console.print(rich_table("Jobs (measured)", JOB_COLUMNS, jobs_table))
 
-    now = time.time()
+    now = res.end  # simulated time, not the wall clock: the fairshare's decay is the same for every run of a seed
     weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
     # audited with its inputs
     rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight, record=True)
@@ -330,5 +365,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     console.print(rich_table("Usage by account and user", GROUP_COLUMNS, groups))
     console.print(f"priority feed: {feed_path}")
     console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')}), signed: {manifest}")
-    console.print(f"next: gpuledger fairshare --data-dir {data_dir}   |   gpuledger report usage --data-dir {data_dir}")
+    cmd, d = command_name(), shlex.quote(str(data_dir))
+    console.print(f"next: {cmd} fairshare --data-dir {d}   |   {cmd} report usage --data-dir {d}",
+                  markup=False, highlight=False, soft_wrap=True)
     return res

@@ -167,8 +167,11 @@ class PrometheusServer(_Server):
 
     binary = "prometheus"
 
-    def __init__(self, workdir: Path, targets: dict[str, list[str]], interval_s: int = 1) -> None:
+    def __init__(self, workdir: Path, targets: dict[str, list[str]], interval_s: int = 1,
+                 config: str | None = None) -> None:
+        """``config``: a whole prometheus.yml to run instead of one built from ``targets``."""
         super().__init__(workdir)
+        self.config = config
         self.targets = targets
         self.interval_s = interval_s
         self.port = free_port()
@@ -180,10 +183,10 @@ class PrometheusServer(_Server):
             f"  - job_name: {name}\n    static_configs:\n      - targets: {json.dumps(addrs)}\n"
             for name, addrs in self.targets.items()
         )
-        (w / "prometheus.yml").write_text(
+        (w / "prometheus.yml").write_text(self.config or (
             f"global:\n  scrape_interval: {self.interval_s}s\n  evaluation_interval: {self.interval_s}s\n"
             f"scrape_configs:\n{jobs}"
-        )
+        ))
         self._spawn([
             "prometheus", f"--config.file={w / 'prometheus.yml'}", f"--storage.tsdb.path={w / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
@@ -219,3 +222,29 @@ class PrometheusServer(_Server):
                 return
             time.sleep(0.2)
         raise RuntimeError(f"Prometheus: {expr!r} still empty after {timeout} s: {self.log.read_text()[-1500:]}")
+
+
+def self_signed_cert(workdir: Path, ip: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A self-signed CA certificate for ``ip`` and its key (PEM files in ``workdir``): TLS on loopback."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuledger-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = workdir / "cert.pem", workdir / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path

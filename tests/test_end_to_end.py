@@ -102,7 +102,8 @@ def test_demo_rerun_starts_afresh_and_never_touches_a_foreign_store(tmp_path):
     assert all(j["usage"] is None or j["usage"]["allocated_gpu_seconds"] <= 0.1 * 3600 * j["gpus"] + 1e-6
                for j in jobs)
     feed2 = json.loads((d / "priority-feed.json").read_text())
-    # The same plan again: the same usage (up to decay, which depends on the wall clock), not twice as much.
+    # The same plan again: the same usage, not twice as much (the demo's time is anchored, so exactly the same,
+    # unless the two runs straddle a full hour).
     for a, b in zip(feed1["associations"], feed2["associations"], strict=True):
         assert (a["account"], a["user"]) == (b["account"], b["user"])
         assert b["raw_usage"] == pytest.approx(a["raw_usage"], rel=0.05)
@@ -114,3 +115,54 @@ def test_demo_rerun_starts_afresh_and_never_touches_a_foreign_store(tmp_path):
     r = runner.invoke(app, ["demo", "--data-dir", str(foreign)])
     assert r.exit_code == 2 and "did not write" in r.output
     assert (foreign / "gpuledger.sqlite").read_bytes() == b"not a demo's"
+
+
+def _numbers(res):
+    return {j: (u.allocated_gpu_seconds, u.sm_active_gpu_seconds, u.energy_joules, u.sm_active_mean, u.dram_bw_mean)
+            for j, u in res.usage.items()}
+
+
+def test_demo_is_deterministic_for_a_seed_whatever_the_wall_clock(tmp_path):
+    """The same seed gives the same numbers to the last bit, whenever it runs: time is an offset from an anchor."""
+    import time
+
+    from gpuledger.accounting.cli import fairshare_rows
+
+    anchor = time.time() // 3600 * 3600 - 30 * 86400 - 7 * 3600  # the collector refuses samples from the future
+    kw = dict(nodes=2, gpus_per_node=4, hours=0.1, step_s=10, seed=5)
+    a = run_demo(tmp_path / "a", end=anchor, **kw)
+    b = run_demo(tmp_path / "b", end=anchor + 30 * 86400 + 7 * 3600, **kw)  # a month and 7 hours later
+    c = run_demo(tmp_path / "c", end=anchor, **{**kw, "seed": 6})
+    assert _numbers(a) == _numbers(b)
+    assert _numbers(a) != _numbers(c)  # the check sees a different seed
+    shift = b.end - a.end
+    assert {j: u.first_ts + shift for j, u in a.usage.items()} == {j: u.first_ts for j, u in b.usage.items()}
+    def fs(run_dir: Path, now: float) -> list[tuple]:
+        return [(r.account, r.user, r.raw_usage, r.fairshare) for r in fairshare_rows(run_dir, None, None, now=now)[0]]
+
+    assert fs(tmp_path / "a", a.end) == fs(tmp_path / "b", b.end)
+
+
+def test_demo_prints_the_same_tables_twice_and_a_next_command_that_works(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("gpuledger")  # the venv's script, as after `make demo`
+    outs = []
+    for name in ("one", "two"):
+        p = subprocess.run([str(exe), "demo", "--data-dir", str(tmp_path / name), "--nodes", "1", "--gpus", "4",
+                            "--hours", "0.1", "--seed", "2"], capture_output=True, text=True, timeout=120,
+                           env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+        assert p.returncode == 0, p.stderr
+        outs.append(p.stdout)
+    def stable(text, name):  # paths, the collector's port and the wall time differ; nothing else may
+        text = text.replace(str(tmp_path / name), "DIR")
+        return re.sub(r"127\.0\.0\.1:\d+|in [0-9.]+ s wall time|\d+:\d\d:\d\d", "X", text)
+    assert stable(outs[0], "one") == stable(outs[1], "two")
+    nxt = [ln for ln in outs[1].splitlines() if ln.startswith("next: ")]
+    assert len(nxt) == 1
+    for cmd in nxt[0].removeprefix("next: ").split("   |   "):
+        assert cmd.startswith(str(exe) + " ")  # `gpuledger` is not on this PATH: the full path is printed
+        r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+        assert r.returncode == 0 and r.stdout.strip(), (cmd, r.stderr)

@@ -1,4 +1,5 @@
-"""Imports flow one way: schema <- agent <- collector <- accounting <- the CLI root; dashboards read schema and agent.
+"""Imports flow one way: schema <- agent <- collector <- accounting <- the CLI root; dashboards read schema and agent;
+`gpuledger.output` (how commands print tables, JSON, CSV) imports nothing of ours and serves every part.
 
 `gpuledger.schema` (records, wire format) imports nothing of ours; the agent never imports the collector or
 accounting; the collector never imports accounting. The CLI root (`gpuledger/cli.py`, `gpuledger/demo.py`) sits
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gpuledger"
-PARTS = ("schema", "agent", "collector", "accounting", "dashboards")
+PARTS = ("schema", "output", "agent", "collector", "accounting", "dashboards")
 # part -> the parts of ours it must never import ("root": gpuledger's own top-level modules, the CLI and demo)
 FORBIDDEN = {
-    "schema": {"agent", "collector", "accounting", "dashboards", "root"},
+    "schema": {"output", "agent", "collector", "accounting", "dashboards", "root"},
+    "output": {"schema", "agent", "collector", "accounting", "dashboards", "root"},  # how commands print
     "agent": {"collector", "accounting", "dashboards", "root"},
     "collector": {"accounting", "dashboards", "root"},
     "accounting": {"dashboards", "root"},

@@ -38,6 +38,8 @@ from typing import Any, Literal
 
 ROOT = "root"
 PARENT = "parent"
+# The columns a tree needs (the Slurm client asks for them; plain `sacctmgr -P show associations` lacks ParentName).
+SACCTMGR_FORMAT = "cluster,account,parentname,user,share"
 # Slurm stores FairShare=parent as SLURMDB_FS_USE_PARENT (0x7fffffff); real shares stay below it.
 MAX_SHARES = 0x7FFFFFFF - 1
 
@@ -225,6 +227,13 @@ class AssocTree:
                     f"sacctmgr output line {n}: {len(fields)} fields, expected {len(header)} ({line!r})"
                 )
             rows.append((n, fields))
+        if "parentname" not in col and not any(f[col["account"]].startswith(" ") for _, f in rows) \
+                and any(f[col["account"]].strip() != ROOT for _, f in rows):
+            # Plain `sacctmgr -P show associations`: neither ParentName nor the tree's indentation, so where the
+            # accounts hang cannot be known.
+            raise AssociationError(
+                "sacctmgr output has no ParentName column (plain `sacctmgr -P show associations`); run "
+                f"`sacctmgr -P show associations format={SACCTMGR_FORMAT}` or pass --associations slurm")
         if "cluster" in col:
             clusters = sorted({f[col["cluster"]].strip() for _, f in rows})
             if cluster is None and len(clusters) > 1:

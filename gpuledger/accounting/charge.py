@@ -19,8 +19,10 @@ So an allocation nobody measured is never free. A job without a scheduler record
 measurements alone (and flagged by the ledger).
 
 Per-GPU-model weights multiply the charge, like Slurm's TRESBillingWeights for typed GRES: the exact model name,
-else the longest pattern contained in it (case-insensitive; ties by name). A MIG instance ("... MIG 3g.40gb")
-is further weighted by its compute-slice fraction (3/7): the aggregation counts an instance's GPU-seconds whole.
+else the longest pattern contained in it (case-insensitive; ties by name). MIG GPU-seconds are physical-GPU
+fractions on both sides of the frame, so a slice is never weighted twice: the aggregation already counts a MIG
+instance's GPU-seconds as its compute-slice fraction (3g = 3/7), and a Slurm allocation of a typed MIG gres
+(``gres/gpu:3g.40gb``, ``a100_3g.40gb``) is counted here the same way.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def _gpu_counts(record: JobRecord) -> tuple[float, dict[str, float]]:
 
 def allocated_gpu_seconds(record: JobRecord | None, now: float) -> float | None:
     """Slurm-allocated GPU-seconds of a job, all models together (:func:`allocation`, summed; for reports)."""
-    elapsed = _elapsed(record, now)
-    return None if elapsed is None else elapsed * _gpu_counts(record)[0]  # type: ignore[arg-type]
+    per_model = allocation(record, now)
+    return None if per_model is None else math.fsum(per_model.values())
 
 
 def allocation(record: JobRecord | None, now: float) -> dict[str, float] | None:
@@ -78,7 +80,8 @@ def allocation(record: JobRecord | None, now: float) -> dict[str, float] | None:
     if elapsed is None:
         return None
     total, typed = _gpu_counts(record)  # type: ignore[arg-type]
-    out = {m: n * elapsed for m, n in typed.items() if n > 0}
+    # a typed MIG gres counts its slice's fraction of the physical GPU, as the aggregation counts its samples
+    out = {m: n * elapsed * (slice_fraction(m) or 1.0) for m, n in typed.items() if n > 0}
     rest = total - sum(typed.values())
     if rest > 0:
         out[record.gpu_model if record.gpu_model and not typed else ""] = rest * elapsed  # type: ignore[union-attr]
@@ -136,15 +139,14 @@ class ChargePolicy:
         )
 
     def weight(self, model: str) -> float:
-        """The model's weight (exact name, else the longest contained pattern), x a MIG slice's fraction."""
-        fraction = slice_fraction(model) or 1.0
+        """The model's weight: the exact name, else the longest contained pattern, else 1."""
         if model in self.model_weights:
-            return self.model_weights[model] * fraction
+            return self.model_weights[model]
         low = model.lower()
         hits = [(len(name), name, w) for name, w in self.model_weights.items() if name.lower() in low]
         if not hits:
-            return fraction
-        return max(hits, key=lambda h: (h[0], h[1]))[2] * fraction
+            return 1.0
+        return max(hits, key=lambda h: (h[0], h[1]))[2]
 
     def _base(self, u: JobUsage) -> float:
         if self.kind == "allocated":

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,14 +25,16 @@ from gpuledger.accounting.audit import (
 )
 from gpuledger.accounting.charge import allocated_gpu_seconds
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
-from gpuledger.accounting.engine import association_usage, audit_charges, compute, load_tree
+from gpuledger.accounting.engine import LIVE_SLURM, association_usage, audit_charges, compute, load_tree
 from gpuledger.accounting.ledger import LedgerEntry, join
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
 from gpuledger.accounting.privacy import decay_horizon_start
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
-from gpuledger.accounting.report.tables import rich_table
+from gpuledger.accounting.report.tables import show
+from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, note, os_error, to_csv
 
 if TYPE_CHECKING:
     from gpuledger.accounting.apply import Applied, Plan
@@ -55,14 +57,17 @@ DataDir = Annotated[
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")
 ]
-AssociationsOpt = Annotated[Path | None, typer.Option(
-    help="sacctmgr -P output or CSV account,parent,user,shares (default: the config's accounts table)")]
+ASSOC_HELP = ("the association tree: `slurm` (ask sacctmgr), a file of `sacctmgr -P show associations "
+              "format=cluster,account,parentname,user,share` output, or a CSV account,parent,user,shares "
+              "(default: the config's accounts table)")
+AssociationsOpt = Annotated[Path | None, typer.Option(help=ASSOC_HELP)]
 
 
-class Fmt(StrEnum):
-    table = "table"
-    json = "json"
-    csv = "csv"
+INFLUX_HELP = ("also write the fairshare measurement (per association: fairshare, site factor, usage) to the "
+               "InfluxDB of the collector table's influx_url")
+
+
+Fmt = Format  # every table command takes --format table|json|csv (gpuledger.output)
 
 
 class Algorithm(StrEnum):
@@ -70,7 +75,6 @@ class Algorithm(StrEnum):
     classic = "classic"
 
 
-console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 fairshare_app = typer.Typer(help="Slurm-conformant fairshare on measured usage.")
@@ -78,9 +82,12 @@ priority_app = typer.Typer(help="The priority feed Slurm consumes.", no_args_is_
 jobs_app = typer.Typer(help="Job records in the ledger.", no_args_is_help=True)
 
 
-def _fail(msg: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(msg)}")  # messages quote TOML tables like [accounts]: not markup
-    return typer.Exit(code=2)
+def _fail(msg: str, code: int = 2) -> typer.Exit:
+    """``raise _fail(...)``: one line on stderr (see gpuledger.output.fail), exit 2 bad input or 1 failure."""
+    try:
+        fail(msg, code)
+    except typer.Exit as e:
+        return e
 
 
 def _open_store(data_dir: Path) -> SqliteStore:
@@ -117,11 +124,15 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     cfg_path = config or data_dir / CONFIG_NAME
     # An explicit --config must exist; the default one is optional when files give the tree (defaults then).
     cfg = _config(data_dir, config)[0] if (config is not None or cfg_path.exists()) else {}
-    if associations is None and "accounts" not in cfg:
-        raise _fail(f"no association tree: pass --associations FILE or add [accounts] to {cfg_path}")
     now = time.time() if now is None else now
     try:
         settings = accounting_settings(cfg, cfg_path)
+        if associations is None and settings.associations is not None:
+            associations = (Path(settings.associations) if settings.associations == LIVE_SLURM
+                            else cfg_path.parent / settings.associations)
+        if associations is None and "accounts" not in cfg:
+            raise _fail(f"no association tree: pass --associations slurm|FILE, or set associations in the "
+                        f"[accounting] table of {cfg_path}, or add an [accounts] table there")
         tree = load_tree(associations, cfg)
         if usage_file is not None:
             rows = compute(tree, parse_usage_csv(usage_file.read_text()), algorithm or settings.algorithm,
@@ -161,7 +172,9 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     except EntryDamaged as e:
         err.print(escape(f"error: TAMPERED: {e} (run `gpuledger audit verify`)"), highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
-    except (ValueError, OSError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except (ValueError, SlurmCommandError) as e:
         raise _fail(str(e)) from None
     return rows, settings
 
@@ -202,19 +215,22 @@ def _history_alias(data_dir: Path, entries: Iterable[LedgerEntry]) -> Callable[[
 def fairshare(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    associations: Annotated[
-        Path | None, typer.Option(help="sacctmgr -P output or CSV account,parent,user,shares")] = None,
+    associations: AssociationsOpt = None,
     usage: Annotated[Path | None, typer.Option(help="CSV account,user,usage (decayed raw usage)")] = None,
     algorithm: Annotated[Algorithm | None, typer.Option(help="default: the configured one")] = None,
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
+    fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.table,
     record: Annotated[bool, typer.Option("--record", help="append the computation and its inputs to the audit log "
                                          "(a plain query appends nothing)")] = False,
+    influx: Annotated[bool, typer.Option("--influx", help=INFLUX_HELP)] = False,
 ) -> None:
     """Fairshare per association, like `sshare -l` (table), or JSON/CSV for machines."""
     from gpuledger.accounting.fairshare_render import render_csv, render_table, to_json
 
-    rows, _ = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage,
-                             record=record and usage is None)
+    now = time.time()
+    rows, settings = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage,
+                                    now=now, record=record and usage is None)
+    if influx:
+        _to_influx(data_dir, config, rows, feed_from_rows(rows, settings, now))
     if fmt is Fmt.json:
         typer.echo(json.dumps(to_json(rows), indent=2))
     elif fmt is Fmt.csv:
@@ -224,13 +240,38 @@ def fairshare(
 
 
 def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
-               associations: Path | None = None, accept_store_changes: str | None = None) -> dict:
+               associations: Path | None = None, accept_store_changes: str | None = None,
+               with_rows: bool = False) -> Any:
+    """The feed document (and, ``with_rows``, the fairshare rows it came from, as a pair)."""
     now = time.time() if now is None else now
     cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
     weight = accounting_settings(cfg).priority_weight
     rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight,
                                     record=True, accept_store_changes=accept_store_changes)
-    return feed_from_rows(rows, settings, now)
+    doc = feed_from_rows(rows, settings, now)
+    return (rows, doc) if with_rows else doc
+
+
+def _influx_configured(data_dir: Path, config: Path | None) -> bool:
+    from gpuledger.collector.config import ConfigError as CollectorConfigError
+    from gpuledger.collector.config import load_settings
+
+    try:
+        return bool(load_settings(data_dir, config).influx_url)
+    except CollectorConfigError as e:
+        raise _fail(str(e)) from None
+
+
+def _to_influx(data_dir: Path, config: Path | None, rows: list[Row], doc: dict) -> None:
+    """The fairshare measurement to InfluxDB; a failure exits 1 (the feed file is written already)."""
+    from gpuledger.accounting.influx_out import InfluxNotConfigured, InfluxPublishError, fairshare_to_influx
+
+    try:
+        where = fairshare_to_influx(data_dir, config, rows, doc["associations"], doc["generated_at"])
+    except InfluxPublishError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2 if isinstance(e, InfluxNotConfigured) else 1) from None
+    err.print(f"fairshare written to InfluxDB {where}", markup=False, highlight=False, soft_wrap=True)
 
 
 def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) -> dict:
@@ -246,6 +287,11 @@ def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) ->
     return feed_document(entries, meta)
 
 
+FEED_COLUMNS = (Column("Account", "account", left=True), Column("User", "user", left=True),
+                Column("FairShare", "fairshare", fixed(6)), Column("SiteFactor", "site_factor"),
+                Column("RawUsage", "raw_usage", fixed(1)), Column("EffectvUsage", "effective_usage", fixed(6)))
+
+
 @priority_app.command("feed")
 def priority_feed_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
@@ -253,36 +299,40 @@ def priority_feed_cmd(
     output: Annotated[Path | None, typer.Option(
         help="write here (default: <data-dir>/priority-feed.json); the flat feed goes beside it as .txt")] = None,
     associations: AssociationsOpt = None,
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.json,
+    fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.json,
     accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="use "
                                     "store rows that differ from their final logged record, logging each as a "
                                     "correction with this reason (refused without it)")] = None,
+    influx: Annotated[bool | None, typer.Option("--influx/--no-influx", show_default=False,
+                                                   help="write to InfluxDB [default: when influx_url is set]")] = None,
 ) -> None:
     """Per association: measured fairshare and the Slurm site factor it implies; written atomically, as JSON and,
-    beside it with the suffix .txt, as the flat `account user factor` file job_submit.lua reads. Every record
-    it uses is in the audit log first."""
-    doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes)
+    beside it with the suffix .txt, as the flat `account user factor` file job_submit.lua reads; and to InfluxDB
+    (measurement fairshare) when the collector table sets influx_url. Every record it uses is in the audit log
+    first."""
+    rows, doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes,
+                           with_rows=True)
     try:
         path = write_feed(output or data_dir / FEED_NAME, doc)
-    except (ValueError, OSError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except ValueError as e:
         raise _fail(str(e)) from None
-    if fmt is Fmt.json:
-        typer.echo(json.dumps(doc, indent=2))
-    else:
-        from rich.table import Table
+    if influx is not False and (influx or _influx_configured(data_dir, config)):
+        _to_influx(data_dir, config, rows, doc)
+    emit(fmt, doc["associations"], FEED_COLUMNS, title=f"Priority feed ({path})", json_doc=doc)
 
-        t = Table(title=f"Priority feed ({path})")
-        for c in ("Account", "User", "FairShare", "SiteFactor"):
-            t.add_column(c, justify="left" if c in ("Account", "User") else "right")
-        for a in doc["associations"]:
-            t.add_row(a["account"], a["user"], f"{a['fairshare']:.6f}", str(a["site_factor"]))
-        console.print(t)
+
+# jobs list --format csv: the record and the measurement, one flat row a job (SI units, ratios)
+JOBS_CSV = tuple(Column(k, k) for k in (
+    "job_id", "user", "account", "partition", "gpus", "start", "end", "state", "seen_by", "allocated_gpu_seconds",
+    "sm_active_gpu_seconds", "efficiency", "energy_joules", "sm_active_mean", "dram_bw_mean", "mem_used_peak_bytes"))
 
 
 @jobs_app.command("list")
 def jobs_list(
     data_dir: DataDir = Path("gpuledger-data"),
-    fmt: Annotated[Fmt, typer.Option("--format")] = Fmt.table,
+    fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.table,
 ) -> None:
     """Jobs in the ledger: the scheduler's record joined with the measured usage."""
     store = _open_store(data_dir)
@@ -292,7 +342,7 @@ def jobs_list(
         store.close()
     now = time.time()
     rows = job_rows(entries, now)
-    objs = []
+    objs: list[dict[str, Any]] = []
     for e, row in zip(entries, rows):
         r, u = e.described, e.usage
         slurm_s, observed = allocated_gpu_seconds(e.record, now), (u.allocated_gpu_seconds if u else 0.0)
@@ -313,16 +363,18 @@ def jobs_list(
             "unmeasured_gpu_seconds": 0.0 if slurm_s is None else max(0.0, slurm_s - observed),
             "usage": u.to_dict() if u else None,
         })
+    if not objs:
+        note(f"no jobs in {data_dir / STORE_NAME} yet")
     if fmt is Fmt.json:
         typer.echo(json.dumps(objs, indent=2))
     elif fmt is Fmt.csv:
-        raise _fail("jobs list supports --format table or json")
+        flat = [{**{k: v for k, v in o.items() if k != "usage"}, **(o["usage"] or {})} for o in objs]
+        typer.echo(to_csv(JOBS_CSV, flat), nl=False)
     else:
-        console.print(rich_table("Jobs", JOB_COLUMNS, rows))
+        show("Jobs", JOB_COLUMNS, rows)
 
 
 def _read_arg(path: str) -> str:
-    import sys
 
     return sys.stdin.read() if path == "-" else Path(path).read_text()
 
@@ -375,8 +427,12 @@ def jobs_import(
                 parse_sacct_json(_read_arg(sacct_json)) if sacct_json else [],
                 parse_sacct_parsable(_read_arg(sacct_parsable)) if sacct_parsable else [],
             )
-    except (SlurmParseError, SlurmCommandError, OSError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except (SlurmParseError, SlurmCommandError) as e:
         raise _fail(str(e)) from None
+    if data_dir.exists() and not data_dir.is_dir():
+        raise _fail(f"--data-dir {data_dir} is not a directory")
     changed = _import_jobs(data_dir, records)
     typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
 
@@ -431,7 +487,9 @@ def priority_apply(
         with open_log(data_dir) as log:
             plan, applied = run_apply(SlurmClient(), doc["associations"], dry_run,
                                       record=record_priority_changes(log))
-    except (SlurmParseError, SlurmCommandError, ValueError, OSError) as e:
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except (SlurmParseError, SlurmCommandError, ValueError) as e:
         raise _fail(str(e)) from None
     _report_apply(plan, applied, verbose)
     if applied.count("failed"):
@@ -544,7 +602,7 @@ def priority_watch(
         try:
             start_http_server(metrics_port, addr=metrics_addr, registry=watch.registry)
         except OSError as e:
-            raise _fail(f"metrics on {metrics_addr}:{metrics_port}: {e}") from None
+            raise _fail(f"/metrics cannot listen on {metrics_addr}:{metrics_port}: {e.strerror or e}", 1) from None
     signal.signal(signal.SIGTERM, lambda *_: watch.stop())
     signal.signal(signal.SIGINT, lambda *_: watch.stop())
     logger.info("watching %s (feed %s and %s)", data_dir, feed_path, flat_path(feed_path))

@@ -15,6 +15,7 @@ Example (``gpuledger.toml``)::
     usage_reset = "NONE"           # PriorityUsageResetPeriod
     timezone = ""                  # zone the reset periods are cut in (IANA name; "" = this machine's, as Slurm)
     priority_weight = 10000        # site factor = round(weight x fairshare)
+    associations = "slurm"         # the tree when no --associations is given: "slurm" (sacctmgr) or a file
     [accounting.model_weights]     # like TRESBillingWeights per GPU model
     "H200" = 1.0
 
@@ -62,6 +63,9 @@ class AccountingSettings(BaseModel):
     priority_weight: int = Field(10_000, ge=0)
     dampening: float = Field(1.0, gt=0)
     model_weights: dict[str, float] = {}
+    # Where the association tree comes from when a command is not given --associations: "slurm" (sacctmgr on
+    # this host) or a file (relative to the configuration file); unset: the [accounts] table.
+    associations: str | None = None
 
     def charge_policy(self) -> ChargePolicy:
         return ChargePolicy(kind=self.policy, floor=self.floor, model_weights=self.model_weights,

@@ -247,10 +247,19 @@ def compute(tree: AssocTree, usage: Usage, algorithm: str, dampening: float = 1.
     raise ValueError(f"unknown fairshare algorithm {algorithm!r}: use classic or fair-tree")
 
 
-def load_tree(source: Path | None, config: Mapping[str, Any]) -> AssocTree:
-    """From a file (sacctmgr -P output or CSV, told apart by the CSV header), else the config's [accounts]."""
+# `--associations slurm`: ask the local Slurm (sacctmgr) instead of reading a file (a file named so: ./slurm).
+LIVE_SLURM = "slurm"
+
+
+def load_tree(source: Path | str | None, config: Mapping[str, Any], slurm: Any = None) -> AssocTree:
+    """From a file (sacctmgr -P output or CSV, told apart by the CSV header), from the local Slurm when the source
+    is ``"slurm"`` (``slurm`` is a SlurmClient, the real one by default), else the config's [accounts]."""
     if source is None:
         return AssocTree.from_toml({"accounts": config.get("accounts", {})})
+    if str(source) == LIVE_SLURM:
+        from gpuledger.accounting.slurm import SlurmClient
+
+        return AssocTree.from_sacctmgr((slurm or SlurmClient()).associations(), cluster=config.get("cluster"))
     text = Path(source).read_text()
     first = text.lstrip().splitlines()[0].strip().lower() if text.strip() else ""
     if first.replace(" ", "") == "account,parent,user,shares":

@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
@@ -24,9 +22,9 @@ from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.idle import IDLE_COLUMNS, idle_jobs
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
-from gpuledger.accounting.report.period import ALL_TIME, in_period, parse_period
+from gpuledger.accounting.report.period import ALL_TIME, PERIOD_FORMS, in_period, iso_utc, job_end, parse_period
 from gpuledger.accounting.report.settings import ReportSettings, load_report_settings
-from gpuledger.accounting.report.tables import rich_table, to_csv, to_json
+from gpuledger.accounting.report.tables import show, to_csv, to_json
 from gpuledger.accounting.report.usage import (
     usage_columns,
     usage_report,
@@ -34,6 +32,7 @@ from gpuledger.accounting.report.usage import (
     usage_report_json,
     usage_report_text,
 )
+from gpuledger.output import Format, fail, note
 
 if TYPE_CHECKING:
     from gpuledger.accounting.privacy import Pseudonymizer
@@ -53,8 +52,6 @@ Pseudo = Annotated[
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout; signed when "
                                                    "an audit signing key exists (see `audit keygen`).")]
 
-console = Console()
-err = Console(stderr=True)
 
 report_app = typer.Typer(help="Usage reports for admins and auditors.", no_args_is_help=True)
 audit_app = typer.Typer(help="The tamper-evident audit trail and signed reports.", no_args_is_help=True)
@@ -67,10 +64,7 @@ class UsageFmt(StrEnum):
     html = "html"
 
 
-class TableFmt(StrEnum):
-    table = "table"
-    json = "json"
-    csv = "csv"
+TableFmt = Format  # gpuledger.output: every table command takes --format table|json|csv
 
 
 class TextFmt(StrEnum):
@@ -87,13 +81,16 @@ class By(StrEnum):
 
 
 def _fail(msg: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=code)
+    """``raise _fail(...)``: one line on stderr (gpuledger.output.fail), exit 2 bad input or 1 a check failed."""
+    try:
+        fail(msg, code)
+    except typer.Exit as e:
+        return e
 
 
 def _note(msg: str) -> None:
-    """A message on stderr, never wrapped (paths and hashes stay whole and greppable)."""
-    err.print(msg, markup=False, highlight=False, soft_wrap=True)
+    """A message on stderr, one line, never wrapped (paths and hashes stay whole and greppable)."""
+    note(msg)
 
 
 def _open_store(data_dir: Path) -> SqliteStore:
@@ -158,6 +155,25 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
     _note(f"report written to {output}, signed manifest {m}")
 
 
+def _note_empty(per, entries) -> None:
+    """An empty period is not an error, but say so, and where the ledger's jobs are."""
+    ends = [t for e in entries if (t := job_end(e)) is not None]
+    days = [str(iso_utc(t))[:10] for t in (min(ends), max(ends))] if ends else []  # job ends are finite
+    where = (f"the ledger's jobs ended between {days[0]} and {days[1]}" if days
+             else "the ledger holds no jobs yet")
+    _note(f"note: no job ended in period {per.label} (jobs count in the period they ended); {where}")
+
+
+def _jobs_to_influx(data_dir: Path, config: Path | None, entries) -> None:
+    from gpuledger.accounting.influx_out import InfluxNotConfigured, InfluxPublishError, jobs_to_influx
+
+    try:
+        where = jobs_to_influx(data_dir, config, entries)
+    except InfluxPublishError as e:
+        raise _fail(str(e), 2 if isinstance(e, InfluxNotConfigured) else 1) from None
+    _note(f"job usage written to InfluxDB {where}")
+
+
 # -- report ---------------------------------------------------------------------------------------------------------
 @report_app.command("usage")
 def report_usage(
@@ -165,11 +181,14 @@ def report_usage(
     config: ConfigOpt = None,
     start: Annotated[str | None, typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
     end: Annotated[str | None, typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
-    period: Annotated[str | None, typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
+    period: Annotated[str | None, typer.Option("--period", help=PERIOD_FORMS + ", UTC")] = None,
     by: Annotated[By, typer.Option("--by")] = By.account,
     fmt: Annotated[UsageFmt, typer.Option("--format")] = UsageFmt.table,
     pseudonymize: Pseudo = False,
     output: OutputOpt = None,
+    influx: Annotated[bool, typer.Option("--influx", help="also write the period's jobs (measurement job_usage, "
+                                         "tagged with account and user) to the InfluxDB of the collector table's "
+                                         "influx_url")] = False,
 ) -> None:
     """Per group: GPU-hours allocated and SM-active, efficiency, HBM, energy, CO2e, cost, idle GPU-hours, queue
     wait. Jobs count whole in the period they ended; totals are exactly the sum of the job records."""
@@ -190,9 +209,13 @@ def report_usage(
         rep = usage_report(entries, by.value, per, settings, per_gpu)
     except ReportError as e:
         raise _fail(str(e)) from None
+    if influx:
+        _jobs_to_influx(data_dir, config, in_period(entries, per))
+    if rep.total.jobs == 0:
+        _note_empty(per, entries)
     if fmt is UsageFmt.table and output is None:
-        console.print(rich_table(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
-                                     [*rep.rows, rep.total]))
+        show(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
+             [*rep.rows, rep.total])
         return
     if fmt is UsageFmt.json:
         text = usage_report_json(rep) + "\n"
@@ -204,7 +227,8 @@ def report_usage(
         with au.open_log(data_dir) as log:
             size, root = log.head()
         text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}",
-                           manifest={"audit log head": f"{size} entries, root {root[:16]}...", "pseudonymized": pseudonymize})
+                           manifest={"audit log head": f"{size} entries, root {root[:16]}...",
+                                     "user names": "pseudonymized" if pseudonymize else "shown as recorded"})
     else:
         text = usage_report_text(rep)
     _emit(text, output)
@@ -218,7 +242,7 @@ def report_reconcile(
     config: ConfigOpt = None,
     start: Annotated[str | None, typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
     end: Annotated[str | None, typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
-    period: Annotated[str | None, typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
+    period: Annotated[str | None, typer.Option("--period", help=PERIOD_FORMS + ", UTC")] = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     output: OutputOpt = None,
 ) -> None:
@@ -247,10 +271,9 @@ def report_reconcile(
         store.close()
     rec = reconcile(entries, hours, per)
     if fmt is TableFmt.table and output is None:
-        console.print(rich_table(f"Reconciliation with Slurm, period {per.label}", RECONCILE_COLUMNS,
-                                 [*rec.rows, rec.total]))
+        show(f"Reconciliation with Slurm, period {per.label}", RECONCILE_COLUMNS, [*rec.rows, rec.total])
         for n in rec.notes:
-            console.print(f"note: {escape(n)}")
+            _note(f"note: {n}")
         return
     text = {TableFmt.json: lambda: reconcile_json(rec) + "\n", TableFmt.csv: lambda: reconcile_csv(rec),
             TableFmt.table: lambda: reconcile_text(rec)}[fmt]()
@@ -279,7 +302,7 @@ def report_jobs(
     elif fmt is TableFmt.csv:
         typer.echo(to_csv(rows), nl=False)
     else:
-        console.print(rich_table("Jobs", JOB_COLUMNS, rows))
+        show("Jobs", JOB_COLUMNS, rows)
 
 
 @report_app.command("job")
@@ -321,7 +344,7 @@ def report_idle(
                                                        "activity (default: report.idle_threshold, 0.05)")] = None,
     min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="list jobs whose idle GPUs hold at least this "
                                              "share of their GPU-time")] = 0.5,
-    period: Annotated[str | None, typer.Option("--period", help="YYYY, YYYY-MM or YYYY-MM-DD (UTC)")] = None,
+    period: Annotated[str | None, typer.Option("--period", help=PERIOD_FORMS + ", UTC")] = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     pseudonymize: Pseudo = False,
 ) -> None:
@@ -333,10 +356,13 @@ def report_idle(
         raise _fail(str(e)) from None
     store = _open_store(data_dir)
     try:
-        entries = in_period(load_ledger(store), per)
+        everything = load_ledger(store)
         per_gpu = _per_gpu(store)
     finally:
         store.close()
+    entries = in_period(everything, per)
+    if not entries:
+        _note_empty(per, everything)
     if pseudonymize:
         entries = pseudonymize_entries(entries, _alias(data_dir))
     rows = idle_jobs(entries, per_gpu, settings.idle_threshold if threshold is None else threshold, min_share)
@@ -345,7 +371,7 @@ def report_idle(
     elif fmt is TableFmt.csv:
         typer.echo(to_csv(rows), nl=False)
     else:
-        console.print(rich_table("Jobs that held GPUs mostly idle", IDLE_COLUMNS, rows))
+        show("Jobs that held GPUs mostly idle", IDLE_COLUMNS, rows)
 
 
 # -- audit ----------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, tzinfo
 from typing import Any
 
+from gpuledger.accounting.associations import SACCTMGR_FORMAT
 from gpuledger.agent.slurm import (
     SlurmParseError,
     expand_hostlist,
@@ -215,6 +216,10 @@ def _json_exit_code(ec: Any, state: str | None, trusted: bool) -> int | None:
     return rc
 
 
+# What every job of `sacct --json` (22.05 to 24.11) and slurmrestd carries, whatever its state.
+_JSON_JOB_KEYS = ("user", "state", "time")
+
+
 def parse_sacct_json(text: str) -> list[JobRecord]:
     """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records."""
     doc = load_jobs_json(text, "sacct JSON")
@@ -228,6 +233,10 @@ def parse_sacct_json(text: str) -> list[JobRecord]:
             raise SlurmParseError(f"{where}: not an object")
         job_id = _json_job_id(job, where)
         where = f"sacct JSON job {job_id}"
+        missing = [k for k in _JSON_JOB_KEYS if k not in job]
+        if missing:  # e.g. {"job_id": 1}: a record with no owner and no times would be a blank job in the ledger
+            raise SlurmParseError(f"{where} (jobs[{i}]): no {', '.join(repr(k) for k in missing)}; "
+                                  "expected `sacct --json` output")
         state = state_word(first_flag((job.get("state") or {}).get("current")))
         tres = _json_tres((job.get("tres") or {}).get("allocated"), where)
         gpus, model = gpus_from_tres(tres)
@@ -493,6 +502,11 @@ class SlurmClient:
         parsable = parse_sacct_parsable(
             self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC)
         return merge_sacct(as_json, parsable)
+
+    def associations(self) -> str:
+        """``sacctmgr -P show associations`` with the columns a tree needs (the default columns lack
+        ParentName); parse it with ``AssocTree.from_sacctmgr``."""
+        return self._call(["sacctmgr", "-P", "show", "associations", f"format={SACCTMGR_FORMAT}"])
 
     def pending_jobs(self) -> list[PendingJob]:
         """Pending job records (an array's tasks that share one record are one entry): ``squeue -r -t PD``,

@@ -5,35 +5,33 @@ Only this module turns errors into exit codes; everything it calls raises or ret
 
 from __future__ import annotations
 
-import json
+import math
 import signal
 import socket
-import sys
 import threading
 import time
-from enum import StrEnum
 from typing import Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from gpuledger.agent.sources import SOURCES, make_source
 from gpuledger.agent.sources.base import SourceUnavailable
-from gpuledger.schema.records import GpuSample
+from gpuledger.agent.sources.simulated import LOADS
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, percent, to_csv
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 
 app = typer.Typer(help="GPU node agent: read GPUs (nvml, dcgm, dcgm-exporter, simulated), expose and push samples.",
                   no_args_is_help=True)
 
 
-class OutputFormat(StrEnum):
-    json = "json"
-    table = "table"
-
-
-def _source_options(source: str, url: str | None, host: str | None, gpus: int, seed: int) -> dict[str, Any]:
+def _source_options(source: str, url: str | None, host: str | None, gpus: int, seed: int,
+                    load: str | None = None) -> dict[str, Any]:
     if source == "simulated":
-        return {"host": host or "sim-node", "gpus": gpus, "seed": seed}
+        if load is not None and load not in LOADS:
+            raise typer.BadParameter(f"unknown load {load!r}; known: {', '.join(LOADS)}", param_hint="--load")
+        return {"host": host or "sim-node", "gpus": gpus, "seed": seed, "load": load}
+    if load is not None:
+        raise typer.BadParameter("only the simulated source takes a load", param_hint="--load")
     if source == "dcgm-exporter":
         if not url:
             raise typer.BadParameter("--url (the exporter's /metrics URL) is required for --source dcgm-exporter")
@@ -41,10 +39,11 @@ def _source_options(source: str, url: str | None, host: str | None, gpus: int, s
     return {"host": host}
 
 
-def _open_source(source: str, url: str | None, host: str | None, gpus: int, seed: int) -> Any:
+def _open_source(source: str, url: str | None, host: str | None, gpus: int, seed: int,
+                 load: str | None = None) -> Any:
     if source not in SOURCES:
         raise typer.BadParameter(f"unknown source {source!r}; known: {', '.join(sorted(SOURCES))}")
-    src = make_source(source, **_source_options(source, url, host, gpus, seed))
+    src = make_source(source, **_source_options(source, url, host, gpus, seed, load))
     try:
         src.open()
     except SourceUnavailable as exc:
@@ -72,36 +71,52 @@ def _stages(mapper: list[str], mapping_dir: str | None) -> list[Any]:
 
 
 MAPPER_HELP = "job mapper(s), applied in order: slurm-cgroup, mapping-dir, static (repeat the option for several)"
+LOAD_HELP = (f"simulated source: the node's workload, one of {', '.join(LOADS)} (mixed: training, inference, a "
+             "stalling loader and an idle GPU, like the demo); busy GPUs carry simulated job ids [default: free]")
+# /metrics listens on every interface by default so that a central Prometheus can scrape it. It is read-only and
+# unauthenticated and shows this node's GPU activity and job ids: keep it inside the cluster network (firewall),
+# or pass --metrics-addr 127.0.0.1 behind a local proxy (docs/deploy.md).
+METRICS_ADDR_HELP = ("address for /metrics; 0.0.0.0 (all interfaces) so Prometheus can scrape it. It is "
+                     "unauthenticated and shows GPU activity and job ids: firewall it to the monitoring hosts, "
+                     "or use 127.0.0.1")
 
 
-def _fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "-" if v is None else f"{v * scale:.{digits}f}"
+def _join(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
 
-def render_table(samples: list[GpuSample]) -> Table:
-    t = Table(title=f"{len(samples)} GPU sample(s)")
-    for col in ("host", "gpu", "mig", "model", "util", "sm", "occ", "dram", "tensor", "mem GiB", "power W",
-                "energy kJ", "temp C", "jobs", "pids"):
-        t.add_column(col)
-    for s in samples:
-        mem = "-" if s.mem_used_bytes is None else f"{s.mem_used_bytes / 2**30:.1f}"
-        if s.mem_total_bytes is not None:
-            mem += f"/{s.mem_total_bytes / 2**30:.1f}"
-        t.add_row(s.host, str(s.gpu_index), s.mig or "", s.model, _fmt(s.gpu_util_ratio), _fmt(s.sm_active_ratio),
-                  _fmt(s.sm_occupancy_ratio), _fmt(s.dram_bw_ratio), _fmt(s.tensor_active_ratio), mem,
-                  _fmt(s.power_watts, digits=1), _fmt(s.energy_joules, 1e-3, 1), _fmt(s.temp_celsius, digits=0),
-                  ",".join(s.job_ids), ",".join(map(str, s.pids)))
-    return t
+# The table for people: percentages, GiB, W, kJ, °C. JSON and CSV carry every field in SI units and ratios.
+SAMPLE_COLUMNS = (
+    Column("host", "host", left=True), Column("gpu", "gpu_index"), Column("mig", "mig", left=True),
+    Column("model", "model", left=True), Column("util", "gpu_util_ratio", percent),
+    Column("sm", "sm_active_ratio", percent), Column("occ", "sm_occupancy_ratio", percent),
+    Column("dram", "dram_bw_ratio", percent), Column("tensor", "tensor_active_ratio", percent),
+    Column("mem GiB", "mem_used_bytes", gib), Column("power W", "power_watts", fixed(1)),
+    Column("energy kJ", "energy_joules", fixed(1, 1e-3)), Column("temp C", "temp_celsius", fixed(0)),
+    Column("jobs", "job_ids", _join, left=True), Column("pids", "pids", _join, left=True),
+    Column("uuid", "gpu_uuid", left=True),
+)
+
+
+def print_samples(samples: list[GpuSample], fmt: Format) -> None:
+    records = [s.to_dict() for s in samples]
+    if fmt is Format.csv:  # every field; lists joined by ";" so that a cell stays a cell
+        typer.echo(to_csv([Column(k, k) for k in SAMPLE_FIELDS],
+                          [{k: (";".join(map(str, v)) if isinstance(v, list) else v) for k, v in r.items()}
+                           for r in records]), nl=False)
+    else:
+        emit(fmt, records, SAMPLE_COLUMNS, title=f"{len(samples)} GPU sample(s)")
 
 
 @app.command()
 def once(
     source: str = typer.Option("nvml", "--source", "-s", help=f"one of: {', '.join(SOURCES)}"),
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL (for --source dcgm-exporter)"),
-    fmt: OutputFormat = typer.Option(OutputFormat.json, "--format", "-f", help="json or table"),
+    fmt: Format = typer.Option(Format.json, "--format", "-f", help=FORMAT_HELP),
     host: str | None = typer.Option(None, help="host name to record (default: this host's name)"),
     gpus: int = typer.Option(8, help="simulated source: number of GPUs"),
     seed: int = typer.Option(0, help="simulated source: random seed"),
+    load: str | None = typer.Option(None, help=LOAD_HELP, show_default=False),
     mapper: list[str] = typer.Option([], "--mapper", "-m", help=MAPPER_HELP),
     mapping_dir: str | None = typer.Option(None, help="directory written by the Slurm prolog (mapping-dir)"),
 ) -> None:
@@ -109,7 +124,7 @@ def once(
     from gpuledger.agent.sampler import Agent  # noqa: PLC0415 - sub-command imports stay lazy
 
     stages = _stages(mapper, mapping_dir)
-    src = _open_source(source, url, host, gpus, seed)
+    src = _open_source(source, url, host, gpus, seed, load)
     agent = Agent(src, stages)
     try:
         if getattr(src, "name", "") == "nvml":
@@ -119,34 +134,39 @@ def once(
         samples = agent.tick()
     finally:
         agent.close()
-    if fmt is OutputFormat.json:
-        typer.echo(json.dumps([s.to_dict() for s in samples], indent=2))
-    else:
-        Console(width=None if sys.stdout.isatty() else 200).print(render_table(samples))
+    print_samples(samples, fmt)
 
 
 @app.command()
 def sources(
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL to try"),
+    fmt: Format = typer.Option(Format.table, "--format", "-f", help=FORMAT_HELP),
 ) -> None:
     """Say which GPU sources work on this host, and why the others do not."""
-    table = Table(title="GPU sources")
-    for col in ("source", "works", "why not"):
-        table.add_column(col)
+    rows: list[dict[str, Any]] = []
     for name in SOURCES:
         try:
             src = make_source(name, **_source_options(name, url, None, 1, 0))
             src.open()
             src.close()
         except typer.BadParameter as exc:
-            table.add_row(name, "no", str(exc))
+            rows.append({"source": name, "works": False, "why_not": exc.format_message()})
         except SourceUnavailable as exc:
-            table.add_row(name, "no", str(exc))
+            rows.append({"source": name, "works": False, "why_not": str(exc)})
         except Exception as exc:  # noqa: BLE001 - report any failure as "does not work", with its text
-            table.add_row(name, "no", f"{type(exc).__name__}: {exc}")
+            rows.append({"source": name, "works": False, "why_not": f"{type(exc).__name__}: {exc}"})
         else:
-            table.add_row(name, "yes", "")
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+            rows.append({"source": name, "works": True, "why_not": ""})
+    emit(fmt, rows, (Column("source", "source", left=True), Column("works", "works", lambda w: "yes" if w else "no"),
+                     Column("why not", "why_not", left=True)), title="GPU sources")
+
+
+def _check_listen(addr: str, port: int) -> None:
+    try:
+        socket.create_server((addr, port)).close()
+    except OSError as exc:
+        fail(f"/metrics cannot listen on {addr}:{port}: {exc.strerror or exc} (--metrics-port, --metrics-addr)",
+             code=1)
 
 
 @app.command()
@@ -155,13 +175,15 @@ def run(
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL (for --source dcgm-exporter)"),
     collector: str | None = typer.Option(None, help="collector samples URL to push each batch to"),
     metrics_port: int | None = typer.Option(9445, help="serve /metrics on this port (0: any free port)"),
-    metrics_addr: str = typer.Option("127.0.0.1", help="address for /metrics"),
+    metrics_addr: str = typer.Option("0.0.0.0", help=METRICS_ADDR_HELP),
     interval: float = typer.Option(10.0, help="seconds between sampling cycles"),
     host: str | None = typer.Option(None, help="host name to record (default: this host's name)"),
     agent_id: str | None = typer.Option(None, help="agent id sent to the collector (default: host name)"),
     gpus: int = typer.Option(8, help="simulated source: number of GPUs"),
     seed: int = typer.Option(0, help="simulated source: random seed"),
-    duration: float = typer.Option(0.0, help="stop after this many seconds (0: run until SIGTERM/SIGINT)"),
+    load: str | None = typer.Option(None, help=LOAD_HELP, show_default=False),
+    duration: float = typer.Option(0.0, min=0.0, help="run for this many seconds: duration / interval cycles, "
+                                   "rounded up (0: run until SIGTERM/SIGINT)"),
     mapper: list[str] = typer.Option([], "--mapper", "-m", help=MAPPER_HELP),
     mapping_dir: str | None = typer.Option(None, help="directory written by the Slurm prolog (mapping-dir)"),
     token_file: str | None = typer.Option(None, help="file holding this node's bearer token for the collector"),
@@ -183,9 +205,11 @@ def run(
 
     if interval <= 0:
         raise typer.BadParameter("--interval must be positive")
+    if metrics_port:  # before anything is opened or created (the spool): the address must be free
+        _check_listen(metrics_addr, metrics_port)
     node = host or socket.gethostname()
     stages = _stages(mapper, mapping_dir)
-    src = _open_source(source, url, node, gpus, seed)  # samples carry the host the agent pushes as
+    src = _open_source(source, url, node, gpus, seed, load)  # samples carry the host the agent pushes as
     sinks: list[Any] = []
     if collector:
         from gpuledger.agent.push import HttpPusher  # noqa: PLC0415
@@ -214,25 +238,24 @@ def run(
     agent = Agent(src, stages, sinks=sinks)
     stop = threading.Event()
     server = None
-    timer = None
     previous: dict[int, Any] = {}
     try:
         if metrics_port is not None:
-            server = serve_metrics(agent, metrics_port, metrics_addr)
+            try:
+                server = serve_metrics(agent, metrics_port, metrics_addr)
+            except OSError as exc:
+                fail(f"/metrics cannot listen on {metrics_addr}:{metrics_port}: {exc.strerror or exc}", code=1)
             typer.echo(f"serving /metrics on {metrics_addr}:{server.port}")
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, lambda *_: stop.set())
-        if duration > 0:
-            timer = threading.Timer(duration, stop.set)
-            timer.daemon = True
-            timer.start()
-        agent.run(interval, stop)
+        # Cycles start at 0, interval, 2 x interval, ... while before --duration: counted, not timed, so a
+        # slow cycle never adds one.
+        cycles = math.ceil(duration / interval - 1e-9) if duration > 0 else None
+        agent.run(interval, stop, max_ticks=cycles)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if timer is not None:
-            timer.cancel()
         if server is not None:
             server.shutdown()
         agent.close()

@@ -123,16 +123,20 @@ class Agent:
                     self._record_error("sink", f"{type(sink).__name__}.write_jobs", exc)
         self._jobs_sent.update((r.job_id, r) for r in changed)
 
-    def run(self, interval_s: float, stop: threading.Event) -> None:
-        """Tick every ``interval_s`` seconds on a fixed schedule until ``stop`` is set."""
+    def run(self, interval_s: float, stop: threading.Event, max_ticks: int | None = None) -> None:
+        """Tick every ``interval_s`` seconds on a fixed schedule until ``stop`` is set (or after ``max_ticks``)."""
         if not interval_s > 0:
             raise ValueError(f"agent: interval_s must be positive, got {interval_s!r}")
         next_at = self._monotonic()
+        done = 0
         while not stop.is_set():
             try:
                 self.tick()
             except Exception as exc:  # noqa: BLE001 - a bug in tick itself still must not end the loop
                 self._record_error("internal", "Agent.tick", exc)
+            done += 1
+            if max_ticks is not None and done >= max_ticks:
+                return
             next_at += interval_s
             now = self._monotonic()
             if next_at < now:

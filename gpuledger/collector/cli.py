@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import signal
+import socket
 import ssl
-from enum import StrEnum
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
+from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
 from gpuledger.collector.store import SqliteStore
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
 
 app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
                   no_args_is_help=True)
@@ -27,11 +26,6 @@ DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER
 
 def store_path(data_dir: Path) -> Path:
     return data_dir / DB_NAME
-
-
-class Format(StrEnum):
-    table = "table"
-    json = "json"
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -61,13 +55,22 @@ def serve(
         })
         tls = tls_context(settings.tls_cert, settings.tls_key) if settings.tls_cert and settings.tls_key else None
     except (ConfigError, OSError, ssl.SSLError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     try:
         sinks = settings.sinks()
     except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
+    # Nothing is created before we know it can run: the address must be free and the data dir a directory.
+    try:
+        socket.create_server((settings.host, settings.port)).close()
+    except OSError as e:
+        fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", code=1)
+    if data_dir.exists() and not data_dir.is_dir():
+        fail(f"--data-dir {data_dir} is not a directory")
+    try:
+        private_dir(data_dir)
+    except OSError as e:
+        fail(f"--data-dir {data_dir}: {e.strerror or e}", code=1)
     store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
                         power_caps=settings.power_caps)
@@ -93,39 +96,36 @@ def serve(
             sink.close()
 
 
+USAGE_COLUMNS = (
+    Column("job", "job_id", left=True), Column("host", "host", left=True), Column("GPU", "gpu_uuid", left=True),
+    Column("GPUs", "gpus"), Column("GPU-h", "allocated_gpu_seconds", fixed(3, 1 / 3600)),
+    Column("SM-active GPU-h", "sm_active_gpu_seconds", fixed(3, 1 / 3600)), Column("eff.", "efficiency", percent),
+    Column("mean HBM", "dram_bw_mean", percent), Column("energy kWh", "energy_joules", fixed(3, 1 / 3.6e6)),
+    Column("peak mem GiB", "mem_used_peak_bytes", gib),
+)
+
+
 @app.command()
 def usage(
     data_dir: Path = DataDir,
     job: str | None = typer.Option(None, "--job", help="Only this job id."),
     per_gpu: bool = typer.Option(False, "--per-gpu", help="One row per job and GPU."),
-    fmt: Format = typer.Option(Format.table, "--format", help="table or json."),
+    fmt: Format = typer.Option(Format.table, "--format", help=FORMAT_HELP),
 ) -> None:
     """Print measured job usage from the store."""
     path = store_path(data_dir)
     if not path.exists():
-        typer.echo(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)", err=True)
-        raise typer.Exit(2)
+        fail(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)")
     store = SqliteStore(path)
     try:
         rows = store.job_usage(job, per_gpu=per_gpu)
     finally:
         store.close()
-    if fmt is Format.json:
-        typer.echo(json.dumps([u.to_dict() for u in rows], indent=2))
-        return
-    t = Table(title=f"GPU job usage ({path})")
-    for col in ("job", "host", "GPU", "GPUs", "GPU-h", "SM-active GPU-h", "eff.", "mean HBM", "energy kWh",
-                "peak mem GB"):
-        t.add_column(col, justify="left" if col in ("job", "host", "GPU") else "right")
-    for u in rows:
-        eff = u.efficiency
-        t.add_row(
-            u.job_id, u.host, u.gpu_uuid, str(u.gpus), f"{u.allocated_gpu_seconds / 3600:.3f}",
-            f"{u.sm_active_gpu_seconds / 3600:.3f}", "-" if eff is None else f"{eff:.0%}",
-            "-" if u.dram_bw_mean is None else f"{u.dram_bw_mean:.2f}", f"{u.energy_joules / 3.6e6:.3f}",
-            "-" if u.mem_used_peak_bytes is None else f"{u.mem_used_peak_bytes / 1e9:.1f}",
-        )
-    Console().print(t)
+    if job is not None and not rows:
+        fail(f"job {job}: no measurements in {path}")
+    if not rows:
+        note(f"no measured jobs in {path} yet")
+    emit(fmt, [u.to_dict() for u in rows], USAGE_COLUMNS, title=f"GPU job usage ({path})")
 
 
 # The store's maintenance and query commands (compact, series, totals) sit beside serve and usage.

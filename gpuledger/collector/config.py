@@ -48,7 +48,7 @@ ENV_PREFIX = "GPULEDGER_COLLECTOR_"
 MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 # Settings an environment variable may override (the token tables are files' business, not the environment's).
 ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
-                "tls_cert", "tls_key", "priority_feed")
+                "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token")
 
 
 class ConfigError(ValueError):
@@ -117,12 +117,17 @@ class CollectorSettings(TokenTables):
                          hour_s=self.hour_retention_s or None)
 
     def sinks(self) -> list[Any]:
+        sink = self.influx_sink()
+        return [] if sink is None else [sink]
+
+    def influx_sink(self, **options: Any) -> Any:
+        """The configured InfluxDB sink (None without ``influx_url``); ``options`` tune InfluxSink (retries, ...)."""
         if not self.influx_url:
-            return []
+            return None
         from gpuledger.collector.sinks.influx import InfluxSink
 
-        return [InfluxSink(self.influx_url, self.influx_api, database=self.influx_database, bucket=self.influx_bucket,
-                           org=self.influx_org, token=self.influx_token)]
+        return InfluxSink(self.influx_url, self.influx_api, database=self.influx_database, bucket=self.influx_bucket,
+                          org=self.influx_org, token=self.influx_token, **options)
 
     @model_validator(mode="after")
     def _consistent(self) -> CollectorSettings:

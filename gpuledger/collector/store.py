@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator
+from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator, GpuKey
 from gpuledger.collector.auditlog.files import private_file
 from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger, migrate_v2, needs_migration
 from gpuledger.collector.rollup import RollupPoint
@@ -318,6 +318,10 @@ class SqliteStore:
     def counter_anomalies(self) -> int:
         with self._lock:
             return self.ledger.counter_anomalies()
+    def gpus(self) -> list[GpuKey]:
+        """Every GPU the store holds totals for: (host, GPU UUID, MIG instance or "")."""
+        with self._lock:
+            return [key for key, _ in self.ledger.gpu_totals()]
 
     def series(
         self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,

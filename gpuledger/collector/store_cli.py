@@ -10,6 +10,7 @@ import typer
 
 from gpuledger.collector.series_store import TIER_NAMES
 from gpuledger.collector.store import SqliteStore
+from gpuledger.output import fail, note
 
 app = typer.Typer(help="Maintain and query the embedded store's tiers.", no_args_is_help=True)
 
@@ -21,8 +22,7 @@ DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER
 def _open(data_dir: Path) -> SqliteStore:
     path = data_dir / DB_NAME
     if not path.exists():
-        typer.echo(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)", err=True)
-        raise typer.Exit(2)
+        fail(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)")
     return SqliteStore(path)
 
 
@@ -61,14 +61,22 @@ def series(
     if tier is not None:
         names = {v: k for k, v in TIER_NAMES.items()}
         if tier not in names:
-            raise typer.BadParameter(f"tier must be one of {sorted(names)}")
+            raise typer.BadParameter(f"tier must be one of {sorted(names)}", param_hint="--tier")
         forced = names[tier]
     store = _open(data_dir)
     try:
-        for p in store.series(host, gpu_uuid, start, now if end is None else end, step=step, mig=mig, tier=forced):
-            typer.echo(json.dumps(p.to_dict()))
+        if (host, gpu_uuid, mig or "") not in set(store.gpus()):
+            known = sorted(u for h, u, _ in store.gpus() if h == host)
+            fail(f"no GPU {gpu_uuid}{' MIG ' + mig if mig else ''} on host {host!r} in {store.path}"
+                 + (f"; that host has {', '.join(known)}" if known else "; `gpuledger collector usage --per-gpu` "
+                    "lists the GPUs measured"))
+        points = store.series(host, gpu_uuid, start, now if end is None else end, step=step, mig=mig, tier=forced)
     finally:
         store.close()
+    if not points:
+        note(f"no data for {host} {gpu_uuid} between {start:.0f} and {now if end is None else end:.0f}")
+    for p in points:
+        typer.echo(json.dumps(p.to_dict()))
 
 
 @app.command()

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from gpuledger.dashboards.export import ExportError, export
+from gpuledger.output import fail, note, os_error
 
 app = typer.Typer(help="Grafana dashboards shipped with gpuledger.", no_args_is_help=True)
 
@@ -21,11 +22,9 @@ def export_command(
     try:
         done = export(dest, overwrite=force)
     except ExportError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     except OSError as e:
-        typer.echo(f"error: {e.filename or dest}: {e.strerror}", err=True)
-        raise typer.Exit(1) from None
+        fail(os_error(e) if e.filename is not None else f"{dest}: {os_error(e)}", 1)
     for path in done.written:
         typer.echo(str(path))
-    typer.echo(f"{len(done.written)} written, {len(done.unchanged)} unchanged, in {dest}", err=True)
+    note(f"{len(done.written)} written, {len(done.unchanged)} unchanged, in {dest}")

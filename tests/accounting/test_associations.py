@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,12 +33,43 @@ EXPECTED_REAL = {
 }
 
 
-@pytest.mark.parametrize("name", ["sacctmgr-assoc-P.txt", "sacctmgr-assoc-P-noheader.txt", "sacctmgr-assoc-tree-P.txt"])
+@pytest.mark.parametrize("name", ["sacctmgr-assoc-P.txt", "sacctmgr-assoc-P-noheader.txt", "sacctmgr-assoc-tree-P.txt",
+                                  "sacctmgr-assoc-P-client-format.txt"])
 def test_real_sacctmgr_captures_give_the_documented_tree(name: str) -> None:
     tree = AssocTree.from_sacctmgr(real(name))
     assert set(tree.assocs) == EXPECTED_REAL
     assert tree.assocs[0].key == ("root", None)
     assert tree.get("proj_b", "erin").shares == "parent"  # type: ignore[union-attr]
+
+
+def test_plain_sacctmgr_output_is_recognised_and_the_error_says_what_to_run() -> None:
+    # The default columns of a real 22.05 `sacctmgr -P show associations`: Partition, Share, limits, no ParentName.
+    with pytest.raises(AssociationError) as e:
+        AssocTree.from_sacctmgr(real("sacctmgr-assoc-P-default.txt"))
+    msg = str(e.value)
+    assert "no ParentName column" in msg and "\n" not in msg
+    assert "sacctmgr -P show associations format=cluster,account,parentname,user,share" in msg
+    assert "--associations slurm" in msg
+    # what that command prints on the same cluster is the tree
+    assert set(AssocTree.from_sacctmgr(real("sacctmgr-assoc-P-client-format.txt")).assocs) == EXPECTED_REAL
+
+
+def test_slurm_client_asks_sacctmgr_for_the_columns_a_tree_needs() -> None:
+    """The client's argv, replayed through the ``run=`` seam with the capture that command printed."""
+    import subprocess
+
+    from gpuledger.accounting.slurm import SlurmClient
+
+    want = (REAL / "sacctmgr-assoc-P-client-format.cmd.txt").read_text().split()[1:]
+    calls = []
+
+    def run(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, real("sacctmgr-assoc-P-client-format.txt"), "")
+
+    text = SlurmClient(run=run).associations()
+    assert calls == [want]
+    assert set(AssocTree.from_sacctmgr(text).assocs) == EXPECTED_REAL
 
 
 def test_csv_and_toml_give_the_same_tree_as_sacctmgr() -> None:
@@ -163,3 +196,26 @@ def test_csv_and_sacctmgr_round_trip(assocs: list[Assoc]) -> None:
     expected = set(assocs) | {Assoc("root", None, None, 1)}
     assert set(AssocTree.from_csv("\n".join(csv_lines)).assocs) == expected
     assert set(AssocTree.from_sacctmgr("\n".join(sacct_lines)).assocs) == expected
+
+
+def test_the_config_names_a_tree_file_relative_to_itself(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app
+
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "tree.txt").write_text(real("sacctmgr-assoc-P-client-format.txt"))
+    (tmp_path / "etc" / "g.toml").write_text('[accounting]\nassociations = "tree.txt"\n')
+    usage = tmp_path / "u.csv"
+    usage.write_text("account,user,usage\nproj_a,bob,5\n")
+    r = CliRunner().invoke(app, ["fairshare", "--config", str(tmp_path / "etc" / "g.toml"), "--usage", str(usage),
+                                 "--format", "json", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    import json
+
+    assert {(x["account"], x["user"]) for x in json.loads(r.stdout) if x["user"]} == {
+        (a.account, a.user) for a in EXPECTED_REAL if a.user}
+    (tmp_path / "etc" / "g.toml").write_text("[accounting]\n")
+    r = CliRunner().invoke(app, ["fairshare", "--config", str(tmp_path / "etc" / "g.toml"), "--usage", str(usage),
+                                 "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "no association tree: pass --associations slurm|FILE" in r.stderr

@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from gpuledger.accounting.associations import AssocTree
-from gpuledger.accounting.charge import ChargePolicy, allocation
+from gpuledger.accounting.charge import ChargePolicy, allocated_gpu_seconds, allocation
 from gpuledger.accounting.cli import fairshare_app
 from gpuledger.accounting.config import AccountingSettings, ConfigError, accounting_settings
 from gpuledger.accounting.decay import decayed_usage, last_reset_boundary
@@ -43,15 +43,24 @@ def U(job: str, seconds: float, sm: float = 0.0, energy: float = 0.0, model: str
 
 
 # -- model weights ---------------------------------------------------------------------------------------------
-def test_model_weight_exact_then_longest_pattern_then_mig_fraction():
+def test_model_weight_exact_then_longest_pattern():
     p = ChargePolicy(model_weights={"A10": 0.5, "A100": 2.0, "NVIDIA H200": 3.0, "H200": 1.5})
     assert p.weight("NVIDIA A100-SXM4-80GB") == 2.0  # "A100" (4 chars) beats "A10" (3), whatever the dict order
     assert p.weight("NVIDIA A10") == 0.5
     assert p.weight("NVIDIA H200") == 3.0  # exact name
     assert p.weight("NVIDIA H200 NVL") == 3.0  # longest contained pattern: "NVIDIA H200"
     assert p.weight("Tesla V100") == 1.0
-    # a MIG 3g slice of an A100: weight 2.0 x 3/7 of the GPU
-    assert p.weight("NVIDIA A100-SXM4-80GB MIG 3g.40gb") == pytest.approx(2.0 * 3 / 7)
+    # a MIG 3g slice of an A100 weighs as an A100: its GPU-seconds are already 3/7 of the GPU's (never twice)
+    assert p.weight("NVIDIA A100-SXM4-80GB MIG 3g.40gb") == 2.0
+
+
+def test_mig_slice_counted_once_on_both_sides_of_the_frame():
+    # Slurm allocates one 3g.40gb slice for 700 s: 300 physical-GPU-seconds, the unit the aggregation uses for
+    # a MIG instance's samples; a fully measured slice then has coverage 1, and weight 2.0 applies once.
+    r = JobRecord("9", start=T0, end=T0 + 700, state="COMPLETED", gpus=1,
+                  tres=(("gres/gpu", 1.0), ("gres/gpu:3g.40gb", 1.0)))
+    assert allocation(r, T0 + 10_000) == {"3g.40gb": pytest.approx(300.0)}
+    assert allocated_gpu_seconds(r, T0 + 10_000) == pytest.approx(300.0)
 
 
 # -- allocation frame ------------------------------------------------------------------------------------------

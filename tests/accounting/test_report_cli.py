@@ -107,7 +107,11 @@ def test_other_formats_and_groupings(data_dir):
     assert doc["rows"][0]["group"] == "n1" and doc["total"]["jobs"] == 2
     assert doc["total"]["co2e_kg"] == pytest.approx(0.4 * 1.08)
     r = run("report", "usage", "--data-dir", data_dir, "--by", "user", "--format", "html", "-o", data_dir / "r.html")
-    assert r.exit_code == 0 and "unsigned" in r.output and "<svg" in (data_dir / "r.html").read_text()
+    html = (data_dir / "r.html").read_text()
+    assert r.exit_code == 0 and "unsigned" in r.output and "<svg" in html
+    assert "user names: shown as recorded" in html and "pseudonymized: False" not in html
+    r = run("report", "usage", "--data-dir", data_dir, "--format", "html", "--pseudonymize", "-o", data_dir / "p.html")
+    assert r.exit_code == 0 and "user names: pseudonymized" in (data_dir / "p.html").read_text()
     assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0
     r = run("report", "usage", "--data-dir", data_dir, "--format", "html", "-o", data_dir / "all.html")  # no period
     assert r.exit_code == 0 and "signed manifest" in r.output, r.output

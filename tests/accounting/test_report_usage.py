@@ -114,6 +114,28 @@ def test_parse_period_errors_name_the_input():
         parse_period("2026-10", start="2026-10-01")
 
 
+
+@pytest.mark.parametrize("text, start, end", [
+    ("2026-11", T(2026, 11, 1), T(2026, 12, 1)),
+    ("2026-11-03..2026-11-05", T(2026, 11, 3), T(2026, 11, 6)),  # both days included
+    ("2026-11-05..2026-11-05", T(2026, 11, 5), T(2026, 11, 6)),
+    ("last-30d", T(2026, 11, 30) - 30 * 86400, T(2026, 11, 30)),
+    ("2026", T(2026, 1, 1), T(2027, 1, 1)),
+])
+def test_period_forms(text, start, end):
+    p = parse_period(text, now=T(2026, 11, 30))
+    assert (p.start, p.end, p.label) == (start, end, text)
+
+
+@pytest.mark.parametrize("text", ["26-11", "2026-1", "2026-11-5", "202611", "2026-11-31", "1969-12",
+                                  "2026-11-05..2026-11-03", "2026-11..2026-12", "last-0d", "last-30", "last-d",
+                                  "", "2026-11-01..", "nov"])
+def test_bad_periods_are_refused_naming_them(text):
+    with pytest.raises(ReportError, match="period ") as e:
+        parse_period(text, now=T(2026, 11, 30))
+    assert repr(text) in str(e.value) and "\n" not in str(e.value)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.floats(0, 1e7), st.floats(0, 1), st.floats(0, 1e9)),
                 min_size=1, max_size=40))

@@ -203,8 +203,14 @@ def test_bad_json_input_names_position_and_job() -> None:
         parse_sacct_json('{"jobs": [\n}')
     with pytest.raises(SlurmParseError, match="'jobs' list"):
         parse_sacct_json('{"meta": {}}')
+    ok = '{"job_id": 1, "user": "a", "state": {"current": "COMPLETED"}, "time": {}}'
     with pytest.raises(SlurmParseError, match=r"jobs\[1\]: job_id 'x' is not an integer"):
-        parse_sacct_json('{"jobs": [{"job_id": 1}, {"job_id": "x"}]}')
+        parse_sacct_json(f'{{"jobs": [{ok}, {{"job_id": "x"}}]}}')
+    # a job with nothing but an id is not sacct output: refused, not imported as a blank job
+    with pytest.raises(SlurmParseError,
+                       match=r"job 1 \(jobs\[0\]\): no 'user', 'state', 'time'; expected `sacct --json`"):
+        parse_sacct_json('{"jobs": [{"job_id": 1}]}')
+    assert [r.user for r in parse_sacct_json(f'{{"jobs": [{ok}]}}')] == ["a"]
 
 
 # ------------------------------------------------------------------------------ live mode through the run seam

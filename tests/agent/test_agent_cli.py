@@ -63,14 +63,17 @@ def test_once_nvml_unavailable_exits_2() -> None:
 
 
 def test_sources_reports_why() -> None:
-    result = runner.invoke(app, ["sources"])
+    result = runner.invoke(app, ["sources", "--format", "json"])
     assert result.exit_code == 0, result.output
-    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") >= 3}
-    assert "yes" in rows["simulated"]
-    assert "--url" in rows["dcgm-exporter"]
-    assert "no" in rows["dcgm"] and "bindings" in result.stdout
+    rows = {r["source"]: r for r in json.loads(result.stdout)}
+    assert rows["simulated"]["works"] is True
+    assert "--url" in rows["dcgm-exporter"]["why_not"]
+    assert rows["dcgm"]["works"] is False and "bindings" in rows["dcgm"]["why_not"]
     if not _driver_present():
-        assert "no" in rows["nvml"] and "nvmlInit failed" in rows["nvml"]
+        assert rows["nvml"]["works"] is False and "nvmlInit failed" in rows["nvml"]["why_not"]
+    table = runner.invoke(app, ["sources"])  # in a pipe: plain text, every reason whole on its row
+    lines = {ln.split()[0]: ln for ln in table.stdout.splitlines()[2:] if ln.strip()}
+    assert lines["simulated"].split()[1] == "yes" and rows["dcgm"]["why_not"] in lines["dcgm"]
 
 
 
@@ -101,7 +104,45 @@ def test_run_pushes_to_collector_and_stops() -> None:
         collector.shutdown()
         collector.server_close()
     assert result.exit_code == 0, result.output
-    assert "serving /metrics on 127.0.0.1:" in result.output and "stopped after" in result.output
-    assert len(received) >= 2
+    assert "serving /metrics on 0.0.0.0:" in result.output  # the default: a central Prometheus can scrape it
+    assert "stopped after 4 cycle(s)" in result.output  # 0.35 s at 0.1 s: cycles at 0, 0.1, 0.2, 0.3
+    assert len(received) == 4
     batch = msgpack.unpackb(received[0])  # the agent's default wire: msgpack, complete columns as raw bytes
     assert batch["host"] == "h7" and batch["agent_id"] == "h7" and len(from_series(batch["series"], "h7")) == 2
+
+
+def test_run_duration_counts_cycles_not_wall_time() -> None:
+    # --duration 0.6 at --interval 0.1 is 6 cycles (0.0 .. 0.5), never a 7th at 0.6
+    result = runner.invoke(app, ["run", "--source", "simulated", "--gpus", "1", "--metrics-port", "0",
+                                 "--metrics-addr", "127.0.0.1", "--interval", "0.1", "--duration", "0.6"])
+    assert result.exit_code == 0, result.output
+    assert "serving /metrics on 127.0.0.1:" in result.output
+    assert "stopped after 6 cycle(s)" in result.output
+
+
+def test_once_simulated_load_mixed_has_busy_gpus_and_jobs() -> None:
+    result = runner.invoke(app, ["once", "--source", "simulated", "--load", "mixed", "--gpus", "8", "--host", "n1"])
+    assert result.exit_code == 0, result.output
+    samples = [GpuSample.from_dict(d) for d in json.loads(result.stdout)]
+    jobs = [s.job_ids for s in samples]
+    # two 2-GPU training jobs, two inference jobs, an allocated-idle GPU, a stalling loader: six distinct jobs
+    assert jobs[0] == jobs[1] and jobs[4] == jobs[5] and jobs[0] != jobs[4]
+    assert len(set(jobs)) == 6 and all(len(j) == 1 for j in jobs)
+    assert all(s.sm_active_ratio > 0.8 for s in samples[:2] + samples[4:6])  # training
+    assert all(s.dram_bw_ratio > 0.6 for s in (samples[2], samples[6]))  # memory-bound inference
+    assert samples[3].sm_active_ratio == 0.0 and samples[3].mem_used_bytes > 0  # allocated but idle
+    again = runner.invoke(app, ["once", "--source", "simulated", "--load", "mixed", "--gpus", "8", "--host", "n1"])
+    assert [s["job_ids"] for s in json.loads(again.stdout)] == [list(j) for j in jobs]  # stable per host
+
+
+def test_load_refused_for_unknown_name_and_other_sources() -> None:
+    bad = runner.invoke(app, ["once", "--source", "simulated", "--load", "busy"])
+    assert bad.exit_code == 2 and "unknown load 'busy'" in bad.output
+    other = runner.invoke(app, ["once", "--source", "dcgm-exporter", "--url", "http://127.0.0.1:1/metrics",
+                                "--load", "training"])
+    assert other.exit_code == 2 and "only the simulated source" in other.output
+
+
+def test_default_load_leaves_gpus_free() -> None:
+    result = runner.invoke(app, ["once", "--source", "simulated", "--gpus", "2"])
+    assert all(d["sm_active_ratio"] == 0.0 and d["job_ids"] == [] for d in json.loads(result.stdout))

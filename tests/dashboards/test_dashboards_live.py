@@ -18,16 +18,16 @@ import pytest
 from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
 from dashboards_grafana import ROOT, Context, interpolate, load, query_variables, targets  # first: sys.path
 from servers import InfluxServer, PrometheusServer
+from typer.testing import CliRunner
 
-from gpuledger.accounting.cli import fairshare_rows, feed_from_rows
-from gpuledger.accounting.priority import write_feed
 from gpuledger.agent.push import HttpPusher
+from gpuledger.cli import app
 from gpuledger.collector.server import FEED_NAME, CollectorServer
-from gpuledger.collector.sinks.influx import InfluxSink, fairshare_lines
+from gpuledger.collector.sinks.influx import InfluxSink
 from gpuledger.collector.store import SqliteStore
 from gpuledger.dashboards import influxdb_defs, lint, prometheus_defs
 from gpuledger.dashboards.schema import INFLUX_SCHEMA
-from gpuledger.demo import STORE_NAME, run_demo
+from gpuledger.demo import CONFIG_NAME, STORE_NAME, run_demo
 
 pytestmark = [pytest.mark.influx, pytest.mark.timeout(180)]
 
@@ -52,16 +52,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         sink = InfluxSink(influx.url, api="v1", database=influx.db, flush_interval_s=0.2)
         es.callback(sink.close)
         data = tmp / "data"
-        demo = run_demo(data, nodes=2, gpus_per_node=4, hours=0.2, step_s=10, seed=0, extra_sinks=[EnrichingSink(sink)])
+        demo = run_demo(data, nodes=2, gpus_per_node=4, hours=0.2, step_s=10, seed=0, extra_sinks=[EnrichingSink(sink)],
+                        end=time.time())  # in the panels' last-15-minutes window
+        # The accounting measurements come from the product's own commands, configured like a site would.
+        with (data / CONFIG_NAME).open("a") as f:
+            f.write(f'\n[collector]\ninflux_url = "{influx.url}"\ninflux_api = "v1"\ninflux_database = "{influx.db}"\n')
+        for argv in (["report", "usage", "--influx"], ["priority", "feed"]):
+            r = CliRunner().invoke(app, [*argv, "--data-dir", str(data)])
+            assert r.exit_code == 0 and "written to InfluxDB" in r.stderr, r.output
         store = SqliteStore(data / STORE_NAME)
         es.callback(store.close)
-        jobs = {j.job_id: j for j in store.jobs()}
-        sink.write_job_usage(list(demo.usage.values()), jobs)
-        now = time.time()
-        rows, settings = fairshare_rows(data, None, None, now=now)
-        feed = feed_from_rows(rows, settings, now)
-        write_feed(data / FEED_NAME, feed)
-        sink.write_lines(fairshare_lines(feed["associations"], now - 60) + fairshare_lines(feed["associations"], now))
 
         collector = CollectorServer(store, priority_feed=data / FEED_NAME).start()
         es.callback(collector.stop)

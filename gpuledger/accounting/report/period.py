@@ -9,6 +9,8 @@ boundary lands in the month it ended (no proration). Times are UTC.
 from __future__ import annotations
 
 import math
+import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,28 +57,62 @@ def parse_time(text: str, what: str = "time") -> float:
     return dt.timestamp()
 
 
-def parse_period(period: str | None = None, start: str | None = None, end: str | None = None) -> Period:
-    """``period`` as ``YYYY``, ``YYYY-MM`` or ``YYYY-MM-DD`` (UTC), or ``start``/``end`` (end exclusive)."""
+PERIOD_FORMS = "YYYY-MM, YYYY-MM-DD..YYYY-MM-DD (both days included), last-30d (or YYYY, YYYY-MM-DD)"
+_PERIOD = re.compile(r"(?P<y>\d{4})(?:-(?P<m>\d{2})(?:-(?P<d>\d{2}))?)?")
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+_LAST = re.compile(r"last-(?P<n>[1-9]\d{0,4})d")
+_DAY_S = 86400.0
+
+
+def _utc(dt: datetime) -> float:
+    return dt.replace(tzinfo=UTC).timestamp()
+
+
+def _day(text: str, period: str) -> datetime:
+    if not _DAY.fullmatch(text):
+        raise ReportError(f"period {period!r}: {text!r} is not a YYYY-MM-DD day")
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise ReportError(f"period {period!r}: {text!r} is not a day of the calendar") from None
+
+
+def parse_period(period: str | None = None, start: str | None = None, end: str | None = None,
+                 now: float | None = None) -> Period:
+    """``period`` (see ``PERIOD_FORMS``; UTC, whole days; ``last-Nd`` ends at ``now``), or ``start``/``end`` (end
+    exclusive)."""
     if period is not None:
         if start is not None or end is not None:
             raise ReportError("give either --period or --from/--to, not both")
-        parts = period.strip().split("-")
+        text = period.strip()
+        label = text
+        if (m := _LAST.fullmatch(text)) is not None:
+            until = time.time() if now is None else now
+            return Period(until - int(m["n"]) * _DAY_S, until, label)
+        if ".." in text:
+            first, _, last = text.partition("..")
+            a, z = _day(first, text), _day(last, text)
+            if z < a:
+                raise ReportError(f"period {period!r}: {last} is before {first}")
+            return Period(_utc(a), _utc(z) + _DAY_S, label)
+        m = _PERIOD.fullmatch(text)
+        if m is None or int(m["y"]) < 1970:
+            raise ReportError(f"period {period!r}: expected {PERIOD_FORMS}")
+        y, mo, d = int(m["y"]), m["m"], m["d"]
         try:
-            nums = [int(p) for p in parts]
-            if len(nums) == 1:
-                a, b = datetime(nums[0], 1, 1), datetime(nums[0] + 1, 1, 1)
-            elif len(nums) == 2:
-                y, m = nums
-                a, b = datetime(y, m, 1), datetime(y + (m == 12), m % 12 + 1, 1)
-            elif len(nums) == 3:
-                a = datetime(nums[0], nums[1], nums[2])
-                b = datetime.fromordinal(a.toordinal() + 1)
+            if mo is None:
+                a, b = datetime(y, 1, 1), datetime(y + 1, 1, 1)
+            elif d is None:
+                mm = int(mo)
+                a, b = datetime(y, mm, 1), datetime(y + (mm == 12), mm % 12 + 1, 1)
             else:
-                raise ValueError
+                a = datetime(y, int(mo), int(d))
+                b = datetime.fromordinal(a.toordinal() + 1)
         except ValueError:
-            raise ReportError(f"period {period!r}: expected YYYY, YYYY-MM or YYYY-MM-DD") from None
-        utc = UTC
-        return Period(a.replace(tzinfo=utc).timestamp(), b.replace(tzinfo=utc).timestamp(), period.strip())
+            raise ReportError(f"period {period!r}: not a month or day of the calendar") from None
+        return Period(_utc(a), _utc(b), label)
+    if start is None and end is None:
+        return ALL_TIME
     since = parse_time(start, "--from") if start is not None else -math.inf
     until = parse_time(end, "--to") if end is not None else math.inf
     if not since < until:

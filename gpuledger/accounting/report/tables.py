@@ -50,15 +50,26 @@ def fmt_optional(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+LEFT = ("Job", "User", "Account")  # text columns; the rest are numbers, right-aligned
+
+
 def rich_table(title: str, columns: Columns, rows: Sequence[Any]) -> Table:
     from rich.table import Table
 
     t = Table(title=title)
     for name, _ in columns:
-        t.add_column(name, justify="left" if name in ("Job", "User", "Account") else "right")
+        t.add_column(name, justify="left" if name in LEFT else "right")
     for r in rows:
         t.add_row(*(f(r) for _, f in columns))
     return t
+
+
+def show(title: str, columns: Columns, rows: Sequence[Any]) -> None:
+    """Print rows for people (gpuledger.output.print_table: rich on a terminal, plain text in a pipe)."""
+    from gpuledger.output import print_table
+
+    print_table(title, [name for name, _ in columns], [[f(r) for _, f in columns] for r in rows],
+                [name in LEFT for name, _ in columns])
 
 
 def plain_table(columns: Columns, rows: Sequence[Any]) -> str:

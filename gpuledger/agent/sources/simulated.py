@@ -9,6 +9,7 @@ collector computes against what "really" happened.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import random
 import threading
@@ -60,6 +61,40 @@ PROFILES: dict[str, Profile] = {
 # A free GPU (no job): nothing runs and no memory is held.
 _FREE = Profile("free", Levels(0.0, 0.0, 0.0, 0.0, 0.0, 0.0), noise=0.0)
 
+# Node loads for `agent run|once --source simulated --load NAME`: each GPU's profile (None = free), the pattern
+# repeated over the node's GPUs. Neighbouring GPUs with the same profile form one job, as on a real node.
+# "mixed" is the demo's mix on one node, so that even 4 GPUs show it: per 8 GPUs a 2-GPU training job, inference,
+# an allocated-but-idle GPU, another 2-GPU training job, inference, and training whose data loader stalls.
+LOADS: dict[str, tuple[str | None, ...]] = {
+    "free": (None,),
+    "training": ("training",),
+    "inference": ("inference",),
+    "dataloader-stall": ("dataloader-stall",),
+    "idle": ("idle",),
+    "mixed": ("training", "training", "inference", "idle", "training", "training", "inference", "dataloader-stall"),
+}
+
+
+def load_plan(load: str, host: str, gpus: int) -> dict[int, tuple[str, str]]:
+    """GPU index -> (profile, job id) for a named load; free GPUs are absent. Job ids are numeric and stable for
+    a host (so reruns of a hand-run pipeline charge the same jobs), consecutive within the node."""
+    try:
+        pattern = LOADS[load]
+    except KeyError:
+        raise ValueError(f"simulated source: unknown load {load!r}; known: {', '.join(LOADS)}") from None
+    profiles = list(itertools.islice(itertools.cycle(pattern), gpus))
+    base = 100_000 + int(hashlib.sha1(host.encode()).hexdigest()[:8], 16) % 800_000 * 10
+    plan: dict[int, tuple[str, str]] = {}
+    job = 0
+    for i, p in enumerate(profiles):
+        if p is None:
+            continue
+        # One job for a run of one profile, but an allocated-idle GPU is always its own job.
+        if i == 0 or profiles[i - 1] != p or p == "idle" or i % len(pattern) == 0:
+            job += 1
+        plan[i] = (p, str(base + job))
+    return plan
+
 # Power weights of each activity: f = sum(w * level), clipped to 0..1, power = idle + (tdp - idle) * f.
 # Chosen so training lands near 90 % of TDP and inference mid-range, as on real Hopper parts.
 _W_SM, _W_DRAM, _W_TENSOR = 0.55, 0.35, 0.40
@@ -101,20 +136,24 @@ def _clip(x: float, lo: float = 0.0, hi: float = 1.0) -> float:
 
 
 class _Gpu:
-    __slots__ = ("index", "uuid", "profile", "rng", "stall_offset", "last_ts", "energy", "truth_energy", "truth_sm")
+    __slots__ = ("index", "uuid", "profile", "rng", "stall_offset", "last_ts", "energy", "truth_energy", "truth_sm",
+                 "job_ids", "anchor")
 
     def __init__(self, index: int, uuid: str, profile: Profile, rng: random.Random) -> None:
         self.index = index
         self.uuid = uuid
         self.profile = profile
         self.rng = rng
-        # Stall phases differ per GPU so a node's GPUs do not stall in lockstep.
+        # Stall phases differ per GPU so a node's GPUs do not stall in lockstep; they count from the GPU's first
+        # sample (``anchor``), not from the epoch, so a seed gives the same numbers whatever the wall clock says.
         self.stall_offset = rng.uniform(0.0, 90.0)
+        self.anchor: float | None = None
         self.last_ts: float | None = None
         # A realistic counter: some megajoules accumulated since the driver loaded.
         self.energy = rng.uniform(1e6, 50e6)
         self.truth_energy = 0.0
         self.truth_sm = 0.0
+        self.job_ids: tuple[str, ...] = ()
 
 
 class SimulatedSource:
@@ -133,7 +172,10 @@ class SimulatedSource:
         idle_watts: float = 75.0,
         mem_total_bytes: int = 141_000_000_000,
         profiles: Mapping[int, str | Profile | None] | None = None,
+        load: str | None = None,
     ) -> None:
+        """``profiles`` sets GPUs' workloads (no job ids: a mapper or the caller names the jobs); ``load`` names a
+        whole node's mix from :data:`LOADS`, and then the samples carry simulated job ids as well."""
         if not isinstance(gpus, int) or gpus < 0:
             raise ValueError(f"simulated source: gpus must be a non-negative integer, got {gpus!r}")
         if not (0.0 <= idle_watts < tdp_watts):
@@ -153,6 +195,9 @@ class SimulatedSource:
         self._gpus = [
             _Gpu(i, gpu_uuid_for(host, i), _FREE, random.Random(f"{seed}/{host}/{i}")) for i in range(gpus)
         ]
+        for index, (planned, job_id) in (load_plan(load, host, gpus) if load else {}).items():
+            self.set_profile(index, planned)
+            self._gpus[index].job_ids = (job_id,)
         for index, profile in (profiles or {}).items():
             self.set_profile(index, profile)
 
@@ -216,14 +261,17 @@ class SimulatedSource:
         # A clock that steps back yields a zero-length interval, never negative energy.
         start = now if g.last_ts is None or now < g.last_ts else g.last_ts
         dt = now - start
+        if g.anchor is None:
+            g.anchor = now
         p = g.profile
         levels = p.busy
         if p.stall is not None:
+            offset = g.anchor + g.stall_offset
             if dt > 0:
-                stalled = _stalled_time(p, g.stall_offset, now) - _stalled_time(p, g.stall_offset, start)
+                stalled = _stalled_time(p, offset, now) - _stalled_time(p, offset, start)
                 frac = _clip(stalled / dt)
             else:
-                frac = 1.0 if (now - g.stall_offset) % p.period_s < p.stall_s else 0.0
+                frac = 1.0 if (now - offset) % p.period_s < p.stall_s else 0.0
             levels = _blend(p.busy, p.stall, frac)
 
         rng = g.rng
@@ -280,5 +328,6 @@ class SimulatedSource:
             throttle_reasons=_THROTTLE_IDLE if util == 0.0 else (_THROTTLE_SW_POWER_CAP if power > 0.97 * self.tdp_watts else 0),
             ecc_errors_total=0,
             remapped_rows_total=0,
+            job_ids=g.job_ids,
             source=self.name,
         )

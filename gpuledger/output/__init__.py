@@ -1,0 +1,147 @@
+"""How commands print, in one place: ``--format table|json|csv``; tables for people, JSON and CSV for machines.
+
+- Tables: a rich table on a terminal; in a pipe or file the same table as plain fixed-width text, never truncated
+  and never wrapped (UUIDs and paths stay whole). Units for people: GiB, kWh, W, percentages.
+- JSON and CSV: the records' own fields in SI base units, ratios as 0..1 (what ``gpuledger.schema`` carries).
+
+Imports nothing of ours, so every part's command-line module can use it (like ``gpuledger.schema``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, NoReturn
+
+FORMAT_HELP = "table for people; json or csv for machines (SI units, ratios 0..1)"
+
+
+class Format(StrEnum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+def is_terminal(stream: Any = None) -> bool:
+    stream = sys.stdout if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich Console that never truncates: the terminal's width on a terminal, unbounded in a pipe."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    if is_terminal(stream):
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=1_000_000, no_color=True, highlight=False, soft_wrap=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column: its header for people (with the unit), the record key for JSON/CSV, and how a value reads in
+    the table (``cell``; "-" for None)."""
+
+    header: str
+    key: str
+    cell: Callable[[Any], str] = str
+    left: bool = False
+
+
+def percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.0f}%"
+
+
+def gib(n_bytes: float | None) -> str:
+    return "-" if n_bytes is None else f"{n_bytes / 2**30:.1f}"
+
+
+def fixed(digits: int, scale: float = 1.0) -> Callable[[float | None], str]:
+    return lambda v: "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[bool]) -> str:
+    """Fixed-width text: columns as wide as their widest cell, text left and numbers right."""
+    cells = [list(headers)] + [list(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
+    out = []
+    for line in cells:
+        out.append("  ".join(c.ljust(w) if lf else c.rjust(w) for c, w, lf in zip(line, widths, left)).rstrip())
+    return "\n".join(out) + "\n"
+
+
+def _cells(columns: Sequence[Column], record: Mapping[str, Any]) -> list[str]:
+    return ["-" if record.get(c.key) is None else c.cell(record.get(c.key)) for c in columns]
+
+
+def to_csv(columns: Sequence[Column] | None, records: Sequence[Mapping[str, Any]]) -> str:
+    """CSV with the records' keys as header (``columns`` chooses and orders them; all keys without)."""
+    keys = [c.key for c in columns] if columns else (list(records[0]) if records else [])
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in records:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+    return buf.getvalue()
+
+
+def print_table(title: str | None, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                left: Sequence[bool]) -> None:
+    """Cells already formatted for people: a rich table on a terminal, fixed-width text in a pipe or a file."""
+    if is_terminal():
+        from rich.table import Table
+
+        t = Table(title=title)
+        for h, lf in zip(headers, left):
+            t.add_column(h, justify="left" if lf else "right")
+        for r in rows:
+            t.add_row(*r)
+        console().print(t)
+    else:
+        sys.stdout.write((f"{title}\n\n" if title else "") + plain_table(headers, rows, left))
+
+
+def emit(fmt: Format, records: Sequence[Mapping[str, Any]], columns: Sequence[Column], title: str | None = None,
+         json_doc: Any = None) -> None:
+    """Print ``records`` as ``fmt``: a table of ``columns``; JSON of the whole records (or ``json_doc``); CSV of the
+    columns' keys."""
+    if fmt is Format.json:
+        sys.stdout.write(json.dumps(records if json_doc is None else json_doc, indent=2) + "\n")
+    elif fmt is Format.csv:
+        sys.stdout.write(to_csv(columns, records))
+    else:
+        print_table(title, [c.header for c in columns], [_cells(columns, r) for r in records],
+                    [c.left for c in columns])
+
+
+def error(message: str) -> None:
+    """``error: <message>`` on stderr as one line, whatever line breaks the message holds."""
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """End a command: :func:`error`, then exit 2 (bad input) or 1 (a failure)."""
+    import typer
+
+    error(message)
+    raise typer.Exit(code)
+
+
+def os_error(exc: OSError) -> str:
+    """``PATH: No such file or directory`` rather than Python's ``[Errno 2] ...: 'PATH'``."""
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return exc.strerror or str(exc)
+
+
+def note(message: str) -> None:
+    """A remark for people on stderr (an empty period, where a file went), never mixed into the data on stdout."""
+    sys.stderr.write(" ".join(str(message).split()) + "\n")

@@ -1,0 +1,192 @@
+"""Every command as an operator meets it through the `gpuledger` entry point (gpuledger.cli.run, what the script
+runs): a bad flag, a missing file or directory, an unknown id, and output into a pipe. Errors are exactly one
+line on stderr (`error: ...`), exit 2 for bad input and 1 for a failure, never a traceback; tables in a pipe are
+whole (no `…`, full UUIDs)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import typer
+
+from gpuledger.cli import app, run
+from gpuledger.demo import run_demo
+
+
+def leaf_commands() -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+
+    def walk(cmd, path: tuple[str, ...]) -> None:
+        subs = getattr(cmd, "commands", None)
+        if subs:
+            for name, sub in subs.items():
+                walk(sub, path + (name,))
+        if not subs or getattr(cmd, "invoke_without_command", False):
+            out.append(path)
+
+    walk(typer.main.get_command(app), ())
+    return sorted(set(out))
+
+
+COMMANDS = leaf_commands()
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("cli") / "data"
+    run_demo(d, nodes=1, gpus_per_node=4, hours=0.1, step_s=10, seed=4)
+    return d
+
+
+def call(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = run([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, out + err
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_the_walk_finds_every_command() -> None:
+    assert {("demo",), ("agent", "run"), ("collector", "serve"), ("fairshare",), ("priority", "feed"),
+            ("report", "usage"), ("jobs", "import"), ("audit", "verify")} <= set(COMMANDS)
+    assert len(COMMANDS) >= 22
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
+def test_bad_flag_is_one_line_exit_2(capsys, path: tuple[str, ...]) -> None:
+    code, out, err = call(capsys, *path, "--no-such-flag")
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert "No such option: --no-such-flag" in line and f"gpuledger {' '.join(path)}" in line
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
+def test_bad_value_is_one_line_exit_2(capsys, path: tuple[str, ...]) -> None:
+    # --format yaml where a command has --format, else --data-dir without its value
+    code, out, err = call(capsys, *path, "--format", "yaml") if path not in NO_FORMAT else call(
+        capsys, *path, "--data-dir")
+    assert code == 2 and out == ""
+    one_error_line(err)
+
+
+# Commands without --format take a value-less --data-dir as their bad value instead.
+NO_FORMAT = {("agent", "run"), ("collector", "serve"), ("collector", "series"), ("collector", "totals"),
+             ("collector", "compact"), ("jobs", "import"), ("priority", "apply"), ("audit", "verify"),
+             ("audit", "record"), ("audit", "retention"), ("audit", "keygen"), ("demo",),
+             ("dashboards", "export"), ("priority", "watch")}
+
+
+def missing_cases(tmp: Path) -> list[tuple[tuple[str, ...], int, str]]:
+    nowhere = tmp / "nowhere"
+    return [
+        (("collector", "usage", "--data-dir", nowhere), 2, "no store at"),
+        (("collector", "totals", "--data-dir", nowhere), 2, "no store at"),
+        (("collector", "compact", "--data-dir", nowhere), 2, "no store at"),
+        (("collector", "series", "h", "u", "--start", "-60", "--data-dir", nowhere), 2, "no store at"),
+        (("collector", "serve", "--data-dir", tmp, "--config", nowhere / "c.toml", "--port", "0"), 2, "not found"),
+        (("jobs", "list", "--data-dir", nowhere), 2, "no gpuledger store"),
+        (("jobs", "import", "--data-dir", tmp, "--sacct-json", nowhere / "s.json"), 2,
+         f"{nowhere / 's.json'}: No such file or directory"),
+        (("fairshare", "--data-dir", tmp, "--associations", nowhere / "a.txt", "--usage", nowhere / "u.csv"), 2,
+         "No such file or directory"),
+        (("fairshare", "--data-dir", tmp, "--config", nowhere / "c.toml"), 2, "configuration file not found"),
+        (("priority", "feed", "--data-dir", nowhere), 2, "no association tree"),
+        (("report", "usage", "--data-dir", nowhere), 2, "no gpuledger store"),
+        (("report", "jobs", "--data-dir", nowhere), 2, "no gpuledger store"),
+        (("report", "idle", "--data-dir", nowhere), 2, "no gpuledger store"),
+        (("report", "job", "1", "--data-dir", nowhere), 2, "no gpuledger store"),
+        (("agent", "run", "--source", "simulated", "--metrics-port", "0", "--duration", "1", "--collector",
+          "http://127.0.0.1:1/api/v1/samples", "--token-file", nowhere / "token"), 2, "--token-file"),
+        (("demo", "--data-dir", Path(__file__)), 2, "is not a directory"),
+        (("dashboards", "export", Path(__file__)), 2, f"{Path(__file__)}: exists and is not a directory"),
+    ]
+
+
+def test_missing_files_and_dirs_are_one_line_and_create_nothing(capsys, tmp_path: Path) -> None:
+    for argv, want_code, needle in missing_cases(tmp_path):
+        code, out, err = call(capsys, *argv)
+        assert code == want_code, (argv, out, err)
+        assert needle in one_error_line(err), (argv, err)
+        assert not (tmp_path / "nowhere").exists(), argv  # nothing created on the way to the error
+    assert not (tmp_path / "gpuledger.sqlite").exists()
+
+
+def test_unknown_ids_say_so_and_exit_2(capsys, demo_dir: Path) -> None:
+    d = ("--data-dir", demo_dir)
+    for argv, needle in [
+        (("collector", "usage", "--job", "99999", *d), "job 99999: no measurements"),
+        (("collector", "series", "node01", "GPU-00000000-0000-0000-0000-000000000000", "--start", "-600", *d),
+         "no GPU GPU-00000000-0000-0000-0000-000000000000 on host 'node01'"),
+        (("collector", "series", "node09", "GPU-x", "--start", "-600", *d), "no GPU GPU-x on host 'node09'"),
+        (("report", "job", "99999", *d), "job 99999"),
+    ]:
+        code, out, err = call(capsys, *argv)
+        assert code == 2 and out == "" and needle in one_error_line(err), (argv, err)
+
+
+def test_bad_periods_and_empty_periods(capsys, demo_dir: Path) -> None:
+    code, out, err = call(capsys, "report", "usage", "--data-dir", demo_dir, "--period", "26-11")
+    assert code == 2 and "period '26-11'" in one_error_line(err)
+    code, out, err = call(capsys, "report", "usage", "--data-dir", demo_dir, "--period", "2001-01", "--format", "json")
+    assert code == 0 and json.loads(out)["total"]["jobs"] == 0
+    assert err.startswith("note: no job ended in period 2001-01") and err.count("\n") == 1
+
+
+def test_a_blank_sacct_job_is_refused(capsys, tmp_path: Path) -> None:
+    f = tmp_path / "s.json"
+    f.write_text('{"jobs":[{"job_id":1}]}')
+    code, out, err = call(capsys, "jobs", "import", "--data-dir", tmp_path / "d", "--sacct-json", f)
+    assert code == 2 and "expected `sacct --json` output" in one_error_line(err)
+    assert not (tmp_path / "d").exists()
+
+
+TABLES = [
+    ("collector", "usage", "--per-gpu"), ("jobs", "list"), ("fairshare",), ("priority", "feed"),
+    ("report", "usage", "--by", "node"), ("report", "jobs"), ("report", "idle"),
+]
+
+
+@pytest.mark.parametrize("argv", TABLES, ids=" ".join)
+@pytest.mark.parametrize("fmt", ["table", "json", "csv"])
+def test_tables_in_a_pipe_are_whole_and_every_format_is_honoured(capsys, demo_dir: Path, argv, fmt) -> None:
+    code, out, err = call(capsys, *argv, "--data-dir", demo_dir, "--format", fmt)
+    assert code == 0, err
+    assert "…" not in out and out.strip()
+    if fmt == "json":
+        json.loads(out)
+    elif fmt == "csv":
+        header = out.splitlines()[0]
+        assert "," in header and " " not in header.replace("GPU ", "")
+    if argv[:2] == ("collector", "usage"):
+        uuids = re.findall(r"GPU-[0-9a-f]{8}-[0-9a-f-]*", out)
+        assert len(uuids) >= 4 and all(len(u) == 40 for u in uuids)  # whole: GPU- and 36 characters
+
+
+def test_help_keeps_bracketed_text(capsys) -> None:
+    code, out, _ = call(capsys, "collector", "serve", "--help")
+    assert code == 0 and "[collector] table" in out and "[default: 8470]" in out and "[tokens]" in out
+
+
+def test_ports_in_use_fail_in_one_line_exit_1_and_create_nothing(capsys, tmp_path: Path) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        code, out, err = call(capsys, "collector", "serve", "--data-dir", tmp_path / "c", "--port", port)
+        assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in one_error_line(err)
+        assert not (tmp_path / "c").exists()  # no store made on the way to the failure
+        code, out, err = call(capsys, "agent", "run", "--source", "simulated", "--metrics-addr", "127.0.0.1",
+                              "--metrics-port", port, "--spool-dir", tmp_path / "spool", "--collector",
+                              "http://127.0.0.1:1/api/v1/samples", "--duration", "1")
+        assert code == 1 and f"/metrics cannot listen on 127.0.0.1:{port}" in one_error_line(err)
+        assert not (tmp_path / "spool").exists()
+    code, out, err = call(capsys, "demo", "--data-dir", tmp_path / "c" / "x", "--nodes", "0")
+    assert code == 2 and out == "" and not (tmp_path / "c").exists()
