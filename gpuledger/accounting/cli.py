@@ -24,6 +24,9 @@ from gpuledger.accounting.audit import (
     usage_key,
 )
 from gpuledger.accounting.charge import allocated_gpu_seconds
+from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir
+from gpuledger.accounting.cli_common import fail_exit as _fail
+from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import LIVE_SLURM, association_usage, audit_charges, compute, load_tree
 from gpuledger.accounting.ledger import LedgerEntry, join
@@ -34,7 +37,7 @@ from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import show
 from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
-from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, note, os_error, to_csv
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fixed, note, os_error, to_csv
 
 if TYPE_CHECKING:
     from gpuledger.accounting.apply import Applied, Plan
@@ -42,21 +45,11 @@ if TYPE_CHECKING:
     from gpuledger.accounting.config import AccountingSettings
     from gpuledger.accounting.engine import ChargedJob, UsageResult
     from gpuledger.accounting.fairshare import Row
-    from gpuledger.collector.store import SqliteStore
     from gpuledger.schema.records import JobRecord
 
-STORE_NAME = "gpuledger.sqlite"
-CONFIG_NAME = "gpuledger.toml"
 FEED_NAME = "priority-feed.json"
 SACCT_OVERLAP_S = 300.0  # `priority watch`: how far each sacct poll reaches back before the previous one
 
-DataDir = Annotated[
-    Path,
-    typer.Option("--data-dir", envvar="GPULEDGER_DATA_DIR", help="Where the embedded store and outputs live."),
-]
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")
-]
 ASSOC_HELP = ("the association tree: `slurm` (ask sacctmgr), a file of `sacctmgr -P show associations "
               "format=cluster,account,parentname,user,share` output, or a CSV account,parent,user,shares "
               "(default: the config's accounts table)")
@@ -82,21 +75,8 @@ priority_app = typer.Typer(help="The priority feed Slurm consumes.", no_args_is_
 jobs_app = typer.Typer(help="Job records in the ledger.", no_args_is_help=True)
 
 
-def _fail(msg: str, code: int = 2) -> typer.Exit:
-    """``raise _fail(...)``: one line on stderr (see gpuledger.output.fail), exit 2 bad input or 1 failure."""
-    try:
-        fail(msg, code)
-    except typer.Exit as e:
-        return e
 
 
-def _open_store(data_dir: Path) -> SqliteStore:
-    from gpuledger.collector.store import SqliteStore
-
-    path = data_dir / STORE_NAME
-    if not path.exists():
-        raise _fail(f"no gpuledger store at {path} (run `gpuledger demo` or a collector first, or pass --data-dir)")
-    return SqliteStore(path)
 
 
 def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:

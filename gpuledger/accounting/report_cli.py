@@ -17,6 +17,9 @@ import typer
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
 from gpuledger.accounting.audit.verify import read_checkpoints
+from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir
+from gpuledger.accounting.cli_common import fail_exit as _fail
+from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
@@ -32,21 +35,13 @@ from gpuledger.accounting.report.usage import (
     usage_report_json,
     usage_report_text,
 )
-from gpuledger.output import Format, fail, note
+from gpuledger.output import Format, note
 
 if TYPE_CHECKING:
     from gpuledger.accounting.privacy import Pseudonymizer
     from gpuledger.collector.ledger_store import LedgerReader
-    from gpuledger.collector.store import SqliteStore
 
-STORE_NAME = "gpuledger.sqlite"
-CONFIG_NAME = "gpuledger.toml"
 
-DataDir = Annotated[
-    Path, typer.Option("--data-dir", envvar="GPULEDGER_DATA_DIR", help="Where the embedded store and outputs live."),
-]
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")]
 Pseudo = Annotated[
     bool, typer.Option("--pseudonymize", help="Replace user names by stable keyed pseudonyms (HMAC-SHA256).")]
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout; signed when "
@@ -80,12 +75,6 @@ class By(StrEnum):
     node = "node"
 
 
-def _fail(msg: str, code: int = 2) -> typer.Exit:
-    """``raise _fail(...)``: one line on stderr (gpuledger.output.fail), exit 2 bad input or 1 a check failed."""
-    try:
-        fail(msg, code)
-    except typer.Exit as e:
-        return e
 
 
 def _note(msg: str) -> None:
@@ -93,13 +82,6 @@ def _note(msg: str) -> None:
     note(msg)
 
 
-def _open_store(data_dir: Path) -> SqliteStore:
-    from gpuledger.collector.store import SqliteStore
-
-    path = data_dir / STORE_NAME
-    if not path.exists():
-        raise _fail(f"no gpuledger store at {path} (run `gpuledger demo` or a collector first, or pass --data-dir)")
-    return SqliteStore(path)
 
 
 def _settings(data_dir: Path, config: Path | None) -> ReportSettings:

@@ -92,5 +92,7 @@ def test_unmeasured_jobs_are_charged_at_allocation_and_sprio_follows(slurm_clust
             "alice": want[("proj_a", "alice")], "bob": want[("proj_a", "bob")], "carol": want[("proj_b", "carol")]}
         assert site[pending["alice"]] < site[pending["carol"]]
     finally:
+        # the cluster is shared by the whole session: leave it as found (jobs gone, partition up)
         c.cmd("scancel", *pending.values(), check=False)
+        c.cmd("scontrol", "update", f"partitionname={PARTITION}", "state=up")
         time.sleep(0.2)

@@ -62,8 +62,10 @@ def test_the_jobs_import_unit_imports_from_a_real_slurm(slurm_cluster: SlurmClus
 
     job = slurm_cluster.sbatch_as("alice", "-A", "proj_a", "--wrap", "true")
     # ended before the next test file's scenario starts on the same cluster
-    slurm_cluster.wait(f"job {job} to complete", lambda: "COMPLETED" in slurm_cluster.cmd(
-        "sacct", "-a", "-n", "-X", "-P", "-j", job, "-o", "State"), timeout_s=60, every_s=0.3)
+    # ... and visible to a time-window query such as the unit's (slurmdbd shows a just-ended job to `sacct -j`
+    # seconds before it shows it to `sacct -S`)
+    slurm_cluster.wait(f"job {job} to complete", lambda: f"{job}|COMPLETED" in slurm_cluster.cmd(
+        "sacct", "-a", "-n", "-X", "-P", "-S", "now-2hours", "-o", "JobID,State"), timeout_s=60, every_s=0.3)
     u = unit("gpuledger-jobs-import.service")
     sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(tmp_path), "/var/lib/gpuledger": str(tmp_path)}
     env = {**environment(u, sub), "SLURM_CONF": str(slurm_cluster.conf)}
@@ -72,4 +74,4 @@ def test_the_jobs_import_unit_imports_from_a_real_slurm(slurm_cluster: SlurmClus
     assert p.stdout.startswith("imported ") and "job record(s)" in p.stdout
     listed = subprocess.run([EXE, "jobs", "list", "--format", "json"], capture_output=True, text=True, timeout=60,
                             env=env)
-    assert job in {j["job_id"] for j in json.loads(listed.stdout)}
+    assert job in {j["job_id"] for j in json.loads(listed.stdout)}, (p.stdout, listed.stdout[:3000])
