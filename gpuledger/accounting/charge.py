@@ -64,6 +64,14 @@ def _gpu_counts(record: JobRecord) -> tuple[float, dict[str, float]]:
     return total, typed
 
 
+def physical_gpus(record: JobRecord) -> float:
+    """A job's allocated physical GPUs (AllocTRES, else ``gpus``): a typed MIG slice counts its fraction, as
+    :func:`allocation` counts it."""
+    total, typed = _gpu_counts(record)
+    return math.fsum(n * (slice_fraction(m) or 1.0) for m, n in typed.items() if n > 0) + max(
+        0.0, total - sum(typed.values()))
+
+
 def allocated_gpu_seconds(record: JobRecord | None, now: float) -> float | None:
     """Slurm-allocated GPU-seconds of a job, all models together (:func:`allocation`, summed; for reports)."""
     per_model = allocation(record, now)
@@ -98,6 +106,8 @@ class JobCharge:
     measured: float  # charge of what was observed (weighted)
     unmeasured: float  # charge of the unmeasured part (weighted)
     total: float
+    gap_energy_joules: float = 0.0  # gap energy Slurm's record reassigned to the job (``gaps``)
+    gap_charge: float = 0.0  # the part of ``measured`` that charges it (``energy`` only)
 
     @property
     def coverage(self) -> float | None:
@@ -164,22 +174,28 @@ class ChargePolicy:
     def _full_rate(self) -> float:
         return self.full_power_watts if self.kind == "energy" else 1.0
 
-    def charge_job(self, alloc: Mapping[str, float] | None, gpus: Sequence[JobUsage]) -> JobCharge:
+    def charge_job(self, alloc: Mapping[str, float] | None, gpus: Sequence[JobUsage], gap_joules: float = 0.0,
+                   gap_gpu_seconds: float = 0.0) -> JobCharge:
         """A job's charge from its Slurm allocation per model (:func:`allocation`; None without a scheduler
-        record) and its per-GPU usage records."""
+        record), its per-GPU usage records and the gap energy Slurm's record reassigned to it (``gaps``: joules
+        and the GPU-seconds they cover). Under ``energy`` that energy is measured (weighted by the job's model)
+        and its GPU-seconds leave the unmeasured part, so a gap is never charged both ways; the other policies
+        measure nothing in a gap and record the joules only."""
         observed = math.fsum(u.allocated_gpu_seconds for u in gpus)
         measured = math.fsum(self.charge(u) for u in gpus)
+        fallback_model = next((u.model for u in gpus if u.model), "") or next((m for m in alloc or () if m), "")
+        gap_charge = gap_joules * self.weight(fallback_model) if self.kind == "energy" else 0.0
+        measured += gap_charge
         if alloc is None:
-            return JobCharge(None, observed, 0.0, measured, 0.0, measured)
+            return JobCharge(None, observed, 0.0, measured, 0.0, measured, gap_joules, gap_charge)
         allocated = math.fsum(alloc.values())
-        fallback_model = next((u.model for u in gpus if u.model), "")
         weighted_alloc = math.fsum(s * self.weight(m or fallback_model) for m, s in alloc.items())
         unmeasured_s = max(0.0, allocated - observed)
         if self.kind == "allocated":
             # Slurm's allocation is the charge; the measured part is the observed share of it
             share = min(observed, allocated) / allocated if allocated > 0 else 0.0
             return JobCharge(allocated, observed, unmeasured_s, weighted_alloc * share,
-                             weighted_alloc * (1.0 - share), weighted_alloc)
+                             weighted_alloc * (1.0 - share), weighted_alloc, gap_joules, 0.0)
         mean_weight = weighted_alloc / allocated if allocated > 0 else 1.0
         if self.unmeasured == "allocated" or (self.unmeasured == "mean" and observed <= 0):
             rate = self._full_rate()
@@ -187,5 +203,8 @@ class ChargePolicy:
             rate = self.floor * self._full_rate()
         else:  # the job's own measured rate per observed GPU-second, unweighted
             rate = math.fsum(self._base(u) for u in gpus) / observed
+        if self.kind == "energy":
+            unmeasured_s = max(0.0, unmeasured_s - gap_gpu_seconds)
         unmeasured = unmeasured_s * rate * mean_weight
-        return JobCharge(allocated, observed, unmeasured_s, measured, unmeasured, measured + unmeasured)
+        return JobCharge(allocated, observed, unmeasured_s, measured, unmeasured, measured + unmeasured, gap_joules,
+                         gap_charge)

@@ -29,7 +29,7 @@ from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import LIVE_SLURM, association_usage, audit_charges, compute, load_tree
-from gpuledger.accounting.ledger import LedgerEntry, join
+from gpuledger.accounting.ledger import LedgerEntry, gap_attribution, join
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
 from gpuledger.accounting.privacy import decay_horizon_start
@@ -121,7 +121,8 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         store = _open_store(data_dir)
         try:
             jobs, usages = store.jobs(), store.job_usage()
-            entries = join(store.job_records(), usages, store.job_usage(per_gpu=True))
+            entries = join(store.job_records(), usages, store.job_usage(per_gpu=True),
+                           gap_attribution(store, now).by_job())
             busy = store.busy_hours(decay_horizon_start(now, settings.half_life_s, settings.usage_reset,
                                                         settings.timezone or None))
         finally:

@@ -59,6 +59,7 @@ class ChargedJob:
     decayed: float
     first_ts: float
     last_ts: float
+    gap_energy_joules: float = 0.0  # unattributed gap energy Slurm's record reassigned to the job (``gaps``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +153,10 @@ def hourly_pieces(u: JobUsage, amount: float, busy: Sequence[tuple[float, float]
 
 
 def _measured_items(e: LedgerEntry, c: JobCharge, policy: ChargePolicy) -> list[tuple[JobUsage, float]]:
-    """A job's measured charge split over its GPU records, by what each was charged."""
-    if c.measured <= 0:
+    """A job's measured charge from samples (not reassigned gaps) split over its GPU records, by what each was
+    charged."""
+    sampled = c.measured - c.gap_charge
+    if sampled <= 0:
         return []
     gpus = e.measured
     weights = [policy.charge(u) for u in gpus]
@@ -162,7 +165,7 @@ def _measured_items(e: LedgerEntry, c: JobCharge, policy: ChargePolicy) -> list[
     if sum(weights) <= 0:
         weights = [1.0] * len(gpus)
     total = sum(weights)
-    return [(u, c.measured * w / total) for u, w in zip(gpus, weights)]
+    return [(u, sampled * w / total) for u, w in zip(gpus, weights)]
 
 
 def association_usage(
@@ -186,7 +189,7 @@ def association_usage(
             if e.usage is not None or e.record is not None:
                 unmatched.append(e.label)
             continue
-        c = policy.charge_job(allocation(e.record, now), e.measured)
+        c = policy.charge_job(allocation(e.record, now), e.measured, e.gap_energy_joules, e.gap_gpu_seconds)
         if c.total <= 0 and e.usage is None:
             continue
         key = (d.account, d.user)
@@ -205,6 +208,9 @@ def association_usage(
     for (e, key, c), own in zip(rows, spans):
         r = e.record
         pieces = [(a, b, x) for (a, b), x in own.items()]
+        if c.gap_charge > 0:
+            # reassigned gap energy accrues evenly over the job's overlap with each gap
+            pieces += [(s.start, s.end, c.gap_charge * s.energy_joules / c.gap_energy_joules) for s in e.gap_shares]
         if c.unmeasured > 0 and r is not None and r.start is not None:
             # Slurm's allocation accrues evenly over [start, end]
             pieces.append((r.start, max(r.start, min(r.end if r.end is not None else now, now)), c.unmeasured))
@@ -226,7 +232,8 @@ def association_usage(
     jobs = tuple(
         ChargedJob(e.job_id, e.cluster, key[0], key[1], settings.policy, e.seen_by, c.allocated_gpu_seconds,
                    c.observed_gpu_seconds, c.coverage, c.unmeasured_gpu_seconds, settings.unmeasured, c.total,
-                   per_job.get(e.key, 0.0), first, last)
+                   per_job.get(e.key, 0.0), first, last,
+                   c.gap_energy_joules)
         for (e, key, c), (first, last) in zip(rows, ranges))
     return UsageResult(usage, unknown, tuple(unmatched), jobs)
 

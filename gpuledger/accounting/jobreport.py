@@ -128,6 +128,7 @@ class Coverage:
     observed_gpu_seconds: float
     coverage: float | None
     unmeasured_gpu_seconds: float
+    gap_energy_joules: float = 0.0  # unattributed gap energy Slurm's record reassigned to the job (``gaps``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +185,10 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
     import time
 
     from gpuledger.accounting.charge import allocated_gpu_seconds
-    from gpuledger.accounting.ledger import join
+    from gpuledger.accounting.ledger import gap_attribution, join
 
     entries = join([(r, src) for r, src in store.job_records() if r.job_id == job_id], store.job_usage(job_id),
-                   store.job_usage(job_id, per_gpu=True))
+                   store.job_usage(job_id, per_gpu=True), gap_attribution(store, now).by_job())
     if cluster is not None:
         entries = [e for e in entries if e.cluster == cluster]
     if not entries:
@@ -201,7 +202,7 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
     slurm_s = allocated_gpu_seconds(e.record, time.time() if now is None else now)
     observed = total.allocated_gpu_seconds if total is not None else 0.0
     coverage = Coverage(e.seen_by, slurm_s, observed, observed / slurm_s if slurm_s else None,
-                        0.0 if slurm_s is None else max(0.0, slurm_s - observed))
+                        0.0 if slurm_s is None else max(0.0, slurm_s - observed), e.gap_energy_joules)
     views = []
     for u in per_gpu:
         uuid, _, mig = u.gpu_uuid.partition("/")
@@ -327,6 +328,9 @@ def to_text(rep: JobReport) -> str:
         lines.append(f"  Slurm allocated {a.slurm_gpu_seconds / 3600:.2f} GPU-h, "
                      f"observed {a.observed_gpu_seconds / 3600:.2f} GPU-h, coverage {_pct(a.coverage)}, "
                      f"unmeasured {a.unmeasured_gpu_seconds / 3600:.2f} GPU-h")
+    if a is not None and a.gap_energy_joules > 0:
+        lines.append(f"  gap energy {a.gap_energy_joules / 3.6e6:.3f} kWh: unattributed counter delta across "
+                     "sampling gaps while Slurm says the job held the node's GPUs (not in the total below)")
     if r is not None:
         lines.append(f"  user {r.user or '-'}  account {r.account or '-'}  partition {r.partition or '-'}  "
                      f"state {r.state or '-'}  GPUs {r.gpus if r.gpus is not None else '-'}")

@@ -10,9 +10,12 @@ unnamed (""): then it joins the other side's record of the same job id when exac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from gpuledger.accounting.gaps import GapAttribution, GapShare, reassign
 from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage
 
@@ -27,6 +30,20 @@ class LedgerEntry:
     cluster: str = ""
     agent_record: JobRecord | None = None  # an agent's description; used only without a scheduler record
     gpus: tuple[JobUsage, ...] = ()  # measured, per GPU
+    gap_shares: tuple[GapShare, ...] = ()  # unattributed gap energy reassigned to the job (``gaps``)
+
+    @property
+    def gap_energy_joules(self) -> float:
+        return math.fsum(s.energy_joules for s in self.gap_shares)
+
+    @property
+    def gap_gpu_seconds(self) -> float:
+        return math.fsum(s.gpu_seconds for s in self.gap_shares)
+
+    @property
+    def energy_joules(self) -> float:
+        """Measured energy: the agents' samples plus the gap energy reassigned by Slurm's record."""
+        return (self.usage.energy_joules if self.usage is not None else 0.0) + self.gap_energy_joules
 
     @property
     def key(self) -> JobKey:
@@ -92,9 +109,11 @@ def _resolver(slurm_keys: Iterable[JobKey]) -> Callable[[JobKey], JobKey]:
 
 
 def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[JobUsage],
-         per_gpu: Iterable[JobUsage] = ()) -> list[LedgerEntry]:
+         per_gpu: Iterable[JobUsage] = (), gap_shares: Mapping[JobKey, tuple[GapShare, ...]] | None = None,
+         ) -> list[LedgerEntry]:
     """Entries from job records (scheduler records, or (record, source) pairs from ``job_records()``), job-level
-    usage and per-GPU usage; sorted by job id then cluster."""
+    usage, per-GPU usage and the gap energy reassigned to scheduler jobs (:func:`gap_attribution`); sorted by
+    job id then cluster."""
     slurm: dict[JobKey, JobRecord] = {}
     agent: list[JobRecord] = []
     for item in records:
@@ -119,7 +138,8 @@ def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[
         uses = by_use.get(k, [])
         # an unnamed agent side joined to a named record: two usage records of one job (rare) are summed
         usage = uses[0] if len(uses) == 1 else (_sum(uses) if uses else None)
-        out.append(LedgerEntry(k[1], slurm.get(k), usage, k[0], by_agent.get(k), tuple(by_gpu.get(k, ()))))
+        out.append(LedgerEntry(k[1], slurm.get(k), usage, k[0], by_agent.get(k), tuple(by_gpu.get(k, ())),
+                               (gap_shares or {}).get(k, ()) if k in slurm else ()))
     return out
 
 
@@ -132,8 +152,21 @@ def _sum(uses: list[JobUsage]) -> JobUsage:
                    energy_joules=sum(u.energy_joules for u in uses), gpus=sum(u.gpus for u in uses))
 
 
-def load(store: LedgerReader) -> list[LedgerEntry]:
-    return join(store.job_records(), store.job_usage(), store.job_usage(per_gpu=True))
+def gap_attribution(store: LedgerReader, now: float | None = None, start: float | None = None,
+                    end: float | None = None) -> GapAttribution:
+    """The store's unattributed gaps (ended in [start, end)) reassigned to its scheduler records (``gaps``);
+    a host's GPU count is the physical GPUs the collector knows on it."""
+    per_host: dict[str, int] = {}
+    for g in store.gpu_energy():
+        per_host[g["host"]] = per_host.get(g["host"], 0) + 1
+    slurm = [r for r, src in store.job_records() if src != AGENT]
+    return reassign(store.energy_gaps(start, end), slurm, per_host, time.time() if now is None else now)
+
+
+def load(store: LedgerReader, now: float | None = None, gaps: GapAttribution | None = None) -> list[LedgerEntry]:
+    """Every job of the store, with the gap energy reassigned to it (``gaps``, else :func:`gap_attribution`)."""
+    gaps = gap_attribution(store, now) if gaps is None else gaps
+    return join(store.job_records(), store.job_usage(), store.job_usage(per_gpu=True), gaps.by_job())
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:

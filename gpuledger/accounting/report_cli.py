@@ -20,6 +20,7 @@ from gpuledger.accounting.audit.verify import read_checkpoints
 from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
+from gpuledger.accounting.ledger import gap_attribution
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
@@ -229,7 +230,8 @@ def report_reconcile(
     output: OutputOpt = None,
 ) -> None:
     """Per account, node and GPU model: Slurm-allocated vs observed GPU-hours, coverage, unmeasured GPU-hours,
-    and GPU-time and energy with no job (unattributed). What an auditor signs."""
+    GPU-time and energy with no job (unattributed), gap energy reassigned to jobs from Slurm's records and counter
+    anomalies. What an auditor signs."""
     import math
 
     from gpuledger.accounting.report.reconcile import (
@@ -245,13 +247,14 @@ def report_reconcile(
     except ReportError as e:
         raise _fail(str(e)) from None
     store = _open_store(data_dir)
+    lo, hi = (per.start if math.isfinite(per.start) else None), (per.end if math.isfinite(per.end) else None)
     try:
-        entries = load_ledger(store)
-        hours = store.gpu_hours(per.start if math.isfinite(per.start) else None,
-                                per.end if math.isfinite(per.end) else None)
+        gaps = gap_attribution(store)
+        entries = load_ledger(store, gaps=gaps)
+        hours, energy = store.gpu_hours(lo, hi), store.gpu_energy(lo, hi)
     finally:
         store.close()
-    rec = reconcile(entries, hours, per)
+    rec = reconcile(entries, hours, per, gpu_energy=energy, gaps=gaps)
     if fmt is TableFmt.table and output is None:
         show(f"Reconciliation with Slurm, period {per.label}", RECONCILE_COLUMNS, [*rec.rows, rec.total])
         for n in rec.notes:

@@ -268,10 +268,10 @@ def test_fairshare_charges_the_job_no_agent_saw(ledger_dir):
 def test_reconcile_per_account_node_model(ledger_dir):
     store = SqliteStore(ledger_dir / "gpuledger.sqlite")
     try:
-        entries, hours = load(store), store.gpu_hours()
+        entries, hours, energy = load(store), store.gpu_hours(), store.gpu_energy()
     finally:
         store.close()
-    rec = reconcile(entries, hours, parse_period("2026-10"))
+    rec = reconcile(entries, hours, parse_period("2026-10"), gpu_energy=energy)
     rows = {(r.account, r.node, r.model): r for r in rec.rows}
     # job 1: Slurm 1 GPU x 3600 s on n1 (h200 measured): observed 3600 -> coverage 1
     a = rows[("proj", "n1", "NVIDIA H200")]
@@ -280,10 +280,11 @@ def test_reconcile_per_account_node_model(ledger_dir):
     b = rows[("proj", "n2", "(unknown)")]
     assert (b.slurm_gpu_hours, b.observed_gpu_hours, b.coverage, b.unmeasured_gpu_hours) == (1.0, 0.0, 0.0, 1.0)
     # G0 after job 1: samples T0+3600 .. T0+7200 carried no job: 1 GPU-hour unattributed, 1e4 J per 60 s = 600 kJ
+    # (the collector's energy on no job, not an estimate), no gap, no counter anomaly
     idle = rows[(NO_JOB, "n1", "NVIDIA H200")]
     assert idle.unattributed_gpu_hours == 1.0 and idle.unattributed_energy_kwh == pytest.approx(6e5 / 3.6e6)
     assert (rec.total.slurm_gpu_hours, rec.total.unmeasured_gpu_hours, rec.total.jobs) == (2.0, 1.0, 2)
-    assert rec.total.counter_anomalies is None
+    assert rec.total.counter_anomalies == 0 and rec.total.reassigned_energy_kwh == 0.0
     assert reconcile_csv(rec).splitlines()[-1].startswith("TOTAL,")
     r = runner.invoke(app, ["report", "reconcile", "--data-dir", str(ledger_dir), "--period", "2026-10",
                             "--format", "json"])

@@ -8,12 +8,17 @@ Per account, node and GPU model, over a period:
 - ``observed_gpu_hours``: GPU-hours in which an agent saw the job on that node's GPUs,
 - ``coverage`` = observed / Slurm-allocated, ``unmeasured_gpu_hours`` = allocated - observed (never below 0),
 - on rows of account ``(no job)``: ``unattributed_gpu_hours``, GPU-time the collector observed with no job on the
-  GPU, and ``unattributed_energy_kwh``, its energy. Both come from the collector's hourly buckets of the GPUs
-  (whole hours starting in the period). The store keeps energy per GPU-hour, not split by job, so the
-  unattributed energy is the hour's energy x its unallocated share of observed time (power assumed even within
-  the hour); jobs measured only by agents appear with account from the agent's metadata or ``(unknown)``.
-- ``counter_anomalies``: energy-counter events (steps back, implausible jumps) need the collector to store
-  them; this ledger does not yet, so the column is None (never a made-up 0).
+  GPU, and ``unattributed_energy_kwh``, the energy the collector charged to no job (``gpu_energy``: its hourly
+  buckets' energy minus their jobs' energy, exact, not estimated) less the gap energy that Slurm's records
+  reassign to jobs (``accounting.gaps``). Both over whole hours starting in the period. A physical GPU counts
+  once: a MIG GPU's instances are summed with its whole-GPU key (the instances' GPU-seconds are slice fractions,
+  the whole-GPU key carries the physical GPU's observed time and energy),
+- ``reassigned_energy_kwh``: on a job's account row, the gap energy Slurm's record reassigned to it on that node
+  and GPU, the part of each gap's time inside the period's hours (the collector spreads a gap's energy over its
+  hours evenly); never more than that GPU's unattributed energy in the period. Reassigned + still unattributed
+  = the collector's unattributed energy,
+- ``counter_anomalies``: energy-counter intervals not trusted (steps back, implausible jumps), per physical GPU
+  from the collector's hourly buckets; None only when the collector's per-GPU energy was not given.
 
 A GPU model is the measured one; a Slurm GRES type (``h200``) joins the measured model that contains it
 (``NVIDIA H200``), else stands as it is.
@@ -29,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gpuledger.accounting.charge import allocation
+from gpuledger.accounting.gaps import GapAttribution
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.period import ALL_TIME, Period, job_end
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
@@ -49,7 +55,8 @@ class ReconcileRow:
     coverage: float | None
     unmeasured_gpu_hours: float
     unattributed_gpu_hours: float
-    unattributed_energy_kwh: float
+    unattributed_energy_kwh: float | None  # None without the collector's per-GPU energy
+    reassigned_energy_kwh: float = 0.0
     counter_anomalies: int | None = None
 
 
@@ -66,7 +73,7 @@ class Reconciliation:
 
 
 class _Acc:
-    __slots__ = ("jobs", "slurm", "observed", "unmeasured", "idle", "idle_j")
+    __slots__ = ("jobs", "slurm", "observed", "unmeasured", "idle", "idle_j", "gap_j", "anomalies")
 
     def __init__(self) -> None:
         self.jobs: set[tuple[str, str]] = set()
@@ -75,6 +82,8 @@ class _Acc:
         self.unmeasured: list[float] = []
         self.idle: list[float] = []
         self.idle_j: list[float] = []
+        self.gap_j: list[float] = []
+        self.anomalies: list[int] | None = None
 
 
 def _model_for(gres: str, measured: Iterable[str]) -> str:
@@ -86,10 +95,12 @@ def _model_for(gres: str, measured: Iterable[str]) -> str:
 
 
 def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, Any]], period: Period = ALL_TIME,
-              now: float | None = None) -> Reconciliation:
-    """The reconciliation of the ledger's entries and the collector's per-GPU hourly totals (``gpu_hours`` of
-    the store over the period) for ``period``."""
+              now: float | None = None, gpu_energy: Iterable[Mapping[str, Any]] | None = None,
+              gaps: GapAttribution | None = None) -> Reconciliation:
+    """The reconciliation of the ledger's entries with the collector's per-GPU hourly totals over the period:
+    ``gpu_hours`` and ``gpu_energy`` of the store, and the store's gaps as ``gaps.reassign`` attributed them."""
     now = time.time() if now is None else now
+    entries = list(entries)
     acc: dict[tuple[str, str, str], _Acc] = {}
 
     def cell(account: str, node: str, model: str) -> _Acc:
@@ -128,20 +139,64 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
                 s = allocated[(node, model)]
                 a.slurm.append(s)
                 a.unmeasured.append(max(0.0, s - o))
+    # per physical GPU (host, uuid): a MIG GPU's instance keys and its whole-GPU key are one GPU
+    physical: dict[tuple[str, str], list[float]] = {}  # -> [observed s, job-carrying s]
+    models: dict[tuple[str, str], str] = {}  # the whole-GPU key's model, else an instance's
     for g in gpu_hours:
-        idle_s = max(0.0, g["observed_gpu_seconds"] - g["job_gpu_seconds"])
-        if idle_s <= 0:
-            continue
-        a = cell(NO_JOB, g["host"], g["model"] or "(unknown)")
-        a.idle.append(idle_s)
-        share = idle_s / g["observed_gpu_seconds"] if g["observed_gpu_seconds"] > 0 else 0.0
-        a.idle_j.append(g["energy_joules"] * share)
+        gpu = (g["host"], g["gpu_uuid"])
+        p = physical.setdefault(gpu, [0.0, 0.0])
+        p[0] += g["observed_gpu_seconds"]
+        p[1] += g["job_gpu_seconds"]
+        if g["model"] and (gpu not in models or not g.get("mig")):
+            models[gpu] = g["model"]
+
+    def model_of(gpu: tuple[str, str]) -> str:
+        return models.get(gpu) or "(unknown)"
+
+    for gpu, (obs, busy) in sorted(physical.items()):
+        if obs - busy > 0:
+            cell(NO_JOB, gpu[0], model_of(gpu)).idle.append(obs - busy)
+    reassigned = _reassigned_in_period(gaps, period) if gaps is not None else {}
+    accounts = {e.key: e.account for e in entries}
+    if gpu_energy is not None:
+        for g in gpu_energy:
+            gpu = (g["host"], g["gpu_uuid"])
+            unattributed = max(0.0, g["unattributed_energy_joules"])
+            given = reassigned.get(gpu, {})
+            # never more than the GPU's unattributed energy in the period's hours
+            scale = min(1.0, unattributed / math.fsum(given.values())) if given else 1.0
+            for job, joules in sorted(given.items()):
+                cell(accounts.get(job, "(unknown)"), gpu[0], model_of(gpu)).gap_j.append(joules * scale)
+            if unattributed > 0 or g["counter_anomalies"]:
+                idle = cell(NO_JOB, gpu[0], model_of(gpu))
+                idle.idle_j.append(max(0.0, unattributed - math.fsum(j * scale for j in given.values())))
+                idle.anomalies = (idle.anomalies or []) + [int(g["counter_anomalies"])]
+        for a in acc.values():
+            a.anomalies = a.anomalies or []
     rows = [_row(k, [a]) for k, a in sorted(acc.items())]
     total = _row((TOTAL, "", ""), list(acc.values()))
-    notes = ("multi-node allocations are split evenly over their nodes",
-             "unattributed energy = each GPU-hour's energy x its share of observed time with no job",
-             "counter anomalies are not stored by this collector: column left empty")
+    notes: tuple[str, ...] = (
+        "multi-node allocations are split evenly over their nodes",
+        "unattributed energy: the collector's energy charged to no job, less gap energy reassigned to the jobs "
+        "Slurm says held the node's GPUs (reassigned kWh, on the job's account)")
+    if gpu_energy is None:
+        notes += ("no per-GPU energy from the collector: energy and counter anomalies left empty",)
     return Reconciliation(period, rows, total, notes)
+
+
+def _reassigned_in_period(gaps: GapAttribution, period: Period) -> dict[tuple[str, str], dict[tuple[str, str], float]]:
+    """Per physical GPU, per job: reassigned gap energy inside the period's whole hours (even over each share)."""
+    lo = math.floor(period.start / SECONDS_PER_HOUR) * SECONDS_PER_HOUR if math.isfinite(period.start) else -math.inf
+    hi = math.ceil(period.end / SECONDS_PER_HOUR) * SECONDS_PER_HOUR if math.isfinite(period.end) else math.inf
+    out: dict[tuple[str, str], dict[tuple[str, str], float]] = {}
+    for s in gaps.shares:
+        inside = max(0.0, min(hi, s.end) - max(lo, s.start))
+        if inside <= 0 or s.end <= s.start:
+            continue
+        per_job = out.setdefault((s.host, s.gpu_uuid), {})
+        job = (s.cluster, s.job_id)
+        per_job[job] = per_job.get(job, 0.0) + s.energy_joules * inside / (s.end - s.start)
+    return out
 
 
 def _row(key: tuple[str, str, str], accs: list[_Acc]) -> ReconcileRow:
@@ -149,12 +204,15 @@ def _row(key: tuple[str, str, str], accs: list[_Acc]) -> ReconcileRow:
         return math.fsum(v for a in accs for v in getattr(a, name)) / SECONDS_PER_HOUR
 
     slurm, observed = hours("slurm"), hours("observed")
+    anomalies = [a.anomalies for a in accs]
+    known = not any(x is None for x in anomalies)  # the collector's per-GPU energy was given
     return ReconcileRow(
         account=key[0], node=key[1], model=key[2], jobs=len(set().union(*(a.jobs for a in accs))) if accs else 0,
         slurm_gpu_hours=slurm, observed_gpu_hours=observed, coverage=observed / slurm if slurm > 0 else None,
         unmeasured_gpu_hours=hours("unmeasured"), unattributed_gpu_hours=hours("idle"),
-        unattributed_energy_kwh=math.fsum(v for a in accs for v in a.idle_j) / JOULES_PER_KWH,
-        counter_anomalies=None,
+        unattributed_energy_kwh=math.fsum(v for a in accs for v in a.idle_j) / JOULES_PER_KWH if known else None,
+        reassigned_energy_kwh=math.fsum(v for a in accs for v in a.gap_j) / JOULES_PER_KWH,
+        counter_anomalies=sum(sum(x or ()) for x in anomalies) if known else None,
     )
 
 
@@ -169,6 +227,7 @@ RECONCILE_COLUMNS: list[tuple[str, Callable[[ReconcileRow], str]]] = [
     ("Unmeasured GPU-h", lambda r: fmt_optional(r.unmeasured_gpu_hours, ".3f")),
     ("Unattributed GPU-h", lambda r: fmt_optional(r.unattributed_gpu_hours, ".3f")),
     ("Unattributed kWh", lambda r: fmt_optional(r.unattributed_energy_kwh, ".3f")),
+    ("Gap kWh to jobs", lambda r: fmt_optional(r.reassigned_energy_kwh, ".3f")),
     ("Counter anomalies", lambda r: "-" if r.counter_anomalies is None else str(r.counter_anomalies)),
 ]
 

@@ -136,6 +136,8 @@ def usage_report(
         if ended is None or ended < start or ended >= end:
             continue
         n_jobs += 1
+        if entry.gap_shares:
+            _add_gap_energy(groups, entry, group_key(record, usage), by == "node", grid)
         wait = (record.start - record.submit
                 if record is not None and record.start is not None and record.submit is not None else None)
         if wait is not None:
@@ -200,6 +202,17 @@ def usage_report(
     total = _usage_row(TOTAL, list(groups.values()), n_jobs, everything.waits, everything.unmeasured, settings,
                        everything if by == "node" else None)
     return UsageReport(by, period, rows, total, settings.currency)
+
+
+def _add_gap_energy(groups: dict[str, _GroupColumns], entry: LedgerEntry, key: str, by_node: bool,
+                    grid: GridIntensity | None) -> None:
+    """A job's reassigned gap energy (``gaps``) into its group (by node: the gap's host), as an energy-only
+    record (no GPU-seconds: nothing observed the gap); the totals row sums the groups."""
+    for share in entry.gap_shares:
+        cols = groups.setdefault(share.host if by_node else key, _GroupColumns())
+        cols.values.extend((0.0, 0.0, share.energy_joules, 0.0, 0.0, 0.0, 0.0, 0.0))
+        if grid is not None:
+            cols.co2e_kg.append(share.energy_joules / JOULES_PER_KWH * grid.mean(share.start, share.end) / 1000.0)
 
 
 def _add_usage(cols: _GroupColumns, record: Any, usage: JobUsage, grid: GridIntensity | None, priced: bool,
