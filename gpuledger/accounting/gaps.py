@@ -70,10 +70,12 @@ def _gpus_on_host(r: JobRecord) -> float:
 
 
 def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_host: Mapping[str, int],
-             now: float) -> GapAttribution:
+             now: float, gpu_clusters: Mapping[tuple[str, str], str] | None = None) -> GapAttribution:
     """Reassign the unattributed gaps (``store.energy_gaps()`` rows with no jobs) to scheduler ``records`` by
     the module's rule; ``gpus_per_host`` counts each host's physical GPUs (hosts not in it: each job gets its
-    overlap share, scaled as above)."""
+    overlap share, scaled as above). ``gpu_clusters``: (host, GPU UUID) -> the cluster its agent named; a job
+    of another named cluster on a host of the same name is not its holder."""
+    gpu_clusters = gpu_clusters or {}
     by_host: dict[str, list[tuple[JobRecord, float]]] = {}  # host -> (record, its start)
     for r in sorted(records, key=lambda r: (r.cluster, r.job_id)):
         if r.start is None:
@@ -90,7 +92,10 @@ def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_hos
         found: list[tuple[JobRecord, float, float, float]] = []
         if length > 0 and energy > 0:
             n = gpus_per_host.get(g["host"], 0)
+            cluster = gpu_clusters.get((g["host"], g["gpu_uuid"]), "")
             for r, began in by_host.get(g["host"], ()):
+                if cluster and r.cluster and r.cluster != cluster:
+                    continue
                 a = max(lo, began)
                 b = min(hi, r.end if r.end is not None else now)
                 if b <= a:

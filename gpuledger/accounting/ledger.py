@@ -159,8 +159,9 @@ def gap_attribution(store: LedgerReader, now: float | None = None, start: float 
     per_host: dict[str, int] = {}
     for g in store.gpu_energy():
         per_host[g["host"]] = per_host.get(g["host"], 0) + 1
+    clusters = {(h["host"], h["gpu_uuid"]): h["cluster"] for h in store.gpu_hours() if not h["mig"]}
     slurm = [r for r, src in store.job_records() if src != AGENT]
-    return reassign(store.energy_gaps(start, end), slurm, per_host, time.time() if now is None else now)
+    return reassign(store.energy_gaps(start, end), slurm, per_host, time.time() if now is None else now, clusters)
 
 
 def load(store: LedgerReader, now: float | None = None, gaps: GapAttribution | None = None) -> list[LedgerEntry]:

@@ -13,6 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.cli import fairshare_app
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.engine import association_usage
 from gpuledger.accounting.gaps import reassign
@@ -22,7 +23,7 @@ from gpuledger.accounting.report.jobs import job_rows
 from gpuledger.accounting.report.period import parse_period
 from gpuledger.accounting.report.reconcile import NO_JOB, TOTAL, reconcile
 from gpuledger.accounting.report.usage import usage_report
-from gpuledger.accounting.report_cli import report_app
+from gpuledger.accounting.report_cli import audit_app, report_app
 from gpuledger.collector.store import SqliteStore
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
@@ -31,6 +32,8 @@ T0 = datetime(2026, 10, 5, tzinfo=UTC).timestamp()  # a whole hour
 H200, A100 = "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
 app = typer.Typer()
 app.add_typer(report_app, name="report")
+app.add_typer(audit_app, name="audit")
+app.add_typer(fairshare_app, name="fairshare")
 runner = CliRunner()
 
 
@@ -123,6 +126,13 @@ def test_gap_energy_goes_to_the_slurm_jobs_that_held_the_host(store_dir):
     shuffled = records[:]
     random.Random(3).shuffle(shuffled)
     assert reassign([gap], shuffled, per_host, T0 + 86400) == reassign([gap], records, per_host, T0 + 86400)
+    # a job of another cluster on a host of the same name held nothing of this GPU (its agent named cluster c)
+    other = JobRecord("41", cluster="d", account="p", hosts=("n1",), gpus=1, gpu_uuids=("G0",), start=T0,
+                      end=T0 + 4000, state="COMPLETED")
+    named = {("n1", "G0"): "c"}
+    assert reassign([gap], records + [other], per_host, T0 + 86400, named) == reassign(
+        [gap], records, per_host, T0 + 86400, named)
+    assert "41" in {s.job_id for s in reassign([gap], records + [other], per_host, T0 + 86400).shares}
     # conservative: three jobs that each claim G0 for the whole gap share it, never more than the gap holds
     greedy = [_job(j, "p", T0, T0 + 4000, gpu_uuids=("G0",)) for j in ("31", "32", "33")]
     over = reassign([gap], greedy + records, per_host, T0 + 86400)
@@ -231,3 +241,22 @@ def test_report_reconcile_cli_json(store_dir):
     assert total["unattributed_energy_kwh"] == pytest.approx((152.5e3 + 400) / 3.6e6)
     r = runner.invoke(app, ["report", "reconcile", "--data-dir", str(store_dir), "--period", "2026-10"])
     assert r.exit_code == 0 and "Gap kWh to jobs" in r.output and TOTAL in r.output
+
+
+def test_the_audit_trail_records_and_explains_the_reassigned_gap_energy(store_dir):
+    (store_dir / "gpuledger.toml").write_text(
+        '[accounting]\npolicy = "energy"\nhalf_life_s = 0\ncalc_period_s = 1\n'
+        '[accounts.proj]\nshares = 1\n[accounts.proj.users]\nu7 = 1\n[accounts.ml]\nshares = 1\n'
+        '[accounts.ml.users]\nu8 = 1\n')
+    r = runner.invoke(app, ["fairshare", "--data-dir", str(store_dir), "--format", "json", "--record"])
+    assert r.exit_code == 0, r.output
+    from gpuledger.accounting.audit import open_log
+
+    with open_log(store_dir) as log:
+        (fs,) = list(log.entries(kind="fairshare"))
+    job7 = fs.data["inputs"]["jobs"]["7"]
+    # as in the energy-policy test: 90 kJ of the gap plus 900 unmeasured GPU-s at 700 W
+    assert job7["gap_energy_joules"] == pytest.approx(90e3) and job7["charged"] == pytest.approx(720e3)
+    r = runner.invoke(app, ["audit", "explain", "7", "--data-dir", str(store_dir)])
+    assert r.exit_code == 0, r.output
+    assert "gap energy: 90000.0 J" in r.output

@@ -167,6 +167,10 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
                                       else f" (recomputed from the logged record: {again!r}, DIFFERS)")
     ex.steps.append(Step("charged usage", f"policy {c.get('policy')}: {formula + ' = ' if formula else ''}"
                          f"{c.get('charged')!r}{check}", ref))
+    if c.get("gap_energy_joules"):
+        ex.steps.append(Step("gap energy", f"{c['gap_energy_joules']!r} J of sampling gaps' unattributed energy "
+                             "reassigned to the job from Slurm's record (accounting.gaps); measured under the "
+                             "energy policy", ref))
     acct, user = c.get("account"), c.get("user")
     a_total = (_assoc(fs.data["inputs"].get("associations", []), acct, user) or {}).get("decayed_usage")
     ex.steps.append(Step("decayed usage", f"half-life {s.get('half_life_s')} s, calc period {s.get('calc_period_s')} s, "
