@@ -15,8 +15,9 @@ Under the measured policies the **unmeasured** GPU-seconds (allocated - observed
 ``unmeasured``: ``allocated`` (default, conservative: as if fully used, 1 per GPU-second; for ``energy`` the
 configured ``full_power_watts``), ``floor`` (the blend floor per GPU-second; ``energy``: floor x full power) or
 ``mean`` (the job's own measured charge per observed GPU-second; as ``allocated`` when nothing was observed).
-So an allocation nobody measured is never free. A job without a scheduler record is charged from its
-measurements alone (and flagged by the ledger).
+So an allocation nobody measured is never free. Gap energy reassigned from Slurm's records (``gaps``) is measured
+energy under ``energy``, and the GPU-seconds it covers are not unmeasured (a gap is never charged twice). A job
+without a scheduler record is charged from its measurements alone (and flagged by the ledger).
 
 Per-GPU-model weights multiply the charge, like Slurm's TRESBillingWeights for typed GRES: the exact model name,
 else the longest pattern contained in it (case-insensitive; ties by name). MIG GPU-seconds are physical-GPU

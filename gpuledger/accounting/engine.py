@@ -13,7 +13,9 @@ in it), so an hour the agent was silent (busy 0) gets nothing, and a job that sh
 job gets at most its own span of it. A bucket reaches one sample interval back (an interval ending at h + 10 s
 began before h); the interval is estimated as observed GPU-seconds / (samples - 1). The buckets are per GPU,
 not per job: when two jobs share a GPU-hour at once, each is weighted by its span, not its exact seconds.
-Without buckets (a ledger from elsewhere), a GPU's part is spread over its [first, last] sample.
+Without buckets (a ledger from elsewhere), a GPU's part is spread over its [first, last] sample. Gap energy
+reassigned from Slurm's records (``gaps``, charged under ``energy``) is spread over the job's overlap with each
+gap, the hours the gap covered.
 
 Pseudonymized history: after ``audit retention`` a record's user is a pseudonym; it still charges the tree's
 association whose user pseudonymizes to it (``alias``), so fairshare does not forget it.
