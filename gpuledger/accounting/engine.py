@@ -62,6 +62,9 @@ class ChargedJob:
     first_ts: float
     last_ts: float
     gap_energy_joules: float = 0.0  # unattributed gap energy Slurm's record reassigned to the job (``gaps``)
+    measured_charge: float = 0.0  # the part of ``charged`` for what was observed (gap charge included)
+    unmeasured_charge: float = 0.0  # the part for the allocated time nobody observed (``unmeasured_rule``)
+    gap_charge: float = 0.0  # the part of ``measured_charge`` that charges reassigned gap energy
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +238,7 @@ def association_usage(
         ChargedJob(e.job_id, e.cluster, key[0], key[1], settings.policy, e.seen_by, c.allocated_gpu_seconds,
                    c.observed_gpu_seconds, c.coverage, c.unmeasured_gpu_seconds, settings.unmeasured, c.total,
                    per_job.get(e.key, 0.0), first, last,
-                   c.gap_energy_joules)
+                   c.gap_energy_joules, c.measured, c.unmeasured, c.gap_charge)
         for (e, key, c), (first, last) in zip(rows, ranges))
     return UsageResult(usage, unknown, tuple(unmatched), jobs)
 

@@ -397,3 +397,30 @@ def test_posted_job_records_are_logged_before_they_are_stored(tmp_path):
     finally:
         s.stop()
         store.close()
+
+
+@pytest.mark.parametrize("policy", ["allocated", "blend"])
+def test_explain_proves_a_partly_measured_job(tmp_path, policy):
+    # Slurm allocated job 1 two GPUs for an hour (7200 GPU-s); an agent measured one of them (G0: 3600 GPU-s at SM
+    # activity 0.5). The charge splits into the measured part, which the logged usage record recomputes to
+    # (allocated: 3600 GPU-s; blend 0.25 x 3600 + 0.75 x 1800 = 2250), and the 3600 GPU-s nobody measured,
+    # charged as fully used by the default rule (3600): neither part may read as DIFFERS.
+    d = tmp_path / "data"
+    store = SqliteStore(d / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
+    try:
+        store.ingest(Batch("a", 0, "n1", tuple(_s(T0 + 10 * k, "G0", "1") for k in range(361))))
+    finally:
+        store.close()
+    (d / "gpuledger.toml").write_text(CONFIG.replace('policy = "allocated"', f'policy = "{policy}"'))
+    jobs = tmp_path / "sacct.txt"
+    jobs.write_text("JobID|Cluster|User|UID|Account|Partition|AllocTRES|Submit|Start|End|State\n"
+                    "1|c|alice|1001|a|gpu|gres/gpu=2|2026-10-05T00:00:00|2026-10-05T00:00:00|2026-10-05T01:00:00"
+                    "|COMPLETED\n")
+    assert run("jobs", "import", "--data-dir", d, "--sacct-parsable", jobs).exit_code == 0
+    assert run("priority", "feed", "--data-dir", d).exit_code == 0
+    r = run("audit", "explain", "1", "--data-dir", d)
+    assert r.exit_code == 0, r.output
+    measured = {"allocated": "3600.0", "blend": "2250.0"}[policy]
+    assert f"= {measured} (recomputed from the logged record: same)" in r.output, r.output
+    assert "+ 3600.0 allocated GPU-s nobody measured, charged by rule 'allocated': 3600.0" in r.output, r.output
+    assert f"charged {float(measured) + 3600.0!r}" in r.output and "DIFFER" not in r.output, r.output

@@ -7,6 +7,7 @@ record under the logged policy and shown as a formula; every step without an ent
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,10 +164,22 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
     formula, again = ("", None)
     if len(usage) == 1:
         formula, again = _charge_formula(s, record_of(usage[0]))
-    check = "" if again is None else (" (recomputed from the logged record: same)" if again == c.get("charged")
-                                      else f" (recomputed from the logged record: {again!r}, DIFFERS)")
-    ex.steps.append(Step("charged usage", f"policy {c.get('policy')}: {formula + ' = ' if formula else ''}"
-                         f"{c.get('charged')!r}{check}", ref))
+    charged = c.get("charged")
+    # Entries since the allocation frame split the charge: the measured part is what the logged usage record
+    # recomputes to (plus reassigned gap energy), the unmeasured part is the rule's; older entries have only the total.
+    measured = c.get("measured_charge", charged) if "measured_charge" in c else charged
+    expected = None if again is None else again + float(c.get("gap_charge") or 0.0)
+    check = "" if expected is None or not isinstance(measured, int | float) else (
+        " (recomputed from the logged record: same)" if math.isclose(expected, measured, rel_tol=1e-9, abs_tol=1e-9)
+        else f" (recomputed from the logged record: {expected!r}, DIFFERS)")
+    summary = f"policy {c.get('policy')}: {formula + ' = ' if formula else ''}{measured!r}{check}"
+    unmeasured_s = c.get("unmeasured_gpu_seconds") or 0.0
+    if "measured_charge" in c and (unmeasured_s or c.get("unmeasured_charge")):
+        parts = float(measured) + float(c.get("unmeasured_charge") or 0.0)
+        summary += (f"; + {unmeasured_s!r} allocated GPU-s nobody measured, charged by rule "
+                    f"{c.get('unmeasured_rule')!r}: {c.get('unmeasured_charge')!r}; charged {charged!r}"
+                    + ("" if math.isclose(parts, float(charged), rel_tol=1e-9, abs_tol=1e-9) else " (parts DIFFER)"))
+    ex.steps.append(Step("charged usage", summary, ref))
     if c.get("gap_energy_joules"):
         ex.steps.append(Step("gap energy", f"{c['gap_energy_joules']!r} J of sampling gaps' unattributed energy "
                              "reassigned to the job from Slurm's record (accounting.gaps); measured under the "
