@@ -61,7 +61,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from operator import attrgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypedDict
 
 import numpy as np
 
@@ -335,7 +335,17 @@ def _hour_parts(t0: float, t1: float) -> list[tuple[float, float]]:
     return out
 
 
-def _shares(s: GpuSample) -> tuple[float, ...]:
+class _JobSplit(Protocol):
+    """What :func:`_shares` reads: a GpuSample or a Series (one job set for all its rows)."""
+
+    @property
+    def job_ids(self) -> tuple[str, ...]: ...
+
+    @property
+    def job_shares(self) -> tuple[float, ...]: ...
+
+
+def _shares(s: _JobSplit) -> tuple[float, ...]:
     if s.job_shares:
         return s.job_shares
     n = len(s.job_ids)
@@ -345,6 +355,18 @@ def _shares(s: GpuSample) -> tuple[float, ...]:
 def _sample(r: object) -> GpuSample:
     """A GpuSample of a row (a GpuSample already, or the validator's struct with the same fields)."""
     return r if isinstance(r, GpuSample) else GpuSample(*(getattr(r, f) for f in SAMPLE_FIELDS))
+
+
+_MigCounter = Literal["energy_joules", "power_watts", "power_limit_watts"]
+_MIG_COUNTERS: tuple[_MigCounter, ...] = ("energy_joules", "power_watts", "power_limit_watts")
+
+
+class _MigCounters(TypedDict, total=False):
+    """Keyword arguments to GpuSample: the GPU's counters normalize_mig puts on a MIG GPU's rows."""
+
+    energy_joules: float | None
+    power_watts: float | None
+    power_limit_watts: float | None
 
 
 def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
@@ -374,8 +396,8 @@ def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
             continue
         parent = None if parent_i is None else _sample(rows[parent_i])
         inst = [_sample(rows[i]) for i in insts]
-        values = {}
-        for f in ("energy_joules", "power_watts", "power_limit_watts"):
+        values: _MigCounters = {}
+        for f in _MIG_COUNTERS:
             own = None if parent is None else getattr(parent, f)
             vals = [v for v in (getattr(x, f) for x in inst) if v is not None]
             if own is not None or not vals:
@@ -384,20 +406,21 @@ def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
                 values[f] = math.fsum(vals)  # virtual per-instance shares of the GPU's
             else:
                 values[f] = max(vals)  # the GPU's value repeated on each instance
-        fractions = [_slice_fraction(x.model) for x in inst]
-        if any(f is None for f in fractions):
+        sliced = [_slice_fraction(x.model) for x in inst]
+        fractions = [f for f in sliced if f is not None]
+        if len(fractions) < len(sliced):  # a profile not known: equal slices
             fractions = [1.0 / len(inst)] * len(inst)
         total = sum(fractions)
         if total > 1.0:  # profiles claiming more than the GPU: scale down
             fractions = [f / total for f in fractions]
-        for i, x, f in zip(insts, inst, fractions):
-            shares = tuple(sh * f for sh in _shares(x))
+        for i, x, frac in zip(insts, inst, fractions):
+            shares = tuple(sh * frac for sh in _shares(x))
             rows[i] = replace(x, job_shares=shares, **values)
         if parent is None:
             x = inst[0]
             extra.append(GpuSample(ts=x.ts, host=x.host, gpu_uuid=x.gpu_uuid, gpu_index=x.gpu_index,
                                    model=x.model.split(" MIG ")[0], source=MADE_SOURCE, **values))
-        else:
+        elif parent_i is not None:  # always, with a parent
             rows[parent_i] = replace(parent, job_ids=(), job_shares=(), **values)
     return rows + extra
 
@@ -673,10 +696,10 @@ class Aggregator:
         for f, get in _RUN_FLOATS.items():  # None -> NaN; a NaN reading (never validated in) takes the slow path
             vals = list(map(get, run))
             absent = vals.count(None)
-            a = np.array([math.nan if v is None else v for v in vals] if absent else vals, dtype=np.float64)
-            if int(np.isnan(a).sum()) != absent:
+            col = np.array([math.nan if v is None else v for v in vals] if absent else vals, dtype=np.float64)
+            if int(np.isnan(col).sum()) != absent:
                 return False
-            cols[f] = a
+            cols[f] = col
         models = [s.model for s in run]
         caps = self._pair_caps("" if g is None else g.model, models, cols["power_limit_watts"])
         if not self._clean(None if g is None else g.anchor(), ts, cols["energy_joules"], caps):
@@ -686,15 +709,15 @@ class Aggregator:
         samples = g.rows()
         # segments with one job set (and shares): a GPU changes jobs rarely, so usually one segment
         jobs = list(map(_JOBS, run))
-        cuts = [0] if jobs.count(jobs[0]) == len(jobs) else [0] + [i for i in range(1, len(run)) if jobs[i] != jobs[i - 1]]
+        cuts = [0]
+        if jobs.count(jobs[0]) != len(jobs):
+            cuts += [i for i in range(1, len(run)) if jobs[i] != jobs[i - 1]]
         cuts.append(len(run))
         for a, b in zip(cuts, cuts[1:]):
             seg = run[a:b]
             self._run_pairs(gk, g, g.anchor(), seg[0].job_ids, _shares(seg[0]), a, b, ts, cols, caps)
-            mem = [s.mem_used_bytes for s in seg]
-            mem = [v for v in mem if v is not None] if None in mem else mem
-            power = [s.power_watts for s in seg]
-            power = [v for v in power if v is not None] if None in power else power
+            mem = [mb for s in seg if (mb := s.mem_used_bytes) is not None]
+            power = [pw for s in seg if (pw := s.power_watts) is not None]
             # max() keeps the first of equals, as add() does
             self._run_points(gk, g, ts[a:b], [s.model for s in seg], seg[0].job_ids,
                              max(mem) if mem else None, max(power) if power else None)
@@ -927,8 +950,8 @@ class Aggregator:
             g.drop(start)
 
     # -- persistence hooks --------------------------------------------------------------------
-    def restore_gpu(self, gk: GpuKey, totals: tuple, recent: list[GpuSample] = (),  # type: ignore[assignment]
-                    segments: list[WindowSegment] = ()) -> None:  # type: ignore[assignment]
+    def restore_gpu(self, gk: GpuKey, totals: tuple, recent: Iterable[GpuSample] = (),
+                    segments: Iterable[WindowSegment] = ()) -> None:
         """Install a GPU's totals and its recent samples (the window plus the anchor) from storage: as
         objects (``recent``, any order) or as time-ordered columns (``segments``, what the store reads)."""
         g = GpuState()

@@ -31,7 +31,8 @@ def test_dedupe_key_skips_unchanged_data(tmp_path):
     with open_log(tmp_path) as log:
         assert record_job_records(log, [rec]) == 1
         assert record_job_records(log, [rec]) == 0
-        assert record_job_records(log, [JobRecord("7", cluster="c", user="alice", account="a", gpus=2, start=10.0, end=99.0)]) == 1
+        changed = JobRecord("7", cluster="c", user="alice", account="a", gpus=2, start=10.0, end=99.0)
+        assert record_job_records(log, [changed]) == 1
         entries = list(log.entries(job_id="7"))
         assert [e.data["end"] for e in entries] == [None, 99.0]
         # personal data never enters the log in clear
@@ -70,7 +71,8 @@ def test_explain_walks_from_measurement_to_applied_factor(tmp_path):
         ex = explain(log, "1")
     assert ex.chain_ok and not ex.missing
     names = [s.name for s in ex.steps]
-    assert names == ["job record", "measurements", "charged usage", "decayed usage", "fairshare", "site factor", "applied"]
+    assert names == ["job record", "measurements", "charged usage", "decayed usage", "fairshare", "site factor",
+                     "applied"]
     steps = {s.name: s for s in ex.steps}
     assert "3600 allocated GPU-s, 3000 SM-active" in steps["measurements"].summary
     assert repr(0.25 * 3600 + 0.75 * 3000) in steps["charged usage"].summary

@@ -143,7 +143,8 @@ def test_replaced_key_pair_fails_against_the_pinned_key(data_dir, tmp_path):
     r = run("audit", "verify", report, "--data-dir", data_dir, "--public-key", pinned)
     assert r.exit_code == 1 and "neither the pinned key" in r.output
     forged = _checkpoint(data_dir, tmp_path / "forged")
-    r = run("audit", "verify", "--data-dir", data_dir, "--checkpoint", forged, "--checkpoint", cp, "--public-key", pinned)
+    r = run("audit", "verify", "--data-dir", data_dir, "--checkpoint", forged, "--checkpoint", cp,
+            "--public-key", pinned)
     assert r.exit_code == 1 and f"{forged}: the signature does not verify" in r.output
 
 
@@ -270,7 +271,8 @@ def test_queries_append_nothing_and_explain_keeps_the_site_factor(data_dir):
                  "6. site factor: round(1000 x"):
         assert step in r.output, r.output
     assert "first sample 2026-10-05T00:00:00Z, last sample 2026-10-05T01:00:00Z" in r.output
-    assert "calc period 300 s" in r.output and "3600.0 allocated GPU-s = 3600.0 (recomputed from the logged record: same)" in r.output
+    assert "calc period 300 s" in r.output
+    assert "3600.0 allocated GPU-s = 3600.0 (recomputed from the logged record: same)" in r.output
     assert "not proven: applied" in r.output
 
 
@@ -308,7 +310,8 @@ def test_head_entry_not_json_and_forged_seq0_are_named_without_traceback(data_di
     db.execute("UPDATE entries SET body=? WHERE seq=?", ("x", head))
     body = canonical_json({"seq": 0, "ts": 1.0, "kind": "job_record", "job_id": "1", "key": None, "data": {}})
     db.execute("DELETE FROM entries WHERE seq=?", (head,))
-    db.execute("INSERT INTO entries VALUES (0,'job_record','1',NULL,?,?)", (body, hashlib.sha256(b"\0" + body.encode()).digest()))
+    db.execute("INSERT INTO entries VALUES (0,'job_record','1',NULL,?,?)",
+               (body, hashlib.sha256(b"\0" + body.encode()).digest()))
     db.commit()
     db.close()
     r = run("audit", "verify", "--data-dir", data_dir)

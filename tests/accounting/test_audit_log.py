@@ -15,7 +15,8 @@ from gpuledger.collector.auditlog import AuditError, AuditLog, canonical_json, m
 
 
 def test_canonical_json_is_sorted_compact_and_float_exact():
-    assert canonical_json({"b": 0.1 + 0.2, "a": [1, (2, 3)], "c": None}) == '{"a":[1,[2,3]],"b":0.30000000000000004,"c":null}'
+    assert (canonical_json({"b": 0.1 + 0.2, "a": [1, (2, 3)], "c": None})
+            == '{"a":[1,[2,3]],"b":0.30000000000000004,"c":null}')
     assert json.loads(canonical_json({"x": 1e-300 / 3}))["x"] == 1e-300 / 3
     with pytest.raises(AuditError, match=r"\$\.usage\.power: nan"):
         canonical_json({"usage": {"power": float("nan")}})
@@ -105,7 +106,8 @@ def test_proofs_verify_with_an_independent_rfc9162_implementation(tmp_path):
             for m in range(1, n + 1):
                 root_m = ref_mth(bodies[:m])
                 assert log.root(m) == root_m
-                assert ref_verify_inclusion(m - 1, n, _h(b"\x00" + bodies[m - 1]), log.inclusion_proof(m, n), log.root())
+                assert ref_verify_inclusion(m - 1, n, _h(b"\x00" + bodies[m - 1]), log.inclusion_proof(m, n),
+                                            log.root())
                 if m < n:
                     proof = log.consistency_proof(m, n)
                     assert ref_verify_consistency(m, n, root_m, log.root(), proof), (m, n)
@@ -182,7 +184,8 @@ def _truncate_tail(db):
 def _insert_and_renumber(db):
     db.execute("UPDATE entries SET seq=seq+100 WHERE seq>=5")
     db.execute("UPDATE entries SET seq=seq-99 WHERE seq>=105")
-    body = canonical_json({"seq": 5, "ts": 1.0, "kind": "usage_record", "job_id": "666", "key": None, "data": {"i": 666}})
+    body = canonical_json({"seq": 5, "ts": 1.0, "kind": "usage_record", "job_id": "666", "key": None,
+                           "data": {"i": 666}})
     db.execute("INSERT INTO entries VALUES (5,'usage_record','666',NULL,?,?)", (body, _h(b"\x00" + body.encode())))
 
 
@@ -250,7 +253,8 @@ def test_tampering_is_detected_and_the_first_bad_entry_named(tmp_path, tamper, f
 
 def test_old_hash_chain_logs_are_named_not_misread(tmp_path):
     db = sqlite3.connect(tmp_path / "audit.sqlite")
-    db.execute("CREATE TABLE entries (seq INTEGER PRIMARY KEY, kind TEXT, job_id TEXT, body TEXT, prev TEXT, hash TEXT)")
+    db.execute("CREATE TABLE entries (seq INTEGER PRIMARY KEY, kind TEXT, job_id TEXT, body TEXT, prev TEXT, "
+               "hash TEXT)")
     db.commit()
     db.close()
     with pytest.raises(AuditError, match="format 1"):

@@ -132,10 +132,12 @@ def bind(
         return out
     items = list(new)
     for last, want, job, key, diff in corrections:
+        changes = [{"field": f, "logged": a, "stored": b} for f, a, b in diff]
         items.append(("correction", {"corrects": last.seq, "reason": accept_reason, "record": want,
-                                     "changes": [{"field": f, "logged": a, "stored": b} for f, a, b in diff]}, job, key))
+                                     "changes": changes}, job, key))
     for e in log.append_many(items):
-        out.entries[e.key] = e  # type: ignore[index]
+        if e.key is not None:  # every item above has one
+            out.entries[e.key] = e
         out.appended += 1
     return out
 
@@ -143,7 +145,8 @@ def bind(
 def inputs_root(entries: Sequence[Entry]) -> dict[str, Any]:
     """The Merkle root (RFC 9162) over the leaf hashes of exactly these entries, in log order, and which they are."""
     es = sorted(entries, key=lambda e: e.seq)
-    return {"count": len(es), "root": merkle.root_of([e.leaf for e in es]).hex(), "entries": ranges([e.seq for e in es])}
+    return {"count": len(es), "root": merkle.root_of([e.leaf for e in es]).hex(),
+            "entries": ranges([e.seq for e in es])}
 
 
 def ranges(seqs: Sequence[int]) -> str:

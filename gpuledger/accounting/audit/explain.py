@@ -110,8 +110,10 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
 def _corrected(e: Entry) -> str:
     if e.kind != "correction":
         return ""
-    fields = ", ".join(f"{c.get('field')} {c.get('logged')!r} -> {c.get('stored')!r}" for c in e.data.get("changes", []))
-    return f" [corrected by entry {e.seq}, which corrects entry {e.data.get('corrects')}: {fields}; reason: {e.data.get('reason')}]"
+    fields = ", ".join(f"{c.get('field')} {c.get('logged')!r} -> {c.get('stored')!r}"
+                       for c in e.data.get("changes", []))
+    return (f" [corrected by entry {e.seq}, which corrects entry {e.data.get('corrects')}: {fields}; "
+            f"reason: {e.data.get('reason')}]")
 
 
 def _measurements(log: AuditLog, mine: list[Entry], job_id: str, used_seq: Any) -> list[Entry]:
@@ -186,7 +188,8 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
                              "energy policy", ref))
     acct, user = c.get("account"), c.get("user")
     a_total = (_assoc(fs.data["inputs"].get("associations", []), acct, user) or {}).get("decayed_usage")
-    ex.steps.append(Step("decayed usage", f"half-life {s.get('half_life_s')} s, calc period {s.get('calc_period_s')} s, "
+    ex.steps.append(Step("decayed usage", f"half-life {s.get('half_life_s')} s, "
+                         f"calc period {s.get('calc_period_s')} s, "
                          f"usage from {_iso(c.get('first_ts'))} to {_iso(c.get('last_ts'))} decayed to "
                          f"{_iso(fs.data.get('now'))}: {c.get('decayed')!r} of association {user}@{acct}'s {a_total!r}",
                          ref))
@@ -194,7 +197,8 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
     row = _assoc(outputs.get("rows", []), acct, user)
     if row is not None:
         ex.steps.append(Step("fairshare", f"{s.get('algorithm')}: norm shares {row.get('norm_shares')!r}, "
-                             f"effective usage {row.get('effective_usage')!r} -> fairshare {row.get('fairshare')!r}", ref))
+                             f"effective usage {row.get('effective_usage')!r} -> "
+                             f"fairshare {row.get('fairshare')!r}", ref))
     else:
         ex.missing.append(f"fairshare: the fairshare entry {fs.seq} has no row for {user}@{acct}")
     feed = _assoc(outputs.get("feed", []), acct, user)

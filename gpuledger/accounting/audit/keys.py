@@ -23,10 +23,13 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuledger.collector.auditlog import AuditError, AuditLog, canonical_json
 from gpuledger.collector.auditlog.files import private_dir
+
+if TYPE_CHECKING:  # cryptography is imported where a key is used, not when this module is
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 PRIVATE_KEY_NAME = "audit-signing.key"
 KEYRING_NAME = "audit-keyring.json"
@@ -47,7 +50,7 @@ def public_path(private_path: Path) -> Path:
     return private_path.with_name(private_path.stem + ".pub")
 
 
-def raw_public(pub) -> bytes:
+def raw_public(pub: Ed25519PublicKey) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -61,7 +64,7 @@ def key_id(raw: bytes) -> str:
 class PublicKey:
     key_id: str
     raw: bytes
-    key: Any  # Ed25519PublicKey
+    key: Ed25519PublicKey
 
     @classmethod
     def from_raw(cls, raw: bytes) -> PublicKey:
@@ -82,7 +85,7 @@ class PublicKey:
 @dataclass(frozen=True)
 class SigningKey:
     path: Path
-    private: Any  # Ed25519PrivateKey
+    private: Ed25519PrivateKey
     public: PublicKey
 
     @property
@@ -156,7 +159,8 @@ class KeygenResult:
     rotation: dict[str, Any] | None  # the keyring record when an older key was retired
 
 
-def keygen(path: str | os.PathLike[str] | None = None, *, force: bool = False, now: float | None = None) -> KeygenResult:
+def keygen(path: str | os.PathLike[str] | None = None, *, force: bool = False,
+           now: float | None = None) -> KeygenResult:
     """Create an Ed25519 key pair at ``path`` (default: the config dir). Over an existing key only with ``force``:
     that is a rotation, recorded in the keyring beside the key (append its record to the audit log too)."""
     from cryptography.hazmat.primitives import serialization
@@ -179,8 +183,8 @@ def keygen(path: str | os.PathLike[str] | None = None, *, force: bool = False, n
         add_to_keyring(keyring_path(priv), rotation)
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     _write(priv, pem, 0o600)
-    _write(pub, key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo),
-           0o644)
+    _write(pub, key.public_key().public_bytes(serialization.Encoding.PEM,
+                                              serialization.PublicFormat.SubjectPublicKeyInfo), 0o644)
     return KeygenResult(priv, pub, new.key_id, rotation)
 
 
@@ -205,8 +209,8 @@ def rotation_record(old: SigningKey, new: SigningKey, at: float) -> dict[str, An
 def add_to_keyring(path: Path, record: Mapping[str, Any]) -> None:
     records = read_keyring(path) if path.exists() else []
     private_dir(path.parent)
-    _write(path, (json.dumps({"format": KEYRING_FORMAT, "rotations": [*records, dict(record)]}, indent=2) + "\n").encode(),
-           0o644)
+    keyring = {"format": KEYRING_FORMAT, "rotations": [*records, dict(record)]}
+    _write(path, (json.dumps(keyring, indent=2) + "\n").encode(), 0o644)
 
 
 def read_keyring(path: Path) -> list[dict[str, Any]]:
@@ -232,10 +236,12 @@ class TrustedKeys:
         while changed:
             changed = False
             for old, new, msg, sig_old, sig_new in parsed:
-                if new.key_id in self._keys and old.key_id not in self._keys and self._keys[new.key_id].verifies(sig_new, msg):
+                if (new.key_id in self._keys and old.key_id not in self._keys
+                        and self._keys[new.key_id].verifies(sig_new, msg)):
                     self._keys[old.key_id] = old
                     changed = True
-                if old.key_id in self._keys and new.key_id not in self._keys and self._keys[old.key_id].verifies(sig_old, msg):
+                if (old.key_id in self._keys and new.key_id not in self._keys
+                        and self._keys[old.key_id].verifies(sig_old, msg)):
                     self._keys[new.key_id] = new
                     changed = True
 
@@ -249,7 +255,7 @@ class TrustedKeys:
         return bool(self._keys)
 
 
-def _parse_rotation(r: Mapping[str, Any]):
+def _parse_rotation(r: Mapping[str, Any]) -> tuple[PublicKey, PublicKey, bytes, bytes, bytes] | None:
     try:
         old = PublicKey.from_raw(base64.b64decode(r["retired"]["public_key"], validate=True))
         new = PublicKey.from_raw(base64.b64decode(r["successor"]["public_key"], validate=True))

@@ -75,7 +75,8 @@ def sign_report(
     }
     sig = key.private.sign(canonical_json(manifest).encode())
     out = manifest_path(report_path)
-    out.write_text(json.dumps({"manifest": plain(manifest), "signature": base64.b64encode(sig).decode()}, indent=2) + "\n")
+    signed = {"manifest": plain(manifest), "signature": base64.b64encode(sig).decode()}
+    out.write_text(json.dumps(signed, indent=2) + "\n")
     return out
 
 
@@ -130,6 +131,6 @@ def verify_report(report_path: str | os.PathLike[str], trusted: TrustedKeys, res
     if seqs and seqs[-1] > len(leaves):
         return out  # beyond what verifies: the log's own problem is reported
     if merkle.root_of([leaves[s - 1] for s in seqs]).hex() != rec.get("root"):
-        out.problems.append(f"{mpath}: the {len(seqs)} input records it names (entries {rec['entries'][:60]}) no longer "
-                            "hash to the signed inputs root (entries changed)")
+        out.problems.append(f"{mpath}: the {len(seqs)} input records it names (entries {rec['entries'][:60]}) "
+                            "no longer hash to the signed inputs root (entries changed)")
     return out

@@ -17,8 +17,12 @@ import base64
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpuledger.collector.auditlog import AuditError
+
+if TYPE_CHECKING:  # cryptography is imported where a key is used, not when this module is
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 ALG_ED25519 = b"\x01"
 DASH = "\u2014 "
@@ -38,7 +42,7 @@ def _check_name(name: str) -> None:
         raise AuditError(f"key name {name!r}: must be non-empty, without spaces or '+'")
 
 
-def sign(text: str, name: str, private_key) -> str:  # private_key: Ed25519PrivateKey
+def sign(text: str, name: str, private_key: Ed25519PrivateKey) -> str:
     """``text`` (ending in a newline, no blank line) signed by ``name``'s key, as a note."""
     from cryptography.hazmat.primitives import serialization
 
@@ -90,7 +94,7 @@ def parse(note: str, where: str = "note") -> Note:
     return Note(text, tuple(sigs))
 
 
-def verified_by(note: Note, keys: Iterable[tuple[str, bytes, object]]) -> str | None:
+def verified_by(note: Note, keys: Iterable[tuple[str, bytes, Ed25519PublicKey]]) -> str | None:
     """The key id of the first of ``keys`` ((key id, raw public key, Ed25519PublicKey)) that signed the note."""
     from cryptography.exceptions import InvalidSignature
 
@@ -100,7 +104,7 @@ def verified_by(note: Note, keys: Iterable[tuple[str, bytes, object]]) -> str | 
             if key_hash(s.name, raw) != s.hash:
                 continue
             try:
-                pub.verify(s.sig, data)  # type: ignore[attr-defined]
+                pub.verify(s.sig, data)
             except InvalidSignature:
                 continue
             return kid

@@ -48,13 +48,16 @@ def job_charges(
     values of an association sum to the association's decayed usage that fairshare uses.
     """
     if decay is None:
-        from gpuledger.accounting.decay import decayed_usage as decay
+        from gpuledger.accounting.decay import decayed_usage
+
+        decay = decayed_usage
     policy = settings.charge_policy()
     rows = []
     for e in entries:
         if e.usage is None or e.record is None or not e.record.account or not e.record.user:
             continue
-        rows.append((e.job_id, e.record.account, e.record.user, e.usage.first_ts, e.usage.last_ts, policy.charge(e.usage)))
+        rows.append((e.job_id, e.record.account, e.record.user, e.usage.first_ts, e.usage.last_ts,
+                     policy.charge(e.usage)))
     period = settings.calc_period_s
     # decay wants an integer period (Slurm's PriorityCalcPeriod is whole seconds); settings may carry 300.0
     period = int(period) if float(period).is_integer() else period
@@ -87,7 +90,8 @@ def record_fairshare(
     out_rows = []
     for r in rows:
         if isinstance(r, Mapping) or dataclasses.is_dataclass(r) or hasattr(r, "_asdict"):
-            d = dict(r._asdict()) if hasattr(r, "_asdict") else dict(r) if isinstance(r, Mapping) else dataclasses.asdict(r)
+            d = (dict(r._asdict()) if hasattr(r, "_asdict") else dict(r) if isinstance(r, Mapping)
+                 else dataclasses.asdict(r))
         else:
             d = {k: getattr(r, k) for k in _ROW_FIELDS if hasattr(r, k)}
         # Fair Tree's LevelFS is inf where usage is 0; JSON has no inf, so non-finite floats are written as text.

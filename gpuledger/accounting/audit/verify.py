@@ -47,11 +47,11 @@ def verify_all(
         ranked.append((result.problem.first, str(result.problem)))
     heads: list[SignedHead] = []
     given = list(checkpoints)
-    if given and trusted is None:
-        raise ValueError("checkpoints need a public key to verify them")
     for source, text in given:
+        if trusted is None:
+            raise ValueError("checkpoints need a public key to verify them")
         try:
-            heads.append(open_checkpoint(text, source, trusted))  # type: ignore[arg-type]
+            heads.append(open_checkpoint(text, source, trusted))
         except CheckpointRejected as e:
             ranked.append((0, str(e)))
     kept = log.saved_checkpoints()

@@ -48,7 +48,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.health import FieldHealth
@@ -84,7 +84,23 @@ _NOT_IN_MIG = 0xFFFFFFFF
 _NOT_AVAILABLE_U64 = 2**64 - 1
 
 # GpuSample field <- NVML GPM metric id (values in percent).
-GPM_METRICS: tuple[tuple[str, int], ...] = (
+GpmField = Literal["sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_bw_ratio",
+                   "fp64_active_ratio", "fp32_active_ratio", "fp16_active_ratio"]
+
+
+class GpmRatios(TypedDict, total=False):
+    """The GpuSample fields one GPM window fills (keyword arguments to GpuSample); one left out was not read."""
+
+    sm_active_ratio: float
+    sm_occupancy_ratio: float
+    tensor_active_ratio: float
+    dram_bw_ratio: float
+    fp64_active_ratio: float
+    fp32_active_ratio: float
+    fp16_active_ratio: float
+
+
+GPM_METRICS: tuple[tuple[GpmField, int], ...] = (
     ("sm_active_ratio", 2),  # NVML_GPM_METRIC_SM_UTIL
     ("sm_occupancy_ratio", 3),  # NVML_GPM_METRIC_SM_OCCUPANCY
     ("tensor_active_ratio", 5),  # NVML_GPM_METRIC_ANY_TENSOR_UTIL
@@ -239,11 +255,11 @@ class NvmlSource:
         try:
             lib.nvmlInit()
         except lib.NVMLError as exc:
-            code = getattr(exc, "value", None)
+            code = getattr(exc, "value", None)  # pynvml's NVML_ERROR_* number
             hint = {
                 _ERR_LIBRARY_NOT_FOUND: " (libnvidia-ml.so.1 not found: no NVIDIA driver on this host)",
                 _ERR_DRIVER_NOT_LOADED: " (the NVIDIA kernel driver is not loaded)",
-            }.get(code, "")
+            }.get(code, "") if isinstance(code, int) else ""
             raise SourceUnavailable(f"nvml: nvmlInit failed: {exc}{hint}") from exc
         try:
             count = lib.nvmlDeviceGetCount()
@@ -635,7 +651,8 @@ class NvmlSource:
             self._free_one(m.gpm)
             m.gpm = None
 
-    def _gpm_read(self, gpu: _Gpu, st: _Gpm | None, fn: str, args: tuple[Any, ...], now: float) -> dict[str, float] | None:
+    def _gpm_read(self, gpu: _Gpu, st: _Gpm | None, fn: str, args: tuple[Any, ...],
+                  now: float) -> GpmRatios | None:
         """Take a GPM sample; with a previous one >= 100 ms older, return the metrics over that window."""
         if st is None or not st.buffers:
             return None
@@ -646,7 +663,7 @@ class NvmlSource:
         if self._call(gpu, fn, *args, cur, key=key, field="sm_active_ratio") is None:
             st.prev_ts = None
             return None
-        values: dict[str, float] | None = None
+        values: GpmRatios | None = None
         if st.prev_ts is not None:
             req = st.request
             req.sample1 = st.buffers[1 - st.cur]

@@ -285,7 +285,9 @@ class SimulatedSource:
         occ = min(noisy(levels.sm_occupancy), sm) if levels.sm_occupancy > 0 else 0.0
         dram = noisy(levels.dram_bw)
         tensor = min(noisy(levels.tensor_active), sm) if levels.tensor_active > 0 else 0.0
-        util = _clip(levels.gpu_util + rng.gauss(0.0, sigma / 2)) if levels.gpu_util > 0 and sigma > 0 else levels.gpu_util
+        util = levels.gpu_util
+        if util > 0 and sigma > 0:
+            util = _clip(util + rng.gauss(0.0, sigma / 2))
 
         f = _clip(_W_SM * sm + _W_DRAM * dram + _W_TENSOR * tensor)
         span = self.tdp_watts - self.idle_watts
@@ -325,7 +327,8 @@ class SimulatedSource:
             mem_clock_hz=_HBM_CLOCK_HZ,
             pcie_tx_bytes_per_second=2.0e9 * dram,
             pcie_rx_bytes_per_second=6.0e9 * dram,
-            throttle_reasons=_THROTTLE_IDLE if util == 0.0 else (_THROTTLE_SW_POWER_CAP if power > 0.97 * self.tdp_watts else 0),
+            throttle_reasons=(_THROTTLE_IDLE if util == 0.0
+                              else _THROTTLE_SW_POWER_CAP if power > 0.97 * self.tdp_watts else 0),
             ecc_errors_total=0,
             remapped_rows_total=0,
             job_ids=g.job_ids,

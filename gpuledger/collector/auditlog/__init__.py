@@ -16,5 +16,5 @@ from gpuledger.collector.auditlog.log import (
     VerifyResult,
 )
 
-__all__ = ["AUDIT_NAME", "KINDS", "AuditError", "AuditLog", "Entry", "EntryDamaged", "LogDamaged", "Problem", "VerifyResult",
-           "canonical_json", "job_data", "job_key", "open_log", "plain", "record_job_records"]
+__all__ = ["AUDIT_NAME", "KINDS", "AuditError", "AuditLog", "Entry", "EntryDamaged", "LogDamaged", "Problem",
+           "VerifyResult", "canonical_json", "job_data", "job_key", "open_log", "plain", "record_job_records"]

@@ -75,7 +75,9 @@ class Problem:
         return self.first
 
     def where(self) -> str:
-        return f"audit entry {self.first}" if self.last in (None, self.first) else f"audit entries {self.first}..{self.last}"
+        if self.last in (None, self.first):
+            return f"audit entry {self.first}"
+        return f"audit entries {self.first}..{self.last}"
 
     def __str__(self) -> str:
         return f"{self.where()}: {self.reason}"
@@ -453,7 +455,8 @@ def _relabelled(body: str, seq: int) -> Problem:
     if isinstance(real, int) and not isinstance(real, bool) and real > seq:
         return Problem(seq, f"missing or out of order (deleted or reordered): row {seq} holds entry {real}")
     if isinstance(real, int) and not isinstance(real, bool) and real < seq:
-        return Problem(real, f"inserted: rows {real}..{seq - 1} were added before entry {real}, which now sits at row {seq}")
+        return Problem(real, f"inserted: rows {real}..{seq - 1} were added before entry {real}, "
+                             f"which now sits at row {seq}")
     return Problem(seq, "stored kind/job_id/key disagree with its hashed content (modified)")
 
 
