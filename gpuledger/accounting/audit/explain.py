@@ -169,7 +169,7 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
     charged = c.get("charged")
     # Entries since the allocation frame split the charge: the measured part is what the logged usage record
     # recomputes to (plus reassigned gap energy), the unmeasured part is the rule's; older entries have only the total.
-    measured = c.get("measured_charge", charged) if "measured_charge" in c else charged
+    measured = c["measured_charge"] if "measured_charge" in c else charged
     expected = None if again is None else again + float(c.get("gap_charge") or 0.0)
     check = "" if expected is None or not isinstance(measured, int | float) else (
         " (recomputed from the logged record: same)" if math.isclose(expected, measured, rel_tol=1e-9, abs_tol=1e-9)
@@ -177,10 +177,10 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
     summary = f"policy {c.get('policy')}: {formula + ' = ' if formula else ''}{measured!r}{check}"
     unmeasured_s = c.get("unmeasured_gpu_seconds") or 0.0
     if "measured_charge" in c and (unmeasured_s or c.get("unmeasured_charge")):
-        parts = float(measured) + float(c.get("unmeasured_charge") or 0.0)
+        parts = float(measured or 0.0) + float(c.get("unmeasured_charge") or 0.0)
         summary += (f"; + {unmeasured_s!r} allocated GPU-s nobody measured, charged by rule "
                     f"{c.get('unmeasured_rule')!r}: {c.get('unmeasured_charge')!r}; charged {charged!r}"
-                    + ("" if math.isclose(parts, float(charged), rel_tol=1e-9, abs_tol=1e-9) else " (parts DIFFER)"))
+                    + ("" if math.isclose(parts, float(charged or 0.0), rel_tol=1e-9, abs_tol=1e-9) else " (parts DIFFER)"))
     ex.steps.append(Step("charged usage", summary, ref))
     if c.get("gap_energy_joules"):
         ex.steps.append(Step("gap energy", f"{c['gap_energy_joules']!r} J of sampling gaps' unattributed energy "
