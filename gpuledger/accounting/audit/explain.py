@@ -178,9 +178,10 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
     unmeasured_s = c.get("unmeasured_gpu_seconds") or 0.0
     if "measured_charge" in c and (unmeasured_s or c.get("unmeasured_charge")):
         parts = float(measured or 0.0) + float(c.get("unmeasured_charge") or 0.0)
+        adds_up = math.isclose(parts, float(charged or 0.0), rel_tol=1e-9, abs_tol=1e-9)
         summary += (f"; + {unmeasured_s!r} allocated GPU-s nobody measured, charged by rule "
                     f"{c.get('unmeasured_rule')!r}: {c.get('unmeasured_charge')!r}; charged {charged!r}"
-                    + ("" if math.isclose(parts, float(charged or 0.0), rel_tol=1e-9, abs_tol=1e-9) else " (parts DIFFER)"))
+                    + ("" if adds_up else " (parts DIFFER)"))
     ex.steps.append(Step("charged usage", summary, ref))
     if c.get("gap_energy_joules"):
         ex.steps.append(Step("gap energy", f"{c['gap_energy_joules']!r} J of sampling gaps' unattributed energy "
