@@ -39,7 +39,11 @@ from gpuledger.accounting.report.usage import (
 from gpuledger.output import Format, note
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    from gpuledger.accounting.ledger import LedgerEntry
     from gpuledger.accounting.privacy import Pseudonymizer
+    from gpuledger.accounting.report.period import Period
     from gpuledger.collector.ledger_store import LedgerReader
 
 
@@ -124,7 +128,8 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
         _note(f"report written to {output} (unsigned: no signing key at {key_path}; run `gpuledger audit keygen`)")
         return
     cfg = config or data_dir / CONFIG_NAME
-    inputs = {**inputs, "config": {"name": cfg.name, "sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.exists() else None}}
+    digest = hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.exists() else None
+    inputs = {**inputs, "config": {"name": cfg.name, "sha256": digest}}
     try:
         key = au.load_signing_key(key_path)
         with au.open_log(data_dir) as log:
@@ -138,7 +143,7 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
     _note(f"report written to {output}, signed manifest {m}")
 
 
-def _note_empty(per, entries) -> None:
+def _note_empty(per: Period, entries: Sequence[LedgerEntry]) -> None:
     """An empty period is not an error, but say so, and where the ledger's jobs are."""
     ends = [t for e in entries if (t := job_end(e)) is not None]
     days = [str(iso_utc(t))[:10] for t in (min(ends), max(ends))] if ends else []  # job ends are finite
@@ -147,7 +152,7 @@ def _note_empty(per, entries) -> None:
     _note(f"note: no job ended in period {per.label} (jobs count in the period they ended); {where}")
 
 
-def _jobs_to_influx(data_dir: Path, config: Path | None, entries) -> None:
+def _jobs_to_influx(data_dir: Path, config: Path | None, entries: Sequence[LedgerEntry]) -> None:
     from gpuledger.accounting.influx_out import InfluxNotConfigured, InfluxPublishError, jobs_to_influx
 
     try:
@@ -360,8 +365,9 @@ def report_idle(
 
 
 # -- audit ----------------------------------------------------------------------------------------------------------
-KeyOpt = Annotated[Path | None, typer.Option("--private-key", help="the signing key (default: $GPULEDGER_AUDIT_KEY, "
-                                                "else $XDG_CONFIG_HOME/gpuledger/audit-signing.key); never in the data dir")]
+KEY_HELP = ("the signing key (default: $GPULEDGER_AUDIT_KEY, else $XDG_CONFIG_HOME/gpuledger/audit-signing.key); "
+            "never in the data dir")
+KeyOpt = Annotated[Path | None, typer.Option("--private-key", help=KEY_HELP)]
 
 
 def _inside(path: Path, directory: Path) -> bool:
@@ -384,7 +390,7 @@ def _audit_path(data_dir: Path) -> Path:
     raise _fail(f"no audit log at {path}")
 
 
-def _open(path: Path, data_dir: Path):
+def _open(path: Path, data_dir: Path) -> au.AuditLog:
     try:
         return au.open_log(data_dir) if path.name == au.AUDIT_NAME else au.AuditLog(path)
     except au.AuditError as e:
@@ -409,8 +415,9 @@ def audit_keygen(
         raise _fail(str(e)) from None
     if res.rotation is not None and data_dir.is_dir():
         with _open(data_dir / au.AUDIT_NAME, data_dir) as log:
-            e = log.append("key_rotation", res.rotation)
-        _note(f"rotation recorded in audit entry {e.seq if e else '?'} and in {au.keyring_path(res.private)}")
+            rotation = log.append("key_rotation", res.rotation)
+        where = rotation.seq if rotation else "?"
+        _note(f"rotation recorded in audit entry {where} and in {au.keyring_path(res.private)}")
     typer.echo(f"private key: {res.private}\npublic key:  {res.public}\nkey id:      {res.key_id}")
 
 
@@ -441,7 +448,8 @@ def audit_checkpoint(
         _note(f"checkpoint of {text.splitlines()[1]} entries written to {output}")
 
 
-def _trusted(public_keys: list[Path] | None, keyring: Path | None, log, required: bool):
+def _trusted(public_keys: list[Path] | None, keyring: Path | None, log: au.AuditLog | None,
+             required: bool) -> au.TrustedKeys | None:
     keys = list(public_keys or [])
     default_pub = au.public_path(au.default_private_key_path())
     if not keys and default_pub.exists():
@@ -457,9 +465,10 @@ def _trusted(public_keys: list[Path] | None, keyring: Path | None, log, required
         raise _fail(str(e)) from None
 
 
-def _store_changes(changes) -> str:
+def _store_changes(changes: Iterable[au.StoreChange]) -> str:
     lines = ["job\trecord\tfield\tlogged\tstored\tentry"]
-    lines += [f"{c.job_id}\t{c.record}\t{c.field}\t{json.dumps(c.logged)}\t{json.dumps(c.stored)}\t{c.seq}" for c in changes]
+    lines += [f"{c.job_id}\t{c.record}\t{c.field}\t{json.dumps(c.logged)}\t{json.dumps(c.stored)}\t{c.seq}"
+              for c in changes]
     return "\n".join(lines)
 
 
@@ -467,8 +476,9 @@ def _store_changes(changes) -> str:
 def audit_verify(
     reports: Annotated[list[Path] | None, typer.Argument(help="signed reports (each manifest lies beside it)")] = None,
     data_dir: DataDir = Path("gpuledger-data"),
-    checkpoint: Annotated[list[Path] | None, typer.Option("--checkpoint", help="checkpoints the log must extend "
-                                                             "(repeat: several narrow the first changed entry)")] = None,
+    checkpoint: Annotated[list[Path] | None, typer.Option(
+        "--checkpoint", help="checkpoints the log must extend (repeat: several narrow the first changed entry)"),
+    ] = None,
     public_key: Annotated[list[Path] | None, typer.Option("--public-key", help="pin the signing key (default: the "
                                                              "public key beside the default private key)")] = None,
     keyring: Annotated[Path | None, typer.Option("--keyring", help="rotation records linking retired keys to the "
@@ -512,7 +522,8 @@ def audit_verify(
         raise typer.Exit(code=1)
 
 
-def _bind_store(data_dir: Path, log, write: bool, accept_reason: str | None = None, now: float | None = None):
+def _bind_store(data_dir: Path, log: au.AuditLog, write: bool, accept_reason: str | None = None,
+                now: float | None = None) -> au.Bound:
     import time as _time
 
     store = _open_store(data_dir)
@@ -530,7 +541,8 @@ def _bind_store(data_dir: Path, log, write: bool, accept_reason: str | None = No
 
 @audit_app.command("proof")
 def audit_proof(
-    entry: Annotated[int | None, typer.Option("--entry", help="inclusion proof of this entry (numbered from 1)")] = None,
+    entry: Annotated[int | None,
+                     typer.Option("--entry", help="inclusion proof of this entry (numbered from 1)")] = None,
     since: Annotated[int | None, typer.Option("--since", help="consistency proof from this tree size")] = None,
     size: Annotated[int | None, typer.Option("--size", help="in the tree of this size (default: now)")] = None,
     data_dir: DataDir = Path("gpuledger-data"),
@@ -549,7 +561,8 @@ def audit_proof(
                 doc = {"leaf_index": entry - 1, "tree_size": n, "leaf_hash": e.leaf.hex(), "root": log.root(n).hex(),
                        "inclusion_path": [h.hex() for h in log.inclusion_proof(entry, n)]}
             elif since is not None:
-                doc = {"first": since, "second": n, "first_root": log.root(since).hex(), "second_root": log.root(n).hex(),
+                doc = {"first": since, "second": n, "first_root": log.root(since).hex(),
+                       "second_root": log.root(n).hex(),
                        "consistency_path": [h.hex() for h in log.consistency_proof(since, n)]}
             else:
                 raise ValueError("give --entry N or --since SIZE")
