@@ -188,7 +188,7 @@ def main() -> None:
         results[name] = run_candidate(name, a.nodes, a.period, a.seconds, a.conns, a.burst)
     base = results.get("stdlib")
     if base:
-        for name, r in results.items():
+        for r in results.values():
             r["saturation"]["vs_stdlib"] = round(r["saturation"]["requests_per_s"]
                                                  / max(base["saturation"]["requests_per_s"], 1e-9), 2)
     print(json.dumps({"nodes": a.nodes, "period_s": a.period, "fleet_seconds": a.seconds,

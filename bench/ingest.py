@@ -305,8 +305,9 @@ def main() -> None:
         for phase in ("new", "steady"):
             vm, gl = phases[phase]["vm"], phases[phase]["gl"]
             cpu = {k: x["cpu_s"] / max(x["samples"], 1) * 1e6 for k, x in (("vm", vm), ("gl", gl))}
-            row = {"batch": shape, "phase": phase, "vm_samples_per_s": vm["rate"], "collector_samples_per_s": gl["rate"],
-                   "ratio": gl["rate"] / vm["rate"], "vm_cpu_s_per_million": cpu["vm"],
+            row = {"batch": shape, "phase": phase, "vm_samples_per_s": vm["rate"],
+                   "collector_samples_per_s": gl["rate"], "ratio": gl["rate"] / vm["rate"],
+                   "vm_cpu_s_per_million": cpu["vm"],
                    "collector_cpu_s_per_million": cpu["gl"], "cpu_ratio": cpu["gl"] / max(cpu["vm"], 1e-9)}
             table.append(row)
             print(f"{shape:>7} {phase:<8}{vm['rate']:>14,.0f}{gl['rate']:>12,.0f}{row['ratio']:>8.2f}"

@@ -219,7 +219,8 @@ class SqliteLedger:
 
     def record_batch(self, host: str, agent_id: str, seq: int, digest: bytes | None, received: float,
                      samples: int) -> None:
-        self._db.execute("INSERT INTO batch_keys VALUES (?,?,?,?,?,?)", (host, agent_id, seq, digest, received, samples))
+        self._db.execute("INSERT INTO batch_keys VALUES (?,?,?,?,?,?)",
+                         (host, agent_id, seq, digest, received, samples))
 
     def prune_batches(self, before: float) -> int:
         """Forget batch keys received before ``before`` (the dedupe horizon); returns how many."""

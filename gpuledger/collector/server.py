@@ -344,7 +344,7 @@ class CollectorServer:
         host = req.principal.name if req.principal is not None else None
         # Per node token: one node's slow bodies cannot take every slot. Without auth there is no node to
         # count by (behind NAT or a proxy one address is many nodes); the request deadline still bounds them.
-        who = host if host is not None and req.principal.role == "node" else None
+        who = host if req.principal is not None and req.principal.role == "node" else None
         if who is not None:
             with self._count_lock:
                 held = self._per_host.get(who, 0)

@@ -13,23 +13,22 @@ anything it doubts to the per-sample path. ``tests/collector/test_validate.py`` 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import io
 import json
 import math
 import operator
-import zlib
-import functools
 import re
+import zlib
 from dataclasses import dataclass, fields
 from typing import Any, TypeGuard
 
 import msgpack
+import msgspec
 import numpy as np
 import zstandard
-
-import msgspec
 
 from gpuledger.collector.series import Series
 from gpuledger.schema.records import (

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-
 from gpuledger.agent.push import encode_batch
 from gpuledger.collector.store import BatchConflict, SqliteStore
 from gpuledger.collector.validate import parse_batch
