@@ -163,8 +163,7 @@ class LedgerStore(LedgerReader, Protocol):
     def load_usage(self, key: UsageKey) -> UsageAcc | None: ...
     def load_hour(self, key: HourKey) -> HourAcc | None: ...
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]: ...
-    def gpu_total(self, gpu_key: GpuKey) -> tuple | None: ...
-    def host_gpu_count(self, host: str) -> int: ...
+    def host_gpu_totals(self, host: str) -> list[tuple[GpuKey, tuple]]: ...
     def write_aggregates(self, usage: Iterable[tuple[UsageKey, tuple]], gpus: Iterable[tuple[GpuKey, tuple]],
                          hours: Iterable[tuple[HourKey, tuple]]) -> None: ...
     def write_gaps(self, gaps: Mapping[GapKey, tuple[float, tuple[str, ...]] | None]) -> None: ...
@@ -368,15 +367,11 @@ class SqliteLedger:
         rows = self._db.execute(f"SELECT host, gpu_uuid, mig, {', '.join(GPU_TOTAL_FIELDS)} FROM gpus").fetchall()
         return [((r[0], r[1], r[2]), tuple(r[3:])) for r in rows]
 
-    def gpu_total(self, gpu_key: GpuKey) -> tuple | None:
-        """One GPU's running totals, None for a GPU never stored."""
-        row = self._db.execute(f"SELECT {', '.join(GPU_TOTAL_FIELDS)} FROM gpus WHERE host=? AND gpu_uuid=? AND mig=?",
-                               gpu_key).fetchone()
-        return None if row is None else tuple(row)
-
-    def host_gpu_count(self, host: str) -> int:
-        """GPUs (and MIG instances) stored for a host."""
-        return self._db.execute("SELECT COUNT(*) FROM gpus WHERE host=?", (host,)).fetchone()[0]
+    def host_gpu_totals(self, host: str) -> list[tuple[GpuKey, tuple]]:
+        """The running totals of every GPU (and MIG instance) stored for one host."""
+        rows = self._db.execute(f"SELECT host, gpu_uuid, mig, {', '.join(GPU_TOTAL_FIELDS)} FROM gpus WHERE host=?",
+                                (host,)).fetchall()
+        return [((r[0], r[1], r[2]), tuple(r[3:])) for r in rows]
 
     def write_aggregates(self, usage: Iterable[tuple[UsageKey, tuple]], gpus: Iterable[tuple[GpuKey, tuple]],
                          hours: Iterable[tuple[HourKey, tuple]]) -> None:

@@ -147,10 +147,10 @@ class SqliteStore:
         # a GPU silent this long (collector time) leaves memory: by default two windows, so a GPU that pauses
         # for less than its window keeps its window
         self.idle_evict_s = 2 * max(window_s, max_gap_s) if idle_evict_s is None else idle_evict_s
-        self._last_seen: dict[tuple, float] = {}  # GPU key -> collector time of its last batch
+        self._last_seen: dict[str, float] = {}  # host in memory -> collector time of its last batch
         self._next_eviction = -math.inf
         self.max_gpus_per_host = max_gpus_per_host
-        self._host_gpus: dict[str, int] = {}  # host -> GPUs stored (read from the ledger on first use)
+        self._host_gpus: dict[str, int] = {}  # host in memory -> its GPUs (and MIG instances)
         self.path = Path(path)
         private_file(self.path)  # user names and uids: readable by the collector's account only
         self.retention = retention
@@ -196,51 +196,54 @@ class SqliteStore:
         self._restore()
 
     def _restore(self) -> None:
-        """Forget the in-memory aggregation: each GPU's window is rebuilt from committed state when a batch for
-        it arrives (``_ensure_windows``)."""
+        """Forget the in-memory aggregation: each host's windows are rebuilt from committed state when a batch
+        of that host arrives (``_ensure_windows``)."""
         self.agg.reset()
         self._last_seen.clear()
+        self._host_gpus.clear()
 
     def _ensure_windows(self, gpu_keys: set[tuple]) -> None:
-        """Restore the window (recent samples plus the one before) and totals of each stored GPU not in memory;
-        TooManyGpus (before anything changes) when new GPUs would take a host over ``max_gpus_per_host``."""
+        """Restore every stored GPU of the hosts in ``gpu_keys`` not in memory (their windows: recent samples plus
+        the one before, and totals). A host's GPUs come back together: the aggregation's rules may join a GPU
+        and its MIG instances. TooManyGpus (before anything changes) when new GPUs would take a host over
+        ``max_gpus_per_host``."""
+        hosts = {k[0] for k in gpu_keys}
+        load = {h: self.ledger.host_gpu_totals(h) for h in hosts if h not in self._last_seen}
+        for host in hosts:
+            known = len(load[host]) if host in load else self._host_gpus[host]
+            stored = {k for k, _ in load[host]} if host in load else None
+            new = sum(1 for k in gpu_keys if k[0] == host and k not in self.agg.gpus
+                      and (stored is None or k not in stored))
+            if known + new > self.max_gpus_per_host:
+                raise TooManyGpus(f"host {host!r} has {known} GPUs and MIG instances stored; {new} new ones would "
+                                  f"pass the limit of {self.max_gpus_per_host}")
         watermark = GPU_TOTAL_FIELDS.index("watermark")
-        stored: dict[tuple, tuple] = {}
-        new: dict[str, int] = {}
-        for gpu_key in gpu_keys:
-            if gpu_key in self.agg.gpus:
-                continue
-            totals = self.ledger.gpu_total(gpu_key)
-            if totals is None:
-                new[gpu_key[0]] = new.get(gpu_key[0], 0) + 1
-            else:
-                stored[gpu_key] = totals
-        for host, n in new.items():
-            if host not in self._host_gpus:
-                self._host_gpus[host] = self.ledger.host_gpu_count(host)
-            if self._host_gpus[host] + n > self.max_gpus_per_host:
-                raise TooManyGpus(f"host {host!r} has {self._host_gpus[host]} GPUs and MIG instances stored; {n} new "
-                                  f"ones would pass the limit of {self.max_gpus_per_host}")
-        for host, n in new.items():
-            self._host_gpus[host] += n
         now = self._clock()
-        for gpu_key in gpu_keys:
-            self._last_seen[gpu_key] = now
-        for gpu_key, totals in stored.items():
-            floor = totals[watermark] - self.agg.window_s
-            self.agg.restore_gpu(gpu_key, totals, segments=self.series_store.window(gpu_key, floor))
+        for rows in load.values():
+            for gpu_key, totals in rows:
+                floor = totals[watermark] - self.agg.window_s
+                self.agg.restore_gpu(gpu_key, totals, segments=self.series_store.window(gpu_key, floor))
+        for host in hosts:
+            self._last_seen[host] = now
+            self._host_gpus[host] = len({k for k in self.agg.gpus if k[0] == host} | {k for k in gpu_keys
+                                                                                      if k[0] == host})
 
     def _evict_idle(self) -> None:
-        """Drop the windows of GPUs silent for ``idle_evict_s`` (called after a commit: nothing is dirty); a
+        """Drop the windows of hosts silent for ``idle_evict_s`` (called after a commit: nothing is dirty); a
         walk over every GPU, so at most every tenth of that interval."""
         now = self._clock()
         if now < self._next_eviction:
             return
         self._next_eviction = now + self.idle_evict_s / 10
         cutoff = now - self.idle_evict_s
-        for gpu_key in [k for k, t in self._last_seen.items() if t < cutoff]:
-            del self._last_seen[gpu_key]
-            self.agg.gpus.pop(gpu_key, None)  # the window map's entry; totals and samples are stored
+        idle = {h for h, t in self._last_seen.items() if t < cutoff}
+        if not idle:
+            return
+        for host in idle:
+            del self._last_seen[host]
+            self._host_gpus.pop(host, None)
+        for gpu_key in [k for k in self.agg.gpus if k[0] in idle]:
+            del self.agg.gpus[gpu_key]  # the window map's entry; totals and samples are stored
 
     # -- writes -------------------------------------------------------------------------------
     def ingest(self, batch: Batch) -> IngestResult:
@@ -282,7 +285,6 @@ class SqliteStore:
             # The in-memory aggregation (and the GPUs' clusters) already moved; put them back to what is committed.
             self.ledger.reload_clusters()
             self._restore()
-            self._host_gpus.clear()  # counted with the batches that were rolled back
             if len(group) > 1 and not _disk_full(exc):
                 for it in group:  # find the one that breaks the transaction; the others still commit
                     it.error, it.result = None, None
