@@ -11,10 +11,11 @@ Two parts behind two protocols (so either can move to another backend without to
 lock. Ingest is one transaction over both parts: a batch is stored whole (samples, usage, batch id) or
 not at all.
 
-The aggregation keeps a window per GPU in memory. It is bounded: a GPU's window is restored from the stored
-samples and totals when a batch for it arrives (so a restart restores nothing up front and never peaks
-above steady state), and evicted once the GPU has sent nothing for ``idle_evict_s`` (its totals are in the
-ledger, its samples in the series store: nothing is lost, and a later batch restores it exactly).
+The aggregation keeps a window per GPU in memory. It is bounded: a host's windows are restored from the
+stored samples and totals when a batch of that host arrives (so a restart restores nothing up front and
+never peaks above steady state), and evicted once the host has sent nothing for ``idle_evict_s`` (totals
+are in the ledger, samples in the series store: nothing is lost, and a later batch restores them exactly).
+At most ``max_gpus_per_host`` GPUs (and MIG instances) per host.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class SqliteStore:
         # 8.6 million keys): the horizon must exceed how long an agent may hold a batch (its spool), or a batch
         # resent after it is counted twice.
         self.dedupe_horizon_s = dedupe_horizon_s
-        # a GPU silent this long (collector time) leaves memory: by default two windows, so a GPU that pauses
-        # for less than its window keeps its window
+        # a host silent this long (collector time) leaves memory: by default two windows, so a host that
+        # pauses for less than its window keeps its windows
         self.idle_evict_s = 2 * max(window_s, max_gap_s) if idle_evict_s is None else idle_evict_s
         self._last_seen: dict[str, float] = {}  # host in memory -> collector time of its last batch
         self._next_eviction = -math.inf
