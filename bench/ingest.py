@@ -1,24 +1,23 @@
 #!/usr/bin/env python3
-"""Ingest speed: our collector (real HTTP server + SqliteStore, durable commits, per-job aggregation)
-against VictoriaMetrics, interleaved, on the same generated data.
+"""Ingest speed: our collector (real HTTP server + SqliteStore, durable group commits, per-job aggregation,
+background compaction running) against VictoriaMetrics, on the same generated data, every ratio printed here.
 
-Workload (the issue's): 1,000 hosts x 8 GPUs, 10 fields a sample (sm/dram ratios, power, the energy
-counter, memory used, temperature, SM and memory clocks, PCIe tx/rx) as random walks, every GPU on a
-Slurm job (jobs span 1-4 hosts). Batches of 5,000 samples: a collector batch belongs to one host (the
-collector binds a batch to its host), so a batch is 8 GPUs x 625 consecutive seconds; VictoriaMetrics
-gets exactly those samples as the same batches of line protocol (`/write`, precision ms). Two client
-connections each. Bodies are encoded before the clock starts (for the collector by the agent's own
-encoder, ``agent.push.encode_batch``: msgpack, one series of columns per GPU; line protocol for VM), so
-both measure the server.
+Workload: --hosts hosts x 8 GPUs, 10 fields a sample (sm/dram ratios, power, the energy counter, memory used,
+temperature, SM and memory clocks, PCIe tx/rx) as random walks, every GPU on a Slurm job (jobs span 1-4
+hosts). A collector batch belongs to one host; its shape is 8 GPUs x S consecutive seconds, for each
+--shapes value (80: the default agent, pushing every 10 s; 600; 5,000). VictoriaMetrics gets exactly those
+samples as the same batches of line protocol (`/write`, precision ms). Bodies are encoded before the clock
+starts (for the collector by the agent's own encoder, ``agent.push.encode_batch``: msgpack, one series of
+columns per GPU), so both measure the server.
 
-Each round runs each competitor once (order alternating) for up to --points samples or --seconds;
-the figures are medians over rounds. Server CPU comes from /proc (VM) and the collector process;
-bytes on disk are measured after VM's force_flush + force_merge and after the collector's
-``compact()`` + WAL checkpoint (whose CPU time is added to the collector's).
+For each shape, a fresh pair of servers and two phases:
+- new series: each host's first batch (series neither store has seen);
+- steady state: later batches of hosts already stored, in --rounds rounds, order alternating.
+Each phase posts over --conns keep-alive connections for at most --seconds or --points samples. The
+collector compacts every --compact seconds during ingest (rollups, merges). Server CPU comes from /proc.
 
-    .venv/bin/python bench/ingest.py                   # ~2-3 minutes
-    .venv/bin/python bench/ingest.py --rounds 1 --points 200000   # a quick look
-    .venv/bin/python bench/ingest.py --layout samples             # the row layout (simple clients)
+    .venv/bin/python bench/ingest.py                                # all shapes, ~3-4 minutes
+    .venv/bin/python bench/ingest.py --shapes 80 --seconds 10       # the fleet shape only
 """
 
 from __future__ import annotations
@@ -44,12 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpuledger.agent.push import encode_batch  # noqa: E402
-from gpuledger.collector.store import SqliteStore  # noqa: E402
 from gpuledger.schema.records import GpuSample  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GPUS = 8
-STEPS = 625  # seconds per batch per GPU: 8 x 625 = 5,000 samples
 FIELDS = ("sm_active_ratio", "dram_bw_ratio", "power_watts", "energy_joules", "mem_used_bytes", "temp_celsius",
           "sm_clock_hz", "mem_clock_hz", "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second")
 INTS = {"mem_used_bytes"}
@@ -71,22 +68,11 @@ def cpu_s(pid: int) -> float:
     return (int(rest[11]) + int(rest[12])) / CLK_TCK
 
 
-def du(path: Path) -> int:
-    total = 0
-    for root, _d, files in os.walk(path):
-        for fn in files:
-            try:
-                total += os.lstat(os.path.join(root, fn)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
 class Data:
-    """Deterministic batches: batch i is host (i % hosts), seconds [t0 + k*625, t0 + (k+1)*625)."""
+    """Deterministic batches: batch (h, k) is host h, seconds [t0 + k*steps, t0 + (k+1)*steps)."""
 
-    def __init__(self, hosts: int, t0: float, seed: int = 1) -> None:
-        self.hosts, self.t0 = hosts, t0
+    def __init__(self, hosts: int, t0: float, steps: int, seed: int = 1) -> None:
+        self.hosts, self.t0, self.steps = hosts, t0, steps
         self.rng = np.random.default_rng(seed)
         self.energy = self.rng.uniform(1e6, 1e8, (hosts, GPUS)).round()
         self.jobs = []
@@ -97,12 +83,12 @@ class Data:
             self.jobs += [str(j)] * span
             h, j = h + span, j + 1
 
-    def batch(self, i: int) -> tuple[str, list[dict]]:
-        h, k = i % self.hosts, i // self.hosts
+    def batch(self, h: int, k: int) -> tuple[str, list[dict]]:
         r = self.rng
         host = f"node{h:04d}"
-        ts = self.t0 + k * STEPS + np.arange(STEPS, dtype=np.float64)
-        shape = (GPUS, STEPS)
+        steps = self.steps
+        ts = self.t0 + k * steps + np.arange(steps, dtype=np.float64)
+        shape = (GPUS, steps)
         sm = np.clip(0.5 + np.cumsum(r.normal(0, 0.02, shape), axis=1), 0, 1).round(3)
         dram = np.clip(0.3 + np.cumsum(r.normal(0, 0.02, shape), axis=1), 0, 1).round(3)
         power = np.clip(300 + np.cumsum(r.normal(0, 5, shape), axis=1), 60, 700).round(1)
@@ -207,26 +193,15 @@ sys.path.insert(0, sys.argv[3])
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
 store = SqliteStore(sys.argv[1])
+store.start_background(float(sys.argv[4]))  # compaction runs during ingest
 server = CollectorServer(store, port=int(sys.argv[2]))
 server.serve_forever()
 """
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=1000)
-    ap.add_argument("--points", type=int, default=1_000_000, help="samples per competitor per round (cap)")
-    ap.add_argument("--seconds", type=float, default=20.0, help="seconds per competitor per round (cap)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--conns", type=int, default=2)
-    ap.add_argument("--layout", choices=("series", "samples"), default="series",
-                    help="the collector's batch layout: series (what agents send) or samples (one map a sample)")
-    ap.add_argument("--json", type=Path, help="write the results here too")
-    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
-    a = ap.parse_args()
-    if not shutil.which("victoria-metrics"):
-        sys.exit("victoria-metrics not on PATH (Debian package victoria-metrics)")
-    work = Path(tempfile.mkdtemp(prefix="gl-ingest-"))
+def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
+    """Fresh servers, the new-series phase, then steady-state rounds; the phases' figures."""
+    steps = shape // GPUS
     procs: list[subprocess.Popen] = []
     try:
         vm_port, gl_port = free_port(), free_port()
@@ -237,93 +212,59 @@ def main() -> None:
         procs.append(vm)
         db = work / "gl" / "gpuledger.sqlite"
         db.parent.mkdir()
-        gl = subprocess.Popen([sys.executable, "-c", COLLECTOR, str(db), str(gl_port), str(ROOT)],
+        gl = subprocess.Popen([sys.executable, "-c", COLLECTOR, str(db), str(gl_port), str(ROOT), str(a.compact)],
                               stdout=(work / "gl.log").open("wb"), stderr=subprocess.STDOUT)
         procs.append(gl)
         wait_ready(vm_port, "/health", vm)
         wait_ready(gl_port, "/metrics", gl)
-        data = Data(a.hosts, t0=time.time() - 3 * 86400)
-        nb = max(1, a.points // (GPUS * STEPS))
+        data = Data(a.hosts, time.time() - 3 * 86400, steps)
+        per_phase = max(1, a.points // shape)
+
+        def bodies(keys: list[tuple[int, int]]) -> tuple[list[bytes], list[bytes]]:
+            mp, lp = [], []
+            for h, k in keys:
+                host, ss = data.batch(h, k)
+                # the agent's own encoder: series layout, complete columns as raw bytes
+                mp.append(encode_batch(host, host, k, [GpuSample.from_dict(d) for d in ss], fmt="msgpack"))
+                lp.append(lp_body(ss))
+            return mp, lp
+
+        def measure(name: str, mp: list[bytes], lp: list[bytes]) -> dict:
+            pid = vm.pid if name == "vm" else gl.pid
+            c0 = cpu_s(pid)
+            if name == "vm":
+                n, wall = post_all(vm_port, "/write?precision=ms", lp, {}, 204, a.conns, a.seconds)
+            else:
+                n, wall = post_all(gl_port, "/api/v1/samples", mp, {"Content-Type": "application/msgpack"}, 200,
+                                   a.conns, a.seconds)
+            settle(pid)
+            samples = n * shape
+            return {"samples": samples, "wall_s": wall, "rate": samples / wall, "cpu_s": cpu_s(pid) - c0,
+                    "batches": n}
+
+        out: dict[str, dict] = {}
+        # new series: each host's first batch (k = 0); both servers get the same hosts
+        new_keys = [(h, 0) for h in range(min(a.hosts, per_phase))]
+        mp, lp = bodies(new_keys)
+        res = {name: measure(name, mp, lp) for name in ("vm", "gl")}
+        seen = min(res["vm"]["batches"], res["gl"]["batches"])  # hosts both stores now hold
+        out["new"] = res
+        log(f"shape {shape} new series: VM {res['vm']['rate']:,.0f}/s, collector {res['gl']['rate']:,.0f}/s")
+        # steady state: later batches of hosts both hold (each server continues where it stopped)
         cursor = {"vm": 0, "gl": 0}
-        results: dict[str, list[dict]] = {"vm": [], "gl": []}
-        cache: dict[int, tuple[bytes, bytes]] = {}
-
-        def bodies(start: int, n: int) -> tuple[list[bytes], list[bytes]]:
-            for i in range(start, start + n):
-                if i not in cache:
-                    host, ss = data.batch(i)
-                    # the agent's own encoder: series layout, complete columns as raw bytes
-                    mp = encode_batch(host, host, i, [GpuSample.from_dict(d) for d in ss], fmt="msgpack",
-                                      layout=a.layout)
-                    cache[i] = (mp, lp_body(ss))
-            return [cache[i][0] for i in range(start, start + n)], [cache[i][1] for i in range(start, start + n)]
-
+        rounds: dict[str, list[dict]] = {"vm": [], "gl": []}
         for rnd in range(a.rounds):
-            order = ["vm", "gl"] if rnd % 2 == 0 else ["gl", "vm"]
-            for name in order:
-                mp, lp = bodies(cursor[name], nb)
-                pid = vm.pid if name == "vm" else gl.pid
-                c0 = cpu_s(pid)
-                if name == "vm":
-                    n, wall = post_all(vm_port, "/write?precision=ms", lp, {}, 204, a.conns, a.seconds)
-                else:
-                    n, wall = post_all(gl_port, "/api/v1/samples", mp, {"Content-Type": "application/msgpack"},
-                                       200, a.conns, a.seconds)
-                settle(pid)
-                cpu = cpu_s(pid) - c0
-                cursor[name] += n
-                samples = n * GPUS * STEPS
-                results[name].append({"samples": samples, "wall_s": wall, "rate": samples / wall, "cpu_s": cpu})
-                log(f"round {rnd + 1} {name}: {samples} samples in {wall:.1f} s = {samples / wall:,.0f}/s, "
-                    f"server CPU {cpu:.1f} s")
-                for i in [k for k in cache if k < min(cursor.values())]:
-                    del cache[i]
-        # bytes on disk: VM after flush + merge; the collector after compaction + checkpoint
-        for path in ("/internal/force_flush", "/internal/force_merge"):
-            c = http.client.HTTPConnection("127.0.0.1", vm_port, timeout=300)
-            c.request("GET", path)
-            c.getresponse().read()
-        settle(vm.pid, idle_s=3.0, limit_s=60)
-        vm_bytes = du(work / "vm")
-        gl.terminate()
-        gl.wait(30)
-        t0 = time.process_time()
-        store = SqliteStore(db)
-        store.compact(now=time.time())
-        store.checkpoint()
-        tiers = store.tiers()
-        store.close()
-        compact_cpu = time.process_time() - t0
-        gl_bytes = du(db.parent)
-        totals = {k: sum(r["samples"] for r in v) for k, v in results.items()}
-        cpu_tot = {k: sum(r["cpu_s"] for r in v) for k, v in results.items()}
-        cpu_tot["gl"] += compact_cpu
-        rate = {k: statistics.median(r["rate"] for r in v) for k, v in results.items()}
-        ratios = [g["rate"] / v["rate"] for g, v in zip(results["gl"], results["vm"])]
-        per_m = {k: cpu_tot[k] / totals[k] * 1e6 for k in totals}
-        bps = {"vm": vm_bytes / totals["vm"], "gl": gl_bytes / totals["gl"]}
-        out = {
-            "workload": {"hosts": a.hosts, "gpus": a.hosts * GPUS, "fields": len(FIELDS), "batch": GPUS * STEPS,
-                     "layout": a.layout,
-                         "conns": a.conns, "rounds": a.rounds},
-            "victoria_metrics": {"samples_per_s": rate["vm"], "cpu_s_per_million": per_m["vm"],
-                                 "bytes_per_sample": bps["vm"], "samples": totals["vm"]},
-            "collector": {"samples_per_s": rate["gl"], "cpu_s_per_million": per_m["gl"],
-                          "bytes_per_sample": bps["gl"], "samples": totals["gl"], "compact_cpu_s": compact_cpu,
-                          "tiers": tiers},
-            "ratio_to_vm": {"samples_per_s": statistics.median(ratios), "cpu_per_sample": per_m["gl"] / per_m["vm"],
-                            "bytes_per_sample": bps["gl"] / bps["vm"]},
-            "rounds": results,
-        }
-        print(f"{'':28}{'samples/s':>12}{'CPU s / 1M':>12}{'bytes/sample':>14}")
-        print(f"{'VictoriaMetrics /write':28}{rate['vm']:>12,.0f}{per_m['vm']:>12.1f}{bps['vm']:>14.1f}")
-        print(f"{'gpuledger collector':28}{rate['gl']:>12,.0f}{per_m['gl']:>12.1f}{bps['gl']:>14.1f}")
-        r = out["ratio_to_vm"]
-        print(f"{'ratio collector / VM':28}{r['samples_per_s']:>12.2f}{r['cpu_per_sample']:>12.2f}"
-              f"{r['bytes_per_sample']:>14.2f}")
-        print("targets: samples/s ratio >= 1.0, bytes/sample ratio <= 2.0")
-        if a.json:
-            a.json.write_text(json.dumps(out, indent=2))
+            for name in (["vm", "gl"] if rnd % 2 == 0 else ["gl", "vm"]):
+                keys = [(j % seen, 1 + j // seen) for j in range(cursor[name], cursor[name] + per_phase)]
+                mp, lp = bodies(keys)
+                r = measure(name, mp, lp)
+                cursor[name] += r["batches"]
+                rounds[name].append(r)
+                log(f"shape {shape} steady round {rnd + 1} {name}: {r['rate']:,.0f} samples/s")
+        out["steady"] = {k: {"rate": statistics.median(x["rate"] for x in v),
+                             "cpu_s": sum(x["cpu_s"] for x in v), "samples": sum(x["samples"] for x in v)}
+                         for k, v in rounds.items()}
+        return out
     finally:
         for p in procs:
             if p.poll() is None:
@@ -332,10 +273,49 @@ def main() -> None:
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        if not a.keep:
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=1000)
+    ap.add_argument("--shapes", default="80,600,5000", help="samples per batch (8 GPUs x seconds), comma-separated")
+    ap.add_argument("--points", type=int, default=400_000, help="samples per competitor per phase or round (cap)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="seconds per competitor per phase or round (cap)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--conns", type=int, default=32, help="keep-alive connections per competitor")
+    ap.add_argument("--compact", type=float, default=5.0, help="collector compaction interval during ingest")
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    a = ap.parse_args()
+    if not shutil.which("victoria-metrics"):
+        sys.exit("victoria-metrics not on PATH (Debian package victoria-metrics)")
+    shapes = [int(x) for x in a.shapes.split(",")]
+    if any(x % GPUS for x in shapes):
+        sys.exit(f"--shapes: each must be a multiple of {GPUS} (8 GPUs a batch)")
+    results = {}
+    for shape in shapes:
+        work = Path(tempfile.mkdtemp(prefix="gl-ingest-"))
+        try:
+            results[shape] = run_shape(a, shape, work)
+        finally:
             shutil.rmtree(work, ignore_errors=True)
-        else:
-            log(f"kept {work}")
+    print(f"{'batch':>7} {'phase':<8}{'VM samples/s':>14}{'collector':>12}{'ratio':>8}"
+          f"{'VM CPU s/1M':>13}{'coll. CPU s/1M':>16}{'CPU ratio':>11}")
+    table = []
+    for shape, phases in results.items():
+        for phase in ("new", "steady"):
+            vm, gl = phases[phase]["vm"], phases[phase]["gl"]
+            cpu = {k: x["cpu_s"] / max(x["samples"], 1) * 1e6 for k, x in (("vm", vm), ("gl", gl))}
+            row = {"batch": shape, "phase": phase, "vm_samples_per_s": vm["rate"],
+                   "collector_samples_per_s": gl["rate"], "ratio": gl["rate"] / vm["rate"],
+                   "vm_cpu_s_per_million": cpu["vm"],
+                   "collector_cpu_s_per_million": cpu["gl"], "cpu_ratio": cpu["gl"] / max(cpu["vm"], 1e-9)}
+            table.append(row)
+            print(f"{shape:>7} {phase:<8}{vm['rate']:>14,.0f}{gl['rate']:>12,.0f}{row['ratio']:>8.2f}"
+                  f"{cpu['vm']:>13.1f}{cpu['gl']:>16.1f}{row['cpu_ratio']:>11.2f}")
+    print(f"workload: {a.hosts} hosts x {GPUS} GPUs, {len(FIELDS)} fields, {a.conns} connections each, "
+          f"collector compaction every {a.compact:g} s; target: ratio >= 1.5 on the 80-sample steady state")
+    if a.json:
+        a.json.write_text(json.dumps({"workload": vars(a) | {"json": None}, "table": table}, indent=2))
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ def _check_listen(addr: str, port: int) -> None:
 def run(
     source: str = typer.Option("nvml", "--source", "-s", help=f"one of: {', '.join(SOURCES)}"),
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL (for --source dcgm-exporter)"),
-    collector: str | None = typer.Option(None, help="collector samples URL to push each batch to"),
+    collector: list[str] = typer.Option([], help="collector base URL (http://host:8470 or host:8470) to push each "
+                                        "batch to; repeat for fail-over collectors, tried in order"),
     metrics_port: int | None = typer.Option(9445, help="serve /metrics on this port (0: any free port)"),
     metrics_addr: str = typer.Option("0.0.0.0", help=METRICS_ADDR_HELP),
     interval: float = typer.Option(10.0, help="seconds between sampling cycles"),
@@ -211,8 +212,9 @@ def run(
     stages = _stages(mapper, mapping_dir)
     src = _open_source(source, url, node, gpus, seed, load)  # samples carry the host the agent pushes as
     sinks: list[Any] = []
+    delivery: Any = None  # the sink that says what reached the collector
     if collector:
-        from gpuledger.agent.push import HttpPusher  # noqa: PLC0415
+        from gpuledger.agent.push import DirectSink, HttpPusher  # noqa: PLC0415
 
         if token_file:
             try:
@@ -223,13 +225,20 @@ def run(
             raise typer.BadParameter(f"--wire must be msgpack or json, got {wire!r}")
         from gpuledger.agent.slurm import local_cluster_name  # noqa: PLC0415
 
-        pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True, fmt=wire,
-                            cluster=local_cluster_name() if cluster is None else cluster)
-        sink: Any = pusher
+        try:
+            pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True, fmt=wire,
+                                cluster=local_cluster_name() if cluster is None else cluster)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--collector") from None
+        sink: Any = DirectSink(pusher)
         if spool_dir:
             from gpuledger.agent.spool import Spool, SpoolingPusher  # noqa: PLC0415
 
-            sink = SpoolingPusher(pusher, Spool(spool_dir, max_bytes=spool_max_bytes), fmt=wire).start()
+            try:
+                sink = SpoolingPusher(pusher, Spool(spool_dir, max_bytes=spool_max_bytes), fmt=wire).start()
+            except (OSError, ValueError) as exc:
+                raise typer.BadParameter(str(exc), param_hint="--spool-dir") from None
+        delivery = sink
         if push_every > 1:
             from gpuledger.agent.push import Batcher  # noqa: PLC0415
 
@@ -260,6 +269,11 @@ def run(
             server.shutdown()
         agent.close()
     typer.echo(f"stopped after {agent.ticks_total} cycle(s); errors: {agent.errors_total}")
+    if delivery is not None:
+        typer.echo(f"collector: {delivery.summary()}")
+        if duration > 0 and agent.ticks_total and not delivery.delivered():
+            typer.echo(f"error: nothing could be delivered to {', '.join(collector)} in {duration:g} s", err=True)
+            raise typer.Exit(1)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,28 @@
 """Push sample batches to the collector over HTTP (a sink for :class:`agent.sampler.Agent`).
 
 Each batch carries ``(agent_id, seq)`` so the collector can drop a batch it has already seen (a retry).
-``seq`` starts from the wall clock in microseconds, so a restarted agent never reuses an old number;
-numbers may have gaps (a failed batch burns its number unless it is re-sent with :meth:`send`).
+Sequence numbers never come from the wall clock (a clock stepped back would reuse them): with a spool
+directory they persist there (``agent.spool.SeqFile``); without one a pusher starts at a random 62-bit
+number, so a restarted agent does not meet its old numbers. Numbers may have gaps (a failed batch burns its
+number unless it is re-sent with :meth:`HttpPusher.send`).
+
+``--collector`` is the collector's base URL (``http://host:8470``, or ``host:8470``: http is assumed); the
+samples path is the agent's business. Several URLs fail over in order.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import math
+import secrets
 import ssl
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import msgpack
@@ -24,8 +31,39 @@ import zstandard
 from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.schema.wire import to_series
 
+log = logging.getLogger(__name__)
+
 _BODY_EXCERPT = 500  # characters of an error response kept in the exception
 CONTENT_TYPES = {"json": "application/json", "msgpack": "application/msgpack"}
+SAMPLES_PATH = "/api/v1/samples"
+# Answers after which another collector (or a later attempt) may take the batch: no answer, the server's
+# trouble, overload, or a configuration problem of that collector (wrong token, wrong path).
+FAILOVER_STATUSES = frozenset({401, 403, 404, 408, 425, 429}) | frozenset(range(500, 600))
+
+
+def samples_url(collector: str) -> str:
+    """The samples endpoint of a collector given by its base URL; ValueError (one line) for what is no URL.
+
+    ``host:port`` means ``http://host:port``; a path is a prefix (a collector behind a proxy), and a URL
+    that already ends in the samples path is taken as it is."""
+    raw = collector.strip()
+    if "://" not in raw:
+        raw = "http://" + raw
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"collector URL {collector!r}: scheme must be http or https")
+    try:
+        parts.port  # noqa: B018 - reading it checks it
+    except ValueError:
+        raise ValueError(f"collector URL {collector!r}: the port is not a number in 0..65535") from None
+    if not parts.hostname:
+        raise ValueError(f"collector URL {collector!r} has no host name")
+    if parts.query or parts.fragment:
+        raise ValueError(f"collector URL {collector!r}: no query or fragment (give the base URL)")
+    path = parts.path.rstrip("/")
+    if not path.endswith(SAMPLES_PATH):
+        path += SAMPLES_PATH
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 def _floats(s: GpuSample) -> list[Any]:
@@ -38,12 +76,27 @@ def _verify(verify: str | bool) -> ssl.SSLContext | bool:
 
 
 class PushError(RuntimeError):
-    """A batch did not reach the collector: ``status`` is the HTTP status (None when no response came)."""
+    """A batch did not reach the collector: ``status`` is the HTTP status (None when no response came),
+    ``reason`` the collector's machine-readable reason (``future``, ``invalid``, ...) when it gave one."""
 
-    def __init__(self, message: str, status: int | None = None, body: str = "") -> None:
+    def __init__(self, message: str, status: int | None = None, body: str = "", cause: str = "",
+                 reason: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.body = body
+        self.cause = cause
+        self.reason = reason
+
+    @property
+    def failover(self) -> bool:
+        """Might another collector, or a later attempt, take the batch?"""
+        return self.status is None or self.status in FAILOVER_STATUSES
+
+    def describe(self) -> str:
+        """Why the push failed, in a few words (for one log line)."""
+        if self.status is None:
+            return f"unreachable ({self.cause})"
+        return f"answered HTTP {self.status}: {self.body.strip()[:200] or '(no body)'}"
 
 
 class EncodeError(ValueError):
@@ -94,7 +147,7 @@ class HttpPusher:
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         agent_id: str,
         host: str,
         timeout: float = 10.0,
@@ -108,11 +161,13 @@ class HttpPusher:
     ) -> None:
         if fmt not in CONTENT_TYPES:
             raise ValueError(f"pusher: fmt must be json or msgpack, got {fmt!r}")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"pusher: url must be http(s)://..., got {url!r}")
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ValueError("pusher: at least one collector url is needed")
         if not agent_id:
             raise ValueError("pusher: agent_id must not be empty")
-        self.url = url
+        self.urls = [samples_url(u) for u in urls]  # tried in order for each batch
+        self.url = self.urls[0]
         self.fmt = fmt  # what write() sends: json, or msgpack with complete columns as raw bytes (the agent's)
         self.agent_id = agent_id
         self.host = host
@@ -127,8 +182,11 @@ class HttpPusher:
         # verify: True (system CAs), a CA bundle path (a self-signed collector), or False (tests only).
         self._client = client if client is not None else httpx.Client(timeout=timeout, verify=_verify(verify))
         self._lock = threading.Lock()
-        self._next_seq = time.time_ns() // 1000 if seq_start is None else int(seq_start)
+        # not the clock: a random start (62 bits) that a restarted agent without state will not meet again
+        self._next_seq = secrets.randbits(62) if seq_start is None else int(seq_start)
         self.batches_sent = 0
+        self.samples_sent = 0  # samples in batches the collector acknowledged
+        self.samples_refused = 0  # of those, samples it said it did not store (too late, duplicate)
 
     def next_seq(self) -> int:
         with self._lock:
@@ -165,29 +223,105 @@ class HttpPusher:
 
     def send(self, seq: int, samples: Sequence[GpuSample]) -> None:
         """Send a batch under a given sequence number (in ``fmt``)."""
-        self.post(seq, self.encode(seq, samples, self.fmt), self.fmt)
+        self.post(seq, self.encode(seq, samples, self.fmt), self.fmt, samples=len(samples))
 
-    def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None) -> None:
-        """POST an encoded batch; returns on a 2xx, else raises PushError (``status`` None: no response)."""
+    def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None, samples: int = 0) -> None:
+        """POST an encoded batch to the collectors in order until one acknowledges it (a 2xx); raises the last
+        PushError (``status`` None: no response) when none does. An answer that refuses the batch itself (a
+        4xx other than ``FAILOVER_STATUSES``) is final: another collector would say the same."""
         headers = {"Content-Type": CONTENT_TYPES[fmt], **self._headers}
         if compress:
             headers["Content-Encoding"] = compress
+        for i, url in enumerate(self.urls):
+            try:
+                self._post_one(url, seq, body, headers, samples)
+                return
+            except PushError as exc:
+                if not exc.failover or i == len(self.urls) - 1:
+                    raise
+                log.warning("collector %s %s for batch %d: trying %s", url, exc.describe(), seq, self.urls[i + 1])
+
+    def _post_one(self, url: str, seq: int, body: bytes, headers: dict[str, str], samples: int) -> None:
         try:
-            response = self._client.post(self.url, content=body, headers=headers)
+            response = self._client.post(url, content=body, headers=headers)
         except httpx.HTTPError as exc:
-            raise PushError(f"push of batch {seq} to {self.url} failed: {type(exc).__name__}: {exc}") from exc
+            cause = f"{type(exc).__name__}: {exc}"
+            raise PushError(f"push of batch {seq} to {url} failed: {cause}", cause=cause) from exc
         if not 200 <= response.status_code < 300:
             text = response.text[:_BODY_EXCERPT]
-            raise PushError(
-                f"push of batch {seq} to {self.url} rejected: HTTP {response.status_code}: {text}",
-                status=response.status_code,
-                body=text,
-            )
+            try:
+                reason = response.json().get("reason", "")
+            except (ValueError, AttributeError):
+                reason = ""
+            raise PushError(f"push of batch {seq} to {url} rejected: HTTP {response.status_code}: {text}",
+                            status=response.status_code, body=text, reason=reason if isinstance(reason, str) else "")
         self.batches_sent += 1
+        self.samples_sent += samples
+        self._read_ack(url, seq, response)
+
+    def _read_ack(self, url: str, seq: int, response: httpx.Response) -> None:
+        """Every answer is read: samples the collector acknowledged but did not store are counted and said."""
+        try:
+            ack = response.json()
+        except ValueError:
+            return
+        if not isinstance(ack, dict):
+            return
+        late = ack.get("too_late", 0)
+        dup = ack.get("duplicate_samples", 0)
+        refused = (late if isinstance(late, int) else 0) + (dup if isinstance(dup, int) else 0)
+        if refused:  # samples already stored (an overlapping resend) are benign; late ones come as a 422
+            self.samples_refused += refused
+            log.info("collector %s stored batch %d without %d of its samples (%s too late for their GPU's "
+                     "window, %s already stored)", url, seq, refused, late, dup)
 
     def close(self) -> None:
         if self._own_client:
             self._client.close()
+
+
+class DirectSink:
+    """An Agent sink without a spool: each batch is posted at once; one no collector takes is dropped, with
+    one warning line saying why. ``stats()`` and ``summary()`` say what was delivered and what was lost."""
+
+    def __init__(self, pusher: HttpPusher) -> None:
+        self.pusher = pusher
+        self.dropped_batches = 0
+        self.dropped_samples = 0
+        self.rejected_batches = 0  # of the dropped: refused for good by the collector (a 4xx about the batch)
+
+    def write(self, samples: Sequence[GpuSample]) -> None:
+        seq = self.pusher.next_seq()
+        try:
+            self.pusher.send(seq, samples)
+        except PushError as exc:
+            self.dropped_batches += 1
+            self.dropped_samples += len(samples)
+            if exc.failover:
+                log.warning("collector %s for batch %d (%d samples): dropped (no --spool-dir to keep it)",
+                            exc.describe(), seq, len(samples))
+            else:
+                self.rejected_batches += 1
+                log.warning("collector refused batch %d (%d samples) for good, %s: dropped", seq, len(samples),
+                            exc.describe())
+
+    def write_jobs(self, records: Sequence[JobRecord]) -> None:
+        self.pusher.write_jobs(records)
+
+    def stats(self) -> dict[str, float]:
+        return {"sent_batches": self.pusher.batches_sent, "dropped_batches": self.dropped_batches,
+                "dropped_samples": self.dropped_samples, "rejected_batches": self.rejected_batches}
+
+    def delivered(self) -> int:
+        return self.pusher.batches_sent
+
+    def summary(self) -> str:
+        p = self.pusher
+        return (f"delivered {p.batches_sent} batch(es) ({p.samples_sent} samples, {p.samples_refused} of them not "
+                f"stored by the collector); dropped {self.dropped_batches} batch(es) ({self.dropped_samples} samples)")
+
+    def close(self) -> None:
+        self.pusher.close()
 
 
 class Batcher:
@@ -224,6 +358,14 @@ class Batcher:
     def stats(self) -> dict[str, int] | None:  # the spool's figures, when the inner sink spools
         inner = getattr(self.sink, "stats", None)
         return inner() if callable(inner) else None
+
+    def summary(self) -> str:
+        inner = getattr(self.sink, "summary", None)
+        return inner() if callable(inner) else ""
+
+    def delivered(self) -> int:
+        inner = getattr(self.sink, "delivered", None)
+        return inner() if callable(inner) else 0
 
     def close(self) -> None:
         try:

@@ -9,8 +9,12 @@ that decays, and the newest batch always fits.
 
 :class:`SpoolingPusher` is an Agent sink: ``write`` only spools (never blocks on the network); a sender
 thread posts the oldest batch first. A connection failure, a 5xx, 401/403/404 (configuration, not the
-batch), 408 or 429 is retried after an exponential, jittered delay; any other 4xx means the collector will
-never take the batch: it is dropped, counted and logged.
+batch), 408, 429, or a 400 for times in the collector's future (this node's clock is off: fixed, the batch
+goes through) is retried after an exponential, jittered delay; any other 4xx means the collector will never
+take the batch: it is dropped, counted and logged. Each failed attempt is one warning line.
+
+Sequence numbers persist in the spool directory (``SeqFile``), so a restarted agent continues after the
+numbers it used, whatever its clock says.
 """
 
 from __future__ import annotations
@@ -33,8 +37,43 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^(\d{20})-(\d+)\.(json|msgpack)(?:\.(gz|zst))?$")
 _COMPRESS_SUFFIX = {None: "", "gzip": ".gz", "zstd": ".zst"}
 _SUFFIX_COMPRESS = {None: None, "gz": "gzip", "zst": "zstd"}
-# 4xx answers that say nothing about the batch itself: keep it and retry.
-RETRY_4XX = frozenset({401, 403, 404, 408, 425, 429})
+CLOCK_SKEW_REASONS = frozenset({"future"})  # a 400 with this reason: this node's clock, not the batch
+SEQ_FILE = ".next-seq"  # hidden: the spool directory lists batches
+
+
+def retryable(exc: PushError) -> bool:
+    """Keep the batch and try again later? (No answer, 5xx, overload, configuration, clock skew.)"""
+    return exc.failover or (exc.status == 400 and exc.reason in CLOCK_SKEW_REASONS)
+
+
+class SeqFile:
+    """Sequence numbers that survive restarts without the clock: the file holds the first number not yet
+    reserved; numbers are reserved ``block`` at a time (one fsync per block), so a crash skips at most a
+    block and never reuses a number."""
+
+    def __init__(self, path: str | os.PathLike[str], block: int = 1024) -> None:
+        self.path = Path(path)
+        self.block = block
+        try:
+            self.reserved = int(self.path.read_text().strip())
+        except FileNotFoundError:
+            self.reserved = 0
+        except ValueError as exc:
+            raise ValueError(f"sequence file {self.path} is corrupt ({exc}): remove it only together with "
+                             "the spool, or the collector may take new batches for old ones") from None
+
+    def reserve(self, seq: int) -> None:
+        """Make sure ``seq`` is below the persisted reservation before it is used."""
+        if seq < self.reserved:
+            return
+        self.reserved = seq + self.block
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{self.reserved}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,14 +231,15 @@ class SpoolingPusher:
         self.rejected_samples = 0
         self.sent_batches = 0
         self.last_error: str | None = None
-        top = spool.max_seq()
-        if top is not None:  # after a restart: new batches go after the spooled ones, never reuse a number
-            pusher.bump_seq(top + 1)
+        self.seq_file = SeqFile(spool.path / SEQ_FILE)
+        # after a restart: new batches go after every number used before (spooled or already delivered)
+        pusher.bump_seq(max(self.seq_file.reserved, (spool.max_seq() or -1) + 1))
 
     # -- the sink side --------------------------------------------------------------------------
     def write(self, samples: Sequence[GpuSample]) -> int:
         """Spool one batch under a new seq and wake the sender; returns the seq. Raises PushError if unencodable."""
         seq = self.pusher.next_seq()
+        self.seq_file.reserve(seq)
         body = self.pusher.encode(seq, samples, self.fmt, self.compress)
         self.spool.put(seq, body, len(samples), self.fmt, self.compress)
         self._wake.set()
@@ -219,19 +259,19 @@ class SpoolingPusher:
                     return True
                 b, body = item
                 try:
-                    self.pusher.post(b.seq, body, b.fmt, b.compress)
+                    self.pusher.post(b.seq, body, b.fmt, b.compress, samples=b.samples)
                 except PushError as exc:
                     self.last_error = str(exc)
-                    if exc.status is not None and 400 <= exc.status < 500 and exc.status not in RETRY_4XX:
-                        log.error("collector refused batch %d (%d samples) for good, dropping it: %s",
-                                  b.seq, b.samples, exc)
+                    if not retryable(exc):
+                        log.warning("collector refused batch %d (%d samples) for good, %s: dropped",
+                                    b.seq, b.samples, exc.describe())
                         self.rejected_batches += 1
                         self.rejected_samples += b.samples
                         self.spool.remove(b.seq)
                         continue
                     self.failures += 1
-                    if self.failures == 1:
-                        log.warning("collector unreachable, spooling (%d batches): %s", self.spool.depth, exc)
+                    log.warning("collector %s for batch %d (%d samples): kept in the spool (%d batches), retried "
+                                "later", exc.describe(), b.seq, b.samples, self.spool.depth)
                     return False
                 self.spool.remove(b.seq)
                 self.sent_batches += 1
@@ -290,6 +330,15 @@ class SpoolingPusher:
             except Exception as exc:  # noqa: BLE001 - shutting down: report and go on
                 log.warning("final spool flush failed: %s", exc)
         self.pusher.close()
+
+    def delivered(self) -> int:
+        return self.sent_batches
+
+    def summary(self) -> str:
+        p = self.pusher
+        return (f"delivered {self.sent_batches} batch(es) ({p.samples_sent} samples, {p.samples_refused} of them not "
+                f"stored by the collector); {self.spool.depth} batch(es) left in the spool for the next start; "
+                f"dropped {self.rejected_batches} refused and {self.spool.dropped_batches} over the spool's bound")
 
     def stats(self) -> dict[str, float]:
         """For the agent's /metrics."""

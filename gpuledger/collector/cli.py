@@ -73,12 +73,16 @@ def serve(
         fail(f"--data-dir {data_dir}: {e.strerror or e}", code=1)
     store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
-                        power_caps=settings.power_caps)
+                        power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
+                        max_gpus_per_host=settings.max_gpus_per_host)
     store.start_background(settings.compact_interval_s)
     server = CollectorServer(
         store, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes,
         auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
         priority_feed=settings.priority_feed or data_dir / FEED_NAME, max_inflight=settings.max_inflight,
+        max_per_host=settings.max_per_host, request_timeout_s=settings.request_timeout_s,
+        idle_timeout_s=settings.idle_timeout_s, limits=settings.limits(), max_series_points=settings.max_series_points,
+        max_page=settings.max_page, metrics_user_labels=settings.metrics_user_labels,
     )
     # SIGTERM (systemd, kill) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)

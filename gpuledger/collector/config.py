@@ -12,8 +12,19 @@ Example::
                                    # the agents' sampling intervals: raise it with the agents' --interval)
     power_cap_w = 1500             # the most a GPU can draw when its sample reports no power limit; a counter
                                    # delta above cap x seconds is not trusted (see collector.aggregate)
-    max_body_bytes = 67108864      # decoded request body limit
-    max_inflight = 256             # concurrent ingest requests; more get 503 (agents back off and retry)
+    max_body_bytes = 16777216      # decoded request body limit
+    max_inflight = 256             # ingest requests validating or storing at once; more get 503 (agents retry)
+    max_per_host = 4               # concurrent ingest requests of one node token; more get 429
+    request_timeout_s = 30         # headers and body of one request, however slowly they arrive
+    idle_timeout_s = 120           # a keep-alive connection idle this long is closed
+    max_samples = 20000            # per batch; further limits: max_series, max_job_ids (per series),
+    max_job_ids = 64               # max_batch_job_ids, max_jobs, max_str (characters), max_list
+    max_series_points = 10000      # GET /api/v1/series picks a coarser step rather than answer more points
+    max_page = 10000               # GET /api/v1/jobs and /usage: most rows an answer holds (then ?offset=)
+    metrics_user_labels = false    # publish user names in /metrics (the fairshare gauges); /metrics is open
+    max_gpus_per_host = 256        # GPUs and MIG instances one host may have; more get 422 (gpu_limit)
+    dedupe_horizon_s = 604800      # batch keys kept this long (pruned at compaction): an agent's spool must
+                                   # deliver within it, or a batch resent later is counted twice
     tls_cert = "/etc/gpuledger/collector.crt"   # both or neither; relative paths are relative to this file
     tls_key = "/etc/gpuledger/collector.key"
     tokens_file = "/etc/gpuledger/tokens.toml"  # same keys as below; keeps secrets out of this file
@@ -40,15 +51,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W
+from gpuledger.collector.limits import IDLE_TIMEOUT_S, MAX_PAGE, MAX_PER_HOST, MAX_SERIES_POINTS, REQUEST_TIMEOUT_S
 from gpuledger.collector.series_store import Retention
-from gpuledger.collector.validate import MAX_BODY_BYTES
+from gpuledger.collector.store import DEDUPE_HORIZON_S, MAX_GPUS_PER_HOST
+from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, Limits
 
 CONFIG_NAME = "gpuledger.toml"
 ENV_PREFIX = "GPULEDGER_COLLECTOR_"
 MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 # Settings an environment variable may override (the token tables are files' business, not the environment's).
 ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
-                "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token")
+                "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token", "max_per_host",
+                "request_timeout_s", "idle_timeout_s", "metrics_user_labels")
 
 
 class ConfigError(ValueError):
@@ -95,6 +109,21 @@ class CollectorSettings(TokenTables):
     power_caps: dict[str, PositiveFloat] = Field(default_factory=dict)
     max_body_bytes: int = Field(MAX_BODY_BYTES, gt=0)
     max_inflight: int = Field(256, gt=0)
+    max_per_host: int = Field(MAX_PER_HOST, gt=0)
+    request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0)
+    idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0)
+    max_samples: int = Field(DEFAULT_LIMITS.max_samples, gt=0)
+    max_series: int = Field(DEFAULT_LIMITS.max_series, gt=0)
+    max_job_ids: int = Field(DEFAULT_LIMITS.max_job_ids, gt=0)
+    max_batch_job_ids: int = Field(DEFAULT_LIMITS.max_batch_job_ids, gt=0)
+    max_jobs: int = Field(DEFAULT_LIMITS.max_jobs, gt=0)
+    max_str: int = Field(DEFAULT_LIMITS.max_str, gt=0)
+    max_list: int = Field(DEFAULT_LIMITS.max_list, gt=0)
+    max_series_points: int = Field(MAX_SERIES_POINTS, gt=0)
+    max_page: int = Field(MAX_PAGE, gt=0)
+    metrics_user_labels: bool = False
+    dedupe_horizon_s: float = Field(DEDUPE_HORIZON_S, gt=0)
+    max_gpus_per_host: int = Field(MAX_GPUS_PER_HOST, gt=0)
     tokens_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -111,6 +140,9 @@ class CollectorSettings(TokenTables):
     influx_bucket: str = "gpuledger"
     influx_org: str = "gpuledger"
     influx_token: str = ""
+
+    def limits(self) -> Limits:
+        return Limits(**{f: getattr(self, f) for f in Limits.__dataclass_fields__})
 
     def retention(self) -> Retention:
         return Retention(raw_s=self.raw_retention_s, minute_s=self.minute_retention_s or None,

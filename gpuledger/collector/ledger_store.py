@@ -74,7 +74,14 @@ CREATE INDEX IF NOT EXISTS energy_gaps_by_end ON energy_gaps (end);
 CREATE TABLE IF NOT EXISTS batches (
   agent_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL, samples INTEGER NOT NULL,
   PRIMARY KEY (agent_id, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS batch_keys (
+  host TEXT NOT NULL, agent_id TEXT NOT NULL, seq INTEGER NOT NULL, digest BLOB, received REAL NOT NULL,
+  samples INTEGER NOT NULL, PRIMARY KEY (host, agent_id, seq)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS batch_keys_by_received ON batch_keys (received);
 """
+# ``batches`` is the key of stores written before the host and the content digest were part of it: still
+# consulted (by agent id and seq, as then) until the dedupe horizon has pruned it empty.
+NO_DIGEST = b""  # what batch_seen returns for a batch stored without a digest (it matches any content)
 
 
 def _columns(db: sqlite3.Connection, table: str) -> list[str]:
@@ -142,8 +149,10 @@ class LedgerStore(LedgerReader, Protocol):
     """What the collector's store writes through (called with its lock held; ingest's writes inside
     the store's transaction)."""
 
-    def batch_seen(self, agent_id: str, seq: int) -> bool: ...
-    def record_batch(self, agent_id: str, seq: int, received: float, samples: int) -> None: ...
+    def batch_seen(self, host: str, agent_id: str, seq: int) -> bytes | None: ...
+    def record_batch(self, host: str, agent_id: str, seq: int, digest: bytes | None, received: float,
+                     samples: int) -> None: ...
+    def prune_batches(self, before: float) -> int: ...
     def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None: ...
     def reload_clusters(self) -> None: ...
     def add_agent_jobs(self, records: Iterable[JobRecord], host: str, cluster: str,
@@ -154,6 +163,7 @@ class LedgerStore(LedgerReader, Protocol):
     def load_usage(self, key: UsageKey) -> UsageAcc | None: ...
     def load_hour(self, key: HourKey) -> HourAcc | None: ...
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]: ...
+    def host_gpu_totals(self, host: str) -> list[tuple[GpuKey, tuple]]: ...
     def write_aggregates(self, usage: Iterable[tuple[UsageKey, tuple]], gpus: Iterable[tuple[GpuKey, tuple]],
                          hours: Iterable[tuple[HourKey, tuple]]) -> None: ...
     def write_gaps(self, gaps: Mapping[GapKey, tuple[float, tuple[str, ...]] | None]) -> None: ...
@@ -195,15 +205,30 @@ class SqliteLedger:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} DEFAULT 0")
 
     # -- batches ------------------------------------------------------------------------------
-    def batch_seen(self, agent_id: str, seq: int) -> bool:
-        return self._db.execute("SELECT 1 FROM batches WHERE agent_id=? AND seq=?", (agent_id, seq)).fetchone() \
-            is not None
+    # A batch's key is (host, agent_id, seq): the host is the one its token is bound to, so one node cannot
+    # claim another's numbers. The digest of its content tells a resend (same content) from a conflict.
+    def batch_seen(self, host: str, agent_id: str, seq: int) -> bytes | None:
+        """None for a new batch, else the stored content digest (NO_DIGEST when none was stored)."""
+        row = self._db.execute("SELECT digest FROM batch_keys WHERE host=? AND agent_id=? AND seq=?",
+                               (host, agent_id, seq)).fetchone()
+        if row is not None:
+            return row[0] or NO_DIGEST
+        legacy = self._db.execute("SELECT 1 FROM batches WHERE agent_id=? AND seq=?", (agent_id, seq)).fetchone()
+        return None if legacy is None else NO_DIGEST
 
-    def record_batch(self, agent_id: str, seq: int, received: float, samples: int) -> None:
-        self._db.execute("INSERT INTO batches VALUES (?,?,?,?)", (agent_id, seq, received, samples))
+    def record_batch(self, host: str, agent_id: str, seq: int, digest: bytes | None, received: float,
+                     samples: int) -> None:
+        self._db.execute("INSERT INTO batch_keys VALUES (?,?,?,?,?,?)",
+                         (host, agent_id, seq, digest, received, samples))
+
+    def prune_batches(self, before: float) -> int:
+        """Forget batch keys received before ``before`` (the dedupe horizon); returns how many."""
+        with transaction(self._db) as db:
+            n = db.execute("DELETE FROM batch_keys WHERE received < ?", (before,)).rowcount
+            return n + db.execute("DELETE FROM batches WHERE received < ?", (before,)).rowcount
 
     def batches_seen(self) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
+        return sum(self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("batch_keys", "batches"))
 
     # -- clusters -----------------------------------------------------------------------------
     def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None:
@@ -340,6 +365,12 @@ class SqliteLedger:
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]:
         """Every GPU's running totals (``GPU_TOTAL_FIELDS``), from which the aggregation restarts."""
         rows = self._db.execute(f"SELECT host, gpu_uuid, mig, {', '.join(GPU_TOTAL_FIELDS)} FROM gpus").fetchall()
+        return [((r[0], r[1], r[2]), tuple(r[3:])) for r in rows]
+
+    def host_gpu_totals(self, host: str) -> list[tuple[GpuKey, tuple]]:
+        """The running totals of every GPU (and MIG instance) stored for one host."""
+        rows = self._db.execute(f"SELECT host, gpu_uuid, mig, {', '.join(GPU_TOTAL_FIELDS)} FROM gpus WHERE host=?",
+                                (host,)).fetchall()
         return [((r[0], r[1], r[2]), tuple(r[3:])) for r in rows]
 
     def write_aggregates(self, usage: Iterable[tuple[UsageKey, tuple]], gpus: Iterable[tuple[GpuKey, tuple]],

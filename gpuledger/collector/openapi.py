@@ -209,7 +209,10 @@ def openapi_document() -> dict[str, Any]:
                                            "site_factor": {"type": "integer"}}}},
                     },
                 },
-                "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+                "Error": {"type": "object", "required": ["error"], "properties": {
+                    "error": {"type": "string"},
+                    "reason": {"type": "string", "description": "machine-readable: malformed, too_large, invalid, "
+                               "future, forbidden, overloaded, ..."}}},
             },
         },
         "paths": {
@@ -219,14 +222,24 @@ def openapi_document() -> dict[str, Any]:
                 "security": _SECURED, "requestBody": _body("Batch"),
                 "responses": {"200": _json("Stored, or a duplicate acknowledged.", {"$ref": _REF + "IngestResult"}),
                               **rejected, **_AUTH_ERRORS,
-                              "503": _error("Too many ingest requests in flight; retry with backoff.")},
+                              "409": _error("The batch's key (host, agent_id, seq) was stored with other content."),
+                              "422": _error("Stored except for samples behind their GPU's aggregation window "
+                                            "(reason too_late; the counts ride along)."),
+                              "429": _error("This node has too many ingest requests in flight; retry later."),
+                              "503": _error("Too many ingest requests in flight; retry with backoff."),
+                              "507": _error("The collector's disk is full; retry after Retry-After.")},
             }},
             "/api/v1/jobs": {
                 "get": {"operationId": "getJobs", "summary": "Job records known to the collector.",
-                        "security": _SECURED,
+                        "security": _SECURED, "parameters": [
+                    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0},
+                     "description": "rows in this answer (at most the collector's max_page); X-Total-Count says how "
+                                    "many there are, X-Next-Offset where the next page starts"},
+                    {"name": "offset", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
+                        ],
                         "responses": {"200": _json("Job records.",
                                                    {"type": "array", "items": {"$ref": _REF + "JobRecord"}}),
-                                      **_AUTH_ERRORS}},
+                                      "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS}},
                 "post": {"operationId": "postJobs", "summary": "Insert or update job records (admin).",
                          "security": _SECURED, "requestBody": _body("JobRecordList"),
                          "responses": {"200": _json("Received and changed counts.", {
@@ -241,9 +254,13 @@ def openapi_document() -> dict[str, Any]:
                     {"name": "job", "in": "query", "required": False, "schema": {"type": "string"}},
                     {"name": "per_gpu", "in": "query", "required": False,
                      "schema": {"type": "string", "enum": ["0", "1", "true", "false", "yes", "no"]}},
+                    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0},
+                     "description": "rows in this answer (at most the collector's max_page); X-Total-Count says how "
+                                    "many there are, X-Next-Offset where the next page starts"},
+                    {"name": "offset", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
                 ],
                 "responses": {"200": _json("Usage records.", {"type": "array", "items": {"$ref": _REF + "JobUsage"}}),
-                              **_AUTH_ERRORS},
+                              "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS},
             }},
             "/api/v1/totals": {"get": {
                 "operationId": "getTotals", "summary": "Cluster totals over whole hours in [start, end).",
@@ -264,7 +281,8 @@ def openapi_document() -> dict[str, Any]:
                     *({"name": n, "in": "query", "required": True, "schema": {"type": "number"},
                        "description": "unix seconds"} for n in ("start", "end")),
                     {"name": "step", "in": "query", "required": False, "schema": {"type": "number"},
-                     "description": "bucket seconds (rounded up to the tier's resolution)"},
+                     "description": "bucket seconds (rounded up to the tier's resolution, and coarsened so that an "
+                                    "answer holds at most the collector's max_series_points points)"},
                     {"name": "mig", "in": "query", "required": False, "schema": {"type": "string"}},
                 ],
                 "responses": {"200": _json("Samples (GpuSample) or buckets (mean/min/max/count per field).",

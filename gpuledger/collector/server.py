@@ -8,6 +8,7 @@ document is checked against.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -15,7 +16,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,14 +28,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gpuledger.collector.auditlog import AuditLog, open_log, record_job_records
 from gpuledger.collector.auth import Access, Authenticator, AuthError, Principal
+from gpuledger.collector.limits import (
+    IDLE_TIMEOUT_S,
+    LISTEN_BACKLOG,
+    MAX_CONNECTIONS,
+    MAX_PAGE,
+    MAX_PER_HOST,
+    MAX_SERIES_POINTS,
+    REQUEST_TIMEOUT_S,
+)
 from gpuledger.collector.openapi import openapi_document
-from gpuledger.collector.store import SqliteStore
-from gpuledger.collector.validate import MAX_BODY_BYTES, BatchError, parse_batch, parse_jobs
+from gpuledger.collector.store import BatchRefused, SqliteStore, StoreFull
+from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, BatchError, Limits, parse_batch, parse_jobs
 
 log = logging.getLogger(__name__)
 
 FEED_NAME = "priority-feed.json"  # written by accounting (`gpuledger priority feed`); only read here
-REQUEST_TIMEOUT_S = 60.0  # a client silent this long (slow body, idle keep-alive) loses its connection
 
 # (method, path) -> (CollectorServer method, who may call it)
 ROUTES: dict[tuple[str, str], tuple[str, Access]] = {
@@ -85,10 +94,13 @@ def read_feed(path: Path) -> dict[str, Any]:
 
 
 class _FeedGauges:
-    """Fairshare and site factor per association, read from the feed file at each scrape."""
+    """Fairshare and site factor per association, read from the feed file at each scrape. /metrics is open,
+    so user names are published only where the operator says so (``user_labels``); otherwise only the
+    accounts' own rows, labelled by account."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, user_labels: bool = False) -> None:
         self.path = path
+        self.user_labels = user_labels
 
     def describe(self) -> list[Metric]:
         return []  # registering must not read the file
@@ -100,14 +112,18 @@ class _FeedGauges:
             doc = read_feed(self.path)
         except (FileNotFoundError, FeedError):
             return  # no feed, no gauges: a stale value would be worse than none
+        names = ("account", "user") if self.user_labels else ("account",)
         fs = GaugeMetricFamily("gpuledger_fairshare_ratio", "Measured fairshare per association (0..1), from the "
-                               "priority feed.", labels=("account", "user"))
+                               "priority feed.", labels=names)
         sf = GaugeMetricFamily("gpuledger_site_factor", "Slurm site factor per association, from the priority feed.",
-                               labels=("account", "user"))
+                               labels=names)
         for a in doc["associations"]:
-            if not isinstance(a, dict) or not isinstance(a.get("account"), str) or not isinstance(a.get("user"), str):
+            if not isinstance(a, dict) or not isinstance(a.get("account"), str):
                 continue
-            labels = [a["account"], a["user"]]
+            user = a.get("user") or ""
+            if not isinstance(user, str) or (user and not self.user_labels):
+                continue
+            labels = [a["account"], user] if self.user_labels else [a["account"]]
             for family, key in ((fs, "fairshare"), (sf, "site_factor")):
                 v = a.get(key)
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -136,7 +152,7 @@ class _StoreCounters:
 
 class _Metrics:
     def __init__(self, store: SqliteStore, feed: Path | None, in_flight: Callable[[], int],
-                 ingest_depth: Callable[[], int]) -> None:
+                 ingest_depth: Callable[[], int], user_labels: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.accepted = Counter("gpuledger_collector_samples_accepted", "Samples stored and aggregated.", registry=r)
@@ -165,16 +181,67 @@ class _Metrics:
         g = Gauge("gpuledger_collector_ingest_queue_depth",
                   "Ingest requests in flight (validating, waiting for or holding the store).", registry=r)
         g.set_function(ingest_depth)
-        r.register(_FeedGauges(feed))
+        r.register(_FeedGauges(feed, user_labels))
         r.register(_StoreCounters(store))
 
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+    max_connections = MAX_CONNECTIONS
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        self.connections = 0
+        self._conn_lock = threading.Lock()
+        super().__init__(*a, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conn_lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:  # a thread per connection: thousands more would exhaust memory; the agent retries
+            log.warning("%d connections open (limit %d): closing a new one from %s", self.connections,
+                        self.max_connections, client_address[0] if client_address else "?")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._conn_lock:
+                self.connections -= 1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Failed TLS handshakes, clients that vanish: the request is lost, the server is not; no traceback spam.
         log.debug("connection from %s failed", client_address, exc_info=True)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads under two clocks: up to ``idle_s`` for the first byte of a request (an idle
+    keep-alive connection), then ``request_s`` for the whole request from that byte on, headers and body
+    together: a client dripping a byte a second cannot hold its thread (or anything else) for longer."""
+
+    def __init__(self, sock: Any, idle_s: float, request_s: float) -> None:
+        self.sock, self.idle_s, self.request_s = sock, idle_s, request_s
+        self.deadline: float | None = None  # None: between requests
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.deadline is None:
+            self.sock.settimeout(self.idle_s)
+            n = self.sock.recv_into(b)
+            self.deadline = time.monotonic() + self.request_s
+            return n
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request deadline passed")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
 
 
 def tls_context(cert: str | Path, key: str | Path) -> ssl.SSLContext:
@@ -189,7 +256,12 @@ class CollectorServer:
 
     ``auth`` (None or an Authenticator without tokens: open), ``tls`` (an SSLContext: HTTPS),
     ``priority_feed`` (the file GET /api/v1/priority and the fairshare gauges read), ``max_inflight``
-    (concurrent ingest requests before 503).
+    (ingest requests validating or storing at once before 503; a request takes its slot only once its body
+    has arrived), ``max_per_host`` (concurrent ingest requests of one node token, or one client address when
+    auth is off, before 429, counted from the headers on: slow bodies of one node cannot starve the
+    others), ``request_timeout_s`` (headers and body of one request), ``idle_timeout_s`` (keep-alive),
+    ``limits`` (what one batch may hold, checked while decoding), ``metrics_user_labels`` (publish user
+    names in the fairshare gauges of the open /metrics).
     """
 
     def __init__(
@@ -205,6 +277,13 @@ class CollectorServer:
         max_inflight: int = 256,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         audit_log: AuditLog | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_per_host: int = MAX_PER_HOST,
+        max_connections: int = MAX_CONNECTIONS,
+        limits: Limits = DEFAULT_LIMITS,
+        metrics_user_labels: bool = False,
+        max_series_points: int = MAX_SERIES_POINTS,
+        max_page: int = MAX_PAGE,
     ) -> None:
         self.store = store
         self._audit = audit_log  # None: the data dir's log, opened at the first POST /api/v1/jobs
@@ -214,11 +293,18 @@ class CollectorServer:
         self.auth = auth or Authenticator()
         self.priority_feed = priority_feed
         self.max_inflight = max_inflight
+        self.max_per_host = max_per_host
+        self.max_series_points = max_series_points
+        self.max_page = max_page
+        self.limits = limits if max_body_bytes == MAX_BODY_BYTES else replace(limits, max_body_bytes=max_body_bytes)
         self._count_lock = threading.Lock()
         self._in_flight = 0
         self._ingesting = 0
-        self.metrics = _Metrics(store, priority_feed, lambda: self._in_flight, lambda: self._ingesting)
-        self._httpd = _HTTPServer((host, port), _make_handler(self, request_timeout_s))
+        self._per_host: dict[str, int] = {}
+        self.metrics = _Metrics(store, priority_feed, lambda: self._in_flight, lambda: self._ingesting,
+                                metrics_user_labels)
+        self._httpd = _HTTPServer((host, port), _make_handler(self, request_timeout_s, idle_timeout_s))
+        self._httpd.max_connections = max_connections
         self._tls = tls
         if tls is not None:
             # The handshake runs in the request's thread (see Handler.setup), not in the accepting loop,
@@ -255,19 +341,45 @@ class CollectorServer:
 
     # -- endpoints ----------------------------------------------------------------------------
     def post_samples(self, req: Request) -> Reply:
-        t0 = time.perf_counter()
-        with self._count_lock:
-            if self._ingesting >= self.max_inflight:
-                raise BatchError(503, f"{self._ingesting} ingest requests in flight (limit {self.max_inflight}); "
-                                 "retry later", "overloaded")
-            self._ingesting += 1
+        host = req.principal.name if req.principal is not None else None
+        # Per node token: one node's slow bodies cannot take every slot. Without auth there is no node to
+        # count by (behind NAT or a proxy one address is many nodes); the request deadline still bounds them.
+        who = host if req.principal is not None and req.principal.role == "node" else None
+        if who is not None:
+            with self._count_lock:
+                held = self._per_host.get(who, 0)
+                if held >= self.max_per_host:
+                    raise BatchError(429, f"{held} ingest requests of {who} in flight (limit {self.max_per_host}); "
+                                     "retry later", "overloaded")
+                self._per_host[who] = held + 1
         try:
-            host = req.principal.name if req.principal is not None else None
-            batch = parse_batch(req.read_body(), req.headers.get("Content-Type", "application/json"), self.clock(),
-                                self.max_body_bytes, req.headers.get("Content-Encoding", ""), allowed_host=host)
-            result = self.store.ingest(batch)  # returns only after the durable commit
+            body = req.read_body()  # under the request deadline; no ingest slot is held while it arrives
+            t0 = time.perf_counter()
+            with self._count_lock:
+                if self._ingesting >= self.max_inflight:
+                    raise BatchError(503, f"{self._ingesting} ingest requests in flight (limit {self.max_inflight}); "
+                                     "retry later", "overloaded")
+                self._ingesting += 1
+            try:
+                batch = parse_batch(body, req.headers.get("Content-Type", "application/json"), self.clock(), None,
+                                    req.headers.get("Content-Encoding", ""), allowed_host=host, limits=self.limits)
+                try:
+                    result = self.store.ingest(batch)  # returns only after the durable commit
+                except BatchRefused as e:  # 409: its key was stored with other content; 422: too many GPUs
+                    raise BatchError(409 if e.reason == "conflict" else 422, str(e), e.reason,
+                                     batch.n_samples) from None
+                except StoreFull as e:
+                    log.error("disk full, batches refused with 507 until there is room (reads go on): %s", e)
+                    raise BatchError(507, f"the collector's disk is full; retry later ({e})", "disk_full",
+                                     batch.n_samples) from None
+            finally:
+                self._count("_ingesting", -1)
         finally:
-            self._count("_ingesting", -1)
+            if who is not None:
+                with self._count_lock:
+                    left = self._per_host.pop(who) - 1
+                    if left:
+                        self._per_host[who] = left
         m = self.metrics
         m.latency.observe(time.perf_counter() - t0)
         if result.duplicate_batch:
@@ -279,16 +391,24 @@ class CollectorServer:
             m.rejected.labels("duplicate").inc(result.duplicate_samples)
         if result.too_late:
             m.rejected.labels("too_late").inc(result.too_late)
-        return Reply(200, {
+        answer = {
             "accepted": result.accepted,
             "duplicate": result.duplicate_batch,
             "duplicate_samples": result.duplicate_samples,
             "too_late": result.too_late,
-        })
+        }
+        if result.too_late:
+            # Never a 200 for samples not stored: the agent counts this batch as refused (and logs it). The
+            # batch's other samples are stored, and its key recorded, so a resend is a duplicate.
+            return Reply(422, {**answer, "reason": "too_late", "error": (
+                f"{result.too_late} sample(s) of batch agent_id={batch.agent_id!r} seq={batch.seq} are behind their "
+                f"GPU's aggregation window ({self.store.agg.window_s:g} s before its newest sample) and were not "
+                f"stored; {result.accepted} were (is this node's clock behind?)")})
+        return Reply(200, answer)
 
     def post_jobs(self, req: Request) -> Reply:
         records = parse_jobs(req.read_body(), req.headers.get("Content-Type", "application/json"),
-                             self.max_body_bytes, req.headers.get("Content-Encoding", ""))
+                             self.limits.max_body_bytes, req.headers.get("Content-Encoding", ""))
         with self._audit_lock:
             if self._audit is None:
                 self._audit = open_log(self.store.path.parent)
@@ -298,28 +418,61 @@ class CollectorServer:
         return Reply(200, {"received": len(records), "changed": changed})
 
     def get_jobs(self, req: Request) -> Reply:
-        return Reply(200, [j.to_dict() for j in self.store.jobs()])
+        _only(req.query, "limit", "offset")
+        return self._page(req, [j.to_dict() for j in self.store.jobs()])
 
     def get_usage(self, req: Request) -> Reply:
-        job = req.query.get("job", [None])[0]
-        per_gpu = req.query.get("per_gpu", ["0"])[0].lower() in ("1", "true", "yes")
-        return Reply(200, [u.to_dict() for u in self.store.job_usage(job, per_gpu)])
+        _only(req.query, "job", "per_gpu", "limit", "offset")
+        job = _text(req.query, "job")
+        per_gpu = _flag(req.query, "per_gpu")
+        return self._page(req, [u.to_dict() for u in self.store.job_usage(job, per_gpu)])
+
+    def _page(self, req: Request, rows: list[Any]) -> Reply:
+        """One page of rows (``limit`` <= max_page, ``offset``); ``X-Total-Count`` says how many there are and
+        ``X-Next-Offset`` where the next page starts, when there is one."""
+        limit = _int(req.query, "limit", self.max_page)
+        if limit > self.max_page:
+            raise BatchError(400, f"query parameter 'limit' must be at most {self.max_page}, got {limit}")
+        offset = _int(req.query, "offset", 0)
+        page = rows[offset:offset + limit]
+        headers = {"X-Total-Count": str(len(rows))}
+        if offset + limit < len(rows):
+            headers["X-Next-Offset"] = str(offset + limit)
+        return Reply(200, page, headers=headers)
 
     def get_totals(self, req: Request) -> Reply:
-        return Reply(200, self.store.totals(_float(req.query, "start"), _float(req.query, "end")))
+        _only(req.query, "start", "end")
+        start, end = _time(req.query, "start"), _time(req.query, "end")
+        if start is not None and end is not None and end < start:
+            raise BatchError(400, f"query parameter 'end' ({end}) is before 'start' ({start})")
+        return Reply(200, self.store.totals(start, end))
 
     def get_series(self, req: Request) -> Reply:
-        """One GPU's samples or rollup buckets in [start, end]; the store picks the tier by range and retention."""
-        host, uuid = req.query.get("host", [""])[0], req.query.get("uuid", [""])[0]
-        start, end = _float(req.query, "start"), _float(req.query, "end")
+        """One GPU's samples or rollup buckets in [start, end]; the store picks the tier by range and retention.
+
+        An answer never holds more than ``max_series_points`` points: a range that would (raw samples without a
+        step over more than that many seconds, or a step too fine for the range) is answered in buckets of
+        (end - start) / max_series_points seconds (each point says its step)."""
+        _only(req.query, "host", "uuid", "start", "end", "step", "mig")
+        host, uuid = _text(req.query, "host"), _text(req.query, "uuid")
+        start, end = _time(req.query, "start"), _time(req.query, "end")
         if not host or not uuid or start is None or end is None:
             raise BatchError(400, "series needs the query parameters host, uuid, start and end (unix seconds)")
+        if end < start:
+            raise BatchError(400, f"query parameter 'end' ({end}) is before 'start' ({start})")
         step = _float(req.query, "step")
-        if step is not None and step <= 0:
-            raise BatchError(400, f"query parameter 'step' must be positive, got {step!r}")
-        mig = req.query.get("mig", [None])[0] or None
+        if step is not None and not 0 < step <= _MAX_TIME:
+            raise BatchError(400, f"query parameter 'step' must be positive and at most {_MAX_TIME:g} s, got {step!r}")
+        mig = _text(req.query, "mig")
+        coarsest = max((end - start) / self.max_series_points, _MIN_STEP_S)
+        if step is not None:
+            step = max(step, coarsest)
+        elif end - start > self.max_series_points:  # raw samples (1 Hz or more) would exceed the limit
+            step = coarsest
         points = self.store.series(host, uuid, start, end, step=step, mig=mig)
-        return Reply(200, [p.to_dict() for p in points])
+        if step is None and len(points) > self.max_series_points:  # raw samples denser than the limit allows
+            points = self.store.series(host, uuid, start, end, step=coarsest * 1.0001, mig=mig)
+        return Reply(200, [p.to_dict() for p in points[:self.max_series_points]])
 
     def get_priority(self, req: Request) -> Reply:
         if self.priority_feed is None:
@@ -342,13 +495,13 @@ class CollectorServer:
         return Reply(200, {"status": "ok"})
 
 
-def _make_handler(server: CollectorServer, timeout_s: float) -> type[BaseHTTPRequestHandler]:
+def _make_handler(server: CollectorServer, timeout_s: float, idle_s: float) -> type[BaseHTTPRequestHandler]:
     methods = {m for m, _ in ROUTES}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "gpuledger-collector"
-        timeout = timeout_s
+        timeout = idle_s
         # The status line and headers go out in one write, the body in another: with Nagle on, the body waits
         # for the client's delayed ACK of the headers (up to 40 ms a request on keep-alive connections).
         disable_nagle_algorithm = True
@@ -356,14 +509,29 @@ def _make_handler(server: CollectorServer, timeout_s: float) -> type[BaseHTTPReq
         def setup(self) -> None:
             super().setup()
             if isinstance(self.connection, ssl.SSLSocket):
-                self.connection.do_handshake()  # under the socket timeout set by super().setup()
+                self.connection.settimeout(timeout_s)
+                self.connection.do_handshake()
+            self._reader = _DeadlineReader(self.connection, idle_s, timeout_s)
+            self.rfile = io.BufferedReader(self._reader, self.rbufsize if self.rbufsize > 0 else 65536)
+
+        def handle_one_request(self) -> None:
+            self._reader.deadline = None  # the next request's clock starts at its first byte
+            try:
+                super().handle_one_request()
+            except TimeoutError:  # a deadline passed while headers trickled in: drop the connection
+                self.close_connection = True
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
             log.debug("%s " + format, self.address_string(), *args)
 
         def _send(self, reply: Reply) -> None:
             p = reply.payload
-            data = p if isinstance(p, bytes) else json.dumps(p).encode()
+            try:  # NaN/Infinity are not JSON: a value like that is a bug, answered as one
+                data = p if isinstance(p, bytes) else json.dumps(p, allow_nan=False).encode()
+            except ValueError:
+                log.exception("answer to %s is not JSON", self.path)
+                reply = Reply(500, {"error": "internal error: the answer is not representable as JSON"})
+                data = json.dumps(reply.payload).encode()
             try:
                 self.send_response(reply.status)
                 self.send_header("Content-Type", reply.content_type)
@@ -389,9 +557,10 @@ def _make_handler(server: CollectorServer, timeout_s: float) -> type[BaseHTTPReq
             except ValueError:
                 self.close_connection = True
                 raise BatchError(400, f"bad Content-Length {length!r}", "malformed") from None
-            if n > server.max_body_bytes:
+            limit = server.limits.max_body_bytes
+            if n > limit:
                 self.close_connection = True  # the unread body makes the connection unusable
-                raise BatchError(413, f"body of {n} bytes exceeds the limit of {server.max_body_bytes}", "too_large")
+                raise BatchError(413, f"body of {n} bytes exceeds the limit of {limit}", "too_large")
             data = self.rfile.read(n)
             if len(data) < n:
                 self.close_connection = True
@@ -434,10 +603,13 @@ def _make_handler(server: CollectorServer, timeout_s: float) -> type[BaseHTTPReq
                 m.batches_rejected.labels(str(e.status), e.reason).inc()
                 if e.samples:
                     m.rejected.labels(e.reason).inc(e.samples)
-                if e.status == 503:
-                    self.close_connection = True  # the body was never read
-                headers = {"Retry-After": "1"} if e.status == 503 else {}
-                self._send(Reply(e.status, {"error": e.message}, headers=headers))
+                if e.status in (429, 503) and e.reason == "overloaded":
+                    self.close_connection = True  # the body may be unread
+                headers = {"Retry-After": "1"} if e.status in (429, 503) else {}
+                if e.status == 507:
+                    headers = {"Retry-After": "30"}
+                # reason: machine-readable (an agent keeps a "future" batch: its clock, not the batch, is wrong)
+                self._send(Reply(e.status, {"error": e.message, "reason": e.reason}, headers=headers))
             except TimeoutError:
                 self.close_connection = True
                 self._send(Reply(408, {"error": f"request not received within {timeout_s:g} s"}))
@@ -471,6 +643,50 @@ def _make_handler(server: CollectorServer, timeout_s: float) -> type[BaseHTTPReq
             self.end_headers()
 
     return Handler
+
+
+_MAX_TIME = 1e11  # seconds: unix times until the year 5138, steps up to 3,000 years
+_MIN_STEP_S = 1e-3  # no bucket finer than a millisecond (a finer step only multiplies empty buckets)
+
+
+def _only(q: Mapping[str, list[str]], *names: str) -> None:
+    """Every query parameter is one the endpoint knows, given once (a typo is a 400, not silently ignored)."""
+    unknown = sorted(set(q) - set(names))
+    if unknown:
+        raise BatchError(400, f"unknown query parameter(s) {unknown}; this endpoint takes {sorted(names)}")
+    twice = sorted(k for k, v in q.items() if len(v) > 1)
+    if twice:
+        raise BatchError(400, f"query parameter(s) {twice} given more than once")
+
+
+def _text(q: Mapping[str, list[str]], name: str) -> str | None:
+    v = q.get(name, [None])[0]
+    if v is not None and len(v) > 1024:
+        raise BatchError(400, f"query parameter {name!r} is longer than 1024 characters")
+    return v or None
+
+
+def _flag(q: Mapping[str, list[str]], name: str) -> bool:
+    v = q.get(name, ["0"])[0].lower()
+    if v not in ("0", "1", "true", "false", "yes", "no"):
+        raise BatchError(400, f"query parameter {name!r} must be true or false (1/0, yes/no), got {v!r}")
+    return v in ("1", "true", "yes")
+
+
+def _int(q: Mapping[str, list[str]], name: str, default: int) -> int:
+    if name not in q:
+        return default
+    v = q[name][0]
+    if not v.isdigit() or len(v) > 12:
+        raise BatchError(400, f"query parameter {name!r} must be a non-negative integer, got {v[:40]!r}")
+    return int(v)
+
+
+def _time(q: Mapping[str, list[str]], name: str) -> float | None:
+    v = _float(q, name)
+    if v is not None and not 0 <= v <= _MAX_TIME:
+        raise BatchError(400, f"query parameter {name!r} must be unix seconds in 0..{_MAX_TIME:g}, got {v!r}")
+    return v
 
 
 def _float(q: Mapping[str, list[str]], name: str) -> float | None:

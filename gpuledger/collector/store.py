@@ -9,8 +9,13 @@ Two parts behind two protocols (so either can move to another backend without to
 
 :class:`SqliteStore` owns the connection both share, the aggregation (``collector.aggregate``) and the
 lock. Ingest is one transaction over both parts: a batch is stored whole (samples, usage, batch id) or
-not at all. On open the aggregation window is rebuilt from the stored samples, so a restart loses no
-exactness.
+not at all.
+
+The aggregation keeps a window per GPU in memory. It is bounded: a host's windows are restored from the
+stored samples and totals when a batch of that host arrives (so a restart restores nothing up front and
+never peaks above steady state), and evicted once the host has sent nothing for ``idle_evict_s`` (totals
+are in the ledger, samples in the series store: nothing is lost, and a later batch restores them exactly).
+At most ``max_gpus_per_host`` GPUs (and MIG instances) per host.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import math
 import operator
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,6 +58,36 @@ class IngestResult:
     duplicate_batch: bool = False
 
 
+class BatchRefused(Exception):
+    """A batch the store will not take, found before anything of it was written (its group commits without
+    it); ``reason`` is a short label."""
+
+    reason = "refused"
+
+
+class BatchConflict(BatchRefused):
+    """A batch whose key (host, agent_id, seq) was stored before with different content (an agent that lost
+    its state and reuses numbers, or a forgery): it is not stored, the first one stands."""
+
+    reason = "conflict"
+
+
+class TooManyGpus(BatchRefused):
+    """A batch that would give its host more GPUs (and MIG instances) than ``max_gpus_per_host``: a node
+    inventing GPU uuids must not grow the collector's memory and tables without bound."""
+
+    reason = "gpu_limit"
+
+
+class StoreFull(Exception):
+    """The disk (or the file system's quota) is full: nothing of the batch was stored; reads still work and
+    the next batch succeeds once there is room again."""
+
+
+MAX_GPUS_PER_HOST = 256  # GPUs and MIG instances one host may have (8 GPUs x 7 instances is 64)
+DEDUPE_HORIZON_S = 7 * 86400.0  # batch keys are kept this long: an agent resending later is counted twice
+
+
 @dataclass(frozen=True, slots=True)
 class CompactStats:
     rolled_minutes: int = 0
@@ -59,6 +95,24 @@ class CompactStats:
     merged_chunks: int = 0
     deleted_chunks: int = 0
     job_summaries: int = 0
+
+
+class _Pending:
+    """A batch waiting for a group commit, and its outcome."""
+
+    __slots__ = ("batch", "done", "result", "error", "accepted")
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.done = threading.Event()
+        self.result: IngestResult | None = None
+        self.error: Exception | None = None
+        self.accepted: list[GpuSample] = []
+
+
+def _disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+                                               or "disk is full" in str(exc))
 
 
 class SqliteStore:
@@ -82,8 +136,22 @@ class SqliteStore:
         summary_interval_s: float = 60.0,
         power_cap_w: float = DEFAULT_POWER_CAP_W,
         power_caps: Mapping[str, float] | None = None,
+        dedupe_horizon_s: float = DEDUPE_HORIZON_S,
+        idle_evict_s: float | None = None,
+        max_gpus_per_host: int = MAX_GPUS_PER_HOST,
     ) -> None:
         retention.check(window_s)
+        # Batch keys older than this are pruned at compaction (a day of 1,000 nodes pushing every 10 s is
+        # 8.6 million keys): the horizon must exceed how long an agent may hold a batch (its spool), or a batch
+        # resent after it is counted twice.
+        self.dedupe_horizon_s = dedupe_horizon_s
+        # a host silent this long (collector time) leaves memory: by default two windows, so a host that
+        # pauses for less than its window keeps its windows
+        self.idle_evict_s = 2 * max(window_s, max_gap_s) if idle_evict_s is None else idle_evict_s
+        self._last_seen: dict[str, float] = {}  # host in memory -> collector time of its last batch
+        self._next_eviction = -math.inf
+        self.max_gpus_per_host = max_gpus_per_host
+        self._host_gpus: dict[str, int] = {}  # host in memory -> its GPUs (and MIG instances)
         self.path = Path(path)
         private_file(self.path)  # user names and uids: readable by the collector's account only
         self.retention = retention
@@ -92,6 +160,8 @@ class SqliteStore:
         self._clock = clock
         self._cache_limit = cache_limit
         self._lock = threading.RLock()
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Pending] = []  # batches handed in, waiting for the next group commit
         self._pending_jobs: set[str] = set()
         self._summary_sent: dict[str, float] = {}
         self._compactor: threading.Thread | None = None
@@ -127,59 +197,154 @@ class SqliteStore:
         self._restore()
 
     def _restore(self) -> None:
-        """Rebuild every GPU's window (recent samples plus the one before) from committed state."""
+        """Forget the in-memory aggregation: each host's windows are rebuilt from committed state when a batch
+        of that host arrives (``_ensure_windows``)."""
         self.agg.reset()
+        self._last_seen.clear()
+        self._host_gpus.clear()
+
+    def _ensure_windows(self, gpu_keys: set[tuple]) -> None:
+        """Restore every stored GPU of the hosts in ``gpu_keys`` not in memory (their windows: recent samples plus
+        the one before, and totals). A host's GPUs come back together: the aggregation's rules may join a GPU
+        and its MIG instances. TooManyGpus (before anything changes) when new GPUs would take a host over
+        ``max_gpus_per_host``."""
+        hosts = {k[0] for k in gpu_keys}
+        load = {h: self.ledger.host_gpu_totals(h) for h in hosts if h not in self._last_seen}
+        for host in hosts:
+            known = len(load[host]) if host in load else self._host_gpus[host]
+            stored = {k for k, _ in load[host]} if host in load else None
+            new = sum(1 for k in gpu_keys if k[0] == host and k not in self.agg.gpus
+                      and (stored is None or k not in stored))
+            if known + new > self.max_gpus_per_host:
+                raise TooManyGpus(f"host {host!r} has {known} GPUs and MIG instances stored; {new} new ones would "
+                                  f"pass the limit of {self.max_gpus_per_host}")
         watermark = GPU_TOTAL_FIELDS.index("watermark")
-        for gpu_key, totals in self.ledger.gpu_totals():
-            floor = totals[watermark] - self.agg.window_s
-            self.agg.restore_gpu(gpu_key, totals, segments=self.series_store.window(gpu_key, floor))
+        now = self._clock()
+        for rows in load.values():
+            for gpu_key, totals in rows:
+                floor = totals[watermark] - self.agg.window_s
+                self.agg.restore_gpu(gpu_key, totals, segments=self.series_store.window(gpu_key, floor))
+        for host in hosts:
+            self._last_seen[host] = now
+            self._host_gpus[host] = len({k for k in self.agg.gpus if k[0] == host} | {k for k in gpu_keys
+                                                                                      if k[0] == host})
+
+    def _evict_idle(self) -> None:
+        """Drop the windows of hosts silent for ``idle_evict_s`` (called after a commit: nothing is dirty); a
+        walk over every GPU, so at most every tenth of that interval."""
+        now = self._clock()
+        if now < self._next_eviction:
+            return
+        self._next_eviction = now + self.idle_evict_s / 10
+        cutoff = now - self.idle_evict_s
+        idle = {h for h, t in self._last_seen.items() if t < cutoff}
+        if not idle:
+            return
+        for host in idle:
+            del self._last_seen[host]
+            self._host_gpus.pop(host, None)
+        for gpu_key in [k for k in self.agg.gpus if k[0] in idle]:
+            del self.agg.gpus[gpu_key]  # the window map's entry; totals and samples are stored
 
     # -- writes -------------------------------------------------------------------------------
     def ingest(self, batch: Batch) -> IngestResult:
-        """Store and aggregate a validated batch in one durable transaction; idempotent per (agent_id, seq)."""
-        with self._lock:
-            if self.ledger.batch_seen(batch.agent_id, batch.seq):
-                return IngestResult(0, duplicate_batch=True)
-            try:
-                with transaction(self._db):
-                    # rows: GpuSamples or the fast path's structs with the same fields (no GpuSample built per
-                    # sample); series are folded and packed a column at a time unless a GPU's samples must go
-                    # one by one
-                    rows = list(batch.rows)
-                    folded: list[Series]
-                    if rows:  # both layouts in one batch (only through the Python API): all one by one
-                        folded, rest = [], [r for s in batch.series for r in s.rows()]
-                    else:
-                        folded, rest = self.agg.add_series(list(batch.series))
-                    counts, accepted = self.agg.add_many(rows + rest) if rows or rest else (AddCounts(), [])
-                    self.series_store.write_samples(accepted)
-                    self.series_store.write_series(folded)
-                    cluster = getattr(batch, "cluster", "")
-                    uuids = set(map(_UUID, rows))
-                    uuids.update(map(_UUID, batch.series))
-                    self.ledger.note_gpus(cluster, [(batch.host, u) for u in uuids])
-                    if batch.jobs:
-                        # an agent's job metadata is kept only for jobs whose samples came from its host
-                        job_ids = {j for r in (*rows, *batch.series) for j in r.job_ids}
-                        self.ledger.add_agent_jobs(batch.jobs, batch.host, cluster, job_ids)
-                    n_accepted = counts.accepted + sum(s.n for s in folded)
-                    self.ledger.record_batch(batch.agent_id, batch.seq, self._clock(), n_accepted)
-                    jobs = self._flush()
-            except BaseException:
-                # The in-memory aggregation (and the GPUs' clusters) already moved; put them back to what is committed.
-                self.ledger.reload_clusters()
-                self._restore()
-                raise
+        """Store and aggregate a validated batch durably; idempotent per (host, agent_id, seq). Returns only
+        after the commit that holds it. Raises BatchRefused (BatchConflict: a known key with other content;
+        TooManyGpus), StoreFull when the disk is full.
+
+        Group commit: callers on other threads hand their batches in; whoever takes the lock commits every
+        batch waiting at that moment in one transaction (one fsync) and wakes their callers. A batch that
+        fails on its own (a conflict) is answered alone; one that breaks the transaction sends the others of
+        its group through one at a time, so it never costs them their commit."""
+        item = _Pending(batch)
+        with self._queue_lock:
+            self._queue.append(item)
+        while not item.done.is_set():
+            with self._lock:
+                if item.done.is_set():
+                    break  # committed by the writer before us
+                with self._queue_lock:
+                    group, self._queue = self._queue, []
+                if group:
+                    self._commit_group(group)
+        if item.error is not None:
+            raise item.error
+        assert item.result is not None
+        return item.result
+
+    def _commit_group(self, group: list[_Pending]) -> None:
+        """One transaction for every batch of ``group`` (called with the lock held); sets each one's outcome."""
+        try:
+            with transaction(self._db):
+                for it in group:
+                    try:
+                        it.result, it.accepted = self._add_batch(it.batch)
+                    except BatchRefused as exc:  # found before anything of it was written
+                        it.error = exc
+                jobs = self._flush()
+        except Exception as exc:
+            # The in-memory aggregation (and the GPUs' clusters) already moved; put them back to what is committed.
+            self.ledger.reload_clusters()
+            self._restore()
+            if len(group) > 1 and not _disk_full(exc):
+                for it in group:  # find the one that breaks the transaction; the others still commit
+                    it.error, it.result = None, None
+                    self._commit_group([it])
+                return
+            err: Exception = StoreFull(f"store {self.path}: {exc}") if _disk_full(exc) else exc
+            for it in group:
+                it.error, it.result = err, None
+                it.done.set()
+            return
+        try:
             if len(self.agg.usage) + len(self.agg.hours) > self._cache_limit:
                 self.agg.drop_caches()
-            if self.sinks and n_accepted:
-                # sinks get GpuSamples
-                accepted = [as_sample(s) for s in accepted] + [r for s in folded for r in s.rows()]
-                for sink in self.sinks:
-                    sink.write(accepted)
+            self._evict_idle()
+            if self.sinks:
+                for it in group:
+                    if it.accepted:
+                        for sink in self.sinks:
+                            sink.write(it.accepted)
                 self._pending_jobs |= jobs
                 self._emit_summaries(force=False)
-            return IngestResult(n_accepted, counts.duplicate, counts.too_late)
+        finally:  # committed: each caller gets its answer whatever a sink does
+            for it in group:
+                it.done.set()
+
+    def _add_batch(self, batch: Batch) -> tuple[IngestResult, list[GpuSample]]:
+        """Aggregate one batch and write its samples and key inside the group's transaction; returns its result
+        and (when there are sinks) its accepted samples as GpuSamples."""
+        seen = self.ledger.batch_seen(batch.host, batch.agent_id, batch.seq)
+        if seen is not None:
+            if seen and batch.digest and seen != batch.digest:
+                raise BatchConflict(f"batch agent_id={batch.agent_id!r} seq={batch.seq} of host {batch.host!r} "
+                                    "was stored before with different content; the first one stands "
+                                    "(an agent reusing sequence numbers lost its state)")
+            return IngestResult(0, duplicate_batch=True), []
+        # rows: GpuSamples or the fast path's structs with the same fields (no GpuSample built per sample);
+        # series are folded and packed a column at a time unless a GPU's samples must go one by one
+        rows = list(batch.rows)
+        self._ensure_windows({(s.host, s.gpu_uuid, s.mig or "") for s in (*batch.series, *rows)})
+        folded: list[Series]
+        if rows:  # both layouts in one batch (only through the Python API): all one by one
+            folded, rest = [], [r for s in batch.series for r in s.rows()]
+        else:
+            folded, rest = self.agg.add_series(list(batch.series))
+        counts, accepted = self.agg.add_many(rows + rest) if rows or rest else (AddCounts(), [])
+        self.series_store.write_samples(accepted)
+        self.series_store.write_series(folded)
+        cluster = batch.cluster
+        uuids = set(map(_UUID, rows))
+        uuids.update(map(_UUID, batch.series))
+        self.ledger.note_gpus(cluster, [(batch.host, u) for u in uuids])
+        if batch.jobs:
+            # an agent's job metadata is kept only for jobs whose samples came from its host
+            job_ids = {j for r in (*rows, *batch.series) for j in r.job_ids}
+            self.ledger.add_agent_jobs(batch.jobs, batch.host, cluster, job_ids)
+        n_accepted = counts.accepted + sum(s.n for s in folded)
+        self.ledger.record_batch(batch.host, batch.agent_id, batch.seq, batch.digest, self._clock(), n_accepted)
+        out = [as_sample(s) for s in accepted] + [r for s in folded for r in s.rows()] if self.sinks else []
+        return IngestResult(n_accepted, counts.duplicate, counts.too_late), out
 
     def _flush(self) -> set[str]:
         """Write the dirty accumulators to the ledger; returns the job ids whose usage changed."""
@@ -232,8 +397,9 @@ class SqliteStore:
         for one of them, and a crash leaves either the old or the new state.
         """
         now = self._clock() if now is None else now
-        with self._lock:
-            watermarks = {gpu_key: g.watermark for gpu_key, g in self.agg.gpus.items()}
+        with self._lock:  # every stored GPU, in memory or not
+            at = GPU_TOTAL_FIELDS.index("watermark")
+            watermarks = {gpu_key: totals[at] for gpu_key, totals in self.ledger.gpu_totals()}
         minutes = hours = 0
         for gpu_key, watermark in sorted(watermarks.items()):
             with self._lock:
@@ -249,6 +415,7 @@ class SqliteStore:
                     merged += self.series_store.merge(group)
         with self._lock:
             deleted = self.series_store.expire(now)
+            self.ledger.prune_batches(now - self.dedupe_horizon_s)
             summaries = self._emit_summaries(force=True)
         return CompactStats(minutes, hours, merged, deleted, summaries)
 

@@ -13,23 +13,22 @@ anything it doubts to the per-sample path. ``tests/collector/test_validate.py`` 
 
 from __future__ import annotations
 
+import functools
 import gzip
+import hashlib
 import io
 import json
 import math
 import operator
+import re
 import zlib
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeGuard
 
 import msgpack
+import msgspec
 import numpy as np
 import zstandard
-
-try:  # optional: decodes and type-checks msgpack batches in C; without it every batch takes the per-sample path
-    import msgspec
-except ImportError:  # pragma: no cover - depends on the environment
-    msgspec = None  # type: ignore[assignment]
 
 from gpuledger.collector.series import Series
 from gpuledger.schema.records import (
@@ -43,7 +42,7 @@ from gpuledger.schema.records import (
 )
 from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, ROW_LISTS, SERIES_CONSTANTS
 
-MAX_BODY_BYTES = 64 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB
+MAX_BODY_BYTES = 16 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB, in msgpack 0.4 MB
 FUTURE_SLACK_S = 300.0
 # Bounds that keep every accepted value storable and summable: SQLite integers are signed 64-bit (a
 # larger one would fail inside the store's transaction, a 500), and a float near 1e308 would turn
@@ -64,6 +63,35 @@ _SAMPLE_TYPES = {f.name: str(f.type) for f in fields(GpuSample)}
 # Fields with a dedicated rule below; any other (newly added) field is checked by its annotation.
 _HANDLED = _RATIOS | _NONNEG | _INTS | _FLOATS | _STRS | {
     "ts", "gpu_index", "mig", "xid_errors", "job_ids", "job_shares", "processes"}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may hold, checked while it is decoded (before the objects exist): a request's memory
+    is bounded by these, never by what the sender claims. Counts over a limit are a 413, a string too long
+    a 400. The decoded body is at most ``max_body_bytes``; decoding costs at most about 8x that (a list of
+    1-byte integers becomes 8-byte pointers), so the default caps one request at roughly 128 MiB for an
+    instant and typical agent batches (80 samples: 8 KiB) at well under 1 MiB."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_samples: int = 20_000  # per batch (all series together); a default agent batch has 80
+    max_series: int = 1_024  # series (or GPUs and MIG instances) per batch
+    max_job_ids: int = 64  # per sample or series (jobs sharing one GPU at once)
+    max_batch_job_ids: int = 1_024  # distinct job ids in one batch
+    max_jobs: int = 1_024  # job records riding with one batch
+    max_str: int = 256  # host, GPU uuid, job id, model, user, ... (characters)
+    max_list: int = 256  # per sample: processes, Xid errors; per job record: hosts, GPUs, TRES
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"limit {f.name} must be positive, got {getattr(self, f.name)!r}")
+
+
+DEFAULT_LIMITS = Limits()
+# A body this small whose typed decode failed is decoded again untyped to word the error (the per-sample
+# path's message names batch, index and field); its untyped objects cost at most ~72x this (empty maps).
+_WORDING_MAX_BYTES = 64 * 1024
 
 
 class BatchError(ValueError):
@@ -89,7 +117,7 @@ class Batch:
     fast path) structs with exactly GpuSample's fields, which cost a fraction of a GpuSample to build.
     ``samples`` turns everything into GpuSamples only when asked (tests, sinks)."""
 
-    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "series", "jobs", "cluster")
+    __slots__ = ("agent_id", "seq", "host", "_samples", "rows", "series", "jobs", "cluster", "digest")
 
     def __init__(self, agent_id: str, seq: int, host: str, samples: tuple[GpuSample, ...] = (),
                  rows: tuple[Any, ...] | list[Any] | None = None, jobs: tuple[JobRecord, ...] = (),
@@ -99,6 +127,7 @@ class Batch:
         self.series = tuple(series)
         self._samples = None if rows is not None or self.series else tuple(samples)
         self.rows = rows if rows is not None else tuple(samples)
+        self.digest: bytes | None = None  # of the decoded body (parse_batch sets it): a resend from a conflict
 
     @property
     def n_samples(self) -> int:
@@ -164,11 +193,12 @@ def _decompress(body: bytes, content_encoding: str, max_bytes: int) -> bytes:
 
 
 _MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+_JSON_TYPES = ("application/json", "")
 
 
 def _decode(body: bytes, content_type: str) -> Any:
     mime = content_type.split(";", 1)[0].strip().lower()
-    if mime in ("application/json", ""):
+    if mime in _JSON_TYPES:
         try:
             # NaN/Infinity (not JSON, but Python emits them) parse as floats, so the field checks
             # below reject them with the field's name.
@@ -179,7 +209,7 @@ def _decode(body: bytes, content_type: str) -> Any:
         try:
             return msgpack.unpackb(body, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack raises several unrelated types on garbage
-            raise BatchError(400, f"malformed msgpack: {e}", "malformed") from None
+            raise BatchError(400, f"malformed msgpack: {str(e) or type(e).__name__}", "malformed") from None
     raise BatchError(
         415, f"unsupported Content-Type {content_type!r} (use application/json or application/msgpack)", "unsupported"
     )
@@ -201,21 +231,33 @@ def parse_batch(
     body: bytes,
     content_type: str,
     now: float,
-    max_bytes: int = MAX_BODY_BYTES,
+    max_bytes: int | None = None,
     content_encoding: str = "",
     allowed_host: str | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Batch:
     """Decode and validate a sample batch; raises BatchError naming batch, sample index and field.
 
     With ``allowed_host`` (the host a node token is bound to), a batch or sample of any other host is a 403.
+    ``limits`` bound what a batch may hold; they are checked while decoding (``max_bytes``, when given,
+    replaces ``limits.max_body_bytes``).
     """
-    body = _decompress(body, content_encoding, max_bytes)
-    if _FAST is not None and content_type.split(";", 1)[0].strip().lower() in _MSGPACK_TYPES:
-        fast = _parse_fast(body, now, allowed_host)
-        if fast is not None:
-            return fast
-    # The per-sample path: authoritative for anything the fast path declines, and the one that words errors.
-    doc = _decode(body, content_type)
+    body = _decompress(body, content_encoding, limits.max_body_bytes if max_bytes is None else max_bytes)
+    mime = content_type.split(";", 1)[0].strip().lower()
+    batch = None
+    if _FAST is not None and mime in (*_MSGPACK_TYPES, *_JSON_TYPES):
+        # Typed decode first: msgspec checks shape, types, ranges and every length limit as it goes, so a
+        # hostile body (a bomb of empty maps, 200,000 job ids) fails before its objects exist.
+        batch = _parse_fast(body, now, allowed_host, limits, json_body=mime in _JSON_TYPES)
+    if batch is None:
+        # The per-sample path: authoritative for what the fast path doubts (its shape is valid and within the
+        # limits by now), and the one that words errors.
+        batch = _parse_doc(_decode(body, content_type), now, allowed_host)
+    batch.digest = hashlib.blake2b(body, digest_size=16).digest()
+    return batch
+
+
+def _parse_doc(doc: Any, now: float, allowed_host: str | None) -> Batch:
     if not isinstance(doc, dict):
         raise BatchError(400, f"batch must be an object with keys {sorted(BATCH_KEYS)}, got {type(doc).__name__}")
     agent_id, seq = doc.get("agent_id"), doc.get("seq")
@@ -560,14 +602,25 @@ def _column(v: Any, f: str, n: int, at: str, typed: bool) -> tuple[np.ndarray, n
     return np.array(v, dtype=np.float64), None  # None -> NaN: absent
 
 
-# -- the fast path (msgpack batches, msgspec installed) -------------------------------------------
-# msgspec decodes a batch straight into structs and checks types and ranges in C (bool is no number, NaN
-# fails every bound, unknown fields fail); what is left (the batch's host, future times, job id sets and
-# shares) is checked a column or a distinct job set at a time. It only ever accepts: a batch it doubts goes
-# to the per-sample path, which is authoritative and words the error. The rules mirror _CHECKS;
+# -- the fast path (typed decoding with msgspec) ---------------------------------------------------
+# msgspec decodes a batch straight into structs and checks types, ranges and lengths in C while it reads
+# (bool is no number, NaN fails every bound, unknown fields fail, a list longer than its limit fails at its
+# header); what is left (the batch's host, future times, job id sets and shares, totals over the batch) is
+# checked a column or a distinct job set at a time. It only ever accepts: a batch it doubts goes to the
+# per-sample path, which is authoritative and words the error. A batch the typed decode refuses is refused
+# (worded by the per-sample path when small enough to decode untyped cheaply). The rules mirror _CHECKS;
 # tests/collector/test_validate.py checks that both paths decide every batch alike.
-def _fast_decoder() -> Any:
-    if msgspec is None or not _FIELDS <= _HANDLED:
+@dataclass(frozen=True, slots=True)
+class _Decoders:
+    msgpack: Any
+    json: Any
+    peek_msgpack: Any
+    peek_json: Any
+
+
+@functools.lru_cache(maxsize=8)
+def _decoders(limits: Limits) -> _Decoders | None:
+    if not _FIELDS <= _HANDLED:
         return None  # a field this path has no rule for: everything goes the per-sample way
     from typing import Annotated
 
@@ -578,13 +631,19 @@ def _fast_decoder() -> Any:
     tuple_of: Any = tuple
     list_of: Any = list
 
-    name = num(str, min_length=1)
+    def seq(t: Any, n: int) -> Any:
+        return Annotated[tuple_of[t, ...], msgspec.Meta(max_length=n)]
+
+    lim = limits
+    name = num(str, min_length=1, max_length=lim.max_str)
+    text = num(str, max_length=lim.max_str)
     count = num(int, ge=0, le=MAX_INT)
     types: dict[str, Any] = {
-        "ts": num(float, gt=0.0, le=MAX_FLOAT), "host": name, "gpu_uuid": name, "model": str, "source": str,
-        "gpu_index": count, "mig": name | None, "xid_errors": tuple_of[num(int, ge=-MAX_INT - 1, le=MAX_INT), ...],
-        "job_ids": tuple_of[name, ...], "job_shares": tuple_of[num(float, ge=0.0, le=MAX_FLOAT), ...],
-        "processes": tuple_of[tuple_of[count, count | None], ...],
+        "ts": num(float, gt=0.0, le=MAX_FLOAT), "host": name, "gpu_uuid": name, "model": text, "source": text,
+        "gpu_index": count, "mig": name | None,
+        "xid_errors": seq(num(int, ge=-MAX_INT - 1, le=MAX_INT), lim.max_list),
+        "job_ids": seq(name, lim.max_job_ids), "job_shares": seq(num(float, ge=0.0, le=MAX_FLOAT), lim.max_job_ids),
+        "processes": seq(tuple_of[count, count | None], lim.max_list),
         # every other numeric field: optional, within the bounds the column checks use too
         **{k: num(int if k in _INTS else float, ge=lo, le=hi) | None
            for k, (lo, hi) in _COLUMN_BOUNDS.items() if k != "ts"},
@@ -594,45 +653,93 @@ def _fast_decoder() -> Any:
     spec = [(f.name, types[f.name]) if f.name in _REQUIRED else (f.name, types[f.name], f.default)
             for f in fields(GpuSample)]
     row = msgspec.defstruct("WireSample", spec, forbid_unknown_fields=True, gc=False)
-    # a series: the constants typed as above; a column is a list (typed, null = absent; ts has no nulls) or
-    # bytes (checked with numpy); per-row lists as lists of the row fields' types
-    time_type = types["ts"]
-    series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", list_of[time_type] | bytes)]
+
+    def column(t: Any) -> Any:  # a list (typed, null = absent) or bytes of 8-byte values
+        return (Annotated[list_of[t], msgspec.Meta(max_length=lim.max_samples)]
+                | Annotated[bytes, msgspec.Meta(max_length=8 * lim.max_samples)])
+
+    def rows(t: Any) -> Any:
+        return Annotated[list_of[t], msgspec.Meta(max_length=lim.max_samples)]
+
+    # a series: the constants typed as above; columns (ts has no nulls); per-row lists of the row fields' types
+    series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", column(types["ts"]))]
     series_spec += [(k, types[k], GpuSample.__dataclass_fields__[k].default)
                     for k in SERIES_CONSTANTS if k not in ("gpu_uuid", "gpu_index")]
-    series_spec += [(k, list_of[types[k]] | bytes | None, None) for k in COLUMNS if k != "ts"]
-    series_spec += [(k, list_of[types[k]] | None, None) for k in ROW_LISTS]
+    series_spec += [(k, column(types[k]) | None, None) for k in COLUMNS if k != "ts"]
+    series_spec += [(k, rows(types[k]) | None, None) for k in ROW_LISTS]
     series = msgspec.defstruct("WireSeries", series_spec, forbid_unknown_fields=True)
-    wire = msgspec.defstruct("WireBatch", [("agent_id", name), ("seq", count), ("host", name),
-                                           # UNSET, not None: an explicit null is the slow path's error
-                                           ("samples", list_of[row] | msgspec.UnsetType, msgspec.UNSET),
-                                           ("series", list_of[series] | msgspec.UnsetType, msgspec.UNSET),
-                                           ("jobs", list_of[Any], []),
-                                           ("cluster", num(str, max_length=MAX_CLUSTER_CHARS), "")],
-                             forbid_unknown_fields=True)
-    return msgspec.msgpack.Decoder(wire)
+    # job records: JobRecord's fields, typed and bounded (omit_defaults: to_builtins gives what was sent)
+    job_types = {"str": text, "str | None": text | None, "int | None": int | None, "float | None": float | None,
+                 "tuple[str, ...]": seq(text, lim.max_list), "tuple[int, ...]": seq(int, lim.max_list),
+                 "tuple[tuple[str, float], ...]": seq(tuple_of[text, float], lim.max_list)}
+    job = msgspec.defstruct("WireJob", [(f.name, job_types[str(f.type)]) if f.name == "job_id" else
+                                        (f.name, job_types[str(f.type)], f.default) for f in fields(JobRecord)],
+                            forbid_unknown_fields=True, omit_defaults=True)
+    wire = msgspec.defstruct("WireBatch", [
+        ("agent_id", name), ("seq", count), ("host", name),
+        # UNSET, not None: an explicit null is the slow path's error
+        ("samples", Annotated[list_of[row], msgspec.Meta(max_length=lim.max_samples)] | msgspec.UnsetType,
+         msgspec.UNSET),
+        ("series", Annotated[list_of[series], msgspec.Meta(max_length=lim.max_series)] | msgspec.UnsetType,
+         msgspec.UNSET),
+        ("jobs", Annotated[list_of[job], msgspec.Meta(max_length=lim.max_jobs)], []),
+        ("cluster", num(str, max_length=MAX_CLUSTER_CHARS), "")], forbid_unknown_fields=True)
+    # the batch's name for an error message, read without building anything else (other fields are skipped)
+    peek = msgspec.defstruct("WirePeek", [("agent_id", text | int | None, None), ("seq", int | text | None, None)])
+    return _Decoders(msgspec.msgpack.Decoder(wire), msgspec.json.Decoder(wire), msgspec.msgpack.Decoder(peek),
+                     msgspec.json.Decoder(peek))
 
 
-_FAST = _fast_decoder()
+_FAST = _decoders(DEFAULT_LIMITS)  # None: every batch takes the per-sample path (tests compare both paths)
 _HOST, _TS, _JOBS = (operator.attrgetter(f) for f in ("host", "ts", "job_ids"))
 _SHARES, _PROCS = operator.attrgetter("job_shares"), operator.attrgetter("processes")
+_MSGSPEC_AT = re.compile(r"^(.*) - at `\$(.*)`$", re.S)
 
 
-def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | None:
-    """The batch, or None where the per-sample path must decide (and word any error)."""
+def _typed_error(body: bytes, exc: Exception, dec: _Decoders, json_body: bool) -> BatchError:
+    """A typed decode's refusal as a BatchError: 413 for a length limit, else 400; named like the per-sample
+    path names fields (``series[0].job_ids``)."""
+    msg = str(exc)
+    m = _MSGSPEC_AT.match(msg)
+    at = ""
+    if m:
+        msg, at = m[1], m[2].lstrip(".")
+        at = re.sub(r"^samples\[", "sample[", at)
     try:
-        b = _FAST.decode(body)
+        p = (dec.peek_json if json_body else dec.peek_msgpack).decode(body)
+        where = f"batch agent_id={p.agent_id!r} seq={p.seq!r}"
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        where = "batch"
+    too_large = "length <=" in msg
+    kind = "malformed JSON" if json_body else "malformed msgpack"
+    text = f"{where}: {at}: {msg}" if at else f"{where}: {kind if isinstance(exc, msgspec.DecodeError) else ''} {msg}"
+    return BatchError(413 if too_large else 400, " ".join(text.split()), "too_large" if too_large else "invalid")
+
+
+def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limits = DEFAULT_LIMITS,
+                json_body: bool = False) -> Batch | None:
+    """The batch, or None where the per-sample path must decide (and word any error); BatchError when the
+    typed decode refuses the body (a limit, a type), worded by the per-sample path where it is small."""
+    dec = _decoders(limits)
+    if dec is None:
         return None
+    try:
+        b = (dec.json if json_body else dec.msgpack).decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        err = _typed_error(body, exc, dec, json_body)
+        if len(body) <= _WORDING_MAX_BYTES and err.status != 413:
+            _parse_doc(_decode(body, "application/json" if json_body else "application/msgpack"), now, allowed_host)
+        raise err from None  # the per-sample path accepted what the typed decode refuses: the refusal stands
     host, rows = b.host, b.samples
     if (rows is msgspec.UNSET) == (b.series is msgspec.UNSET) or (allowed_host is not None and host != allowed_host):
         return None
     where = f"batch agent_id={b.agent_id!r} seq={b.seq!r}"
+    _check_totals(b, where, limits)
     if b.series is not msgspec.UNSET:
         try:
             series = tuple(_parse_series(msgspec.structs.asdict(d), i, where, host, now, typed=True)
                            for i, d in enumerate(b.series))
-            jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None, b.cluster)
+            jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, b.cluster)
         except BatchError:
             return None  # the per-sample path words it (from the body as msgpack decodes it)
         return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series, cluster=b.cluster)
@@ -650,10 +757,28 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None) -> Batch | No
             if r.processes:
                 r.processes = tuple(GpuProcess(p, m) for p, m in r.processes)
     try:
-        jobs = _job_records(b.jobs, f"{where}: ", host, allowed_host is not None, b.cluster)
+        jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, b.cluster)
     except BatchError:
         return None
     return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs), cluster=b.cluster)
+
+
+def _check_totals(b: Any, where: str, limits: Limits) -> None:
+    """Limits over the whole batch (each list was bounded while decoding): samples, GPUs, distinct job ids."""
+    if b.series is not msgspec.UNSET:
+        n = sum(len(s.ts) // 8 if type(s.ts) is bytes else len(s.ts) for s in b.series)
+        gpus = {(s.gpu_uuid, s.mig) for s in b.series}
+        job_ids = {j for s in b.series for j in s.job_ids}
+    else:
+        n = len(b.samples)
+        gpus = {(r.gpu_uuid, r.mig) for r in b.samples}
+        job_ids = {j for ids in set(map(_JOBS, b.samples)) for j in ids}
+    for what, have, limit in (("samples", n, limits.max_samples), ("GPUs and MIG instances", len(gpus),
+                                                                    limits.max_series),
+                              ("distinct job ids", len(job_ids), limits.max_batch_job_ids)):
+        if have > limit:
+            raise BatchError(413, f"{where}: {have} {what} in one batch, more than the limit of {limit}",
+                             "too_large", n)
 
 
 def _check_annotation(annotation: str, v: Any) -> bool:

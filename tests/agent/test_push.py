@@ -92,14 +92,45 @@ def test_posts_batches_with_increasing_seq(collector: Collector) -> None:
     assert pusher.batches_sent == 2
 
 
-def test_default_seq_starts_from_the_clock(collector: Collector) -> None:
+def test_default_seq_is_random_not_the_clock(collector: Collector) -> None:
     a = HttpPusher(collector.url, agent_id="a", host="n7")
     first = a.write(samples(1))
     a.close()
-    b = HttpPusher(collector.url, agent_id="a", host="n7")  # a restarted agent
+    b = HttpPusher(collector.url, agent_id="a", host="n7")  # a restarted agent without a spool directory
     second = b.write(samples(1))
     b.close()
-    assert first > 1_600_000_000_000_000 and second > first
+    assert first != second and 0 <= first < 2**62 and 0 <= second < 2**62
+
+
+@pytest.mark.parametrize("given,url", [
+    ("http://c:8470", "http://c:8470/api/v1/samples"),
+    ("127.0.0.1:8470", "http://127.0.0.1:8470/api/v1/samples"),
+    ("https://c/", "https://c/api/v1/samples"),
+    ("https://proxy/gpuledger", "https://proxy/gpuledger/api/v1/samples"),
+    ("http://c:8470/api/v1/samples", "http://c:8470/api/v1/samples"),
+])
+def test_collector_is_a_base_url(given: str, url: str) -> None:
+    from gpuledger.agent.push import samples_url
+
+    assert samples_url(given) == url
+
+
+def test_fails_over_to_the_next_collector_in_order(collector: Collector, caplog) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    base = collector.url.removesuffix("/api/v1/samples")
+    pusher = HttpPusher([dead, base], agent_id="a", host="n7", seq_start=1, timeout=2.0)
+    assert pusher.write(samples(1)) == 1 and pusher.batches_sent == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "gpuledger.agent.push"]
+    assert f"collector http://{dead}/api/v1/samples unreachable" in line and f"trying {collector.url}" in line
+    collector.status = 422  # a refusal of the batch itself is final: no fail-over for it
+    pusher2 = HttpPusher([base, dead], agent_id="a", host="n7", seq_start=2)
+    with pytest.raises(PushError) as info:
+        pusher2.write(samples(1))
+    assert info.value.status == 422 and not info.value.failover
+    pusher.close()
+    pusher2.close()
 
 
 def test_non_2xx_raises_with_status_and_body(collector: Collector) -> None:
@@ -138,8 +169,10 @@ def test_unencodable_sample_raises_push_error(collector: Collector) -> None:
 
 
 def test_rejects_bad_config() -> None:
-    with pytest.raises(ValueError, match="url"):
-        HttpPusher("collector:8080", agent_id="a", host="h")
+    for bad, needle in (("ftp://c", "scheme"), ("http://c:port", "port"), ("http://", "host"),
+                        ("http://c/?x=1", "query")):
+        with pytest.raises(ValueError, match=needle):
+            HttpPusher(bad, agent_id="a", host="h")
     with pytest.raises(ValueError, match="agent_id"):
         HttpPusher("http://x/api/v1/samples", agent_id="", host="h")
 

@@ -27,8 +27,8 @@ def samples(n: int = 2, ts: float = 1_700_000_000.0) -> list[GpuSample]:
 class Scripted:
     """Answers POSTs with the next status of ``script`` (then ``default``); records each decoded batch."""
 
-    def __init__(self, script: list[int] | None = None, default: int = 200) -> None:
-        self.script, self.default = list(script or []), default
+    def __init__(self, script: list[int] | None = None, default: int = 200, body: bytes = b"{}") -> None:
+        self.script, self.default, self.body = list(script or []), default, body
         self.received: list[dict] = []  # every request, whatever was answered
         self.statuses: list[int] = []
         outer = self
@@ -44,9 +44,9 @@ class Scripted:
                 status = outer.script.pop(0) if outer.script else outer.default
                 outer.statuses.append(status)
                 self.send_response(status)
-                self.send_header("Content-Length", "2")
+                self.send_header("Content-Length", str(len(outer.body)))
                 self.end_headers()
-                self.wfile.write(b"{}")
+                self.wfile.write(outer.body)
 
             def log_message(self, *a: object) -> None:
                 pass
@@ -129,12 +129,52 @@ def test_spool_and_seq_survive_an_agent_restart(tmp_path, scripted):
     assert first.drain(max_attempts=2) is False
     first.close()  # the collector is down: nothing sent, both kept on disk
     srv.default = 200
-    # The restarted agent's clock-based seq would be far higher; a low seq_start shows the spool wins.
+    # a low seq_start shows the spool directory wins: after the numbers used before, never a reused one
     second = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(spool_dir), sleep=lambda s: None)
-    assert second.write(samples()) == 52  # after the spooled ones, never a reused number
+    new = second.write(samples())
+    assert new > 51
     assert second.drain() is True
-    assert srv.acked() == [50, 51, 52]
+    assert srv.acked() == [50, 51, new]
     second.close()
+    # everything delivered, the spool empty: a third start still continues after every number used
+    third = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(spool_dir), sleep=lambda s: None)
+    assert third.write(samples()) > new
+    third.close()
+
+
+def test_seq_file_reserves_blocks_and_survives_without_the_clock(tmp_path):
+    from gpuledger.agent.spool import SeqFile
+
+    f = SeqFile(tmp_path / "next-seq", block=10)
+    assert f.reserved == 0
+    f.reserve(0)
+    assert (tmp_path / "next-seq").read_text() == "10\n"
+    f.reserve(9)  # within the block: no write
+    f.reserve(10)
+    assert SeqFile(tmp_path / "next-seq").reserved == 20  # what a restart (or a crash) continues after
+    (tmp_path / "next-seq").write_text("garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        SeqFile(tmp_path / "next-seq")
+
+
+def test_clock_skew_is_kept_and_retried_a_bad_batch_is_dropped_and_counted(tmp_path, scripted, caplog):
+    future = b'{"error": "series[0].ts[3]: is more than 300 s in the future", "reason": "future"}'
+    srv = scripted([400], body=future)
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), sleep=lambda s: None)
+    p.write(samples())
+    assert p.send_pending() is False and p.spool.depth == 1  # the node's clock, not the batch: kept
+    assert p.rejected_batches == 0
+    assert p.send_pending() is True and srv.acked() == [1]
+    srv.body, srv.script = b'{"error": "bad", "reason": "invalid"}', [400]
+    p.write(samples(3))
+    assert p.send_pending() is True and p.spool.depth == 0  # refused for good: dropped and counted
+    assert (p.rejected_batches, p.rejected_samples) == (1, 3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpuledger.agent.spool"]
+    assert any("kept in the spool" in m and "HTTP 400" in m for m in lines)
+    assert any("refused batch 2 (3 samples) for good" in m and "dropped" in m for m in lines)
+    assert all("\n" not in m for m in lines) and "unreachable" not in " ".join(lines)  # 4xx is no outage
+    assert "dropped 1 refused" in p.summary()
+    p.close()
 
 
 def test_background_sender_with_the_real_collector_and_agent_metrics(tmp_path):

@@ -91,20 +91,35 @@ def test_priority_feed_endpoint_and_gauges_follow_the_file(srv):
     assert "gpuledger_fairshare_ratio" not in c.get("/metrics").text
     doc = {"generated_at": NOW, "priority_weight": 10000, "associations": [
         {"account": "physics", "user": "ann", "fairshare": 0.75, "site_factor": 7500, "raw_usage": 1.0},
-        {"account": "bio", "user": "bob", "fairshare": 0.25, "site_factor": 2500, "raw_usage": 3.0}]}
+        {"account": "bio", "user": "bob", "fairshare": 0.25, "site_factor": 2500, "raw_usage": 3.0},
+        {"account": "bio", "user": None, "fairshare": 0.3, "site_factor": 3000, "raw_usage": 3.0}]}
     feed.write_text(json.dumps(doc))
     assert c.get("/api/v1/priority").json() == doc
     m = c.get("/metrics").text
-    assert 'gpuledger_fairshare_ratio{account="physics",user="ann"} 0.75' in m
-    assert 'gpuledger_site_factor{account="bio",user="bob"} 2500.0' in m
+    # /metrics is open: by default no user names, only the accounts' own rows
+    assert "ann" not in m and "bob" not in m and 'gpuledger_fairshare_ratio{account="bio"} 0.3' in m
+    assert 'gpuledger_site_factor{account="bio"} 3000.0' in m
     assert "gpuledger_priority_feed_generated_timestamp_seconds 1.7e+09" in m
-    doc["associations"][0]["fairshare"] = 0.5  # a new feed: the next scrape follows it
+    doc["associations"][2]["fairshare"] = 0.5  # a new feed: the next scrape follows it
     feed.write_text(json.dumps(doc))
-    assert 'gpuledger_fairshare_ratio{account="physics",user="ann"} 0.5' in c.get("/metrics").text
+    assert 'gpuledger_fairshare_ratio{account="bio"} 0.5' in c.get("/metrics").text
     feed.write_text("{half")
     r = c.get("/api/v1/priority")
     assert r.status_code == 503 and "unreadable" in r.json()["error"]
     assert "gpuledger_fairshare_ratio{" not in c.get("/metrics").text
+
+
+def test_metrics_user_labels_option_publishes_user_names(tmp_path):
+    feed = tmp_path / "feed.json"
+    feed.write_text(json.dumps({"generated_at": NOW, "associations": [
+        {"account": "physics", "user": "ann", "fairshare": 0.75, "site_factor": 7500}]}))
+    store = SqliteStore(tmp_path / "s.db", clock=lambda: NOW)
+    s = CollectorServer(store, clock=lambda: NOW, priority_feed=feed, metrics_user_labels=True).start()
+    try:
+        assert 'gpuledger_fairshare_ratio{account="physics",user="ann"} 0.75' in httpx.get(s.url + "/metrics").text
+    finally:
+        s.stop()
+        store.close()
 
 
 @pytest.mark.parametrize("mutate,status,needle", [

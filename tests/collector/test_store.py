@@ -112,7 +112,7 @@ def test_failed_write_stores_nothing_and_keeps_memory_consistent(tmp_path):
     store.ingest(Batch("a1", 0, "n1", tuple(samples[:10])))
     before = as_dicts(store.job_usage(per_gpu=True))
     # A trigger makes the batch-id insert fail after samples and aggregation were written.
-    store._db.execute("CREATE TRIGGER boom BEFORE INSERT ON batches WHEN NEW.seq = 1 "
+    store._db.execute("CREATE TRIGGER boom BEFORE INSERT ON batch_keys WHEN NEW.seq = 1 "
                       "BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
     with pytest.raises(sqlite3.DatabaseError, match="disk says no"):
         store.ingest(Batch("a1", 1, "n1", tuple(samples[10:20])))

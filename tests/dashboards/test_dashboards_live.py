@@ -63,7 +63,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         store = SqliteStore(data / STORE_NAME)
         es.callback(store.close)
 
-        collector = CollectorServer(store, priority_feed=data / FEED_NAME).start()
+        # the accounting dashboard's per-user panels: a site that publishes user names on /metrics
+        collector = CollectorServer(store, priority_feed=data / FEED_NAME, metrics_user_labels=True).start()
         es.callback(collector.stop)
         fleet = LiveFleet(collector.url, extra_sinks=[sink]).start()
         es.callback(fleet.close)

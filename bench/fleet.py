@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""A fleet of agents against the real collector: N nodes, each pushing every --period seconds what the default
+agent pushes (8 GPUs sampled at 1 Hz: 80 samples, msgpack columns from the agent's own encoder,
+``agent.push.encode_batch``) over its own keep-alive connection, first pushes spread over one period.
+
+The collector runs in its own process as `collector serve` runs it (SqliteStore with durable commits and
+per-job aggregation, background compaction every --compact seconds, the threaded HTTP server). Every
+--report seconds the script prints requests/s, samples/s, p50/p99 latency of that interval, the collector's
+CPU and RSS; at the end the totals, connection errors, answers by status and the peak RSS.
+
+    .venv/bin/python bench/fleet.py --nodes 2000 --seconds 60
+    .venv/bin/python bench/fleet.py --nodes 10000 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import loadgen  # noqa: E402
+
+from gpuledger.agent.push import encode_batch  # noqa: E402
+from gpuledger.schema.records import GpuSample  # noqa: E402
+
+COLLECTOR = """
+import sys
+sys.path.insert(0, sys.argv[4])
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import SqliteStore
+store = SqliteStore(sys.argv[1])
+store.start_background(float(sys.argv[3]))
+CollectorServer(store, port=int(sys.argv[2]), max_inflight=4096).serve_forever()
+"""
+
+
+def push_body(node: int, i: int, base: float, period: float) -> bytes:
+    """Node ``node``'s push ``i``: the 10 s before it, 8 GPUs at 1 Hz (random-walk values)."""
+    host = f"node{node:05d}"
+    rng = random.Random(node * 100_003 + i)
+    t0 = base + period * i - 10
+    samples = [GpuSample(ts=t0 + k, host=host, gpu_uuid=f"GPU-{node:05d}-{g}", gpu_index=g, model="NVIDIA H200",
+                         sm_active_ratio=round(rng.random(), 3), dram_bw_ratio=round(rng.random(), 3),
+                         power_watts=round(200 + 400 * rng.random(), 1),
+                         energy_joules=1e6 + 300.0 * (period * i + k), mem_used_bytes=60 * 2**30 + k,
+                         temp_celsius=50.0, sm_clock_hz=1.98e9, mem_clock_hz=2.6e9,
+                         job_ids=(str(1000 + node // 2),))
+               for g in range(8) for k in range(10)]
+    return encode_batch(f"agent-{node}", host, i, samples, fmt="msgpack")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2000)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--period", type=float, default=10.0, help="seconds between one node's pushes")
+    ap.add_argument("--report", type=float, default=10.0, help="seconds between progress lines")
+    ap.add_argument("--compact", type=float, default=30.0, help="collector compaction interval")
+    a = ap.parse_args()
+    loadgen.raise_nofile()
+    pushes = int(a.seconds / a.period) + 2
+    base = time.time()  # samples' time anchor: pushes start after the bodies are encoded, so all lie in the past
+    t_enc = time.monotonic()
+    headers = {"Content-Type": "application/msgpack"}
+    reqs = [[loadgen.request_bytes("/api/v1/samples", push_body(n, i, base, a.period), headers)
+             for i in range(pushes)] for n in range(a.nodes)]
+    print(f"encoded {a.nodes * pushes} bodies in {time.monotonic() - t_enc:.1f} s", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
+        port = loadgen.free_port()
+        proc = subprocess.Popen([sys.executable, "-c", COLLECTOR, str(Path(tmp) / "c.sqlite"), str(port),
+                                 str(a.compact), str(ROOT)])
+        try:
+            loadgen.wait_ready(port, proc)
+            stats = loadgen.Stats()
+            timeline: list[dict] = []
+
+            async def reporter(until: float) -> None:
+                seen, cpu0, t0 = 0, loadgen.cpu_s(proc.pid), time.monotonic()
+                samples0 = 0
+                while time.monotonic() < until + a.period:
+                    await asyncio.sleep(a.report)
+                    lat = stats.latencies[seen:]
+                    now, cpu = time.monotonic(), loadgen.cpu_s(proc.pid)
+                    row = {"t_s": round(now - start, 1), "requests_per_s": round(len(lat) / (now - t0), 1),
+                           "samples_per_s": round((stats.samples - samples0) / (now - t0)),
+                           "p50_ms": loadgen.ms(loadgen.percentile(lat, 0.5)),
+                           "p99_ms": loadgen.ms(loadgen.percentile(lat, 0.99)),
+                           "cpu_pct": round(100 * (cpu - cpu0) / (now - t0)),
+                           "rss_mb": round(loadgen.rss_bytes(proc.pid) / 2**20, 1),
+                           "connection_errors": stats.conn_errors}
+                    timeline.append(row)
+                    print(json.dumps(row), flush=True)
+                    seen, cpu0, t0, samples0 = len(stats.latencies), cpu, now, stats.samples
+
+            async def run() -> None:
+                until = start + a.seconds
+                rng = random.Random(1)
+                await asyncio.gather(reporter(until), *(
+                    loadgen.node("127.0.0.1", port, lambda i, n=n: (reqs[n][min(i, pushes - 1)], 80), a.period,
+                                 until, stats, rng) for n in range(a.nodes)))
+
+            start = time.monotonic()
+            cpu_start = loadgen.cpu_s(proc.pid)
+            asyncio.run(run())
+            wall = a.seconds  # the load window (the last period only lets the last pushes finish)
+            total = {"nodes": a.nodes, "seconds": round(wall, 1), "period_s": a.period,
+                     "requests": len(stats.latencies), "requests_per_s": round(len(stats.latencies) / wall, 1),
+                     "samples_per_s": round(stats.samples / wall),
+                     "p50_ms": loadgen.ms(loadgen.percentile(stats.latencies, 0.5)),
+                     "p99_ms": loadgen.ms(loadgen.percentile(stats.latencies, 0.99)),
+                     "statuses": stats.statuses, "connection_errors": stats.conn_errors,
+                     "error_kinds": stats.error_kinds,
+                     "collector_cpu_ms_per_request": round(1e3 * (loadgen.cpu_s(proc.pid) - cpu_start)
+                                                           / max(len(stats.latencies), 1), 2),
+                     "collector_peak_rss_mb": round(loadgen.hwm_bytes(proc.pid) / 2**20, 1),
+                     "collector_rss_mb_first_last": [timeline[0]["rss_mb"], timeline[-1]["rss_mb"]] if timeline
+                     else None}
+            print(json.dumps({"total": total}, indent=1))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""A small asyncio HTTP/1.1 load generator for the fleet benches (bench/http_layer.py, bench/fleet.py).
+
+Each simulated node holds one keep-alive connection and posts a pre-encoded body every ``period_s``
+seconds (first push at a random offset, as agents started at different times). A raw-socket client, not
+httpx: on a 2-core machine the client must cost far less CPU than the server it measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import os
+import random
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK
+
+
+def _status_bytes(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_bytes(pid: int) -> int:
+    return _status_bytes(pid, "VmRSS")
+
+
+def hwm_bytes(pid: int) -> int:
+    """Peak RSS (VmHWM) of a process."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, path: str = "/healthz", timeout: float = 60) -> None:
+    """Until the server in ``proc`` answers GET ``path`` on ``port``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited during start-up")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", path)
+            c.getresponse().read()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"port {port} not ready")
+
+
+def request_bytes(path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: bench", f"Content-Length: {len(body)}"]
+    head += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+@dataclass
+class Stats:
+    latencies: list[float] = field(default_factory=list)
+    ok: int = 0
+    samples: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+    conn_errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    def error(self, exc: BaseException) -> None:
+        self.conn_errors += 1
+        k = type(exc).__name__
+        self.error_kinds[k] = self.error_kinds.get(k, 0) + 1
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    length, close = 0, False
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        k = k.strip().lower()
+        if k == "content-length":
+            length = int(v)
+        elif k == "connection" and v.strip().lower() == "close":
+            close = True
+    body = await reader.readexactly(length) if length else b""
+    return status, body, close
+
+
+async def node(host: str, port: int, make_request: Callable[[int], tuple[bytes, int]], period_s: float,
+               until: float, stats: Stats, rng: random.Random, ok_status: int = 200) -> None:
+    """One agent: connect, then post ``make_request(i)`` (request bytes, samples) every period_s until ``until``."""
+    await asyncio.sleep(rng.random() * period_s)
+    reader = writer = None
+    i = 0
+    next_at = time.monotonic()
+    while next_at < until:
+        req, n = make_request(i)
+        t0 = time.monotonic()
+        try:
+            if writer is None:
+                reader, writer = await asyncio.open_connection(host, port)
+            writer.write(req)
+            status, _body, close = await _read_response(reader)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            stats.error(exc)
+            if writer is not None:
+                writer.close()
+            reader = writer = None
+        else:
+            stats.latencies.append(time.monotonic() - t0)
+            stats.statuses[status] = stats.statuses.get(status, 0) + 1
+            if status == ok_status:
+                stats.ok += 1
+                stats.samples += n
+            if close:
+                writer.close()
+                reader = writer = None
+        i += 1
+        next_at += period_s
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    if writer is not None:
+        writer.close()
+
+
+async def closed_loop(host: str, port: int, make_request: Callable[[int], tuple[bytes, int]], conns: int,
+                      seconds: float, stats: Stats) -> None:
+    """``conns`` connections posting back to back for ``seconds`` (saturation)."""
+    until = time.monotonic() + seconds
+
+    async def one(c: int) -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        i = c
+        while time.monotonic() < until:
+            req, n = make_request(i)
+            t0 = time.monotonic()
+            try:
+                writer.write(req)
+                status, _b, close = await _read_response(reader)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                stats.error(exc)
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, port)
+                continue
+            stats.latencies.append(time.monotonic() - t0)
+            stats.statuses[status] = stats.statuses.get(status, 0) + 1
+            if status == 200:
+                stats.ok += 1
+                stats.samples += n
+            if close:
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, port)
+            i += conns
+        writer.close()
+
+    await asyncio.gather(*(one(c) for c in range(conns)))
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds for a report (None stays None: JSON has no NaN)."""
+    return None if seconds is None else round(1e3 * seconds, 2)
+
+
+def raise_nofile() -> None:
+    """Thousands of connections need thousands of file descriptors."""
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -1,0 +1,140 @@
+"""Group commit: concurrent batches share transactions, each is acknowledged only once committed, and one
+batch's failure costs the others nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gpuledger.agent.push import encode_batch
+from gpuledger.collector.store import BatchConflict, SqliteStore
+from gpuledger.collector.validate import parse_batch
+from gpuledger.schema.records import GpuSample
+
+NOW = 1_700_000_000.0
+
+
+def body(host: str, seq: int, gpu_index: int = 0) -> bytes:
+    s = [GpuSample(ts=NOW - 600 + 10 * seq + k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=gpu_index,
+                   sm_active_ratio=0.5, energy_joules=1e6 + 100.0 * (10 * seq + k), job_ids=("7",)) for k in range(10)]
+    return encode_batch(f"agent-{host}", host, seq, s, fmt="msgpack")
+
+
+def batch(host: str, seq: int, gpu_index: int = 0):
+    return parse_batch(body(host, seq, gpu_index), "application/msgpack", NOW)
+
+
+def test_concurrent_batches_share_commits_and_all_are_stored(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
+    commits = []
+    store._db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    results: dict[tuple[str, int], int] = {}
+    start = threading.Barrier(32)
+
+    def node(h: int) -> None:
+        start.wait()
+        for seq in range(5):
+            results[(f"n{h}", seq)] = store.ingest(batch(f"n{h}", seq)).accepted
+
+    threads = [threading.Thread(target=node, args=(h,)) for h in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 160 and set(results.values()) == {10}
+    assert store.totals()["samples"] == 1600
+    assert len(commits) < 160  # batches waiting together were committed together
+    store.close()
+
+
+def one_group(store: SqliteStore, named: dict) -> dict[str, object]:
+    """Ingest ``named`` batches from threads while the writer lock is held, so they queue up and commit as one
+    group; each name's outcome: samples accepted, or the exception raised."""
+    outcomes: dict[str, object] = {}
+
+    def go(name: str, b) -> None:
+        try:
+            outcomes[name] = store.ingest(b).accepted
+        except Exception as e:  # noqa: BLE001 - a batch's own error is its outcome
+            outcomes[name] = e
+
+    with store._lock:
+        ts = [threading.Thread(target=go, args=item) for item in named.items()]
+        for t in ts:
+            t.start()
+        while len(store._queue) < len(named):
+            threading.Event().wait(0.01)
+    for t in ts:
+        t.join()
+    return outcomes
+
+
+def test_a_conflict_in_a_group_is_answered_alone(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
+    store.ingest(batch("n1", 0))
+    outcomes = one_group(store, {"ok1": batch("n2", 0), "conflict": batch("n1", 0, gpu_index=3),
+                                 "ok2": batch("n3", 0)})
+    assert outcomes["ok1"] == 10 and outcomes["ok2"] == 10 and isinstance(outcomes["conflict"], BatchConflict)
+    assert store.totals()["samples"] == 30
+    store.close()
+
+
+def test_a_batch_that_breaks_the_transaction_costs_its_group_nothing(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
+    store._db.execute("CREATE TRIGGER boom BEFORE INSERT ON batch_keys WHEN NEW.host = 'bad' "
+                      "BEGIN SELECT RAISE(ABORT, 'one bad batch'); END")
+    outcomes = one_group(store, {"a": batch("n1", 0), "bad": batch("bad", 0), "b": batch("n2", 0)})
+    assert outcomes["a"] == 10 and outcomes["b"] == 10 and "one bad batch" in str(outcomes["bad"])
+    assert store.totals()["samples"] == 20
+    store.close()
+
+
+def test_batch_keys_are_pruned_past_the_dedupe_horizon(tmp_path):
+    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW, dedupe_horizon_s=3600)
+    for seq in range(3):
+        store.ingest(batch("n1", seq))
+    store.compact(now=NOW + 1800)
+    assert store.batches_seen() == 3  # within the horizon: kept, a resend is still a duplicate
+    assert store.ingest(batch("n1", 0)).duplicate_batch
+    store.compact(now=NOW + 7200)
+    assert store.batches_seen() == 0
+    assert store.totals()["samples"] == 30  # the data stays; only the keys go
+    store.close()
+
+
+def test_idle_gpus_leave_memory_and_come_back_exactly(tmp_path):
+    from gpuledger.collector.aggregate import Aggregator
+
+    clock = [NOW]
+    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: clock[0], idle_evict_s=60)
+    ref = Aggregator()
+    for seq in range(3):
+        for host in ("n1", "n2"):
+            b = batch(host, seq)
+            store.ingest(b)
+            for s in b.samples:
+                ref.add(s)
+    assert {k[0] for k in store.agg.gpus} == {"n1", "n2"}
+    clock[0] += 120  # n1 falls silent; n2 pushes on
+    b = batch("n2", 3)
+    store.ingest(b)
+    for s in b.samples:
+        ref.add(s)
+    assert {k[0] for k in store.agg.gpus} == {"n2"}  # n1's window left memory
+    for seq in (3, 4):  # n1 is back: its window is restored from the store, the sums go on exactly
+        b = batch("n1", seq)
+        store.ingest(b)
+        for s in b.samples:
+            ref.add(s)
+    got = {(u.job_id, u.host, u.gpu_uuid): u for u in store.job_usage(per_gpu=True)}
+    want = {(u.job_id, u.host, u.gpu_uuid): u for u in ref.job_usage(per_gpu=True)}
+    assert got.keys() == want.keys()
+    for k in got:
+        assert got[k].allocated_gpu_seconds == pytest.approx(want[k].allocated_gpu_seconds)
+        assert got[k].energy_joules == pytest.approx(want[k].energy_joules)
+    store.close()
+    again = SqliteStore(tmp_path / "s.sqlite", clock=lambda: clock[0])
+    assert again.agg.gpus == {}  # a restart restores windows on demand, not all at once
+    assert again.ingest(batch("n2", 4)).accepted == 10 and len(again.agg.gpus) == 1
+    again.close()
