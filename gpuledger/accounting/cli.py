@@ -24,7 +24,7 @@ from gpuledger.accounting.audit import (
     usage_key,
 )
 from gpuledger.accounting.charge import allocated_gpu_seconds
-from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir
+from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir, read_ledger
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
@@ -316,11 +316,7 @@ def jobs_list(
     fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.table,
 ) -> None:
     """Jobs in the ledger: the scheduler's record joined with the measured usage."""
-    store = _open_store(data_dir)
-    try:
-        entries = load_ledger(store)
-    finally:
-        store.close()
+    entries = read_ledger(data_dir)
     now = time.time()
     rows = job_rows(entries, now)
     objs: list[dict[str, Any]] = []

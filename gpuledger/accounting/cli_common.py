@@ -11,6 +11,7 @@ import typer
 from gpuledger.output import fail
 
 if TYPE_CHECKING:
+    from gpuledger.accounting.ledger import LedgerEntry
     from gpuledger.collector.store import SqliteStore
 
 STORE_NAME = "gpuledger.sqlite"
@@ -42,3 +43,14 @@ def open_store(data_dir: Path) -> SqliteStore:
     if not path.exists():
         raise fail_exit(f"no gpuledger store at {path} (run `gpuledger demo` or a collector first, or pass --data-dir)")
     return SqliteStore(path)
+
+
+def read_ledger(data_dir: Path) -> list[LedgerEntry]:
+    """The ledger of ``data_dir`` (scheduler records joined with measured usage), the store closed again."""
+    from gpuledger.accounting.ledger import load
+
+    store = open_store(data_dir)
+    try:
+        return load(store)
+    finally:
+        store.close()

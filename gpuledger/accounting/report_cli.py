@@ -17,7 +17,7 @@ import typer
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
 from gpuledger.accounting.audit.verify import read_checkpoints
-from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir
+from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir, read_ledger
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.ledger import gap_attribution
@@ -279,11 +279,7 @@ def report_jobs(
     pseudonymize: Pseudo = False,
 ) -> None:
     """Per-job measured usage (jobs seen by only one side are marked with *)."""
-    store = _open_store(data_dir)
-    try:
-        entries = load_ledger(store)
-    finally:
-        store.close()
+    entries = read_ledger(data_dir)
     if pseudonymize:
         entries = pseudonymize_entries(entries, _alias(data_dir))
     rows = job_rows(entries)

@@ -42,6 +42,7 @@ from gpuledger.agent.slurm import (
     state_word,
 )
 from gpuledger.agent.slurm import parse_squeue_json as parse_squeue_meta
+from gpuledger.output import int_ranges
 from gpuledger.schema.records import JobRecord
 
 __all__ = [
@@ -379,18 +380,6 @@ def parse_squeue_json(text: str, states: Iterable[str] | None = ("PENDING",)) ->
 SQUEUE_PENDING_FORMAT = "%A|%i|%u|%a|%P|%T"
 
 
-def _task_ranges(tasks: Iterable[int]) -> str:
-    """[3, 4, 5, 9] -> "3-5,9" (Slurm's array task expression)."""
-    ts = sorted(set(tasks))
-    out: list[str] = []
-    i = 0
-    while i < len(ts):
-        j = i
-        while j + 1 < len(ts) and ts[j + 1] == ts[j] + 1:
-            j += 1
-        out.append(str(ts[i]) if i == j else f"{ts[i]}-{ts[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def parse_squeue_pending(text: str) -> list[PendingJob]:
@@ -422,7 +411,7 @@ def parse_squeue_pending(text: str) -> list[PendingJob]:
                                           "array task of the same array")
                 array = a
                 tasks.append(int(t))
-            job_id = f"{array}_[{_task_ranges(tasks)}]"
+            job_id = f"{array}_[{int_ranges(tasks)}]"
         out.append(PendingJob(job_id=job_id, user=user or None, account=account or None,
                               partition=partition or None, state=state_word(state) or state,
                               record_id=record_id, tasks=len(lines)))

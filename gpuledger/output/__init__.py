@@ -13,7 +13,7 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NoReturn
@@ -145,3 +145,18 @@ def os_error(exc: OSError) -> str:
 def note(message: str) -> None:
     """A remark for people on stderr (an empty period, where a file went), never mixed into the data on stdout."""
     sys.stderr.write(" ".join(str(message).split()) + "\n")
+
+
+def int_ranges(values: Iterable[int]) -> str:
+    """[3, 4, 5, 9] -> "3-5,9": runs of consecutive integers, sorted, each once (Slurm's array task expression,
+    an audit manifest's entry list)."""
+    ordered = sorted(set(values))
+    out: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)

@@ -21,6 +21,7 @@ from typing import Any
 
 from gpuledger.collector.auditlog import AuditLog, Entry, job_data, job_key, merkle, plain
 from gpuledger.collector.auditlog.canonical import dumps
+from gpuledger.output import int_ranges
 from gpuledger.schema.records import JobRecord, JobUsage
 
 FINAL_AFTER_S = 600.0  # the collector's default window for late samples: after it a job's usage is complete
@@ -146,20 +147,9 @@ def inputs_root(entries: Sequence[Entry]) -> dict[str, Any]:
     """The Merkle root (RFC 9162) over the leaf hashes of exactly these entries, in log order, and which they are."""
     es = sorted(entries, key=lambda e: e.seq)
     return {"count": len(es), "root": merkle.root_of([e.leaf for e in es]).hex(),
-            "entries": ranges([e.seq for e in es])}
+            "entries": int_ranges(e.seq for e in es)}
 
 
-def ranges(seqs: Sequence[int]) -> str:
-    """1,2,3,5,7,8 -> "1-3,5,7-8" (a manifest lists the entries it used without a line per job)."""
-    out: list[str] = []
-    i = 0
-    while i < len(seqs):
-        j = i
-        while j + 1 < len(seqs) and seqs[j + 1] == seqs[j] + 1:
-            j += 1
-        out.append(str(seqs[i]) if i == j else f"{seqs[i]}-{seqs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def parse_ranges(text: str) -> list[int]:
