@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import queue
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,11 +39,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from loadgen import cpu_s, free_port, wait_ready  # noqa: E402
 
 from gpuledger.agent.push import encode_batch  # noqa: E402
 from gpuledger.schema.records import GpuSample  # noqa: E402
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 GPUS = 8
 FIELDS = ("sm_active_ratio", "dram_bw_ratio", "power_watts", "energy_joules", "mem_used_bytes", "temp_celsius",
           "sm_clock_hz", "mem_clock_hz", "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second")
@@ -54,18 +54,6 @@ INTS = {"mem_used_bytes"}
 
 def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / CLK_TCK
 
 
 class Data:
@@ -160,21 +148,6 @@ def post_all(port: int, path: str, bodies: list[bytes], headers: dict, ok: int, 
     return sum(done), time.perf_counter() - t0
 
 
-def wait_ready(port: int, path: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited during start-up")
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            c.request("GET", path)
-            if c.getresponse().status < 500:
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"port {port} not ready")
-
-
 def settle(pid: int, idle_s: float = 2.0, limit_s: float = 30.0) -> None:
     """Wait until the server has been idle for ``idle_s`` (background merges finish)."""
     end = time.monotonic() + limit_s
@@ -215,8 +188,8 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
         gl = subprocess.Popen([sys.executable, "-c", COLLECTOR, str(db), str(gl_port), str(ROOT), str(a.compact)],
                               stdout=(work / "gl.log").open("wb"), stderr=subprocess.STDOUT)
         procs.append(gl)
-        wait_ready(vm_port, "/health", vm)
-        wait_ready(gl_port, "/metrics", gl)
+        wait_ready(vm_port, vm, "/health")
+        wait_ready(gl_port, gl, "/metrics")
         data = Data(a.hosts, time.time() - 3 * 86400, steps)
         per_phase = max(1, a.points // shape)
 

@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 def wait_ready(port: int, proc: subprocess.Popen, path: str = "/healthz", timeout: float = 60) -> None:
-    """Until the server in ``proc`` answers GET ``path`` on ``port``."""
+    """Until the server in ``proc`` answers GET ``path`` on ``port`` with a status below 500."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -59,10 +59,11 @@ def wait_ready(port: int, proc: subprocess.Popen, path: str = "/healthz", timeou
         try:
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             c.request("GET", path)
-            c.getresponse().read()
-            return
+            if c.getresponse().status < 500:  # a server still starting may answer 503
+                return
         except OSError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     raise RuntimeError(f"port {port} not ready")
 
 
