@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 Pseudo = Annotated[
     bool, typer.Option("--pseudonymize", help="Replace user names by stable keyed pseudonyms (HMAC-SHA256).")]
+# the period of a report: --period, or --from/--to (gpuledger.accounting.report.period.parse_period)
+FromOpt = Annotated[str | None, typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")]
+ToOpt = Annotated[str | None, typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")]
+PeriodOpt = Annotated[str | None, typer.Option("--period", help=PERIOD_FORMS + ", UTC")]
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout; signed when "
                                                    "an audit signing key exists (see `audit keygen`).")]
 
@@ -167,9 +171,9 @@ def _jobs_to_influx(data_dir: Path, config: Path | None, entries: Sequence[Ledge
 def report_usage(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    start: Annotated[str | None, typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
-    end: Annotated[str | None, typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
-    period: Annotated[str | None, typer.Option("--period", help=PERIOD_FORMS + ", UTC")] = None,
+    start: FromOpt = None,
+    end: ToOpt = None,
+    period: PeriodOpt = None,
     by: Annotated[By, typer.Option("--by")] = By.account,
     fmt: Annotated[UsageFmt, typer.Option("--format")] = UsageFmt.table,
     pseudonymize: Pseudo = False,
@@ -228,9 +232,9 @@ def report_usage(
 def report_reconcile(
     data_dir: DataDir = Path("gpuledger-data"),
     config: ConfigOpt = None,
-    start: Annotated[str | None, typer.Option("--from", help="YYYY-MM-DD or ISO date-time (UTC), inclusive")] = None,
-    end: Annotated[str | None, typer.Option("--to", help="YYYY-MM-DD or ISO date-time (UTC), exclusive")] = None,
-    period: Annotated[str | None, typer.Option("--period", help=PERIOD_FORMS + ", UTC")] = None,
+    start: FromOpt = None,
+    end: ToOpt = None,
+    period: PeriodOpt = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     output: OutputOpt = None,
 ) -> None:
@@ -330,7 +334,7 @@ def report_idle(
                                                        "activity (default: report.idle_threshold, 0.05)")] = None,
     min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="list jobs whose idle GPUs hold at least this "
                                              "share of their GPU-time")] = 0.5,
-    period: Annotated[str | None, typer.Option("--period", help=PERIOD_FORMS + ", UTC")] = None,
+    period: PeriodOpt = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     pseudonymize: Pseudo = False,
 ) -> None:
