@@ -37,6 +37,7 @@ from gpuledger.agent.slurm import (
     expand_hostlist,
     first_flag,
     load_jobs_json,
+    parse_tres,
     slurm_epoch,
     slurm_number,
     state_word,
@@ -103,31 +104,14 @@ class PendingJob:
 
 # ------------------------------------------------------------------------------------------------ small pieces
 
-_MEM_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
 _UNKNOWN_TIMES = frozenset({"", "Unknown", "None", "N/A", "(null)"})
 
 
 def parse_tres_text(text: str, where: str = "TRES") -> tuple[tuple[str, float], ...]:
-    """``billing=11,cpu=1,gres/gpu:h200=1,gres/gpu=1,mem=1000M,node=1`` -> ((name, value), ...).
-
-    Memory-like suffixes K/M/G/T/P are Slurm's binary units and become bytes. Empty text -> ().
-    """
-    out: list[tuple[str, float]] = []
-    text = text.strip()
-    if not text:
-        return ()
-    for item in text.split(","):
-        name, sep, value = item.strip().partition("=")
-        if not sep or not name:
-            raise SlurmParseError(f"{where}: {item!r} in {text!r} is not name=value")
-        mult = 1
-        if value and value[-1] in _MEM_UNITS:
-            mult, value = _MEM_UNITS[value[-1]], value[:-1]
-        try:
-            out.append((name, float(value) * mult))
-        except ValueError:
-            raise SlurmParseError(f"{where}: value of {name!r} in {text!r} is not a number") from None
-    return tuple(out)
+    """``billing=11,cpu=1,gres/gpu:h200=1,gres/gpu=1,mem=1000M,node=1`` -> ((name, value), ...), strictly: an item
+    that is not ``name=number`` raises SlurmParseError naming ``where`` (``agent.slurm.parse_tres`` is the one
+    parser; memory suffixes are Slurm's binary units and become bytes; empty text -> ())."""
+    return parse_tres(text, where=where)
 
 
 def gpu_tres(tres: Iterable[tuple[str, float]]) -> tuple[float | None, dict[str, float]]:

@@ -114,24 +114,33 @@ def expand_hostlist(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def parse_tres(text: str) -> tuple[tuple[str, float], ...]:
+MEM_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}  # Slurm's binary units
+
+
+def parse_tres(text: str, where: str | None = None) -> tuple[tuple[str, float], ...]:
     """"cpu=2,mem=2000M,gres/gpu=2" -> (("cpu", 2.0), ("mem", 2000e6), ("gres/gpu", 2.0)).
 
-    Memory suffixes K/M/G/T are Slurm's binary units (M = MiB) and become bytes.
+    Memory suffixes K/M/G/T/P are Slurm's binary units (M = MiB) and become bytes; empty text -> (). Without
+    ``where`` an item that is not ``name=number`` is skipped (an agent's metadata is best effort); with it,
+    such an item raises :class:`SlurmParseError` naming ``where`` (imported records must be whole).
     """
-    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
     out: list[tuple[str, float]] = []
+    if not text.strip():
+        return ()
     for item in text.split(","):
         name, sep, value = item.strip().partition("=")
         if not sep or not name:
+            if where is not None:
+                raise SlurmParseError(f"{where}: {item!r} in {text.strip()!r} is not name=value")
             continue
         mult = 1
-        if value and value[-1] in units:
-            mult, value = units[value[-1]], value[:-1]
+        if value and value[-1] in MEM_UNITS:
+            mult, value = MEM_UNITS[value[-1]], value[:-1]
         try:
             out.append((name, float(value) * mult))
         except ValueError:
-            continue
+            if where is not None:
+                raise SlurmParseError(f"{where}: value of {name!r} in {text.strip()!r} is not a number") from None
     return tuple(out)
 
 

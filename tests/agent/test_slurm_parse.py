@@ -14,6 +14,7 @@ from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.agent.slurm import (
     JobResolver,
+    SlurmParseError,
     expand_hostlist,
     job_record,
     parse_gres_idx,
@@ -238,3 +239,13 @@ def test_job_record_from_meta() -> None:
 def test_every_env_capture_names_its_account(name: str) -> None:
     meta = parse_job_environ(environ(name))
     assert meta is not None and job_record(meta).account == "proj_a"
+
+
+def test_parse_tres_strict_when_told_where() -> None:
+    # the one TRES parser: lenient for an agent's metadata, strict (naming where) for imported records
+    assert parse_tres(" ", where="AllocTRES") == ()
+    assert parse_tres("cpu=1,mem=1M", where="AllocTRES") == (("cpu", 1.0), ("mem", 2.0**20))
+    with pytest.raises(SlurmParseError, match=r"AllocTRES: '' in 'cpu=1,,gpu=2' is not name=value"):
+        parse_tres("cpu=1,,gpu=2", where="AllocTRES")
+    with pytest.raises(SlurmParseError, match=r"AllocTRES: value of 'gpu' in 'gpu=x' is not a number"):
+        parse_tres("gpu=x", where="AllocTRES")
