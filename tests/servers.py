@@ -1,4 +1,5 @@
-"""Real InfluxDB 1.x, VictoriaMetrics and Prometheus servers for the tests (Debian packages, loopback, free ports).
+"""Real PostgreSQL, InfluxDB 1.x, VictoriaMetrics and Prometheus servers for the tests (Debian packages, loopback,
+free ports).
 
 Each server runs from a temporary directory, binds only 127.0.0.1 and is stopped (SIGTERM to the PID we
 started, SIGKILL after a grace period) when its context exits. Nothing here knows about gpuledger.
@@ -6,10 +7,13 @@ started, SIGKILL after a grace period) when its context exits. Nothing here know
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -160,6 +164,74 @@ class VictoriaMetricsServer(_Server):
             self.stop()
             raise
         return self
+
+
+def _pg_bin() -> Path:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not found:
+        raise RuntimeError("PostgreSQL not installed (Debian package postgresql; see .ci/ensure-debs)")
+    return found[-1].parent
+
+
+class PostgresServer(_Server):
+    """A throwaway PostgreSQL cluster (``initdb`` + ``pg_ctl``) in ``workdir`` on a free loopback port, trust auth,
+    fsync on. As root it runs as the ``postgres`` account (initdb refuses root). ``new_database()`` gives each
+    test its own empty database; ``url`` names the cluster's ``postgres`` database."""
+
+    binary = "psql"
+
+    def __init__(self, workdir: Path) -> None:
+        self._as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self._as:  # the postgres account cannot enter pytest's private temporary tree: a directory of its own
+            workdir = Path(tempfile.mkdtemp(prefix="gpuledger-pg-"))
+            shutil.chown(workdir, "postgres")
+        super().__init__(workdir)
+        self.bin = _pg_bin()
+        self.port = free_port()
+        self.user = "gl"
+        self._names = itertools.count(1)
+
+    def url_for(self, db: str) -> str:
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{db}"
+
+    @property
+    def url(self) -> str:
+        return self.url_for("postgres")
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run([*self._as, *argv], check=True, capture_output=True, cwd="/")
+
+    def __enter__(self) -> PostgresServer:
+        w = self.workdir
+        self._run(str(self.bin / "initdb"), "-D", str(w / "pg"), "-A", "trust", "-U", self.user, "-E", "UTF8")
+        opts = (f"-p {self.port} -k {w} -c listen_addresses=127.0.0.1 -c fsync=on -c max_connections=200 "
+                "-c shared_buffers=64MB")
+        try:
+            self._run(str(self.bin / "pg_ctl"), "-D", str(w / "pg"), "-w", "-t", "60", "-l", str(w / "pg.log"),
+                      "-o", opts, "start")
+        except subprocess.CalledProcessError as exc:
+            log = (w / "pg.log").read_text() if (w / "pg.log").exists() else ""
+            raise RuntimeError(f"pg_ctl start failed: {exc.stderr.decode()[-1000:]} {log[-2000:]}") from exc
+        return self
+
+    def psql(self, sql: str, db: str = "postgres") -> str:
+        out = subprocess.run([str(self.bin / "psql"), "-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
+                              "-p", str(self.port), "-U", self.user, "-d", db, "-c", sql],
+                             check=True, capture_output=True, text=True)
+        return out.stdout.strip()
+
+    def new_database(self, prefix: str = "t") -> str:
+        """A fresh empty database; returns its URL."""
+        name = f"{prefix}{os.getpid()}_{next(self._names)}"
+        self.psql(f'CREATE DATABASE "{name}"')
+        return self.url_for(name)
+
+    def stop(self) -> None:
+        if (self.workdir / "pg" / "postmaster.pid").exists():
+            subprocess.run([*self._as, str(self.bin / "pg_ctl"), "-D", str(self.workdir / "pg"), "-m", "fast", "-w",
+                            "stop"], capture_output=True, cwd="/")
+        if self._as:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class PrometheusServer(_Server):

@@ -1,0 +1,334 @@
+"""The one database seam under the ledger, the chunk series store and the audit log: embedded SQLite (the
+default) or PostgreSQL (a ledger shared by several collectors, kept by a site's DBAs).
+
+Code above this module writes one SQL dialect, SQLite's portable subset, and never branches on the engine:
+
+- placeholders ``?``; no ``%`` needs escaping (translated for psycopg here);
+- DDL types ``TEXT``, ``INTEGER`` (64-bit), ``REAL`` (a double: PostgreSQL's ``REAL`` is 32-bit, so it becomes
+  ``DOUBLE PRECISION``, or stored totals would lose bits), ``BLOB`` (``BYTEA``); ``WITHOUT ROWID`` is dropped
+  for PostgreSQL. DDL goes through :meth:`Database.script`;
+- upserts as ``INSERT ... ON CONFLICT (key) DO UPDATE SET c=excluded.c`` (:func:`upsert`), never
+  ``INSERT OR REPLACE``; sums as ``COALESCE(SUM(x), 0)``, never ``TOTAL``; reserved words (``end``) quoted;
+- :meth:`Database.lock` serialises a critical section across processes inside a transaction (SQLite's
+  ``BEGIN IMMEDIATE`` already does; PostgreSQL takes a transaction-scoped advisory lock);
+- ``INSERT ... RETURNING`` works on both (SQLite >= 3.35).
+
+:func:`open_database` takes a path or ``sqlite:///path`` for SQLite, ``postgresql://...`` for PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+SQLITE, POSTGRESQL = "sqlite", "postgresql"
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be reached (server down, connection lost): nothing was written; try again later."""
+
+
+class DatabaseFull(Exception):
+    """The database's disk (or quota) is full: nothing of the failed transaction was written."""
+
+
+class Rows(Protocol):
+    """What :meth:`Database.execute` returns: a cursor's reading side."""
+
+    rowcount: int
+
+    def fetchone(self) -> Any: ...
+    def fetchall(self) -> list[Any]: ...
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class Database(Protocol):
+    dialect: str
+    url: str  # for messages: a PostgreSQL password is never in it
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows: ...
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+    def transaction(self) -> Any: ...  # context manager; nested use joins the outer transaction
+    def lock(self, name: str) -> None: ...
+    def script(self, ddl: str) -> None: ...
+    def columns(self, table: str) -> list[str]: ...
+    def has_table(self, table: str) -> bool: ...
+    def close(self) -> None: ...
+
+
+def upsert(table: str, columns: Sequence[str], key: Sequence[str]) -> str:
+    """``INSERT INTO table (columns) VALUES (?, ...) ON CONFLICT (key) DO UPDATE SET`` every other column (or
+    ``DO NOTHING`` when all columns are the key): valid in both dialects."""
+    cols = ", ".join(_ident(c) for c in columns)
+    rest = [c for c in columns if c not in key]
+    action = ("DO UPDATE SET " + ", ".join(f"{_ident(c)}=excluded.{_ident(c)}" for c in rest)) if rest else "DO NOTHING"
+    return (f"INSERT INTO {table} ({cols}) VALUES ({', '.join('?' * len(columns))}) "
+            f"ON CONFLICT ({', '.join(_ident(c) for c in key)}) {action}")
+
+
+_RESERVED = {"end", "user", "order", "group", "offset", "limit"}
+
+
+def _ident(name: str) -> str:
+    return f'"{name}"' if name.lower() in _RESERVED else name
+
+
+def statements(script: str) -> list[str]:
+    """A DDL script's statements (split on ``;``: DDL here never holds one inside a literal)."""
+    return [s.strip() for s in script.split(";") if s.strip()]
+
+
+# -- SQLite --------------------------------------------------------------------------------------------------------
+def _sqlite_error(exc: sqlite3.Error) -> Exception:
+    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
+        return DatabaseFull(str(exc))
+    return exc
+
+
+class SqliteDatabase:
+    """One connection in WAL mode, durable commits (``synchronous=FULL``); transactions are ``BEGIN IMMEDIATE``,
+    so a writer holds the file's one write lock for its whole transaction (even against other processes).
+    Not thread-safe by itself: its users serialise access (the collector's store holds a lock)."""
+
+    dialect = SQLITE
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.url = str(self.path)
+        # isolation_level=None: BEGIN/COMMIT are ours, so one batch is one transaction
+        self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
+        self.conn.execute("PRAGMA busy_timeout=10000")
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows:
+        try:
+            return self.conn.execute(sql, args)  # type: ignore[return-value]  # rowcount is read-only there
+        except sqlite3.Error as exc:
+            raise _sqlite_error(exc) from exc
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        try:
+            self.conn.executemany(sql, rows)
+        except sqlite3.Error as exc:
+            raise _sqlite_error(exc) from exc
+
+    @contextmanager
+    def transaction(self) -> Iterator[SqliteDatabase]:
+        """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (re-raised); inside one, joins it."""
+        if self.conn.in_transaction:
+            yield self
+            return
+        self.execute("BEGIN IMMEDIATE")
+        try:
+            yield self
+            self.execute("COMMIT")
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def lock(self, name: str) -> None:
+        """Nothing to do: BEGIN IMMEDIATE holds the database's write lock already."""
+
+    def script(self, ddl: str) -> None:
+        for statement in statements(ddl):  # one by one: executescript would commit an open transaction
+            self.execute(statement)
+
+    def columns(self, table: str) -> list[str]:
+        return [r[1] for r in self.conn.execute(f"PRAGMA table_info({table})")]
+
+    def has_table(self, table: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
+                                 (table,)).fetchone() is not None
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# -- PostgreSQL ----------------------------------------------------------------------------------------------------
+_TYPES = [(re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bBLOB\b"), "BYTEA"),
+          (re.compile(r"\bINTEGER\b"), "BIGINT"), (re.compile(r"\s*\bWITHOUT ROWID\b"), "")]
+
+
+def pg_ddl(statement: str) -> str:
+    """A DDL statement of the portable dialect as PostgreSQL reads it (types, no WITHOUT ROWID)."""
+    for pattern, repl in _TYPES:
+        statement = pattern.sub(repl, statement)
+    return statement
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for messages and ``ledger status``)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+class _Fetched:
+    """Rows read whole (the connection went back to the pool): a cursor's reading side."""
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self._i = 0
+        self.rowcount = rowcount
+
+    def fetchone(self) -> Any:
+        if self._i >= len(self._rows):
+            return None
+        self._i += 1
+        return self._rows[self._i - 1]
+
+    def fetchall(self) -> list[Any]:
+        out, self._i = self._rows[self._i:], len(self._rows)
+        return out
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.fetchall())
+
+
+class PostgresDatabase:
+    """A psycopg 3 connection pool. A transaction binds one pooled connection to the calling thread until it
+    ends; a statement outside one borrows a connection for itself (autocommit) and reads its rows whole.
+    ``schema`` puts this part's tables in their own PostgreSQL schema (the audit log next to the ledger).
+    Thread-safe."""
+
+    dialect = POSTGRESQL
+
+    def __init__(self, url: str, schema: str | None = None, min_size: int = 1, max_size: int = 8,
+                 connect_timeout_s: float = 10.0) -> None:
+        try:
+            import psycopg
+            from psycopg_pool import ConnectionPool
+        except ImportError as exc:  # pragma: no cover - a dependency of the package
+            raise DatabaseUnavailable(f"PostgreSQL ledger {redact(url)}: psycopg is not installed") from exc
+        self._psycopg = psycopg
+        self.url = redact(url)
+        self.schema = schema
+        self._local = threading.local()
+        self._sql: dict[str, str] = {}
+
+        def configure(conn: Any) -> None:
+            conn.autocommit = True
+            if schema:
+                conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+                conn.execute(f'SET search_path TO "{schema}"')
+
+        self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, configure=configure, open=False,
+                                    timeout=connect_timeout_s, kwargs={"connect_timeout": int(connect_timeout_s)})
+        try:
+            self._pool.open(wait=True, timeout=connect_timeout_s)
+        except Exception as exc:
+            self._pool.close()
+            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect ({exc})") from exc
+
+    def _translate(self, sql: str) -> str:
+        out = self._sql.get(sql)
+        if out is None:
+            out = self._sql[sql] = sql.replace("%", "%%").replace("?", "%s")
+        return out
+
+    def _error(self, exc: Exception) -> Exception:
+        errors = self._psycopg.errors
+        if isinstance(exc, errors.DiskFull):
+            return DatabaseFull(str(exc).strip())
+        if isinstance(exc, self._psycopg.OperationalError) and not isinstance(exc, errors.QueryCanceled):
+            return DatabaseUnavailable(f"PostgreSQL ledger {self.url}: {str(exc).strip()}")
+        return exc
+
+    def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows:
+        conn = getattr(self._local, "conn", None)
+        # without arguments psycopg substitutes nothing: the statement goes as written
+        query, params = (self._translate(sql), args) if args else (sql, None)
+        try:
+            if conn is not None:
+                return conn.execute(query, params)
+            with self._pool.connection() as c:
+                cur = c.execute(query, params)
+                return _Fetched(cur.fetchall() if cur.description else [], cur.rowcount)
+        except Exception as exc:
+            raise self._error(exc) from exc
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        if not rows:
+            return
+        with self.transaction():
+            try:
+                self._local.conn.cursor().executemany(self._translate(sql), rows)
+            except Exception as exc:
+                raise self._error(exc) from exc
+
+    @contextmanager
+    def transaction(self) -> Iterator[PostgresDatabase]:
+        """One pooled connection for the transaction, committed at the end, rolled back on any exception
+        (re-raised, as DatabaseFull or DatabaseUnavailable where that is what happened); inside one, joins it."""
+        if getattr(self._local, "conn", None) is not None:
+            yield self
+            return
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                self._local.conn = conn
+                try:
+                    yield self
+                finally:
+                    self._local.conn = None
+        except (DatabaseFull, DatabaseUnavailable):
+            raise
+        except self._psycopg.Error as exc:
+            raise self._error(exc) from exc
+        except Exception as exc:
+            if type(exc).__name__ == "PoolTimeout":
+                raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: no connection ({exc})") from exc
+            raise
+
+    def lock(self, name: str) -> None:
+        """A transaction-scoped advisory lock on ``name``, held until the transaction ends (call inside one)."""
+        assert getattr(self._local, "conn", None) is not None, "lock() outside a transaction"
+        key = int.from_bytes(hashlib.sha256(f"{self.schema or ''}:{name}".encode()).digest()[:8], "big", signed=True)
+        self.execute("SELECT pg_advisory_xact_lock(?)", (key,))
+
+    def script(self, ddl: str) -> None:
+        with self.transaction():
+            for statement in statements(ddl):
+                self.execute(pg_ddl(statement))
+
+    def columns(self, table: str) -> list[str]:
+        rows = self.execute("SELECT column_name FROM information_schema.columns WHERE table_schema = "
+                            "current_schema() AND table_name = ? ORDER BY ordinal_position", (table,))
+        return [r[0] for r in rows.fetchall()]
+
+    def has_table(self, table: str) -> bool:
+        row = self.execute("SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() "
+                           "AND table_name = ?", (table,)).fetchone()
+        return row is not None
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def is_postgres_url(url: str | None) -> bool:
+    return bool(url) and urlsplit(str(url)).scheme in ("postgresql", "postgres")
+
+
+def open_database(url: str | os.PathLike[str], schema: str | None = None) -> Database:
+    """``postgresql://...`` (or ``postgres://``): a PostgreSQL pool (tables in ``schema`` when given); a path or
+    ``sqlite:///path``: that SQLite file."""
+    text = str(url)
+    if is_postgres_url(text):
+        return PostgresDatabase(text, schema=schema)
+    if text.startswith("sqlite://"):
+        text = urlsplit(text).path
+    if "://" in text:
+        raise ValueError(f"ledger URL {redact(text)!r}: use postgresql://... or a SQLite file path")
+    return SqliteDatabase(text)
