@@ -526,3 +526,12 @@ class SqliteStore:
         self.stop_background()
         with self._lock:
             self._db.close()
+
+
+def open_store(ledger_url: str | None, data_dir: str | os.PathLike[str], **settings: object) -> SqliteStore:
+    """The collector's store: the ledger at ``ledger_url`` (``postgresql://...``) or, without one, the embedded
+    SQLite file ``<data_dir>/gpuledger.sqlite``. ``settings`` are the store's keyword arguments."""
+    if ledger_url and "://" in ledger_url and not ledger_url.startswith("sqlite://"):
+        raise NotImplementedError("PostgreSQL ledger: being built (issue #16)")  # replaced by the PostgreSQL port
+    path = Path(ledger_url.removeprefix("sqlite://")) if ledger_url else Path(data_dir) / "gpuledger.sqlite"
+    return SqliteStore(path, **settings)  # type: ignore[arg-type]
