@@ -9,16 +9,17 @@ them), merges small chunks, then drops what retention allows; raw data is never 
 rolled up. Each compaction step is one transaction and idempotent.
 
 What the rest of the code reads is :class:`SeriesReader`; what the collector's store writes through is
-:class:`SeriesStore`. :class:`SqliteSeriesStore` is the embedded implementation; it shares the
-collector's SQLite connection with the ledger, so ingest writes both in one transaction. It is not
-thread-safe by itself: ``collector.store.SqliteStore`` serialises access.
+:class:`SeriesStore`. :class:`ChunkSeriesStore` keeps the chunks in a ``collector.db`` database, SQLite or
+PostgreSQL alike (one portable dialect); it shares the collector's database with the ledger, so ingest writes
+both in one transaction. Chunks are read in key order (bucket, then first time), so sums over rows come out
+bit-for-bit the same on either engine. It is not thread-safe by itself: ``collector.store.SqliteStore``
+serialises access.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import sqlite3
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Protocol
@@ -39,9 +40,9 @@ from gpuledger.collector.chunks import (
     encode_series_many,
     merge_chunks,
 )
+from gpuledger.collector.db import Database, upsert
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
-from gpuledger.collector.sqlite_db import transaction
 from gpuledger.schema.records import GpuSample
 
 RAW, MINUTE, HOUR = 0, 1, 2
@@ -140,13 +141,24 @@ def _intervals(ts: np.ndarray, span: float) -> list[tuple[int, int, float]]:
     return [(i, j, float(starts[i])) for i, j in zip(cuts, cuts[1:])]
 
 
-class SqliteSeriesStore:
-    """Series in the collector's SQLite file (tables ``chunks``, ``rollup_state``, ``expired``)."""
+_STATE_COLUMNS = ("host", "gpu_uuid", "mig", "tier", "until")
+_STATE_KEY = ("host", "gpu_uuid", "mig", "tier")
+_SET_ROLLUP_STATE = upsert("rollup_state", _STATE_COLUMNS, _STATE_KEY)
+# how far a GPU's tier is gone only grows (a later expire never moves it back)
+_EXPIRED_UNTIL = upsert("expired", _STATE_COLUMNS, _STATE_KEY) + " WHERE excluded.until > expired.until"
+_INSERT_CHUNK = ("INSERT INTO chunks (tier, host, gpu_uuid, mig, bucket, t_min, t_max, n, data) "
+                 "VALUES (?,?,?,?,?,?,?,?,?)")
+_CHUNK_ORDER = " ORDER BY bucket, t_min"  # the unique index's order: the same rows in the same order on any engine
 
-    def __init__(self, db: sqlite3.Connection, retention: Retention = Retention()) -> None:
+
+class ChunkSeriesStore:
+    """Series in the collector's database (tables ``chunks``, ``rollup_state``, ``expired``), SQLite or
+    PostgreSQL."""
+
+    def __init__(self, db: Database, retention: Retention = Retention()) -> None:
         self._db = db
         self.retention = retention
-        db.executescript(SCHEMA)
+        db.script(SCHEMA)
 
     def repack_v1_samples(self, fields: tuple[str, ...]) -> None:
         """Schema 1 kept one msgpack row per sample (table ``samples``); repack them into chunks and drop
@@ -184,14 +196,14 @@ class SqliteSeriesStore:
                 parts.append(s if j - i == s.n else s.slice(i, j))
                 buckets.append(bucket)
         if parts:  # a batch's chunks packed together: numpy's per-call cost is shared by its GPUs
-            self._db.executemany("INSERT INTO chunks VALUES (0,?,?,?,?,?,?,?,?)", [
-                (p.host, p.gpu_uuid, p.mig or "", b, float(p.ts[0]), float(p.ts[-1]), p.n, blob)
+            self._db.executemany(_INSERT_CHUNK, [
+                (RAW, p.host, p.gpu_uuid, p.mig or "", b, float(p.ts[0]), float(p.ts[-1]), p.n, blob)
                 for p, b, blob in zip(parts, buckets, encode_series_many(parts))])
 
     def _insert_raw(self, groups: dict[tuple, list[GpuSample]]) -> None:
         self._db.executemany(
-            "INSERT INTO chunks VALUES (0,?,?,?,?,?,?,?,?)",
-            [(*k, g[0].ts, g[-1].ts, len(g), encode_samples(g)) for k, g in groups.items()],
+            _INSERT_CHUNK,
+            [(RAW, *k, g[0].ts, g[-1].ts, len(g), encode_samples(g)) for k, g in groups.items()],
         )
 
     def _chunk_rows(self, tier: int, gpu_key: GpuKey, start: float, end: float) -> list[tuple[bytes]]:
@@ -199,7 +211,7 @@ class SqliteSeriesStore:
         lo = math.floor(start / span) * span if math.isfinite(start) else -1e300
         return self._db.execute(
             "SELECT data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND bucket<=? "
-            "AND t_max>=? AND t_min<=?",
+            "AND t_max>=? AND t_min<=?" + _CHUNK_ORDER,
             (tier, *gpu_key, lo, end, start, end),
         ).fetchall()
 
@@ -241,7 +253,8 @@ class SqliteSeriesStore:
         lo = floor if newest_before is None else newest_before
         span = self.retention.raw_chunk_s
         chunks = self._db.execute(
-            "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND t_max>=?",
+            "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND t_max>=?"
+            + _CHUNK_ORDER,
             (*gpu_key, math.floor(lo / span) * span, lo),
         ).fetchall()
         ts_parts: list[np.ndarray] = []
@@ -303,7 +316,7 @@ class SqliteSeriesStore:
     def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]:
         """Roll up this GPU's minutes that end by ``final_before`` (no late sample can change them any
         more), then its hours of rolled-up minutes, in one transaction. Returns (minutes, hours) written."""
-        with transaction(self._db) as db:
+        with self._db.transaction() as db:
             horizon = math.floor(final_before / 60.0) * 60.0
             until = self._resume_at(gpu_key, MINUTE, horizon)
             n_minutes = 0
@@ -311,7 +324,7 @@ class SqliteSeriesStore:
                 ts, vals = self._raw_arrays(gpu_key, until, horizon)
                 n_minutes = self._insert_rollup(MINUTE, gpu_key, rollup.from_raw(ts, vals, 60.0))
                 until = horizon
-            db.execute("INSERT OR REPLACE INTO rollup_state VALUES (?,?,?,?,?)", (*gpu_key, MINUTE, until))
+            db.execute(_SET_ROLLUP_STATE, (*gpu_key, MINUTE, until))
             hour_horizon = math.floor(until / 3600.0) * 3600.0
             hours_until = self._resume_at(gpu_key, HOUR, hour_horizon)
             n_hours = 0
@@ -319,7 +332,7 @@ class SqliteSeriesStore:
                 rows = self._rollup_rows(MINUTE, gpu_key, hours_until, hour_horizon)
                 n_hours = self._insert_rollup(HOUR, gpu_key, rollup.combine(rows, 3600.0))
                 hours_until = hour_horizon
-            db.execute("INSERT OR REPLACE INTO rollup_state VALUES (?,?,?,?,?)", (*gpu_key, HOUR, hours_until))
+            db.execute(_SET_ROLLUP_STATE, (*gpu_key, HOUR, hours_until))
         return n_minutes, n_hours
 
     def _insert_rollup(self, tier: int, gpu_key: GpuKey, r: rollup.Rollup) -> int:
@@ -329,7 +342,7 @@ class SqliteSeriesStore:
         buckets = np.floor(r.ts / span) * span
         for bucket in np.unique(buckets).tolist():
             part = r.select(buckets == bucket)
-            self._db.execute("INSERT INTO chunks VALUES (?,?,?,?,?,?,?,?,?)", (
+            self._db.execute(_INSERT_CHUNK, (
                 tier, *gpu_key, bucket, float(part.ts[0]), float(part.ts[-1]), len(part), rollup.encode(part)))
         return len(r)
 
@@ -344,46 +357,47 @@ class SqliteSeriesStore:
             "SELECT host, gpu_uuid, mig, bucket, COUNT(*) FROM chunks WHERE tier=? AND n<? "
             "GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1", (tier, max_rows)
         ).fetchall()
-        return [MergeGroup(tier, (host, uuid, mig), bucket, max_rows) for host, uuid, mig, bucket, count in groups
-                if bucket + span <= now or count >= MERGE_OPEN_AT]
+        # sorted here, not in SQL: the engines' text collations differ
+        return [MergeGroup(tier, (host, uuid, mig), bucket, max_rows)
+                for host, uuid, mig, bucket, count in sorted(groups) if bucket + span <= now or count >= MERGE_OPEN_AT]
 
     def merge(self, group: MergeGroup) -> int:
         """Merge one group's chunks in one transaction; returns how many chunks were merged away."""
-        with transaction(self._db) as db:
+        with self._db.transaction() as db:
+            key = (group.tier, *group.gpu_key, group.bucket)
             rows = db.execute(
-                "SELECT rowid, data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? AND n<?",
-                (group.tier, *group.gpu_key, group.bucket, group.max_rows),
+                "SELECT t_min, data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? AND n<?"
+                + _CHUNK_ORDER, (*key, group.max_rows),
             ).fetchall()
             if len(rows) > 1:
                 blob, n, t_min, t_max = merge_chunks([r[1] for r in rows])
-                db.executemany("DELETE FROM chunks WHERE rowid=?", [(r[0],) for r in rows])
-                db.execute("INSERT INTO chunks VALUES (?,?,?,?,?,?,?,?,?)",
-                           (group.tier, *group.gpu_key, group.bucket, t_min, t_max, n, blob))
+                # (key, t_min) is the unique index: one chunk each
+                db.executemany("DELETE FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? "
+                               "AND t_min=?", [(*key, r[0]) for r in rows])
+                db.execute(_INSERT_CHUNK, (*key, t_min, t_max, n, blob))
         return max(0, len(rows) - 1)
 
     def expire(self, now: float) -> int:
         """Delete chunks older than their tier's retention, but never raw or minute data that the
         next tier has not rolled up yet. Returns how many chunks were deleted."""
         deleted = 0
-        with transaction(self._db) as db:
+        with self._db.transaction() as db:
             for tier in TIERS:
                 keep = self.retention.keep(tier)
                 if keep is None:
                     continue
                 span = self.retention.span(tier)
-                guard = "" if tier == HOUR else (
-                    " AND bucket + :span <= COALESCE((SELECT until FROM rollup_state r WHERE r.host=chunks.host "
-                    "AND r.gpu_uuid=chunks.gpu_uuid AND r.mig=chunks.mig AND r.tier=:next), -1e300)")
-                where = "FROM chunks WHERE tier=:tier AND bucket + :span <= :cutoff" + guard
-                args = {"tier": tier, "span": span, "cutoff": now - keep, "next": tier + 1}
+                where = "FROM chunks WHERE tier=? AND bucket + ? <= ?"
+                args: tuple = (tier, span, now - keep)
+                if tier != HOUR:
+                    where += (" AND bucket + ? <= COALESCE((SELECT until FROM rollup_state r WHERE r.host=chunks.host "
+                              "AND r.gpu_uuid=chunks.gpu_uuid AND r.mig=chunks.mig AND r.tier=?), -1e300)")
+                    args += (span, tier + 1)
                 gone = db.execute(f"SELECT host, gpu_uuid, mig, MAX(bucket) {where} GROUP BY host, gpu_uuid, mig",
                                   args).fetchall()
                 deleted += db.execute("DELETE " + where, args).rowcount
                 # remember how far each GPU's tier is gone, so queries pick a tier that is complete
-                db.executemany(
-                    "INSERT INTO expired VALUES (?,?,?,?,?) ON CONFLICT DO UPDATE SET until=MAX(until, excluded.until)",
-                    [(h, u, m, tier, b + span) for h, u, m, b in gone],
-                )
+                db.executemany(_EXPIRED_UNTIL, [(h, u, m, tier, b + span) for h, u, m, b in gone])
         return deleted
 
     # -- reads --------------------------------------------------------------------------------
@@ -442,7 +456,8 @@ class SqliteSeriesStore:
     def tiers(self) -> list[dict]:
         """Per tier: chunks, rows and bytes stored, oldest and newest time (for the CLI and metrics)."""
         rows = self._db.execute(
-            "SELECT tier, COUNT(*), TOTAL(n), TOTAL(LENGTH(data)), MIN(t_min), MAX(t_max) FROM chunks GROUP BY tier"
+            "SELECT tier, COUNT(*), COALESCE(SUM(n), 0), COALESCE(SUM(LENGTH(data)), 0), MIN(t_min), MAX(t_max) "
+            "FROM chunks GROUP BY tier"
         ).fetchall()
         have = {r[0]: r for r in rows}
         return [{"tier": TIER_NAMES[t], "chunks": have[t][1] if t in have else 0,

@@ -34,10 +34,11 @@ from pathlib import Path
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator, GpuKey
 from gpuledger.collector.auditlog.files import private_file
+from gpuledger.collector.db import SqliteDatabase
 from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger, migrate_v2, needs_migration
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
-from gpuledger.collector.series_store import TIERS, Retention, SqliteSeriesStore
+from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention
 from gpuledger.collector.sinks import Sink
 from gpuledger.collector.sqlite_db import connect, transaction
 from gpuledger.collector.validate import Batch, as_sample
@@ -180,7 +181,7 @@ class SqliteStore:
                 db.execute("UPDATE meta SET value=? WHERE key='schema' AND value='2'", (str(SCHEMA_VERSION),))
             log.info("%s: ledger migrated to schema %d (jobs keyed by cluster and job id)", self.path, SCHEMA_VERSION)
         self.ledger = SqliteLedger(self._db)
-        self.series_store = SqliteSeriesStore(self._db, retention)
+        self.series_store = ChunkSeriesStore(SqliteDatabase.sharing(self._db, self.path), retention)
         if row is None:
             self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
         row = self._db.execute("SELECT value FROM meta WHERE key='sample_fields'").fetchone()
@@ -494,7 +495,7 @@ class SqliteStore:
         self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
         tier: int | None = None,
     ) -> list[GpuSample] | list[RollupPoint]:
-        """One GPU's data with start <= ts <= end, in time order (see ``SqliteSeriesStore.series``)."""
+        """One GPU's data with start <= ts <= end, in time order (see ``ChunkSeriesStore.series``)."""
         with self._lock:
             return self.series_store.series(host, gpu_uuid, start, end, step=step, mig=mig, tier=tier)
 
