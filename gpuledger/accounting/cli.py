@@ -89,7 +89,7 @@ def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
 
 def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, associations: Path | None = None,
                    usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None,
-                   record: bool = False, accept_store_changes: str | None = None,
+                   record: bool = False, accept_store_changes: str | None = None, ledger_url: str | None = None,
                    ) -> tuple[list[Row], AccountingSettings]:
     """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo).
 
@@ -132,7 +132,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             result = association_usage(entries, settings, tree, now, alias=alias, busy=busy)
             _warn(result)
             return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings
-        with open_log(data_dir) as log:
+        with open_log(data_dir, ledger_url=ledger_url) as log:
             bound = bind(log, jobs, usages, now, accept_reason=accept_store_changes)
             if bound.changes and accept_store_changes is None:
                 lines = [f"  job {c.job_id} {c.record} {c.field}: logged {c.logged!r} (entry {c.seq}), "
@@ -356,12 +356,12 @@ def _read_arg(path: str) -> str:
     return sys.stdin.read() if path == "-" else Path(path).read_text()
 
 
-def _import_jobs(data_dir: Path, records: Sequence[JobRecord]) -> int:
+def _import_jobs(data_dir: Path, records: Sequence[JobRecord], ledger_url: str | None = None) -> int:
     """Put Slurm job records into the ledger and the audit trail; returns how many were new or changed."""
     from gpuledger.collector.store import SqliteStore
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    with open_log(data_dir) as log:
+    with open_log(data_dir, ledger_url=ledger_url) as log:
         store = SqliteStore(data_dir / STORE_NAME)
         try:
             # logged before stored (nothing is charged that the log has not seen), merged as stored: a re-import

@@ -36,6 +36,7 @@ from gpuledger.accounting.report.usage import (
     usage_report_json,
     usage_report_text,
 )
+from gpuledger.collector.db import is_postgres_url
 from gpuledger.output import Format, note
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def _emit(text: str, output: Path | None) -> None:
 
 
 def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict[str, Any],
-          period: dict[str, Any]) -> None:
+          period: dict[str, Any], ledger_url: str | None = None) -> None:
     """Sign a written report when a key exists; say so either way (an unsigned report is not an error). The
     manifest binds the job and usage records used, which must match the audit log (else exit 1, unsigned)."""
     if output is None:
@@ -136,7 +137,7 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
     inputs = {**inputs, "config": {"name": cfg.name, "sha256": digest}}
     try:
         key = au.load_signing_key(key_path)
-        with au.open_log(data_dir) as log:
+        with au.open_log(data_dir, ledger_url=ledger_url) as log:
             bound = _bind_store(data_dir, log, write=True)
             if bound.changes:
                 raise _fail(f"report written to {output} but NOT signed: store rows disagree with their logged record "
@@ -378,10 +379,11 @@ def _inside(path: Path, directory: Path) -> bool:
         return False
 
 
-def _audit_path(data_dir: Path) -> Path:
-    """The data dir's audit log; exit 2 without a data dir, 1 when the log is gone but the store is there."""
+def _audit_path(data_dir: Path, ledger_url: str | None = None) -> Path:
+    """The data dir's audit log; exit 2 without a data dir, 1 when the log is gone but the store is there. Beside a
+    PostgreSQL ledger the log is in that database (``_open`` opens it for this path)."""
     path = data_dir / au.AUDIT_NAME
-    if path.exists():
+    if path.exists() or is_postgres_url(ledger_url):
         return path
     if not data_dir.is_dir():
         raise _fail(f"no data directory at {data_dir} (pass --data-dir)")
@@ -390,9 +392,10 @@ def _audit_path(data_dir: Path) -> Path:
     raise _fail(f"no audit log at {path}")
 
 
-def _open(path: Path, data_dir: Path) -> au.AuditLog:
+def _open(path: Path, data_dir: Path, ledger_url: str | None = None) -> au.AuditLog:
+    """The log at ``path``; the data dir's own (``_audit_path``) is the ledger's (``open_log``)."""
     try:
-        return au.open_log(data_dir) if path.name == au.AUDIT_NAME else au.AuditLog(path)
+        return au.open_log(data_dir, ledger_url=ledger_url) if path.name == au.AUDIT_NAME else au.AuditLog(path)
     except au.AuditError as e:
         raise _fail(str(e), 2 if "format 1" in str(e) else 1) from None
 

@@ -9,6 +9,7 @@ Code above this module writes one SQL dialect, SQLite's portable subset, and nev
   for PostgreSQL. DDL goes through :meth:`Database.script`;
 - upserts as ``INSERT ... ON CONFLICT (key) DO UPDATE SET c=excluded.c`` (:func:`upsert`), never
   ``INSERT OR REPLACE``; sums as ``COALESCE(SUM(x), 0)``, never ``TOTAL``; reserved words (``end``) quoted;
+- :meth:`Database.snapshot` reads several statements from one consistent state without blocking writers;
 - :meth:`Database.lock` serialises a critical section across processes inside a transaction (SQLite's
   ``BEGIN IMMEDIATE`` already does; PostgreSQL takes a transaction-scoped advisory lock);
 - ``INSERT ... RETURNING`` works on both (SQLite >= 3.35).
@@ -57,6 +58,7 @@ class Database(Protocol):
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows: ...
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
     def transaction(self) -> Any: ...  # context manager; nested use joins the outer transaction
+    def snapshot(self) -> Any: ...  # context manager: reads see one state while writers go on; joins a transaction
     def lock(self, name: str) -> None: ...
     def script(self, ddl: str) -> None: ...
     def columns(self, table: str) -> list[str]: ...
@@ -136,6 +138,22 @@ class SqliteDatabase:
             yield self
             return
         self.execute("BEGIN IMMEDIATE")
+        try:
+            yield self
+            self.execute("COMMIT")
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+
+    @contextmanager
+    def snapshot(self) -> Iterator[SqliteDatabase]:
+        """A read transaction (deferred BEGIN: in WAL mode the first read fixes the state it sees, writers go on);
+        inside a transaction, joins it."""
+        if self.conn.in_transaction:
+            yield self
+            return
+        self.execute("BEGIN")
         try:
             yield self
             self.execute("COMMIT")
@@ -299,6 +317,17 @@ class PostgresDatabase:
             if type(exc).__name__ == "PoolTimeout":
                 raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: no connection ({exc})") from exc
             raise
+
+    @contextmanager
+    def snapshot(self) -> Iterator[PostgresDatabase]:
+        """A REPEATABLE READ, READ ONLY transaction: every statement sees the state of its first one, writers go
+        on; inside a transaction, joins it."""
+        if getattr(self._local, "conn", None) is not None:
+            yield self
+            return
+        with self.transaction():
+            self.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            yield self
 
     def lock(self, name: str) -> None:
         """A transaction-scoped advisory lock on ``name``, held until the transaction ends (call inside one)."""

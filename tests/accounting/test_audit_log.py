@@ -1,17 +1,39 @@
 """The Merkle audit log: canonical entries, RFC 9162 hashing checked by an independent implementation, proofs,
-and tampering with the SQLite file named by its first bad entry or range."""
+and tampering with its tables named by its first bad entry or range; on both engines: its own SQLite file and the
+schema ``audit`` of a PostgreSQL ledger."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import sqlite3
 import stat
+import threading
+from pathlib import Path
 
 import pytest
 
-from gpuledger.collector.auditlog import AuditError, AuditLog, canonical_json, merkle
+from gpuledger.collector.auditlog import AUDIT_NAME, AuditError, AuditLog, canonical_json, merkle, open_audit_log
+from gpuledger.collector.db import Database, open_database
+
+
+class Place:
+    """Where a log lives: its own SQLite file (``url`` None), or the schema ``audit`` of the PostgreSQL ledger
+    at ``url``. ``raw()`` opens its tables as whoever can write them would."""
+
+    def __init__(self, url: str | None, data_dir: Path) -> None:
+        self.url, self.data_dir = url, data_dir
+
+    def log(self, **kw) -> AuditLog:
+        return open_audit_log(self.url, self.data_dir, **kw)
+
+    def raw(self) -> Database:
+        return open_database(self.url, schema="audit") if self.url else open_database(self.data_dir / AUDIT_NAME)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def place(request, tmp_path) -> Place:
+    return Place(request.getfixturevalue("pg_url") if request.param == "postgresql" else None, tmp_path / "d")
 
 
 def test_canonical_json_is_sorted_compact_and_float_exact():
@@ -96,8 +118,8 @@ def _fill(log: AuditLog, n: int) -> None:
     log.append_many(("usage_record", {"i": i, "gpu_s": i * 0.5}, str(1000 + i), None) for i in range(1, n + 1))
 
 
-def test_proofs_verify_with_an_independent_rfc9162_implementation(tmp_path):
-    with AuditLog(tmp_path / "audit.sqlite") as log:
+def test_proofs_verify_with_an_independent_rfc9162_implementation(place):
+    with place.log() as log:
         bodies: list[bytes] = []
         for n in range(1, 34):
             _fill(log, 1) if n > 1 else _fill(log, 1)
@@ -119,10 +141,10 @@ def test_proofs_verify_with_an_independent_rfc9162_implementation(tmp_path):
         5, 33, lambda a, b: ref_mth(bodies[a:b])))
 
 
-def test_append_builds_the_tree_and_files_are_private(tmp_path):
+def test_append_builds_the_tree_and_files_are_private(place, tmp_path):
     old = os.umask(0)
     try:
-        with AuditLog(tmp_path / "d" / "audit.sqlite", clock=lambda: 1234.5) as log:
+        with place.log(clock=lambda: 1234.5) as log:
             _fill(log, 5)
             res = log.verify()
             assert res.ok and res.entries == 5
@@ -136,6 +158,9 @@ def test_append_builds_the_tree_and_files_are_private(tmp_path):
             assert log.size() == 5  # a rejected item writes nothing
     finally:
         os.umask(old)
+    if place.url:
+        assert not (tmp_path / "d").exists()  # nothing on disk: the log is in the ledger's database
+        return
     assert stat.S_IMODE(os.stat(tmp_path / "d").st_mode) == 0o700
     for name in ("audit.sqlite", "audit.sqlite-wal"):
         p = tmp_path / "d" / name
@@ -143,8 +168,8 @@ def test_append_builds_the_tree_and_files_are_private(tmp_path):
             assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, name
 
 
-def test_keyed_entries_skip_unchanged_data(tmp_path):
-    with AuditLog(tmp_path / "audit.sqlite") as log:
+def test_keyed_entries_skip_unchanged_data(place):
+    with place.log() as log:
         assert log.append("job_record", {"end": None}, "7", "job:c/7") is not None
         assert log.append("job_record", {"end": None}, "7", "job:c/7") is None
         assert log.append("job_record", {"end": 99.0}, "7", "job:c/7") is not None
@@ -152,7 +177,7 @@ def test_keyed_entries_skip_unchanged_data(tmp_path):
         assert log.latest("job:c/7").data == {"end": 99.0}
 
 
-# Each tampering is done the way an attacker with write access to the SQLite file would do it.
+# Each tampering is done the way an attacker with write access to the log's tables would do it (plain SQL).
 def _rows(db):
     return db.execute("SELECT seq, kind, job_id, key, body, leaf FROM entries ORDER BY seq").fetchall()
 
@@ -234,16 +259,14 @@ def _append_outside(db):
         (_append_outside, 11, 11, "appended outside"),
     ],
 )
-def test_tampering_is_detected_and_the_first_bad_entry_named(tmp_path, tamper, first, last, words):
-    path = tmp_path / "audit.sqlite"
-    with AuditLog(path) as log:
+def test_tampering_is_detected_and_the_first_bad_entry_named(place, tamper, first, last, words):
+    with place.log() as log:
         _fill(log, 10)
         assert log.verify().ok
-    db = sqlite3.connect(path)
+    db = place.raw()
     tamper(db)
-    db.commit()
     db.close()
-    with AuditLog(path) as log:
+    with place.log() as log:
         res = log.verify()
     assert not res.ok
     assert (res.problem.first, res.problem.last or res.problem.first) == (first, last), str(res.problem)
@@ -251,11 +274,110 @@ def test_tampering_is_detected_and_the_first_bad_entry_named(tmp_path, tamper, f
     assert res.proven == max(first - 1, 0)  # everything before the first bad entry is proven
 
 
-def test_old_hash_chain_logs_are_named_not_misread(tmp_path):
-    db = sqlite3.connect(tmp_path / "audit.sqlite")
-    db.execute("CREATE TABLE entries (seq INTEGER PRIMARY KEY, kind TEXT, job_id TEXT, body TEXT, prev TEXT, "
-               "hash TEXT)")
-    db.commit()
+def test_old_hash_chain_logs_are_named_not_misread(place):
+    place.data_dir.mkdir()
+    db = place.raw()
+    db.script("CREATE TABLE entries (seq INTEGER PRIMARY KEY, kind TEXT, job_id TEXT, body TEXT, prev TEXT, "
+              "hash TEXT)")
     db.close()
     with pytest.raises(AuditError, match="format 1"):
-        AuditLog(tmp_path / "audit.sqlite")
+        place.log()
+
+
+def test_a_file_that_is_not_a_database_is_named(tmp_path):
+    (tmp_path / AUDIT_NAME).write_bytes(b"not sqlite" * 100)
+    with pytest.raises(AuditError, match="not an audit log"):
+        AuditLog(tmp_path / AUDIT_NAME)
+
+
+def test_concurrent_appenders_never_fork_the_tree(place):
+    """Two logs (two processes' worth of connections) on one store append from threads; each batch lands whole,
+    in some order, the tree stays one tree, and a verify running meanwhile sees a consistent log every time."""
+    place.data_dir.mkdir()
+    logs = [place.log(), place.log()]
+    errors: list[BaseException] = []
+
+    def appender(log: AuditLog, name: str) -> None:
+        try:
+            for b in range(15):
+                log.append_many(("usage_record", {"by": name, "b": b, "i": i}, f"{name}{b}", None) for i in range(4))
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=appender, args=(log, name)) for log, name in zip(logs, "ab")]
+    for t in threads:
+        t.start()
+    checks = 0
+    while any(t.is_alive() for t in threads) or not checks:
+        res = logs[checks % 2].verify()
+        assert res.ok, res.problem
+        checks += 1
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    with place.log() as log:
+        res = log.verify()
+        assert res.ok and res.entries == log.size() == 2 * 15 * 4
+        assert log.head() == (120, res.root.hex()) and log.root() == res.root
+        entries = list(log.entries())
+        assert [e.seq for e in entries] == list(range(1, 121))
+        for k in range(0, 120, 4):  # one batch: four consecutive entries of one appender
+            assert len({(e.data["by"], e.data["b"]) for e in entries[k:k + 4]}) == 1
+        assert log.consistency_proof(40) and merkle.verify_consistency(
+            40, 120, log.root(40), res.root, log.consistency_proof(40))
+    for log in logs:
+        log.close()
+
+
+def test_open_audit_log_puts_the_log_beside_its_ledger(tmp_path, pg_url):
+    data_dir = tmp_path / "d"
+    with open_audit_log(None, data_dir) as log:
+        log.append("usage_record", {"x": 1}, "1")
+    assert (data_dir / AUDIT_NAME).exists() and log.path == data_dir / AUDIT_NAME
+    with open_audit_log(str(tmp_path / "ledger.sqlite"), data_dir) as log:  # a SQLite ledger: the data dir's file
+        assert log.size() == 1
+    ledger = open_database(pg_url)  # the ledger's own tables, one of them named like the log's
+    ledger.script("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    ledger.execute("INSERT INTO meta VALUES ('schema', '3')")
+    other_dir = tmp_path / "other"
+    with open_audit_log(pg_url, other_dir) as log:
+        assert log.path is None and "schema audit" in log.location
+        log.append("usage_record", {"x": 2}, "2")
+    with open_audit_log(pg_url, tmp_path / "third") as log:  # any data dir: the log is the database's
+        assert [e.data for e in log.entries()] == [{"x": 2}] and log.verify().ok
+    assert ledger.execute("SELECT key, value FROM meta").fetchall() == [("schema", "3")]
+    tables = ledger.execute("SELECT table_schema, table_name FROM information_schema.tables WHERE table_schema "
+                            "IN ('public', 'audit') ORDER BY 1, 2").fetchall()
+    assert tables == [("audit", "checkpoints"), ("audit", "entries"), ("audit", "meta"), ("audit", "nodes"),
+                      ("public", "meta")]
+    ledger.close()
+    assert not other_dir.exists()
+
+
+def test_a_rewritten_log_fails_against_earlier_checkpoints(place, tmp_path):
+    """The attacker's full rewrite (entry 15 edited, every hash and the head recomputed) is consistent in itself;
+    signed checkpoints of sizes 10 and 20 name what changed, and what still verifies."""
+    from gpuledger.accounting.audit import keygen, load_signing_key, make_checkpoint, trusted_keys, verify_all
+
+    pair = keygen(tmp_path / "keys" / "k.key")
+    key = load_signing_key(pair.private)
+    cps = []
+    with place.log(clock=lambda: 1000.0) as log:
+        for name in ("cp10", "cp20"):
+            _fill(log, 10)
+            cps.append((name, make_checkpoint(log, key, now=2000.0)))
+            log.save_checkpoint(log.size(), cps[-1][1])
+        assert log.saved_checkpoints() == [text for _, text in cps]
+        assert verify_all(log, trusted_keys([pair.public]), cps).ok
+        entries = list(log.entries())
+    db = place.raw()
+    db.script("DROP TABLE entries; DROP TABLE nodes; DROP TABLE meta; DROP TABLE checkpoints")
+    db.close()
+    with place.log(clock=lambda: 1000.0) as log:
+        for e in entries:
+            log.append(e.kind, {**e.data, "gpu_s": -1.0} if e.seq == 15 else e.data, e.job_id, e.key)
+        assert log.verify().ok  # internally consistent: only something signed elsewhere can tell
+        v = verify_all(log, trusted_keys([pair.public]), cps)
+    assert not v.ok
+    assert v.problems[0].startswith("audit entries 11..20: changed: the log no longer extends cp20"), v.problems
+    assert [h.ok for h in v.heads] == [True, False]  # entries 1..10 still verify against cp10

@@ -56,9 +56,9 @@ def make_checkpoint(log: AuditLog, key: SigningKey, now: float | None = None, or
     try:
         root = log.root(size)
     except LogDamaged as e:
-        raise AuditError(f"{log.path}: {e}; run `gpuledger audit verify`") from None
+        raise AuditError(f"{log.location}: {e}; run `gpuledger audit verify`") from None
     if root.hex() != root_hex:
-        raise AuditError(f"{log.path}: the stored head and the stored tree disagree; run `gpuledger audit verify`")
+        raise AuditError(f"{log.location}: the stored head and the stored tree disagree; run `gpuledger audit verify`")
     t = time.time() if now is None else now
     text = (f"{origin}\n{size}\n{base64.b64encode(root).decode()}\ntime {iso_utc(t)}\nkey {key.key_id}\n")
     return note.sign(text, origin, key.private)

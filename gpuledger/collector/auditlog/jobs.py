@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from gpuledger.collector.auditlog.log import AUDIT_NAME, AuditLog
+from gpuledger.collector.auditlog.log import AuditLog, open_audit_log
 from gpuledger.schema.records import JobRecord
 
 
-def open_log(data_dir: str | os.PathLike[str], pseudonymize: bool = True) -> AuditLog:
-    """The data dir's audit log; user names written as keyed pseudonyms (the key lives in the data dir)."""
+def open_log(data_dir: str | os.PathLike[str], pseudonymize: bool = True, ledger_url: str | None = None) -> AuditLog:
+    """The audit log of the ledger at ``ledger_url`` (see ``open_audit_log``: without one, the data dir's file);
+    user names written as keyed pseudonyms (the key lives in the data dir)."""
     alias = None
     if pseudonymize:
         from gpuledger.collector.pseudonym import Pseudonymizer
 
         alias = Pseudonymizer.for_data_dir(data_dir)
-    return AuditLog(Path(data_dir) / AUDIT_NAME, user_alias=alias)
+    return open_audit_log(ledger_url, data_dir, user_alias=alias)
 
 
 def job_key(r: JobRecord) -> str:

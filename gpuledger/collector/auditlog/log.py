@@ -1,4 +1,6 @@
-"""The audit log: an append-only Merkle tree (RFC 9162 hashing) in SQLite.
+"""The audit log: an append-only Merkle tree (RFC 9162 hashing) in a ``collector.db`` database: its own SQLite file
+(``<data dir>/audit.sqlite``) or, beside a PostgreSQL ledger, that database's schema ``audit`` (its tables never
+meet the ledger's; see :func:`open_audit_log`).
 
 Each entry is stored as the exact text that was hashed::
 
@@ -10,7 +12,8 @@ subtree's hash, written when its last leaf is appended, so the root of any tree 
 consistency proof reads O(log^2 n) stored hashes instead of rehashing leaves; ``meta`` keeps the tree head (size,
 root) in the same transaction as each append; ``checkpoints`` keeps signed checkpoints this log was given (they
 verify by signature, not by where they sit). The columns kind, job_id and key are indexes for queries; ``verify``
-checks them against the hashed body.
+checks them against the hashed body. Appends hold the lock ``audit`` (``Database.lock``) for their transaction, so
+several processes appending to one log (collectors and commands sharing a PostgreSQL ledger) never fork the tree.
 
 Nothing in this file is a trust anchor: whoever can write the file can rebuild a consistent tree. What catches
 that is a signed checkpoint (or a signed report manifest) kept where the log's operator cannot rewrite it, and
@@ -25,7 +28,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +36,10 @@ from typing import Any
 from gpuledger.collector.auditlog import merkle
 from gpuledger.collector.auditlog.canonical import AuditError, dumps, plain
 from gpuledger.collector.auditlog.files import private_file
+from gpuledger.collector.db import Database, PostgresDatabase, SqliteDatabase, is_postgres_url, upsert
 
 AUDIT_NAME = "audit.sqlite"
+AUDIT_SCHEMA = "audit"  # the PostgreSQL schema of the log beside a PostgreSQL ledger
 FORMAT = "2"  # 1: a hash chain (prev/hash columns); 2: the Merkle tree
 KINDS: tuple[str, ...] = ("job_record", "usage_record", "correction", "fairshare", "priority_change", "key_rotation")
 
@@ -49,6 +54,9 @@ CREATE TABLE IF NOT EXISTS nodes (level INTEGER NOT NULL, idx INTEGER NOT NULL, 
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS checkpoints (size INTEGER NOT NULL, note TEXT NOT NULL);
 """
+_SET_META = upsert("meta", ("key", "value"), ("key",))
+_SET_NODE = upsert("nodes", ("level", "idx", "hash"), ("level", "idx"))
+_VERIFY_PAGE = 50_000  # entries read per statement by verify: memory stays bounded on either engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,37 +139,52 @@ class LogDamaged(Exception):
 
 
 class AuditLog:
-    """The append-only Merkle log. ``user_alias`` maps user names before recorders write them (see open_log).
+    """The append-only Merkle log in ``db``: a ``collector.db`` Database (which it then owns and closes), or the
+    path of its SQLite file (created readable by its owner only). ``user_alias`` maps user names before recorders
+    write them (see open_log).
 
-    Safe to share between threads (one lock); several processes append safely (BEGIN IMMEDIATE).
+    Safe to share between threads (one lock); several processes append safely (the lock ``audit``).
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        db: Database | str | os.PathLike[str],
         user_alias: Callable[[str], str] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.path = Path(path)
-        private_file(self.path)
+        self.path: Path | None = None  # the SQLite file; None on PostgreSQL
+        if isinstance(db, (str, os.PathLike)):
+            if is_postgres_url(str(db)):
+                raise ValueError("AuditLog takes a file path or a Database; open_audit_log opens a PostgreSQL URL")
+            self.path = Path(db)
+            private_file(self.path)  # SQLite gives its -wal and -shm files the same mode
+            try:
+                db = SqliteDatabase(self.path)
+            except sqlite3.DatabaseError as e:
+                raise AuditError(f"{self.path}: not an audit log ({e})") from None
+        elif isinstance(db, SqliteDatabase):
+            self.path = db.path
+        self.location = str(self.path) if self.path is not None else f"{db.url} (schema {AUDIT_SCHEMA})"
         self.user_alias = user_alias
         self._clock = clock
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db: Database = db
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("PRAGMA busy_timeout=10000")
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
+            with db.transaction():
+                db.lock("audit")  # two processes opening a new log create its tables once
+                cols = db.columns("entries")
+                if "prev" in cols:
+                    raise AuditError(f"{self.location}: audit log format 1 (a hash chain); this version keeps a Merkle "
+                                     "tree (format 2): verify it with the previous version, then start a new log")
+                db.script(_SCHEMA)
+                db.execute("INSERT INTO meta (key, value) VALUES ('format', ?) ON CONFLICT (key) DO NOTHING",
+                           (FORMAT,))
         except sqlite3.DatabaseError as e:
-            self._db.close()
-            raise AuditError(f"{self.path}: not an audit log ({e})") from None
-        if "prev" in cols:
-            self._db.close()
-            raise AuditError(f"{self.path}: audit log format 1 (a hash chain); this version keeps a Merkle tree "
-                             "(format 2): verify it with the previous version, then start a new log")
-        self._db.executescript(_SCHEMA)
-        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
+            db.close()
+            raise AuditError(f"{self.location}: not an audit log ({e})") from None
+        except BaseException:
+            db.close()
+            raise
 
     def __enter__(self) -> AuditLog:
         return self
@@ -198,38 +221,31 @@ class AuditLog:
             prepared.append((kind, d, dumps(d), job_id, key))
         now = float(self._clock())
         written: list[Entry] = []
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")  # serialises appenders: the tree cannot move under us
-            try:
-                size = self._size()
-                frontier = self._frontier(size)
-                seen: dict[str, str] = {}
-                for kind, data, text, job_id, key in prepared:
-                    if key is not None:
-                        last = seen.get(key)
-                        if last is None:
-                            row = db.execute("SELECT body, leaf, seq FROM entries WHERE key=? ORDER BY seq DESC "
-                                             "LIMIT 1", (key,)).fetchone()
-                            last = dumps(_entry(*row).data) if row else ""
-                        if last == text:
-                            continue
-                        seen[key] = text
-                    size += 1
-                    body = dumps({"seq": size, "ts": now, "kind": kind, "job_id": job_id, "key": key, "data": data})
-                    leaf = merkle.leaf_hash(body.encode())
-                    db.execute("INSERT INTO entries VALUES (?,?,?,?,?,?)", (size, kind, job_id, key, body, leaf))
-                    self._push(frontier, size - 1, leaf)
-                    written.append(Entry(size, now, kind, job_id, key, data, leaf))
-                if written:
-                    root = _fold(frontier)
-                    db.executemany("INSERT OR REPLACE INTO meta VALUES (?,?)",
-                                   [("tree_size", str(size)), ("root", root.hex())])
-                db.execute("COMMIT")
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
+        with self._lock, self._db.transaction() as db:
+            db.lock("audit")  # serialises appenders of every process: the tree cannot move under us
+            size = self._size()
+            frontier = self._frontier(size)
+            seen: dict[str, str] = {}
+            for kind, data, text, job_id, key in prepared:
+                if key is not None:
+                    last = seen.get(key)
+                    if last is None:
+                        row = db.execute("SELECT body, leaf, seq FROM entries WHERE key=? ORDER BY seq DESC LIMIT 1",
+                                         (key,)).fetchone()
+                        last = dumps(_entry(*row).data) if row else ""
+                    if last == text:
+                        continue
+                    seen[key] = text
+                size += 1
+                body = dumps({"seq": size, "ts": now, "kind": kind, "job_id": job_id, "key": key, "data": data})
+                leaf = merkle.leaf_hash(body.encode())
+                db.execute("INSERT INTO entries (seq, kind, job_id, key, body, leaf) VALUES (?,?,?,?,?,?)",
+                           (size, kind, job_id, key, body, leaf))
+                self._push(frontier, size - 1, leaf)
+                written.append(Entry(size, now, kind, job_id, key, data, leaf))
+            if written:
+                root = _fold(frontier)
+                db.executemany(_SET_META, [("tree_size", str(size)), ("root", root.hex())])
         return written
 
     def _push(self, frontier: list[tuple[int, bytes]], index: int, leaf: bytes) -> None:
@@ -238,7 +254,7 @@ class AuditLog:
         while len(frontier) > 1 and frontier[-1][0] == frontier[-2][0]:
             (level, right), (_, left) = frontier.pop(), frontier.pop()
             h = merkle.node_hash(left, right)
-            self._db.execute("INSERT OR REPLACE INTO nodes VALUES (?,?,?)", (level + 1, index >> (level + 1), h))
+            self._db.execute(_SET_NODE, (level + 1, index >> (level + 1), h))
             frontier.append((level + 1, h))
 
     def _frontier(self, size: int) -> list[tuple[int, bytes]]:
@@ -253,7 +269,7 @@ class AuditLog:
         """Keep a signed checkpoint beside the log: ``verify`` narrows with it (its signature, not this table,
         is what makes it evidence)."""
         with self._lock:
-            self._db.execute("INSERT INTO checkpoints VALUES (?,?)", (size, note))
+            self._db.execute("INSERT INTO checkpoints (size, note) VALUES (?,?)", (size, note))
 
     def saved_checkpoints(self) -> list[str]:
         with self._lock:
@@ -323,14 +339,15 @@ class AuditLog:
 
     def entries(self, job_id: str | None = None, kind: str | None = None, newest_first: bool = False,
                 key_prefix: str | None = None) -> Iterator[Entry]:
-        where, args = [], []
+        where: list[str] = []
+        args: list[Any] = []
         for col, v in (("job_id", job_id), ("kind", kind)):
             if v is not None:
                 where.append(f"{col}=?")
                 args.append(v)
-        if key_prefix is not None:
-            where.append("key >= ? AND key < ?")
-            args += [key_prefix, key_prefix + "\uffff"]
+        if key_prefix is not None:  # not a range on key: text collations differ between engines
+            where.append("substr(key, 1, ?) = ?")
+            args += [len(key_prefix), key_prefix]
         sql = "SELECT body, leaf, seq FROM entries" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY seq" + (" DESC" if newest_first else "")
         with self._lock:
@@ -350,32 +367,35 @@ class AuditLog:
         head (size, root) must match (else the tail was cut or extended). What is reported is the first problem
         by entry number; ``proven`` entries before it verify.
         """
-        with self._lock:
+        with self._lock, self._db.snapshot():  # one state of the log, while appenders go on
             return self._verify()
+
+    def _rows(self) -> Iterator[Sequence[Any]]:
+        """(seq, kind, job_id, key, body, leaf) of every stored entry in order, a page per statement."""
+        sql = "SELECT seq, kind, job_id, key, body, leaf FROM entries"
+        rows = self._db.execute(sql + " ORDER BY seq LIMIT ?", (_VERIFY_PAGE,)).fetchall()
+        while rows:
+            yield from rows
+            if len(rows) < _VERIFY_PAGE:
+                return
+            rows = self._db.execute(sql + " WHERE seq > ? ORDER BY seq LIMIT ?", (rows[-1][0], _VERIFY_PAGE)).fetchall()
 
     def _verify(self) -> VerifyResult:
         sha = hashlib.sha256
         leaves: list[bytes] = []
         problems: list[Problem] = []
         expected = 1
-        # SQLite's JSON functions compare the body's seq, kind, job_id and key with the columns (in C: this loop
-        # is what `verify` of a million entries costs); a body that is not JSON gives 0 and is named below.
-        for seq, body, leaf, same in self._db.execute(
-            "SELECT seq, body, leaf, CASE WHEN json_valid(body) THEN (json_extract(body, '$.seq') IS seq AND "
-            "json_extract(body, '$.kind') IS kind AND json_extract(body, '$.job_id') IS job_id AND "
-            "json_extract(body, '$.key') IS key AND json_type(body, '$.seq') = 'integer') ELSE 0 END "
-            "FROM entries ORDER BY seq"
-        ):
+        for seq, kind, job_id, key, body, leaf in self._rows():
             bad: Problem | None = None
             if seq < 1:
                 bad = Problem(seq, "inserted: the log starts at entry 1 (a forged row before it)")
             elif seq != expected:
                 bad = Problem(expected, f"missing (deleted): the next stored entry is {seq}")
-            elif not same:
+            elif not _labels_match(body, seq, kind, job_id, key):
                 bad = _relabelled(body, seq)
             else:
                 h = sha(b"\x00" + body.encode()).digest()
-                if h != leaf:
+                if h != bytes(leaf):
                     bad = Problem(seq, "content does not match its leaf hash (modified)")
                 else:
                     leaves.append(h)
@@ -447,6 +467,27 @@ def _fold(frontier: list[tuple[int, bytes]]) -> bytes:
     return root
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_decode = json.JSONDecoder(parse_constant=_no_constant).decode  # built once: verify decodes every body
+
+
+def _labels_match(body: str, seq: int, kind: Any, job_id: Any, key: Any) -> bool:
+    """The hashed body is a JSON object whose integer seq, kind, job_id and key are the row's (a key it lacks
+    matches NULL)."""
+    try:
+        d = _decode(body)
+    except ValueError:
+        return False
+    if type(d) is not dict:
+        return False
+    s, k, j, y = d.get("seq"), d.get("kind"), d.get("job_id"), d.get("key")
+    return (type(s) is int and s == seq and type(k) is type(kind) and k == kind and type(j) is type(job_id)
+            and j == job_id and type(y) is type(key) and y == key)
+
+
 def _relabelled(body: str, seq: int) -> Problem:
     try:
         real = json.loads(body)["seq"]
@@ -468,3 +509,13 @@ def _entry(body: str, leaf: bytes, seq: int) -> Entry:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise EntryDamaged(f"audit entry {seq}: body is not a canonical audit entry (modified): "
                            f"{type(e).__name__}: {e}") from None
+
+
+def open_audit_log(ledger_url: str | None, data_dir: str | os.PathLike[str],
+                   user_alias: Callable[[str], str] | None = None, clock: Callable[[], float] = time.time) -> AuditLog:
+    """The audit log that goes with the ledger at ``ledger_url``: beside a PostgreSQL ledger (``postgresql://``)
+    the schema ``audit`` of that database, shared by every collector and command using it; otherwise (no URL, or
+    a SQLite ledger) the data dir's own file ``<data_dir>/audit.sqlite``."""
+    if ledger_url is not None and is_postgres_url(ledger_url):
+        return AuditLog(PostgresDatabase(ledger_url, schema=AUDIT_SCHEMA), user_alias=user_alias, clock=clock)
+    return AuditLog(Path(data_dir) / AUDIT_NAME, user_alias=user_alias, clock=clock)
