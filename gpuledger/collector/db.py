@@ -11,6 +11,8 @@ Code above this module writes one SQL dialect, SQLite's portable subset, and nev
   ``INSERT OR REPLACE``; sums as ``COALESCE(SUM(x), 0)``, never ``TOTAL``; reserved words (``end``) quoted;
 - :meth:`Database.lock` serialises a critical section across processes inside a transaction (SQLite's
   ``BEGIN IMMEDIATE`` already does; PostgreSQL takes a transaction-scoped advisory lock);
+  :meth:`Database.try_lock` takes a lock for a longer task made of several transactions, or says it is taken
+  (PostgreSQL: a session advisory lock; SQLite: a lock file next to the database);
 - ``INSERT ... RETURNING`` works on both (SQLite >= 3.35).
 
 :func:`open_database` takes a path or ``sqlite:///path`` for SQLite, ``postgresql://...`` for PostgreSQL.
@@ -18,13 +20,14 @@ Code above this module writes one SQL dialect, SQLite's portable subset, and nev
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -58,6 +61,7 @@ class Database(Protocol):
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
     def transaction(self) -> Any: ...  # context manager; nested use joins the outer transaction
     def lock(self, name: str) -> None: ...
+    def try_lock(self, name: str) -> AbstractContextManager[bool]: ...
     def script(self, ddl: str) -> None: ...
     def columns(self, table: str) -> list[str]: ...
     def has_table(self, table: str) -> bool: ...
@@ -87,10 +91,18 @@ def statements(script: str) -> list[str]:
 
 
 # -- SQLite --------------------------------------------------------------------------------------------------------
-def _sqlite_error(exc: sqlite3.Error) -> Exception:
-    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
+def _sqlite_error(exc: sqlite3.Error, url: str) -> Exception:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
         return DatabaseFull(str(exc))
+    if code == sqlite3.SQLITE_BUSY:  # another process held the write lock past busy_timeout: try again later
+        return DatabaseUnavailable(f"SQLite ledger {url}: {exc} (another process held it too long)")
     return exc
+
+
+def _lock_key(name: str) -> int:
+    """A lock name as PostgreSQL's 64-bit advisory lock key."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
 class SqliteDatabase:
@@ -121,13 +133,13 @@ class SqliteDatabase:
         try:
             return self.conn.execute(sql, args)  # type: ignore[return-value]  # rowcount is read-only there
         except sqlite3.Error as exc:
-            raise _sqlite_error(exc) from exc
+            raise _sqlite_error(exc, self.url) from exc
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         try:
             self.conn.executemany(sql, rows)
         except sqlite3.Error as exc:
-            raise _sqlite_error(exc) from exc
+            raise _sqlite_error(exc, self.url) from exc
 
     @contextmanager
     def transaction(self) -> Iterator[SqliteDatabase]:
@@ -146,6 +158,22 @@ class SqliteDatabase:
 
     def lock(self, name: str) -> None:
         """Nothing to do: BEGIN IMMEDIATE holds the database's write lock already."""
+
+    @contextmanager
+    def try_lock(self, name: str) -> Iterator[bool]:
+        """``name``'s lock file next to the database (``<file>-<name>.lock``), locked for the block if no other
+        holder (process or connection) has it: yields whether it was taken, never waits. The kernel releases it
+        when its holder dies."""
+        fd = os.open(f"{self.path}-{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def script(self, ddl: str) -> None:
         for statement in statements(ddl):  # one by one: executescript would commit an open transaction
@@ -303,8 +331,23 @@ class PostgresDatabase:
     def lock(self, name: str) -> None:
         """A transaction-scoped advisory lock on ``name``, held until the transaction ends (call inside one)."""
         assert getattr(self._local, "conn", None) is not None, "lock() outside a transaction"
-        key = int.from_bytes(hashlib.sha256(f"{self.schema or ''}:{name}".encode()).digest()[:8], "big", signed=True)
-        self.execute("SELECT pg_advisory_xact_lock(?)", (key,))
+        self.execute("SELECT pg_advisory_xact_lock(?)", (_lock_key(f"{self.schema or ''}:{name}"),))
+
+    @contextmanager
+    def try_lock(self, name: str) -> Iterator[bool]:
+        """A session advisory lock on ``name`` for the block, on a pooled connection held that long, if no other
+        session has it: yields whether it was taken, never waits. The server releases it if the session dies."""
+        key = _lock_key(f"{self.schema or ''}:{name}:session")
+        try:
+            with self._pool.connection() as conn:
+                got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0])
+                try:
+                    yield got
+                finally:
+                    if got and not conn.closed:
+                        conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        except self._psycopg.Error as exc:
+            raise self._error(exc) from exc
 
     def script(self, ddl: str) -> None:
         with self.transaction():

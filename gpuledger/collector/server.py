@@ -38,7 +38,7 @@ from gpuledger.collector.limits import (
     REQUEST_TIMEOUT_S,
 )
 from gpuledger.collector.openapi import openapi_document
-from gpuledger.collector.store import BatchRefused, SqliteStore, StoreFull
+from gpuledger.collector.store import BatchRefused, SqliteStore, StoreFull, StoreUnavailable
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, BatchError, Limits, parse_batch, parse_jobs
 
 log = logging.getLogger(__name__)
@@ -372,6 +372,10 @@ class CollectorServer:
                     log.error("disk full, batches refused with 507 until there is room (reads go on): %s", e)
                     raise BatchError(507, f"the collector's disk is full; retry later ({e})", "disk_full",
                                      batch.n_samples) from None
+                except StoreUnavailable as e:
+                    log.error("ledger unavailable, batch refused with 503 (the agent retries): %s", e)
+                    raise BatchError(503, f"the ledger cannot be reached; retry later ({e})", "ledger_unavailable",
+                                     batch.n_samples) from None
             finally:
                 self._count("_ingesting", -1)
         finally:
@@ -411,6 +415,8 @@ class CollectorServer:
                              self.limits.max_body_bytes, req.headers.get("Content-Encoding", ""))
         with self._audit_lock:
             if self._audit is None:
+                # the embedded store's directory (a PostgreSQL ledger's audit log: the ledger-url change passes it)
+                assert self.store.path is not None, "no audit log for a PostgreSQL ledger yet"
                 self._audit = open_log(self.store.path.parent)
             audit = self._audit
         # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)
