@@ -102,10 +102,36 @@ def test_restart_mid_stream_equals_uninterrupted_run(new_ledger, cut):
             two.close()
             two = SqliteStore(two_ledger)
         two.ingest(b)
-    assert_usage_equal(one.job_usage(per_gpu=True), two.job_usage(per_gpu=True))
+    # restoring a GPU's window and totals from the ledger is exact: the same sums to the last bit
+    assert one.job_usage(per_gpu=True) == two.job_usage(per_gpu=True)
+    assert one.job_usage() == two.job_usage()
+    assert one.gpus() == two.gpus() and one.energy_gaps() == two.energy_gaps()
     assert one.totals() == pytest.approx(two.totals())
     one.close()
     two.close()
+
+
+def test_a_restored_window_keeps_its_anchor_from_a_chunk_reaching_past_the_window(new_ledger):
+    """The sample before the late window (the anchor: the previous sample of a late one landing first in the
+    window) sits in a chunk that reaches into the window: restored with it, a late sample splits the same interval
+    as in memory."""
+    mk = lambda ts, job: GpuSample(ts=T0 + ts, host="n1", gpu_uuid="G0", gpu_index=0,  # noqa: E731
+                                   energy_joules=100.0 * ts, power_watts=100.0, job_ids=(job,))
+    first = Batch("a", 0, "n1", (mk(0, "1"), mk(10, "1"), mk(20, "1"), mk(30, "1"), mk(45, "2"), mk(100, "2")))
+    late = Batch("a", 1, "n1", (mk(42, "3"),))  # window 60 s: 40 to 100; its previous sample is the anchor at 30
+    one, two = new_ledger(), new_ledger()
+    kept = SqliteStore(one, window_s=60)
+    restarted = SqliteStore(two, window_s=60)
+    for store in (kept, restarted):
+        store.ingest(first)
+    restarted.close()
+    restarted = SqliteStore(two, window_s=60)
+    for store in (kept, restarted):
+        assert store.ingest(late).accepted == 1
+    assert restarted.job_usage(per_gpu=True) == kept.job_usage(per_gpu=True)
+    assert {u.job_id: u.allocated_gpu_seconds for u in restarted.job_usage()} == {"1": 30.0, "2": 58.0, "3": 12.0}
+    kept.close()
+    restarted.close()
 
 
 def test_failed_write_stores_nothing_and_keeps_memory_consistent(ledger):
