@@ -261,6 +261,11 @@ class PostgresDatabase:
                 conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 conn.execute(f'SET search_path TO "{schema}"')
 
+        try:  # one connection first: an unreachable server fails now, with the server's reason, not the pool's
+            psycopg.connect(url, connect_timeout=int(connect_timeout_s)).close()
+        except psycopg.Error as exc:
+            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect: {' '.join(str(exc).split())}"
+                                      ) from exc
         self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, configure=configure, open=False,
                                     timeout=connect_timeout_s, kwargs={"connect_timeout": int(connect_timeout_s)})
         try:
@@ -280,7 +285,8 @@ class PostgresDatabase:
         if isinstance(exc, errors.DiskFull):
             return DatabaseFull(str(exc).strip())
         if isinstance(exc, self._psycopg.OperationalError) and not isinstance(exc, errors.QueryCanceled):
-            return DatabaseUnavailable(f"PostgreSQL ledger {self.url}: {str(exc).strip()}")
+            # the first line: the server's CONTEXT lines name our statement, not the reason
+            return DatabaseUnavailable(f"PostgreSQL ledger {self.url}: {str(exc).strip().splitlines()[0]}")
         return exc
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows:

@@ -415,8 +415,8 @@ class CollectorServer:
                              self.limits.max_body_bytes, req.headers.get("Content-Encoding", ""))
         with self._audit_lock:
             if self._audit is None:
-                # the embedded store's directory (a PostgreSQL ledger's audit log: the ledger-url change passes it)
-                assert self.store.path is not None, "no audit log for a PostgreSQL ledger yet"
+                # the embedded store's directory; a PostgreSQL ledger has none: its server is given audit_log
+                assert self.store.path is not None, "a server on a PostgreSQL ledger needs audit_log"
                 self._audit = open_log(self.store.path.parent)
             audit = self._audit
         # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)

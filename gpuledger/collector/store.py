@@ -209,15 +209,20 @@ class SqliteStore:
         self._summary_sent: dict[str, float] = {}
         self._compactor: threading.Thread | None = None
         self._compactor_stop = threading.Event()
-        self._db = _database(db)
+        try:
+            self._db = _database(db)
+        except DatabaseUnavailable as exc:
+            raise StoreUnavailable(str(exc)) from exc
         self.db = self._db
         self.url = self._db.url  # for messages: a SQLite file's path or a PostgreSQL URL without its password
         path = getattr(self._db, "path", None)
         self.path: Path | None = Path(path) if self._db.dialect == SQLITE and path is not None else None
         try:
             self._open(retention)
-        except BaseException:
+        except BaseException as exc:
             self._db.close()
+            if isinstance(exc, DatabaseUnavailable) and not isinstance(exc, StoreUnavailable):
+                raise StoreUnavailable(str(exc)) from exc
             raise
         self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
                               power_cap_w=power_cap_w, power_caps=power_caps)
@@ -624,5 +629,6 @@ def open_store(ledger_url: str | None, data_dir: str | os.PathLike[str], **setti
     """The collector's store: the ledger at ``ledger_url`` (``postgresql://...``, or a SQLite file's path or
     ``sqlite://`` URL) or, without one, the embedded SQLite file ``<data_dir>/gpuledger.sqlite``. ``settings`` are
     the store's keyword arguments. Raises ValueError for another URL scheme, DatabaseUnavailable when PostgreSQL
-    cannot be reached, LedgerTooNew (``collector.migrations``) for a ledger of a newer gpuledger."""
+    cannot be reached (StoreUnavailable, a DatabaseUnavailable), LedgerTooNew (``collector.migrations``) for a
+    ledger of a newer gpuledger."""
     return SqliteStore(ledger_url or Path(data_dir) / STORE_NAME, **settings)

@@ -174,3 +174,38 @@ def test_hosts_from_threads_across_two_collectors_with_resends_and_races(ledger,
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_key_stored_between_the_dedupe_check_and_the_commit_makes_the_batch_a_duplicate(pg_url):
+    """A writer that does not claim the host (an older collector) stores a batch's key while this store is half-way
+    through the same batch: its insert of the key finds it, the transaction is rolled back and committed again,
+    and the batch is answered as the duplicate it now is. Never a unique-key error, never stored twice."""
+    import psycopg
+
+    bodies = host_bodies("n1", n=30)
+    store = SqliteStore(pg_url, clock=lambda: NOW, window_s=WINDOW_S)
+    gate = psycopg.connect(pg_url, autocommit=True)
+    try:
+        first = ingest(store, bodies[0])
+        # batch 1's transaction waits, after its samples are written and before its key is, while the gate is held
+        gate.execute("CREATE FUNCTION gate() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                     "PERFORM pg_advisory_xact_lock(4242); RETURN NEW; END $$")
+        gate.execute("CREATE TRIGGER gate BEFORE INSERT ON chunks FOR EACH ROW EXECUTE FUNCTION gate()")
+        gate.execute("SELECT pg_advisory_lock(4242)")
+        batch = parse_batch(bodies[1], "application/msgpack", NOW)
+        out: list[object] = []
+        writer = threading.Thread(target=lambda: out.append(store.ingest(batch)))
+        writer.start()
+        while not gate.execute("SELECT count(*) FROM pg_locks WHERE locktype='advisory' AND NOT granted"
+                               ).fetchone()[0]:
+            threading.Event().wait(0.01)
+        gate.execute("INSERT INTO batch_keys (host, agent_id, seq, digest, received, samples) VALUES "
+                     "(%s, %s, %s, %s, %s, %s)", ("n1", batch.agent_id, batch.seq, batch.digest, NOW, 11))
+        gate.execute("SELECT pg_advisory_unlock(4242)")
+        writer.join()
+        assert out == [IngestResult(0, duplicate_batch=True)]
+        assert store.batches_seen() == 2
+        assert store.totals()["samples"] == first.accepted  # nothing of batch 1 was stored
+    finally:
+        gate.close()
+        store.close()
