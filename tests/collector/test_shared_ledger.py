@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from gpuledger.agent.push import encode_batch
-from gpuledger.collector.store import IngestResult, SqliteStore
+from gpuledger.collector.store import COMPACTION_LOCK, IngestResult, SqliteStore
 from gpuledger.collector.validate import parse_batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -209,3 +209,28 @@ def test_a_key_stored_between_the_dedupe_check_and_the_commit_makes_the_batch_a_
     finally:
         gate.close()
         store.close()
+
+
+def test_one_collector_compacts_a_shared_ledger_at_a_time_and_compaction_is_idempotent(ledger):
+    a = SqliteStore(ledger, clock=lambda: NOW, window_s=WINDOW_S)
+    b = SqliteStore(ledger, clock=lambda: NOW, window_s=WINDOW_S)
+    try:
+        for body in host_bodies("n1"):
+            ingest(a, body)
+        tiers = a.tiers()
+        with a.db.try_lock(COMPACTION_LOCK) as mine:  # A is compacting
+            assert mine
+            with b.db.try_lock(COMPACTION_LOCK) as theirs:
+                assert not theirs  # the lock is the ledger's, not the process's
+            skipped = b.compact(now=NOW)
+            assert skipped.skipped and (skipped.rolled_minutes, skipped.merged_chunks) == (0, 0)
+            assert b.tiers() == tiers
+        done = b.compact(now=NOW)
+        assert not done.skipped and done.rolled_minutes > 0 and done.merged_chunks > 0
+        after = a.tiers()
+        again = a.compact(now=NOW)  # the other collector's turn: nothing left to do
+        assert (again.rolled_minutes, again.rolled_hours, again.merged_chunks, again.deleted_chunks) == (0, 0, 0, 0)
+        assert a.tiers() == after
+    finally:
+        a.close()
+        b.close()
