@@ -330,9 +330,13 @@ class SqlLedger:
                 refused += 1
                 continue
             rows.append((r.cluster, r.job_id, AGENT, _job_json(r)))
-        # the first description stands, whoever races to store one (no lock needed: nothing is read back)
-        self._db.executemany("INSERT INTO jobs (cluster, job_id, source, data) VALUES (?,?,?,?) "
-                             "ON CONFLICT (cluster, job_id, source) DO NOTHING", rows)
+        if rows:
+            # The first description stands (DO NOTHING). A job's row is the one row that batches of different hosts
+            # share: without the lock, two collectors inserting two such jobs in opposite orders would deadlock.
+            # Taken after the hosts (the store claims them first), as merge_jobs takes it alone: one order.
+            self._db.lock("jobs")
+            self._db.executemany("INSERT INTO jobs (cluster, job_id, source, data) VALUES (?,?,?,?) "
+                                 "ON CONFLICT (cluster, job_id, source) DO NOTHING", rows)
         if refused:
             log.warning("host %s: %d job description(s) refused: no sample of those jobs came from the host",
                         host, refused)

@@ -67,3 +67,22 @@ def test_a_ledger_nothing_listens_on_is_unavailable_at_once():
     with pytest.raises(StoreUnavailable, match="cannot connect") as e:
         SqliteStore(f"postgresql://gl@127.0.0.1:{free_port()}/ledger")
     assert isinstance(e.value, DatabaseUnavailable)  # what every command already answers with exit 1
+
+
+def test_a_sqlite_ledger_locked_by_another_process_too_long_is_unavailable_not_an_error(tmp_path):
+    import sqlite3
+
+    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
+    other = sqlite3.connect(tmp_path / "s.sqlite", isolation_level=None)
+    try:
+        store.ingest(parse_batch(body(0), "application/msgpack", NOW))
+        store.db.conn.execute("PRAGMA busy_timeout=100")  # not 10 s: the test waits for it
+        other.execute("BEGIN IMMEDIATE")  # another writer holds the file's write lock
+        with pytest.raises(StoreUnavailable, match="locked"):
+            store.ingest(parse_batch(body(1), "application/msgpack", NOW))
+        other.execute("ROLLBACK")
+        assert store.ingest(parse_batch(body(1), "application/msgpack", NOW)).accepted == 10
+        assert store.totals()["samples"] == 20
+    finally:
+        other.close()
+        store.close()
