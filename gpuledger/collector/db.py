@@ -121,14 +121,6 @@ class SqliteDatabase:
         self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
         self.conn.execute("PRAGMA busy_timeout=10000")
 
-    @classmethod
-    def sharing(cls, conn: sqlite3.Connection, path: str | os.PathLike[str]) -> SqliteDatabase:
-        """A Database over a connection its owner opened (as :meth:`__init__` does) and keeps: the owner's
-        transactions and this one's are the same, and closing stays the owner's."""
-        db = cls.__new__(cls)
-        db.path, db.url, db.conn = Path(path), str(path), conn
-        return db
-
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows:
         try:
             return self.conn.execute(sql, args)  # type: ignore[return-value]  # rowcount is read-only there
