@@ -213,7 +213,6 @@ class SqliteStore:
             self._db = _database(db)
         except DatabaseUnavailable as exc:
             raise StoreUnavailable(str(exc)) from exc
-        self.db = self._db
         self.url = self._db.url  # for messages: a SQLite file's path or a PostgreSQL URL without its password
         path = getattr(self._db, "path", None)
         self.path: Path | None = Path(path) if self._db.dialect == SQLITE and path is not None else None
@@ -227,6 +226,11 @@ class SqliteStore:
         self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
                               power_cap_w=power_cap_w, power_caps=power_caps)
         self._restore()
+
+    @property
+    def db(self) -> Database:
+        """The database the ledger and the series store share (SQLite or PostgreSQL)."""
+        return self._db
 
     def _open(self, retention: Retention) -> None:
         """Bring the database up to date in one transaction under the migrations lock (two collectors opening one
