@@ -26,6 +26,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -117,9 +118,21 @@ class SqliteDatabase:
         self.url = str(self.path)
         # isolation_level=None: BEGIN/COMMIT are ours, so one batch is one transaction
         self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
         self.conn.execute("PRAGMA busy_timeout=10000")
+        self._wal(deadline=time.monotonic() + 10.0)
+        self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
+
+    def _wal(self, deadline: float) -> None:
+        """WAL mode. Switching a new file to it is refused at once (SQLITE_BUSY, no busy handler) while another
+        connection opens the same file: two collectors starting together. Tried again until ``deadline``."""
+        while True:
+            try:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows:
         try:
