@@ -7,7 +7,7 @@ Queries read these tables, never the samples. What the rest of the code reads is
 what the collector's store writes through is :class:`LedgerStore`. :class:`SqlLedger` implements both over
 ``collector.db``'s portable dialect, so the same code runs on embedded SQLite and on PostgreSQL (a ledger
 shared by several collectors). It shares the store's database with the series store, so ingest writes both
-in one transaction. It is not thread-safe by itself: ``collector.store.SqliteStore`` serialises access.
+in one transaction. It is not thread-safe by itself: ``collector.store.Store`` serialises access.
 Its tables are created and migrated by ``collector.migrations`` (on store open), never here.
 
 Job identity is ``(cluster, job_id)``: two clusters feeding one collector may both have a job 1234.

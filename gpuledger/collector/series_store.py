@@ -12,7 +12,7 @@ What the rest of the code reads is :class:`SeriesReader`; what the collector's s
 :class:`SeriesStore`. :class:`ChunkSeriesStore` keeps the chunks in a ``collector.db`` database, SQLite or
 PostgreSQL alike (one portable dialect); it shares the collector's database with the ledger, so ingest writes
 both in one transaction. Chunks are read in key order (bucket, then first time), so sums over rows come out
-bit-for-bit the same on either engine. It is not thread-safe by itself: ``collector.store.SqliteStore``
+bit-for-bit the same on either engine. It is not thread-safe by itself: ``collector.store.Store``
 serialises access.
 """
 

@@ -38,7 +38,7 @@ from gpuledger.collector.limits import (
     REQUEST_TIMEOUT_S,
 )
 from gpuledger.collector.openapi import openapi_document
-from gpuledger.collector.store import BatchRefused, SqliteStore, StoreFull, StoreUnavailable
+from gpuledger.collector.store import BatchRefused, Store, StoreFull, StoreUnavailable
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, BatchError, Limits, parse_batch, parse_jobs
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class _FeedGauges:
 class _StoreCounters:
     """Counters kept in the store (they survive restarts): read at scrape time."""
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
@@ -151,7 +151,7 @@ class _StoreCounters:
 
 
 class _Metrics:
-    def __init__(self, store: SqliteStore, feed: Path | None, in_flight: Callable[[], int],
+    def __init__(self, store: Store, feed: Path | None, in_flight: Callable[[], int],
                  ingest_depth: Callable[[], int], user_labels: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -266,7 +266,7 @@ class CollectorServer:
 
     def __init__(
         self,
-        store: SqliteStore,
+        store: Store,
         host: str = "127.0.0.1",
         port: int = 0,
         max_body_bytes: int = MAX_BODY_BYTES,

@@ -7,7 +7,7 @@ Two parts behind two protocols (so either can move to another backend without to
 - the series store (``collector.series_store``: chunks, tiers, compaction, series queries; read through
   ``SeriesReader``).
 
-:class:`SqliteStore` owns the database both share (``collector.db``: an embedded SQLite file, the default, or
+:class:`Store` owns the database both share (``collector.db``: an embedded SQLite file, the default, or
 PostgreSQL), the aggregation (``collector.aggregate``) and the lock. Ingest is one transaction over both parts:
 a batch is stored whole (samples, usage, batch id) or not at all. Opening the store applies the ledger's pending
 migrations (``collector.migrations``).
@@ -156,7 +156,7 @@ def _database(target: Database | str | os.PathLike[str]) -> Database:
 _RACE_RETRIES = 3  # a group rolled back by _BatchRaced is committed again at most this often
 
 
-class SqliteStore:
+class Store:
     """The collector's store over a database (``collector.db``): a ``Database``, or a SQLite path or
     PostgreSQL URL to open (see :func:`open_store`). Thread-safe: one lock serialises this store's use of it.
 
@@ -629,10 +629,10 @@ class SqliteStore:
             self._db.close()
 
 
-def open_store(ledger_url: str | None, data_dir: str | os.PathLike[str], **settings: Any) -> SqliteStore:
+def open_store(ledger_url: str | None, data_dir: str | os.PathLike[str], **settings: Any) -> Store:
     """The collector's store: the ledger at ``ledger_url`` (``postgresql://...``, or a SQLite file's path or
     ``sqlite://`` URL) or, without one, the embedded SQLite file ``<data_dir>/gpuledger.sqlite``. ``settings`` are
     the store's keyword arguments. Raises ValueError for another URL scheme, DatabaseUnavailable when PostgreSQL
     cannot be reached (StoreUnavailable, a DatabaseUnavailable), LedgerTooNew (``collector.migrations``) for a
     ledger of a newer gpuledger."""
-    return SqliteStore(ledger_url or Path(data_dir) / STORE_NAME, **settings)
+    return Store(ledger_url or Path(data_dir) / STORE_NAME, **settings)

@@ -11,7 +11,7 @@ from servers import free_port
 
 from gpuledger.cli import run
 from gpuledger.collector.migrations import LATEST, MIGRATIONS
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -40,7 +40,7 @@ def status(capsys, *where) -> dict:
 
 def old_store(path: Path) -> list:
     """A store as the release before versioned migrations left it (no schema_migrations, no hosts); its usage."""
-    store = SqliteStore(path)
+    store = Store(path)
     store.ingest(Batch("a", 1, "n1", tuple(GpuSample(ts=T0 + 10 * k, host="n1", gpu_uuid="G0", gpu_index=0,
                                                      energy_joules=100.0 * k, job_ids=("1",)) for k in range(6))))
     store.put_jobs([JobRecord("1", cluster="c", user="ann")])
@@ -65,7 +65,7 @@ def test_status_and_migrate_on_a_fresh_postgresql_database(capsys, postgres_serv
     assert code == 0 and out.strip().endswith(f"up to date (migration {LATEST})")
     st = status(capsys, "--ledger-url", url)
     assert (st["applied"], st["pending"]) == (ALL, [])
-    SqliteStore(url).close()  # a collector opens it as it is
+    Store(url).close()  # a collector opens it as it is
     code, out, err = call(capsys, "ledger", "status", "--ledger-url", url)
     assert code == 0 and "backend  postgresql" in out and out.count("applied") >= LATEST
 
@@ -77,7 +77,7 @@ def test_migrate_brings_an_old_sqlite_store_under_migrations_without_losing_data
     code, out, err = call(capsys, "ledger", "migrate", "--data-dir", tmp_path, "--format", "json")
     assert code == 0 and [m["version"] for m in json.loads(out)["applied"]] == ALL
     assert status(capsys, "--ledger-url", tmp_path / "gpuledger.sqlite")["applied"] == ALL
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     try:
         assert store.job_usage(per_gpu=True) == usage and [j.user for j in store.jobs()] == ["ann"]
     finally:
@@ -87,7 +87,7 @@ def test_migrate_brings_an_old_sqlite_store_under_migrations_without_losing_data
 @pytest.mark.parametrize("engine", ["sqlite", "postgresql"])
 def test_a_ledger_of_a_newer_gpuledger_is_shown_and_refused(capsys, tmp_path, engine, request):
     url = str(tmp_path / "s.sqlite") if engine == "sqlite" else request.getfixturevalue("pg_url")
-    store = SqliteStore(url)
+    store = Store(url)
     store.db.execute("INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, 'later', ?)",
                      (LATEST + 1, T0))
     store.close()

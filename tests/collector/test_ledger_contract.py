@@ -15,7 +15,7 @@ from gpuledger.collector.aggregate import HOUR_S, Aggregator, HourAcc, UsageAcc,
 from gpuledger.collector.db import open_database
 from gpuledger.collector.ledger_store import NO_DIGEST
 from gpuledger.collector.migrations import LATEST, LedgerTooNew, migrate, status
-from gpuledger.collector.store import BatchConflict, SqliteStore
+from gpuledger.collector.store import BatchConflict, Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -39,7 +39,7 @@ def samples() -> list[GpuSample]:
     return out
 
 
-def ingest_all(store: SqliteStore) -> Aggregator:
+def ingest_all(store: Store) -> Aggregator:
     """The samples in batches of 7 per host; returns the reference aggregation of the same samples."""
     ref = Aggregator()
     for host in ("n1", "n2"):
@@ -54,7 +54,7 @@ def ingest_all(store: SqliteStore) -> Aggregator:
 
 @pytest.fixture
 def store(ledger):
-    s = SqliteStore(ledger)
+    s = Store(ledger)
     yield s
     s.close()
 
@@ -164,10 +164,10 @@ def test_job_records_merge_and_the_schedulers_record_outranks_agents(store):
 
 def test_two_collectors_merging_job_records_at_once_lose_no_update(new_ledger):
     ledger = new_ledger()
-    a, b = SqliteStore(ledger), SqliteStore(ledger)
+    a, b = Store(ledger), Store(ledger)
     start = threading.Barrier(2)
 
-    def merge(store: SqliteStore, field: str) -> None:
+    def merge(store: Store, field: str) -> None:
         start.wait()
         for i in range(40):
             store.merge_jobs([JobRecord(str(i), cluster="c", **{field: f"{field}-{i}"})])
@@ -221,7 +221,7 @@ def test_hosts_generations_and_cluster_cache(store, ledger):
     with store.db.transaction():
         assert [store.ledger.claim_host("n1") for _ in range(3)] == [1, 2, 3]
         assert store.ledger.claim_host("n2") == 1
-    other = SqliteStore(ledger)  # another collector names a GPU's cluster
+    other = Store(ledger)  # another collector names a GPU's cluster
     try:
         with other.db.transaction():
             assert other.ledger.claim_host("n1") == 4
@@ -236,12 +236,12 @@ def test_hosts_generations_and_cluster_cache(store, ledger):
 
 def test_migrations_are_recorded_idempotent_concurrent_and_refuse_a_newer_ledger(new_ledger):
     ledger = new_ledger()
-    opened: list[SqliteStore] = []
+    opened: list[Store] = []
     start = threading.Barrier(3)
 
     def open_one() -> None:
         start.wait()
-        opened.append(SqliteStore(ledger))  # three collectors starting at once
+        opened.append(Store(ledger))  # three collectors starting at once
 
     threads = [threading.Thread(target=open_one) for _ in range(3)]
     for t in threads:
@@ -262,4 +262,4 @@ def test_migrations_are_recorded_idempotent_concurrent_and_refuse_a_newer_ledger
     finally:
         db.close()
     with pytest.raises(LedgerTooNew, match=f"has migration {LATEST + 1} .*upgrade gpuledger"):
-        SqliteStore(ledger)
+        Store(ledger)

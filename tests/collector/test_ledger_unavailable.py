@@ -12,7 +12,7 @@ from servers import free_port
 from gpuledger.agent.push import encode_batch
 from gpuledger.collector.db import DatabaseUnavailable
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore, StoreUnavailable
+from gpuledger.collector.store import Store, StoreUnavailable
 from gpuledger.collector.validate import parse_batch
 from gpuledger.schema.records import GpuSample
 
@@ -32,8 +32,8 @@ def post(s: CollectorServer, seq: int) -> httpx.Response:
 
 def test_a_connection_lost_mid_batch_is_503_writes_nothing_and_the_batch_goes_through_later(pg_url, tmp_path,
                                                                                             caplog):
-    store = SqliteStore(pg_url, clock=lambda: NOW)
-    reference = SqliteStore(tmp_path / "ref.sqlite", clock=lambda: NOW)
+    store = Store(pg_url, clock=lambda: NOW)
+    reference = Store(tmp_path / "ref.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW).start()
     try:
         assert post(s, 0).status_code == 200
@@ -65,14 +65,14 @@ def test_a_connection_lost_mid_batch_is_503_writes_nothing_and_the_batch_goes_th
 
 def test_a_ledger_nothing_listens_on_is_unavailable_at_once():
     with pytest.raises(StoreUnavailable, match="cannot connect") as e:
-        SqliteStore(f"postgresql://gl@127.0.0.1:{free_port()}/ledger")
+        Store(f"postgresql://gl@127.0.0.1:{free_port()}/ledger")
     assert isinstance(e.value, DatabaseUnavailable)  # what every command already answers with exit 1
 
 
 def test_a_sqlite_ledger_locked_by_another_process_too_long_is_unavailable_not_an_error(tmp_path):
     import sqlite3
 
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path / "s.sqlite", clock=lambda: NOW)
     other = sqlite3.connect(tmp_path / "s.sqlite", isolation_level=None)
     try:
         store.ingest(parse_batch(body(0), "application/msgpack", NOW))

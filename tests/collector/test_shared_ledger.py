@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from gpuledger.agent.push import encode_batch
-from gpuledger.collector.store import COMPACTION_LOCK, IngestResult, SqliteStore
+from gpuledger.collector.store import COMPACTION_LOCK, IngestResult, Store
 from gpuledger.collector.validate import parse_batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -60,17 +60,17 @@ def host_bodies(host: str, n: int = 90, seed: int = 0) -> list[bytes]:
     return bodies
 
 
-def ingest(store: SqliteStore, body: bytes) -> IngestResult:
+def ingest(store: Store, body: bytes) -> IngestResult:
     return store.ingest(parse_batch(body, "application/msgpack", NOW))
 
 
-def rows(store: SqliteStore) -> dict[str, list[tuple]]:
+def rows(store: Store) -> dict[str, list[tuple]]:
     return {t: [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r)
                 for r in store.db.execute(f"SELECT * FROM {t} ORDER BY {order}").fetchall()]
             for t, order in KEY_ORDER.items()}
 
 
-def assert_same_ledger(got: SqliteStore, want: SqliteStore, hosts: list[str]) -> None:
+def assert_same_ledger(got: Store, want: Store, hosts: list[str]) -> None:
     """Stored rows (every GPU's totals and hour buckets, usage, gaps, jobs, batch keys), usage per GPU and per job
     and raw series: equal to the last bit. Sums the engine computes over rows (cluster totals, per-GPU energy over
     hours) are as exact on SQLite, whose row order is the key's; PostgreSQL adds in its own row order (and SQLite in
@@ -98,8 +98,8 @@ def reference(tmp_path):
     """One store alone on its own SQLite ledger: what the shared ledger must equal."""
     stores = []
 
-    def run(bodies_by_host: dict[str, list[bytes]]) -> tuple[SqliteStore, dict]:
-        store = SqliteStore(tmp_path / f"ref{len(stores)}.sqlite", clock=lambda: NOW, window_s=WINDOW_S)
+    def run(bodies_by_host: dict[str, list[bytes]]) -> tuple[Store, dict]:
+        store = Store(tmp_path / f"ref{len(stores)}.sqlite", clock=lambda: NOW, window_s=WINDOW_S)
         stores.append(store)
         results = {(h, seq): ingest(store, b) for h, bodies in bodies_by_host.items() for seq, b in enumerate(bodies)}
         return store, results
@@ -112,8 +112,8 @@ def reference(tmp_path):
 def test_one_hosts_batches_alternating_between_two_collectors_equal_one_collector(ledger, reference):
     bodies = host_bodies("n1")
     want, want_results = reference({"n1": bodies})
-    a = SqliteStore(ledger, clock=lambda: NOW, window_s=WINDOW_S)
-    b = SqliteStore(ledger, clock=lambda: NOW, window_s=WINDOW_S)
+    a = Store(ledger, clock=lambda: NOW, window_s=WINDOW_S)
+    b = Store(ledger, clock=lambda: NOW, window_s=WINDOW_S)
     try:
         # A, A, B, A, B, B, ...: every switch restores the host from what the other one committed
         order = [a, a, b, a, b, b, a, b, a, a, a, b] * 10
@@ -134,7 +134,7 @@ def test_hosts_from_threads_across_two_collectors_with_resends_and_races(ledger,
     hosts = [f"n{k}" for k in range(6)]
     bodies = {h: host_bodies(h, n=60, seed=k) for k, h in enumerate(hosts)}
     want, want_results = reference(bodies)
-    stores = [SqliteStore(ledger, clock=lambda: NOW, window_s=WINDOW_S) for _ in range(2)]
+    stores = [Store(ledger, clock=lambda: NOW, window_s=WINDOW_S) for _ in range(2)]
     results: dict[tuple[str, int], list[IngestResult]] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(len(hosts))
@@ -183,7 +183,7 @@ def test_a_key_stored_between_the_dedupe_check_and_the_commit_makes_the_batch_a_
     import psycopg
 
     bodies = host_bodies("n1", n=30)
-    store = SqliteStore(pg_url, clock=lambda: NOW, window_s=WINDOW_S)
+    store = Store(pg_url, clock=lambda: NOW, window_s=WINDOW_S)
     gate = psycopg.connect(pg_url, autocommit=True)
     try:
         first = ingest(store, bodies[0])
@@ -212,8 +212,8 @@ def test_a_key_stored_between_the_dedupe_check_and_the_commit_makes_the_batch_a_
 
 
 def test_one_collector_compacts_a_shared_ledger_at_a_time_and_compaction_is_idempotent(ledger):
-    a = SqliteStore(ledger, clock=lambda: NOW, window_s=WINDOW_S)
-    b = SqliteStore(ledger, clock=lambda: NOW, window_s=WINDOW_S)
+    a = Store(ledger, clock=lambda: NOW, window_s=WINDOW_S)
+    b = Store(ledger, clock=lambda: NOW, window_s=WINDOW_S)
     try:
         for body in host_bodies("n1"):
             ingest(a, body)

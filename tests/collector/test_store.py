@@ -9,7 +9,7 @@ import pytest
 from ledger_engines import allow_inserts, fail_inserts
 
 from gpuledger.collector.aggregate import Aggregator
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -54,7 +54,7 @@ def assert_usage_equal(a, b) -> None:
 
 def test_ingest_matches_in_memory_aggregation(ledger):
     samples = stream(60)
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     for b in batches(samples, 7):
         r = store.ingest(b)
         assert r.accepted == len(b.samples) and not r.duplicate_batch
@@ -69,7 +69,7 @@ def test_ingest_matches_in_memory_aggregation(ledger):
 
 
 def test_duplicate_batch_is_acknowledged_and_not_stored_again(ledger):
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     (b,) = batches(stream(5, gpus=("G0",)), 100)
     assert store.ingest(b).accepted == 5
     before = as_dicts(store.job_usage(per_gpu=True))
@@ -93,14 +93,14 @@ def test_restart_mid_stream_equals_uninterrupted_run(new_ledger, cut):
     samples.sort(key=lambda s: s.ts + rnd.uniform(-200, 200))
     bs = batches(samples, 9)
     one_ledger, two_ledger = new_ledger(), new_ledger()
-    one = SqliteStore(one_ledger)
+    one = Store(one_ledger)
     for b in bs:
         one.ingest(b)
-    two = SqliteStore(two_ledger)
+    two = Store(two_ledger)
     for i, b in enumerate(bs):
         if i == cut:
             two.close()
-            two = SqliteStore(two_ledger)
+            two = Store(two_ledger)
         two.ingest(b)
     # restoring a GPU's window and totals from the ledger is exact: the same sums to the last bit
     assert one.job_usage(per_gpu=True) == two.job_usage(per_gpu=True)
@@ -120,12 +120,12 @@ def test_a_restored_window_keeps_its_anchor_from_a_chunk_reaching_past_the_windo
     first = Batch("a", 0, "n1", (mk(0, "1"), mk(10, "1"), mk(20, "1"), mk(30, "1"), mk(45, "2"), mk(100, "2")))
     late = Batch("a", 1, "n1", (mk(42, "3"),))  # window 60 s: 40 to 100; its previous sample is the anchor at 30
     one, two = new_ledger(), new_ledger()
-    kept = SqliteStore(one, window_s=60)
-    restarted = SqliteStore(two, window_s=60)
+    kept = Store(one, window_s=60)
+    restarted = Store(two, window_s=60)
     for store in (kept, restarted):
         store.ingest(first)
     restarted.close()
-    restarted = SqliteStore(two, window_s=60)
+    restarted = Store(two, window_s=60)
     for store in (kept, restarted):
         assert store.ingest(late).accepted == 1
     assert restarted.job_usage(per_gpu=True) == kept.job_usage(per_gpu=True)
@@ -135,7 +135,7 @@ def test_a_restored_window_keeps_its_anchor_from_a_chunk_reaching_past_the_windo
 
 
 def test_failed_write_stores_nothing_and_keeps_memory_consistent(ledger):
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     samples = stream(30, gpus=("G0",))
     store.ingest(Batch("a1", 0, "n1", tuple(samples[:10])))
     before = as_dicts(store.job_usage(per_gpu=True))
@@ -156,7 +156,7 @@ def test_failed_write_stores_nothing_and_keeps_memory_consistent(ledger):
 
 
 def test_too_late_samples_are_counted_not_stored(ledger):
-    store = SqliteStore(ledger, window_s=60)
+    store = Store(ledger, window_s=60)
     mk = lambda ts: GpuSample(ts=ts, host="n1", gpu_uuid="G0", gpu_index=0, job_ids=("1",))  # noqa: E731
     store.ingest(Batch("a", 0, "n1", (mk(T0), mk(T0 + 100))))
     r = store.ingest(Batch("a", 1, "n1", (mk(T0 + 30), mk(T0 + 50), mk(T0 + 110))))
@@ -166,7 +166,7 @@ def test_too_late_samples_are_counted_not_stored(ledger):
 
 
 def test_jobs_upsert_is_idempotent(ledger):
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     recs = [JobRecord("1", cluster="c", user="ann", hosts=("n1",), tres=(("gres/gpu", 2.0),)),
             JobRecord("2", cluster="c", user="bob")]
     assert store.put_jobs(recs) == 2
@@ -178,7 +178,7 @@ def test_jobs_upsert_is_idempotent(ledger):
 
 
 def test_series_and_totals(ledger):
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     mk = lambda ts, e, j=("1",): GpuSample(ts=ts, host="n1", gpu_uuid="G0", gpu_index=0,  # noqa: E731
                                           energy_joules=e, sm_active_ratio=0.5, job_ids=j)
     h = 3600.0 * 500_000  # an hour boundary
@@ -200,11 +200,11 @@ def test_series_and_totals(ledger):
 
 
 def test_schema_version_mismatch_is_refused(ledger):
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     store.db.execute("UPDATE meta SET value='999' WHERE key='schema'")
     store.close()
     with pytest.raises(RuntimeError, match="schema 999"):
-        SqliteStore(ledger)
+        Store(ledger)
 
 
 def test_raw_rows_survive_reopen_and_refuse_reordered_fields(ledger):
@@ -212,12 +212,12 @@ def test_raw_rows_survive_reopen_and_refuse_reordered_fields(ledger):
 
     s = GpuSample(ts=T0, host="n1", gpu_uuid="G0", gpu_index=3, mig="1.0", processes=(GpuProcess(5, 7), GpuProcess(6)),
                   xid_errors=(79,), job_ids=("1", "2"), job_shares=(0.5, 0.5), temp_celsius=40.0)
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     store.ingest(Batch("a", 0, "n1", (s,)))
     store.close()
-    store = SqliteStore(ledger)
+    store = Store(ledger)
     assert store.series("n1", "G0", T0, T0, mig="1.0") == [s]
     store.db.execute("""UPDATE meta SET value='["host", "ts"]' WHERE key='sample_fields'""")
     store.close()
     with pytest.raises(RuntimeError, match="not a prefix"):
-        SqliteStore(ledger)
+        Store(ledger)
