@@ -3,7 +3,7 @@
 agent pushes (8 GPUs sampled at 1 Hz: 80 samples, msgpack columns from the agent's own encoder,
 ``agent.push.encode_batch``) over its own keep-alive connection, first pushes spread over one period.
 
-The collector runs in its own process as `collector serve` runs it (SqliteStore with durable commits and
+The collector runs in its own process as `collector serve` runs it (Store with durable commits and
 per-job aggregation, background compaction every --compact seconds, the threaded HTTP server). Every
 --report seconds the script prints requests/s, samples/s, p50/p99 latency of that interval, the collector's
 CPU and RSS; at the end the totals, connection errors, answers by status and the peak RSS.
@@ -37,8 +37,8 @@ COLLECTOR = """
 import sys
 sys.path.insert(0, sys.argv[4])
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
-store = SqliteStore(sys.argv[1])
+from gpuledger.collector.store import Store
+store = Store(sys.argv[1])
 store.start_background(float(sys.argv[3]))
 CollectorServer(store, port=int(sys.argv[2]), max_inflight=4096).serve_forever()
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Ingest speed: our collector (real HTTP server + SqliteStore, durable group commits, per-job aggregation,
+"""Ingest speed: our collector (real HTTP server + Store, durable group commits, per-job aggregation,
 background compaction running) against VictoriaMetrics, on the same generated data, every ratio printed here.
 
 Workload: --hosts hosts x 8 GPUs, 10 fields a sample (sm/dram ratios, power, the energy counter, memory used,
@@ -164,8 +164,8 @@ COLLECTOR = """
 import sys
 sys.path.insert(0, sys.argv[3])
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
-store = SqliteStore(sys.argv[1])
+from gpuledger.collector.store import Store
+store = Store(sys.argv[1])
 store.start_background(float(sys.argv[4]))  # compaction runs during ingest
 server = CollectorServer(store, port=int(sys.argv[2]))
 server.serve_forever()

@@ -141,13 +141,13 @@ def measure_apply(c: SlurmCluster, assoc: dict[str, str], n: int, args) -> dict:
 def agent_report(data: Path, job: str, start: float, end: float) -> None:
     """What a node agent sends for the job's GPU (there is no GPU here): one sample a second, into the ledger
     through the collector's store, as the collector does with an agent's batch."""
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
     from gpuledger.collector.validate import Batch
     from gpuledger.schema.records import GpuSample
 
     samples = tuple(GpuSample(ts=t, host="bench", gpu_uuid="GPU-bench-0", gpu_index=0, job_ids=(job,))
                     for t in range(int(start), int(end) + 1))
-    store = SqliteStore(data / "gpuledger.sqlite")
+    store = Store(data / "gpuledger.sqlite")
     try:
         store.ingest(Batch("bench", int(end), "bench", samples))
     finally:

@@ -19,6 +19,7 @@ from gpuledger.accounting import cli as acct
 from gpuledger.accounting.report_cli import audit_app, report_app
 from gpuledger.agent.cli import app as agent_app
 from gpuledger.collector.cli import app as collector_app
+from gpuledger.collector.ledger_cli import app as ledger_app
 from gpuledger.dashboards.cli import app as dashboards_app
 from gpuledger.output import error
 
@@ -30,6 +31,7 @@ app = typer.Typer(
 )
 app.add_typer(agent_app, name="agent", help="Node agent: sample GPUs, attribute jobs, /metrics, push.")
 app.add_typer(collector_app, name="collector", help="Collector: ingest, aggregate per job, store.")
+app.add_typer(ledger_app, name="ledger", help="The ledger's schema: status and migrations (SQLite or PostgreSQL).")
 app.add_typer(acct.fairshare_app, name="fairshare")
 app.add_typer(report_app, name="report")
 app.add_typer(audit_app, name="audit")

@@ -25,7 +25,7 @@ from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.output import console as output_console
 from gpuledger.schema.records import JobRecord, JobUsage
 
@@ -201,7 +201,7 @@ def run_demo(
     now = [t0]
     clock = lambda: now[0]  # noqa: E731 - the one shared simulated clock
 
-    store = SqliteStore(data_dir / STORE_NAME)
+    store = Store(data_dir / STORE_NAME)
     server = CollectorServer(store, host="127.0.0.1", port=0)
     server.start()
     url = server.url
@@ -328,7 +328,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     console.print(f"collector at {res.collector_url} ingested {res.samples_pushed} samples "
                   f"in {res.wall_seconds:.1f} s wall time")
 
-    store = SqliteStore(data_dir / STORE_NAME)
+    store = Store(data_dir / STORE_NAME)
     try:
         entries = load_ledger(store)
         jobs, usages = store.jobs(), store.job_usage()

@@ -358,11 +358,11 @@ def _read_arg(path: str) -> str:
 
 def _import_jobs(data_dir: Path, records: Sequence[JobRecord], ledger_url: str | None = None) -> int:
     """Put Slurm job records into the ledger and the audit trail; returns how many were new or changed."""
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
 
     data_dir.mkdir(parents=True, exist_ok=True)
     with open_log(data_dir, ledger_url=ledger_url) as log:
-        store = SqliteStore(data_dir / STORE_NAME)
+        store = Store(data_dir / STORE_NAME)
         try:
             # logged before stored (nothing is charged that the log has not seen), merged as stored: a re-import
             # in another sacct format logs nothing, as it changes nothing of what Slurm said
@@ -488,12 +488,12 @@ def _store_fingerprint(data_dir: Path) -> tuple[tuple[int, int] | None, ...]:
 def _newest_end(data_dir: Path) -> float | None:
     """End time of the newest ended job the feed charges (a scheduler record with measured usage): what the
     watch daemon's lag is measured from."""
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
 
     path = data_dir / STORE_NAME
     if not path.exists():
         return None
-    store = SqliteStore(path)
+    store = Store(path)
     try:
         entries = load_ledger(store)
     finally:

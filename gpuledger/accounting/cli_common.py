@@ -12,7 +12,7 @@ from gpuledger.output import fail
 
 if TYPE_CHECKING:
     from gpuledger.accounting.ledger import LedgerEntry
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
 
 STORE_NAME = "gpuledger.sqlite"
 CONFIG_NAME = "gpuledger.toml"
@@ -35,14 +35,14 @@ def fail_exit(msg: str, code: int = 2) -> typer.Exit:
     raise AssertionError("gpuledger.output.fail always raises")  # pragma: no cover
 
 
-def open_store(data_dir: Path) -> SqliteStore:
+def open_store(data_dir: Path) -> Store:
     """The embedded store of ``data_dir``; a missing one is bad input (exit 2), never created by a query."""
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
 
     path = data_dir / STORE_NAME
     if not path.exists():
         raise fail_exit(f"no gpuledger store at {path} (run `gpuledger demo` or a collector first, or pass --data-dir)")
-    return SqliteStore(path)
+    return Store(path)
 
 
 def read_ledger(data_dir: Path) -> list[LedgerEntry]:

@@ -56,9 +56,9 @@ def apply_retention(
     path = Path(store_path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no gpuledger store")
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
 
-    SqliteStore(path).close()  # an older store is migrated to today's tables first
+    Store(path).close()  # an older store is migrated to today's tables first
     db = sqlite3.connect(path, isolation_level=None)
     try:
         db.execute("PRAGMA busy_timeout=10000")

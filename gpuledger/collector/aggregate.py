@@ -985,6 +985,21 @@ class Aggregator:
         self.take_dirty()
         self.take_gaps()
 
+    def forget_host(self, host: str) -> None:
+        """Forget one host's state: its GPUs' windows, cached usage and hour accumulators, gap records and dirty
+        marks (another collector wrote the host since: the store restores it from what was committed)."""
+        for gk in [k for k in self.gpus if k[0] == host]:
+            del self.gpus[gk]
+        for uk in [k for k in self.usage if k[1] == host]:
+            del self.usage[uk]
+        for hk in [k for k in self.hours if k[0] == host]:
+            del self.hours[hk]
+        for gap in [k for k in self.gaps if k[0] == host]:
+            del self.gaps[gap]
+        self.dirty_usage = {k for k in self.dirty_usage if k[1] != host}
+        self.dirty_gpus = {k for k in self.dirty_gpus if k[0] != host}
+        self.dirty_hours = {k for k in self.dirty_hours if k[0] != host}
+
     def drop_caches(self) -> None:
         """Drop clean accumulators; they are reloaded on demand. Call only when nothing is dirty."""
         self.usage.clear()

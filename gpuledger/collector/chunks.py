@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import operator
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,8 +52,7 @@ LIGHT_MAX_ROWS = 64
 FLOAT, INT, OBJ = "f", "i", "o"
 _U64 = np.uint64
 _MAX_EXACT = float(2**53)
-_ZC = zstandard.ZstdCompressor(level=3)
-_ZD = zstandard.ZstdDecompressor()
+_ZSTD = threading.local()  # one compressor and decompressor per thread: zstandard's are not thread-safe
 _HDR = struct.Struct("<I")
 _POW10 = [10.0**k for k in range(10)]  # the scales a decimal column may have
 _HEAD = 4  # first values from which _decimal_scale proves where to start
@@ -327,7 +327,7 @@ def _encode_light(n: int, columns: Sequence[tuple]) -> bytes | None:
         header = msgpack.packb([LIGHT, n, meta], use_bin_type=True)
     except (OverflowError, TypeError):
         return None
-    return _ZC.compress(_HDR.pack(len(header)) + header)
+    return _compress(_HDR.pack(len(header)) + header)
 
 
 def _decode_light(n: int, meta: list) -> dict[str, tuple[str, Any, np.ndarray | None]]:
@@ -394,13 +394,27 @@ def encode_columns(n: int, columns: Sequence[tuple], light: bool | None = None) 
         parts.append(data)
         meta.append([name, kind, None if mask is None else len(mask), m, len(data)])
     header = msgpack.packb([VERSION, n, meta], use_bin_type=True)
-    return _ZC.compress(b"".join([_HDR.pack(len(header)), header, *parts]))  # one copy of the parts
+    return _compress(b"".join([_HDR.pack(len(header)), header, *parts]))  # one copy of the parts
+
+
+def _compress(data: bytes) -> bytes:
+    zc = getattr(_ZSTD, "c", None)
+    if zc is None:
+        zc = _ZSTD.c = zstandard.ZstdCompressor(level=3)
+    return zc.compress(data)
+
+
+def _decompress(blob: bytes) -> bytes:
+    zd = getattr(_ZSTD, "d", None)
+    if zd is None:
+        zd = _ZSTD.d = zstandard.ZstdDecompressor()
+    return zd.decompress(blob)
 
 
 def decode_columns(blob: bytes) -> tuple[int, dict[str, tuple[str, Any, np.ndarray | None]]]:
     """-> (n, {name: (kind, values, present_mask)}). Numeric values are numpy arrays holding only the
     present rows (``present_mask`` is None when every row is present); OBJ values are lists."""
-    raw = _ZD.decompress(blob)
+    raw = _decompress(blob)
     (hlen,) = _HDR.unpack_from(raw)
     version, n, meta = msgpack.unpackb(raw[4:4 + hlen], raw=False, use_list=True)
     if version == LIGHT:

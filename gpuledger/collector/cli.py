@@ -13,7 +13,7 @@ from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
 
 app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
@@ -71,7 +71,7 @@ def serve(
         private_dir(data_dir)
     except OSError as e:
         fail(f"--data-dir {data_dir}: {e.strerror or e}", code=1)
-    store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
+    store = Store(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
                         power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
                         max_gpus_per_host=settings.max_gpus_per_host)
@@ -120,7 +120,7 @@ def usage(
     path = store_path(data_dir)
     if not path.exists():
         fail(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)")
-    store = SqliteStore(path)
+    store = Store(path)
     try:
         rows = store.job_usage(job, per_gpu=per_gpu)
     finally:

@@ -12,6 +12,8 @@ Code above this module writes one SQL dialect, SQLite's portable subset, and nev
 - :meth:`Database.snapshot` reads several statements from one consistent state without blocking writers;
 - :meth:`Database.lock` serialises a critical section across processes inside a transaction (SQLite's
   ``BEGIN IMMEDIATE`` already does; PostgreSQL takes a transaction-scoped advisory lock);
+  :meth:`Database.try_lock` takes a lock for a longer task made of several transactions, or says it is taken
+  (PostgreSQL: a session advisory lock; SQLite: a lock file next to the database);
 - ``INSERT ... RETURNING`` works on both (SQLite >= 3.35).
 
 :func:`open_database` takes a path or ``sqlite:///path`` for SQLite, ``postgresql://...`` for PostgreSQL.
@@ -19,13 +21,15 @@ Code above this module writes one SQL dialect, SQLite's portable subset, and nev
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -60,6 +64,7 @@ class Database(Protocol):
     def transaction(self) -> Any: ...  # context manager; nested use joins the outer transaction
     def snapshot(self) -> Any: ...  # context manager: reads see one state while writers go on; joins a transaction
     def lock(self, name: str) -> None: ...
+    def try_lock(self, name: str) -> AbstractContextManager[bool]: ...
     def script(self, ddl: str) -> None: ...
     def columns(self, table: str) -> list[str]: ...
     def has_table(self, table: str) -> bool: ...
@@ -89,10 +94,18 @@ def statements(script: str) -> list[str]:
 
 
 # -- SQLite --------------------------------------------------------------------------------------------------------
-def _sqlite_error(exc: sqlite3.Error) -> Exception:
-    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
+def _sqlite_error(exc: sqlite3.Error, url: str) -> Exception:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
         return DatabaseFull(str(exc))
+    if code == sqlite3.SQLITE_BUSY:  # another process held the write lock past busy_timeout: try again later
+        return DatabaseUnavailable(f"SQLite ledger {url}: {exc} (another process held it too long)")
     return exc
+
+
+def _lock_key(name: str) -> int:
+    """A lock name as PostgreSQL's 64-bit advisory lock key."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
 class SqliteDatabase:
@@ -107,29 +120,33 @@ class SqliteDatabase:
         self.url = str(self.path)
         # isolation_level=None: BEGIN/COMMIT are ours, so one batch is one transaction
         self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
         self.conn.execute("PRAGMA busy_timeout=10000")
+        self._wal(deadline=time.monotonic() + 10.0)
+        self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
 
-    @classmethod
-    def sharing(cls, conn: sqlite3.Connection, path: str | os.PathLike[str]) -> SqliteDatabase:
-        """A Database over a connection its owner opened (as :meth:`__init__` does) and keeps: the owner's
-        transactions and this one's are the same, and closing stays the owner's."""
-        db = cls.__new__(cls)
-        db.path, db.url, db.conn = Path(path), str(path), conn
-        return db
+    def _wal(self, deadline: float) -> None:
+        """WAL mode. Switching a new file to it is refused at once (SQLITE_BUSY, no busy handler) while another
+        connection opens the same file: two collectors starting together. Tried again until ``deadline``."""
+        while True:
+            try:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows:
         try:
             return self.conn.execute(sql, args)  # type: ignore[return-value]  # rowcount is read-only there
         except sqlite3.Error as exc:
-            raise _sqlite_error(exc) from exc
+            raise _sqlite_error(exc, self.url) from exc
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         try:
             self.conn.executemany(sql, rows)
         except sqlite3.Error as exc:
-            raise _sqlite_error(exc) from exc
+            raise _sqlite_error(exc, self.url) from exc
 
     @contextmanager
     def transaction(self) -> Iterator[SqliteDatabase]:
@@ -164,6 +181,22 @@ class SqliteDatabase:
 
     def lock(self, name: str) -> None:
         """Nothing to do: BEGIN IMMEDIATE holds the database's write lock already."""
+
+    @contextmanager
+    def try_lock(self, name: str) -> Iterator[bool]:
+        """``name``'s lock file next to the database (``<file>-<name>.lock``), locked for the block if no other
+        holder (process or connection) has it: yields whether it was taken, never waits. The kernel releases it
+        when its holder dies."""
+        fd = os.open(f"{self.path}-{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def script(self, ddl: str) -> None:
         for statement in statements(ddl):  # one by one: executescript would commit an open transaction
@@ -251,6 +284,11 @@ class PostgresDatabase:
                 conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 conn.execute(f'SET search_path TO "{schema}"')
 
+        try:  # one connection first: an unreachable server fails now, with the server's reason, not the pool's
+            psycopg.connect(url, connect_timeout=int(connect_timeout_s)).close()
+        except psycopg.Error as exc:
+            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect: {' '.join(str(exc).split())}"
+                                      ) from exc
         self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, configure=configure, open=False,
                                     timeout=connect_timeout_s, kwargs={"connect_timeout": int(connect_timeout_s)})
         try:
@@ -270,7 +308,8 @@ class PostgresDatabase:
         if isinstance(exc, errors.DiskFull):
             return DatabaseFull(str(exc).strip())
         if isinstance(exc, self._psycopg.OperationalError) and not isinstance(exc, errors.QueryCanceled):
-            return DatabaseUnavailable(f"PostgreSQL ledger {self.url}: {str(exc).strip()}")
+            # the first line: the server's CONTEXT lines name our statement, not the reason
+            return DatabaseUnavailable(f"PostgreSQL ledger {self.url}: {str(exc).strip().splitlines()[0]}")
         return exc
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows:
@@ -332,8 +371,23 @@ class PostgresDatabase:
     def lock(self, name: str) -> None:
         """A transaction-scoped advisory lock on ``name``, held until the transaction ends (call inside one)."""
         assert getattr(self._local, "conn", None) is not None, "lock() outside a transaction"
-        key = int.from_bytes(hashlib.sha256(f"{self.schema or ''}:{name}".encode()).digest()[:8], "big", signed=True)
-        self.execute("SELECT pg_advisory_xact_lock(?)", (key,))
+        self.execute("SELECT pg_advisory_xact_lock(?)", (_lock_key(f"{self.schema or ''}:{name}"),))
+
+    @contextmanager
+    def try_lock(self, name: str) -> Iterator[bool]:
+        """A session advisory lock on ``name`` for the block, on a pooled connection held that long, if no other
+        session has it: yields whether it was taken, never waits. The server releases it if the session dies."""
+        key = _lock_key(f"{self.schema or ''}:{name}:session")
+        try:
+            with self._pool.connection() as conn:
+                got = bool(conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0])
+                try:
+                    yield got
+                finally:
+                    if got and not conn.closed:
+                        conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        except self._psycopg.Error as exc:
+            raise self._error(exc) from exc
 
     def script(self, ddl: str) -> None:
         with self.transaction():

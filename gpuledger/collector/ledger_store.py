@@ -4,9 +4,11 @@ GPU and hour), gap records (energy across gaps in a GPU's samples, see ``collect
 of ingested batches (so a resent batch is not counted twice).
 
 Queries read these tables, never the samples. What the rest of the code reads is :class:`LedgerReader`;
-what the collector's store writes through is :class:`LedgerStore`. :class:`SqliteLedger` is the embedded
-implementation; it shares the collector's SQLite connection with the series store, so ingest writes both
-in one transaction. It is not thread-safe by itself: ``collector.store.SqliteStore`` serialises access.
+what the collector's store writes through is :class:`LedgerStore`. :class:`SqlLedger` implements both over
+``collector.db``'s portable dialect, so the same code runs on embedded SQLite and on PostgreSQL (a ledger
+shared by several collectors). It shares the store's database with the series store, so ingest writes both
+in one transaction. It is not thread-safe by itself: ``collector.store.Store`` serialises access.
+Its tables are created and migrated by ``collector.migrations`` (on store open), never here.
 
 Job identity is ``(cluster, job_id)``: two clusters feeding one collector may both have a job 1234.
 
@@ -17,10 +19,14 @@ Job identity is ``(cluster, job_id)``: two clusters feeding one collector may bo
   ``gpu_clusters`` keeps the cluster the GPU's agent named first ("" = not named; a later name replaces "",
   never another name). So the aggregation's own keys (job, host, GPU) stay unique without naming the cluster.
 
+Several collectors may share one ledger: ``hosts`` holds each host's write generation, bumped (under the row's
+lock) by every transaction that writes the host, so a collector learns that another one wrote a host since it
+last did (``collector.store`` then restores the host from the ledger; see :meth:`SqlLedger.claim_host`).
+
 Schema history: v2 keyed ``jobs`` by (job_id, cluster) with agents' and the scheduler's records mixed, and
 ``usage`` by (job_id, host, gpu). :func:`migrate_v2` moves such a store to v3: usage rows get cluster "" (their
 agents named none), and job records become scheduler records (v2 did not record their source; re-import from
-sacct to re-establish authority).
+sacct to re-establish authority). Later versions are ``collector.migrations``'.
 """
 
 from __future__ import annotations
@@ -28,13 +34,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sqlite3
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Protocol
 
 from gpuledger.collector.aggregate import GapKey, GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
-from gpuledger.collector.sqlite_db import transaction
+from gpuledger.collector.db import Database, upsert
 from gpuledger.schema.records import JobRecord, JobUsage
 
 log = logging.getLogger(__name__)
@@ -46,8 +51,23 @@ _IN_CLAUSE_LIMIT = 500  # ids per "IN (...)" query, well under SQLite's paramete
 SLURM, AGENT = "slurm", "agent"  # sources of a job record
 BeforeStore = Callable[[list[JobRecord]], object]  # sees the merged records a write will store, before it does
 
+# An accumulator field's column type (REAL unless named): counts and byte peaks are integers, the model is text.
+# PostgreSQL needs the types; on SQLite they keep each value's type as written (an integer stays one).
+_FIELD_TYPES = {"samples": "INTEGER", "n": "INTEGER", "anomalies": "INTEGER", "mem_peak": "INTEGER", "model": "TEXT"}
+
+
+def field_type(name: str) -> str:
+    return _FIELD_TYPES.get(name, "REAL")
+
+
+def _typed(names: Sequence[str]) -> str:
+    return ", ".join(f"{n} {field_type(n)}" for n in names)
+
+
+ACCUMULATOR_TABLES = (("usage", USAGE_FIELDS), ("gpus", GPU_TOTAL_FIELDS), ("gpu_hours", HOUR_FIELDS))
+
 _USAGE_TABLE = f"""CREATE TABLE IF NOT EXISTS usage (
-  cluster TEXT NOT NULL, job_id TEXT NOT NULL, host TEXT NOT NULL, gpu TEXT NOT NULL, {", ".join(USAGE_FIELDS)},
+  cluster TEXT NOT NULL, job_id TEXT NOT NULL, host TEXT NOT NULL, gpu TEXT NOT NULL, {_typed(USAGE_FIELDS)},
   PRIMARY KEY (cluster, job_id, host, gpu)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS usage_by_gpu ON usage (job_id, host, gpu);"""
 _JOBS_TABLE = """CREATE TABLE IF NOT EXISTS jobs (
@@ -58,19 +78,19 @@ CREATE INDEX IF NOT EXISTS jobs_by_id ON jobs (job_id);"""
 SCHEMA = f"""
 {_USAGE_TABLE}
 CREATE TABLE IF NOT EXISTS gpus (
-  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, {", ".join(GPU_TOTAL_FIELDS)},
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, {_typed(GPU_TOTAL_FIELDS)},
   PRIMARY KEY (host, gpu_uuid, mig)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS gpu_hours (
-  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, hour REAL NOT NULL, {", ".join(HOUR_FIELDS)},
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, hour REAL NOT NULL, {_typed(HOUR_FIELDS)},
   PRIMARY KEY (host, gpu_uuid, mig, hour)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS gpu_hours_by_hour ON gpu_hours (hour);
 {_JOBS_TABLE}
 CREATE TABLE IF NOT EXISTS gpu_clusters (
   host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, cluster TEXT NOT NULL, PRIMARY KEY (host, gpu_uuid)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS energy_gaps (
-  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, start REAL NOT NULL, end REAL NOT NULL,
-  energy_j REAL NOT NULL, jobs TEXT NOT NULL, PRIMARY KEY (host, gpu_uuid, mig, start, end)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS energy_gaps_by_end ON energy_gaps (end);
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, start REAL NOT NULL, "end" REAL NOT NULL,
+  energy_j REAL NOT NULL, jobs TEXT NOT NULL, PRIMARY KEY (host, gpu_uuid, mig, start, "end")) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS energy_gaps_by_end ON energy_gaps ("end");
 CREATE TABLE IF NOT EXISTS batches (
   agent_id TEXT NOT NULL, seq INTEGER NOT NULL, received REAL NOT NULL, samples INTEGER NOT NULL,
   PRIMARY KEY (agent_id, seq)) WITHOUT ROWID;
@@ -81,42 +101,51 @@ CREATE INDEX IF NOT EXISTS batch_keys_by_received ON batch_keys (received);
 """
 # ``batches`` is the key of stores written before the host and the content digest were part of it: still
 # consulted (by agent id and seq, as then) until the dedupe horizon has pruned it empty.
+HOSTS_TABLE = "CREATE TABLE IF NOT EXISTS hosts (host TEXT PRIMARY KEY, generation INTEGER NOT NULL)"
 NO_DIGEST = b""  # what batch_seen returns for a batch stored without a digest (it matches any content)
 
 
-def _columns(db: sqlite3.Connection, table: str) -> list[str]:
-    return [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
-
-
-def needs_migration(db: sqlite3.Connection) -> bool:
+def needs_migration(db: Database) -> bool:
     """True for a v2 ledger (usage without a cluster column)."""
-    cols = _columns(db, "usage")
+    cols = db.columns("usage")
     return bool(cols) and "cluster" not in cols
 
 
-def migrate_v2(db: sqlite3.Connection) -> None:
+def migrate_v2(db: Database) -> None:
     """Move a v2 ledger to v3 (call inside a transaction): see the module docstring."""
     db.execute("ALTER TABLE usage RENAME TO usage_v2")
     db.execute("DROP INDEX IF EXISTS usage_by_gpu")
-    _statements(db, _USAGE_TABLE)
-    # fields added since the v2 store was written (energy accumulators) start at 0, as _add_columns does
-    have = set(_columns(db, "usage_v2"))
+    db.script(_USAGE_TABLE)
+    # fields added since the v2 store was written (energy accumulators) start at 0, as add_columns does
+    have = set(db.columns("usage_v2"))
     values = ", ".join(f if f in have else "0" for f in USAGE_FIELDS)
     db.execute(f"INSERT INTO usage SELECT '', job_id, host, gpu, {values} FROM usage_v2")
     db.execute("DROP TABLE usage_v2")
-    if "source" not in _columns(db, "jobs"):
+    if "source" not in db.columns("jobs"):
         db.execute("ALTER TABLE jobs RENAME TO jobs_v2")
         db.execute("DROP INDEX IF EXISTS jobs_by_id")
-        _statements(db, _JOBS_TABLE)
+        db.script(_JOBS_TABLE)
         db.execute(f"INSERT INTO jobs SELECT cluster, job_id, '{SLURM}', data FROM jobs_v2")
         db.execute("DROP TABLE jobs_v2")
 
 
-def _statements(db: sqlite3.Connection, script: str) -> None:
-    # one by one: executescript would commit the migration's transaction half-way
-    for statement in script.split(";"):
-        if statement.strip():
-            db.execute(statement)
+def add_columns(db: Database) -> list[str]:
+    """Accumulator fields added since the ledger was created become columns (0 for what came before); returns
+    them as ``table.column``. Run on every open (``collector.migrations``): a new accumulator field needs no
+    migration of its own."""
+    added = []
+    for table, names in ACCUMULATOR_TABLES:
+        have = set(db.columns(table))
+        for name in names:
+            if name not in have:
+                db.script(f"ALTER TABLE {table} ADD COLUMN {name} {field_type(name)} DEFAULT 0")
+                added.append(f"{table}.{name}")
+    return added
+
+
+def _total(column: str) -> str:
+    """SQL for the sum of ``column`` as a float, 0.0 over no rows (what SQLite's TOTAL gives, portably)."""
+    return f"CAST(COALESCE(SUM({column}), 0) AS DOUBLE PRECISION)"
 
 
 _EMPTY = (None, "", ())
@@ -149,9 +178,11 @@ class LedgerStore(LedgerReader, Protocol):
     """What the collector's store writes through (called with its lock held; ingest's writes inside
     the store's transaction)."""
 
+    def claim_host(self, host: str) -> int: ...
+    def forget_host(self, host: str) -> None: ...
     def batch_seen(self, host: str, agent_id: str, seq: int) -> bytes | None: ...
     def record_batch(self, host: str, agent_id: str, seq: int, digest: bytes | None, received: float,
-                     samples: int) -> None: ...
+                     samples: int) -> bool: ...
     def prune_batches(self, before: float) -> int: ...
     def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None: ...
     def reload_clusters(self) -> None: ...
@@ -170,6 +201,18 @@ class LedgerStore(LedgerReader, Protocol):
     def batches_seen(self) -> int: ...
 
 
+_GPU_CLUSTER_UPSERT = upsert("gpu_clusters", ("host", "gpu_uuid", "cluster"), ("host", "gpu_uuid"))
+_JOB_UPSERT = upsert("jobs", ("cluster", "job_id", "source", "data"), ("cluster", "job_id", "source"))
+_USAGE_KEY = ("cluster", "job_id", "host", "gpu")
+_USAGE_UPSERT = upsert("usage", (*_USAGE_KEY, *USAGE_FIELDS), _USAGE_KEY)
+_GPU_KEY = ("host", "gpu_uuid", "mig")
+_GPU_UPSERT = upsert("gpus", (*_GPU_KEY, *GPU_TOTAL_FIELDS), _GPU_KEY)
+_HOUR_KEY = ("host", "gpu_uuid", "mig", "hour")
+_HOUR_UPSERT = upsert("gpu_hours", (*_HOUR_KEY, *HOUR_FIELDS), _HOUR_KEY)
+_GAP_KEY = ("host", "gpu_uuid", "mig", "start", "end")
+_GAP_UPSERT = upsert("energy_gaps", (*_GAP_KEY, "energy_j", "jobs"), _GAP_KEY)
+
+
 def _job_json(record: JobRecord) -> str:
     return json.dumps(record.to_dict(), sort_keys=True)
 
@@ -178,16 +221,16 @@ def _record(data: str) -> JobRecord:
     return JobRecord.from_dict(json.loads(data))
 
 
-class SqliteLedger:
-    """The ledger in the collector's SQLite file (tables ``usage``, ``gpus``, ``gpu_hours``, ``jobs``,
-    ``gpu_clusters``, ``batches``). A v2 ledger is migrated by the store (:func:`migrate_v2`) before this opens it."""
+class SqlLedger:
+    """The ledger in the store's database, SQLite or PostgreSQL (tables ``usage``, ``gpus``, ``gpu_hours``,
+    ``jobs``, ``gpu_clusters``, ``energy_gaps``, ``batch_keys``, ``hosts``). ``collector.migrations`` creates
+    and migrates them (the store runs it on open) before this opens them."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: Database) -> None:
         self._db = db
-        if needs_migration(db):
-            raise RuntimeError("ledger tables are schema v2: open the store through SqliteStore to migrate them")
-        db.executescript(SCHEMA)
-        self._add_columns()
+        if not db.has_table("hosts") or needs_migration(db):
+            raise RuntimeError(f"ledger {db.url}: tables missing or of an older schema; open it through the store, "
+                               "which applies collector.migrations")
         self._gpu_cluster: dict[tuple[str, str], str] = {}
         self.reload_clusters()
 
@@ -196,13 +239,24 @@ class SqliteLedger:
         rows = self._db.execute("SELECT host, gpu_uuid, cluster FROM gpu_clusters")
         self._gpu_cluster = {(h, g): c for h, g, c in rows}
 
-    def _add_columns(self) -> None:
-        """Accumulator fields added since a store was created become columns (0 for what came before)."""
-        for table, names in (("usage", USAGE_FIELDS), ("gpus", GPU_TOTAL_FIELDS), ("gpu_hours", HOUR_FIELDS)):
-            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
-            for name in names:
-                if name not in have:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} DEFAULT 0")
+    # -- hosts: which collector wrote a host last -----------------------------------------------
+    def claim_host(self, host: str) -> int:
+        """Bump ``host``'s write generation and return it (call inside the transaction that writes the host).
+
+        The row stays locked until that transaction ends (PostgreSQL's row lock; SQLite's ``BEGIN IMMEDIATE``
+        already holds the whole file), so two collectors never write one host at once. The caller compares the
+        result with the generation it wrote last + 1: anything else means another collector wrote the host in
+        between, and what it keeps in memory of the host is stale (:meth:`forget_host`)."""
+        row = self._db.execute("INSERT INTO hosts (host, generation) VALUES (?, 1) ON CONFLICT (host) DO UPDATE "
+                               "SET generation = hosts.generation + 1 RETURNING generation", (host,)).fetchall()
+        return int(row[0][0])
+
+    def forget_host(self, host: str) -> None:
+        """Re-read ``host``'s GPUs' clusters (another collector may have named them since they were cached)."""
+        for key in [k for k in self._gpu_cluster if k[0] == host]:
+            del self._gpu_cluster[key]
+        for uuid, cluster in self._db.execute("SELECT gpu_uuid, cluster FROM gpu_clusters WHERE host=?", (host,)):
+            self._gpu_cluster[(host, uuid)] = cluster
 
     # -- batches ------------------------------------------------------------------------------
     # A batch's key is (host, agent_id, seq): the host is the one its token is bound to, so one node cannot
@@ -212,18 +266,22 @@ class SqliteLedger:
         row = self._db.execute("SELECT digest FROM batch_keys WHERE host=? AND agent_id=? AND seq=?",
                                (host, agent_id, seq)).fetchone()
         if row is not None:
-            return row[0] or NO_DIGEST
+            return bytes(row[0]) if row[0] else NO_DIGEST
         legacy = self._db.execute("SELECT 1 FROM batches WHERE agent_id=? AND seq=?", (agent_id, seq)).fetchone()
         return None if legacy is None else NO_DIGEST
 
     def record_batch(self, host: str, agent_id: str, seq: int, digest: bytes | None, received: float,
-                     samples: int) -> None:
-        self._db.execute("INSERT INTO batch_keys VALUES (?,?,?,?,?,?)",
-                         (host, agent_id, seq, digest, received, samples))
+                     samples: int) -> bool:
+        """Record a batch's key; False when it was there already (stored meanwhile by another collector: the
+        caller's transaction must not commit this batch a second time)."""
+        return self._db.execute(
+            "INSERT INTO batch_keys (host, agent_id, seq, digest, received, samples) VALUES (?,?,?,?,?,?) "
+            "ON CONFLICT (host, agent_id, seq) DO NOTHING", (host, agent_id, seq, digest, received, samples)
+        ).rowcount == 1
 
     def prune_batches(self, before: float) -> int:
         """Forget batch keys received before ``before`` (the dedupe horizon); returns how many."""
-        with transaction(self._db) as db:
+        with self._db.transaction() as db:
             n = db.execute("DELETE FROM batch_keys WHERE received < ?", (before,)).rowcount
             return n + db.execute("DELETE FROM batches WHERE received < ?", (before,)).rowcount
 
@@ -244,7 +302,7 @@ class SqliteLedger:
                             cluster, known)
                 continue
             self._gpu_cluster[(host, uuid)] = cluster
-            self._db.execute("INSERT OR REPLACE INTO gpu_clusters VALUES (?,?,?)", (host, uuid, cluster))
+            self._db.execute(_GPU_CLUSTER_UPSERT, (host, uuid, cluster))
             if known == "":
                 self._db.execute("UPDATE usage SET cluster=? WHERE cluster='' AND host=? AND (gpu=? OR gpu LIKE ?)",
                                  (cluster, host, uuid, uuid + "/%"))
@@ -272,7 +330,13 @@ class SqliteLedger:
                 refused += 1
                 continue
             rows.append((r.cluster, r.job_id, AGENT, _job_json(r)))
-        self._db.executemany("INSERT OR IGNORE INTO jobs VALUES (?,?,?,?)", rows)
+        if rows:
+            # The first description stands (DO NOTHING). A job's row is the one row that batches of different hosts
+            # share: without the lock, two collectors inserting two such jobs in opposite orders would deadlock.
+            # Taken after the hosts (the store claims them first), as merge_jobs takes it alone: one order.
+            self._db.lock("jobs")
+            self._db.executemany("INSERT INTO jobs (cluster, job_id, source, data) VALUES (?,?,?,?) "
+                                 "ON CONFLICT (cluster, job_id, source) DO NOTHING", rows)
         if refused:
             log.warning("host %s: %d job description(s) refused: no sample of those jobs came from the host",
                         host, refused)
@@ -298,10 +362,14 @@ class SqliteLedger:
         is stored without counting as a change: it is personal data, not accounting data).
 
         ``before_store`` gets those records, as they will be stored, before anything is written (the audit log
-        appends them there: nothing is charged that the log has not seen); if it raises, nothing is stored."""
+        appends them there: nothing is charged that the log has not seen); if it raises, nothing is stored.
+
+        Several processes may merge at once (collectors, ``gpuledger jobs import``): the read-merge-write holds
+        the ledger's ``jobs`` lock, so none loses another's update."""
         changed: list[JobRecord] = []
         writes: list[tuple[str, str, str, str]] = []
-        with transaction(self._db) as db:
+        with self._db.transaction() as db:
+            db.lock("jobs")
             for r in records:
                 r = replace(r, tres=tuple(sorted(r.tres)))  # sacct's JSON and -P list TRES in other orders
                 match = self._slurm_match(r.cluster, r.job_id)
@@ -324,7 +392,7 @@ class SqliteLedger:
                 if op == "delete":
                     db.execute("DELETE FROM jobs WHERE cluster=? AND job_id=? AND source=?", (cluster, job_id, SLURM))
                 else:
-                    db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?)", (cluster, job_id, SLURM, data))
+                    db.execute(_JOB_UPSERT, (cluster, job_id, SLURM, data))
         return changed
 
     def put_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> int:
@@ -377,19 +445,15 @@ class SqliteLedger:
                          hours: Iterable[tuple[HourKey, tuple]]) -> None:
         """Store changed accumulators: (key, ``USAGE_FIELDS`` values), (key, ``GPU_TOTAL_FIELDS`` values),
         (key, ``HOUR_FIELDS`` values). A usage row goes under its GPU's cluster (:meth:`note_gpus`)."""
-        self._db.executemany(f"INSERT OR REPLACE INTO usage VALUES (?,?,?,?,{','.join('?' * len(USAGE_FIELDS))})",
-                             [(self._cluster_of(k[1], k[2]), *k, *v) for k, v in usage])
-        self._db.executemany(f"INSERT OR REPLACE INTO gpus VALUES (?,?,?,{','.join('?' * len(GPU_TOTAL_FIELDS))})",
-                             [(*k, *v) for k, v in gpus])
-        self._db.executemany(
-            f"INSERT OR REPLACE INTO gpu_hours VALUES (?,?,?,?,{','.join('?' * len(HOUR_FIELDS))})",
-            [(*k, *v) for k, v in hours])
+        self._db.executemany(_USAGE_UPSERT, [(self._cluster_of(k[1], k[2]), *k, *v) for k, v in usage])
+        self._db.executemany(_GPU_UPSERT, [(*k, *v) for k, v in gpus])
+        self._db.executemany(_HOUR_UPSERT, [(*k, *v) for k, v in hours])
 
     def write_gaps(self, gaps: Mapping[GapKey, tuple[float, tuple[str, ...]] | None]) -> None:
         """Store gap records (energy J, jobs charged) and delete those a late sample split (None)."""
-        self._db.executemany("DELETE FROM energy_gaps WHERE host=? AND gpu_uuid=? AND mig=? AND start=? AND end=?",
+        self._db.executemany('DELETE FROM energy_gaps WHERE host=? AND gpu_uuid=? AND mig=? AND start=? AND "end"=?',
                              [k for k, v in gaps.items() if v is None])
-        self._db.executemany("INSERT OR REPLACE INTO energy_gaps VALUES (?,?,?,?,?,?,?)",
+        self._db.executemany(_GAP_UPSERT,
                              [(*k, v[0], json.dumps(list(v[1]))) for k, v in gaps.items() if v is not None])
 
     # -- reads --------------------------------------------------------------------------------
@@ -433,23 +497,24 @@ class SqliteLedger:
         where, args = self._hour_range(start, end)
         # physical GPUs: a MIG instance's key holds no seconds or energy of its own (aggregate's rules)
         row = self._db.execute(
-            "SELECT COUNT(DISTINCT host || char(0) || gpu_uuid), "
-            "TOTAL(observed_s), TOTAL(energy_j), TOTAL(alloc_s), TOTAL(sm_s), TOTAL(samples), TOTAL(job_energy_j), "
-            "TOTAL(anomalies) FROM gpu_hours" + where,
+            f"SELECT {_total('observed_s')}, {_total('energy_j')}, {_total('alloc_s')}, {_total('sm_s')}, "
+            f"{_total('samples')}, {_total('job_energy_j')}, {_total('anomalies')} FROM gpu_hours" + where,
             args,
         ).fetchone()
-        jobs = self._db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT cluster, job_id FROM usage)").fetchone()[0]
+        gpus = self._db.execute(f"SELECT COUNT(*) FROM (SELECT DISTINCT host, gpu_uuid FROM gpu_hours{where}) AS g",
+                                args).fetchone()[0]
+        jobs = self._db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT cluster, job_id FROM usage) AS j").fetchone()[0]
         return {
             "start": start,
             "end": end,
-            "gpus": row[0],
-            "samples": int(row[5]),
-            "observed_gpu_seconds": row[1],
-            "allocated_gpu_seconds": row[3],
-            "sm_active_gpu_seconds": row[4],
-            "energy_joules": row[2],
-            "unattributed_energy_joules": row[2] - row[6],
-            "counter_anomalies": int(row[7]),
+            "gpus": gpus,
+            "samples": int(row[4]),
+            "observed_gpu_seconds": row[0],
+            "allocated_gpu_seconds": row[2],
+            "sm_active_gpu_seconds": row[3],
+            "energy_joules": row[1],
+            "unattributed_energy_joules": row[1] - row[5],
+            "counter_anomalies": int(row[6]),
             "jobs_measured": jobs,
         }
 
@@ -459,8 +524,9 @@ class SqliteLedger:
         lo = -math.inf if start is None else math.floor(start / 3600.0) * 3600.0
         hi = math.inf if end is None else end
         rows = self._db.execute(
-            "SELECT host, gpu_uuid, TOTAL(observed_s), TOTAL(alloc_s), TOTAL(energy_j), TOTAL(job_energy_j), "
-            "TOTAL(anomalies) FROM gpu_hours WHERE hour >= ? AND hour < ? GROUP BY host, gpu_uuid "
+            f"SELECT host, gpu_uuid, {_total('observed_s')}, {_total('alloc_s')}, {_total('energy_j')}, "
+            f"{_total('job_energy_j')}, {_total('anomalies')} FROM gpu_hours WHERE hour >= ? AND hour < ? "
+            "GROUP BY host, gpu_uuid "
             "ORDER BY host, gpu_uuid", (lo, hi)).fetchall()
         return [{"host": h, "gpu_uuid": u, "observed_gpu_seconds": obs, "allocated_gpu_seconds": alloc,
                  "energy_joules": e, "job_energy_joules": je, "unattributed_energy_joules": e - je,
@@ -472,26 +538,28 @@ class SqliteLedger:
         lo = -math.inf if start is None else start
         hi = math.inf if end is None else end
         rows = self._db.execute(
-            "SELECT host, gpu_uuid, mig, start, end, energy_j, jobs FROM energy_gaps WHERE end >= ? AND end < ? "
+            'SELECT host, gpu_uuid, mig, start, "end", energy_j, jobs FROM energy_gaps WHERE "end" >= ? AND "end" < ? '
             "ORDER BY host, gpu_uuid, mig, start", (lo, hi)).fetchall()
         return [{"host": h, "gpu_uuid": u, "mig": m or None, "start": a, "end": b, "energy_joules": e,
                  "job_ids": json.loads(j)} for h, u, m, a, b, e, j in rows]
 
     def counter_anomalies(self) -> int:
         """Intervals whose energy counter was not trusted, over all GPUs (for the collector's metric)."""
-        return int(self._db.execute("SELECT TOTAL(anomalies) FROM gpus").fetchone()[0])
+        return int(self._db.execute(f"SELECT {_total('anomalies')} FROM gpus").fetchone()[0])
 
     def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]:
         """Per GPU (host, uuid, mig) over whole hours in [start, end): observed GPU-seconds, GPU-seconds that
         carried a job, energy, the GPU's model and cluster (for reconciliation)."""
         where, args = self._hour_range(start, end)
         rows = self._db.execute(
-            "SELECT h.host, h.gpu_uuid, h.mig, TOTAL(h.observed_s), TOTAL(h.alloc_s), TOTAL(h.energy_j), "
+            f"SELECT h.host, h.gpu_uuid, h.mig, {_total('h.observed_s')}, {_total('h.alloc_s')}, "
+            f"{_total('h.energy_j')}, "
             "COALESCE(g.model, ''), COALESCE(c.cluster, '') FROM gpu_hours h "
             "LEFT JOIN gpus g ON g.host=h.host AND g.gpu_uuid=h.gpu_uuid AND g.mig=h.mig "
             "LEFT JOIN gpu_clusters c ON c.host=h.host AND c.gpu_uuid=h.gpu_uuid"
             + where.replace("hour", "h.hour")
-            + " GROUP BY h.host, h.gpu_uuid, h.mig ORDER BY h.host, h.gpu_uuid, h.mig",
+            # one gpus row and one gpu_clusters row at most per group: grouping by them splits nothing
+            + " GROUP BY h.host, h.gpu_uuid, h.mig, g.model, c.cluster ORDER BY h.host, h.gpu_uuid, h.mig",
             args).fetchall()
         return [{"host": r[0], "gpu_uuid": r[1], "mig": r[2], "observed_gpu_seconds": r[3],
                  "job_gpu_seconds": r[4], "energy_joules": r[5], "model": r[6], "cluster": r[7]} for r in rows]

@@ -12,7 +12,7 @@ What the rest of the code reads is :class:`SeriesReader`; what the collector's s
 :class:`SeriesStore`. :class:`ChunkSeriesStore` keeps the chunks in a ``collector.db`` database, SQLite or
 PostgreSQL alike (one portable dialect); it shares the collector's database with the ledger, so ingest writes
 both in one transaction. Chunks are read in key order (bucket, then first time), so sums over rows come out
-bit-for-bit the same on either engine. It is not thread-safe by itself: ``collector.store.SqliteStore``
+bit-for-bit the same on either engine. It is not thread-safe by itself: ``collector.store.Store``
 serialises access.
 """
 
@@ -249,8 +249,10 @@ class ChunkSeriesStore:
             "SELECT MAX(t_max) FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND t_max<?",
             (*gpu_key, floor),
         ).fetchone()
-        # the anchor is in a chunk ending at newest_before, or in one reaching past floor
+        # the anchor is in a chunk ending at newest_before, or in one reaching past floor: such a chunk keeps its
+        # samples before floor too (the newest of them may be the anchor)
         lo = floor if newest_before is None else newest_before
+        oldest_kept = -math.inf if newest_before is None else newest_before
         span = self.retention.raw_chunk_s
         chunks = self._db.execute(
             "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND t_max>=?"
@@ -264,7 +266,7 @@ class ChunkSeriesStore:
         for (data,) in chunks:
             n, columns = decode_columns(data)
             ts, vals = columns_as_floats(n, columns, PAIR_FLOATS)
-            keep = np.flatnonzero(ts >= lo)
+            keep = np.flatnonzero(ts >= oldest_kept)
             if not keep.size:
                 continue
             ts_parts.append(ts[keep])

@@ -38,7 +38,7 @@ from gpuledger.collector.limits import (
     REQUEST_TIMEOUT_S,
 )
 from gpuledger.collector.openapi import openapi_document
-from gpuledger.collector.store import BatchRefused, SqliteStore, StoreFull
+from gpuledger.collector.store import BatchRefused, Store, StoreFull, StoreUnavailable
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, BatchError, Limits, parse_batch, parse_jobs
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class _FeedGauges:
 class _StoreCounters:
     """Counters kept in the store (they survive restarts): read at scrape time."""
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
@@ -151,7 +151,7 @@ class _StoreCounters:
 
 
 class _Metrics:
-    def __init__(self, store: SqliteStore, feed: Path | None, in_flight: Callable[[], int],
+    def __init__(self, store: Store, feed: Path | None, in_flight: Callable[[], int],
                  ingest_depth: Callable[[], int], user_labels: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -266,7 +266,7 @@ class CollectorServer:
 
     def __init__(
         self,
-        store: SqliteStore,
+        store: Store,
         host: str = "127.0.0.1",
         port: int = 0,
         max_body_bytes: int = MAX_BODY_BYTES,
@@ -372,6 +372,10 @@ class CollectorServer:
                     log.error("disk full, batches refused with 507 until there is room (reads go on): %s", e)
                     raise BatchError(507, f"the collector's disk is full; retry later ({e})", "disk_full",
                                      batch.n_samples) from None
+                except StoreUnavailable as e:
+                    log.error("ledger unavailable, batch refused with 503 (the agent retries): %s", e)
+                    raise BatchError(503, f"the ledger cannot be reached; retry later ({e})", "ledger_unavailable",
+                                     batch.n_samples) from None
             finally:
                 self._count("_ingesting", -1)
         finally:
@@ -411,6 +415,8 @@ class CollectorServer:
                              self.limits.max_body_bytes, req.headers.get("Content-Encoding", ""))
         with self._audit_lock:
             if self._audit is None:
+                # the embedded store's directory; a PostgreSQL ledger has none: its server is given audit_log
+                assert self.store.path is not None, "a server on a PostgreSQL ledger needs audit_log"
                 self._audit = open_log(self.store.path.parent)
             audit = self._audit
         # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)

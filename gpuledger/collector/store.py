@@ -1,4 +1,4 @@
-"""The collector's store: the ledger and the series store in one SQLite file, aggregation kept in step.
+"""The collector's store: the ledger and the series store in one database, aggregation kept in step.
 
 Two parts behind two protocols (so either can move to another backend without touching aggregation):
 
@@ -7,9 +7,17 @@ Two parts behind two protocols (so either can move to another backend without to
 - the series store (``collector.series_store``: chunks, tiers, compaction, series queries; read through
   ``SeriesReader``).
 
-:class:`SqliteStore` owns the connection both share, the aggregation (``collector.aggregate``) and the
-lock. Ingest is one transaction over both parts: a batch is stored whole (samples, usage, batch id) or
-not at all.
+:class:`Store` owns the database both share (``collector.db``: an embedded SQLite file, the default, or
+PostgreSQL), the aggregation (``collector.aggregate``) and the lock. Ingest is one transaction over both parts:
+a batch is stored whole (samples, usage, batch id) or not at all. Opening the store applies the ledger's pending
+migrations (``collector.migrations``).
+
+Several collectors may share one PostgreSQL ledger (or, for tests, one SQLite file), and any of them may take
+any host's batch. Each group commit claims its hosts in sorted order (``LedgerStore.claim_host``: the host's
+generation, bumped under its row lock, so two collectors never write one host at once and never deadlock).
+A generation other than the one this collector wrote last + 1 means another collector wrote the host since:
+its in-memory state of the host is dropped and restored from the ledger inside the same transaction, so the
+sums go on exactly where the other collector left them.
 
 The aggregation keeps a window per GPU in memory. It is bounded: a host's windows are restored from the
 stored samples and totals when a batch of that host arrives (so a restart restores nothing up front and
@@ -25,30 +33,38 @@ import logging
 import math
 import operator
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator, GpuKey
 from gpuledger.collector.auditlog.files import private_file
-from gpuledger.collector.db import SqliteDatabase
-from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger, migrate_v2, needs_migration
+from gpuledger.collector.db import (
+    SQLITE,
+    Database,
+    DatabaseFull,
+    DatabaseUnavailable,
+    is_postgres_url,
+    open_database,
+    upsert,
+)
+from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqlLedger
+from gpuledger.collector.migrations import migrate
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention
 from gpuledger.collector.sinks import Sink
-from gpuledger.collector.sqlite_db import connect, transaction
 from gpuledger.collector.validate import Batch, as_sample
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsage
 
 log = logging.getLogger(__name__)
 _UUID = operator.attrgetter("gpu_uuid")
 
-SCHEMA_VERSION = 3  # 3: jobs keyed by (cluster, job_id), agents' job records apart (ledger_store)
-_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+STORE_NAME = "gpuledger.sqlite"  # the embedded store in a data directory
+COMPACTION_LOCK = "compaction"  # one collector compacts a shared ledger at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +101,16 @@ class StoreFull(Exception):
     the next batch succeeds once there is room again."""
 
 
+class StoreUnavailable(DatabaseUnavailable):
+    """The ledger's database cannot be reached (PostgreSQL down, the connection lost, a SQLite file locked by
+    another process for too long): nothing of the batch was stored; the next one succeeds once it is back."""
+
+
+class _BatchRaced(Exception):
+    """A batch's key appeared in the ledger between its dedupe check and its commit (written by a collector that
+    did not claim the host): the group is rolled back and committed again, where the batch is a duplicate."""
+
+
 MAX_GPUS_PER_HOST = 256  # GPUs and MIG instances one host may have (8 GPUs x 7 instances is 64)
 DEDUPE_HORIZON_S = 7 * 86400.0  # batch keys are kept this long: an agent resending later is counted twice
 
@@ -96,6 +122,7 @@ class CompactStats:
     merged_chunks: int = 0
     deleted_chunks: int = 0
     job_summaries: int = 0
+    skipped: bool = False  # another collector was compacting the shared ledger
 
 
 class _Pending:
@@ -111,13 +138,27 @@ class _Pending:
         self.accepted: list[GpuSample] = []
 
 
-def _disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-                                               or "disk is full" in str(exc))
+def _database(target: Database | str | os.PathLike[str]) -> Database:
+    """``target`` as a database: a PostgreSQL URL is connected to, a SQLite path (or ``sqlite://`` URL) opened
+    (created mode 0600: user names and uids are readable by the collector's account only)."""
+    if not isinstance(target, (str, os.PathLike)):
+        return target
+    text = os.fspath(target)
+    if is_postgres_url(text):
+        return open_database(text)
+    path = text.removeprefix("sqlite://")
+    if "://" in path:
+        raise ValueError(f"ledger URL {text.split('://', 1)[0]}://...: use postgresql://... or a SQLite file path")
+    private_file(path)
+    return open_database(path)
 
 
-class SqliteStore:
-    """The embedded default store. Thread-safe: one lock serialises all access to the connection.
+_RACE_RETRIES = 3  # a group rolled back by _BatchRaced is committed again at most this often
+
+
+class Store:
+    """The collector's store over a database (``collector.db``): a ``Database``, or a SQLite path or
+    PostgreSQL URL to open (see :func:`open_store`). Thread-safe: one lock serialises this store's use of it.
 
     Reads go to ``ledger`` (a ``LedgerReader``) and ``series_store`` (a ``SeriesReader``); the methods of
     the same names here take the lock and delegate. ``sinks`` (e.g. ``collector.sinks.influx.InfluxSink``)
@@ -127,7 +168,7 @@ class SqliteStore:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        db: Database | str | os.PathLike[str],
         window_s: float = 600.0,
         max_gap_s: float = DEFAULT_MAX_GAP_S,
         clock: Callable[[], float] = time.time,
@@ -153,8 +194,9 @@ class SqliteStore:
         self._next_eviction = -math.inf
         self.max_gpus_per_host = max_gpus_per_host
         self._host_gpus: dict[str, int] = {}  # host in memory -> its GPUs (and MIG instances)
-        self.path = Path(path)
-        private_file(self.path)  # user names and uids: readable by the collector's account only
+        # host -> the generation this store last wrote it at (LedgerStore.claim_host); a host not here has no
+        # state in memory
+        self._generation: dict[str, int] = {}
         self.retention = retention
         self.sinks = list(sinks)
         self.summary_interval_s = summary_interval_s
@@ -167,35 +209,48 @@ class SqliteStore:
         self._summary_sent: dict[str, float] = {}
         self._compactor: threading.Thread | None = None
         self._compactor_stop = threading.Event()
-        self._db = connect(self.path)
-        row = None
-        if self._db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if row is not None and int(row[0]) not in (1, 2, SCHEMA_VERSION):
-            raise RuntimeError(f"{self.path}: store schema {row[0]}, this collector reads {SCHEMA_VERSION} "
-                               f"(and migrates 1 and 2); use a gpuledger release that knows schema {row[0]}")
-        self._db.executescript(_META)
-        if needs_migration(self._db):
-            with transaction(self._db) as db:
-                migrate_v2(db)
-                db.execute("UPDATE meta SET value=? WHERE key='schema' AND value='2'", (str(SCHEMA_VERSION),))
-            log.info("%s: ledger migrated to schema %d (jobs keyed by cluster and job id)", self.path, SCHEMA_VERSION)
-        self.ledger = SqliteLedger(self._db)
-        self.series_store = ChunkSeriesStore(SqliteDatabase.sharing(self._db, self.path), retention)
-        if row is None:
-            self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-        row = self._db.execute("SELECT value FROM meta WHERE key='sample_fields'").fetchone()
-        stored = tuple(json.loads(row[0])) if row else SAMPLE_FIELDS
-        if SAMPLE_FIELDS[: len(stored)] != stored:
-            raise RuntimeError(f"{self.path}: raw samples were written with fields {stored}, not a prefix of today's")
-        if self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "1":
-            with transaction(self._db) as db:
-                self.series_store.repack_v1_samples(stored)
-                db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('sample_fields', ?)", (json.dumps(SAMPLE_FIELDS),))
+        try:
+            self._db = _database(db)
+        except DatabaseUnavailable as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        self.url = self._db.url  # for messages: a SQLite file's path or a PostgreSQL URL without its password
+        path = getattr(self._db, "path", None)
+        self.path: Path | None = Path(path) if self._db.dialect == SQLITE and path is not None else None
+        try:
+            self._open(retention)
+        except BaseException as exc:
+            self._db.close()
+            if isinstance(exc, DatabaseUnavailable) and not isinstance(exc, StoreUnavailable):
+                raise StoreUnavailable(str(exc)) from exc
+            raise
         self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
                               power_cap_w=power_cap_w, power_caps=power_caps)
         self._restore()
+
+    @property
+    def db(self) -> Database:
+        """The database the ledger and the series store share (SQLite or PostgreSQL)."""
+        return self._db
+
+    def _open(self, retention: Retention) -> None:
+        """Bring the database up to date in one transaction under the migrations lock (two collectors opening one
+        ledger at once take turns): the ledger's migrations, the series store's tables, the raw sample layout."""
+        db = self._db
+        with db.transaction():
+            applied = migrate(db)
+            self.series_store = ChunkSeriesStore(db, retention)
+            row = db.execute("SELECT value FROM meta WHERE key='sample_fields'").fetchone()
+            stored = tuple(json.loads(row[0])) if row else SAMPLE_FIELDS
+            if SAMPLE_FIELDS[: len(stored)] != stored:
+                raise RuntimeError(f"{self.url}: raw samples were written with fields {stored}, "
+                                   "not a prefix of today's")
+            if db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "1":
+                self.series_store.repack_v1_samples(stored)  # a v1 store's raw samples table, into chunks
+                db.execute("UPDATE meta SET value='3' WHERE key='schema'")
+            db.execute(upsert("meta", ("key", "value"), ("key",)), ("sample_fields", json.dumps(SAMPLE_FIELDS)))
+        for m in applied:
+            log.info("%s: ledger migration %d applied: %s", self.url, m.version, m.name)
+        self.ledger = SqlLedger(db)
 
     def _restore(self) -> None:
         """Forget the in-memory aggregation: each host's windows are rebuilt from committed state when a batch
@@ -203,6 +258,22 @@ class SqliteStore:
         self.agg.reset()
         self._last_seen.clear()
         self._host_gpus.clear()
+        self._generation.clear()  # the claims of a rolled-back transaction never happened
+
+    def _claim_hosts(self, hosts: Iterable[str]) -> None:
+        """Claim each host a group writes, in sorted order (the one lock order of every collector: none waits for
+        another in a cycle). A host another collector wrote since this one did is forgotten here, so
+        ``_ensure_windows`` restores it from the ledger: it is locked now, nobody else can move it on."""
+        for host in sorted(hosts):
+            generation = self.ledger.claim_host(host)
+            last = self._generation.get(host)
+            if last != generation - 1:
+                if last is not None:  # only then is anything of the host in memory (see _generation)
+                    self.agg.forget_host(host)
+                    self._last_seen.pop(host, None)
+                    self._host_gpus.pop(host, None)
+                self.ledger.forget_host(host)
+            self._generation[host] = generation
 
     def _ensure_windows(self, gpu_keys: set[tuple]) -> None:
         """Restore every stored GPU of the hosts in ``gpu_keys`` not in memory (their windows: recent samples plus
@@ -273,26 +344,39 @@ class SqliteStore:
         assert item.result is not None
         return item.result
 
-    def _commit_group(self, group: list[_Pending]) -> None:
-        """One transaction for every batch of ``group`` (called with the lock held); sets each one's outcome."""
+    def _commit_group(self, group: list[_Pending], races: int = 0) -> None:
+        """One transaction for every batch of ``group`` (called with the lock held); sets each one's outcome.
+        Batches go by host (stable: a host's batches keep their order), after their hosts are claimed."""
+        group = sorted(group, key=lambda it: it.batch.host)
         try:
-            with transaction(self._db):
+            with self._db.transaction():
+                self._claim_hosts({it.batch.host for it in group})
                 for it in group:
+                    it.error = None
                     try:
                         it.result, it.accepted = self._add_batch(it.batch)
                     except BatchRefused as exc:  # found before anything of it was written
                         it.error = exc
                 jobs = self._flush()
         except Exception as exc:
-            # The in-memory aggregation (and the GPUs' clusters) already moved; put them back to what is committed.
-            self.ledger.reload_clusters()
+            # The in-memory aggregation already moved; put it back to what is committed (the GPUs' clusters are
+            # re-read when each host is claimed again).
             self._restore()
-            if len(group) > 1 and not _disk_full(exc):
+            for it in group:
+                it.error, it.result = None, None
+            if isinstance(exc, _BatchRaced) and races < _RACE_RETRIES:
+                self._commit_group(group, races + 1)  # the raced batch is now a duplicate
+                return
+            lost = isinstance(exc, (DatabaseFull, DatabaseUnavailable))
+            if len(group) > 1 and not lost:
                 for it in group:  # find the one that breaks the transaction; the others still commit
-                    it.error, it.result = None, None
                     self._commit_group([it])
                 return
-            err: Exception = StoreFull(f"store {self.path}: {exc}") if _disk_full(exc) else exc
+            err: Exception = exc
+            if isinstance(exc, DatabaseFull):
+                err = StoreFull(f"store {self.url}: {exc}")
+            elif isinstance(exc, DatabaseUnavailable):
+                err = StoreUnavailable(str(exc))
             for it in group:
                 it.error, it.result = err, None
                 it.done.set()
@@ -343,7 +427,8 @@ class SqliteStore:
             job_ids = {j for r in (*rows, *batch.series) for j in r.job_ids}
             self.ledger.add_agent_jobs(batch.jobs, batch.host, cluster, job_ids)
         n_accepted = counts.accepted + sum(s.n for s in folded)
-        self.ledger.record_batch(batch.host, batch.agent_id, batch.seq, batch.digest, self._clock(), n_accepted)
+        if not self.ledger.record_batch(batch.host, batch.agent_id, batch.seq, batch.digest, self._clock(), n_accepted):
+            raise _BatchRaced(f"batch agent_id={batch.agent_id!r} seq={batch.seq} of host {batch.host!r}")
         out = [as_sample(s) for s in accepted] + [r for s in folded for r in s.rows()] if self.sinks else []
         return IngestResult(n_accepted, counts.duplicate, counts.too_late), out
 
@@ -395,9 +480,18 @@ class SqliteStore:
         """Apply the tiers: roll up closed minutes and hours, merge small chunks, drop expired data.
 
         Idempotent; each GPU's rollup and each merge is its own transaction, so ingest waits at most
-        for one of them, and a crash leaves either the old or the new state.
+        for one of them, and a crash leaves either the old or the new state. On a ledger shared by several
+        collectors one compacts at a time (the ledger's compaction lock): while another one holds it, this one
+        only hands its sinks their summaries (``skipped``).
         """
         now = self._clock() if now is None else now
+        with self._db.try_lock(COMPACTION_LOCK) as mine:
+            if mine:
+                return self._compact(now)
+        with self._lock:
+            return CompactStats(job_summaries=self._emit_summaries(force=True), skipped=True)
+
+    def _compact(self, now: float) -> CompactStats:
         with self._lock:  # every stored GPU, in memory or not
             at = GPU_TOTAL_FIELDS.index("watermark")
             watermarks = {gpu_key: totals[at] for gpu_key, totals in self.ledger.gpu_totals()}
@@ -459,7 +553,7 @@ class SqliteStore:
             return self.ledger.job_usage(job_id, per_gpu, cluster)
 
     def busy_hours(self, since: float | None = None) -> dict[tuple[str, str, str], list[tuple[float, float]]]:
-        """Per GPU: (hour start, GPU-seconds that carried a job) of its hour buckets (``SqliteLedger.busy_hours``)."""
+        """Per GPU: (hour start, GPU-seconds that carried a job) of its hour buckets (``SqlLedger.busy_hours``)."""
         with self._lock:
             return self.ledger.busy_hours(since)
 
@@ -479,7 +573,7 @@ class SqliteStore:
             return self.ledger.gpu_energy(start, end)
 
     def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]:
-        """Gap records that ended in [start, end) (see ``SqliteLedger.energy_gaps``)."""
+        """Gap records that ended in [start, end) (see ``SqlLedger.energy_gaps``)."""
         with self._lock:
             return self.ledger.energy_gaps(start, end)
 
@@ -509,7 +603,10 @@ class SqliteStore:
             return self.ledger.batches_seen()
 
     def size_bytes(self) -> int:
-        """Bytes on disk: the database file plus its WAL."""
+        """Bytes on disk: the SQLite file plus its WAL, or the PostgreSQL database's size."""
+        if self.path is None:
+            with self._lock:
+                return int(self._db.execute("SELECT pg_database_size(current_database())").fetchone()[0])
         total = 0
         for suffix in ("", "-wal", "-shm"):
             try:
@@ -519,7 +616,10 @@ class SqliteStore:
         return total
 
     def checkpoint(self) -> None:
-        """Fold the WAL into the database file and truncate it (what ``size_bytes`` then measures)."""
+        """Fold the WAL into the database file and truncate it (what ``size_bytes`` then measures); SQLite only
+        (PostgreSQL checkpoints by itself)."""
+        if self.path is None:
+            return
         with self._lock:
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
@@ -529,10 +629,10 @@ class SqliteStore:
             self._db.close()
 
 
-def open_store(ledger_url: str | None, data_dir: str | os.PathLike[str], **settings: object) -> SqliteStore:
-    """The collector's store: the ledger at ``ledger_url`` (``postgresql://...``) or, without one, the embedded
-    SQLite file ``<data_dir>/gpuledger.sqlite``. ``settings`` are the store's keyword arguments."""
-    if ledger_url and "://" in ledger_url and not ledger_url.startswith("sqlite://"):
-        raise NotImplementedError("PostgreSQL ledger: being built (issue #16)")  # replaced by the PostgreSQL port
-    path = Path(ledger_url.removeprefix("sqlite://")) if ledger_url else Path(data_dir) / "gpuledger.sqlite"
-    return SqliteStore(path, **settings)  # type: ignore[arg-type]
+def open_store(ledger_url: str | None, data_dir: str | os.PathLike[str], **settings: Any) -> Store:
+    """The collector's store: the ledger at ``ledger_url`` (``postgresql://...``, or a SQLite file's path or
+    ``sqlite://`` URL) or, without one, the embedded SQLite file ``<data_dir>/gpuledger.sqlite``. ``settings`` are
+    the store's keyword arguments. Raises ValueError for another URL scheme, DatabaseUnavailable when PostgreSQL
+    cannot be reached (StoreUnavailable, a DatabaseUnavailable), LedgerTooNew (``collector.migrations``) for a
+    ledger of a newer gpuledger."""
+    return Store(ledger_url or Path(data_dir) / STORE_NAME, **settings)

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from gpuledger.collector.series_store import TIER_NAMES
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.output import fail, note
 
 app = typer.Typer(help="Maintain and query the embedded store's tiers.", no_args_is_help=True)
@@ -19,11 +19,11 @@ DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER
                        help="Directory of the embedded store.")
 
 
-def _open(data_dir: Path) -> SqliteStore:
+def _open(data_dir: Path) -> Store:
     path = data_dir / DB_NAME
     if not path.exists():
         fail(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)")
-    return SqliteStore(path)
+    return Store(path)
 
 
 @app.command()

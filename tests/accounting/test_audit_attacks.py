@@ -21,7 +21,7 @@ from gpuledger.accounting.audit.explain import explain
 from gpuledger.cli import app
 from gpuledger.collector.auditlog import canonical_json
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
@@ -53,7 +53,7 @@ def _s(ts, gpu, job):
 @pytest.fixture()
 def data_dir(tmp_path):
     d = tmp_path / "data"
-    store = SqliteStore(d / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
+    store = Store(d / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
     try:
         store.ingest(Batch("a", 0, "n1", tuple(_s(T0 + 10 * k, g, j) for g, j in (("G0", "1"), ("G1", "2"))
                                                  for k in range(361))))
@@ -324,7 +324,7 @@ def test_key_files_and_data_dir_permissions(tmp_path, monkeypatch):
         k = keygen(tmp_path / "keys" / "k.key")
         assert stat.S_IMODE(os.stat(k.private).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(k.public).st_mode) == 0o644  # never world-writable
-        store = SqliteStore(tmp_path / "data" / "gpuledger.sqlite")
+        store = Store(tmp_path / "data" / "gpuledger.sqlite")
         store.close()
         assert stat.S_IMODE(os.stat(tmp_path / "data").st_mode) == 0o700
         assert stat.S_IMODE(os.stat(tmp_path / "data" / "gpuledger.sqlite").st_mode) == 0o600
@@ -377,7 +377,7 @@ def test_rotation_keeps_old_reports_verifiable_and_is_logged(data_dir, tmp_path)
 
 
 def test_posted_job_records_are_logged_before_they_are_stored(tmp_path):
-    store = SqliteStore(tmp_path / "d" / "gpuledger.sqlite")
+    store = Store(tmp_path / "d" / "gpuledger.sqlite")
     s = CollectorServer(store).start()
     try:
         with httpx.Client(base_url=s.url, timeout=10) as c:
@@ -391,7 +391,7 @@ def test_posted_job_records_are_logged_before_they_are_stored(tmp_path):
         s.stop()
         store.close()
     # When the log cannot be written, the record is not stored either.
-    store = SqliteStore(tmp_path / "e" / "gpuledger.sqlite")
+    store = Store(tmp_path / "e" / "gpuledger.sqlite")
     (tmp_path / "e" / "audit.sqlite").mkdir()
     s = CollectorServer(store).start()
     try:
@@ -409,7 +409,7 @@ def test_explain_proves_a_partly_measured_job(tmp_path, policy):
     # (allocated: 3600 GPU-s; blend 0.25 x 3600 + 0.75 x 1800 = 2250), and the 3600 GPU-s nobody measured,
     # charged as fully used by the default rule (3600): neither part may read as DIFFERS.
     d = tmp_path / "data"
-    store = SqliteStore(d / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
+    store = Store(d / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
     try:
         store.ingest(Batch("a", 0, "n1", tuple(_s(T0 + 10 * k, "G0", "1") for k in range(361))))
     finally:

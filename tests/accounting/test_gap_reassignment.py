@@ -1,5 +1,5 @@
 """Unattributed gap energy reassigned from Slurm's records (accounting.gaps), and reconcile reading the collector's
-per-GPU energy, gaps and counter anomalies, with a MIG GPU counted once. Everything through a real SqliteStore
+per-GPU energy, gaps and counter anomalies, with a MIG GPU counted once. Everything through a real Store
 fed by ingest."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from gpuledger.accounting.report.period import parse_period
 from gpuledger.accounting.report.reconcile import NO_JOB, TOTAL, reconcile
 from gpuledger.accounting.report.usage import usage_report
 from gpuledger.accounting.report_cli import audit_app, report_app
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -64,7 +64,7 @@ def store_dir(tmp_path):
     n3: MIG A100 M0, instances 1.0 (3g, job 21) and 2.0 (2g, job 22), parent row and instance rows repeating the
         parent's counter: 700 J per 10 s, T0+7200..T0+7220.
     """
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     try:
         n1 = [_s("n1", "G0", T0, 0.0), _s("n1", "G0", T0 + 10, 1e3), _s("n1", "G0", T0 + 3610, 361e3),
               _s("n1", "G0", T0 + 3620, 362e3),
@@ -96,7 +96,7 @@ def store_dir(tmp_path):
 
 
 def _open(d):
-    return SqliteStore(d / "gpuledger.sqlite")
+    return Store(d / "gpuledger.sqlite")
 
 
 def test_gap_energy_goes_to_the_slurm_jobs_that_held_the_host(store_dir):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gpuledger.accounting.jobreport import Rules, load_job_report, to_json, to_text
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -32,7 +32,7 @@ def _samples(host, gpu, job, n=31, sm=0.5, mem=10 * GIB, dram=0.3, tensor=0.4, x
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    s = SqliteStore(tmp_path_factory.mktemp("jr") / "gpuledger.sqlite", clock=lambda: T0 + 1000)
+    s = Store(tmp_path_factory.mktemp("jr") / "gpuledger.sqlite", clock=lambda: T0 + 1000)
     batch = []
     batch += _samples("n1", "G0", "21", sm=0.1, mem=10 * GIB)  # one GPU, lightly used: a MIG slice
     batch += _samples("n1", "G1", "22", sm=0.9, mem=20 * GIB, xid_at=(5,), throttle_every=2)
@@ -98,7 +98,7 @@ def test_unknown_job_and_bad_rules(store):
 
 def test_job_on_a_mig_instance_reads_that_instance_samples(tmp_path):
     """A job on a MIG instance: the report reads the instance's raw samples (its Xid is counted)."""
-    s = SqliteStore(tmp_path / "gpuledger.sqlite", clock=lambda: T0 + 1000)
+    s = Store(tmp_path / "gpuledger.sqlite", clock=lambda: T0 + 1000)
     samples = [GpuSample(**{**smp.to_dict(), "mig": "1g.18gb"}) for smp in _samples("n1", "G0", "31", xid_at=(3,))]
     s.ingest(Batch("a", 0, "n1", tuple(samples)))
     try:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from gpuledger.accounting.audit import open_log
 from gpuledger.cli import app
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample
 
@@ -30,7 +30,7 @@ def test_import_is_idempotent_and_list_joins_measurements(tmp_path: Path) -> Non
     assert r.exit_code == 0 and "; 0 new or changed" in r.output
 
     # Measurements for job 3 (a real job) and for job 999 (which Slurm never reported).
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     try:
         samples = tuple(GpuSample(ts=1795969360.0 + 10 * k, host="vm", gpu_uuid="GPU-0", gpu_index=0,
                                   sm_active_ratio=0.5, energy_joules=1000.0 * k, job_ids=(job,))
@@ -61,7 +61,7 @@ def test_reimport_in_another_format_keeps_what_the_richer_one_gave(tmp_path: Pat
     d = str(tmp_path)
     r = runner.invoke(app, ["jobs", "import", "--data-dir", d, "--sacct-json", str(REAL / "sacct-json-a-S-today.json")])
     assert r.exit_code == 0, r.output
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     before = {j.job_id: j for j in store.jobs()}
     store.close()
     with open_log(tmp_path) as log:
@@ -69,7 +69,7 @@ def test_reimport_in_another_format_keeps_what_the_richer_one_gave(tmp_path: Pat
     # sacct -P of the same jobs has no GPU UUIDs and prints times in the machine's zone; nothing Slurm said changed
     r = runner.invoke(app, ["jobs", "import", "--data-dir", d, "--sacct-parsable", str(REAL / "sacct-a-P-S-today.txt")])
     assert r.exit_code == 0, r.output
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     after = {j.job_id: j for j in store.jobs()}
     store.close()
     assert set(after) >= set(before)

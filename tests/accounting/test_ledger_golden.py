@@ -21,7 +21,7 @@ from gpuledger.accounting.jobreport import load_job_report, to_text
 from gpuledger.accounting.ledger import load
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 
 ADMIN = "admin-token"
 NODES = {"a1": "tok-a1", "a2": "tok-a2", "b1": "tok-b1"}
@@ -45,7 +45,7 @@ def batch(host: str, seq: int, samples: list[dict], cluster: str | None = None, 
 
 @pytest.fixture()
 def collector(tmp_path):
-    store = SqliteStore(tmp_path / "g.sqlite")
+    store = Store(tmp_path / "g.sqlite")
     server = CollectorServer(store, clock=lambda: T0 + 86400.0,
                              auth=Authenticator(node_tokens={h: t for h, t in NODES.items()},
                                                 admin_tokens=[ADMIN])).start()

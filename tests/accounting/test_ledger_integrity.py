@@ -25,7 +25,7 @@ from gpuledger.accounting.report.reconcile import NO_JOB, reconcile, reconcile_c
 from gpuledger.accounting.report_cli import audit_app, report_app
 from gpuledger.agent.push import encode_batch
 from gpuledger.agent.slurm import cluster_name_from_conf, local_cluster_name
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
@@ -126,7 +126,7 @@ def test_reset_periods_are_cut_in_the_configured_zone_default_local(monkeypatch)
 
 def test_measured_charge_lands_in_the_hours_the_gpu_was_used(tmp_path):
     # Job 5 on G0: samples every 60 s through hour 0, nothing in hour 1 (agent down), then hour 2 again.
-    store = SqliteStore(tmp_path / "s.sqlite", max_gap_s=120.0)
+    store = Store(tmp_path / "s.sqlite", max_gap_s=120.0)
     try:
         ts = [T0 + 60 * k for k in range(61)] + [T0 + 7200 + 60 * k for k in range(61)]
         store.ingest(Batch("a", 1, "n1", tuple(GpuSample(ts=t, host="n1", gpu_uuid="G0", gpu_index=0,
@@ -158,7 +158,7 @@ def test_an_unnamed_side_joins_a_unique_job_id_only():
 
 
 def test_a_gpu_first_seen_unnamed_takes_its_cluster_later(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(tmp_path / "s.sqlite")
     try:
         mk = lambda t: GpuSample(ts=t, host="n1", gpu_uuid="G0", gpu_index=0, job_ids=("1",))  # noqa: E731
         store.ingest(Batch("a", 1, "n1", (mk(T0), mk(T0 + 10))))
@@ -171,7 +171,7 @@ def test_a_gpu_first_seen_unnamed_takes_its_cluster_later(tmp_path):
 
 def test_a_v2_store_is_migrated(tmp_path):
     path = tmp_path / "s.sqlite"
-    store = SqliteStore(path)
+    store = Store(path)
     mk = lambda t: GpuSample(ts=t, host="n1", gpu_uuid="G0", gpu_index=0, job_ids=("1",))  # noqa: E731
     store.ingest(Batch("a", 1, "n1", (mk(T0), mk(T0 + 10))))
     store.put_jobs([JobRecord("1", cluster="c", account="a", user="u")])
@@ -189,7 +189,7 @@ def test_a_v2_store_is_migrated(tmp_path):
         DROP TABLE gpu_clusters; UPDATE meta SET value='2' WHERE key='schema';""")
     db.commit()
     db.close()
-    store = SqliteStore(path)
+    store = Store(path)
     try:
         assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
         (e,) = load(store)
@@ -202,7 +202,7 @@ def test_a_v2_store_is_migrated(tmp_path):
     db.commit()
     db.close()
     with pytest.raises(RuntimeError, match="store schema 9"):
-        SqliteStore(path)
+        Store(path)
 
 
 # -- retention and pseudonymized history ---------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def ledger_dir(tmp_path):
     (tmp_path / "gpuledger.toml").write_text(
         '[accounting]\npolicy = "active"\nhalf_life_s = 0\ncalc_period_s = 1\n'
         '[accounts.proj]\nshares = 1\n[accounts.proj.users]\nalice = 1\nbob = 1\ncarol = 1\n')
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     try:
         store.ingest(Batch("a", 1, "n1", tuple(
             GpuSample(ts=T0 + 60 * k, host="n1", gpu_uuid="G0", gpu_index=0, sm_active_ratio=1.0, energy_joules=1e4 * k,
@@ -253,7 +253,7 @@ def test_retention_refuses_inside_the_decay_horizon_and_fairshare_survives_it(le
 
 def test_fairshare_charges_the_job_no_agent_saw(ledger_dir):
     settings = AccountingSettings(policy="active", half_life_s=0, calc_period_s=1)
-    store = SqliteStore(ledger_dir / "gpuledger.sqlite")
+    store = Store(ledger_dir / "gpuledger.sqlite")
     try:
         entries = load(store)
     finally:
@@ -266,7 +266,7 @@ def test_fairshare_charges_the_job_no_agent_saw(ledger_dir):
 
 # -- reconciliation ----------------------------------------------------------------------------------------------
 def test_reconcile_per_account_node_model(ledger_dir):
-    store = SqliteStore(ledger_dir / "gpuledger.sqlite")
+    store = Store(ledger_dir / "gpuledger.sqlite")
     try:
         entries, hours, energy = load(store), store.gpu_hours(), store.gpu_energy()
     finally:
@@ -309,7 +309,7 @@ def test_agent_sends_its_cluster_and_its_host_in_job_metadata(tmp_path):
 def test_usage_report_shows_unmeasured_gpu_hours_per_account(ledger_dir):
     from gpuledger.accounting.report.usage import usage_report
 
-    store = SqliteStore(ledger_dir / "gpuledger.sqlite")
+    store = Store(ledger_dir / "gpuledger.sqlite")
     try:
         entries = load(store)
         per_gpu: dict[str, list[JobUsage]] = {}
@@ -333,7 +333,7 @@ def test_recorded_fairshare_keeps_two_clusters_with_one_job_id_apart(tmp_path):
     (tmp_path / "gpuledger.toml").write_text(
         '[accounting]\npolicy = "allocated"\nhalf_life_s = 0\ncalc_period_s = 1\n'
         '[accounts.proj]\nshares = 1\n[accounts.proj.users]\nalice = 1\nbob = 1\n')
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     try:
         for n, (cluster, host, user, k) in enumerate((("alpha", "a1", "alice", 3), ("beta", "b1", "bob", 5))):
             store.ingest(Batch(host, n, host, tuple(GpuSample(ts=T0 + 10 * i, host=host, gpu_uuid=f"G-{host}",

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from gpuledger.accounting.privacy import Pseudonymizer, apply_retention, is_pseudonym, load_or_create_key
 from gpuledger.accounting.report_cli import audit_app, report_app
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -44,7 +44,7 @@ def _s(ts, gpu, job, sm):
 @pytest.fixture()
 def data_dir(tmp_path):
     (tmp_path / "gpuledger.toml").write_text(CONFIG)
-    store = SqliteStore(tmp_path / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
+    store = Store(tmp_path / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
     try:
         samples = [_s(T0 + 10 * k, g, j, sm) for g, j, sm in (("G0", "1", 0.8), ("G1", "2", 0.0), ("G2", "2", 0.01))
                    for k in range(361)]
@@ -166,7 +166,7 @@ def test_retention_pseudonymizes_old_job_records_only(data_dir):
     assert apply_retention(data_dir / "gpuledger.sqlite", alias, 30, now=now) == 0
     assert apply_retention(data_dir / "gpuledger.sqlite", alias, 5, now=now) == 2
     assert apply_retention(data_dir / "gpuledger.sqlite", alias, 5, now=now) == 0  # idempotent
-    store = SqliteStore(data_dir / "gpuledger.sqlite")
+    store = Store(data_dir / "gpuledger.sqlite")
     try:
         jobs = {j.job_id: j for j in store.jobs()}
     finally:

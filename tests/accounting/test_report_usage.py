@@ -18,7 +18,7 @@ from gpuledger.accounting.report.idle import idle_jobs
 from gpuledger.accounting.report.period import parse_period
 from gpuledger.accounting.report.settings import ReportSettings, report_settings
 from gpuledger.accounting.report.usage import TOTAL, usage_report, usage_report_csv
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
@@ -159,7 +159,7 @@ def _sample(ts, gpu, job, sm, energy, host="n1", dram=None):
 
 def test_report_from_a_real_store_reconciles_by_node(tmp_path):
     t0 = T(2026, 10, 3)
-    store = SqliteStore(tmp_path / "gpuledger.sqlite", clock=lambda: t0 + 10_000)
+    store = Store(tmp_path / "gpuledger.sqlite", clock=lambda: t0 + 10_000)
     try:
         # job 11 on n1 (2 GPUs, 100 s each) and n2 (1 GPU); job 12 on n2; 10 s steps, 300 J per step.
         seq = 0

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 
 
 def agent(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -28,7 +28,7 @@ def dead_address() -> str:
 
 @pytest.fixture
 def collector(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite")
+    store = Store(tmp_path / "c.sqlite")
     s = CollectorServer(store).start()
     yield s
     s.stop()

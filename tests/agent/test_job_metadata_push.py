@@ -12,7 +12,7 @@ from gpuledger.agent.push import Batcher, HttpPusher
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.schema.records import JobRecord
 
 
@@ -23,7 +23,7 @@ def test_mapper_metadata_reaches_the_ledger_once_and_yields_to_slurm(tmp_path: P
     (mapdir / "0").write_text("4242 1001\n")
     (mapdir / "1").write_text("4242 1001\n")
     t = [1_800_000_000.0]
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: t[0])
+    store = Store(tmp_path / "s.sqlite", clock=lambda: t[0])
     server = CollectorServer(store, clock=lambda: t[0]).start()
     try:
         pusher = HttpPusher(f"{server.url}/api/v1/samples", agent_id="a1", host="n1")

@@ -179,10 +179,10 @@ def test_clock_skew_is_kept_and_retried_a_bad_batch_is_dropped_and_counted(tmp_p
 
 def test_background_sender_with_the_real_collector_and_agent_metrics(tmp_path):
     from gpuledger.collector.server import CollectorServer
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
 
     now = time.time()
-    store = SqliteStore(tmp_path / "c.sqlite")
+    store = Store(tmp_path / "c.sqlite")
     port_holder = CollectorServer(store).start()  # find a port, then stop: the collector is "down" at first
     url = port_holder.url
     port_holder.stop()

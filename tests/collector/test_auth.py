@@ -10,7 +10,7 @@ from gpuledger.agent.push import HttpPusher, PushError
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.server import CollectorServer, tls_context
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.schema.records import GpuSample, JobRecord
 
 NOW = 1_700_000_000.0
@@ -30,7 +30,7 @@ def bearer(token: str) -> dict[str, str]:
 
 @pytest.fixture
 def srv(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW)
     auth = Authenticator({"n1": N1, "n2": N2}, admin_tokens=[ADMIN], read_tokens=[READ])
     s = CollectorServer(store, clock=lambda: NOW, auth=auth, priority_feed=tmp_path / "feed.json").start()
     with httpx.Client(base_url=s.url, timeout=10) as c:
@@ -135,7 +135,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
     import ssl
 
     cert, key = _self_signed(tmp_path)
-    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW, tls=tls_context(cert, key),
                         auth=Authenticator({"n1": N1})).start()
     try:

@@ -12,13 +12,13 @@ import httpx
 from typer.testing import CliRunner
 
 from gpuledger.collector.cli import app, store_path
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample
 
 
 def _fill(data_dir):
-    store = SqliteStore(store_path(data_dir))
+    store = Store(store_path(data_dir))
     mk = lambda ts, j: GpuSample(ts=ts, host="n1", gpu_uuid="G0", gpu_index=0, sm_active_ratio=0.5,  # noqa: E731
                                  energy_joules=ts * 100, dram_bw_ratio=0.25, job_ids=(j,))
     store.ingest(Batch("a", 0, "n1", tuple(mk(1000.0 + 10 * i, "11" if i < 5 else "12") for i in range(10))))

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "expected.json").exists())
@@ -44,7 +44,7 @@ def test_golden_case(tmp_path, case):
     assert len(CASES) >= 3
     folder = GOLDEN / case
     expected = json.loads((folder / "expected.json").read_text())
-    store = SqliteStore(tmp_path / "g.sqlite")
+    store = Store(tmp_path / "g.sqlite")
     clock = float(expected.get("clock", 2000.0))  # "now" for the server: samples after it are refused
     server = CollectorServer(store, clock=lambda: clock).start()
     try:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from ledger_engines import commit_counter, fail_inserts
 
 from gpuledger.agent.push import encode_batch
-from gpuledger.collector.store import BatchConflict, SqliteStore
+from gpuledger.collector.store import BatchConflict, Store
 from gpuledger.collector.validate import parse_batch
 from gpuledger.schema.records import GpuSample
 
@@ -25,10 +26,9 @@ def batch(host: str, seq: int, gpu_index: int = 0):
     return parse_batch(body(host, seq, gpu_index), "application/msgpack", NOW)
 
 
-def test_concurrent_batches_share_commits_and_all_are_stored(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
-    commits = []
-    store._db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+def test_concurrent_batches_share_commits_and_all_are_stored(ledger):
+    store = Store(ledger, clock=lambda: NOW)
+    commits = commit_counter(store)
     results: dict[tuple[str, int], int] = {}
     start = threading.Barrier(32)
 
@@ -44,11 +44,11 @@ def test_concurrent_batches_share_commits_and_all_are_stored(tmp_path):
         t.join()
     assert len(results) == 160 and set(results.values()) == {10}
     assert store.totals()["samples"] == 1600
-    assert len(commits) < 160  # batches waiting together were committed together
+    assert commits() < 160  # batches waiting together were committed together
     store.close()
 
 
-def one_group(store: SqliteStore, named: dict) -> dict[str, object]:
+def one_group(store: Store, named: dict) -> dict[str, object]:
     """Ingest ``named`` batches from threads while the writer lock is held, so they queue up and commit as one
     group; each name's outcome: samples accepted, or the exception raised."""
     outcomes: dict[str, object] = {}
@@ -70,8 +70,8 @@ def one_group(store: SqliteStore, named: dict) -> dict[str, object]:
     return outcomes
 
 
-def test_a_conflict_in_a_group_is_answered_alone(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
+def test_a_conflict_in_a_group_is_answered_alone(ledger):
+    store = Store(ledger, clock=lambda: NOW)
     store.ingest(batch("n1", 0))
     outcomes = one_group(store, {"ok1": batch("n2", 0), "conflict": batch("n1", 0, gpu_index=3),
                                  "ok2": batch("n3", 0)})
@@ -80,18 +80,17 @@ def test_a_conflict_in_a_group_is_answered_alone(tmp_path):
     store.close()
 
 
-def test_a_batch_that_breaks_the_transaction_costs_its_group_nothing(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW)
-    store._db.execute("CREATE TRIGGER boom BEFORE INSERT ON batch_keys WHEN NEW.host = 'bad' "
-                      "BEGIN SELECT RAISE(ABORT, 'one bad batch'); END")
+def test_a_batch_that_breaks_the_transaction_costs_its_group_nothing(ledger):
+    store = Store(ledger, clock=lambda: NOW)
+    fail_inserts(store, "batch_keys", "NEW.host = 'bad'", "one bad batch")
     outcomes = one_group(store, {"a": batch("n1", 0), "bad": batch("bad", 0), "b": batch("n2", 0)})
     assert outcomes["a"] == 10 and outcomes["b"] == 10 and "one bad batch" in str(outcomes["bad"])
     assert store.totals()["samples"] == 20
     store.close()
 
 
-def test_batch_keys_are_pruned_past_the_dedupe_horizon(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: NOW, dedupe_horizon_s=3600)
+def test_batch_keys_are_pruned_past_the_dedupe_horizon(ledger):
+    store = Store(ledger, clock=lambda: NOW, dedupe_horizon_s=3600)
     for seq in range(3):
         store.ingest(batch("n1", seq))
     store.compact(now=NOW + 1800)
@@ -103,11 +102,11 @@ def test_batch_keys_are_pruned_past_the_dedupe_horizon(tmp_path):
     store.close()
 
 
-def test_idle_gpus_leave_memory_and_come_back_exactly(tmp_path):
+def test_idle_gpus_leave_memory_and_come_back_exactly(ledger):
     from gpuledger.collector.aggregate import Aggregator
 
     clock = [NOW]
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: clock[0], idle_evict_s=60)
+    store = Store(ledger, clock=lambda: clock[0], idle_evict_s=60)
     ref = Aggregator()
     for seq in range(3):
         for host in ("n1", "n2"):
@@ -134,7 +133,7 @@ def test_idle_gpus_leave_memory_and_come_back_exactly(tmp_path):
         assert got[k].allocated_gpu_seconds == pytest.approx(want[k].allocated_gpu_seconds)
         assert got[k].energy_joules == pytest.approx(want[k].energy_joules)
     store.close()
-    again = SqliteStore(tmp_path / "s.sqlite", clock=lambda: clock[0])
+    again = Store(ledger, clock=lambda: clock[0])
     assert again.agg.gpus == {}  # a restart restores windows on demand, not all at once
     assert again.ingest(batch("n2", 4)).accepted == 10 and len(again.agg.gpus) == 1
     again.close()

@@ -19,7 +19,7 @@ from gpuledger.collector.sinks.influx import (
     sample_lines,
     string_field,
 )
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -95,7 +95,7 @@ def test_fairshare_lines():
 
 def test_v1_write_path_against_influxdb_1_6(influx1, tmp_path):
     sink = InfluxSink(influx1, api="v1", database="gl", batch_lines=50)
-    store = SqliteStore(tmp_path / "s.sqlite", sinks=[sink], summary_interval_s=3600)
+    store = Store(tmp_path / "s.sqlite", sinks=[sink], summary_interval_s=3600)
     store.put_jobs([JobRecord("101", cluster="c1", user="ann", account="phys", partition="gpu")])
     odd_host = "rack 1,node=2"  # every character a tag must escape
     samples = [sample(T0 + i, host=odd_host) for i in range(120)]

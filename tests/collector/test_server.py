@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.schema.records import GpuSample, JobRecord
 
 NOW = 1_700_000_000.0
@@ -30,7 +30,7 @@ def samples(start: float, n: int, job: str = "7") -> list[GpuSample]:
 
 @pytest.fixture
 def srv(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW).start()
     with httpx.Client(base_url=s.url, timeout=10) as client:
         yield s, client
@@ -102,7 +102,7 @@ def test_compressed_and_msgpack_bodies(srv):
 
 
 def test_oversized_body_is_413_and_server_survives(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite")
+    store = Store(tmp_path / "c.sqlite")
     s = CollectorServer(store, max_body_bytes=1000, clock=lambda: NOW).start()
     try:
         with httpx.Client(base_url=s.url) as c:
@@ -162,7 +162,7 @@ def test_concurrent_agents_all_counted(srv):
 
 @pytest.fixture(scope="module")
 def shared_srv(tmp_path_factory):
-    store = SqliteStore(tmp_path_factory.mktemp("fuzz") / "c.sqlite")
+    store = Store(tmp_path_factory.mktemp("fuzz") / "c.sqlite")
     s = CollectorServer(store, clock=lambda: NOW).start()
     with httpx.Client(base_url=s.url, timeout=10) as client:
         yield s, client
@@ -192,7 +192,7 @@ def test_fuzzed_bodies_never_5xx_and_store_nothing(shared_srv, body):
 
 
 def test_stop_is_prompt(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite")
+    store = Store(tmp_path / "c.sqlite")
     s = CollectorServer(store).start()
     t = time.monotonic()
     s.stop()

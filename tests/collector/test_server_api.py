@@ -17,7 +17,7 @@ from openapi_spec_validator import validate as validate_spec
 
 from gpuledger.collector.openapi import openapi_document
 from gpuledger.collector.server import ROUTES, CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord
 
 NOW = 1_700_000_000.0
@@ -31,7 +31,7 @@ def batch(seq: int, n: int = 3, agent: str = "a1") -> dict:
 
 @pytest.fixture
 def srv(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW, priority_feed=tmp_path / "priority-feed.json").start()
     with httpx.Client(base_url=s.url, timeout=10) as client:
         yield s, client, tmp_path / "priority-feed.json"
@@ -113,7 +113,7 @@ def test_metrics_user_labels_option_publishes_user_names(tmp_path):
     feed = tmp_path / "feed.json"
     feed.write_text(json.dumps({"generated_at": NOW, "associations": [
         {"account": "physics", "user": "ann", "fairshare": 0.75, "site_factor": 7500}]}))
-    store = SqliteStore(tmp_path / "s.db", clock=lambda: NOW)
+    store = Store(tmp_path / "s.db", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW, priority_feed=feed, metrics_user_labels=True).start()
     try:
         assert 'gpuledger_fairshare_ratio{account="physics",user="ann"} 0.75' in httpx.get(s.url + "/metrics").text
@@ -201,7 +201,7 @@ def mutated_bodies(draw):
 
 @pytest.fixture(scope="module")
 def fuzz_srv(tmp_path_factory):
-    store = SqliteStore(tmp_path_factory.mktemp("fuzz") / "c.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path_factory.mktemp("fuzz") / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW, max_body_bytes=64 * 1024).start()
     with httpx.Client(base_url=s.url, timeout=10) as client:
         yield s, client

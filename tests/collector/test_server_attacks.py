@@ -17,7 +17,7 @@ import zstandard
 from gpuledger.agent.push import encode_batch
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.schema.records import GpuSample
 
 NOW = 1_700_000_000.0
@@ -34,7 +34,7 @@ def honest(seq: int, host: str = "n1", start: float = NOW - 600) -> bytes:
 
 @pytest.fixture
 def srv(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW, request_timeout_s=1.5, max_inflight=2, max_per_host=2,
                         max_series_points=100, max_page=2,
                         auth=Authenticator({"n1": N1, "n2": N2}, read_tokens=["read-token-0123456789"])).start()
@@ -220,7 +220,7 @@ def tiny_disk(tmp_path):
 
 def test_disk_full_is_507_reads_go_on_and_ingest_recovers_without_restart(tiny_disk, caplog):
     mnt, mounted = tiny_disk
-    store = SqliteStore(mnt / "c.sqlite", clock=lambda: NOW)
+    store = Store(mnt / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW).start()
     try:
         assert push(s, honest(0)).status_code == 200
@@ -262,7 +262,7 @@ def test_disk_full_is_507_reads_go_on_and_ingest_recovers_without_restart(tiny_d
 
 
 def test_a_node_inventing_gpus_is_capped_and_its_real_gpus_go_on(tmp_path):
-    store = SqliteStore(tmp_path / "c.sqlite", clock=lambda: NOW, max_gpus_per_host=16)
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW, max_gpus_per_host=16)
     s = CollectorServer(store, clock=lambda: NOW, auth=Authenticator({"n1": N1})).start()
     try:
         assert push(s, honest(0)).status_code == 200  # its 8 real GPUs

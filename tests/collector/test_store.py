@@ -1,14 +1,15 @@
-"""The SQLite store: one transaction per batch, idempotency, restart exactness, queries."""
+"""The store on either ledger engine (SQLite, PostgreSQL): one transaction per batch, idempotency, restart
+exactness, queries."""
 
 from __future__ import annotations
 
 import random
-import sqlite3
 
 import pytest
+from ledger_engines import allow_inserts, fail_inserts
 
 from gpuledger.collector.aggregate import Aggregator
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -51,9 +52,9 @@ def assert_usage_equal(a, b) -> None:
                 assert v == db[k][f], (k, f)
 
 
-def test_ingest_matches_in_memory_aggregation(tmp_path):
+def test_ingest_matches_in_memory_aggregation(ledger):
     samples = stream(60)
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(ledger)
     for b in batches(samples, 7):
         r = store.ingest(b)
         assert r.accepted == len(b.samples) and not r.duplicate_batch
@@ -67,8 +68,8 @@ def test_ingest_matches_in_memory_aggregation(tmp_path):
     store.close()
 
 
-def test_duplicate_batch_is_acknowledged_and_not_stored_again(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite")
+def test_duplicate_batch_is_acknowledged_and_not_stored_again(ledger):
+    store = Store(ledger)
     (b,) = batches(stream(5, gpus=("G0",)), 100)
     assert store.ingest(b).accepted == 5
     before = as_dicts(store.job_usage(per_gpu=True))
@@ -85,40 +86,66 @@ def test_duplicate_batch_is_acknowledged_and_not_stored_again(tmp_path):
 
 
 @pytest.mark.parametrize("cut", [1, 5, 13])
-def test_restart_mid_stream_equals_uninterrupted_run(tmp_path, cut):
+def test_restart_mid_stream_equals_uninterrupted_run(new_ledger, cut):
     samples = stream(80, seed=cut)
     rnd = random.Random(cut)
     # jitter the order within the window so late inserts straddle the restart
     samples.sort(key=lambda s: s.ts + rnd.uniform(-200, 200))
     bs = batches(samples, 9)
-    one = SqliteStore(tmp_path / "one.sqlite")
+    one_ledger, two_ledger = new_ledger(), new_ledger()
+    one = Store(one_ledger)
     for b in bs:
         one.ingest(b)
-    two = SqliteStore(tmp_path / "two.sqlite")
+    two = Store(two_ledger)
     for i, b in enumerate(bs):
         if i == cut:
             two.close()
-            two = SqliteStore(tmp_path / "two.sqlite")
+            two = Store(two_ledger)
         two.ingest(b)
-    assert_usage_equal(one.job_usage(per_gpu=True), two.job_usage(per_gpu=True))
+    # restoring a GPU's window and totals from the ledger is exact: the same sums to the last bit
+    assert one.job_usage(per_gpu=True) == two.job_usage(per_gpu=True)
+    assert one.job_usage() == two.job_usage()
+    assert one.gpus() == two.gpus() and one.energy_gaps() == two.energy_gaps()
     assert one.totals() == pytest.approx(two.totals())
     one.close()
     two.close()
 
 
-def test_failed_write_stores_nothing_and_keeps_memory_consistent(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite")
+def test_a_restored_window_keeps_its_anchor_from_a_chunk_reaching_past_the_window(new_ledger):
+    """The sample before the late window (the anchor: the previous sample of a late one landing first in the
+    window) sits in a chunk that reaches into the window: restored with it, a late sample splits the same interval
+    as in memory."""
+    mk = lambda ts, job: GpuSample(ts=T0 + ts, host="n1", gpu_uuid="G0", gpu_index=0,  # noqa: E731
+                                   energy_joules=100.0 * ts, power_watts=100.0, job_ids=(job,))
+    first = Batch("a", 0, "n1", (mk(0, "1"), mk(10, "1"), mk(20, "1"), mk(30, "1"), mk(45, "2"), mk(100, "2")))
+    late = Batch("a", 1, "n1", (mk(42, "3"),))  # window 60 s: 40 to 100; its previous sample is the anchor at 30
+    one, two = new_ledger(), new_ledger()
+    kept = Store(one, window_s=60)
+    restarted = Store(two, window_s=60)
+    for store in (kept, restarted):
+        store.ingest(first)
+    restarted.close()
+    restarted = Store(two, window_s=60)
+    for store in (kept, restarted):
+        assert store.ingest(late).accepted == 1
+    assert restarted.job_usage(per_gpu=True) == kept.job_usage(per_gpu=True)
+    assert {u.job_id: u.allocated_gpu_seconds for u in restarted.job_usage()} == {"1": 30.0, "2": 58.0, "3": 12.0}
+    kept.close()
+    restarted.close()
+
+
+def test_failed_write_stores_nothing_and_keeps_memory_consistent(ledger):
+    store = Store(ledger)
     samples = stream(30, gpus=("G0",))
     store.ingest(Batch("a1", 0, "n1", tuple(samples[:10])))
     before = as_dicts(store.job_usage(per_gpu=True))
     # A trigger makes the batch-id insert fail after samples and aggregation were written.
-    store._db.execute("CREATE TRIGGER boom BEFORE INSERT ON batch_keys WHEN NEW.seq = 1 "
-                      "BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
-    with pytest.raises(sqlite3.DatabaseError, match="disk says no"):
+    fail_inserts(store, "batch_keys", "NEW.seq = 1", "disk says no")
+    with pytest.raises(Exception, match="disk says no"):
         store.ingest(Batch("a1", 1, "n1", tuple(samples[10:20])))
     assert as_dicts(store.job_usage(per_gpu=True)) == before
     assert len(store.series("n1", "G0", 0, 2e9)) == 10
-    store._db.execute("DROP TRIGGER boom")
+    allow_inserts(store, "batch_keys")
     store.ingest(Batch("a1", 1, "n1", tuple(samples[10:20])))
     store.ingest(Batch("a1", 2, "n1", tuple(samples[20:])))
     ref = Aggregator()
@@ -128,17 +155,18 @@ def test_failed_write_stores_nothing_and_keeps_memory_consistent(tmp_path):
     store.close()
 
 
-def test_too_late_samples_are_counted_not_stored(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", window_s=60)
+def test_too_late_samples_are_counted_not_stored(ledger):
+    store = Store(ledger, window_s=60)
     mk = lambda ts: GpuSample(ts=ts, host="n1", gpu_uuid="G0", gpu_index=0, job_ids=("1",))  # noqa: E731
     store.ingest(Batch("a", 0, "n1", (mk(T0), mk(T0 + 100))))
     r = store.ingest(Batch("a", 1, "n1", (mk(T0 + 30), mk(T0 + 50), mk(T0 + 110))))
     assert (r.accepted, r.too_late) == (2, 1)
     assert [s.ts for s in store.series("n1", "G0", 0, 2e9)] == [T0, T0 + 50, T0 + 100, T0 + 110]
+    store.close()
 
 
-def test_jobs_upsert_is_idempotent(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite")
+def test_jobs_upsert_is_idempotent(ledger):
+    store = Store(ledger)
     recs = [JobRecord("1", cluster="c", user="ann", hosts=("n1",), tres=(("gres/gpu", 2.0),)),
             JobRecord("2", cluster="c", user="bob")]
     assert store.put_jobs(recs) == 2
@@ -149,8 +177,8 @@ def test_jobs_upsert_is_idempotent(tmp_path):
     store.close()
 
 
-def test_series_and_totals(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite")
+def test_series_and_totals(ledger):
+    store = Store(ledger)
     mk = lambda ts, e, j=("1",): GpuSample(ts=ts, host="n1", gpu_uuid="G0", gpu_index=0,  # noqa: E731
                                           energy_joules=e, sm_active_ratio=0.5, job_ids=j)
     h = 3600.0 * 500_000  # an hour boundary
@@ -171,30 +199,25 @@ def test_series_and_totals(tmp_path):
     store.close()
 
 
-def test_schema_version_mismatch_is_refused(tmp_path):
-    SqliteStore(tmp_path / "s.sqlite").close()
-    db = sqlite3.connect(tmp_path / "s.sqlite")
-    db.execute("UPDATE meta SET value='999' WHERE key='schema'")
-    db.commit()
-    db.close()
+def test_schema_version_mismatch_is_refused(ledger):
+    store = Store(ledger)
+    store.db.execute("UPDATE meta SET value='999' WHERE key='schema'")
+    store.close()
     with pytest.raises(RuntimeError, match="schema 999"):
-        SqliteStore(tmp_path / "s.sqlite")
+        Store(ledger)
 
 
-def test_raw_rows_survive_reopen_and_refuse_reordered_fields(tmp_path):
+def test_raw_rows_survive_reopen_and_refuse_reordered_fields(ledger):
     from gpuledger.schema.records import GpuProcess
 
     s = GpuSample(ts=T0, host="n1", gpu_uuid="G0", gpu_index=3, mig="1.0", processes=(GpuProcess(5, 7), GpuProcess(6)),
                   xid_errors=(79,), job_ids=("1", "2"), job_shares=(0.5, 0.5), temp_celsius=40.0)
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(ledger)
     store.ingest(Batch("a", 0, "n1", (s,)))
     store.close()
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(ledger)
     assert store.series("n1", "G0", T0, T0, mig="1.0") == [s]
+    store.db.execute("""UPDATE meta SET value='["host", "ts"]' WHERE key='sample_fields'""")
     store.close()
-    db = sqlite3.connect(tmp_path / "s.sqlite")
-    db.execute("""UPDATE meta SET value='["host", "ts"]' WHERE key='sample_fields'""")
-    db.commit()
-    db.close()
     with pytest.raises(RuntimeError, match="not a prefix"):
-        SqliteStore(tmp_path / "s.sqlite")
+        Store(ledger)

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.store_cli import DB_NAME, app
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample
@@ -15,7 +15,7 @@ H = 3600.0 * 480_000
 
 
 def test_compact_series_totals(tmp_path):
-    store = SqliteStore(tmp_path / DB_NAME)
+    store = Store(tmp_path / DB_NAME)
     ss = tuple(GpuSample(ts=H + i * 10, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=100.0 + i,
                          job_ids=("5",)) for i in range(400))
     store.ingest(Batch("a", 0, "n1", ss))
@@ -41,12 +41,12 @@ def test_series_endpoint_picks_the_tier(tmp_path) -> None:
     import httpx
 
     from gpuledger.collector.server import CollectorServer
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
     from gpuledger.collector.validate import Batch
     from gpuledger.schema.records import GpuSample
 
     t0 = 1_800_000_000.0
-    store = SqliteStore(tmp_path / "s.sqlite", clock=lambda: t0 + 7200)
+    store = Store(tmp_path / "s.sqlite", clock=lambda: t0 + 7200)
     store.ingest(Batch("a", 1, "h", tuple(GpuSample(ts=t0 + 10 * i, host="h", gpu_uuid="G", gpu_index=0,
                                                     power_watts=100.0 + i) for i in range(360))))
     server = CollectorServer(store, clock=lambda: t0 + 7200).start()

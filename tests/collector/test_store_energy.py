@@ -9,7 +9,7 @@ import httpx
 
 from gpuledger.collector.config import load_settings
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample
 
@@ -24,12 +24,12 @@ def S(dt: float, e: float | None, jobs: tuple[str, ...] = ("j",), **kw) -> GpuSa
 
 def test_gap_records_anomalies_and_unattributed_energy_survive_a_restart(tmp_path):
     path = tmp_path / "s.sqlite"
-    store = SqliteStore(path, window_s=8000.0)  # a late window that reaches back into the gap
+    store = Store(path, window_s=8000.0)  # a late window that reaches back into the gap
     # (0,10] 1000 J; (10,7210] gap, jobs differ: 720000 J unattributed; (7210,7220] counter back: anomaly, 0 J
     store.ingest(Batch("a", 0, "n1", (S(0, 0.0), S(10, 1000.0))))
     store.ingest(Batch("a", 1, "n1", (S(7210, 721000.0, ("k",)), S(7220, 5.0, ("k",)))))
     store.close()
-    store = SqliteStore(path, window_s=8000.0)  # a late window that reaches back into the gap
+    store = Store(path, window_s=8000.0)  # a late window that reaches back into the gap
     assert store.energy_gaps() == [
         {
             "host": "n1",
@@ -61,7 +61,7 @@ def test_gap_records_anomalies_and_unattributed_energy_survive_a_restart(tmp_pat
 
 def test_a_store_from_before_gains_the_new_columns(tmp_path):
     path = tmp_path / "old.sqlite"
-    SqliteStore(path).close()
+    Store(path).close()
     db = sqlite3.connect(path)
     for table, col in (
         ("usage", "gap_s"),
@@ -72,7 +72,7 @@ def test_a_store_from_before_gains_the_new_columns(tmp_path):
         db.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
     db.commit()
     db.close()
-    store = SqliteStore(path)
+    store = Store(path)
     store.ingest(Batch("a", 0, "n1", (S(0, 0.0), S(10, 1000.0))))
     (u,) = store.job_usage()
     assert u.energy_joules == 1000.0 and u.gap_gpu_seconds == 0.0
@@ -81,7 +81,7 @@ def test_a_store_from_before_gains_the_new_columns(tmp_path):
 
 
 def test_anomaly_counter_metric_on_the_real_server(tmp_path):
-    store = SqliteStore(tmp_path / "m.sqlite")
+    store = Store(tmp_path / "m.sqlite")
     server = CollectorServer(store, clock=lambda: T0 + 100).start()
     try:
         with httpx.Client(base_url=server.url) as c:
@@ -103,7 +103,7 @@ def test_power_caps_come_from_the_collector_table(tmp_path):
     (tmp_path / "gpuledger.toml").write_text('[collector]\npower_cap_w = 900\n[collector.power_caps]\n"H200" = 700\n')
     st = load_settings(tmp_path)
     assert st.power_cap_w == 900.0 and st.power_caps == {"H200": 700.0} and st.max_gap_s == 60.0
-    store = SqliteStore(tmp_path / "c.sqlite", power_cap_w=st.power_cap_w, power_caps=st.power_caps)
+    store = Store(tmp_path / "c.sqlite", power_cap_w=st.power_cap_w, power_caps=st.power_caps)
     # +7500 J in 10 s: more than 700 W x 10 s -> untrusted; power 800 W clipped to 700 W
     store.ingest(Batch("a", 0, "n1", (S(0, 0.0), S(10, 7500.0, power_watts=800.0))))
     (u,) = store.job_usage()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gpuledger.agent.push import encode_batch
 from gpuledger.collector.aggregate import normalize_mig
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch, parse_batch
 from gpuledger.schema.records import GpuSample
 
@@ -47,12 +47,12 @@ def body(agent: str, seq: int, samples: list[GpuSample], layout: str, fmt: str) 
     return encode_batch(agent, "n1", seq, samples, fmt=fmt, layout=layout)
 
 
-def ingest_all(store: SqliteStore, batches: list[list[GpuSample]], layout: str, fmt: str = "msgpack",
-               restart_at: int | None = None, path=None) -> SqliteStore:
+def ingest_all(store: Store, batches: list[list[GpuSample]], layout: str, fmt: str = "msgpack",
+               restart_at: int | None = None, path=None) -> Store:
     for i, ss in enumerate(batches):
         if i == restart_at:
             store.close()
-            store = SqliteStore(path)
+            store = Store(path)
         ct = "application/msgpack" if fmt == "msgpack" else "application/json"
         b = parse_batch(body("a", i, ss, layout, fmt), ct, NOW)
         assert bool(b.series) == (layout == "series")
@@ -60,7 +60,7 @@ def ingest_all(store: SqliteStore, batches: list[list[GpuSample]], layout: str, 
     return store
 
 
-def snapshot(store: SqliteStore) -> tuple:
+def snapshot(store: Store) -> tuple:
     gpus = [("n1", f"G{g}") for g in range(4)]
     return (
         [u.to_dict() for u in store.job_usage(per_gpu=True)],
@@ -95,8 +95,8 @@ def test_series_layout_equals_row_layout(tmp_path_factory, seed, late, restart, 
     batches = cut(stream(rnd, gpus=4, n=rnd.randint(20, 160), step=rnd.choice([1.0, 10.0])), rnd,
                   (1, 300), late)
     d = tmp_path_factory.mktemp("s")
-    rows = ingest_all(SqliteStore(d / "rows.sqlite"), batches, "samples")
-    cols = ingest_all(SqliteStore(d / "cols.sqlite"), batches, "series", fmt, restart_at=restart,
+    rows = ingest_all(Store(d / "rows.sqlite"), batches, "samples")
+    cols = ingest_all(Store(d / "cols.sqlite"), batches, "series", fmt, restart_at=restart,
                       path=d / "cols.sqlite")
     assert snapshot(cols) == snapshot(rows)
     rows.compact(now=NOW)
@@ -109,7 +109,7 @@ def test_series_layout_equals_row_layout(tmp_path_factory, seed, late, restart, 
 def test_in_order_series_take_the_columnar_path_and_late_ones_fall_back(tmp_path):
     rnd = random.Random(1)
     samples = stream(rnd, gpus=2, n=100, step=1.0)
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(tmp_path / "s.sqlite")
     first = [s for s in samples if s.ts < T0 + 40]
     b = parse_batch(body("a", 0, first, "series", "msgpack"), "application/msgpack", NOW)
     r = store.ingest(b)
@@ -131,7 +131,7 @@ def test_in_order_series_take_the_columnar_path_and_late_ones_fall_back(tmp_path
 
 def test_duplicate_series_batch_is_acknowledged_once(tmp_path):
     samples = stream(random.Random(2), gpus=2, n=30, step=10.0)
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(tmp_path / "s.sqlite")
     raw = body("a", 5, samples, "series", "msgpack")
     assert store.ingest(parse_batch(raw, "application/msgpack", NOW)).accepted == len(samples)
     before = snapshot(store)
@@ -151,9 +151,9 @@ def test_series_and_rows_in_one_python_batch(tmp_path):
     half = len(samples) // 2
     parsed = parse_batch(body("a", 0, samples[half:], "series", "msgpack"), "application/msgpack", NOW)
     mixed = Batch("a", 0, "n1", rows=tuple(samples[:half]), series=parsed.series)
-    store = SqliteStore(tmp_path / "mixed.sqlite")
+    store = Store(tmp_path / "mixed.sqlite")
     assert store.ingest(mixed).accepted == len(samples)
-    ref = SqliteStore(tmp_path / "ref.sqlite")
+    ref = Store(tmp_path / "ref.sqlite")
     ref.ingest(Batch("a", 0, "n1", tuple(samples)))
     assert snapshot(store) == snapshot(ref)
     store.close()
@@ -164,7 +164,7 @@ def test_series_and_rows_in_one_python_batch(tmp_path):
 def test_raw_chunks_of_a_series_read_back_exactly(tmp_path, binary):
     samples = stream(random.Random(4), gpus=4, n=90, step=1.0)
     fmt = "msgpack" if binary else "json"
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(tmp_path / "s.sqlite")
     store.ingest(parse_batch(body("a", 0, samples, "series", fmt),
                              "application/msgpack" if binary else "application/json", time.time()))
     stored = normalize_mig(samples)  # a MIG instance is stored as counted: with its GPU's values (aggregate)
@@ -187,7 +187,7 @@ def test_compaction_merges_small_raw_chunks_and_leaves_large_ones(tmp_path):
     h = 3600.0 * 472_223  # an hour boundary
     mk = [GpuSample(ts=h + i, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=100.0 + i % 7,
                     energy_joules=1e6 + 100.0 * i, job_ids=("1",)) for i in range(1200)]
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(tmp_path / "s.sqlite")
     parts = [mk[:600], mk[600:610], mk[610:620], mk[620:630], mk[630:]]
     for i, p in enumerate(parts):
         store.ingest(parse_batch(body("a", i, p, "series", "msgpack"), "application/msgpack", h + 10**5))

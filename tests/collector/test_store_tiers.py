@@ -11,7 +11,7 @@ import pytest
 
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_store import HOUR, MINUTE, RAW, Retention
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 
@@ -33,12 +33,12 @@ def gen(n: int, step: float = 10.0, gpus=("G0", "G1"), t0: float = H, seed: int 
     return out
 
 
-def ingest_all(store: SqliteStore, samples: list[GpuSample], size: int = 500, agent: str = "a") -> None:
+def ingest_all(store: Store, samples: list[GpuSample], size: int = 500, agent: str = "a") -> None:
     for i, j in enumerate(range(0, len(samples), size)):
         store.ingest(Batch(agent, i, "n1", tuple(samples[j:j + size])))
 
 
-def chunk_rows(store: SqliteStore, tier: int) -> list[tuple]:
+def chunk_rows(store: Store, tier: int) -> list[tuple]:
     return store._db.execute(
         "SELECT host, gpu_uuid, mig, bucket, t_min, t_max, n FROM chunks WHERE tier=? ORDER BY 1,2,3,4,5", (tier,)
     ).fetchall()
@@ -53,7 +53,7 @@ class Clock:
 
 
 def test_raw_samples_live_in_chunks_not_rows(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(tmp_path / "s.sqlite")
     ss = gen(300)  # 3,000 s per GPU: within one raw hour
     store.ingest(Batch("a", 0, "n1", tuple(ss)))
     rows = chunk_rows(store, RAW)
@@ -66,7 +66,7 @@ def test_raw_samples_live_in_chunks_not_rows(tmp_path):
 
 def test_compaction_rolls_up_closed_minutes_exactly_and_is_idempotent(tmp_path):
     clock = Clock(H + 4 * 3600)
-    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=clock)
+    store = Store(tmp_path / "s.sqlite", window_s=600, clock=clock)
     ss = gen(1200, step=10.0)  # 3 h 20 min per GPU, in 500-sample batches: many small chunks
     ingest_all(store, ss)
     assert len(chunk_rows(store, RAW)) > 8
@@ -106,7 +106,7 @@ def test_compaction_rolls_up_closed_minutes_exactly_and_is_idempotent(tmp_path):
 
 
 def test_minute_at_the_horizon_waits_for_late_samples(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
+    store = Store(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
     mk = lambda ts, p: GpuSample(ts=ts, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=p)  # noqa: E731
     store.ingest(Batch("a", 0, "n1", (mk(H, 1.0), mk(H + 59, 2.0), mk(H + 660, 3.0))))
     store.compact()  # horizon = H + 60: only minute H is closed
@@ -122,7 +122,7 @@ def test_minute_at_the_horizon_waits_for_late_samples(tmp_path):
 
 
 def test_rollup_query_fills_the_recent_tail_from_raw(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
+    store = Store(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
     ss = gen(400, gpus=("G0",))
     ingest_all(store, ss)
     before = store.series("n1", "G0", H, H + 4000, step=60, tier=MINUTE)  # nothing rolled up: all from raw
@@ -139,7 +139,7 @@ def test_rollup_query_fills_the_recent_tail_from_raw(tmp_path):
 def test_retention_drops_only_rolled_up_data_and_queries_pick_the_complete_tier(tmp_path):
     clock = Clock(H + 4 * 3600)
     ret = Retention(raw_s=2 * 3600, minute_s=5 * 3600, raw_chunk_s=600, minute_chunk_s=3600, hour_chunk_s=3600)
-    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=clock, retention=ret)
+    store = Store(tmp_path / "s.sqlite", window_s=600, clock=clock, retention=ret)
     ss = gen(1080, step=10.0, gpus=("G0",))  # H .. H + 3 h
     ingest_all(store, ss)
     gk = ("n1", "G0", "")
@@ -166,13 +166,13 @@ def test_retention_drops_only_rolled_up_data_and_queries_pick_the_complete_tier(
 def test_retention_never_drops_raw_that_is_not_rolled_up(tmp_path):
     ret = Retention(raw_s=3600, raw_chunk_s=600)
     clock = Clock(H + 30 * DAY)
-    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=clock, retention=ret)
+    store = Store(tmp_path / "s.sqlite", window_s=600, clock=clock, retention=ret)
     ss = gen(30, step=10.0, gpus=("G0",))  # 300 s: the GPU then went silent; its window never closes
     ingest_all(store, ss)
     store.compact()
     assert store.series("n1", "G0", H, H + 1e6) == ss
     with pytest.raises(ValueError, match="late window"):
-        SqliteStore(tmp_path / "t.sqlite", window_s=3600, retention=ret)
+        Store(tmp_path / "t.sqlite", window_s=3600, retention=ret)
     store.close()
 
 
@@ -182,8 +182,8 @@ def test_restart_after_compaction_keeps_aggregation_exact(tmp_path):
     ss = gen(1500, step=10.0, seed=3)
     rnd = random.Random(1)
     ss.sort(key=lambda s: s.ts + rnd.uniform(-200, 200))  # late samples straddle batches and restarts
-    one = SqliteStore(tmp_path / "one.sqlite", clock=clock, retention=ret)
-    two = SqliteStore(tmp_path / "two.sqlite", clock=clock, retention=ret)
+    one = Store(tmp_path / "one.sqlite", clock=clock, retention=ret)
+    two = Store(tmp_path / "two.sqlite", clock=clock, retention=ret)
     for i, j in enumerate(range(0, len(ss), 250)):
         b = Batch("a", i, "n1", tuple(ss[j:j + 250]))
         one.ingest(b)
@@ -191,7 +191,7 @@ def test_restart_after_compaction_keeps_aggregation_exact(tmp_path):
         clock.t += 600
         two.compact()
         two.close()
-        two = SqliteStore(tmp_path / "two.sqlite", clock=clock, retention=ret)
+        two = Store(tmp_path / "two.sqlite", clock=clock, retention=ret)
     ua = {(u.job_id, u.gpu_uuid): u.to_dict() for u in one.job_usage(per_gpu=True)}
     ub = {(u.job_id, u.gpu_uuid): u.to_dict() for u in two.job_usage(per_gpu=True)}
     assert ua.keys() == ub.keys()
@@ -221,7 +221,7 @@ def test_schema_1_rows_are_migrated_into_chunks(tmp_path):
                    (s.host, s.gpu_uuid, "", s.ts, msgpack.packb(row, use_bin_type=True)))
     db.commit()
     db.close()
-    store = SqliteStore(path)
+    store = Store(path)
     assert store.series("n1", "G0", 0, 2e9) == ss
     assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
     assert not store._db.execute("SELECT 1 FROM sqlite_master WHERE name='samples'").fetchone()
@@ -229,7 +229,7 @@ def test_schema_1_rows_are_migrated_into_chunks(tmp_path):
 
 
 def test_rollup_means_match_numpy_over_random_data(tmp_path):
-    store = SqliteStore(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
+    store = Store(tmp_path / "s.sqlite", window_s=600, clock=Clock(H + DAY))
     ss = gen(2000, step=3.7, gpus=("G0",), seed=9)
     ingest_all(store, ss, size=333)
     store.compact()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from gpuledger.collector import validate
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.collector.validate import BatchError, parse_batch
 from gpuledger.schema.records import INT_FIELDS, NONNEG_FIELDS, RATIO_FIELDS, GpuProcess, GpuSample
 from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, from_series, to_series
@@ -661,7 +661,7 @@ def _check_accepted(b: validate.Batch, allowed: str | None) -> None:
 
 @pytest.fixture(scope="module")
 def http_srv(tmp_path_factory):
-    store = SqliteStore(tmp_path_factory.mktemp("series-fuzz") / "c.sqlite", clock=lambda: NOW)
+    store = Store(tmp_path_factory.mktemp("series-fuzz") / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW, max_body_bytes=256 * 1024).start()
     with httpx.Client(base_url=s.url, timeout=20) as client:
         yield s, client

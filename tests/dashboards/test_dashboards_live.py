@@ -24,7 +24,7 @@ from gpuledger.agent.push import HttpPusher
 from gpuledger.cli import app
 from gpuledger.collector.server import FEED_NAME, CollectorServer
 from gpuledger.collector.sinks.influx import InfluxSink
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.dashboards import influxdb_defs, lint, prometheus_defs
 from gpuledger.dashboards.schema import INFLUX_SCHEMA
 from gpuledger.demo import CONFIG_NAME, STORE_NAME, run_demo
@@ -60,7 +60,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for argv in (["report", "usage", "--influx"], ["priority", "feed"]):
             r = CliRunner().invoke(app, [*argv, "--data-dir", str(data)])
             assert r.exit_code == 0 and "written to InfluxDB" in r.stderr, r.output
-        store = SqliteStore(data / STORE_NAME)
+        store = Store(data / STORE_NAME)
         es.callback(store.close)
 
         # the accounting dashboard's per-user panels: a site that publishes user names on /metrics

@@ -12,7 +12,7 @@ from pathlib import Path
 from dashboards_grafana import ROOT, load, targets, validate  # first: puts the repository root on sys.path
 
 from gpuledger.collector.server import CollectorServer
-from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.store import Store
 from gpuledger.dashboards import build, lint
 from gpuledger.dashboards.schema import AGENT_GPU_METRICS, COLLECTOR_METRICS, INFLUX_SCHEMA
 from gpuledger.schema.records import SAMPLE_FIELDS
@@ -118,7 +118,7 @@ def test_schema_constants_match_the_code(tmp_path: Path) -> None:
     feed = tmp_path / "priority-feed.json"
     feed.write_text(json.dumps({"generated_at": 1.0, "associations": [
         {"account": "a", "user": "u", "fairshare": 0.5, "site_factor": 5000}]}))
-    store = SqliteStore(tmp_path / "s.sqlite")
+    store = Store(tmp_path / "s.sqlite")
     try:
         server = CollectorServer(store, priority_feed=feed).start()
         names = set()

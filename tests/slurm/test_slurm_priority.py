@@ -126,7 +126,7 @@ def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmClust
 
     from gpuledger.accounting.audit import open_log
     from gpuledger.cli import app
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
     from gpuledger.collector.validate import Batch
     from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -138,7 +138,7 @@ def test_cli_priority_apply_from_the_ledger_is_audited(slurm_cluster: SlurmClust
         f'[accounting]\nalgorithm = "fair-tree"\npolicy = "allocated"\npriority_weight = {WEIGHT}\n')
     # Measured GPU-seconds per user, the reverse of USAGE_NOW's picture: carol busy, bob idle.
     measured = {"9001": ("proj_a", "alice", 100), "9002": ("proj_a", "bob", 0), "9003": ("proj_b", "carol", 400)}
-    store = SqliteStore(tmp_path / "gpuledger.sqlite")
+    store = Store(tmp_path / "gpuledger.sqlite")
     try:
         now = time.time()
         store.put_jobs([JobRecord(job_id=j, cluster="testcluster", account=a, user=u, gpus=1)

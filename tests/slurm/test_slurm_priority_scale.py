@@ -167,7 +167,7 @@ def test_watch_daemon_applies_the_ledger_and_follows_a_job_end(slurm_cluster: Sl
     import urllib.request
     from pathlib import Path
 
-    from gpuledger.collector.store import SqliteStore
+    from gpuledger.collector.store import Store
     from gpuledger.collector.validate import Batch
     from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -179,7 +179,7 @@ def test_watch_daemon_applies_the_ledger_and_follows_a_job_end(slurm_cluster: Sl
                                              "priority_weight = 10000\n")
 
     def ended_job(job_id: str, account: str, user: str, end: float) -> None:
-        store = SqliteStore(tmp_path / "gpuledger.sqlite")
+        store = Store(tmp_path / "gpuledger.sqlite")
         try:
             store.put_jobs([JobRecord(job_id=job_id, cluster="testcluster", account=account, user=user, gpus=1,
                                       start=end - 100, end=end, state="COMPLETED")])

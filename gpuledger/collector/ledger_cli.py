@@ -1,0 +1,120 @@
+"""``gpuledger ledger status|migrate``: where a ledger's schema stands, and bringing it up to date.
+
+The ledger is ``--ledger-url`` (``postgresql://...`` or a SQLite file; also ``GPULEDGER_LEDGER_URL``), else the
+embedded store of ``--data-dir``. Neither command creates a SQLite store (a mistyped directory is exit 2); a
+PostgreSQL database must exist (its DBA creates it), ``migrate`` creates the tables in it. A collector applies
+pending migrations itself when it opens the ledger; ``migrate`` does it ahead, e.g. before collectors of a new
+release start. Errors are one line: exit 2 for bad input (an unknown URL scheme, no store), 1 when the server
+cannot be reached or the ledger was written by a newer gpuledger.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gpuledger.collector.db import POSTGRESQL, Database, DatabaseUnavailable, is_postgres_url, open_database
+from gpuledger.collector.migrations import LATEST, LedgerTooNew, Status, migrate, status
+from gpuledger.collector.store import STORE_NAME
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail
+
+app = typer.Typer(help="The ledger's schema: status and migrations (SQLite or PostgreSQL).", no_args_is_help=True)
+
+DataDir = Annotated[Path, typer.Option("--data-dir", envvar="GPULEDGER_DATA_DIR",
+                                       help="Directory of the embedded store (used without --ledger-url).")]
+LedgerUrl = Annotated[str | None, typer.Option(
+    "--ledger-url", envvar="GPULEDGER_LEDGER_URL", metavar="URL", show_default=False,
+    help="The ledger: postgresql://... or a SQLite file [default: <data-dir>/gpuledger.sqlite]. Put a PostgreSQL "
+         "password in a libpq password file (PGPASSFILE), not in the URL.")]
+
+
+def _open(ledger_url: str | None, data_dir: Path) -> Database:
+    """The ledger's database, never a new SQLite file; exit 2 for none or a bad URL, 1 when unreachable."""
+    target = ledger_url or str(data_dir / STORE_NAME)
+    if not is_postgres_url(target):
+        path = target.removeprefix("sqlite://")
+        if "://" in path:
+            fail(f"ledger URL {target.split('://', 1)[0]}://...: unknown scheme (use postgresql://... or the path "
+                 "of a SQLite file)")
+        if not Path(path).is_file():
+            fail(f"no gpuledger store at {path} (run a collector or `gpuledger demo` first, or pass --data-dir or "
+                 "--ledger-url)")
+        target = path
+    try:
+        return open_database(target)
+    except DatabaseUnavailable as e:
+        fail(str(e), code=1)
+
+
+def _state(st: Status) -> list[dict]:
+    rows: list[dict] = []
+    for a in st.applied:
+        rows.append({"version": a.version, "name": a.name, "state": "newer" if a.version > LATEST else "applied",
+                     "applied_at": datetime.fromtimestamp(a.applied_at, UTC).isoformat(timespec="seconds")})
+    rows += [{"version": m.version, "name": m.name, "state": "pending", "applied_at": None} for m in st.pending]
+    return sorted(rows, key=lambda r: r["version"])
+
+
+@app.command("status")
+def status_cmd(
+    data_dir: DataDir = Path("gpuledger-data"),
+    ledger_url: LedgerUrl = None,
+    fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.table,
+) -> None:
+    """The ledger's backend, URL (without a password), and its applied, pending and unknown (newer) migrations."""
+    db = _open(ledger_url, data_dir)
+    try:
+        st = status(db)
+    except DatabaseUnavailable as e:
+        fail(str(e), code=1)
+    finally:
+        db.close()
+    rows = _state(st)
+    doc = {"backend": db.dialect, "url": db.url, "latest_known": LATEST, "meta_format": st.meta_format,
+           "applied": [r["version"] for r in rows if r["state"] != "pending"],
+           "pending": [r["version"] for r in rows if r["state"] == "pending"],
+           "newer": [r["version"] for r in rows if r["state"] == "newer"], "migrations": rows}
+    if fmt is Format.table:
+        sys.stdout.write(f"backend  {db.dialect}\nledger   {db.url}\n\n")
+    emit(fmt, rows, [Column("version", "version"), Column("name", "name", left=True),
+                     Column("state", "state", left=True), Column("applied at (UTC)", "applied_at", left=True)],
+         json_doc=doc)
+    if st.unknown and fmt is Format.table:
+        sys.stdout.write(f"\nthis ledger was written by a newer gpuledger (migrations up to {st.unknown[-1].version}; "
+                         f"this one knows {LATEST}): upgrade gpuledger\n")
+
+
+@app.command("migrate")
+def migrate_cmd(
+    data_dir: DataDir = Path("gpuledger-data"),
+    ledger_url: LedgerUrl = None,
+    fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.table,
+) -> None:
+    """Apply the pending migrations (in one transaction, under the ledger's migrations lock); prints them."""
+    db = _open(ledger_url, data_dir)
+    try:
+        applied = migrate(db)
+    except DatabaseUnavailable as e:
+        fail(str(e), code=1)
+    except LedgerTooNew as e:
+        fail(str(e), code=1)
+    finally:
+        db.close()
+    if fmt is Format.json:
+        typer.echo(json.dumps({"backend": db.dialect, "url": db.url, "latest": LATEST,
+                               "applied": [{"version": m.version, "name": m.name} for m in applied]}, indent=2))
+        return
+    if fmt is Format.csv:
+        emit(fmt, [{"version": m.version, "name": m.name} for m in applied],
+             [Column("version", "version"), Column("name", "name")])
+        return
+    where = f"{'PostgreSQL' if db.dialect == POSTGRESQL else 'SQLite'} ledger {db.url}"
+    for m in applied:
+        typer.echo(f"applied {m.version}: {m.name}")
+    typer.echo(f"{where}: up to date (migration {LATEST})" if not applied else
+               f"{where}: {len(applied)} migration(s) applied, now at {LATEST}")

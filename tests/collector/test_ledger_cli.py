@@ -1,0 +1,112 @@
+"""``gpuledger ledger status|migrate`` on both engines, through the `gpuledger` entry point: where a ledger stands,
+bringing it up to date (an old SQLite store without losing data), and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from servers import free_port
+
+from gpuledger.cli import run
+from gpuledger.collector.migrations import LATEST, MIGRATIONS
+from gpuledger.collector.store import Store
+from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord
+
+T0 = 1_700_000_000.0
+ALL = list(range(1, LATEST + 1))
+
+
+def call(capsys, *argv) -> tuple[int, str, str]:
+    code = run([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, out + err
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def status(capsys, *where) -> dict:
+    code, out, err = call(capsys, "ledger", "status", *where, "--format", "json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def old_store(path: Path) -> list:
+    """A store as the release before versioned migrations left it (no schema_migrations, no hosts); its usage."""
+    store = Store(path)
+    store.ingest(Batch("a", 1, "n1", tuple(GpuSample(ts=T0 + 10 * k, host="n1", gpu_uuid="G0", gpu_index=0,
+                                                     energy_joules=100.0 * k, job_ids=("1",)) for k in range(6))))
+    store.put_jobs([JobRecord("1", cluster="c", user="ann")])
+    usage = store.job_usage(per_gpu=True)
+    store.db.execute("DROP TABLE schema_migrations")
+    store.db.execute("DROP TABLE hosts")
+    store.close()
+    return usage
+
+
+def test_status_and_migrate_on_a_fresh_postgresql_database(capsys, postgres_server):
+    url = postgres_server.new_database()
+    with_password = url.replace("gl@", "gl:s3cret@")  # trust auth: the password is ignored, and never shown
+    st = status(capsys, "--ledger-url", with_password)
+    assert (st["backend"], st["applied"], st["pending"], st["newer"]) == ("postgresql", [], ALL, [])
+    assert "s3cret" not in json.dumps(st) and st["url"] == with_password.replace("s3cret", "***")
+    code, out, err = call(capsys, "ledger", "migrate", "--ledger-url", with_password)
+    assert code == 0 and "s3cret" not in out + err
+    assert [line for line in out.splitlines() if line.startswith("applied")] == [
+        f"applied {m.version}: {m.name}" for m in MIGRATIONS]
+    code, out, err = call(capsys, "ledger", "migrate", "--ledger-url", url)
+    assert code == 0 and out.strip().endswith(f"up to date (migration {LATEST})")
+    st = status(capsys, "--ledger-url", url)
+    assert (st["applied"], st["pending"]) == (ALL, [])
+    Store(url).close()  # a collector opens it as it is
+    code, out, err = call(capsys, "ledger", "status", "--ledger-url", url)
+    assert code == 0 and "backend  postgresql" in out and out.count("applied") >= LATEST
+
+
+def test_migrate_brings_an_old_sqlite_store_under_migrations_without_losing_data(capsys, tmp_path):
+    usage = old_store(tmp_path / "gpuledger.sqlite")
+    st = status(capsys, "--data-dir", tmp_path)
+    assert (st["backend"], st["applied"], st["pending"], st["meta_format"]) == ("sqlite", [], ALL, 3)
+    code, out, err = call(capsys, "ledger", "migrate", "--data-dir", tmp_path, "--format", "json")
+    assert code == 0 and [m["version"] for m in json.loads(out)["applied"]] == ALL
+    assert status(capsys, "--ledger-url", tmp_path / "gpuledger.sqlite")["applied"] == ALL
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        assert store.job_usage(per_gpu=True) == usage and [j.user for j in store.jobs()] == ["ann"]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"])
+def test_a_ledger_of_a_newer_gpuledger_is_shown_and_refused(capsys, tmp_path, engine, request):
+    url = str(tmp_path / "s.sqlite") if engine == "sqlite" else request.getfixturevalue("pg_url")
+    store = Store(url)
+    store.db.execute("INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, 'later', ?)",
+                     (LATEST + 1, T0))
+    store.close()
+    st = status(capsys, "--ledger-url", url)
+    assert st["newer"] == [LATEST + 1] and st["pending"] == []
+    code, out, err = call(capsys, "ledger", "status", "--ledger-url", url)
+    assert code == 0 and "written by a newer gpuledger" in out
+    code, out, err = call(capsys, "ledger", "migrate", "--ledger-url", url)
+    assert code == 1 and out == "" and f"has migration {LATEST + 1}" in one_error_line(err)
+
+
+def test_errors_are_one_line_exit_2_for_bad_input_and_1_for_an_unreachable_server(capsys, tmp_path):
+    for argv, want, needle in [
+        (("--data-dir", tmp_path / "nowhere"), 2, "no gpuledger store at"),
+        (("--ledger-url", "mysql://db/ledger"), 2, "unknown scheme"),
+        (("--ledger-url", f"postgresql://gl@127.0.0.1:{free_port()}/ledger"), 1, "cannot connect"),
+    ]:
+        for command in ("status", "migrate"):
+            code, out, err = call(capsys, "ledger", command, *argv)
+            assert (code, out) == (want, ""), (argv, err)
+            assert needle in one_error_line(err), err
+    assert not (tmp_path / "nowhere").exists()  # neither command makes a store

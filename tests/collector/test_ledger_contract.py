@@ -1,0 +1,265 @@
+"""The ledger contract: SQLite and PostgreSQL ledgers behave the same through the store (LedgerStore and
+LedgerReader), test for test. Measured values are dyadic (whole seconds and joules, halves and quarters), so every
+sum is exact in any order: expectations are the in-memory aggregation's (the reference) to the last bit."""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+from dataclasses import replace
+
+import pytest
+
+from gpuledger.collector.aggregate import HOUR_S, Aggregator, HourAcc, UsageAcc, summarize
+from gpuledger.collector.db import open_database
+from gpuledger.collector.ledger_store import NO_DIGEST
+from gpuledger.collector.migrations import LATEST, LedgerTooNew, migrate, status
+from gpuledger.collector.store import BatchConflict, Store
+from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample, JobRecord
+
+T0 = 1_699_999_200.0  # an hour boundary
+CLUSTER = {"n1": "c1", "n2": "c2"}
+
+
+def samples() -> list[GpuSample]:
+    """n1/G0 (cluster c1) across an hour boundary: job 1, then jobs 1 and 2 (equal shares), a counter reset (an
+    anomaly), a 200 s gap the same jobs hold; n2/G0 (cluster c2) runs a job 1 of its own cluster."""
+    out = []
+    e = 1_000_000.0
+    for k, dt in enumerate([*range(-400, -90, 10), *range(100, 400, 10)]):
+        e = 500.0 if dt == 200 else e + 700.0
+        jobs = ("1",) if dt < -200 else ("1", "2")
+        out.append(GpuSample(ts=T0 + dt, host="n1", gpu_uuid="G0", gpu_index=0, model="H200", energy_joules=e,
+                             power_watts=100.0 + k % 4, sm_active_ratio=(0.5, 0.25)[k % 2],
+                             mem_used_bytes=2**30 + k, job_ids=jobs))
+    out += [GpuSample(ts=T0 + dt, host="n2", gpu_uuid="G0", gpu_index=0, model="A100", energy_joules=64.0 * dt,
+                      power_watts=6.5, sm_active_ratio=0.75, job_ids=("1",)) for dt in range(100, 700, 20)]
+    return out
+
+
+def ingest_all(store: Store) -> Aggregator:
+    """The samples in batches of 7 per host; returns the reference aggregation of the same samples."""
+    ref = Aggregator()
+    for host in ("n1", "n2"):
+        mine = [s for s in samples() if s.host == host]
+        for seq, i in enumerate(range(0, len(mine), 7)):
+            r = store.ingest(Batch("a-" + host, seq, host, tuple(mine[i:i + 7]), cluster=CLUSTER[host]))
+            assert r.accepted == len(mine[i:i + 7])
+    for s in samples():
+        ref.add(s)
+    return ref
+
+
+@pytest.fixture
+def store(ledger):
+    s = Store(ledger)
+    yield s
+    s.close()
+
+
+def test_usage_per_job_per_gpu_and_per_cluster(store):
+    ref = ingest_all(store)
+    rows = {c: [(k, a) for k, a in ref.usage.items() if CLUSTER[k[1]] == c] for c in ("c1", "c2")}
+    per_gpu = [replace(u, cluster=c) for c in ("c1", "c2") for u in summarize(rows[c], per_gpu=True)]
+    per_job = [replace(u, cluster=c) for c in ("c1", "c2") for u in summarize(rows[c], per_gpu=False)]
+    assert store.job_usage(per_gpu=True) == per_gpu
+    assert store.job_usage() == per_job
+    assert [(u.cluster, u.job_id) for u in store.job_usage("1")] == [("c1", "1"), ("c2", "1")]  # one id, two jobs
+    assert store.job_usage("1", cluster="c2") == [per_job[-1]] and store.job_usage(cluster="nowhere") == []
+    assert store.job_usage("2", per_gpu=True) == [u for u in per_gpu if u.job_id == "2"]
+    one = store.job_usage("1", cluster="c1")[0]
+    assert one.gap_gpu_seconds == 100.0 and one.gpus == 1 and one.host == "n1"  # half the held 200 s gap
+
+
+def test_totals_energy_hours_busy_hours_gaps_and_anomalies(store):
+    ref = ingest_all(store)
+    hours = ref.hours
+    f = HourAcc.FIELDS
+
+    def total(field: str, keys) -> float:
+        return sum(getattr(hours[k], field) for k in keys)
+
+    everything = list(hours)
+    assert store.totals() == {
+        "start": None, "end": None, "gpus": 2, "samples": int(total("samples", everything)),
+        "observed_gpu_seconds": total("observed_s", everything), "allocated_gpu_seconds": total("alloc_s", everything),
+        "sm_active_gpu_seconds": total("sm_s", everything), "energy_joules": total("energy_j", everything),
+        "unattributed_energy_joules": total("energy_j", everything) - total("job_energy_j", everything),
+        "counter_anomalies": 1, "jobs_measured": 3}
+    later = [k for k in hours if k[3] >= T0]
+    t = store.totals(start=T0 + 1)  # whole hours: the bucket the start falls in counts
+    assert (t["observed_gpu_seconds"], t["energy_joules"]) == (total("observed_s", later), total("energy_j", later))
+    assert store.totals(end=T0)["energy_joules"] == total("energy_j", [k for k in hours if k[3] < T0])
+    assert store.counter_anomalies() == 1 and len(f) == 7
+    gpus = {(h, u): [k for k in hours if k[:2] == (h, u)] for h, u in (("n1", "G0"), ("n2", "G0"))}
+    assert store.gpu_energy() == [
+        {"host": h, "gpu_uuid": u, "observed_gpu_seconds": total("observed_s", ks),
+         "allocated_gpu_seconds": total("alloc_s", ks), "energy_joules": total("energy_j", ks),
+         "job_energy_joules": total("job_energy_j", ks),
+         "unattributed_energy_joules": total("energy_j", ks) - total("job_energy_j", ks),
+         "counter_anomalies": int(total("anomalies", ks))} for (h, u), ks in gpus.items()]
+    assert store.gpu_hours(T0, T0 + HOUR_S) == [
+        {"host": h, "gpu_uuid": u, "mig": "", "observed_gpu_seconds": total("observed_s", [(h, u, "", T0)]),
+         "job_gpu_seconds": total("alloc_s", [(h, u, "", T0)]), "energy_joules": total("energy_j", [(h, u, "", T0)]),
+         "model": m, "cluster": CLUSTER[h]} for h, u, m in (("n1", "G0", "H200"), ("n2", "G0", "A100"))]
+    assert store.busy_hours() == {k: [(kk[3], hours[kk].alloc_s) for kk in sorted(ks)] for k, ks in
+                                  ((("n1", "G0", ""), gpus[("n1", "G0")]), (("n2", "G0", ""), gpus[("n2", "G0")]))}
+    assert store.busy_hours(since=T0 + 5) == {k: [h for h in v if h[0] >= T0] for k, v in store.busy_hours().items()}
+    ((key, (energy, jobs)),) = ref.gaps.items()
+    gap = {"host": "n1", "gpu_uuid": "G0", "mig": None, "start": key[3], "end": key[4], "energy_joules": energy,
+           "job_ids": list(jobs)}
+    assert store.energy_gaps() == [gap] and jobs == ("1", "2")
+    assert store.energy_gaps(start=key[4] + 1) == [] and store.energy_gaps(end=key[4] + 1) == [gap]
+
+
+def test_a_batch_is_stored_once_a_conflict_is_refused_and_old_keys_are_pruned(store):
+    mk = lambda t, e: GpuSample(ts=T0 + t, host="n1", gpu_uuid="G0", gpu_index=0, energy_joules=e,  # noqa: E731
+                                job_ids=("1",))
+    b = Batch("a", 1, "n1", (mk(0, 0.0), mk(10, 1000.0)))
+    b.digest = b"digest-1"
+    assert store.ingest(b).accepted == 2 and store.ingest(b).duplicate_batch
+    other = Batch("a", 1, "n1", (mk(20, 2000.0),))
+    other.digest = b"digest-2"
+    with pytest.raises(BatchConflict):
+        store.ingest(other)
+    assert store.ledger.batch_seen("n1", "a", 1) == b"digest-1" and store.ledger.batch_seen("n1", "a", 2) is None
+    # keys of stores written before the host and digest were part of them: any content is a duplicate
+    store.db.execute("INSERT INTO batches (agent_id, seq, received, samples) VALUES ('a', 7, ?, 1)", (T0 - 10,))
+    assert store.ledger.batch_seen("n1", "a", 7) == NO_DIGEST
+    assert store.ingest(Batch("a", 7, "n1", (mk(30, 3000.0),))).duplicate_batch
+    with store.db.transaction():  # a key that is there already is not written again
+        assert not store.ledger.record_batch("n1", "a", 1, b"x", T0, 5)
+    assert store.batches_seen() == 2 and store.totals()["samples"] == 2
+    assert store.ledger.prune_batches(T0) == 1 and store.batches_seen() == 1
+    assert store.ledger.prune_batches(math.inf) == 1 and store.batches_seen() == 0
+
+
+def test_job_records_merge_and_the_schedulers_record_outranks_agents(store):
+    assert store.put_jobs([JobRecord("1", cluster="c1", user="ann", hosts=("n1",)),
+                           JobRecord("5", user="bob", tres=(("gres/gpu", 2.0), ("cpu", 4.0)))]) == 2
+    # another sacct format: what it lacks is kept, the TRES order is not a change, the unnamed job gets its cluster
+    changed = store.merge_jobs([JobRecord("1", cluster="c1", state="COMPLETED"),
+                                JobRecord("5", cluster="c1", tres=(("cpu", 4.0), ("gres/gpu", 2.0)))])
+    assert [(r.job_id, r.cluster, r.user, r.state) for r in changed] == [("1", "c1", "ann", "COMPLETED"),
+                                                                           ("5", "c1", "bob", None)]
+    assert store.put_jobs(changed) == 0
+    with pytest.raises(RuntimeError, match="log is down"):
+        store.put_jobs([JobRecord("9", cluster="c1")], before_store=lambda recs: (_ for _ in ()).throw(
+            RuntimeError("log is down")))
+    assert [j.job_id for j in store.jobs()] == ["1", "5"]  # nothing of a refused write
+    # agents' descriptions: kept apart, the first one stands, only for jobs that ran on the agent's host
+    mk = lambda t, job: GpuSample(ts=T0 + t, host="n1", gpu_uuid="G0", gpu_index=0, job_ids=(job,))  # noqa: E731
+    store.ingest(Batch("a", 1, "n1", (mk(0, "1"), mk(10, "7")), cluster="c1",
+                       jobs=(JobRecord("1", user="eve", hosts=("n1",)), JobRecord("7", user="eve", hosts=("n1",)),
+                             JobRecord("8", user="mallory", hosts=("n1",)))))
+    store.ingest(Batch("a", 2, "n1", (mk(20, "7"),), cluster="c1", jobs=(JobRecord("7", user="zed", hosts=("n1",)),)))
+    assert [(r.job_id, r.cluster, r.user, src) for r, src in store.job_records()] == [
+        ("1", "c1", "eve", "agent"), ("1", "c1", "ann", "slurm"), ("5", "c1", "bob", "slurm"),
+        ("7", "c1", "eve", "agent")]
+    assert [(j.job_id, j.user) for j in store.jobs()] == [("1", "ann"), ("5", "bob"), ("7", "eve")]
+    assert [(j.job_id, j.user) for j in store.ledger.jobs_by_id(["7", "1", "nope"])] == [("1", "ann"), ("7", "eve")]
+
+
+def test_two_collectors_merging_job_records_at_once_lose_no_update(new_ledger):
+    ledger = new_ledger()
+    a, b = Store(ledger), Store(ledger)
+    start = threading.Barrier(2)
+
+    def merge(store: Store, field: str) -> None:
+        start.wait()
+        for i in range(40):
+            store.merge_jobs([JobRecord(str(i), cluster="c", **{field: f"{field}-{i}"})])
+
+    threads = [threading.Thread(target=merge, args=(s, f)) for s, f in ((a, "user"), (b, "account"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert [(j.user, j.account) for j in a.jobs()] == [(f"user-{i}", f"account-{i}")
+                                                           for i in sorted(range(40), key=str)]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_floats_round_trip_to_the_last_bit(store):
+    tricky = [0.1 + 0.2, 1 / 3, 5e-324, 2.2250738585072014e-308, 1.7976931348623157e308, 1e-300, math.pi * 1e10,
+              T0 + 0.1, 123456789.12345679, math.inf, -math.inf, 2.0**53 + 2]
+    bits = lambda v: struct.pack("<d", v)  # noqa: E731
+    usage, hours = UsageAcc(), HourAcc()
+    for i, name in enumerate(f for f in UsageAcc.FIELDS if f not in ("samples", "mem_peak", "model")):
+        setattr(usage, name, tricky[i % len(tricky)])
+    usage.samples, usage.mem_peak, usage.model = 2**62, 2**40 + 1, "H200"
+    for i, name in enumerate(f for f in HourAcc.FIELDS if f not in ("samples", "anomalies")):
+        setattr(hours, name, tricky[-1 - i])
+    hours.samples, hours.anomalies = 3, 1
+    totals = (tricky[7], tricky[8], 2**53, tricky[0], tricky[1], "H200", 0)
+    hour = T0 + 3600.0
+    with store.db.transaction():
+        store.ledger.note_gpus("c1", [("n1", "G0")])
+        store.ledger.write_aggregates([(("1", "n1", "G0"), usage.values())], [(("n1", "G0", ""), totals)],
+                                      [(("n1", "G0", "", hour), hours.values())])
+        store.ledger.write_gaps({("n1", "G0", "", tricky[7], tricky[8]): (tricky[1], ("1",))})
+    back = store.ledger.load_usage(("1", "n1", "G0"))
+    assert back is not None and [type(v) for v in back.values()] == [type(v) for v in usage.values()]
+    assert [bits(v) if isinstance(v, float) else v for v in back.values()] == \
+           [bits(v) if isinstance(v, float) else v for v in usage.values()]
+    got_hour = store.ledger.load_hour(("n1", "G0", "", hour))
+    assert got_hour is not None and list(map(bits, got_hour.values()[:4])) == list(map(bits, hours.values()[:4]))
+    assert got_hour.values()[4:] == hours.values()[4:]
+    assert store.ledger.host_gpu_totals("n1") == store.ledger.gpu_totals() == [(("n1", "G0", ""), totals)]
+    (gap,) = store.energy_gaps()
+    assert [bits(gap[k]) for k in ("start", "end", "energy_joules")] == [bits(tricky[7]), bits(tricky[8]),
+                                                                         bits(tricky[1])]
+    assert store.job_usage(per_gpu=True)[0].cluster == "c1"
+
+
+def test_hosts_generations_and_cluster_cache(store, ledger):
+    with store.db.transaction():
+        assert [store.ledger.claim_host("n1") for _ in range(3)] == [1, 2, 3]
+        assert store.ledger.claim_host("n2") == 1
+    other = Store(ledger)  # another collector names a GPU's cluster
+    try:
+        with other.db.transaction():
+            assert other.ledger.claim_host("n1") == 4
+            other.ledger.note_gpus("c9", [("n1", "G0")])
+    finally:
+        other.close()
+    with store.db.transaction():
+        store.ledger.forget_host("n1")  # re-read: the GPU is in c9 now, a later name does not move it
+        store.ledger.note_gpus("c1", [("n1", "G0")])
+    assert store.db.execute("SELECT cluster FROM gpu_clusters").fetchall() == [("c9",)]
+
+
+def test_migrations_are_recorded_idempotent_concurrent_and_refuse_a_newer_ledger(new_ledger):
+    ledger = new_ledger()
+    opened: list[Store] = []
+    start = threading.Barrier(3)
+
+    def open_one() -> None:
+        start.wait()
+        opened.append(Store(ledger))  # three collectors starting at once
+
+    threads = [threading.Thread(target=open_one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in opened:
+        s.close()
+    assert len(opened) == 3
+    db = open_database(ledger)
+    try:
+        st = status(db)
+        assert [a.version for a in st.applied] == list(range(1, LATEST + 1)) and st.pending == [] and not st.unknown
+        assert migrate(db) == [] and [a.version for a in status(db).applied] == list(range(1, LATEST + 1))
+        db.execute("INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, 'from the future', 0)",
+                   (LATEST + 1,))
+        assert [a.version for a in status(db).unknown] == [LATEST + 1]
+    finally:
+        db.close()
+    with pytest.raises(LedgerTooNew, match=f"has migration {LATEST + 1} .*upgrade gpuledger"):
+        Store(ledger)
