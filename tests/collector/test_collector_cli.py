@@ -39,7 +39,7 @@ def test_usage_json_and_table(tmp_path):
 
 def test_usage_without_store_says_where_it_looked(tmp_path):
     r = CliRunner().invoke(app, ["usage", "--data-dir", str(tmp_path / "none")])
-    assert r.exit_code == 2 and "no store" in r.output
+    assert r.exit_code == 2 and "no gpuledger store" in r.output
 
 
 def test_serve_runs_until_sigterm(tmp_path):
