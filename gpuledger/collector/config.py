@@ -38,6 +38,9 @@ Example::
 
 With no token configured at all, authentication is off (the demo and a single-host setup run that way);
 ``/healthz``, ``/metrics`` and ``/api/v1/openapi.json`` are always open.
+
+Other tables of the same file belong to other parts and are not read here: ``[ledger]`` (where the ledger is,
+``collector.ledger_url``), ``[accounting]``, ``[accounts]``, ``[report]``.
 """
 
 from __future__ import annotations
