@@ -14,6 +14,7 @@ from gpuledger.collector.ledger_url import (
     ENV_NAME,
     LedgerUrlError,
     ledger_exists,
+    ledger_fingerprint,
     ledger_label,
     open_ledger,
     resolve_ledger_url,
@@ -142,3 +143,34 @@ def test_an_unreachable_postgres_is_one_line_exit_1(tmp_path: Path, capsys) -> N
     err = capsys.readouterr().err
     assert e.value.exit_code == 1 and err.count("\n") == 1 and err.startswith("error: ")
     assert "127.0.0.1:1" in err and "secret" not in err
+
+
+def test_the_fingerprint_changes_when_jobs_or_batches_are_written(tmp_path: Path, pg_url: str) -> None:
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample, JobRecord
+
+    # SQLite: the file and its WAL
+    store = open_ledger(None, tmp_path, create=True)
+    try:
+        before = ledger_fingerprint(None, tmp_path)
+        assert ledger_fingerprint(None, tmp_path) == before
+        store.put_jobs([JobRecord(job_id="1", user="u", account="a", start=1.0, end=2.0)])
+        after_job = ledger_fingerprint(None, tmp_path)
+        store.ingest(Batch("a", 0, "n1", (GpuSample(ts=10.0, host="n1", gpu_uuid="G0", gpu_index=0, job_ids=("1",)),)))
+        assert len({before, after_job, ledger_fingerprint(None, tmp_path)}) == 3
+    finally:
+        store.close()
+    # PostgreSQL: the newest batch key and the number of job records (the ledger's own tables, made here by hand)
+    db = open_database(pg_url)
+    try:
+        db.script("CREATE TABLE jobs (cluster TEXT, job_id TEXT, source TEXT, data TEXT);"
+                  "CREATE TABLE batch_keys (host TEXT, agent_id TEXT, seq INTEGER, digest BLOB, received REAL, "
+                  "samples INTEGER)")
+        states = [ledger_fingerprint(pg_url, tmp_path)]
+        db.execute("INSERT INTO jobs VALUES ('c', '1', 'slurm', '{}')")
+        states.append(ledger_fingerprint(pg_url, tmp_path))
+        db.execute("INSERT INTO batch_keys VALUES ('n1', 'a', 0, NULL, 100.5, 1)")
+        states.append(ledger_fingerprint(pg_url, tmp_path))
+        assert states == [(None, 0), (None, 1), (100.5, 1)]
+    finally:
+        db.close()
