@@ -15,14 +15,11 @@ from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
-from gpuledger.collector.store_cli import ConfigFile
+from gpuledger.collector.store_cli import ConfigFile, DataDir
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
 
 app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
                   no_args_is_help=True)
-
-DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER_DATA_DIR",
-                       help="Directory of the embedded store, the audit log and the outputs.")
 
 
 def store_path(data_dir: Path) -> Path:

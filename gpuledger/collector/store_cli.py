@@ -17,8 +17,9 @@ from gpuledger.output import fail, note
 app = typer.Typer(help="Maintain and query the store's tiers.", no_args_is_help=True)
 
 DB_NAME = STORE_NAME  # the embedded store's file inside --data-dir
+# --data-dir and --config of every collector command (collector.cli imports them)
 DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER_DATA_DIR",
-                       help="Directory of the embedded store.")
+                       help="Directory of the embedded store, the audit log and the outputs.")
 ConfigFile = typer.Option(None, "--config", help="TOML file whose [ledger] table may name the ledger "
                           "(default: <data-dir>/gpuledger.toml if present).")
 
