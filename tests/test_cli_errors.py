@@ -87,10 +87,10 @@ NO_FORMAT = {("agent", "run"), ("collector", "serve"), ("collector", "series"), 
 def missing_cases(tmp: Path) -> list[tuple[tuple[str, ...], int, str]]:
     nowhere = tmp / "nowhere"
     return [
-        (("collector", "usage", "--data-dir", nowhere), 2, "no store at"),
-        (("collector", "totals", "--data-dir", nowhere), 2, "no store at"),
-        (("collector", "compact", "--data-dir", nowhere), 2, "no store at"),
-        (("collector", "series", "h", "u", "--start", "-60", "--data-dir", nowhere), 2, "no store at"),
+        (("collector", "usage", "--data-dir", nowhere), 2, "no gpuledger store at"),
+        (("collector", "totals", "--data-dir", nowhere), 2, "no gpuledger store at"),
+        (("collector", "compact", "--data-dir", nowhere), 2, "no gpuledger store at"),
+        (("collector", "series", "h", "u", "--start", "-60", "--data-dir", nowhere), 2, "no gpuledger store at"),
         (("collector", "serve", "--data-dir", tmp, "--config", nowhere / "c.toml", "--port", "0"), 2, "not found"),
         (("jobs", "list", "--data-dir", nowhere), 2, "no gpuledger store"),
         (("jobs", "import", "--data-dir", tmp, "--sacct-json", nowhere / "s.json"), 2,

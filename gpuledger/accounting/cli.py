@@ -24,7 +24,7 @@ from gpuledger.accounting.audit import (
     usage_key,
 )
 from gpuledger.accounting.charge import allocated_gpu_seconds
-from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir, read_ledger
+from gpuledger.accounting.cli_common import CONFIG_NAME, ConfigOpt, DataDir, LedgerUrl, cli_ledger_url, read_ledger
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
@@ -37,6 +37,7 @@ from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import show
 from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
+from gpuledger.collector.ledger_url import ledger_exists, ledger_fingerprint, ledger_label, open_ledger
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fixed, note, os_error, to_csv
 
 if TYPE_CHECKING:
@@ -91,7 +92,8 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
                    usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None,
                    record: bool = False, accept_store_changes: str | None = None, ledger_url: str | None = None,
                    ) -> tuple[list[Row], AccountingSettings]:
-    """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo).
+    """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo),
+    on the ledger at ``ledger_url`` (resolved; None: the data dir's embedded store).
 
     With ``record`` (feeds, `priority apply`, `fairshare --record`) the store's job and usage records are first
     bound to the audit log (a record that differs from its final logged one is refused, exit 1, unless
@@ -118,7 +120,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             rows = compute(tree, parse_usage_csv(usage_file.read_text()), algorithm or settings.algorithm,
                            settings.dampening)
             return rows, settings
-        store = _open_store(data_dir)
+        store = _open_store(ledger_url, data_dir)
         try:
             jobs, usages = store.jobs(), store.job_usage()
             entries = join(store.job_records(), usages, store.job_usage(per_gpu=True),
@@ -203,13 +205,15 @@ def fairshare(
     record: Annotated[bool, typer.Option("--record", help="append the computation and its inputs to the audit log "
                                          "(a plain query appends nothing)")] = False,
     influx: Annotated[bool, typer.Option("--influx", help=INFLUX_HELP)] = False,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Fairshare per association, like `sshare -l` (table), or JSON/CSV for machines."""
     from gpuledger.accounting.fairshare_render import render_csv, render_table, to_json
 
     now = time.time()
+    url = cli_ledger_url(ledger_url, data_dir, config)
     rows, settings = fairshare_rows(data_dir, config, algorithm.value if algorithm else None, associations, usage,
-                                    now=now, record=record and usage is None)
+                                    now=now, record=record and usage is None, ledger_url=url)
     if influx:
         _to_influx(data_dir, config, rows, feed_from_rows(rows, settings, now))
     if fmt is Fmt.json:
@@ -222,13 +226,14 @@ def fairshare(
 
 def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
                associations: Path | None = None, accept_store_changes: str | None = None,
-               with_rows: bool = False) -> Any:
-    """The feed document (and, ``with_rows``, the fairshare rows it came from, as a pair)."""
+               with_rows: bool = False, ledger_url: str | None = None) -> Any:
+    """The feed document (and, ``with_rows``, the fairshare rows it came from, as a pair) of the ledger at
+    ``ledger_url`` (resolved; None: the data dir's embedded store)."""
     now = time.time() if now is None else now
     cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
     weight = accounting_settings(cfg).priority_weight
     rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight,
-                                    record=True, accept_store_changes=accept_store_changes)
+                                    record=True, accept_store_changes=accept_store_changes, ledger_url=ledger_url)
     doc = feed_from_rows(rows, settings, now)
     return (rows, doc) if with_rows else doc
 
@@ -286,13 +291,15 @@ def priority_feed_cmd(
                                     "correction with this reason (refused without it)")] = None,
     influx: Annotated[bool | None, typer.Option("--influx/--no-influx", show_default=False,
                                                    help="write to InfluxDB [default: when influx_url is set]")] = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Per association: measured fairshare and the Slurm site factor it implies; written atomically, as JSON and,
     beside it with the suffix .txt, as the flat `account user factor` file job_submit.lua reads; and to InfluxDB
     (measurement fairshare) when the collector table sets influx_url. Every record it uses is in the audit log
     first."""
+    url = cli_ledger_url(ledger_url, data_dir, config)
     rows, doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes,
-                           with_rows=True)
+                           with_rows=True, ledger_url=url)
     try:
         path = write_feed(output or data_dir / FEED_NAME, doc)
     except OSError as e:
@@ -314,9 +321,12 @@ JOBS_CSV = tuple(Column(k, k) for k in (
 def jobs_list(
     data_dir: DataDir = Path("gpuledger-data"),
     fmt: Annotated[Fmt, typer.Option("--format", help=FORMAT_HELP)] = Fmt.table,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Jobs in the ledger: the scheduler's record joined with the measured usage."""
-    entries = read_ledger(data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    entries = read_ledger(url, data_dir)
     now = time.time()
     rows = job_rows(entries, now)
     objs: list[dict[str, Any]] = []
@@ -341,7 +351,7 @@ def jobs_list(
             "usage": u.to_dict() if u else None,
         })
     if not objs:
-        note(f"no jobs in {data_dir / STORE_NAME} yet")
+        note(f"no jobs in {ledger_label(url, data_dir)} yet")
     if fmt is Fmt.json:
         typer.echo(json.dumps(objs, indent=2))
     elif fmt is Fmt.csv:
@@ -356,13 +366,12 @@ def _read_arg(path: str) -> str:
     return sys.stdin.read() if path == "-" else Path(path).read_text()
 
 
-def _import_jobs(data_dir: Path, records: Sequence[JobRecord], ledger_url: str | None = None) -> int:
-    """Put Slurm job records into the ledger and the audit trail; returns how many were new or changed."""
-    from gpuledger.collector.store import Store
-
+def _import_jobs(ledger_url: str | None, data_dir: Path, records: Sequence[JobRecord]) -> int:
+    """Put Slurm job records into the ledger (made when there is none) and the audit trail; returns how many were
+    new or changed."""
     data_dir.mkdir(parents=True, exist_ok=True)
     with open_log(data_dir, ledger_url=ledger_url) as log:
-        store = Store(data_dir / STORE_NAME)
+        store = open_ledger(ledger_url, data_dir, create=True)
         try:
             # logged before stored (nothing is charged that the log has not seen), merged as stored: a re-import
             # in another sacct format logs nothing, as it changes nothing of what Slurm said
@@ -380,6 +389,8 @@ def jobs_import(
         str | None, typer.Option("--sacct-parsable", help="`sacct -P` output with header, FILE or -")] = None,
     slurm: Annotated[bool, typer.Option("--slurm", help="run sacct against the local cluster")] = False,
     since: Annotated[float, typer.Option(help="live mode: hours back from now")] = 24.0,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Import Slurm job records into the ledger (re-importing the same jobs changes nothing)."""
     from gpuledger.accounting.slurm import (
@@ -391,6 +402,7 @@ def jobs_import(
         parse_sacct_parsable,
     )
 
+    url = cli_ledger_url(ledger_url, data_dir, config)
     if not (sacct_json or sacct_parsable or slurm):
         raise _fail("give --sacct-json, --sacct-parsable or --slurm")
     if sacct_json == "-" and sacct_parsable == "-":
@@ -410,7 +422,7 @@ def jobs_import(
         raise _fail(str(e)) from None
     if data_dir.exists() and not data_dir.is_dir():
         raise _fail(f"--data-dir {data_dir} is not a directory")
-    changed = _import_jobs(data_dir, records)
+    changed = _import_jobs(url, data_dir, records)
     typer.echo(f"imported {len(records)} job record(s); {changed} new or changed")
 
 
@@ -450,18 +462,20 @@ def priority_apply(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would change; change nothing")] = False,
     associations: AssociationsOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="one line per changed job record")] = False,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Set every pending job's SiteFactor from its association's measured fairshare, only where it changed
     (one scontrol command per factor and command line of jobs)."""
     from gpuledger.accounting.apply import run_apply
     from gpuledger.accounting.slurm import SlurmClient, SlurmCommandError, SlurmParseError
 
+    url = cli_ledger_url(ledger_url, data_dir, config)
     if not slurm:
         raise _fail("priority apply needs a target: --slurm")
-    doc = build_feed(data_dir, config, associations=associations)
+    doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
     try:
         write_feed(data_dir / FEED_NAME, doc)
-        with open_log(data_dir) as log:
+        with open_log(data_dir, ledger_url=url) as log:
             plan, applied = run_apply(SlurmClient(), doc["associations"], dry_run,
                                       record=record_priority_changes(log))
     except OSError as e:
@@ -473,27 +487,12 @@ def priority_apply(
         raise typer.Exit(1)
 
 
-def _store_fingerprint(data_dir: Path) -> tuple[tuple[int, int] | None, ...]:
-    """(mtime, size) of the store's files: changes whenever a job record or usage is written (WAL included)."""
-    out: list[tuple[int, int] | None] = []
-    for suffix in ("", "-wal"):
-        try:
-            st = (data_dir / (STORE_NAME + suffix)).stat()
-            out.append((st.st_mtime_ns, st.st_size))
-        except FileNotFoundError:
-            out.append(None)
-    return tuple(out)
-
-
-def _newest_end(data_dir: Path) -> float | None:
+def _newest_end(ledger_url: str | None, data_dir: Path) -> float | None:
     """End time of the newest ended job the feed charges (a scheduler record with measured usage): what the
     watch daemon's lag is measured from."""
-    from gpuledger.collector.store import Store
-
-    path = data_dir / STORE_NAME
-    if not path.exists():
+    if not ledger_exists(ledger_url, data_dir):
         return None
-    store = Store(path)
+    store = open_ledger(ledger_url, data_dir)
     try:
         entries = load_ledger(store)
     finally:
@@ -519,6 +518,7 @@ def priority_watch(
     resync: Annotated[float, typer.Option(help="a cycle at least this often, for new pending jobs")] = 300.0,
     metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port (0: none)")] = 9816,
     metrics_addr: Annotated[str, typer.Option(help="address the metrics listen on")] = "127.0.0.1",
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Daemon: when jobs end (new job records or usage in the ledger), recompute the feed and apply it, at most
     every --min-interval seconds; exports its lag (job end to applied factor) as a Prometheus metric."""
@@ -529,6 +529,7 @@ def priority_watch(
     from gpuledger.accounting.priority_watch import CycleResult, PriorityWatch
     from gpuledger.accounting.slurm import ENDED_STATES, SlurmClient
 
+    url = cli_ledger_url(ledger_url, data_dir, config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logger = logging.getLogger("gpuledger.priority.watch")
     feed_path = output or data_dir / FEED_NAME
@@ -536,6 +537,7 @@ def priority_watch(
     since = [time.time() - 3600.0]
     # (cluster, job id, end) of the jobs imported within the overlap window, so that a poll imports only new ones
     imported: set[tuple[str, str, float]] = set()
+    imports = [0]  # records this watch imported: part of the ledger's state (a PostgreSQL ledger has no file to stat)
 
     def ledger_state() -> tuple:
         if import_jobs:  # sacct's job ends into the ledger first, so that the fingerprint sees them
@@ -545,23 +547,24 @@ def priority_watch(
             ended = client.sacct_jobs(start, now, states=ENDED_STATES)
             new = [r for r in ended if r.end is not None and (r.cluster, r.job_id, r.end) not in imported]
             if new:
-                _import_jobs(data_dir, new)
+                _import_jobs(url, data_dir, new)
+                imports[0] += len(new)
                 imported.update((r.cluster, r.job_id, r.end) for r in new if r.end is not None)
             since[0] = now
             for key in [k for k in imported if k[2] < start]:  # out of every later window: bounded memory
                 imported.discard(key)
-        return _store_fingerprint(data_dir)
+        return (imports[0], *ledger_fingerprint(url, data_dir))
 
     def cycle() -> CycleResult:
         try:
-            doc = build_feed(data_dir, config, associations=associations)
+            doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
         except typer.Exit as e:  # build_feed printed what is wrong
             raise RuntimeError(f"the feed could not be computed (exit {e.exit_code})") from None
         write_feed(feed_path, doc)
-        newest_end = _newest_end(data_dir)
+        newest_end = _newest_end(url, data_dir)
         if not slurm:
             return CycleResult(newest_end, 0, 0)
-        with open_log(data_dir) as log:
+        with open_log(data_dir, ledger_url=url) as log:
             _, applied = run_apply(client, doc["associations"], record=record_priority_changes(log))
         for o in applied.outcomes:
             if o.status == "failed":
@@ -582,5 +585,5 @@ def priority_watch(
             raise _fail(f"/metrics cannot listen on {metrics_addr}:{metrics_port}: {e.strerror or e}", 1) from None
     signal.signal(signal.SIGTERM, lambda *_: watch.stop())
     signal.signal(signal.SIGINT, lambda *_: watch.stop())
-    logger.info("watching %s (feed %s and %s)", data_dir, feed_path, flat_path(feed_path))
+    logger.info("watching %s (feed %s and %s)", ledger_label(url, data_dir), feed_path, flat_path(feed_path))
     watch.run()

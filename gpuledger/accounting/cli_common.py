@@ -1,5 +1,5 @@
-"""What every accounting command shares: the data directory and config options, the one-line failure, and
-opening the embedded store (one definition for the jobs/fairshare/priority and the report/audit commands)."""
+"""What every accounting command shares: the data directory, config and ledger options, the one-line failure, and
+opening the ledger (one definition for the jobs/fairshare/priority and the report/audit commands)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, open_ledger
 from gpuledger.output import fail
 
 if TYPE_CHECKING:
     from gpuledger.accounting.ledger import LedgerEntry
     from gpuledger.collector.store import Store
 
-STORE_NAME = "gpuledger.sqlite"
+__all__ = ["CONFIG_NAME", "STORE_NAME", "ConfigOpt", "DataDir", "LedgerUrl", "cli_ledger_url", "fail_exit",
+           "open_store", "read_ledger"]
+
 CONFIG_NAME = "gpuledger.toml"
 
 DataDir = Annotated[
@@ -24,6 +27,9 @@ DataDir = Annotated[
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML configuration (default: <data-dir>/gpuledger.toml).")
 ]
+# --ledger-url, declared once in collector.ledger_url (the collector's commands take it too); a command resolves it
+# with cli_ledger_url(flag, data_dir, config) and passes the URL on (None: the data dir's embedded store)
+LedgerUrl = LedgerUrlOpt
 
 
 def fail_exit(msg: str, code: int = 2) -> typer.Exit:
@@ -35,21 +41,16 @@ def fail_exit(msg: str, code: int = 2) -> typer.Exit:
     raise AssertionError("gpuledger.output.fail always raises")  # pragma: no cover
 
 
-def open_store(data_dir: Path) -> Store:
-    """The embedded store of ``data_dir``; a missing one is bad input (exit 2), never created by a query."""
-    from gpuledger.collector.store import Store
-
-    path = data_dir / STORE_NAME
-    if not path.exists():
-        raise fail_exit(f"no gpuledger store at {path} (run `gpuledger demo` or a collector first, or pass --data-dir)")
-    return Store(path)
+def open_store(ledger_url: str | None, data_dir: Path) -> Store:
+    """The ledger for a query; a missing one is bad input (exit 2), never created by a query."""
+    return open_ledger(ledger_url, data_dir)
 
 
-def read_ledger(data_dir: Path) -> list[LedgerEntry]:
-    """The ledger of ``data_dir`` (scheduler records joined with measured usage), the store closed again."""
+def read_ledger(ledger_url: str | None, data_dir: Path) -> list[LedgerEntry]:
+    """The ledger's entries (scheduler records joined with measured usage), the store closed again."""
     from gpuledger.accounting.ledger import load
 
-    store = open_store(data_dir)
+    store = open_store(ledger_url, data_dir)
     try:
         return load(store)
     finally:

@@ -1,6 +1,6 @@
 """Personal data: a retention period for the ledger; the keyed pseudonyms it uses are ``collector.pseudonym``.
 
-Retention: :func:`apply_retention` replaces user name and uid in the store's job records that ended more than N
+Retention: :func:`apply_retention` replaces user name and uid in the ledger's job records that ended more than N
 days ago by the pseudonym. The audit log never holds user names in clear (``collector.auditlog.open_log``), so it
 needs no rewriting, and its hash chain stays intact.
 """
@@ -8,8 +8,6 @@ needs no rewriting, and its hash chain stays intact.
 from __future__ import annotations
 
 import json
-import os
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -37,40 +35,43 @@ class InsideDecayHorizon(ValueError):
 
 
 def apply_retention(
-    store_path: str | os.PathLike[str], pseudonymize: Pseudonymizer, days: float, now: float | None = None,
+    ledger_url: str | None, data_dir: Path, pseudonymize: Pseudonymizer, days: float, now: float | None = None,
     horizon_start: float | None = None,
 ) -> int:
     """Pseudonymize user name (and drop the uid) in job records that ended more than ``days`` ago.
 
-    Works on the collector's SQLite store directly (its ``jobs`` table: ``cluster, job_id, source, data`` with
-    ``data`` the JobRecord's JSON), one transaction. Jobs without an end are still running and kept. Returns the number
-    of records changed; running it again changes none.
+    Works on the ledger at ``ledger_url`` (``collector.ledger_url``: PostgreSQL, a SQLite file, or None for the data
+    dir's embedded store) through ``collector.db``: its ``jobs`` table (``cluster, job_id, source, data`` with
+    ``data`` the JobRecord's JSON), one transaction. Jobs without an end are still running and kept. Returns the
+    number of records changed; running it again changes none. A record rewritten meanwhile (a collector merging a
+    newer one) is left for the next run: each update applies only to the text that was read.
 
     With ``horizon_start`` (:func:`decay_horizon_start`), a record that would change and ended at or after it
     (still weighs in fairshare) makes it raise :class:`InsideDecayHorizon` and change nothing; pass None to
     go ahead (``--force``: fairshare still charges a pseudonymized user's association, through the key).
     """
+    from gpuledger.collector.db import open_database
+    from gpuledger.collector.ledger_url import ledger_label, sqlite_path
+    from gpuledger.collector.store import open_store
+
     if not days >= 0:
         raise ValueError(f"retention days must be >= 0, got {days!r}")
     cutoff = (time.time() if now is None else now) - days * 86400.0
-    path = Path(store_path)
-    if not path.exists():
+    path = sqlite_path(ledger_url, data_dir)
+    if path is not None and not path.exists():
         raise FileNotFoundError(f"{path}: no gpuledger store")
-    from gpuledger.collector.store import Store
-
-    Store(path).close()  # an older store is migrated to today's tables first
-    db = sqlite3.connect(path, isolation_level=None)
+    label = ledger_label(ledger_url, data_dir)
+    open_store(ledger_url, data_dir).close()  # an older store is migrated to today's tables first
+    db = open_database(str(ledger_url) if path is None else path)
     try:
-        db.execute("PRAGMA busy_timeout=10000")
-        db.execute("BEGIN IMMEDIATE")
-        changed = []
-        try:
+        with db.transaction():
+            changed = 0
             rows = db.execute("SELECT job_id, cluster, source, data FROM jobs").fetchall()
             for job_id, cluster, source, data in rows:
                 try:
                     d = json.loads(data)
                 except ValueError as e:
-                    raise ValueError(f"{path}: job {job_id}@{cluster}: record is not JSON: {e}") from None
+                    raise ValueError(f"{label}: job {job_id}@{cluster}: record is not JSON: {e}") from None
                 end, user = d.get("end"), d.get("user")
                 if end is None or end >= cutoff or ((user is None or is_pseudonym(user)) and d.get("uid") is None):
                     continue
@@ -80,13 +81,9 @@ def apply_retention(
                         f"usage still weighs in fairshare; retention refuses such records without --force")
                 d["user"] = None if user is None else pseudonymize(user)
                 d["uid"] = None
-                changed.append((json.dumps(d, sort_keys=True), job_id, cluster, source))
-            db.executemany("UPDATE jobs SET data=? WHERE job_id=? AND cluster=? AND source=?", changed)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        return len(changed)
+                changed += db.execute("UPDATE jobs SET data=? WHERE job_id=? AND cluster=? AND source=? AND data=?",
+                                      (json.dumps(d, sort_keys=True), job_id, cluster, source, data)).rowcount
+        return changed
     finally:
         db.close()
 

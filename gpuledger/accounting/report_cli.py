@@ -1,7 +1,12 @@
 """`gpuledger report ...` and `gpuledger audit ...`. Library code raises; only this module exits.
 
-Exit codes: 0 fine, 1 a check failed (`audit verify` found tampering, always naming the entry or range), 2 bad
-input (missing store, bad date, bad configuration, an unreadable checkpoint or key).
+Exit codes: 0 fine, 1 a check failed (`audit verify` found tampering, always naming the entry or range) or the
+ledger's server cannot be reached, 2 bad input (missing store, bad date, bad configuration or ledger URL, an
+unreadable checkpoint or key).
+
+Every command reads the ledger that ``--ledger-url``, ``GPULEDGER_LEDGER_URL`` or the ``[ledger]`` table name
+(``collector.ledger_url``; the data dir's embedded store by default); reports, keys and the audit log stay in the
+data dir.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import typer
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
 from gpuledger.accounting.audit.verify import read_checkpoints
-from gpuledger.accounting.cli_common import CONFIG_NAME, STORE_NAME, ConfigOpt, DataDir, read_ledger
+from gpuledger.accounting.cli_common import CONFIG_NAME, ConfigOpt, DataDir, LedgerUrl, cli_ledger_url, read_ledger
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.ledger import gap_attribution
@@ -36,7 +41,8 @@ from gpuledger.accounting.report.usage import (
     usage_report_json,
     usage_report_text,
 )
-from gpuledger.collector.db import is_postgres_url
+from gpuledger.collector.db import DatabaseUnavailable, is_postgres_url
+from gpuledger.collector.ledger_url import ledger_exists, ledger_label
 from gpuledger.output import Format, note
 
 if TYPE_CHECKING:
@@ -122,8 +128,8 @@ def _emit(text: str, output: Path | None) -> None:
         output.write_text(text)
 
 
-def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict[str, Any],
-          period: dict[str, Any], ledger_url: str | None = None) -> None:
+def _sign(output: Path | None, ledger_url: str | None, data_dir: Path, config: Path | None, inputs: dict[str, Any],
+          period: dict[str, Any]) -> None:
     """Sign a written report when a key exists; say so either way (an unsigned report is not an error). The
     manifest binds the job and usage records used, which must match the audit log (else exit 1, unsigned)."""
     if output is None:
@@ -138,7 +144,7 @@ def _sign(output: Path | None, data_dir: Path, config: Path | None, inputs: dict
     try:
         key = au.load_signing_key(key_path)
         with au.open_log(data_dir, ledger_url=ledger_url) as log:
-            bound = _bind_store(data_dir, log, write=True)
+            bound = _bind_store(ledger_url, data_dir, log, write=True)
             if bound.changes:
                 raise _fail(f"report written to {output} but NOT signed: store rows disagree with their logged record "
                             "(see `gpuledger audit verify --store`):\n" + _store_changes(bound.changes), 1)
@@ -182,6 +188,7 @@ def report_usage(
     influx: Annotated[bool, typer.Option("--influx", help="also write the period's jobs (measurement job_usage, "
                                          "tagged with account and user) to the InfluxDB of the collector table's "
                                          "influx_url")] = False,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Per group: GPU-hours allocated and SM-active, efficiency, HBM, energy, CO2e, cost, idle GPU-hours, queue
     wait. Jobs count whole in the period they ended; totals are exactly the sum of the job records."""
@@ -190,7 +197,8 @@ def report_usage(
     except ReportError as e:
         raise _fail(str(e)) from None
     settings = _settings(data_dir, config)
-    store = _open_store(data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    store = _open_store(url, data_dir)
     try:
         entries = load_ledger(store)
         per_gpu = _per_gpu(store) if by is By.node else None
@@ -217,7 +225,7 @@ def report_usage(
     elif fmt is UsageFmt.html:
         from gpuledger.accounting.html import render_html
 
-        with au.open_log(data_dir) as log:
+        with au.open_log(data_dir, ledger_url=url) as log:
             size, root = log.head()
         text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}",
                            manifest={"audit log head": f"{size} entries, root {root[:16]}...",
@@ -225,8 +233,8 @@ def report_usage(
     else:
         text = usage_report_text(rep)
     _emit(text, output)
-    _sign(output, data_dir, config, {"report": "usage", "by": by.value, "format": fmt.value, "jobs": rep.total.jobs,
-                                     "pseudonymized": pseudonymize}, per.to_dict())
+    _sign(output, url, data_dir, config, {"report": "usage", "by": by.value, "format": fmt.value,
+                                          "jobs": rep.total.jobs, "pseudonymized": pseudonymize}, per.to_dict())
 
 
 @report_app.command("reconcile")
@@ -238,6 +246,7 @@ def report_reconcile(
     period: PeriodOpt = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     output: OutputOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Per account, node and GPU model: Slurm-allocated vs observed GPU-hours, coverage, unmeasured GPU-hours,
     GPU-time and energy with no job (unattributed), gap energy reassigned to jobs from Slurm's records and counter
@@ -256,7 +265,8 @@ def report_reconcile(
         per = parse_period(period, start, end)
     except ReportError as e:
         raise _fail(str(e)) from None
-    store = _open_store(data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    store = _open_store(url, data_dir)
     lo, hi = (per.start if math.isfinite(per.start) else None), (per.end if math.isfinite(per.end) else None)
     try:
         gaps = gap_attribution(store)
@@ -273,7 +283,7 @@ def report_reconcile(
     text = {TableFmt.json: lambda: reconcile_json(rec) + "\n", TableFmt.csv: lambda: reconcile_csv(rec),
             TableFmt.table: lambda: reconcile_text(rec)}[fmt]()
     _emit(text, output)
-    _sign(output, data_dir, config, {"report": "reconcile", "format": fmt.value, "rows": len(rec.rows)},
+    _sign(output, url, data_dir, config, {"report": "reconcile", "format": fmt.value, "rows": len(rec.rows)},
           per.to_dict())
 
 
@@ -282,9 +292,11 @@ def report_jobs(
     data_dir: DataDir = Path("gpuledger-data"),
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     pseudonymize: Pseudo = False,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Per-job measured usage (jobs seen by only one side are marked with *)."""
-    entries = read_ledger(data_dir)
+    entries = read_ledger(cli_ledger_url(ledger_url, data_dir, config), data_dir)
     if pseudonymize:
         entries = pseudonymize_entries(entries, _alias(data_dir))
     rows = job_rows(entries)
@@ -304,6 +316,7 @@ def report_job(
     fmt: Annotated[TextFmt, typer.Option("--format")] = TextFmt.text,
     pseudonymize: Pseudo = False,
     cluster: Annotated[str | None, typer.Option(help="the job's cluster, where two clusters share the id")] = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """One job's efficiency report: Slurm allocation vs observed (coverage); per GPU activity, memory, power,
     energy, events; notes with their numbers."""
@@ -312,7 +325,7 @@ def report_job(
         rules = jr.Rules.from_mapping(settings.rules)
     except ValueError as e:
         raise _fail(f"{config or data_dir / CONFIG_NAME}: {e}") from None
-    store = _open_store(data_dir)
+    store = _open_store(cli_ledger_url(ledger_url, data_dir, config), data_dir)
     try:
         rep = jr.load_job_report(store, job_id, rules, cluster)
     except LookupError as e:
@@ -338,6 +351,7 @@ def report_idle(
     period: PeriodOpt = None,
     fmt: Annotated[TableFmt, typer.Option("--format")] = TableFmt.table,
     pseudonymize: Pseudo = False,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Jobs that held GPUs mostly idle, worst (most idle GPU-hours) first."""
     settings = _settings(data_dir, config)
@@ -345,7 +359,7 @@ def report_idle(
         per = parse_period(period) if period else ALL_TIME
     except ReportError as e:
         raise _fail(str(e)) from None
-    store = _open_store(data_dir)
+    store = _open_store(cli_ledger_url(ledger_url, data_dir, config), data_dir)
     try:
         everything = load_ledger(store)
         per_gpu = _per_gpu(store)
@@ -379,21 +393,25 @@ def _inside(path: Path, directory: Path) -> bool:
         return False
 
 
-def _audit_path(data_dir: Path, ledger_url: str | None = None) -> Path:
-    """The data dir's audit log; exit 2 without a data dir, 1 when the log is gone but the store is there. Beside a
-    PostgreSQL ledger the log is in that database (``_open`` opens it for this path)."""
+def _audit_path(ledger_url: str | None, data_dir: Path) -> Path:
+    """The data dir's audit log; exit 2 without a data dir, 1 when the log is gone but the ledger is there (or its
+    server cannot be reached)."""
     path = data_dir / au.AUDIT_NAME
     if path.exists() or is_postgres_url(ledger_url):
         return path
     if not data_dir.is_dir():
         raise _fail(f"no data directory at {data_dir} (pass --data-dir)")
-    if (data_dir / STORE_NAME).exists():
-        raise _fail(f"TAMPERED: the audit log {path} is missing (deleted) beside the store {data_dir / STORE_NAME}", 1)
+    try:
+        ledger = ledger_exists(ledger_url, data_dir)
+    except DatabaseUnavailable as e:
+        raise _fail(str(e), 1) from None
+    if ledger:
+        raise _fail(f"TAMPERED: the audit log {path} is missing (deleted) beside the ledger "
+                    f"{ledger_label(ledger_url, data_dir)}", 1)
     raise _fail(f"no audit log at {path}")
 
 
-def _open(path: Path, data_dir: Path, ledger_url: str | None = None) -> au.AuditLog:
-    """The log at ``path``; the data dir's own (``_audit_path``) is the ledger's (``open_log``)."""
+def _open(path: Path, data_dir: Path, ledger_url: str | None) -> au.AuditLog:
     try:
         return au.open_log(data_dir, ledger_url=ledger_url) if path.name == au.AUDIT_NAME else au.AuditLog(path)
     except au.AuditError as e:
@@ -406,8 +424,11 @@ def audit_keygen(
     private_key: KeyOpt = None,
     force: Annotated[bool, typer.Option("--force", help="rotate: replace an existing key; the keyring beside it and an "
                                         "audit entry keep old reports verifiable")] = False,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Create the Ed25519 key pair that signs checkpoints and report manifests (private key 0600, public 0644)."""
+    cli_ledger_url(ledger_url, data_dir, config)  # a bad ledger URL is refused before a key is written
     path = private_key or au.default_private_key_path()
     if _inside(path, data_dir):
         raise _fail(f"{path} lies inside the data directory {data_dir}: whoever can rewrite the log could use it; "
@@ -417,7 +438,7 @@ def audit_keygen(
     except (FileExistsError, au.AuditError, OSError) as e:
         raise _fail(str(e)) from None
     if res.rotation is not None and data_dir.is_dir():
-        with _open(data_dir / au.AUDIT_NAME, data_dir) as log:
+        with _open(data_dir / au.AUDIT_NAME, data_dir, None) as log:
             rotation = log.append("key_rotation", res.rotation)
         where = rotation.seq if rotation else "?"
         _note(f"rotation recorded in audit entry {where} and in {au.keyring_path(res.private)}")
@@ -430,14 +451,17 @@ def audit_checkpoint(
     private_key: KeyOpt = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="write here (default: stdout); ship it off "
                                                    "this machine")] = None,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Sign the audit log's tree head (size, root hash, time, key id) as a checkpoint (a signed note)."""
-    path = _audit_path(data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    path = _audit_path(url, data_dir)
     try:
         key = au.load_signing_key(private_key or au.default_private_key_path())
     except au.AuditError as e:
         raise _fail(str(e)) from None
-    with _open(path, data_dir) as log:
+    with _open(path, data_dir, url) as log:
         try:
             text = au.make_checkpoint(log, key)
         except au.AuditError as e:
@@ -488,21 +512,24 @@ def audit_verify(
                                                     "pinned one (default: beside the default private key)")] = None,
     store: Annotated[bool, typer.Option("--store", help="also list store rows that disagree with their logged "
                                         "record")] = False,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Recompute the Merkle log, prove it extends every checkpoint and signed report; exit 1 naming the first
     changed entry or range, 0 when everything verifies, 2 on bad input."""
-    path = _audit_path(data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    path = _audit_path(url, data_dir)
     try:
         cps = read_checkpoints(checkpoint or [])
     except FileNotFoundError as e:
         raise _fail(str(e)) from None
-    with _open(path, data_dir) as log:
+    with _open(path, data_dir, url) as log:
         trusted = _trusted(public_key, keyring, log, required=bool(cps or reports))
         try:
             v = au.verify_all(log, trusted, cps, reports or [])
         except au.AuditError as e:
             raise _fail(str(e)) from None
-        changes = _bind_store(data_dir, log, write=False).changes if store else []
+        changes = _bind_store(url, data_dir, log, write=False).changes if store else []
     res = v.result
     if res.ok:
         typer.echo(f"audit log {path}: {res.entries} entries, Merkle tree intact, root {res.root.hex()}")
@@ -525,11 +552,11 @@ def audit_verify(
         raise typer.Exit(code=1)
 
 
-def _bind_store(data_dir: Path, log: au.AuditLog, write: bool, accept_reason: str | None = None,
-                now: float | None = None) -> au.Bound:
+def _bind_store(ledger_url: str | None, data_dir: Path, log: au.AuditLog, write: bool,
+                accept_reason: str | None = None, now: float | None = None) -> au.Bound:
     import time as _time
 
-    store = _open_store(data_dir)
+    store = _open_store(ledger_url, data_dir)
     try:
         jobs, usage = store.jobs(), store.job_usage()
     finally:
@@ -549,10 +576,13 @@ def audit_proof(
     since: Annotated[int | None, typer.Option("--since", help="consistency proof from this tree size")] = None,
     size: Annotated[int | None, typer.Option("--size", help="in the tree of this size (default: now)")] = None,
     data_dir: DataDir = Path("gpuledger-data"),
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """RFC 9162 proofs as JSON (hex hashes): an entry's inclusion proof, or a consistency proof between sizes."""
-    path = _audit_path(data_dir)
-    with _open(path, data_dir) as log:
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    path = _audit_path(url, data_dir)
+    with _open(path, data_dir, url) as log:
         n = log.size() if size is None else size
         try:
             if not 0 <= n <= log.size():
@@ -579,10 +609,13 @@ def audit_explain(
     job_id: Annotated[str, typer.Argument()],
     data_dir: DataDir = Path("gpuledger-data"),
     fmt: Annotated[TextFmt, typer.Option("--format")] = TextFmt.text,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """How a job's site factor was derived, step by step, with the audit entries that prove each step."""
-    path = _audit_path(data_dir)
-    with _open(path, data_dir) as log:
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    path = _audit_path(url, data_dir)
+    with _open(path, data_dir, url) as log:
         try:
             ex = au.explain(log, job_id)
         except au.AuditError as e:
@@ -605,13 +638,16 @@ def audit_record(
     data_dir: DataDir = Path("gpuledger-data"),
     accept_store_changes: Annotated[str | None, typer.Option("--accept-store-changes", metavar="REASON", help="log "
                                     "store rows that differ from their final logged record as corrections")] = None,
+    config: ConfigOpt = None,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Append the store's job records and per-job usage that the log does not hold yet (final once a job ended)."""
+    url = cli_ledger_url(ledger_url, data_dir, config)
     path = data_dir / au.AUDIT_NAME
     if not path.exists():
-        _open_store(data_dir).close()  # exit 2 without a store
-    with _open(path, data_dir) as log:
-        b = _bind_store(data_dir, log, write=True, accept_reason=accept_store_changes)
+        _open_store(url, data_dir).close()  # exit 2 without a ledger
+    with _open(path, data_dir, url) as log:
+        b = _bind_store(url, data_dir, log, write=True, accept_reason=accept_store_changes)
         size, root = log.head()
     if b.changes and accept_store_changes is None:
         raise _fail("store rows disagree with their logged record (nothing appended; --accept-store-changes REASON "
@@ -627,6 +663,7 @@ def audit_retention(
     force: Annotated[
         bool, typer.Option("--force", help="also records still inside the fairshare decay horizon")
     ] = False,
+    ledger_url: LedgerUrl = None,
 ) -> None:
     """Pseudonymize user names in the store's job records that ended more than N days ago (records still inside
     the decay horizon, 10 half-lives or since the last usage reset, only with --force)."""
@@ -636,6 +673,7 @@ def audit_retention(
     from gpuledger.accounting.privacy import apply_retention, decay_horizon_start
 
     settings = _settings(data_dir, config)
+    url = cli_ledger_url(ledger_url, data_dir, config)
     days = settings.retention_days if days is None else days
     if days is None:
         raise _fail("no retention period: pass --days or set report.retention_days")
@@ -646,8 +684,11 @@ def audit_retention(
         raise _fail(str(e)) from None
     horizon = None if force else decay_horizon_start(time.time(), acct.half_life_s, acct.usage_reset,
                                                      acct.timezone or None)
+    _open_store(url, data_dir).close()  # exit 2 without a ledger; an older one is migrated to today's tables
     try:
-        n = apply_retention(data_dir / STORE_NAME, _alias(data_dir), days, horizon_start=horizon)
+        n = apply_retention(url, data_dir, _alias(data_dir), days, horizon_start=horizon)
+    except DatabaseUnavailable as e:
+        raise _fail(str(e), 1) from None
     except (OSError, ValueError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"pseudonymized {n} job record(s) that ended more than {days:g} days ago")

@@ -1,4 +1,4 @@
-"""``gpuledger collector ...``: run the collector, read job usage from the embedded store."""
+"""``gpuledger collector ...``: run the collector, read job usage from the ledger (``collector.ledger_url``)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,22 @@ from pathlib import Path
 
 import typer
 
+from gpuledger.collector.auditlog import open_log
 from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
+from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
-from gpuledger.collector.store import Store
+from gpuledger.collector.store_cli import ConfigFile, DataDir
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
 
 app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
                   no_args_is_help=True)
 
-DB_NAME = "gpuledger.sqlite"
-DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER_DATA_DIR",
-                       help="Directory of the embedded store.")
-
 
 def store_path(data_dir: Path) -> Path:
-    return data_dir / DB_NAME
+    """The embedded store of ``data_dir`` (the ledger when no ledger URL is given)."""
+    return data_dir / STORE_NAME
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -46,6 +45,7 @@ def serve(
                                             "read_tokens); no tokens anywhere: authentication off."),
     tls_cert: Path | None = typer.Option(None, help="PEM certificate: serve HTTPS (with --tls-key)."),
     tls_key: Path | None = typer.Option(None, help="PEM private key of --tls-cert."),
+    ledger_url: LedgerUrlOpt = None,
 ) -> None:
     """Serve the ingest and query API until interrupted (settings: file < GPULEDGER_COLLECTOR_* < flags)."""
     try:
@@ -56,6 +56,7 @@ def serve(
         tls = tls_context(settings.tls_cert, settings.tls_key) if settings.tls_cert and settings.tls_key else None
     except (ConfigError, OSError, ssl.SSLError) as e:
         fail(str(e))
+    url = cli_ledger_url(ledger_url, data_dir, config)
     try:
         sinks = settings.sinks()
     except ValueError as e:
@@ -71,13 +72,16 @@ def serve(
         private_dir(data_dir)
     except OSError as e:
         fail(f"--data-dir {data_dir}: {e.strerror or e}", code=1)
-    store = Store(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
+    store = open_ledger(url, data_dir, create=True, window_s=settings.window_s, max_gap_s=settings.max_gap_s,
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
                         power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
                         max_gpus_per_host=settings.max_gpus_per_host)
     store.start_background(settings.compact_interval_s)
     server = CollectorServer(
-        store, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes,
+        # the ledger's audit log (beside a PostgreSQL ledger, in its database): posted job records are logged
+        # before they are stored
+        store, audit_log=open_log(data_dir, ledger_url=url), host=settings.host, port=settings.port,
+        max_body_bytes=settings.max_body_bytes,
         auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
         priority_feed=settings.priority_feed or data_dir / FEED_NAME, max_inflight=settings.max_inflight,
         max_per_host=settings.max_per_host, request_timeout_s=settings.request_timeout_s,
@@ -88,7 +92,7 @@ def serve(
     signal.signal(signal.SIGTERM, _interrupt)
     auth = "on" if settings.auth_enabled else "off (no tokens configured)"
     influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if sinks else ""
-    typer.echo(f"collector listening on {server.url}, store {store.path}, auth {auth}{influx}")
+    typer.echo(f"collector listening on {server.url}, ledger {ledger_label(url, data_dir)}, auth {auth}{influx}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -115,12 +119,13 @@ def usage(
     job: str | None = typer.Option(None, "--job", help="Only this job id."),
     per_gpu: bool = typer.Option(False, "--per-gpu", help="One row per job and GPU."),
     fmt: Format = typer.Option(Format.table, "--format", help=FORMAT_HELP),
+    config: Path | None = ConfigFile,
+    ledger_url: LedgerUrlOpt = None,
 ) -> None:
-    """Print measured job usage from the store."""
-    path = store_path(data_dir)
-    if not path.exists():
-        fail(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)")
-    store = Store(path)
+    """Print measured job usage from the ledger."""
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    path = ledger_label(url, data_dir)
+    store = open_ledger(url, data_dir)
     try:
         rows = store.job_usage(job, per_gpu=per_gpu)
     finally:

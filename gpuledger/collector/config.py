@@ -38,6 +38,9 @@ Example::
 
 With no token configured at all, authentication is off (the demo and a single-host setup run that way);
 ``/healthz``, ``/metrics`` and ``/api/v1/openapi.json`` are always open.
+
+Other tables of the same file belong to other parts and are not read here: ``[ledger]`` (where the ledger is,
+``collector.ledger_url``), ``[accounting]``, ``[accounts]``, ``[report]``.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def _errors(e: ValidationError, prefix: str) -> str:
     return "; ".join(f"{prefix}{'.'.join(map(str, err['loc'])) or '(table)'}: {err['msg']}" for err in e.errors())
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -203,7 +206,7 @@ def load_settings(
     path = config if config is not None else data_dir / CONFIG_NAME
     raw: dict[str, Any] = {}
     if config is not None or path.exists():
-        table = _read_toml(path).get("collector", {})
+        table = read_toml(path).get("collector", {})
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: [collector] must be a table")
         raw = dict(table)
@@ -227,7 +230,7 @@ def load_settings(
 
 def _merge_tokens_file(settings: CollectorSettings, tokens_file: Path) -> CollectorSettings:
     try:
-        extra = TokenTables.model_validate(_read_toml(tokens_file))
+        extra = TokenTables.model_validate(read_toml(tokens_file))
     except ValidationError as e:
         raise ConfigError(f"{tokens_file}: {_errors(e, '')}") from None
     merged = settings.model_dump()

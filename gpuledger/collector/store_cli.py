@@ -1,4 +1,5 @@
-"""``gpuledger collector compact|series|totals``: the embedded store's tiers from the command line."""
+"""``gpuledger collector compact|series|totals``: the store's tiers from the command line, on the ledger that
+``collector.ledger_url`` resolves (the data directory's embedded store by default)."""
 
 from __future__ import annotations
 
@@ -8,31 +9,35 @@ from pathlib import Path
 
 import typer
 
+from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.series_store import TIER_NAMES
 from gpuledger.collector.store import Store
 from gpuledger.output import fail, note
 
-app = typer.Typer(help="Maintain and query the embedded store's tiers.", no_args_is_help=True)
+app = typer.Typer(help="Maintain and query the store's tiers.", no_args_is_help=True)
 
-DB_NAME = "gpuledger.sqlite"  # the collector's store file inside --data-dir
+DB_NAME = STORE_NAME  # the embedded store's file inside --data-dir
+# --data-dir and --config of every collector command (collector.cli imports them)
 DataDir = typer.Option(Path("./gpuledger-data"), "--data-dir", envvar="GPULEDGER_DATA_DIR",
-                       help="Directory of the embedded store.")
+                       help="Directory of the embedded store, the audit log and the outputs.")
+ConfigFile = typer.Option(None, "--config", help="TOML file whose [ledger] table may name the ledger "
+                          "(default: <data-dir>/gpuledger.toml if present).")
 
 
-def _open(data_dir: Path) -> Store:
-    path = data_dir / DB_NAME
-    if not path.exists():
-        fail(f"no store at {path} (set --data-dir or GPULEDGER_DATA_DIR)")
-    return Store(path)
+def _open(data_dir: Path, config: Path | None, ledger_url: str | None) -> Store:
+    """The existing ledger (exit 2 without one: a query never creates it)."""
+    return open_ledger(cli_ledger_url(ledger_url, data_dir, config), data_dir)
 
 
 @app.command()
 def compact(
     data_dir: Path = DataDir,
     now: float | None = typer.Option(None, help="Apply retention as of this unix time (default: now)."),
+    config: Path | None = ConfigFile,
+    ledger_url: LedgerUrlOpt = None,
 ) -> None:
     """Roll up closed minutes and hours, merge small chunks, drop data past retention (idempotent)."""
-    store = _open(data_dir)
+    store = _open(data_dir, config, ledger_url)
     try:
         st = store.compact(now)
         store.checkpoint()
@@ -53,6 +58,8 @@ def series(
     mig: str | None = typer.Option(None, help="MIG instance."),
     tier: str | None = typer.Option(None, help="Force a tier: raw, 1m or 1h."),
     data_dir: Path = DataDir,
+    config: Path | None = ConfigFile,
+    ledger_url: LedgerUrlOpt = None,
 ) -> None:
     """One GPU's samples or rollup buckets as JSON lines (the tier is picked by range and retention)."""
     now = time.time()
@@ -63,11 +70,12 @@ def series(
         if tier not in names:
             raise typer.BadParameter(f"tier must be one of {sorted(names)}", param_hint="--tier")
         forced = names[tier]
-    store = _open(data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    store = open_ledger(url, data_dir)
     try:
         if (host, gpu_uuid, mig or "") not in set(store.gpus()):
             known = sorted(u for h, u, _ in store.gpus() if h == host)
-            fail(f"no GPU {gpu_uuid}{' MIG ' + mig if mig else ''} on host {host!r} in {store.path}"
+            fail(f"no GPU {gpu_uuid}{' MIG ' + mig if mig else ''} on host {host!r} in {ledger_label(url, data_dir)}"
                  + (f"; that host has {', '.join(known)}" if known else "; `gpuledger collector usage --per-gpu` "
                     "lists the GPUs measured"))
         points = store.series(host, gpu_uuid, start, now if end is None else end, step=step, mig=mig, tier=forced)
@@ -84,9 +92,11 @@ def totals(
     data_dir: Path = DataDir,
     start: float | None = typer.Option(None, help="Unix seconds: whole hours from here."),
     end: float | None = typer.Option(None, help="Unix seconds."),
+    config: Path | None = ConfigFile,
+    ledger_url: LedgerUrlOpt = None,
 ) -> None:
     """Cluster totals (GPU-seconds observed, allocated, SM-active; energy) and the tiers' sizes."""
-    store = _open(data_dir)
+    store = _open(data_dir, config, ledger_url)
     try:
         typer.echo(json.dumps({**store.totals(start, end), "tiers": store.tiers(), "size_bytes": store.size_bytes()},
                               indent=2))

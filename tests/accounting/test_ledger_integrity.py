@@ -240,7 +240,7 @@ def test_retention_refuses_inside_the_decay_horizon_and_fairshare_survives_it(le
     r = runner.invoke(app, ["audit", "retention", "--data-dir", str(ledger_dir), "--days", "0"])
     assert r.exit_code == 2 and "decay horizon" in r.output and "--force" in r.output
     with pytest.raises(InsideDecayHorizon):
-        apply_retention(ledger_dir / "gpuledger.sqlite", Pseudonymizer.for_data_dir(ledger_dir), 0,
+        apply_retention(None, ledger_dir, Pseudonymizer.for_data_dir(ledger_dir), 0,
                         horizon_start=T0)
     r = runner.invoke(app, ["audit", "retention", "--data-dir", str(ledger_dir), "--days", "0", "--force"])
     assert r.exit_code == 0 and "pseudonymized 2" in r.output, r.output

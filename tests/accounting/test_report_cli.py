@@ -163,9 +163,9 @@ def test_retention_pseudonymizes_old_job_records_only(data_dir):
     alias = Pseudonymizer(key)
     # 10 days after the jobs ended: 30-day retention keeps the names, 5-day retention removes them
     now = T0 + 3600 + 10 * 86400
-    assert apply_retention(data_dir / "gpuledger.sqlite", alias, 30, now=now) == 0
-    assert apply_retention(data_dir / "gpuledger.sqlite", alias, 5, now=now) == 2
-    assert apply_retention(data_dir / "gpuledger.sqlite", alias, 5, now=now) == 0  # idempotent
+    assert apply_retention(None, data_dir, alias, 30, now=now) == 0
+    assert apply_retention(None, data_dir, alias, 5, now=now) == 2
+    assert apply_retention(None, data_dir, alias, 5, now=now) == 0  # idempotent
     store = Store(data_dir / "gpuledger.sqlite")
     try:
         jobs = {j.job_id: j for j in store.jobs()}
@@ -174,4 +174,4 @@ def test_retention_pseudonymizes_old_job_records_only(data_dir):
     assert jobs["1"].user == alias("alice") and is_pseudonym(jobs["1"].user) and jobs["1"].uid is None
     assert jobs["1"].account == "a"  # accounts are projects, not people
     with pytest.raises(ValueError, match="retention days"):
-        apply_retention(data_dir / "gpuledger.sqlite", alias, -1)
+        apply_retention(None, data_dir, alias, -1)

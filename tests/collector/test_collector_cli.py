@@ -39,7 +39,7 @@ def test_usage_json_and_table(tmp_path):
 
 def test_usage_without_store_says_where_it_looked(tmp_path):
     r = CliRunner().invoke(app, ["usage", "--data-dir", str(tmp_path / "none")])
-    assert r.exit_code == 2 and "no store" in r.output
+    assert r.exit_code == 2 and "no gpuledger store" in r.output
 
 
 def test_serve_runs_until_sigterm(tmp_path):
@@ -56,3 +56,28 @@ def test_serve_runs_until_sigterm(tmp_path):
         p.wait(timeout=10)
     assert p.returncode == 0
     assert os.path.exists(store_path(tmp_path))
+
+
+def test_serve_stores_in_the_ledger_url_and_logs_in_the_data_dir(tmp_path):
+    # a SQLite ledger elsewhere: the store is that file, posted job records are logged in the data dir's audit log
+    ledger, data = tmp_path / "ledger.sqlite", tmp_path / "data"
+    code = "from gpuledger.collector.cli import app; app()"
+    p = subprocess.Popen([sys.executable, "-c", code, "serve", "--data-dir", str(data), "--port", "0",
+                          "--ledger-url", str(ledger)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert f"ledger {ledger}," in line, line + p.stderr.read()
+        url = line.split("listening on ")[1].split(",")[0]
+        job = {"job_id": "7", "user": "alice", "account": "proj_a", "gpus": 1, "start": 1000.0, "end": 2000.0}
+        r = httpx.post(url + "/api/v1/jobs", json=[job], timeout=5)
+        assert r.status_code == 200 and r.json()["changed"] == 1, r.text
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=10)
+    assert p.returncode == 0
+    assert not os.path.exists(store_path(data)) and os.path.exists(data / "audit.sqlite")
+    store = Store(ledger)
+    try:
+        assert [j.job_id for j in store.jobs()] == ["7"]
+    finally:
+        store.close()
