@@ -12,7 +12,7 @@ import pytest
 from test_cli_errors import COMMANDS, call, one_error_line
 from testdata import DATA_ROOT
 
-from gpuledger.collector.ledger_url import ENV_NAME
+from gpuledger.collector.ledger_url import ENV_NAME, ledger_fingerprint
 from gpuledger.collector.store import open_store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample
@@ -115,7 +115,7 @@ def pipeline(capsys, tmp_path: Path, data_dir: Path, ledger: tuple[str | Path, .
         code, out, err = call(capsys, *argv, *d)
         assert code == 0, (argv, err)
         results[name] = json.loads(out)
-    results["feed"] = results["feed"]["associations"]  # type: ignore[index]  # without its generated_at
+    results["feed"] = results["feed"]["associations"]  # without its generated_at
     code, out, err = call(capsys, "audit", "verify", "--store", *d)
     assert code == 0, out + err
     assert "Merkle tree intact" in out and "store: every job and usage record matches its logged record" in out
@@ -129,8 +129,8 @@ def test_a_sqlite_ledger_url_is_the_ledger_the_commands_use(capsys, tmp_path: Pa
     ledger.parent.mkdir()
     elsewhere = pipeline(capsys, tmp_path, tmp_path / "data", ("--ledger-url", ledger))
     assert elsewhere == embedded
-    assert embedded["feed"] and embedded["usage"]["total"]["jobs"] > 0  # type: ignore[index]
-    assert {j["job_id"]: j["seen_by"] for j in embedded["jobs"]}["3"] == "both"  # type: ignore[attr-defined]
+    assert embedded["feed"] and embedded["usage"]["total"]["jobs"] > 0
+    assert {j["job_id"]: j["seen_by"] for j in embedded["jobs"]}["3"] == "both"
     # the ledger is the named file; the data dir keeps the audit log, the feed and the pseudonym key
     assert ledger.exists() and not (tmp_path / "data" / "gpuledger.sqlite").exists()
     assert (tmp_path / "data" / "audit.sqlite").exists() and (tmp_path / "data" / "priority-feed.json").exists()
@@ -158,3 +158,25 @@ def test_a_sqlite_ledger_url_is_the_ledger_the_commands_use(capsys, tmp_path: Pa
     with sqlite3.connect(ledger) as db:
         users = {json.loads(r[0]).get("user") for r in db.execute("SELECT data FROM jobs")}
     assert "carol" not in users and "alice" not in users
+
+
+def test_a_postgresql_ledger_gives_what_the_embedded_store_gives(capsys, tmp_path: Path, pg_url: str) -> None:
+    embedded = pipeline(capsys, tmp_path, tmp_path / "embedded", ())
+    on_postgres = pipeline(capsys, tmp_path, tmp_path / "data", ("--ledger-url", pg_url))
+    assert on_postgres == embedded
+    d = ("--data-dir", tmp_path / "data", "--ledger-url", pg_url)
+    for argv in [("collector", "usage", "--format", "json"), ("collector", "totals"), ("collector", "compact"),
+                 ("collector", "series", "vm", "GPU-0", "--start", "1795969300", "--end", "1795969500")]:
+        code, pg_out, err = call(capsys, *argv, *d)
+        code_e, sqlite_out, err_e = call(capsys, *argv, "--data-dir", tmp_path / "embedded")
+        assert code == code_e == 0, err + err_e
+        if argv[1] in ("totals", "compact"):  # sizes are the SQLite file's
+            pg_out, sqlite_out = (json.loads(o) | {"size_bytes": None} for o in (pg_out, sqlite_out))
+        assert pg_out == sqlite_out, argv
+    newest_batch, jobs = ledger_fingerprint(pg_url, tmp_path)  # what priority watch polls on this ledger
+    assert newest_batch is not None and jobs == len(embedded["jobs"]) - 1  # 999: no record
+    code, out, err = call(capsys, "audit", "retention", "--days", "0", "--force", *d)
+    assert code == 0 and not out.startswith("pseudonymized 0 "), out + err
+    code, out, _ = call(capsys, "jobs", "list", "--format", "json", *d)
+    assert not {j["user"] for j in json.loads(out)} & {"alice", "bob", "carol"}
+    assert not (tmp_path / "data" / "gpuledger.sqlite").exists()

@@ -1,11 +1,11 @@
 """``gpuledger ledger status|migrate``: where a ledger's schema stands, and bringing it up to date.
 
-The ledger is ``--ledger-url`` (``postgresql://...`` or a SQLite file; also ``GPULEDGER_LEDGER_URL``), else the
-embedded store of ``--data-dir``. Neither command creates a SQLite store (a mistyped directory is exit 2); a
-PostgreSQL database must exist (its DBA creates it), ``migrate`` creates the tables in it. A collector applies
-pending migrations itself when it opens the ledger; ``migrate`` does it ahead, e.g. before collectors of a new
-release start. Errors are one line: exit 2 for bad input (an unknown URL scheme, no store), 1 when the server
-cannot be reached or the ledger was written by a newer gpuledger.
+The ledger is the one every command uses (``collector.ledger_url``: ``--ledger-url``, ``GPULEDGER_LEDGER_URL``,
+the ``[ledger]`` table of ``--config``), else the embedded store of ``--data-dir``. Neither command creates a SQLite
+store (a mistyped directory is exit 2); a PostgreSQL database must exist (its DBA creates it), ``migrate`` creates
+the tables in it. A collector applies pending migrations itself when it opens the ledger; ``migrate`` does it ahead,
+e.g. before collectors of a new release start. Errors are one line: exit 2 for bad input (a bad ledger URL, no
+store), 1 when the server cannot be reached or the ledger was written by a newer gpuledger.
 """
 
 from __future__ import annotations
@@ -18,35 +18,28 @@ from typing import Annotated
 
 import typer
 
-from gpuledger.collector.db import POSTGRESQL, Database, DatabaseUnavailable, is_postgres_url, open_database
+from gpuledger.collector.db import POSTGRESQL, Database, DatabaseUnavailable, open_database
+from gpuledger.collector.ledger_url import LedgerUrlOpt, cli_ledger_url, sqlite_path
 from gpuledger.collector.migrations import LATEST, LedgerTooNew, Status, migrate, status
-from gpuledger.collector.store import STORE_NAME
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail
 
 app = typer.Typer(help="The ledger's schema: status and migrations (SQLite or PostgreSQL).", no_args_is_help=True)
 
 DataDir = Annotated[Path, typer.Option("--data-dir", envvar="GPULEDGER_DATA_DIR",
                                        help="Directory of the embedded store (used without --ledger-url).")]
-LedgerUrl = Annotated[str | None, typer.Option(
-    "--ledger-url", envvar="GPULEDGER_LEDGER_URL", metavar="URL", show_default=False,
-    help="The ledger: postgresql://... or a SQLite file [default: <data-dir>/gpuledger.sqlite]. Put a PostgreSQL "
-         "password in a libpq password file (PGPASSFILE), not in the URL.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file whose [ledger] table may name the ledger "
+                                                "(default: <data-dir>/gpuledger.toml if present).")]
 
 
 def _open(ledger_url: str | None, data_dir: Path) -> Database:
-    """The ledger's database, never a new SQLite file; exit 2 for none or a bad URL, 1 when unreachable."""
-    target = ledger_url or str(data_dir / STORE_NAME)
-    if not is_postgres_url(target):
-        path = target.removeprefix("sqlite://")
-        if "://" in path:
-            fail(f"ledger URL {target.split('://', 1)[0]}://...: unknown scheme (use postgresql://... or the path "
-                 "of a SQLite file)")
-        if not Path(path).is_file():
-            fail(f"no gpuledger store at {path} (run a collector or `gpuledger demo` first, or pass --data-dir or "
-                 "--ledger-url)")
-        target = path
+    """The ledger's database (``ledger_url`` resolved), never a new SQLite file; exit 2 for none, 1 when
+    unreachable."""
+    path = sqlite_path(ledger_url, data_dir)
+    if path is not None and not path.is_file():
+        fail(f"no gpuledger store at {path} (run a collector or `gpuledger demo` first, or pass --data-dir or "
+             "--ledger-url)")
     try:
-        return open_database(target)
+        return open_database(str(ledger_url) if path is None else path)
     except DatabaseUnavailable as e:
         fail(str(e), code=1)
 
@@ -63,11 +56,12 @@ def _state(st: Status) -> list[dict]:
 @app.command("status")
 def status_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
-    ledger_url: LedgerUrl = None,
+    ledger_url: LedgerUrlOpt = None,
+    config: ConfigOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.table,
 ) -> None:
     """The ledger's backend, URL (without a password), and its applied, pending and unknown (newer) migrations."""
-    db = _open(ledger_url, data_dir)
+    db = _open(cli_ledger_url(ledger_url, data_dir, config), data_dir)
     try:
         st = status(db)
     except DatabaseUnavailable as e:
@@ -92,11 +86,12 @@ def status_cmd(
 @app.command("migrate")
 def migrate_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
-    ledger_url: LedgerUrl = None,
+    ledger_url: LedgerUrlOpt = None,
+    config: ConfigOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.table,
 ) -> None:
     """Apply the pending migrations (in one transaction, under the ledger's migrations lock); prints them."""
-    db = _open(ledger_url, data_dir)
+    db = _open(cli_ledger_url(ledger_url, data_dir, config), data_dir)
     try:
         applied = migrate(db)
     except DatabaseUnavailable as e:
