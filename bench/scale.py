@@ -55,6 +55,7 @@ STATS_FLUSH_S = 11.0  # PostgreSQL flushes an idle backend's statistics within 1
 # Planning rules for the projection (printed with it)
 COLLECTOR_CORE_BUDGET = 0.6  # of the one core a collector process can use (Python): headroom for bursts
 PG_CORE_BUDGET = 0.5  # of PostgreSQL's cores
+CHECKPOINT_S = 300.0  # PostgreSQL's default checkpoint_timeout: each hot page is logged whole once per checkpoint
 
 
 def log(*a: object) -> None:
@@ -82,15 +83,21 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 class Postgres:
-    """Readings of the bench's PostgreSQL: its processes' CPU and the database's write counters."""
+    """Readings of the bench's PostgreSQL: its processes' CPU, the database's counters and the WAL written."""
 
     def __init__(self, server: PostgresServer) -> None:
         import psycopg  # noqa: PLC0415 - the bench's own dependency on the PostgreSQL driver
 
         self.server = server
         self.conn = psycopg.connect(server.url, autocommit=True)
-        pid_file = server.workdir / "pg" / "postmaster.pid"
-        self.postmaster = int(pid_file.read_text().split()[0])
+        self.pgdata = server.workdir / "pg"
+        self.postmaster = int((self.pgdata / "postmaster.pid").read_text().split()[0])
+        self.version = str(self._one("SHOW server_version"))
+
+    def _one(self, sql: str, *args: object) -> Any:
+        row = self.conn.execute(sql, args).fetchone()
+        assert row is not None, sql
+        return row[0] if len(row) == 1 else row
 
     def cpu(self) -> dict[int, float]:
         """CPU seconds of the postmaster's children (backends, WAL writer, checkpointer, ...), by pid."""
@@ -107,14 +114,31 @@ class Postgres:
         return out
 
     def counters(self, db: str) -> dict[str, float]:
-        row = self.conn.execute(
-            "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted, "
-            "pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0') FROM pg_stat_database WHERE datname = %s", (db,)).fetchone()
-        wal = self.conn.execute("SELECT wal_records, wal_fpi FROM pg_stat_wal").fetchone()
-        assert row is not None and wal is not None
-        keys = ("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_deleted", "wal_bytes")
-        return {**dict(zip(keys, map(float, row), strict=True)), "wal_records": float(wal[0]),
-                "wal_fpi": float(wal[1])}
+        """The database's transaction and row counters (as far as backends have reported them)."""
+        row = self._one("SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted "
+                        "FROM pg_stat_database WHERE datname = %s", db)
+        return dict(zip(("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_deleted"),
+                        map(float, row), strict=True))
+
+    def checkpoint(self) -> str:
+        """Write every dirty page now (a checkpoint then starts each run: the first change of each page after it
+        is logged whole, a full-page image), and return the WAL position."""
+        self.conn.execute("CHECKPOINT")
+        return str(self._one("SELECT pg_current_wal_lsn()"))
+
+    def lsn(self) -> str:
+        return str(self._one("SELECT pg_current_wal_lsn()"))
+
+    def wal(self, start: str, end: str) -> dict[str, float]:
+        """Bytes of WAL between two positions, and how much of it is full-page images (``pg_waldump --stats``)."""
+        total = float(self._one("SELECT pg_wal_lsn_diff(%s, %s)", end, start))
+        out = subprocess.run([str(self.server.bin / "pg_waldump"), "--path", str(self.pgdata / "pg_wal"),
+                              "--start", start, "--end", end, "--stats"], capture_output=True, text=True, check=True)
+        line = next(ln for ln in out.stdout.splitlines() if ln.startswith("Total"))
+        # Total  N  record-bytes [%]  fpi-bytes [%]  combined [%]
+        numbers = [int(t) for t in line.split() if t.isdigit()]
+        return {"wal_bytes": total, "wal_records": float(numbers[0]), "wal_record_bytes": float(numbers[1]),
+                "wal_fpi_bytes": float(numbers[2])}
 
     def close(self) -> None:
         self.conn.close()
@@ -164,6 +188,7 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         if pg is not None:
             time.sleep(STATS_FLUSH_S)
         before = pg.counters(db) if pg else {}
+        lsn0 = pg.checkpoint() if pg else ""
         pg_cpu0 = pg.cpu() if pg else {}
         cpu0 = [loadgen.cpu_s(p.pid) for p in procs]
         stats = [loadgen.Stats() for _ in range(n)]
@@ -172,6 +197,7 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         wall = time.monotonic() - t0
         cpu = [loadgen.cpu_s(p.pid) - c0 for p, c0 in zip(procs, cpu0, strict=True)]
         pg_cpu = sum(v - pg_cpu0.get(pid, 0.0) for pid, v in pg.cpu().items()) if pg else None
+        wal = pg.wal(lsn0, pg.lsn()) if pg else {}
         if pg is not None:
             time.sleep(STATS_FLUSH_S)
         after = pg.counters(db) if pg else {}
@@ -185,6 +211,8 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         if stored != acked:
             raise RuntimeError(f"{n} collector(s): {acked} batches acknowledged, {stored} in the ledger")
         d = {k: after[k] - before[k] for k in after}
+        if min(s.ok // max(len(share[c]), 1) for c, s in enumerate(stats)) < 1:
+            raise RuntimeError(f"{n} collector(s): not every host sent a batch in {a.seconds:g} s: raise --seconds")
         ok = sum(s.ok for s in stats)
         samples = ok * SAMPLES_PER_BATCH
         per_collector = [{"collector": c, "requests_per_s": s.ok / wall, "samples_per_s": s.samples / wall,
@@ -202,15 +230,20 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         }
         if pg is not None and pg_cpu is not None:
             rows = d["tup_inserted"] + d["tup_updated"] + d["tup_deleted"]
+            steady = wal["wal_bytes"] - wal["wal_fpi_bytes"]
             out["postgres"] = {
                 "cpu_s_per_1000_samples": 1e3 * pg_cpu / max(samples, 1), "cpu_share": pg_cpu / wall,
                 "xact_per_request": d["xact_commit"] / max(ok, 1), "rollbacks": d["xact_rollback"],
                 "rows_per_sample": rows / max(samples, 1), "inserted_per_request": d["tup_inserted"] / max(ok, 1),
                 "updated_per_request": d["tup_updated"] / max(ok, 1),
                 "deleted_per_request": d["tup_deleted"] / max(ok, 1),
-                "wal_bytes_per_sample": d["wal_bytes"] / max(samples, 1),
-                "wal_fpi_per_request": d["wal_fpi"] / max(ok, 1), "wal_mb_per_s": d["wal_bytes"] / wall / 1e6,
+                "wal_bytes_per_sample": wal["wal_bytes"] / max(samples, 1),
+                "wal_bytes_per_sample_without_fpi": steady / max(samples, 1),
+                # every GPU's hot rows were written in the run (each host sent at least once): the full-page images
+                # one checkpoint cycle costs, per GPU
+                "wal_fpi_bytes_per_gpu": wal["wal_fpi_bytes"] / (a.hosts * GPUS_PER_HOST),
                 "xact_per_s": d["xact_commit"] / wall, "rows_per_s": rows / wall,
+                "wal_mb_per_s": wal["wal_bytes"] / wall / 1e6,
             }
         return out
     finally:
@@ -231,53 +264,61 @@ def projection(results: list[dict], gpus: int) -> dict[str, Any]:
     pgs = [r["postgres"] for r in results if "postgres" in r]
     if pgs:
         worst = {k: max(p[k] for p in pgs) for k in ("cpu_s_per_1000_samples", "xact_per_request", "rows_per_sample",
-                                                     "wal_bytes_per_sample")}
+                                                     "wal_bytes_per_sample_without_fpi", "wal_fpi_bytes_per_gpu")}
         pg_cores = samples_s * worst["cpu_s_per_1000_samples"] / 1e3
+        wal_s = (samples_s * worst["wal_bytes_per_sample_without_fpi"]
+                 + gpus * worst["wal_fpi_bytes_per_gpu"] / CHECKPOINT_S)
         out["postgres"] = {"cores": pg_cores, "cores_planned": math.ceil(pg_cores / PG_CORE_BUDGET),
-                           "xact_per_s": requests_s * worst["xact_per_request"],
+                           # group commit joins requests only under load: plan one transaction a request at least
+                           "xact_per_s": requests_s * max(1.0, worst["xact_per_request"]),
                            "rows_per_s": samples_s * worst["rows_per_sample"],
-                           "wal_mb_per_s": samples_s * worst["wal_bytes_per_sample"] / 1e6,
-                           "wal_gb_per_day": samples_s * worst["wal_bytes_per_sample"] * 86400 / 1e9}
+                           "wal_mb_per_s": wal_s / 1e6, "wal_gb_per_day": wal_s * 86400 / 1e9}
     return out
 
 
 def report(a: argparse.Namespace, results: list[dict]) -> None:
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores shared with other jobs (load average {load[0]:.1f} {load[1]:.1f} "
-          f"{load[2]:.1f} at the end), collectors, PostgreSQL and the load generator on the same cores: figures per "
-          "sample are the ones to plan with, rates are what this machine gave")
+          f"{load[2]:.1f} at the end); collectors, PostgreSQL and the load generator share them: plan with the "
+          "figures per sample; the rates are what this machine gave")
     ledger = (f"PostgreSQL {a.pg_version} (fsync on, synchronous_commit on)" if a.ledger == "postgresql"
               else "one SQLite file")
     print(f"load: {a.hosts} hosts x {GPUS_PER_HOST} GPUs, {SAMPLES_PER_BATCH}-sample msgpack pushes (agent encoder), "
           f"{a.conns} connections per collector, each batch once, at most {a.seconds:g} s per run; ledger: {ledger}")
     print()
-    print(f"{'coll.':>5} {'#':>2} {'req/s':>8} {'samples/s':>10} {'CPU s/1k samples':>17} {'CPU use':>8} "
+    print(f"{'coll.':>5} {'#':>3} {'req/s':>8} {'samples/s':>10} {'CPU s/1k samples':>17} {'CPU use':>8} "
           f"{'p50 ms':>8} {'p99 ms':>8}  answers")
     for r in results:
         for c in r["per_collector"]:
-            print(f"{r['collectors']:>5} {c['collector']:>2} {c['requests_per_s']:>8.1f} {c['samples_per_s']:>10,.0f} "
-                  f"{c['cpu_s_per_1000_samples']:>17.3f} {100 * c['cpu_share']:>7.0f}% {c['p50_ms'] or 0:>8.1f} "
-                  f"{c['p99_ms'] or 0:>8.1f}  {c['statuses']} {c['connection_errors']} conn. errors")
-        print(f"{r['collectors']:>5} {'all':>2} {r['requests_per_s']:>8.1f} {r['samples_per_s']:>10,.0f} "
+            print(f"{r['collectors']:>5} {c['collector']:>3} {c['requests_per_s']:>8.1f} "
+                  f"{c['samples_per_s']:>10,.0f} {c['cpu_s_per_1000_samples']:>17.3f} {100 * c['cpu_share']:>7.0f}% "
+                  f"{c['p50_ms'] or 0:>8.1f} {c['p99_ms'] or 0:>8.1f}  {c['statuses']}, "
+                  f"{c['connection_errors']} connection errors")
+        print(f"{r['collectors']:>5} {'all':>3} {r['requests_per_s']:>8.1f} {r['samples_per_s']:>10,.0f} "
               f"{r['collector_cpu_s_per_1000_samples']:>17.3f}")
     if any("postgres" in r for r in results):
         print()
-        print("PostgreSQL per run: its CPU, and its write load per request (80 samples) and per sample")
+        print("PostgreSQL per run (a checkpoint starts each run): its CPU, its writes per request (80 samples) and per "
+              "sample, WAL with and without full-page images (FPI), the FPIs per GPU")
         print(f"{'coll.':>5} {'CPU s/1k samples':>17} {'CPU use':>8} {'xact/req':>9} {'ins/req':>8} {'upd/req':>8} "
-              f"{'del/req':>8} {'rows/sample':>12} {'WAL B/sample':>13} {'FPI/req':>8} {'xact/s':>8} {'WAL MB/s':>9}")
+              f"{'del/req':>8} {'rows/sample':>12} {'WAL B/sample':>13} {'w/o FPI':>8} {'FPI KB/GPU':>11} "
+              f"{'xact/s':>8} {'WAL MB/s':>9}")
         for r in results:
             p = r["postgres"]
             print(f"{r['collectors']:>5} {p['cpu_s_per_1000_samples']:>17.3f} {100 * p['cpu_share']:>7.0f}% "
                   f"{p['xact_per_request']:>9.2f} {p['inserted_per_request']:>8.2f} {p['updated_per_request']:>8.2f} "
                   f"{p['deleted_per_request']:>8.2f} {p['rows_per_sample']:>12.3f} {p['wal_bytes_per_sample']:>13.1f} "
-                  f"{p['wal_fpi_per_request']:>8.2f} {p['xact_per_s']:>8.1f} {p['wal_mb_per_s']:>9.2f}")
+                  f"{p['wal_bytes_per_sample_without_fpi']:>8.1f} {p['wal_fpi_bytes_per_gpu'] / 1e3:>11.2f} "
+                  f"{p['xact_per_s']:>8.1f} {p['wal_mb_per_s']:>9.2f}")
     print()
-    print(f"projection at 1 Hz, {SAMPLES_PER_BATCH}-sample pushes, from the costliest per-sample figures above; "
-          f"collectors: each within {COLLECTOR_CORE_BUDGET:.0%} of a core, plus one spare; PostgreSQL: cores within "
-          f"{PG_CORE_BUDGET:.0%} use")
+    print(f"projection at 1 Hz in {SAMPLES_PER_BATCH}-sample pushes, from the costliest per-sample figures above. "
+          f"Collectors: each within {COLLECTOR_CORE_BUDGET:.0%} of a core, plus one spare. PostgreSQL: cores at "
+          f"{PG_CORE_BUDGET:.0%} use; at least one transaction a request (group commit joins them only under load); "
+          f"WAL = per sample without FPI + each GPU's FPIs once per checkpoint ({CHECKPOINT_S:g} s, the default "
+          "checkpoint_timeout)")
     for gpus in (10_000, 100_000):
         p = projection(results, gpus)
-        line = (f"{gpus:>7,} GPUs: {p['samples_per_s']:>9,.0f} samples/s, {p['requests_per_s']:>7,.0f} requests/s; "
+        line = (f"{gpus:>7,} GPUs: {p['samples_per_s']:>7,.0f} samples/s, {p['requests_per_s']:>5,.0f} requests/s; "
                 f"collectors {p['collector_cores']:.1f} cores -> {p['collectors']} collector processes")
         if "postgres" in p:
             q = p["postgres"]
@@ -293,7 +334,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=1000, help="simulated hosts (8 GPUs each)")
     ap.add_argument("--batches", type=int, default=12, help="pushes encoded per host (the first one warms up)")
     ap.add_argument("--seconds", type=float, default=20.0, help="most seconds a run posts for")
-    ap.add_argument("--conns", type=int, default=4, help="keep-alive connections per collector")
+    ap.add_argument("--conns", type=int, default=8, help="keep-alive connections per collector")
     ap.add_argument("--ledger", choices=("postgresql", "sqlite"), default="postgresql",
                     help="sqlite: the collectors share one SQLite file (for comparison)")
     ap.add_argument("--json", type=Path, help="write the results here too")
@@ -309,8 +350,7 @@ def main() -> None:
         if a.ledger == "postgresql":
             with PostgresServer(work / "pg") as server:
                 pg = Postgres(server)
-                version = pg.conn.execute("SHOW server_version").fetchone()
-                a.pg_version = version[0] if version else "?"
+                a.pg_version = pg.version
                 try:
                     for n in counts:
                         results.append(run_config(a, n, reqs, pg, work))
