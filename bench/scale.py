@@ -4,17 +4,20 @@ what one sample costs, the collectors and the PostgreSQL write load for 10,000 a
 
 The script starts its own PostgreSQL (``tests/servers.py``: initdb + pg_ctl on a free loopback port, fsync on) and,
 for each collector count, a fresh database and that many collectors (the real command, ``--ledger-url``). The load is
-the fleet's shape (``bench/fleet.py``): --hosts hosts x 8 GPUs, each push 80 samples (8 GPUs x 10 s at 1 Hz) as
-msgpack columns from the agent's own encoder; host h goes to collector h mod N, as agents pick their own collector
-(jobs span two hosts, so multi-node jobs are split across collectors). Each host's first batch goes in before the
-clock starts (new series); then later batches, host by host in rounds, over --conns keep-alive connections per
-collector, each batch once, for at most --seconds.
+the fleet's shape (``bench/fleet.py``): --hosts hosts x 8 GPUs, each push 80 samples (8 GPUs x 10 s at 1 Hz; --push-s
+for other shapes) as msgpack columns from the agent's own encoder; host h goes to collector h mod N, as agents pick
+their own collector (jobs span two hosts, so multi-node jobs are split across collectors). Each host's first batch
+goes in before the clock starts (new series); then later batches, host by host in rounds, over --conns keep-alive
+connections per collector, each batch once, for at most --seconds. Afterwards the ledger must hold every batch
+acknowledged, once.
 
 Per collector: requests/s, samples/s, CPU seconds per 1,000 samples (from /proc). For the ledger: PostgreSQL's own
 CPU (its processes, from /proc), transactions (pg_stat_database xact_commit), rows written (tup_inserted + updated +
-deleted), WAL bytes (pg_current_wal_lsn difference) and WAL full-page images (pg_stat_wal), per request and per
-sample. PostgreSQL reports a backend's counters when it goes idle, at most every 10 s: the script waits 11 s before
-each reading.
+deleted) and WAL bytes (pg_current_wal_lsn difference; ``pg_waldump --stats`` says how much of it is full-page images),
+per request and per sample. A checkpoint starts each run, so each run pays the full-page images of every page it
+touches once, as each checkpoint cycle does. PostgreSQL reports a backend's counters when it goes idle, at most every
+10 s: the script waits 11 s before reading them. Then what 10,000 and 100,000 GPUs at 1 Hz need, printed with the
+planning rules it assumes.
 
     .venv/bin/python bench/scale.py                                  # 1, 2 and 3 collectors, ~3 minutes
     .venv/bin/python bench/scale.py --collectors 1,2 --seconds 10    # quicker
@@ -27,6 +30,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -43,14 +47,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import loadgen  # noqa: E402
-from fleet import push_body  # noqa: E402
 from servers import PostgresServer  # noqa: E402
 
+from gpuledger.agent.push import encode_batch  # noqa: E402
 from gpuledger.collector.store import open_store  # noqa: E402
+from gpuledger.schema.records import GpuSample  # noqa: E402
 
 GPUS_PER_HOST = 8
-PUSH_S = 10  # seconds of 1 Hz samples in one push: 80 samples
-SAMPLES_PER_BATCH = GPUS_PER_HOST * PUSH_S
+FLEET_PUSH_S = 10  # the fleet's shape: 10 s of 1 Hz samples a push, 80 samples
 STATS_FLUSH_S = 11.0  # PostgreSQL flushes an idle backend's statistics within 10 s (PGSTAT_IDLE_INTERVAL)
 # Planning rules for the projection (printed with it)
 COLLECTOR_CORE_BUDGET = 0.6  # of the one core a collector process can use (Python): headroom for bursts
@@ -144,22 +148,38 @@ class Postgres:
         self.conn.close()
 
 
-def bodies(hosts: int, batches: int, base: float) -> list[list[bytes]]:
-    """Per host, its request bodies in order (push i covers the 10 s before base + 10 i)."""
+def push_body(node: int, i: int, base: float, push_s: int) -> bytes:
+    """Node ``node``'s push ``i``: 8 GPUs at 1 Hz over the ``push_s`` seconds from base + push_s x i (random-walk
+    values; two nodes a job), as ``bench/fleet.py`` makes them for 10 s."""
+    host = f"node{node:05d}"
+    rng = random.Random(node * 100_003 + i)
+    t0 = base + push_s * i
+    samples = [GpuSample(ts=t0 + k, host=host, gpu_uuid=f"GPU-{node:05d}-{g}", gpu_index=g, model="NVIDIA H200",
+                         sm_active_ratio=round(rng.random(), 3), dram_bw_ratio=round(rng.random(), 3),
+                         power_watts=round(200 + 400 * rng.random(), 1),
+                         energy_joules=1e6 + 300.0 * (push_s * i + k), mem_used_bytes=60 * 2**30 + k,
+                         temp_celsius=50.0, sm_clock_hz=1.98e9, mem_clock_hz=2.6e9, job_ids=(str(1000 + node // 2),))
+               for g in range(GPUS_PER_HOST) for k in range(push_s)]
+    return encode_batch(f"agent-{node}", host, i, samples, fmt="msgpack")
+
+
+def bodies(hosts: int, batches: int, base: float, push_s: int) -> list[list[bytes]]:
+    """Per host, its request bodies in order."""
     headers = {"Content-Type": "application/msgpack"}
-    return [[loadgen.request_bytes("/api/v1/samples", push_body(h, i, base, PUSH_S), headers) for i in range(batches)]
-            for h in range(hosts)]
+    return [[loadgen.request_bytes("/api/v1/samples", push_body(h, i, base, push_s), headers)
+             for i in range(batches)] for h in range(hosts)]
 
 
-def rounds(reqs: list[list[bytes]], hosts: list[int], start: int) -> Iterator[tuple[bytes, int]]:
+def rounds(reqs: list[list[bytes]], hosts: list[int], start: int, per_batch: int) -> Iterator[tuple[bytes, int]]:
     """Batch ``start`` of every host, then the next one of every host, ...: one host's pushes stay in order and far
     apart, as an agent sends them."""
     for i in range(start, len(reqs[0])):
         for h in hosts:
-            yield reqs[h][i], SAMPLES_PER_BATCH
+            yield reqs[h][i], per_batch
 
 
 def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postgres | None, work: Path) -> dict:
+    per_batch = GPUS_PER_HOST * a.push_s
     db = f"scale{n}"
     url: str | None = None
     if pg is not None:
@@ -178,8 +198,8 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
 
         async def phase(start: int, stats: list[loadgen.Stats], seconds: float) -> None:
             until = time.monotonic() + seconds
-            await asyncio.gather(*(loadgen.post_each("127.0.0.1", ports[c], rounds(reqs, share[c], start)
-                                                     if start else ((reqs[h][0], SAMPLES_PER_BATCH) for h in share[c]),
+            await asyncio.gather(*(loadgen.post_each("127.0.0.1", ports[c], rounds(reqs, share[c], start, per_batch)
+                                                     if start else ((reqs[h][0], per_batch) for h in share[c]),
                                                      a.conns, until, stats[c]) for c in range(n)))
 
         asyncio.run(phase(0, warm, 600.0))
@@ -214,7 +234,7 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         if min(s.ok // max(len(share[c]), 1) for c, s in enumerate(stats)) < 1:
             raise RuntimeError(f"{n} collector(s): not every host sent a batch in {a.seconds:g} s: raise --seconds")
         ok = sum(s.ok for s in stats)
-        samples = ok * SAMPLES_PER_BATCH
+        samples = ok * per_batch
         per_collector = [{"collector": c, "requests_per_s": s.ok / wall, "samples_per_s": s.samples / wall,
                           "cpu_s_per_1000_samples": 1e3 * cpu[c] / max(s.samples, 1),
                           "cpu_share": cpu[c] / wall,
@@ -251,10 +271,10 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
             stop(p)
 
 
-def projection(results: list[dict], gpus: int) -> dict[str, Any]:
+def projection(results: list[dict], gpus: int, per_batch: int) -> dict[str, Any]:
     """What ``gpus`` GPUs sampled at 1 Hz need, from the costliest per-sample figures measured (any collector count)."""
     samples_s = float(gpus)
-    requests_s = samples_s / SAMPLES_PER_BATCH
+    requests_s = samples_s / per_batch
     coll_cpu = max(r["collector_cpu_s_per_1000_samples"] for r in results) / 1e3
     cores = samples_s * coll_cpu
     out: dict[str, Any] = {"gpus": gpus, "samples_per_s": samples_s, "requests_per_s": requests_s,
@@ -277,13 +297,15 @@ def projection(results: list[dict], gpus: int) -> dict[str, Any]:
 
 
 def report(a: argparse.Namespace, results: list[dict]) -> None:
+    per_batch = GPUS_PER_HOST * a.push_s
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores shared with other jobs (load average {load[0]:.1f} {load[1]:.1f} "
           f"{load[2]:.1f} at the end); collectors, PostgreSQL and the load generator share them: plan with the "
           "figures per sample; the rates are what this machine gave")
     ledger = (f"PostgreSQL {a.pg_version} (fsync on, synchronous_commit on)" if a.ledger == "postgresql"
               else "one SQLite file")
-    print(f"load: {a.hosts} hosts x {GPUS_PER_HOST} GPUs, {SAMPLES_PER_BATCH}-sample msgpack pushes (agent encoder), "
+    print(f"load: {a.hosts} hosts x {GPUS_PER_HOST} GPUs, {per_batch}-sample msgpack pushes (agent encoder, "
+          f"{a.push_s} s a push), "
           f"{a.conns} connections per collector, each batch once, at most {a.seconds:g} s per run; ledger: {ledger}")
     print()
     print(f"{'coll.':>5} {'#':>3} {'req/s':>8} {'samples/s':>10} {'CPU s/1k samples':>17} {'CPU use':>8} "
@@ -298,8 +320,8 @@ def report(a: argparse.Namespace, results: list[dict]) -> None:
               f"{r['collector_cpu_s_per_1000_samples']:>17.3f}")
     if any("postgres" in r for r in results):
         print()
-        print("PostgreSQL per run (a checkpoint starts each run): its CPU, its writes per request (80 samples) and per "
-              "sample, WAL with and without full-page images (FPI), the FPIs per GPU")
+        print(f"PostgreSQL per run (a checkpoint starts each run): its CPU, its writes per request ({per_batch} "
+              "samples) and per sample, WAL with and without full-page images (FPI), the FPIs per GPU")
         print(f"{'coll.':>5} {'CPU s/1k samples':>17} {'CPU use':>8} {'xact/req':>9} {'ins/req':>8} {'upd/req':>8} "
               f"{'del/req':>8} {'rows/sample':>12} {'WAL B/sample':>13} {'w/o FPI':>8} {'FPI KB/GPU':>11} "
               f"{'xact/s':>8} {'WAL MB/s':>9}")
@@ -311,13 +333,13 @@ def report(a: argparse.Namespace, results: list[dict]) -> None:
                   f"{p['wal_bytes_per_sample_without_fpi']:>8.1f} {p['wal_fpi_bytes_per_gpu'] / 1e3:>11.2f} "
                   f"{p['xact_per_s']:>8.1f} {p['wal_mb_per_s']:>9.2f}")
     print()
-    print(f"projection at 1 Hz in {SAMPLES_PER_BATCH}-sample pushes, from the costliest per-sample figures above. "
+    print(f"projection at 1 Hz in {per_batch}-sample pushes, from the costliest per-sample figures above. "
           f"Collectors: each within {COLLECTOR_CORE_BUDGET:.0%} of a core, plus one spare. PostgreSQL: cores at "
           f"{PG_CORE_BUDGET:.0%} use; at least one transaction a request (group commit joins them only under load); "
           f"WAL = per sample without FPI + each GPU's FPIs once per checkpoint ({CHECKPOINT_S:g} s, the default "
           "checkpoint_timeout)")
     for gpus in (10_000, 100_000):
-        p = projection(results, gpus)
+        p = projection(results, gpus, per_batch)
         line = (f"{gpus:>7,} GPUs: {p['samples_per_s']:>7,.0f} samples/s, {p['requests_per_s']:>5,.0f} requests/s; "
                 f"collectors {p['collector_cores']:.1f} cores -> {p['collectors']} collector processes")
         if "postgres" in p:
@@ -333,6 +355,8 @@ def main() -> None:
     ap.add_argument("--collectors", default="1,2,3", help="collector counts to run, comma-separated")
     ap.add_argument("--hosts", type=int, default=1000, help="simulated hosts (8 GPUs each)")
     ap.add_argument("--batches", type=int, default=12, help="pushes encoded per host (the first one warms up)")
+    ap.add_argument("--push-s", type=int, default=FLEET_PUSH_S,
+                    help="seconds of 1 Hz samples in a push (10: the fleet's 80-sample shape)")
     ap.add_argument("--seconds", type=float, default=20.0, help="most seconds a run posts for")
     ap.add_argument("--conns", type=int, default=8, help="keep-alive connections per collector")
     ap.add_argument("--ledger", choices=("postgresql", "sqlite"), default="postgresql",
@@ -340,9 +364,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the results here too")
     a = ap.parse_args()
     counts = [int(x) for x in a.collectors.split(",")]
-    base = time.time() - PUSH_S * (a.batches + 2)  # every sample in the past
+    base = time.time() - a.push_s * (a.batches + 2)  # every sample in the past
     t_enc = time.monotonic()
-    reqs = bodies(a.hosts, a.batches, base)
+    reqs = bodies(a.hosts, a.batches, base, a.push_s)
     log(f"encoded {a.hosts * a.batches} bodies in {time.monotonic() - t_enc:.1f} s")
     work = Path(tempfile.mkdtemp(prefix="gl-scale-"))
     results = []
