@@ -214,7 +214,9 @@ def _ledgers(kind: str, tmp: Path, postgres: Any) -> tuple[list[str], list[str],
     """The two collectors' extra arguments and data dirs for a shared ledger of ``kind``."""
     if kind == "postgresql":
         url = postgres.new_database("scale")
-        ledger = Ledger(["--ledger-url", url, "--data-dir", str(tmp / "shared")], url, tmp / "shared")
+        # each collector its own data dir; the commands read the survivor's (outputs, and the audit log while it
+        # is kept there)
+        ledger = Ledger(["--ledger-url", url, "--data-dir", str(tmp / "b")], url, tmp / "b")
         return ["--ledger-url", url], ["--ledger-url", url], ledger
     # one SQLite file under both collectors (the same data dir)
     ledger = Ledger(["--data-dir", str(tmp / "shared")], None, tmp / "shared")
