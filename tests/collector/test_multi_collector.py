@@ -386,7 +386,9 @@ def test_accounting_commands_agree_with_the_single_collector_ledger(scale_run, t
         if time.time() // 3600 == period:
             break
     assert shared == reference
-    users = {(r["account"], r["user"]) for r in reference["fairshare"] if r["user"]}
-    assert users == {("proj_a", "alice"), ("proj_a", "bob"), ("proj_b", "carol"), ("proj_b", "dave")}
+    users = {(r["account"], r["user"]): r for r in reference["fairshare"] if r["user"]}
+    assert set(users) == {("proj_a", "alice"), ("proj_a", "bob"), ("proj_b", "carol"), ("proj_b", "dave")}
+    assert all(r["raw_usage"] > 0 for r in users.values())  # every user ran jobs: measured usage was charged
+    assert {(e["account"], e["user"]) for e in reference["feed"]["associations"]} >= set(users)
     assert sum(r["jobs"] for r in reference["usage_by_account"]["rows"]) == len(PLAN)
     assert reference["audit_entries"] > 0
