@@ -66,14 +66,30 @@ def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def start_collector(port: int, data_dir: Path, ledger_url: str | None) -> subprocess.Popen[bytes]:
+def start_collector(port: int, data_dir: Path, ledger_url: str | None,
+                    series_url: str | None) -> subprocess.Popen[bytes]:
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "gpuledger.cli", "collector", "serve", "--data-dir", str(data_dir),
             "--port", str(port), *(["--ledger-url", ledger_url] if ledger_url else [])]
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if series_url:
+        env["GPULEDGER_COLLECTOR_SERIES_URL"] = series_url
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env,
                             stdout=(data_dir / "collector.log").open("wb"), stderr=subprocess.STDOUT)
     loadgen.wait_ready(port, proc)
     return proc
+
+
+def start_victoriametrics(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A VictoriaMetrics single node with the flags the collector's shipper relies on (docs/deploy.md); its URL."""
+    workdir.mkdir(parents=True)
+    port = loadgen.free_port()
+    proc = subprocess.Popen(["victoria-metrics", f"-httpListenAddr=127.0.0.1:{port}",
+                             f"-storageDataPath={workdir / 'data'}", "-retentionPeriod=100y",
+                             "-dedup.minScrapeInterval=1ms", "-search.latencyOffset=0s"],
+                            stdout=(workdir / "vm.log").open("wb"), stderr=subprocess.STDOUT)
+    loadgen.wait_ready(port, proc, "/health")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -191,7 +207,8 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         for c in range(n):
             ports.append(loadgen.free_port())
             # one SQLite file for all of them without --ledger-url (the same data dir)
-            procs.append(start_collector(ports[-1], work / (f"c{n}-{c}" if url else f"sqlite{n}"), url))
+            data_dir = work / (f"c{n}-{c}" if url else f"sqlite{n}")
+            procs.append(start_collector(ports[-1], data_dir, url, a.series_url))
         share = [[h for h in range(a.hosts) if h % n == c] for c in range(n)]
         # new series: every host's first batch, before the clock
         warm = [loadgen.Stats() for _ in range(n)]
@@ -210,6 +227,7 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         before = pg.counters(db) if pg else {}
         lsn0 = pg.checkpoint() if pg else ""
         pg_cpu0 = pg.cpu() if pg else {}
+        vm_cpu0 = loadgen.cpu_s(a.vm_pid) if a.vm_pid else 0.0
         cpu0 = [loadgen.cpu_s(p.pid) for p in procs]
         stats = [loadgen.Stats() for _ in range(n)]
         t0 = time.monotonic()
@@ -217,6 +235,7 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
         wall = time.monotonic() - t0
         cpu = [loadgen.cpu_s(p.pid) - c0 for p, c0 in zip(procs, cpu0, strict=True)]
         pg_cpu = sum(v - pg_cpu0.get(pid, 0.0) for pid, v in pg.cpu().items()) if pg else None
+        vm_cpu = loadgen.cpu_s(a.vm_pid) - vm_cpu0 if a.vm_pid else None
         wal = pg.wal(lsn0, pg.lsn()) if pg else {}
         if pg is not None:
             time.sleep(STATS_FLUSH_S)
@@ -248,6 +267,8 @@ def run_config(a: argparse.Namespace, n: int, reqs: list[list[bytes]], pg: Postg
             "collector_cpu_s_per_1000_samples": 1e3 * sum(cpu) / max(samples, 1),
             "per_collector": per_collector,
         }
+        if vm_cpu is not None:
+            out["victoriametrics_cpu_s_per_1000_samples"] = 1e3 * vm_cpu / max(samples, 1)
         if pg is not None and pg_cpu is not None:
             rows = d["tup_inserted"] + d["tup_updated"] + d["tup_deleted"]
             steady = wal["wal_bytes"] - wal["wal_fpi_bytes"]
@@ -306,7 +327,8 @@ def report(a: argparse.Namespace, results: list[dict]) -> None:
               else "one SQLite file")
     print(f"load: {a.hosts} hosts x {GPUS_PER_HOST} GPUs, {per_batch}-sample msgpack pushes (agent encoder, "
           f"{a.push_s} s a push), "
-          f"{a.conns} connections per collector, each batch once, at most {a.seconds:g} s per run; ledger: {ledger}")
+          f"{a.conns} connections per collector, each batch once, at most {a.seconds:g} s per run; ledger: {ledger}; "
+          f"series: {'VictoriaMetrics (series_url)' if a.series_url else 'in the ledger (chunk store)'}")
     print()
     print(f"{'coll.':>5} {'#':>3} {'req/s':>8} {'samples/s':>10} {'CPU s/1k samples':>17} {'CPU use':>8} "
           f"{'p50 ms':>8} {'p99 ms':>8}  answers")
@@ -316,8 +338,10 @@ def report(a: argparse.Namespace, results: list[dict]) -> None:
                   f"{c['samples_per_s']:>10,.0f} {c['cpu_s_per_1000_samples']:>17.3f} {100 * c['cpu_share']:>7.0f}% "
                   f"{c['p50_ms'] or 0:>8.1f} {c['p99_ms'] or 0:>8.1f}  {c['statuses']}, "
                   f"{c['connection_errors']} connection errors")
+        vm = r.get("victoriametrics_cpu_s_per_1000_samples")
         print(f"{r['collectors']:>5} {'all':>3} {r['requests_per_s']:>8.1f} {r['samples_per_s']:>10,.0f} "
-              f"{r['collector_cpu_s_per_1000_samples']:>17.3f}")
+              f"{r['collector_cpu_s_per_1000_samples']:>17.3f}"
+              + (f"  (VictoriaMetrics: {vm:.3f} CPU s/1k samples)" if vm is not None else ""))
     if any("postgres" in r for r in results):
         print()
         print(f"PostgreSQL per run (a checkpoint starts each run): its CPU, its writes per request ({per_batch} "
@@ -361,16 +385,23 @@ def main() -> None:
     ap.add_argument("--conns", type=int, default=8, help="keep-alive connections per collector")
     ap.add_argument("--ledger", choices=("postgresql", "sqlite"), default="postgresql",
                     help="sqlite: the collectors share one SQLite file (for comparison)")
+    ap.add_argument("--series", choices=("ledger", "vm"), default="ledger",
+                    help="vm: the collectors ship series to a VictoriaMetrics the script starts (series_url)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     a = ap.parse_args()
+    a.series_url, a.vm_pid = None, None
     counts = [int(x) for x in a.collectors.split(",")]
     base = time.time() - a.push_s * (a.batches + 2)  # every sample in the past
     t_enc = time.monotonic()
     reqs = bodies(a.hosts, a.batches, base, a.push_s)
     log(f"encoded {a.hosts * a.batches} bodies in {time.monotonic() - t_enc:.1f} s")
     work = Path(tempfile.mkdtemp(prefix="gl-scale-"))
-    results = []
+    results: list[dict] = []
+    vm: subprocess.Popen[bytes] | None = None
     try:
+        if a.series == "vm":
+            vm, a.series_url = start_victoriametrics(work / "vm")
+            a.vm_pid = vm.pid
         if a.ledger == "postgresql":
             with PostgresServer(work / "pg") as server:
                 pg = Postgres(server)
@@ -386,6 +417,8 @@ def main() -> None:
                 results.append(run_config(a, n, reqs, None, work))
                 log(f"{n} collector(s): {results[-1]['samples_per_s']:,.0f} samples/s")
     finally:
+        if vm is not None:
+            stop(vm)
         shutil.rmtree(work, ignore_errors=True)
     report(a, results)
     if a.json:
