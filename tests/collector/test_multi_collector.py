@@ -223,7 +223,7 @@ def _ledgers(kind: str, tmp: Path, postgres: Any) -> tuple[list[str], list[str],
     return [], [], ledger
 
 
-LEDGER_KINDS = ["sqlite"]
+LEDGER_KINDS = ["sqlite", "postgresql"]  # both: several collectors may share either
 
 
 @pytest.fixture(scope="module", params=LEDGER_KINDS)
