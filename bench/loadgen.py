@@ -14,7 +14,7 @@ import random
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -191,3 +191,36 @@ def raise_nofile() -> None:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def post_each(host: str, port: int, requests: Iterator[tuple[bytes, int]], conns: int, until: float,
+                    stats: Stats) -> None:
+    """``conns`` keep-alive connections posting the next of ``requests`` (request bytes, samples) back to back until
+    the iterator is exhausted or ``time.monotonic()`` passes ``until``: each request is sent once (unlike
+    :func:`closed_loop`, which may repeat them), so a store that deduplicates batches is measured on new ones."""
+
+    async def one() -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        for req, n in requests:
+            if time.monotonic() >= until:
+                break
+            t0 = time.monotonic()
+            try:
+                writer.write(req)
+                status, _b, close = await _read_response(reader)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                stats.error(exc)
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, port)
+                continue
+            stats.latencies.append(time.monotonic() - t0)
+            stats.statuses[status] = stats.statuses.get(status, 0) + 1
+            if status == 200:
+                stats.ok += 1
+                stats.samples += n
+            if close:
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, port)
+        writer.close()
+
+    await asyncio.gather(*(one() for _ in range(conns)))
