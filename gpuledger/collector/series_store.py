@@ -237,8 +237,10 @@ class SqliteSeriesStore:
             "SELECT MAX(t_max) FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND t_max<?",
             (*gpu_key, floor),
         ).fetchone()
-        # the anchor is in a chunk ending at newest_before, or in one reaching past floor
+        # the anchor is in a chunk ending at newest_before, or in one reaching past floor: such a chunk keeps its
+        # samples before floor too (the newest of them may be the anchor)
         lo = floor if newest_before is None else newest_before
+        oldest_kept = -math.inf if newest_before is None else newest_before
         span = self.retention.raw_chunk_s
         chunks = self._db.execute(
             "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND bucket>=? AND t_max>=?",
@@ -251,7 +253,7 @@ class SqliteSeriesStore:
         for (data,) in chunks:
             n, columns = decode_columns(data)
             ts, vals = columns_as_floats(n, columns, PAIR_FLOATS)
-            keep = np.flatnonzero(ts >= lo)
+            keep = np.flatnonzero(ts >= oldest_kept)
             if not keep.size:
                 continue
             ts_parts.append(ts[keep])
