@@ -205,7 +205,7 @@ class GpuState:
     must be inserted into the window (a late one); in-order series never need that."""
 
     __slots__ = ("ts", "samples", "pending", "start", "watermark", "first_ts", "n", "observed_s", "energy_j",
-                 "model", "anomalies")
+                 "model", "anomalies", "partial")
     TOTAL_FIELDS: tuple[str, ...] = ("first_ts", "watermark", "n", "observed_s", "energy_j", "model", "anomalies")
 
     def __init__(self) -> None:
@@ -220,6 +220,7 @@ class GpuState:
         self.energy_j = 0.0
         self.model = ""
         self.anomalies = 0  # intervals whose counter delta was not trusted
+        self.partial = False  # only the newest sample is in memory; the window is in the store (Aggregator.load_window)
 
     def totals(self) -> tuple:
         return tuple(getattr(self, f) for f in self.TOTAL_FIELDS)
@@ -321,6 +322,14 @@ def _present(col: np.ndarray | None) -> list | None:
     vals = col.tolist()
     total = sum(vals)  # NaN if any value is: one C loop instead of a test per value
     return [None if v != v else v for v in vals] if total != total else vals
+
+
+def _last(col: np.ndarray | None) -> float | None:
+    """A float column's last value, None where absent (NaN or never reported)."""
+    if col is None:
+        return None
+    v = float(col[-1])
+    return None if v != v else v
 
 
 def _last_model(models: list[str]) -> str:
@@ -440,6 +449,14 @@ class Aggregator:
 
     ``load_usage`` / ``load_hour`` fetch an accumulator that is not in memory (from the store), so
     memory holds only the window and what it touches; the defaults start every key from zero.
+
+    ``load_window(gpu_key, floor)`` (the store's ``series_store.window``) returns a GPU's stored samples at or
+    after ``floor`` plus the newest one before it. With it, a GPU keeps only its newest sample in memory (the
+    start of its next interval) once :meth:`add_series` or :meth:`add_many` is done with it, and its window is
+    read back when a late sample needs it: memory per GPU no longer grows with ``window_s``. The caller must
+    store every sample these calls accepted before it hands in more samples of the same GPU (the store writes
+    each batch's samples before the next batch is folded). A window read back for a late sample stays in
+    memory until a call brings that GPU no late sample.
     """
 
     def __init__(
@@ -450,6 +467,7 @@ class Aggregator:
         load_hour: Callable[[HourKey], HourAcc | None] | None = None,
         power_cap_w: float = DEFAULT_POWER_CAP_W,
         power_caps: Mapping[str, float] | None = None,
+        load_window: Callable[[GpuKey, float], list[WindowSegment]] | None = None,
     ) -> None:
         if not window_s >= 0 or not max_gap_s > 0:
             raise ValueError(f"window_s must be >= 0 and max_gap_s > 0, got {window_s!r}, {max_gap_s!r}")
@@ -466,6 +484,7 @@ class Aggregator:
         self.gaps: dict[GapKey, tuple[float, tuple[str, ...]] | None] = {}  # dirty gap records; None: deleted
         self._load_usage = load_usage or (lambda k: None)
         self._load_hour = load_hour or (lambda k: None)
+        self._load_window = load_window
         self.gpus: dict[GpuKey, GpuState] = {}
         self.usage: dict[UsageKey, UsageAcc] = {}
         self.hours: dict[HourKey, HourAcc] = {}
@@ -632,6 +651,12 @@ class Aggregator:
         if g is None:
             g = self.gpus[gk] = GpuState()
         ts = s.ts
+        if g.partial and ts <= g.watermark:  # behind the newest sample: the window decides
+            if ts < g.watermark - self.window_s:
+                return TOO_LATE
+            if ts == g.watermark:
+                return DUPLICATE
+            self._load(gk, g)
         samples = g.rows()
         if ts > g.watermark:  # the hot path: in order
             if samples:
@@ -679,7 +704,10 @@ class Aggregator:
         dup = late = 0
         for gk, pos in runs.items():
             if len(pos) >= _RUN_MIN and self._add_run(gk, [ordered[i] for i in pos]):
+                self._trim(self.gpus[gk])
                 continue
+            g = self.gpus.get(gk)
+            late_before = g is not None and ordered[pos[0]].ts <= g.watermark
             for i in pos:
                 r = self.add(ordered[i])
                 if r is not ACCEPTED:
@@ -690,6 +718,8 @@ class Aggregator:
                         dup += 1
                     else:
                         late += 1
+            if not late_before:  # a GPU that had late samples keeps its window while they come
+                self._trim(self.gpus[gk])
         accepted = [s for i, s in enumerate(ordered) if i not in rejected] if rejected else ordered
         n_made = sum(1 for s in accepted if s.source == MADE_SOURCE)
         return AddCounts(len(accepted) - n_made, dup, late), accepted
@@ -805,6 +835,7 @@ class Aggregator:
         g.pending.append(WindowSegment(ts.copy(), {f: c.copy() for f, c in cols.items()}, s.job_ids, s.job_shares))
         g.watermark = g.ts[-1]
         self._evict(g)
+        self._trim(g)
 
     def _fold_small(self, gk: GpuKey, ss: list[Series]) -> bool:
         """Fold one GPU's few-row series (sorted by first time) in plain Python floats, or return False
@@ -975,11 +1006,16 @@ class Aggregator:
                     acc.mem_peak = mem_peak
                 if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
                     acc.power_peak = power_peak
+        g.watermark = ts[-1]
+        if self._load_window is not None:  # the store has the window: keep the newest row only (see _trim)
+            newest = [ts[-1]] + [_last(x.floats.get(f)) for f in PAIR_FLOATS]
+            g.ts, g.samples, g.pending, g.start, g.partial = [ts[-1]], [WindowRow(*newest, x.job_ids, x.job_shares)], \
+                [], 0, True
+            return
         g.ts.extend(ts)
         # the window keeps a copy of what pair contributions read, not the batch's arrays
         g.pending.append(WindowSegment(x.ts.copy(), {f: x.float_col(f).copy() for f in PAIR_FLOATS}, x.job_ids,
                                        x.job_shares))
-        g.watermark = ts[-1]
         self._evict(g)
 
     # -- the columnar path's preconditions and caps -------------------------------------------
@@ -1159,6 +1195,31 @@ class Aggregator:
             g.ts.extend(seg.ts.tolist())
             g.pending.append(seg)
         self.gpus[gk] = g
+        self._evict(g)
+        self._trim(g)
+
+    def _trim(self, g: GpuState) -> None:
+        """With ``load_window``: keep only the GPU's newest sample (as a WindowRow); the rest is in the store."""
+        if self._load_window is None or not g.ts or (g.partial and len(g.ts) == 1):
+            return
+        if g.pending:
+            seg = g.pending[-1]
+            newest = seg.tail(len(seg) - 1).rows()[0]
+        else:
+            r = g.samples[-1]
+            newest = r if type(r) is WindowRow else WindowRow(
+                r.ts, *(getattr(r, f) for f in PAIR_FLOATS), tuple(r.job_ids), tuple(r.job_shares))
+        g.ts, g.samples, g.pending, g.start, g.partial = [g.ts[-1]], [newest], [], 0, True
+
+    def _load(self, gk: GpuKey, g: GpuState) -> None:
+        """Read a trimmed GPU's window back from the store (a late sample is to be inserted into it)."""
+        assert self._load_window is not None
+        segments = self._load_window(gk, g.watermark - self.window_s)
+        ts = [t for seg in segments for t in seg.ts.tolist()]
+        if not ts or ts[-1] != g.watermark:
+            raise RuntimeError(f"GPU {gk}: its stored window ends at {ts[-1] if ts else None}, but its newest "
+                               f"sample is at {g.watermark}: samples were aggregated and not stored")
+        g.ts, g.samples, g.pending, g.start, g.partial = ts, [], list(segments), 0, False
         self._evict(g)
 
     def take_dirty(self) -> tuple[set[UsageKey], set[GpuKey], set[HourKey]]:

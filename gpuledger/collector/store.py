@@ -192,8 +192,9 @@ class SqliteStore:
                 self.series_store.repack_v1_samples(stored)
                 db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
         self._db.execute("INSERT OR REPLACE INTO meta VALUES ('sample_fields', ?)", (json.dumps(SAMPLE_FIELDS),))
+        # load_window: a GPU's window stays in the series store, only its newest sample in memory (bounded memory)
         self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
-                              power_cap_w=power_cap_w, power_caps=power_caps)
+                              power_cap_w=power_cap_w, power_caps=power_caps, load_window=self.series_store.window)
         self._restore()
 
     def _restore(self) -> None:
