@@ -211,6 +211,7 @@ class SqliteStore:
         ``max_gpus_per_host``."""
         hosts = {k[0] for k in gpu_keys}
         load = {h: self.ledger.host_gpu_totals(h) for h in hosts if h not in self._last_seen}
+        grows: set[str] = set()  # hosts whose count of GPUs in memory may change with this batch
         for host in hosts:
             known = len(load[host]) if host in load else self._host_gpus[host]
             stored = {k for k, _ in load[host]} if host in load else None
@@ -219,6 +220,8 @@ class SqliteStore:
             if known + new > self.max_gpus_per_host:
                 raise TooManyGpus(f"host {host!r} has {known} GPUs and MIG instances stored; {new} new ones would "
                                   f"pass the limit of {self.max_gpus_per_host}")
+            if new or stored is not None:
+                grows.add(host)
         watermark = GPU_TOTAL_FIELDS.index("watermark")
         now = self._clock()
         for rows in load.values():
@@ -227,8 +230,12 @@ class SqliteStore:
                 self.agg.restore_gpu(gpu_key, totals, segments=self.series_store.window(gpu_key, floor))
         for host in hosts:
             self._last_seen[host] = now
-            self._host_gpus[host] = len({k for k in self.agg.gpus if k[0] == host} | {k for k in gpu_keys
-                                                                                      if k[0] == host})
+        for host in grows:  # only the batch's keys (a walk over every GPU in memory cost O(fleet) a batch)
+            keys = {k for k in gpu_keys if k[0] == host}
+            keys |= {(h, u, "") for h, u, m in keys if m}  # the whole-GPU key aggregation makes for a MIG GPU
+            before = {k for k, _ in load[host]} if host in load else None
+            self._host_gpus[host] = (len(before | keys) if before is not None
+                                     else self._host_gpus[host] + sum(1 for k in keys if k not in self.agg.gpus))
 
     def _evict_idle(self) -> None:
         """Drop the windows of hosts silent for ``idle_evict_s`` (called after a commit: nothing is dirty); a

@@ -128,3 +128,33 @@ def test_a_late_sample_reads_the_window_back_and_counts_exactly(tmp_path):
     assert not g.partial and late.ts in g.ts  # the window came back from the store and took it
     assert_ledger_is(store, ref)
     store.close()
+
+
+def test_gpus_per_host_are_counted_from_each_batch_not_from_every_gpu_in_memory(tmp_path):
+    """The per-host GPU count (max_gpus_per_host) is kept up from each batch's keys; it is what a walk over every
+    GPU in memory gives, with MIG GPUs whose whole-GPU key the aggregation makes, new GPUs, restarts."""
+    path = tmp_path / "s.sqlite"
+    store = SqliteStore(path)
+
+    def batch(seq: int, host: str, gpus: list[tuple[str, str | None]]) -> Batch:
+        return Batch("a" + host, seq, host, tuple(
+            GpuSample(ts=T0 + 10 * seq + k, host=host, gpu_uuid=u, gpu_index=0, mig=m, power_watts=100.0,
+                      job_ids=("1",)) for u, m in gpus for k in range(3)))
+
+    plan = [("n1", [("G0", None)]), ("n2", [("G0", "1g.10gb"), ("G0", "2g.20gb")]), ("n1", [("G0", None)]),
+            ("n2", [("G0", "1g.10gb"), ("G1", "1g.10gb")]), ("n1", [("G0", None), ("G1", None)]), "restart",
+            ("n2", [("G0", "1g.10gb")]), ("n1", [("G2", None)]), ("n2", [("G0", "2g.20gb")])]
+    seq = 0
+    for step in plan:
+        if step == "restart":
+            store.close()
+            store = SqliteStore(path)
+            continue
+        host, gpus = step
+        store.ingest(batch(seq, host, gpus))
+        seq += 1
+        for h in ("n1", "n2"):
+            if h in store._host_gpus:
+                assert store._host_gpus[h] == len([k for k in store.agg.gpus if k[0] == h]), (step, h)
+    assert store._host_gpus == {"n1": 3, "n2": 5}  # n2: G0 and G1 whole-GPU keys (made) and 3 instances
+    store.close()
