@@ -1008,9 +1008,8 @@ class Aggregator:
                     acc.power_peak = power_peak
         g.watermark = ts[-1]
         if self._load_window is not None:  # the store has the window: keep the newest row only (see _trim)
-            newest = [ts[-1]] + [_last(x.floats.get(f)) for f in PAIR_FLOATS]
-            g.ts, g.samples, g.pending, g.start, g.partial = [ts[-1]], [WindowRow(*newest, x.job_ids, x.job_shares)], \
-                [], 0, True
+            newest = WindowRow._make((ts[-1], *(_last(x.floats.get(f)) for f in PAIR_FLOATS), x.job_ids, x.job_shares))
+            g.ts, g.samples, g.pending, g.start, g.partial = [ts[-1]], [newest], [], 0, True
             return
         g.ts.extend(ts)
         # the window keeps a copy of what pair contributions read, not the batch's arrays
@@ -1207,8 +1206,8 @@ class Aggregator:
             newest = seg.tail(len(seg) - 1).rows()[0]
         else:
             r = g.samples[-1]
-            newest = r if type(r) is WindowRow else WindowRow(
-                r.ts, *(getattr(r, f) for f in PAIR_FLOATS), tuple(r.job_ids), tuple(r.job_shares))
+            newest = r if type(r) is WindowRow else WindowRow._make(
+                (r.ts, *(getattr(r, f) for f in PAIR_FLOATS), tuple(r.job_ids), tuple(r.job_shares)))
         g.ts, g.samples, g.pending, g.start, g.partial = [g.ts[-1]], [newest], [], 0, True
 
     def _load(self, gk: GpuKey, g: GpuState) -> None:
