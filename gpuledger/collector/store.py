@@ -28,7 +28,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +167,7 @@ class SqliteStore:
         self._summary_sent: dict[str, float] = {}
         self._compactor: threading.Thread | None = None
         self._compactor_stop = threading.Event()
+        self._rolled_to: dict[GpuKey, int] = {}  # GPU -> the minute its last roll-up made final (compact)
         self._db = connect(self.path)
         row = None
         if self._db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone():
@@ -410,22 +412,36 @@ class SqliteStore:
             watermarks = {gpu_key: totals[at] for gpu_key, totals in self.ledger.gpu_totals()}
         minutes = hours = 0
         for gpu_key, watermark in sorted(watermarks.items()):
-            with self._lock:
-                # minutes before (newest sample - window) can no longer receive a late sample: final
-                rolled_minutes, rolled_hours = self.series_store.roll_up(gpu_key, watermark - self.agg.window_s)
+            # minutes before (newest sample - window) can no longer receive a late sample: final
+            final_before = watermark - self.agg.window_s
+            if self._rolled_to.get(gpu_key) == math.floor(final_before / 60.0):
+                continue  # no minute became final since this GPU's last roll-up: it would change nothing
+            with self._compaction_step():
+                rolled_minutes, rolled_hours = self.series_store.roll_up(gpu_key, final_before)
+            self._rolled_to[gpu_key] = math.floor(final_before / 60.0)
             minutes, hours = minutes + rolled_minutes, hours + rolled_hours
         merged = 0
         for tier in TIERS:
             with self._lock:
                 groups = self.series_store.mergeable_groups(tier, now)
             for group in groups:
-                with self._lock:
+                with self._compaction_step():
                     merged += self.series_store.merge(group)
         with self._lock:
             deleted = self.series_store.expire(now)
             self.ledger.prune_batches(now - self.dedupe_horizon_s)
             summaries = self._emit_summaries(force=True)
         return CompactStats(minutes, hours, merged, deleted, summaries)
+
+    @contextmanager
+    def _compaction_step(self) -> Iterator[None]:
+        """The lock for one compaction step, taken once no batch waits for a commit (or after 50 ms): the lock
+        is not fair, and a compactor releasing and retaking it GPU after GPU kept ingest waiting for seconds."""
+        end = time.monotonic() + 0.05
+        while self._queue and time.monotonic() < end:
+            time.sleep(0.001)
+        with self._lock:
+            yield
 
     def start_background(self, interval_s: float = 300.0) -> None:
         """Run :meth:`compact` every ``interval_s`` seconds in a daemon thread until :meth:`close`."""
