@@ -119,7 +119,7 @@ class UsageAcc:
         self.gap_s = 0.0  # seconds held across gaps (not observed; their energy is in energy_j)
 
     def values(self) -> tuple:
-        return tuple(getattr(self, f) for f in self.FIELDS)
+        return _USAGE_VALUES(self)
 
     @classmethod
     def from_values(cls, values: Iterable) -> UsageAcc:
@@ -143,7 +143,7 @@ class HourAcc:
         self.anomalies = 0
 
     def values(self) -> tuple:
-        return tuple(getattr(self, f) for f in self.FIELDS)
+        return _HOUR_VALUES(self)
 
     @classmethod
     def from_values(cls, values: Iterable) -> HourAcc:
@@ -223,7 +223,7 @@ class GpuState:
         self.partial = False  # only the newest sample is in memory; the window is in the store (Aggregator.load_window)
 
     def totals(self) -> tuple:
-        return tuple(getattr(self, f) for f in self.TOTAL_FIELDS)
+        return _GPU_TOTALS(self)
 
     def anchor(self) -> tuple[float, float] | None:
         """(ts, energy counter or NaN) of the newest sample, which starts the next interval; None when empty."""
@@ -261,6 +261,12 @@ class GpuState:
                 self.pending[0] = seg.tail(k)
                 k = 0
         self.start = 0
+
+
+# one C call per row the store writes (a batch writes a usage, GPU and hour row per GPU)
+_USAGE_VALUES = attrgetter(*UsageAcc.FIELDS)
+_HOUR_VALUES = attrgetter(*HourAcc.FIELDS)
+_GPU_TOTALS = attrgetter(*GpuState.TOTAL_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
