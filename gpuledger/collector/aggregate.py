@@ -44,14 +44,19 @@ statement of them):
 * Time-weighted means weight each interval by the job's GPU-seconds in it (``dt * share``) and only
   where the source reported the value.
 
-Two implementations, on purpose: :meth:`Aggregator.add` (one sample, any order: a late sample needs the
-undo/redo of its neighbours' pairs) is the **reference**; :meth:`Aggregator._run_pairs` folds an in-order
-run a column at a time, which is what makes ingest fast (numpy instead of a Python step per sample). The
-columnar path takes only runs where every interval is observed and every counter delta is trusted; any
-other run (gaps, anomalies, MIG instances) goes sample by sample. Property tests in
-``tests/collector/test_aggregate.py`` hold the two equal bit for bit.
+Three implementations, on purpose: :meth:`Aggregator.add` (one sample, any order: a late sample needs the
+undo/redo of its neighbours' pairs) is the **reference**; :meth:`Aggregator._run_pairs` folds a long in-order
+run a column at a time (numpy instead of a Python step per sample), and :meth:`Aggregator._fold_small` folds
+a GPU's few rows of one batch (the default agent sends 10 a GPU) in plain Python floats, where numpy's
+per-call cost would be most of the work. Both fast paths take only runs where every interval is observed and
+every counter delta is trusted; any other run (gaps, anomalies, MIG instances) goes sample by sample. Every
+sum is the same sequence of ``+=`` in all three. Property tests in ``tests/collector/test_aggregate.py`` hold
+them equal bit for bit.
 
-In-order samples cost O(1) amortised; a late sample costs a bisect plus a list insert in its window.
+In-order samples cost O(1) amortised; a late sample costs a bisect plus a list insert in its window. With
+``load_window`` (the store) a GPU keeps only its newest sample in memory between batches and a late sample
+reads its window back from the series store (see :class:`Aggregator`), so memory does not grow with
+``window_s`` (``tests/collector/test_store_memory.py`` holds the store's ledger to the in-memory one).
 """
 
 from __future__ import annotations

@@ -11,10 +11,12 @@ Two parts behind two protocols (so either can move to another backend without to
 lock. Ingest is one transaction over both parts: a batch is stored whole (samples, usage, batch id) or
 not at all.
 
-The aggregation keeps a window per GPU in memory. It is bounded: a host's windows are restored from the
-stored samples and totals when a batch of that host arrives (so a restart restores nothing up front and
-never peaks above steady state), and evicted once the host has sent nothing for ``idle_evict_s`` (totals
-are in the ledger, samples in the series store: nothing is lost, and a later batch restores them exactly).
+The aggregation keeps each GPU's totals and newest sample in memory; the rest of its late-sample window is
+read back from the series store when a late sample needs it (``Aggregator(load_window=...)``). It is bounded:
+a host's GPUs are restored from the stored samples and totals when a batch of that host arrives (so a restart
+restores nothing up front and never peaks above steady state), and evicted once the host has sent nothing for
+``idle_evict_s`` (totals are in the ledger, samples in the series store: nothing is lost, and a later batch
+restores them exactly).
 At most ``max_gpus_per_host`` GPUs (and MIG instances) per host.
 """
 
