@@ -44,14 +44,19 @@ statement of them):
 * Time-weighted means weight each interval by the job's GPU-seconds in it (``dt * share``) and only
   where the source reported the value.
 
-Two implementations, on purpose: :meth:`Aggregator.add` (one sample, any order: a late sample needs the
-undo/redo of its neighbours' pairs) is the **reference**; :meth:`Aggregator._run_pairs` folds an in-order
-run a column at a time, which is what makes ingest fast (numpy instead of a Python step per sample). The
-columnar path takes only runs where every interval is observed and every counter delta is trusted; any
-other run (gaps, anomalies, MIG instances) goes sample by sample. Property tests in
-``tests/collector/test_aggregate.py`` hold the two equal bit for bit.
+Three implementations, on purpose: :meth:`Aggregator.add` (one sample, any order: a late sample needs the
+undo/redo of its neighbours' pairs) is the **reference**; :meth:`Aggregator._run_pairs` folds a long in-order
+run a column at a time (numpy instead of a Python step per sample), and :meth:`Aggregator._fold_small` folds
+a GPU's few rows of one batch (the default agent sends 10 a GPU) in plain Python floats, where numpy's
+per-call cost would be most of the work. Both fast paths take only runs where every interval is observed and
+every counter delta is trusted; any other run (gaps, anomalies, MIG instances) goes sample by sample. Every
+sum is the same sequence of ``+=`` in all three. Property tests in ``tests/collector/test_aggregate.py`` hold
+them equal bit for bit.
 
-In-order samples cost O(1) amortised; a late sample costs a bisect plus a list insert in its window.
+In-order samples cost O(1) amortised; a late sample costs a bisect plus a list insert in its window. With
+``load_window`` (the store) a GPU keeps only its newest sample in memory between batches and a late sample
+reads its window back from the series store (see :class:`Aggregator`), so memory does not grow with
+``window_s`` (``tests/collector/test_store_memory.py`` holds the store's ledger to the in-memory one).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from operator import attrgetter
+from operator import attrgetter, lt
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypedDict
 
 import numpy as np
@@ -119,7 +124,7 @@ class UsageAcc:
         self.gap_s = 0.0  # seconds held across gaps (not observed; their energy is in energy_j)
 
     def values(self) -> tuple:
-        return tuple(getattr(self, f) for f in self.FIELDS)
+        return _USAGE_VALUES(self)
 
     @classmethod
     def from_values(cls, values: Iterable) -> UsageAcc:
@@ -143,7 +148,7 @@ class HourAcc:
         self.anomalies = 0
 
     def values(self) -> tuple:
-        return tuple(getattr(self, f) for f in self.FIELDS)
+        return _HOUR_VALUES(self)
 
     @classmethod
     def from_values(cls, values: Iterable) -> HourAcc:
@@ -205,7 +210,7 @@ class GpuState:
     must be inserted into the window (a late one); in-order series never need that."""
 
     __slots__ = ("ts", "samples", "pending", "start", "watermark", "first_ts", "n", "observed_s", "energy_j",
-                 "model", "anomalies")
+                 "model", "anomalies", "partial")
     TOTAL_FIELDS: tuple[str, ...] = ("first_ts", "watermark", "n", "observed_s", "energy_j", "model", "anomalies")
 
     def __init__(self) -> None:
@@ -220,9 +225,10 @@ class GpuState:
         self.energy_j = 0.0
         self.model = ""
         self.anomalies = 0  # intervals whose counter delta was not trusted
+        self.partial = False  # only the newest sample is in memory; the window is in the store (Aggregator.load_window)
 
     def totals(self) -> tuple:
-        return tuple(getattr(self, f) for f in self.TOTAL_FIELDS)
+        return _GPU_TOTALS(self)
 
     def anchor(self) -> tuple[float, float] | None:
         """(ts, energy counter or NaN) of the newest sample, which starts the next interval; None when empty."""
@@ -262,6 +268,12 @@ class GpuState:
         self.start = 0
 
 
+# one C call per row the store writes (a batch writes a usage, GPU and hour row per GPU)
+_USAGE_VALUES = attrgetter(*UsageAcc.FIELDS)
+_HOUR_VALUES = attrgetter(*HourAcc.FIELDS)
+_GPU_TOTALS = attrgetter(*GpuState.TOTAL_FIELDS)
+
+
 @dataclass(frozen=True, slots=True)
 class AddCounts:
     accepted: int = 0
@@ -271,6 +283,7 @@ class AddCounts:
 
 _TS = attrgetter("ts")
 _JOBS = attrgetter("job_ids", "job_shares")
+_SMALL_ROWS = 64  # numpy's per-call cost outweighs its per-row gain below about this many rows
 _RUN_MIN = 16  # shorter runs go sample by sample: numpy's per-call cost outweighs the per-sample one
 _RUN_FLOATS = {f: attrgetter(f) for f in PAIR_FLOATS}
 _MEANS = {"sm_active_ratio": ("sm_sum", "sm_w"), "dram_bw_ratio": ("dram_sum", "dram_w"),
@@ -311,6 +324,23 @@ class _SeqSums:
             m[:, 1:] = [t for _, _, t in group]
             for (o, a, _), v in zip(group, np.cumsum(m, axis=1)[:, -1].tolist()):
                 setattr(o, a, v)
+
+
+def _present(col: np.ndarray | None) -> list | None:
+    """A float column as a list with None where absent (NaN), or None when the field was never reported."""
+    if col is None:
+        return None
+    vals = col.tolist()
+    total = sum(vals)  # NaN if any value is: one C loop instead of a test per value
+    return [None if v != v else v for v in vals] if total != total else vals
+
+
+def _last(col: np.ndarray | None) -> float | None:
+    """A float column's last value, None where absent (NaN or never reported)."""
+    if col is None:
+        return None
+    v = float(col[-1])
+    return None if v != v else v
 
 
 def _last_model(models: list[str]) -> str:
@@ -430,6 +460,14 @@ class Aggregator:
 
     ``load_usage`` / ``load_hour`` fetch an accumulator that is not in memory (from the store), so
     memory holds only the window and what it touches; the defaults start every key from zero.
+
+    ``load_window(gpu_key, floor)`` (the store's ``series_store.window``) returns a GPU's stored samples at or
+    after ``floor`` plus the newest one before it. With it, a GPU keeps only its newest sample in memory (the
+    start of its next interval) once :meth:`add_series` or :meth:`add_many` is done with it, and its window is
+    read back when a late sample needs it: memory per GPU no longer grows with ``window_s``. The caller must
+    store every sample these calls accepted before it hands in more samples of the same GPU (the store writes
+    each batch's samples before the next batch is folded). A window read back for a late sample stays in
+    memory until a call brings that GPU no late sample.
     """
 
     def __init__(
@@ -440,6 +478,7 @@ class Aggregator:
         load_hour: Callable[[HourKey], HourAcc | None] | None = None,
         power_cap_w: float = DEFAULT_POWER_CAP_W,
         power_caps: Mapping[str, float] | None = None,
+        load_window: Callable[[GpuKey, float], list[WindowSegment]] | None = None,
     ) -> None:
         if not window_s >= 0 or not max_gap_s > 0:
             raise ValueError(f"window_s must be >= 0 and max_gap_s > 0, got {window_s!r}, {max_gap_s!r}")
@@ -456,12 +495,15 @@ class Aggregator:
         self.gaps: dict[GapKey, tuple[float, tuple[str, ...]] | None] = {}  # dirty gap records; None: deleted
         self._load_usage = load_usage or (lambda k: None)
         self._load_hour = load_hour or (lambda k: None)
+        self._load_window = load_window
         self.gpus: dict[GpuKey, GpuState] = {}
         self.usage: dict[UsageKey, UsageAcc] = {}
         self.hours: dict[HourKey, HourAcc] = {}
         self.dirty_usage: set[UsageKey] = set()
         self.dirty_gpus: set[GpuKey] = set()
         self.dirty_hours: set[HourKey] = set()
+        # a GPU's series with at most this many rows in one batch are folded in plain Python floats
+        self.small_series_rows = _SMALL_ROWS
 
     def cap_w(self, model: str, limit: float | None = None) -> float:
         """The most a GPU of ``model`` can draw (W): its reported limit, never above the configured cap."""
@@ -620,6 +662,12 @@ class Aggregator:
         if g is None:
             g = self.gpus[gk] = GpuState()
         ts = s.ts
+        if g.partial and ts <= g.watermark:  # behind the newest sample: the window decides
+            if ts < g.watermark - self.window_s:
+                return TOO_LATE
+            if ts == g.watermark:
+                return DUPLICATE
+            self._load(gk, g)
         samples = g.rows()
         if ts > g.watermark:  # the hot path: in order
             if samples:
@@ -667,7 +715,10 @@ class Aggregator:
         dup = late = 0
         for gk, pos in runs.items():
             if len(pos) >= _RUN_MIN and self._add_run(gk, [ordered[i] for i in pos]):
+                self._trim(self.gpus[gk])
                 continue
+            g = self.gpus.get(gk)
+            late_before = g is not None and ordered[pos[0]].ts <= g.watermark
             for i in pos:
                 r = self.add(ordered[i])
                 if r is not ACCEPTED:
@@ -678,6 +729,8 @@ class Aggregator:
                         dup += 1
                     else:
                         late += 1
+            if not late_before:  # a GPU that had late samples keeps its window while they come
+                self._trim(self.gpus[gk])
         accepted = [s for i, s in enumerate(ordered) if i not in rejected] if rejected else ordered
         n_made = sum(1 for s in accepted if s.source == MADE_SOURCE)
         return AddCounts(len(accepted) - n_made, dup, late), accepted
@@ -744,7 +797,14 @@ class Aggregator:
             if (gk[0], gk[1]) in mig_gpus:  # a MIG GPU's rows are normalised together (normalize_mig)
                 rest.extend(r for x in ss for r in x.rows())
                 continue
-            ss.sort(key=lambda x: x.ts[0])
+            if len(ss) > 1:
+                ss.sort(key=lambda x: x.ts[0])
+            if sum(x.n for x in ss) <= self.small_series_rows:  # an agent's batch: a few rows per GPU
+                if self._fold_small(gk, ss):
+                    folded.extend(ss)
+                else:
+                    rest.extend(r for x in ss for r in x.rows())
+                continue
             g = self.gpus.get(gk)
             last = -math.inf if g is None else g.watermark
             ok = True
@@ -785,6 +845,187 @@ class Aggregator:
         # the window keeps a copy of what pair contributions read, not the batch's arrays
         g.pending.append(WindowSegment(ts.copy(), {f: c.copy() for f, c in cols.items()}, s.job_ids, s.job_shares))
         g.watermark = g.ts[-1]
+        self._evict(g)
+        self._trim(g)
+
+    def _fold_small(self, gk: GpuKey, ss: list[Series]) -> bool:
+        """Fold one GPU's few-row series (sorted by first time) in plain Python floats, or return False
+        without changing anything where the per-sample path must take them (out of order, a gap, an
+        untrusted counter). For ten rows numpy's per-call cost is most of what the columnar path spends;
+        here every sum is the same sequence of ``+=`` that :meth:`_apply_pair` and :meth:`_apply_point`
+        perform, so the result is theirs bit for bit."""
+        g = self.gpus.get(gk)
+        if g is None:
+            anchor, model, last = None, "", -math.inf
+        else:
+            anchor, model, last = g.anchor(), g.model, g.watermark
+        max_gap = self.max_gap_s
+        plans = []
+        # first pass: check every interval and compute its seconds and energy (nothing changes yet)
+        for x in ss:
+            ts = x.ts.tolist()
+            n = len(ts)
+            if not ts[0] > last or (n > 1 and not all(map(lt, ts, ts[1:]))):
+                return False
+            last = ts[-1]
+            e, p, lim = (_present(x.floats.get(f)) for f in ("energy_joules", "power_watts", "power_limit_watts"))
+            cap0 = self.cap_w(model)  # the model known before each row (_apply_point sets it after its pair)
+            model = x.model or model
+            cap = self.cap_w(model)
+            dts: list[float] = []
+            ens: list[float] = []
+            if anchor is None:  # the GPU's first sample starts no interval
+                first, pt, pe = 1, ts[0], None if e is None else e[0]
+            else:
+                first, pt, pe = 0, anchor[0], anchor[1]
+                if pe != pe:
+                    pe = None
+            for k in range(first, n):
+                t = ts[k]
+                dt = t - pt
+                if dt > max_gap:
+                    return False
+                c = cap if k else cap0
+                if lim is not None and (li := lim[k]) is not None and li > 0:
+                    c = min(li, c)
+                ce = None if e is None else e[k]
+                if ce is not None and pe is not None:
+                    d = ce - pe
+                    if not 0.0 <= d <= c * dt:
+                        return False
+                    dts.append(dt)
+                    ens.append(d)
+                else:
+                    pw = None if p is None else p[k]
+                    dts.append(dt)
+                    ens.append(0.0 if pw is None else min(pw, c) * dt)
+                pt, pe = t, ce
+            anchor = (last, math.nan if e is None or e[-1] is None else e[-1])
+            plans.append((x, ts, first, dts, ens, p))
+        if g is None:
+            g = self.gpus[gk] = GpuState()
+        for x, ts, first, dts, ens, p in plans:
+            self._fold_small_series(gk, g, x, ts, first, dts, ens, p)
+        return True
+
+    def _fold_small_series(self, gk: GpuKey, g: GpuState, x: Series, ts: list[float], first: int,
+                           dts: list[float], ens: list[float], power: list | None) -> None:
+        """:meth:`_fold_small`'s second pass for one series: the intervals ending at rows ``first``.. (their
+        seconds ``dts`` and joules ``ens``), then the rows' counts, times and peaks."""
+        host, uuid, mig = gk
+        n = len(ts)
+        obs, ej = g.observed_s, g.energy_j
+        for dt, en in zip(dts, ens):
+            obs += dt
+            ej += en
+        g.observed_s, g.energy_j = obs, ej
+        job_ids = x.job_ids
+        jobs: list[tuple[UsageAcc, float]] = []
+        if job_ids:
+            gid = gpu_id(uuid, mig)
+            jobs = [(self._usage((job, host, gid)), share) for job, share in zip(job_ids, _shares(x))]
+            ratios = [(f, _present(x.floats.get(f))) for f in _MEANS]
+            sm = ratios[0][1]
+            # per job: the same terms, in the same order, as _apply_pair's += (w = 1.0 * dt * share is dt * share)
+            for acc, share in jobs:
+                alloc, energy = acc.alloc_s, acc.energy_j
+                for dt, en in zip(dts, ens):
+                    alloc += dt * share
+                    energy += en * share
+                acc.alloc_s, acc.energy_j = alloc, energy
+                for f, vals in ratios:
+                    if vals is None:
+                        continue
+                    s_attr, w_attr = _MEANS[f]
+                    vs, ws = getattr(acc, s_attr), getattr(acc, w_attr)
+                    if f == "sm_active_ratio":
+                        sms = acc.sm_s
+                        for v, dt in zip(vals[first:], dts):
+                            if v is not None:
+                                w = dt * share
+                                sms += v * w
+                                vs += v * w
+                                ws += w
+                        acc.sm_s = sms
+                    else:
+                        for v, dt in zip(vals[first:], dts):
+                            if v is not None:
+                                w = dt * share
+                                vs += v * w
+                                ws += w
+                    setattr(acc, s_attr, vs)
+                    setattr(acc, w_attr, ws)
+        # hour buckets: each interval in the bucket of its end, each row counted in its own
+        h0 = math.floor(ts[0] / HOUR_S) * HOUR_S
+        if h0 == math.floor(ts[-1] / HOUR_S) * HOUR_S:
+            spans = [(h0, 0, n)]
+        else:
+            buckets = [math.floor(t / HOUR_S) * HOUR_S for t in ts]
+            cuts = [0, *(k for k in range(1, n) if buckets[k] != buckets[k - 1]), n]
+            spans = [(buckets[a], a, b) for a, b in zip(cuts, cuts[1:])]
+        shares = [share for _, share in jobs]
+        for hb, a, b in spans:
+            hour = self._hour((host, uuid, mig, hb))
+            hour.samples += b - a
+            lo = max(a, first) - first
+            hi = b - first
+            if hi <= lo:
+                continue
+            obs, ej = hour.observed_s, hour.energy_j
+            for dt, en in zip(dts[lo:hi], ens[lo:hi]):
+                obs += dt
+                ej += en
+            hour.observed_s, hour.energy_j = obs, ej
+            if not jobs:
+                continue
+            alloc, jen, sms = hour.alloc_s, hour.job_energy_j, hour.sm_s
+            sm_vals = sm[first + lo:first + hi] if sm is not None else [None] * (hi - lo)
+            for dt, en, v in zip(dts[lo:hi], ens[lo:hi], sm_vals):
+                for share in shares:  # (interval, job) order, as _apply_pair adds them
+                    w = dt * share
+                    alloc += w
+                    jen += en * share
+                    if v is not None:
+                        sms += v * w
+            hour.alloc_s, hour.job_energy_j, hour.sm_s = alloc, jen, sms
+        # the rows themselves (_apply_point): counts, first and last times, model, peaks
+        g.n += n
+        if ts[0] < g.first_ts:
+            g.first_ts = ts[0]
+        if x.model:
+            g.model = x.model
+        self.dirty_gpus.add(gk)
+        if jobs:
+            mem_peak = power_peak = None
+            if "mem_used_bytes" in x.ints:
+                v, m = x.ints["mem_used_bytes"]
+                mem = (v if m is None else v[m]).tolist()
+                mem_peak = max(mem) if mem else None
+            if power is not None:
+                present = [pw for pw in power if pw is not None]
+                power_peak = max(present) if present else None  # max() keeps the first of equals, as add() does
+            t0, t1 = ts[0], ts[-1]
+            for acc, _share in jobs:
+                acc.samples += n
+                if t0 < acc.first_ts:
+                    acc.first_ts = t0
+                if t1 > acc.last_ts:
+                    acc.last_ts = t1
+                    if x.model:
+                        acc.model = x.model
+                if mem_peak is not None and (acc.mem_peak is None or mem_peak > acc.mem_peak):
+                    acc.mem_peak = mem_peak
+                if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
+                    acc.power_peak = power_peak
+        g.watermark = ts[-1]
+        if self._load_window is not None:  # the store has the window: keep the newest row only (see _trim)
+            newest = WindowRow._make((ts[-1], *(_last(x.floats.get(f)) for f in PAIR_FLOATS), x.job_ids, x.job_shares))
+            g.ts, g.samples, g.pending, g.start, g.partial = [ts[-1]], [newest], [], 0, True
+            return
+        g.ts.extend(ts)
+        # the window keeps a copy of what pair contributions read, not the batch's arrays
+        g.pending.append(WindowSegment(x.ts.copy(), {f: x.float_col(f).copy() for f in PAIR_FLOATS}, x.job_ids,
+                                       x.job_shares))
         self._evict(g)
 
     # -- the columnar path's preconditions and caps -------------------------------------------
@@ -964,6 +1205,31 @@ class Aggregator:
             g.ts.extend(seg.ts.tolist())
             g.pending.append(seg)
         self.gpus[gk] = g
+        self._evict(g)
+        self._trim(g)
+
+    def _trim(self, g: GpuState) -> None:
+        """With ``load_window``: keep only the GPU's newest sample (as a WindowRow); the rest is in the store."""
+        if self._load_window is None or not g.ts or (g.partial and len(g.ts) == 1):
+            return
+        if g.pending:
+            seg = g.pending[-1]
+            newest = seg.tail(len(seg) - 1).rows()[0]
+        else:
+            r = g.samples[-1]
+            newest = r if type(r) is WindowRow else WindowRow._make(
+                (r.ts, *(getattr(r, f) for f in PAIR_FLOATS), tuple(r.job_ids), tuple(r.job_shares)))
+        g.ts, g.samples, g.pending, g.start, g.partial = [g.ts[-1]], [newest], [], 0, True
+
+    def _load(self, gk: GpuKey, g: GpuState) -> None:
+        """Read a trimmed GPU's window back from the store (a late sample is to be inserted into it)."""
+        assert self._load_window is not None
+        segments = self._load_window(gk, g.watermark - self.window_s)
+        ts = [t for seg in segments for t in seg.ts.tolist()]
+        if not ts or ts[-1] != g.watermark:
+            raise RuntimeError(f"GPU {gk}: its stored window ends at {ts[-1] if ts else None}, but its newest "
+                               f"sample is at {g.watermark}: samples were aggregated and not stored")
+        g.ts, g.samples, g.pending, g.start, g.partial = ts, [], list(segments), 0, False
         self._evict(g)
 
     def take_dirty(self) -> tuple[set[UsageKey], set[GpuKey], set[HourKey]]:

@@ -58,9 +58,9 @@ class Series:
     def column(self, f: str) -> list:
         """One field as a list of n Python values (None where absent)."""
         if f in self.floats:
-            a = self.floats[f]
-            vals = a.tolist()
-            return [None if v != v else v for v in vals] if np.isnan(a).any() else vals
+            vals = self.floats[f].tolist()
+            total = sum(vals)  # NaN when any value is: a C loop, cheaper than np.isnan(a).any() on a few values
+            return [None if v != v else v for v in vals] if total != total else vals
         if f in self.ints:
             v, m = self.ints[f]
             vals = v.tolist()

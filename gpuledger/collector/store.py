@@ -19,10 +19,12 @@ A generation other than the one this collector wrote last + 1 means another coll
 its in-memory state of the host is dropped and restored from the ledger inside the same transaction, so the
 sums go on exactly where the other collector left them.
 
-The aggregation keeps a window per GPU in memory. It is bounded: a host's windows are restored from the
-stored samples and totals when a batch of that host arrives (so a restart restores nothing up front and
-never peaks above steady state), and evicted once the host has sent nothing for ``idle_evict_s`` (totals
-are in the ledger, samples in the series store: nothing is lost, and a later batch restores them exactly).
+The aggregation keeps each GPU's totals and newest sample in memory; the rest of its late-sample window is
+read back from the series store when a late sample needs it (``Aggregator(load_window=...)``). It is bounded:
+a host's GPUs are restored from the stored samples and totals when a batch of that host arrives (so a restart
+restores nothing up front and never peaks above steady state), and evicted once the host has sent nothing for
+``idle_evict_s`` (totals are in the ledger, samples in the series store: nothing is lost, and a later batch
+restores them exactly).
 At most ``max_gpus_per_host`` GPUs (and MIG instances) per host.
 """
 
@@ -35,7 +37,8 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,6 +212,7 @@ class Store:
         self._summary_sent: dict[str, float] = {}
         self._compactor: threading.Thread | None = None
         self._compactor_stop = threading.Event()
+        self._rolled_to: dict[GpuKey, int] = {}  # GPU -> the minute its last roll-up made final (compact)
         try:
             self._db = _database(db)
         except DatabaseUnavailable as exc:
@@ -223,8 +227,9 @@ class Store:
             if isinstance(exc, DatabaseUnavailable) and not isinstance(exc, StoreUnavailable):
                 raise StoreUnavailable(str(exc)) from exc
             raise
+        # load_window: a GPU's window stays in the series store, only its newest sample in memory (bounded memory)
         self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
-                              power_cap_w=power_cap_w, power_caps=power_caps)
+                              power_cap_w=power_cap_w, power_caps=power_caps, load_window=self.series_store.window)
         self._restore()
 
     @property
@@ -282,6 +287,7 @@ class Store:
         ``max_gpus_per_host``."""
         hosts = {k[0] for k in gpu_keys}
         load = {h: self.ledger.host_gpu_totals(h) for h in hosts if h not in self._last_seen}
+        grows: set[str] = set()  # hosts whose count of GPUs in memory may change with this batch
         for host in hosts:
             known = len(load[host]) if host in load else self._host_gpus[host]
             stored = {k for k, _ in load[host]} if host in load else None
@@ -290,6 +296,8 @@ class Store:
             if known + new > self.max_gpus_per_host:
                 raise TooManyGpus(f"host {host!r} has {known} GPUs and MIG instances stored; {new} new ones would "
                                   f"pass the limit of {self.max_gpus_per_host}")
+            if new or stored is not None:
+                grows.add(host)
         watermark = GPU_TOTAL_FIELDS.index("watermark")
         now = self._clock()
         for rows in load.values():
@@ -298,8 +306,12 @@ class Store:
                 self.agg.restore_gpu(gpu_key, totals, segments=self.series_store.window(gpu_key, floor))
         for host in hosts:
             self._last_seen[host] = now
-            self._host_gpus[host] = len({k for k in self.agg.gpus if k[0] == host} | {k for k in gpu_keys
-                                                                                      if k[0] == host})
+        for host in grows:  # only the batch's keys (a walk over every GPU in memory cost O(fleet) a batch)
+            keys = {k for k in gpu_keys if k[0] == host}
+            keys |= {(h, u, "") for h, u, m in keys if m}  # the whole-GPU key aggregation makes for a MIG GPU
+            before = {k for k, _ in load[host]} if host in load else None
+            self._host_gpus[host] = (len(before | keys) if before is not None
+                                     else self._host_gpus[host] + sum(1 for k in keys if k not in self.agg.gpus))
 
     def _evict_idle(self) -> None:
         """Drop the windows of hosts silent for ``idle_evict_s`` (called after a commit: nothing is dirty); a
@@ -497,22 +509,36 @@ class Store:
             watermarks = {gpu_key: totals[at] for gpu_key, totals in self.ledger.gpu_totals()}
         minutes = hours = 0
         for gpu_key, watermark in sorted(watermarks.items()):
-            with self._lock:
-                # minutes before (newest sample - window) can no longer receive a late sample: final
-                rolled_minutes, rolled_hours = self.series_store.roll_up(gpu_key, watermark - self.agg.window_s)
+            # minutes before (newest sample - window) can no longer receive a late sample: final
+            final_before = watermark - self.agg.window_s
+            if self._rolled_to.get(gpu_key) == math.floor(final_before / 60.0):
+                continue  # no minute became final since this GPU's last roll-up: it would change nothing
+            with self._compaction_step():
+                rolled_minutes, rolled_hours = self.series_store.roll_up(gpu_key, final_before)
+            self._rolled_to[gpu_key] = math.floor(final_before / 60.0)
             minutes, hours = minutes + rolled_minutes, hours + rolled_hours
         merged = 0
         for tier in TIERS:
             with self._lock:
                 groups = self.series_store.mergeable_groups(tier, now)
             for group in groups:
-                with self._lock:
+                with self._compaction_step():
                     merged += self.series_store.merge(group)
         with self._lock:
             deleted = self.series_store.expire(now)
             self.ledger.prune_batches(now - self.dedupe_horizon_s)
             summaries = self._emit_summaries(force=True)
         return CompactStats(minutes, hours, merged, deleted, summaries)
+
+    @contextmanager
+    def _compaction_step(self) -> Iterator[None]:
+        """The lock for one compaction step, taken once no batch waits for a commit (or after 50 ms): the lock
+        is not fair, and a compactor releasing and retaking it GPU after GPU kept ingest waiting for seconds."""
+        end = time.monotonic() + 0.05
+        while self._queue and time.monotonic() < end:
+            time.sleep(0.001)
+        with self._lock:
+            yield
 
     def start_background(self, interval_s: float = 300.0) -> None:
         """Run :meth:`compact` every ``interval_s`` seconds in a daemon thread until :meth:`close`."""

@@ -725,11 +725,14 @@ def pair_fields(rows) -> list[tuple]:
     ]
 
 
+@pytest.mark.parametrize("small_rows", [0, 64, 10**9], ids=["columnar", "by-size", "plain-python"])
 @settings(max_examples=100, deadline=None)
 @given(long_runs(), st.randoms(use_true_random=False), st.integers(0, 4))
-def test_add_series_is_bit_exact(seq, rnd, n_late):
+def test_add_series_is_bit_exact(small_rows, seq, rnd, n_late):
+    """Both series paths (numpy columns; plain Python floats for a batch's few rows per GPU) against add()."""
     batches = random_batches(seq, rnd, n_late)
     fast, slow = Aggregator(power_caps=CAPS), Aggregator(power_caps=CAPS)
+    fast.small_series_rows = small_rows
     for b in batches:
         series = as_series(sorted(b, key=lambda s: (s.gpu_uuid, s.ts)))
         rnd.shuffle(series)  # a batch's series in any order
@@ -745,3 +748,28 @@ def test_add_series_is_bit_exact(seq, rnd, n_late):
         assert f.totals() == g.totals()
         assert f.ts[f.start :] == g.ts[g.start :]
         assert pair_fields(f.rows()[f.start :]) == pair_fields(g.samples[g.start :])
+
+
+def test_small_series_path_takes_clean_in_order_series_only():
+    from gpuledger.collector.series import series_from_samples
+
+    def one(samples):
+        return [series_from_samples(samples)]
+
+    gk = ("h1", "G0", "")
+    clean = [S(float(t), energy_joules=100.0 * t, power_watts=100.0, job_ids=("j",), model="H200") for t in range(10)]
+    agg = Aggregator()
+    assert agg._fold_small(gk, one(clean))
+    later = [S(s.ts + 10, energy_joules=s.energy_joules + 1000, power_watts=100.0, job_ids=("j",)) for s in clean]
+    assert agg._fold_small(gk, one(later))
+    assert agg.gpus[gk].observed_s == 19.0 and agg.gpus[gk].energy_j == 1900.0
+    before = state(agg)
+    assert not agg._fold_small(gk, one(later))  # not after the watermark
+    gap = [S(s.ts + 1000, energy_joules=s.energy_joules + 1e5, job_ids=("j",)) for s in later]
+    assert not agg._fold_small(gk, one(gap))
+    back = [S(s.ts + 10, energy_joules=s.energy_joules - 5000, job_ids=("j",)) for s in later]
+    assert not agg._fold_small(gk, one(back))
+    jump = [S(s.ts + 10, energy_joules=s.energy_joules + 1e6, job_ids=("j",)) for s in later]
+    assert not agg._fold_small(gk, one(jump))
+    assert state(agg) == before  # a refused series changes nothing
+    assert not Aggregator(power_caps={"H200": 50.0})._fold_small(gk, one(clean))  # 100 W > 50 W cap

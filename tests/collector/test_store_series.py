@@ -114,8 +114,8 @@ def test_in_order_series_take_the_columnar_path_and_late_ones_fall_back(tmp_path
     b = parse_batch(body("a", 0, first, "series", "msgpack"), "application/msgpack", NOW)
     r = store.ingest(b)
     assert r.accepted == len(first)
-    # the window holds columns (pending segments), not objects, after an in-order series
-    assert all(g.pending and not g.samples for g in store.agg.gpus.values())
+    # after an in-order series a GPU keeps only its newest sample in memory; its window is in the store
+    assert all(g.partial and g.ts == [g.watermark] and len(g.samples) == 1 for g in store.agg.gpus.values())
     # a late sample for G0 (between two stored ones) and in-order ones for G1
     late = [GpuSample(ts=T0 + 10.5, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=100.0)]
     # (before the counter reset at T0 + 50: an untrusted delta goes one by one)
@@ -123,8 +123,9 @@ def test_in_order_series_take_the_columnar_path_and_late_ones_fall_back(tmp_path
     r = store.ingest(parse_batch(body("a", 1, late + more, "series", "msgpack"), "application/msgpack", NOW))
     assert r.accepted == 1 + len(more)
     g0, g1 = store.agg.gpus[("n1", "G0", "")], store.agg.gpus[("n1", "G1", "")]
-    assert not g0.pending and g0.samples  # turned into rows to take the late one
-    assert g1.pending  # still columns
+    # G0's window was read back from the store to take the late one (and stays while late samples come)
+    assert not g0.partial and T0 + 10.5 in g0.ts and g0.ts[0] == min(s.ts for s in first)
+    assert g1.partial and g1.ts == [max(s.ts for s in more)]  # in order: its newest sample only
     assert len(store.series("n1", "G0", 0, 2e9)) == len(first) // 2 + 1
     store.close()
 
