@@ -201,7 +201,8 @@ def test_background_sender_with_the_real_collector_and_agent_metrics(tmp_path):
     srv = CollectorServer(store, host=host, port=int(port)).start()  # back, on the same address
     try:
         deadline = time.monotonic() + 15
-        while pusher.spool.depth and time.monotonic() < deadline:
+        # the sender removes a batch from the spool, then counts it: wait for both
+        while (pusher.spool.depth or pusher.sent_batches < 5) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pusher.spool.depth == 0 and pusher.sent_batches == 5
         assert store.totals()["samples"] == 10 and store.batches_seen() == 5
