@@ -149,12 +149,12 @@ class SqliteDatabase:
             raise _sqlite_error(exc, self.url) from exc
 
     @contextmanager
-    def transaction(self) -> Iterator[SqliteDatabase]:
-        """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (re-raised); inside one, joins it."""
+    def _begun(self, begin: str) -> Iterator[SqliteDatabase]:
+        """``begin`` ... COMMIT, rolled back on any exception (re-raised); inside a transaction, joins it."""
         if self.conn.in_transaction:
             yield self
             return
-        self.execute("BEGIN IMMEDIATE")
+        self.execute(begin)
         try:
             yield self
             self.execute("COMMIT")
@@ -163,21 +163,14 @@ class SqliteDatabase:
                 self.conn.execute("ROLLBACK")
             raise
 
-    @contextmanager
-    def snapshot(self) -> Iterator[SqliteDatabase]:
+    def transaction(self) -> AbstractContextManager[SqliteDatabase]:
+        """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (re-raised); inside one, joins it."""
+        return self._begun("BEGIN IMMEDIATE")
+
+    def snapshot(self) -> AbstractContextManager[SqliteDatabase]:
         """A read transaction (deferred BEGIN: in WAL mode the first read fixes the state it sees, writers go on);
         inside a transaction, joins it."""
-        if self.conn.in_transaction:
-            yield self
-            return
-        self.execute("BEGIN")
-        try:
-            yield self
-            self.execute("COMMIT")
-        except BaseException:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
-            raise
+        return self._begun("BEGIN")
 
     def lock(self, name: str) -> None:
         """Nothing to do: BEGIN IMMEDIATE holds the database's write lock already."""
