@@ -334,10 +334,12 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
         jobs, usages = store.jobs(), store.job_usage()
     finally:
         store.close()
-    jobs_table = job_rows(entries)
+    # simulated time, not the wall clock: a running job's allocation and the fairshare's decay are the same for every
+    # run of a seed
+    now = res.end
+    jobs_table = job_rows(entries, now=now)
     console.print(rich_table("Jobs (measured)", JOB_COLUMNS, jobs_table))
 
-    now = res.end  # simulated time, not the wall clock: the fairshare's decay is the same for every run of a seed
     weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
     # audited with its inputs
     rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight, record=True)

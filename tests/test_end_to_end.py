@@ -160,6 +160,10 @@ def test_demo_prints_the_same_tables_twice_and_a_next_command_that_works(tmp_pat
         text = text.replace(str(tmp_path / name), "DIR")
         return re.sub(r"127\.0\.0\.1:\d+|in [0-9.]+ s wall time|\d+:\d\d:\d\d", "X", text)
     assert stable(outs[0], "one") == stable(outs[1], "two")
+    # the simulated agents see every allocated GPU-second, and a job still running is allocated up to the simulated
+    # end, not the wall clock (which once made the table differ from run to run and show 1% coverage)
+    job_lines = [ln for ln in outs[0].splitlines() if "@demo" in ln]
+    assert job_lines and all(ln.split("│")[8].strip() == "100%" for ln in job_lines), job_lines
     nxt = [ln for ln in outs[1].splitlines() if ln.startswith("next: ")]
     assert len(nxt) == 1
     for cmd in nxt[0].removeprefix("next: ").split("   |   "):
