@@ -12,6 +12,7 @@ import typer
 from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
+from gpuledger.collector.series_outbox import VictoriaMetricsSeries
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
 from gpuledger.collector.store import SqliteStore
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
@@ -74,8 +75,11 @@ def serve(
     store = SqliteStore(store_path(data_dir), window_s=settings.window_s, max_gap_s=settings.max_gap_s,
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
                         power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
-                        max_gpus_per_host=settings.max_gpus_per_host)
+                        max_gpus_per_host=settings.max_gpus_per_host, series_outbox=bool(settings.series_url))
     store.start_background(settings.compact_interval_s)
+    # series in VictoriaMetrics: the store's outbox is shipped there, and series are answered from there
+    remote = VictoriaMetricsSeries(store.series_store, settings.series_url, read_timeout_s=settings.request_timeout_s
+                                   ) if settings.series_url else None
     server = CollectorServer(
         store, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes,
         auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
@@ -83,18 +87,24 @@ def serve(
         max_per_host=settings.max_per_host, request_timeout_s=settings.request_timeout_s,
         idle_timeout_s=settings.idle_timeout_s, limits=settings.limits(), max_series_points=settings.max_series_points,
         max_page=settings.max_page, metrics_user_labels=settings.metrics_user_labels,
+        series=remote.reader if remote else None,
     )
+    if remote is not None:
+        server.metrics.registry.register(remote.metrics)
     # SIGTERM (systemd, kill) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     auth = "on" if settings.auth_enabled else "off (no tokens configured)"
     influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if sinks else ""
-    typer.echo(f"collector listening on {server.url}, store {store.path}, auth {auth}{influx}")
+    series = f", series in VictoriaMetrics {settings.series_url}" if settings.series_url else ""
+    typer.echo(f"collector listening on {server.url}, store {store.path}, auth {auth}{influx}{series}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+        if remote is not None:  # what it cannot ship in a few seconds stays queued for the next start
+            remote.close()
         store.close()
         for sink in sinks:  # flush what is buffered for InfluxDB
             sink.close()

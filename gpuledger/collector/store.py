@@ -16,6 +16,10 @@ stored samples and totals when a batch of that host arrives (so a restart restor
 never peaks above steady state), and evicted once the host has sent nothing for ``idle_evict_s`` (totals
 are in the ledger, samples in the series store: nothing is lost, and a later batch restores them exactly).
 At most ``max_gpus_per_host`` GPUs (and MIG instances) per host.
+
+With ``series_outbox`` (the collector's ``series_url``), the series store is ``collector.series_outbox``'s
+``OutboxSeriesStore``: the chunks as before, and each batch's samples queued for VictoriaMetrics in the same
+transaction (a ``SeriesShipper`` drains the queue).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from gpuledger.collector.auditlog.files import private_file
 from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqliteLedger, migrate_v2, needs_migration
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
-from gpuledger.collector.series_store import TIERS, Retention, SqliteSeriesStore
+from gpuledger.collector.series_outbox import OutboxSeriesStore
+from gpuledger.collector.series_store import TIERS, Retention, SeriesStore, SqliteSeriesStore
 from gpuledger.collector.sinks import Sink
 from gpuledger.collector.sqlite_db import connect, transaction
 from gpuledger.collector.validate import Batch, as_sample
@@ -139,6 +144,7 @@ class SqliteStore:
         dedupe_horizon_s: float = DEDUPE_HORIZON_S,
         idle_evict_s: float | None = None,
         max_gpus_per_host: int = MAX_GPUS_PER_HOST,
+        series_outbox: bool = False,
     ) -> None:
         retention.check(window_s)
         # Batch keys older than this are pruned at compaction (a day of 1,000 nodes pushing every 10 s is
@@ -180,7 +186,8 @@ class SqliteStore:
                 db.execute("UPDATE meta SET value=? WHERE key='schema' AND value='2'", (str(SCHEMA_VERSION),))
             log.info("%s: ledger migrated to schema %d (jobs keyed by cluster and job id)", self.path, SCHEMA_VERSION)
         self.ledger = SqliteLedger(self._db)
-        self.series_store = SqliteSeriesStore(self._db, retention)
+        chunk_store = SqliteSeriesStore(self._db, retention)
+        self.series_store: SeriesStore = chunk_store
         if row is None:
             self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
         row = self._db.execute("SELECT value FROM meta WHERE key='sample_fields'").fetchone()
@@ -189,9 +196,11 @@ class SqliteStore:
             raise RuntimeError(f"{self.path}: raw samples were written with fields {stored}, not a prefix of today's")
         if self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "1":
             with transaction(self._db) as db:
-                self.series_store.repack_v1_samples(stored)
+                chunk_store.repack_v1_samples(stored)
                 db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
         self._db.execute("INSERT OR REPLACE INTO meta VALUES ('sample_fields', ?)", (json.dumps(SAMPLE_FIELDS),))
+        if series_outbox:  # series_url: every batch's samples are also queued for VictoriaMetrics, in its transaction
+            self.series_store = OutboxSeriesStore(chunk_store, self._db, self._lock)
         self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
                               power_cap_w=power_cap_w, power_caps=power_caps)
         self._restore()

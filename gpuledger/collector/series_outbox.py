@@ -1,0 +1,327 @@
+"""Shipping series to VictoriaMetrics (``series_url``): a transactional outbox in the store, drained by a thread.
+
+With ``series_url`` the store wraps its chunk store in :class:`OutboxSeriesStore`. Every batch's raw samples go to
+the chunks, which the aggregation's restores read (``window``), and, in the same transaction, to the
+``series_outbox`` table: a sample is committed with its batch and queued, or neither. :class:`SeriesShipper`
+reads the oldest queued rows (at most ``batch_rows`` rows holding ``batch_samples`` samples: memory stays
+bounded however long VictoriaMetrics was away), posts them to /api/v1/import and deletes them only once VictoriaMetrics
+answered 2xx. A crash or a timeout between the two ships them again: at least once, never lost. VictoriaMetrics
+then holds each point twice unless it deduplicates, so start it with ``-dedup.minScrapeInterval=1ms``
+(docs/deploy.md; the shipper logs a warning when it is not).
+
+While VictoriaMetrics is away, ingest goes on and the queue grows on disk, never in memory. Retries back off from
+``backoff_s``, doubling up to ``backoff_max_s``, and one log line marks each change between shipping and failing.
+A shipment VictoriaMetrics refuses as malformed (4xx other than 408/429: retrying cannot help) is logged,
+dropped and counted. The collector's /metrics shows the queue (:class:`ShipperMetrics`):
+``gpuledger_collector_series_backlog_samples``, ``gpuledger_collector_series_lag_seconds`` (age of the oldest
+queued batch), ``gpuledger_collector_series_shipped_samples_total``,
+``gpuledger_collector_series_ship_failures_total`` and ``gpuledger_collector_series_dropped_samples_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Any
+
+import msgpack
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpuledger.collector.aggregate import GpuKey, WindowSegment
+from gpuledger.collector.chunks import encode_samples, encode_series_many
+from gpuledger.collector.rollup import RollupPoint
+from gpuledger.collector.series import Series
+from gpuledger.collector.series_store import MergeGroup, Retention, SeriesStore
+from gpuledger.collector.sqlite_db import transaction
+from gpuledger.collector.victoriametrics import (
+    SeriesBackendError,
+    SeriesUnavailable,
+    VictoriaMetrics,
+    VmSeriesReader,
+    import_body,
+    settings_problems,
+)
+from gpuledger.schema.records import GpuSample
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS series_outbox (
+  seq INTEGER PRIMARY KEY, written REAL NOT NULL, samples INTEGER NOT NULL, through INTEGER NOT NULL,
+  data BLOB NOT NULL);
+"""
+_gpu = operator.attrgetter("host", "gpu_uuid", "mig")
+_gpu_order = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare
+
+
+def local_retention(window_s: float, raw_s: float | None = None) -> Retention:
+    """What the local chunk store keeps when VictoriaMetrics holds the series. Raw samples for ``raw_s``
+    (default a day; Retention.check wants at least the window plus a chunk): a restore reads a GPU's window
+    back, and the newest sample of a GPU that fell silent is the anchor its next interval starts from (an
+    energy counter bridged over a silence needs it), so raw retention bounds the silences bridged exactly.
+    Rollups: compaction still builds them (raw samples go only once rolled up) and keeps them an hour past
+    their chunk's span (a day's chunk of minutes, a month's of hours); nothing reads them, VictoriaMetrics
+    answers. The chunk spans stay the defaults: chunks written before series_url was set keep their meaning."""
+    return Retention(raw_s=max(window_s + Retention().raw_chunk_s, 86400.0) if raw_s is None else raw_s,
+                     minute_s=3600.0, hour_s=3600.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """One outbox row: a batch's raw chunks, ``samples`` samples."""
+
+    seq: int
+    samples: int
+    data: bytes
+
+    def chunks(self) -> list[tuple[str, str, str, bytes]]:
+        return [(h, u, m, blob) for h, u, m, blob in msgpack.unpackb(self.data, raw=False)]
+
+
+class OutboxSeriesStore:
+    """A ``SeriesStore`` that writes through ``inner`` (the chunk store) and queues the same samples in the
+    outbox, on ``db`` in the caller's transaction. ``lock`` is the store's: the shipper's reads and deletes take
+    it (they share the connection with ingest). Reads and compaction are ``inner``'s."""
+
+    def __init__(self, inner: SeriesStore, db: sqlite3.Connection, lock: threading.RLock,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.inner, self._db, self._lock, self._clock = inner, db, lock, clock
+        db.executescript(SCHEMA)
+
+    # -- writes (under the store's lock, in its transaction) ----------------------------------------------------
+    def _queue(self, chunks: list[list[Any]], samples: int) -> None:
+        if not chunks:
+            return
+        last = self._db.execute("SELECT seq, through FROM series_outbox ORDER BY seq DESC LIMIT 1").fetchone()
+        seq, through = last if last is not None else (0, 0)
+        self._db.execute("INSERT INTO series_outbox (seq, written, samples, through, data) VALUES (?,?,?,?,?)",
+                         (seq + 1, self._clock(), samples, through + samples, msgpack.packb(chunks)))
+
+    def write_samples(self, samples: list[GpuSample]) -> None:
+        self.inner.write_samples(samples)
+        chunks = []
+        for (host, uuid, mig), rows in groupby(sorted(samples, key=_gpu_order), key=_gpu):
+            chunks.append([host, uuid, mig or "", encode_samples(list(rows))])
+        self._queue(chunks, len(samples))
+
+    def write_series(self, series: list[Series]) -> None:
+        self.inner.write_series(series)
+        blobs = encode_series_many(series)
+        self._queue([[s.host, s.gpu_uuid, s.mig or "", b] for s, b in zip(series, blobs)], sum(s.n for s in series))
+
+    # -- the chunk store's part ------------------------------------------------------------------------------------
+    def window(self, gpu_key: GpuKey, floor: float) -> list[WindowSegment]:
+        return self.inner.window(gpu_key, floor)
+
+    def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]:
+        return self.inner.roll_up(gpu_key, final_before)
+
+    def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]:
+        return self.inner.mergeable_groups(tier, now)
+
+    def merge(self, group: MergeGroup) -> int:
+        return self.inner.merge(group)
+
+    def expire(self, now: float) -> int:
+        return self.inner.expire(now)
+
+    def series(
+        self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
+        tier: int | None = None,
+    ) -> list[GpuSample] | list[RollupPoint]:
+        return self.inner.series(host, gpu_uuid, start, end, step=step, mig=mig, tier=tier)
+
+    def tiers(self) -> list[dict]:
+        return self.inner.tiers()
+
+    # -- the shipper's side (takes the store's lock) ------------------------------------------------------------
+    def take(self, max_rows: int, max_samples: int) -> list[Queued]:
+        """The oldest queued rows: at most ``max_rows``, and no more once they hold ``max_samples`` (at least one)."""
+        with self._lock:
+            rows = self._db.execute("SELECT seq, samples, data FROM series_outbox ORDER BY seq LIMIT ?",
+                                    (max_rows,)).fetchall()
+        out: list[Queued] = []
+        total = 0
+        for seq, samples, data in rows:
+            if out and total + samples > max_samples:
+                break
+            out.append(Queued(seq, samples, bytes(data)))
+            total += samples
+        return out
+
+    def ack(self, through_seq: int) -> None:
+        """Forget every queued row up to ``through_seq`` (shipped, or refused for good)."""
+        with self._lock, transaction(self._db) as db:
+            db.execute("DELETE FROM series_outbox WHERE seq <= ?", (through_seq,))
+
+    def backlog(self) -> tuple[int, float | None]:
+        """(samples queued, when the oldest queued row was written or None)."""
+        with self._lock:
+            first = self._db.execute("SELECT written, samples, through FROM series_outbox ORDER BY seq LIMIT 1"
+                                     ).fetchone()
+            if first is None:
+                return 0, None
+            (last,) = self._db.execute("SELECT through FROM series_outbox ORDER BY seq DESC LIMIT 1").fetchone()
+        written, samples, through = first
+        return last - through + samples, written
+
+
+@dataclass
+class ShipperStats:
+    shipped_samples: int = 0
+    failures: int = 0  # attempts that failed and were retried
+    dropped_samples: int = 0  # refused by VictoriaMetrics as malformed
+    failing_since: float | None = None
+    last_error: str = ""
+
+
+class SeriesShipper:
+    """Drains an :class:`OutboxSeriesStore` into VictoriaMetrics in a daemon thread (see the module's docstring).
+    ``sleep`` is a seam for tests (default: wait on the stop event)."""
+
+    def __init__(self, outbox: OutboxSeriesStore, vm: VictoriaMetrics, *, batch_rows: int = 256,
+                 batch_samples: int = 10_000, interval_s: float = 1.0, backoff_s: float = 0.5,
+                 backoff_max_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+        self.outbox, self.vm = outbox, vm
+        self.batch_rows, self.batch_samples = batch_rows, batch_samples
+        self.interval_s, self.backoff_s, self.backoff_max_s = interval_s, backoff_s, backoff_max_s
+        self.stats = ShipperStats()
+        self._clock = clock
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._idle = threading.Event()  # set while the outbox was found empty
+        self._checked = False
+        self._thread = threading.Thread(target=self._run, name="series-shipper", daemon=True)
+
+    def start(self) -> SeriesShipper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        delay = self.backoff_s
+        while not self._stop.is_set():
+            try:
+                rows = self.outbox.take(self.batch_rows, self.batch_samples)
+                if not rows:
+                    self._idle.set()
+                    self._wake.wait(self.interval_s)
+                    self._wake.clear()
+                    continue
+                self._idle.clear()
+                self._ship(rows)
+                delay = self.backoff_s
+            except SeriesUnavailable as e:
+                self._failed(str(e))
+                self._stop.wait(delay)
+                delay = min(delay * 2, self.backoff_max_s)
+            except Exception as e:  # a bug or the store going away: log it, keep the thread alive
+                self._failed(f"{type(e).__name__}: {e}")
+                log.debug("series shipper error", exc_info=True)
+                self._stop.wait(delay)
+                delay = min(delay * 2, self.backoff_max_s)
+
+    def _ship(self, rows: list[Queued]) -> None:
+        body, samples = import_body(c for r in rows for c in r.chunks())
+        try:
+            if body:
+                self.vm.import_lines(body)
+        except SeriesBackendError as e:
+            if not 400 <= e.upstream < 500 or e.upstream == 408:
+                raise  # a server error or an unreadable answer: retried
+            log.error("VictoriaMetrics refused %d samples (queued rows %d..%d); dropped, retrying cannot help: %s",
+                      samples, rows[0].seq, rows[-1].seq, e)
+            self.stats.dropped_samples += samples
+        else:
+            self.stats.shipped_samples += samples
+        self.outbox.ack(rows[-1].seq)
+        self._recovered()
+
+    def _failed(self, error: str) -> None:
+        self.stats.failures += 1
+        self.stats.last_error = error
+        if self.stats.failing_since is None:
+            self.stats.failing_since = self._clock()
+            log.warning("shipping series to VictoriaMetrics failed, retrying with backoff (ingest goes on; samples "
+                        "wait in the store): %s", error)
+
+    def _recovered(self) -> None:
+        if self.stats.failing_since is not None:
+            log.warning("shipping series to VictoriaMetrics again after %.0f s of failures",
+                        self._clock() - self.stats.failing_since)
+            self.stats.failing_since = None
+        if not self._checked:
+            self._checked = True
+            try:
+                for problem in settings_problems(self.vm.flags()):
+                    log.warning("VictoriaMetrics at %s: %s", self.vm.url, problem)
+            except SeriesUnavailable as e:
+                log.warning("VictoriaMetrics at %s: cannot read its flags (%s)", self.vm.url, e)
+
+    def notify(self) -> None:
+        """Ship now rather than at the next interval (e.g. after a batch was committed)."""
+        self._wake.set()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything queued so far was shipped (or dropped); True if the outbox emptied in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._idle.clear()
+            self._wake.set()
+            if self._idle.wait(min(0.2, max(0.0, deadline - time.monotonic()))) and not self.outbox.backlog()[0]:
+                return True
+        return not self.outbox.backlog()[0]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ship what is queued for up to ``timeout_s`` (the rest stays queued for the next start), then stop."""
+        if self._thread.is_alive() and self.stats.failing_since is None:
+            self.flush(timeout_s)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=timeout_s + 30)
+        self.vm.close()
+
+
+class ShipperMetrics:
+    """The shipper's figures for the collector's /metrics (a prometheus_client collector)."""
+
+    def __init__(self, shipper: SeriesShipper, clock: Callable[[], float] = time.time) -> None:
+        self.shipper, self._clock = shipper, clock
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.shipper.stats
+        waiting, oldest = self.shipper.outbox.backlog()
+        yield GaugeMetricFamily("gpuledger_collector_series_backlog_samples",
+                                "Samples committed but not yet in VictoriaMetrics.", value=float(waiting))
+        yield GaugeMetricFamily("gpuledger_collector_series_lag_seconds",
+                                "Age of the oldest batch not yet in VictoriaMetrics (0: none waiting).",
+                                value=0.0 if oldest is None else max(0.0, self._clock() - oldest))
+        yield CounterMetricFamily("gpuledger_collector_series_shipped_samples",
+                                  "Samples shipped to VictoriaMetrics.", value=float(st.shipped_samples))
+        yield CounterMetricFamily("gpuledger_collector_series_ship_failures",
+                                  "Shipments to VictoriaMetrics that failed and are retried.", value=float(st.failures))
+        yield CounterMetricFamily("gpuledger_collector_series_dropped_samples",
+                                  "Samples VictoriaMetrics refused as malformed (dropped).",
+                                  value=float(st.dropped_samples))
+
+
+class VictoriaMetricsSeries:
+    """Everything ``series_url`` switches on besides the store's outbox: the shipper draining it (started here),
+    the reader GET /api/v1/series answers from (``read_timeout_s`` per request) and the shipper's metrics."""
+
+    def __init__(self, series_store: SeriesStore, url: str, read_timeout_s: float = 30.0, **shipper: Any) -> None:
+        if not isinstance(series_store, OutboxSeriesStore):
+            raise TypeError("series_url: open the store with series_outbox=True")
+        self.shipper = SeriesShipper(series_store, VictoriaMetrics(url), **shipper).start()
+        self.reader = VmSeriesReader(VictoriaMetrics(url, timeout_s=read_timeout_s))
+        self.metrics = ShipperMetrics(self.shipper)
+
+    def close(self) -> None:
+        """Ship what is queued for a few seconds (the rest waits for the next start) and stop."""
+        self.shipper.close()
+        self.reader.vm.close()
