@@ -28,8 +28,8 @@ Example::
     series_url = "http://vm.example.org:8428"  # series in VictoriaMetrics (single node; run it with
                                    # -dedup.minScrapeInterval=1ms -search.latencyOffset=0s, docs/deploy.md):
                                    # every sample is shipped there at least once, GET /api/v1/series reads it,
-                                   # and the local store keeps raw samples for raw_retention_s (default then one
-                                   # day) and rollups for an hour. Unset (the default): the local store holds all.
+                                   # and the local store keeps raw samples for raw_retention_s (default then the
+                                   # window plus an hour) and rollups briefly. Unset: the local store holds all.
     tls_cert = "/etc/gpuledger/collector.crt"   # both or neither; relative paths are relative to this file
     tls_key = "/etc/gpuledger/collector.key"
     tokens_file = "/etc/gpuledger/tokens.toml"  # same keys as below; keeps secrets out of this file

@@ -61,14 +61,15 @@ _gpu_order = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do
 
 
 def local_retention(window_s: float, raw_s: float | None = None) -> Retention:
-    """What the local chunk store keeps when VictoriaMetrics holds the series. Raw samples for ``raw_s``
-    (default a day; Retention.check wants at least the window plus a chunk): a restore reads a GPU's window
-    back, and the newest sample of a GPU that fell silent is the anchor its next interval starts from (an
-    energy counter bridged over a silence needs it), so raw retention bounds the silences bridged exactly.
-    Rollups: compaction still builds them (raw samples go only once rolled up) and keeps them an hour past
-    their chunk's span (a day's chunk of minutes, a month's of hours); nothing reads them, VictoriaMetrics
-    answers. The chunk spans stay the defaults: chunks written before series_url was set keep their meaning."""
-    return Retention(raw_s=max(window_s + Retention().raw_chunk_s, 86400.0) if raw_s is None else raw_s,
+    """What the local chunk store keeps when VictoriaMetrics holds the series: raw samples for ``raw_s``, by
+    default the least Retention.check allows (the aggregation window plus a chunk's hour). That is all restores
+    need: compaction drops only raw samples it rolled up, and it never rolls up a GPU's window (minutes
+    close only once they are older than the GPU's newest sample less the window), so a GPU's window and newest
+    sample, from which its next interval starts however long it was silent, stay whatever their age.
+    Rollups: compaction still builds them before raw samples go, and drops them an hour after their chunk's
+    span (a day's chunk of minutes, a month's of hours); nothing reads them, VictoriaMetrics answers. The chunk
+    spans stay the defaults, so chunks written before series_url was set keep their meaning."""
+    return Retention(raw_s=window_s + Retention().raw_chunk_s if raw_s is None else raw_s,
                      minute_s=3600.0, hour_s=3600.0)
 
 

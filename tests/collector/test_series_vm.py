@@ -26,6 +26,7 @@ from gpuledger.collector.series_outbox import OutboxSeriesStore, VictoriaMetrics
 from gpuledger.collector.series_store import RAW, Retention
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import SqliteStore
+from gpuledger.collector.validate import parse_batch
 from gpuledger.collector.victoriametrics import VictoriaMetrics, import_body
 from gpuledger.schema.records import GpuSample
 from gpuledger.schema.wire import to_series
@@ -381,6 +382,46 @@ def test_an_error_answer_of_victoriametrics_is_a_502(vm: VictoriaMetricsServer, 
         c.close()
 
 
+# -- what stays local ------------------------------------------------------------------------------------------
+def test_the_short_local_retention_leaves_the_ledger_as_the_default_one(tmp_path: Path) -> None:
+    # A node silent for three days, compacted meanwhile, evicted and restored: the energy across its silence is
+    # bridged from its last stored sample, which compaction keeps (it drops only rolled-up samples, and never
+    # rolls up a GPU's window) however short the raw retention.
+    now = [H]
+    kw: dict[str, Any] = {"clock": lambda: now[0], "idle_evict_s": 1200.0}
+    short = SqliteStore(tmp_path / "short.sqlite", series_outbox=True, retention=local_retention(600.0), **kw)
+    default = SqliteStore(tmp_path / "default.sqlite", **kw)
+    before, after = fleet("quiet01", hours=1.0), fleet("quiet01", hours=1.0, seed=1)
+    silence = 3 * 86400.0
+    after = [replace(s, ts=s.ts + silence + 3600, energy_joules=s.energy_joules + 1e8) for s in after]
+    try:
+        for agent, phase in (("before", before), ("after", after)):  # a new agent id: the agent restarted
+            for b in batches(phase, "quiet01"):
+                batch = parse_batch(json.dumps({**b, "agent_id": agent}).encode(), "application/json", 2e9)
+                now[0] = max(s.ts for s in batch.samples)
+                assert short.ingest(batch) == default.ingest(batch)
+            now[0] += silence / 2
+            for store in (short, default):
+                store.compact()
+                store.compact(now[0] + silence / 2)
+            # another node's batch: its commit evicts the silent node, whose next batch then restores it
+            other = fleet("other01", hours=0.01)[:1]
+            other = [replace(o, ts=now[0] - 1.0) for o in other]
+            for store in (short, default):
+                store.ingest(parse_batch(json.dumps({"agent_id": "o", "seq": int(now[0]), "host": "other01",
+                                                     "samples": [o.to_dict() for o in other]}).encode(),
+                                         "application/json", 2e9))
+                assert "quiet01" not in {k[0] for k in store.agg.gpus}
+        raw_left = {t["tier"]: t["rows"] for t in short.tiers()}["raw"]
+        assert 0 < raw_left < {t["tier"]: t["rows"] for t in default.tiers()}["raw"]  # the short one dropped some
+        for read in ("job_usage", "gpu_energy", "energy_gaps", "totals"):
+            assert getattr(short, read)() == getattr(default, read)(), read
+        assert short.energy_gaps() and any(g["energy_joules"] for g in short.energy_gaps())  # bridged
+    finally:
+        short.close()
+        default.close()
+
+
 # -- the vocabulary and the settings ---------------------------------------------------------------------------
 def test_import_lines_carry_labels_jobs_and_shares() -> None:
     s = [GpuSample(ts=H + i, host="n1", gpu_uuid="GPU-m", gpu_index=2, mig="3.0", model="", power_watts=100.0 + i,
@@ -407,8 +448,8 @@ def test_import_lines_carry_labels_jobs_and_shares() -> None:
 def test_series_url_setting(tmp_path: Path) -> None:
     s = load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_SERIES_URL": "http://vm.example.org:8428/"})
     assert s.series_url == "http://vm.example.org:8428"
-    r = s.retention()  # locally: a day of raw samples, an hour of rollups
-    assert (r.raw_s, r.minute_s, r.hour_s) == (86400.0, 3600.0, 3600.0)
+    r = s.retention()  # locally: raw samples for the window and an hour, rollups an hour
+    assert (r.raw_s, r.minute_s, r.hour_s) == (600.0 + 3600.0, 3600.0, 3600.0)
     r = load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_SERIES_URL": "http://vm:8428",
                                      "GPULEDGER_COLLECTOR_WINDOW_S": "600"},
                       overrides={"raw_retention_s": 7200}).retention()
