@@ -4,10 +4,10 @@ With ``series_url`` the store wraps its chunk store in :class:`OutboxSeriesStore
 the chunks, which the aggregation's restores read (``window``), and, in the same transaction, to the
 ``series_outbox`` table: a sample is committed with its batch and queued, or neither. :class:`SeriesShipper`
 reads the oldest queued rows (at most ``batch_rows`` rows holding ``batch_samples`` samples: memory stays
-bounded however long VictoriaMetrics was away), posts them to /api/v1/import and deletes them only once VictoriaMetrics
-answered 2xx. A crash or a timeout between the two ships them again: at least once, never lost. VictoriaMetrics
-then holds each point twice unless it deduplicates, so start it with ``-dedup.minScrapeInterval=1ms``
-(docs/deploy.md; the shipper logs a warning when it is not).
+bounded however long VictoriaMetrics was away), posts them to /api/v1/import and deletes them only once
+VictoriaMetrics answered 2xx. A crash or a timeout between the two ships them again: at least once, never lost.
+VictoriaMetrics then holds each point twice unless it deduplicates, so start it with
+``-dedup.minScrapeInterval=1ms`` (docs/deploy.md; the shipper logs a warning when it is not).
 
 While VictoriaMetrics is away, ingest goes on and the queue grows on disk, never in memory. Retries back off from
 ``backoff_s``, doubling up to ``backoff_max_s``, and one log line marks each change between shipping and failing.
@@ -21,13 +21,11 @@ queued batch), ``gpuledger_collector_series_shipped_samples_total``,
 from __future__ import annotations
 
 import logging
-import operator
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any
 
 import msgpack
@@ -56,8 +54,6 @@ CREATE TABLE IF NOT EXISTS series_outbox (
   seq INTEGER PRIMARY KEY, written REAL NOT NULL, samples INTEGER NOT NULL, through INTEGER NOT NULL,
   data BLOB NOT NULL);
 """
-_gpu = operator.attrgetter("host", "gpu_uuid", "mig")
-_gpu_order = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare
 
 
 def local_retention(window_s: float, raw_s: float | None = None) -> Retention:
@@ -106,10 +102,10 @@ class OutboxSeriesStore:
 
     def write_samples(self, samples: list[GpuSample]) -> None:
         self.inner.write_samples(samples)
-        chunks = []
-        for (host, uuid, mig), rows in groupby(sorted(samples, key=_gpu_order), key=_gpu):
-            chunks.append([host, uuid, mig or "", encode_samples(list(rows))])
-        self._queue(chunks, len(samples))
+        per_gpu: dict[tuple[str, str, str], list[GpuSample]] = {}  # a MIG GPU's rows alternate with its instances'
+        for s in samples:
+            per_gpu.setdefault((s.host, s.gpu_uuid, s.mig or ""), []).append(s)
+        self._queue([[*key, encode_samples(rows)] for key, rows in per_gpu.items()], len(samples))
 
     def write_series(self, series: list[Series]) -> None:
         self.inner.write_series(series)
@@ -183,8 +179,8 @@ class ShipperStats:
 
 
 class SeriesShipper:
-    """Drains an :class:`OutboxSeriesStore` into VictoriaMetrics in a daemon thread (see the module's docstring).
-    ``sleep`` is a seam for tests (default: wait on the stop event)."""
+    """Drains an :class:`OutboxSeriesStore` into VictoriaMetrics in a daemon thread (see the module's docstring):
+    every ``interval_s`` while the queue is empty, at once while it is not."""
 
     def __init__(self, outbox: OutboxSeriesStore, vm: VictoriaMetrics, *, batch_rows: int = 256,
                  batch_samples: int = 10_000, interval_s: float = 1.0, backoff_s: float = 0.5,
@@ -253,7 +249,7 @@ class SeriesShipper:
 
     def _recovered(self) -> None:
         if self.stats.failing_since is not None:
-            log.warning("shipping series to VictoriaMetrics again after %.0f s of failures",
+            log.info("shipping series to VictoriaMetrics again after %.0f s of failures",
                         self._clock() - self.stats.failing_since)
             self.stats.failing_since = None
         if not self._checked:

@@ -65,6 +65,7 @@ class SeriesBackendError(SeriesUnavailable):
 
 
 def _one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line, at most ``limit`` characters (error messages end up in JSON answers and logs)."""
     return " ".join(text.split())[:limit]
 
 
@@ -96,8 +97,8 @@ class VictoriaMetrics:
     def export(self, match: str, start_ms: int, end_ms: int) -> list[dict[str, Any]]:
         """Raw points of the series ``match`` selects, with start_ms <= ts <= end_ms (as far as VictoriaMetrics'
         second-based parameters allow: callers filter exactly)."""
-        r = self._request("GET", "/api/v1/export", params={"match[]": match, "start": _seconds(start_ms),
-                                                           "end": _seconds(end_ms)})
+        r = self._request("POST", "/api/v1/export", data={"match[]": match, "start": _seconds(start_ms),
+                                                          "end": _seconds(end_ms)})
         try:
             return [json.loads(line) for line in r.text.splitlines() if line.strip()]
         except ValueError as e:
@@ -106,12 +107,12 @@ class VictoriaMetrics:
     def query_range(self, expr: str, start_ms: int, end_ms: int, step_ms: int) -> list[dict[str, Any]]:
         """A range query evaluated at start_ms, start_ms + step_ms, ... <= end_ms (uncached: a late shipment
         changes old buckets)."""
-        return self._result(self._request("GET", "/api/v1/query_range", params={
+        return self._result(self._request("POST", "/api/v1/query_range", data={
             "query": expr, "start": _seconds(start_ms), "end": _seconds(end_ms), "step": f"{step_ms}ms",
             "nocache": "1"}))
 
     def query(self, expr: str, at_ms: int) -> list[dict[str, Any]]:
-        return self._result(self._request("GET", "/api/v1/query", params={
+        return self._result(self._request("POST", "/api/v1/query", data={
             "query": expr, "time": _seconds(at_ms), "nocache": "1"}))
 
     def _result(self, r: httpx.Response) -> list[dict[str, Any]]:
@@ -247,9 +248,13 @@ class VmSeriesReader:
     ) -> list[GpuSample] | list[RollupPoint]:
         tier = tier_for_step(list(TIERS), step) if tier is None else tier
         labels = f"host={_quote(host)}, uuid={_quote(gpu_uuid)}, mig={_quote(mig or '')}"
-        if tier == RAW and not step:
-            return self._raw(host, gpu_uuid, mig or None, labels, start, end)
-        return self._buckets(labels, tier, start, end, step)
+        try:
+            if tier == RAW and not step:
+                return self._raw(host, gpu_uuid, mig or None, labels, start, end)
+            return self._buckets(labels, tier, start, end, step)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # an answer not shaped as documented
+            raise SeriesBackendError(f"VictoriaMetrics at {self.vm.url}: unreadable answer "
+                                     f"({type(e).__name__}: {_one_line(str(e))})") from None
 
     def tiers(self) -> list[dict]:
         return []  # VictoriaMetrics keeps raw points for its own retention; it has no tiers to report
