@@ -81,6 +81,39 @@ class _Server:
         self.stop()
 
 
+class _PrometheusApi:
+    """Prometheus' HTTP query API, which VictoriaMetrics serves too."""
+
+    url: str
+    log: Path
+
+    def api(self, path: str, **params: str | float) -> Any:
+        status, body = _http(f"{self.url}{path}?{urllib.parse.urlencode(params)}")
+        doc = json.loads(body or b"{}")
+        if status != 200 or doc.get("status") != "success":
+            raise RuntimeError(f"{type(self).__name__} {path} failed ({status}): {doc.get('error')} {params}")
+        return doc["data"]
+
+    def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        return dict(self.api("/api/v1/query", query=expr, time=at if at is not None else time.time()))
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> dict[str, Any]:
+        return dict(self.api("/api/v1/query_range", query=expr, start=start, end=end, step=step))
+
+    def metric_names(self) -> set[str]:
+        return set(self.api("/api/v1/label/__name__/values"))
+
+    def wait_for(self, expr: str, timeout: float = 20.0) -> None:
+        """Until ``expr`` returns a non-empty instant vector (e.g. every target scraped at least once)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.query(expr)["result"]:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{type(self).__name__}: {expr!r} still empty after {timeout} s: "
+                           f"{self.log.read_text()[-1500:]}")
+
+
 class InfluxServer(_Server):
     """InfluxDB 1.x (``influxd``) with one database; ``query`` runs InfluxQL and returns the JSON results."""
 
@@ -144,26 +177,39 @@ bind-address = "127.0.0.1:{free_port()}"
             raise RuntimeError(f"InfluxDB write failed ({status}): {body[:500]!r}")
 
 
-class VictoriaMetricsServer(_Server):
+class VictoriaMetricsServer(_PrometheusApi, _Server):
     """VictoriaMetrics (InfluxDB line protocol in, Prometheus API out); ``port`` may be chosen in advance."""
 
     binary = "victoria-metrics"
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, flags: tuple[str, ...] = ()) -> None:
         super().__init__(workdir)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.flags = flags  # more command-line flags, e.g. "-dedup.minScrapeInterval=1ms"
 
     def __enter__(self) -> VictoriaMetricsServer:
         # No query latency offset, so a test reads back what it has just written.
         self._spawn(["victoria-metrics", f"-httpListenAddr=127.0.0.1:{self.port}",
-                     f"-storageDataPath={self.workdir / 'data'}", "-retentionPeriod=100y", "-search.latencyOffset=0s"])
+                     f"-storageDataPath={self.workdir / 'data'}", "-retentionPeriod=100y", "-search.latencyOffset=0s",
+                     *self.flags])
         try:
             self._wait(lambda: _http(f"{self.url}/health")[0] == 200, "victoria-metrics")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def flush(self) -> None:
+        """Make what was imported searchable now (VictoriaMetrics flushes its buffers every second or so)."""
+        _http(f"{self.url}/internal/force_flush")
+
+    def export(self, match: str) -> list[dict[str, Any]]:
+        """Every raw point of the series ``match`` selects: one dict (metric, values, timestamps) per series."""
+        status, body = _http(f"{self.url}/api/v1/export?{urllib.parse.urlencode({'match[]': match})}")
+        if status != 200:
+            raise RuntimeError(f"export failed ({status}): {body[:500]!r}")
+        return [json.loads(line) for line in body.splitlines() if line.strip()]
 
 
 def _pg_bin() -> Path:
@@ -234,7 +280,7 @@ class PostgresServer(_Server):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-class PrometheusServer(_Server):
+class PrometheusServer(_PrometheusApi, _Server):
     """Prometheus scraping the given loopback targets every second; ``query``/``query_range`` use its HTTP API."""
 
     binary = "prometheus"
@@ -269,31 +315,6 @@ class PrometheusServer(_Server):
             self.stop()
             raise
         return self
-
-    def api(self, path: str, **params: str | float) -> Any:
-        status, body = _http(f"{self.url}{path}?{urllib.parse.urlencode(params)}")
-        doc = json.loads(body or b"{}")
-        if status != 200 or doc.get("status") != "success":
-            raise RuntimeError(f"Prometheus {path} failed ({status}): {doc.get('error')} {params}")
-        return doc["data"]
-
-    def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
-        return dict(self.api("/api/v1/query", query=expr, time=at if at is not None else time.time()))
-
-    def query_range(self, expr: str, start: float, end: float, step: float) -> dict[str, Any]:
-        return dict(self.api("/api/v1/query_range", query=expr, start=start, end=end, step=step))
-
-    def metric_names(self) -> set[str]:
-        return set(self.api("/api/v1/label/__name__/values"))
-
-    def wait_for(self, expr: str, timeout: float = 20.0) -> None:
-        """Until ``expr`` returns a non-empty instant vector (e.g. every target scraped at least once)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.query(expr)["result"]:
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"Prometheus: {expr!r} still empty after {timeout} s: {self.log.read_text()[-1500:]}")
 
 
 def self_signed_cert(workdir: Path, ip: str = "127.0.0.1") -> tuple[Path, Path]:

@@ -41,6 +41,7 @@ GPU_METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("gpuledger_gpu_memory_used_bytes", "mem_used_bytes", "Device memory in use.", False),
     ("gpuledger_gpu_memory_total_bytes", "mem_total_bytes", "Device memory in total.", False),
     ("gpuledger_gpu_power_watts", "power_watts", "Power draw.", False),
+    ("gpuledger_gpu_power_limit_watts", "power_limit_watts", "Enforced power limit.", False),
     ("gpuledger_gpu_energy_joules", "energy_joules", "Energy consumed since the driver loaded.", True),
     ("gpuledger_gpu_temperature_celsius", "temp_celsius", "GPU temperature.", False),
     ("gpuledger_gpu_sm_clock_hertz", "sm_clock_hz", "SM clock.", False),
@@ -51,6 +52,24 @@ GPU_METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("gpuledger_gpu_ecc_errors", "ecc_errors_total", "Uncorrected ECC errors.", True),
     ("gpuledger_gpu_remapped_rows", "remapped_rows_total", "Remapped memory rows.", True),
 )
+
+
+# What each GPU sample is stored as in a Prometheus-style database: GPU_METRICS under their stored names (a counter
+# gains "_total"), the jobs holding the GPU (JOBS, one series per GPU and JOB_INFO, one per GPU and job: always 1)
+# and, where the sample says how the GPU is split, each job's share (JOB_SHARE). The agent exports them on /metrics
+# and the collector ships the same series to VictoriaMetrics (collector.victoriametrics), so dashboards read either.
+JOBS = "gpuledger_gpu_jobs"
+JOB_INFO = "gpuledger_gpu_job_info"
+JOB_SHARE = "gpuledger_gpu_job_share_ratio"
+
+
+def stored_name(name: str, counter: bool) -> str:
+    """The name a metric family's samples are stored under: counters gain ``_total``."""
+    return name + "_total" if counter else name
+
+
+# (stored name, GpuSample field) of every numeric sample field
+GPU_SERIES: tuple[tuple[str, str], ...] = tuple((stored_name(n, c), attr) for n, attr, _, c in GPU_METRICS)
 
 
 def _gpu_labels(s: GpuSample) -> list[str]:
@@ -89,12 +108,20 @@ class SnapshotCollector:
         for (host, index, uuid, mig), n in sorted(getattr(self.agent, "xid_errors_total", {}).items()):
             xids.add_metric([host, str(index), uuid, models.get((host, index, uuid, mig), ""), mig], float(n))
         yield xids
-        info = GaugeMetricFamily("gpuledger_gpu_job_info", "Job holding the GPU (1 per GPU and job).",
-                                 labels=JOB_LABELS)
+        jobs = GaugeMetricFamily(JOBS, "Jobs holding the GPU.", labels=GPU_LABELS)
+        info = GaugeMetricFamily(JOB_INFO, "Job holding the GPU (1 per GPU and job).", labels=JOB_LABELS)
+        share = GaugeMetricFamily(JOB_SHARE, "The job's share of the GPU, where the GPU is split unequally.",
+                                  labels=JOB_LABELS)
         for s in snapshot:
+            jobs.add_metric(_gpu_labels(s), float(len(s.job_ids)))
             for job in s.job_ids:
                 info.add_metric([s.host, str(s.gpu_index), s.gpu_uuid, s.mig or "", job], 1.0)
+            for job, fraction in zip(s.job_ids, s.job_shares):
+                share.add_metric([s.host, str(s.gpu_index), s.gpu_uuid, s.mig or "", job], float(fraction))
+        yield jobs
         yield info
+        if share.samples:
+            yield share
 
     def _self_metrics(self) -> Iterator[Metric]:
         a = self.agent

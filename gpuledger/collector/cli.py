@@ -13,7 +13,9 @@ from gpuledger.collector.auditlog import open_log
 from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
+from gpuledger.collector.db import redact
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
+from gpuledger.collector.series_outbox import VictoriaMetricsSeries
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
 from gpuledger.collector.store_cli import ConfigFile, DataDir
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
@@ -75,8 +77,11 @@ def serve(
     store = open_ledger(url, data_dir, create=True, window_s=settings.window_s, max_gap_s=settings.max_gap_s,
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
                         power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
-                        max_gpus_per_host=settings.max_gpus_per_host)
+                        max_gpus_per_host=settings.max_gpus_per_host, series_outbox=bool(settings.series_url))
     store.start_background(settings.compact_interval_s)
+    # series in VictoriaMetrics: the store's outbox is shipped there, and series are answered from there
+    remote = VictoriaMetricsSeries(store.series_store, settings.series_url, read_timeout_s=settings.request_timeout_s
+                                   ) if settings.series_url else None
     server = CollectorServer(
         # the ledger's audit log (beside a PostgreSQL ledger, in its database): posted job records are logged
         # before they are stored
@@ -87,18 +92,25 @@ def serve(
         max_per_host=settings.max_per_host, request_timeout_s=settings.request_timeout_s,
         idle_timeout_s=settings.idle_timeout_s, limits=settings.limits(), max_series_points=settings.max_series_points,
         max_page=settings.max_page, metrics_user_labels=settings.metrics_user_labels,
+        series=remote.reader if remote else None,
     )
+    if remote is not None:
+        server.metrics.registry.register(remote.metrics)
     # SIGTERM (systemd, kill) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     auth = "on" if settings.auth_enabled else "off (no tokens configured)"
     influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if sinks else ""
-    typer.echo(f"collector listening on {server.url}, ledger {ledger_label(url, data_dir)}, auth {auth}{influx}")
+    series = f", series in VictoriaMetrics {redact(settings.series_url)}" if settings.series_url else ""
+    typer.echo(f"collector listening on {server.url}, ledger {ledger_label(url, data_dir)}, "
+               f"auth {auth}{influx}{series}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+        if remote is not None:  # what it cannot ship in a few seconds stays queued for the next start
+            remote.close()
         store.close()
         for sink in sinks:  # flush what is buffered for InfluxDB
             sink.close()

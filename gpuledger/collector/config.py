@@ -25,6 +25,11 @@ Example::
     max_gpus_per_host = 256        # GPUs and MIG instances one host may have; more get 422 (gpu_limit)
     dedupe_horizon_s = 604800      # batch keys kept this long (pruned at compaction): an agent's spool must
                                    # deliver within it, or a batch resent later is counted twice
+    series_url = "http://vm.example.org:8428"  # series in VictoriaMetrics (single node; run it with
+                                   # -dedup.minScrapeInterval=1ms -search.latencyOffset=0s, docs/deploy.md):
+                                   # every sample is shipped there at least once, GET /api/v1/series reads it,
+                                   # and the local store keeps raw samples for raw_retention_s (default then the
+                                   # window plus an hour) and rollups briefly. Unset: the local store holds all.
     tls_cert = "/etc/gpuledger/collector.crt"   # both or neither; relative paths are relative to this file
     tls_key = "/etc/gpuledger/collector.key"
     tokens_file = "/etc/gpuledger/tokens.toml"  # same keys as below; keeps secrets out of this file
@@ -50,11 +55,13 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W
 from gpuledger.collector.limits import IDLE_TIMEOUT_S, MAX_PAGE, MAX_PER_HOST, MAX_SERIES_POINTS, REQUEST_TIMEOUT_S
+from gpuledger.collector.series_outbox import local_retention
 from gpuledger.collector.series_store import Retention
 from gpuledger.collector.store import DEDUPE_HORIZON_S, MAX_GPUS_PER_HOST
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, Limits
@@ -65,7 +72,7 @@ MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 # Settings an environment variable may override (the token tables are files' business, not the environment's).
 ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
                 "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token", "max_per_host",
-                "request_timeout_s", "idle_timeout_s", "metrics_user_labels")
+                "request_timeout_s", "idle_timeout_s", "metrics_user_labels", "series_url")
 
 
 class ConfigError(ValueError):
@@ -131,6 +138,8 @@ class CollectorSettings(TokenTables):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     priority_feed: Path | None = None  # default: <data-dir>/priority-feed.json
+    # Series in VictoriaMetrics (collector.series_outbox, collector.victoriametrics); unset: the local store.
+    series_url: str | None = None
     # Tiers (seconds; 0 = keep for good, except raw samples) and the background compaction that applies them.
     raw_retention_s: float = Field(7 * 86400.0, gt=0)
     minute_retention_s: float = Field(90 * 86400.0, ge=0)
@@ -148,8 +157,22 @@ class CollectorSettings(TokenTables):
         return Limits(**{f: getattr(self, f) for f in Limits.__dataclass_fields__})
 
     def retention(self) -> Retention:
+        if self.series_url:  # VictoriaMetrics keeps the series: locally only what restores need
+            return local_retention(self.window_s,
+                                   self.raw_retention_s if "raw_retention_s" in self.model_fields_set else None)
         return Retention(raw_s=self.raw_retention_s, minute_s=self.minute_retention_s or None,
                          hour_s=self.hour_retention_s or None)
+
+    @field_validator("series_url")
+    @classmethod
+    def _series_url(cls, v: str | None) -> str | None:
+        if not v:
+            return None
+        parts = urlsplit(v.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise ValueError(f"must be VictoriaMetrics' base URL, http(s)://host:port (a path prefix allowed), "
+                             f"got {v!r}")
+        return v.strip().rstrip("/")
 
     def sinks(self) -> list[Any]:
         sink = self.influx_sink()
@@ -168,6 +191,10 @@ class CollectorSettings(TokenTables):
     def _consistent(self) -> CollectorSettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
+        try:
+            self.retention().check(self.window_s)
+        except ValueError as e:
+            raise ValueError(f"retention: {e}") from None
         seen: dict[str, str] = {}
         roles = [(t, f"node {h!r}") for h, t in self.tokens.items()]
         roles += [(t, "admin") for t in self.admin_tokens] + [(t, "read") for t in self.read_tokens]

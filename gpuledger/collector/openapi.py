@@ -287,7 +287,10 @@ def openapi_document() -> dict[str, Any]:
                 ],
                 "responses": {"200": _json("Samples (GpuSample) or buckets (mean/min/max/count per field).",
                                            {"type": "array", "items": {"type": "object"}}),
-                              "400": _error("A parameter is missing or not a number."), **_AUTH_ERRORS},
+                              "400": _error("A parameter is missing or not a number."),
+                              "502": _error("VictoriaMetrics (series_url) answered with an error."),
+                              "503": _error("VictoriaMetrics (series_url) is unreachable or overloaded; retry later."),
+                              **_AUTH_ERRORS},
             }},
             "/api/v1/priority": {"get": {
                 "operationId": "getPriority", "summary": "The priority feed (per association fairshare, site factor).",

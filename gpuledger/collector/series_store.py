@@ -133,6 +133,20 @@ class SeriesStore(SeriesReader, Protocol):
     def expire(self, now: float) -> int: ...
 
 
+def tier_for_step(complete: list[int], step: float | None) -> int:
+    """Among ``complete`` tiers (finest first), the coarsest whose resolution is at most ``step``, else the finest."""
+    fit = [t for t in complete if RESOLUTION[t] <= step] if step else []
+    return fit[-1] if fit else complete[0]
+
+
+def bucket_step(tier: int, step: float | None) -> float:
+    """The bucket width a query of ``tier`` answers in: ``step`` (default the tier's resolution) rounded up to a
+    multiple of the resolution."""
+    res = RESOLUTION[tier]
+    out = float(step) if step else res
+    return math.ceil(out / res - 1e-9) * res if res else out
+
+
 def _intervals(ts: np.ndarray, span: float) -> list[tuple[int, int, float]]:
     """(start, end, interval start) of each run of time-sorted ``ts`` within one raw interval of ``span``
     (the interval of every sample at once: the same value as math.floor(ts / span) * span)."""
@@ -410,13 +424,7 @@ class ChunkSeriesStore:
         gone = dict(self._db.execute(
             "SELECT tier, until FROM expired WHERE host=? AND gpu_uuid=? AND mig=?", gpu_key).fetchall())
         complete = [t for t in TIERS if start >= gone.get(t, -math.inf)]
-        if not complete:
-            return HOUR
-        if step:
-            fit = [t for t in complete if RESOLUTION[t] <= step]
-            if fit:
-                return fit[-1]
-        return complete[0]
+        return tier_for_step(complete, step) if complete else HOUR
 
     def series(
         self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
@@ -433,10 +441,7 @@ class ChunkSeriesStore:
         tier = self.pick_tier(gpu_key, start, step) if tier is None else tier
         if tier == RAW and not step:
             return self._read_raw(gpu_key, start, end)
-        res = RESOLUTION[tier]
-        step = float(step) if step else res
-        if res:
-            step = math.ceil(step / res - 1e-9) * res
+        step = bucket_step(tier, step)
         lo = math.floor(start / step) * step
         rows = self._tier_rows(tier, gpu_key, lo, end)
         return rollup.combine(rows, step).points(step, TIER_NAMES[tier])

@@ -38,8 +38,10 @@ from gpuledger.collector.limits import (
     REQUEST_TIMEOUT_S,
 )
 from gpuledger.collector.openapi import openapi_document
+from gpuledger.collector.series_store import SeriesReader
 from gpuledger.collector.store import BatchRefused, Store, StoreFull, StoreUnavailable
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, BatchError, Limits, parse_batch, parse_jobs
+from gpuledger.collector.victoriametrics import SeriesUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +263,8 @@ class CollectorServer:
     auth is off, before 429, counted from the headers on: slow bodies of one node cannot starve the
     others), ``request_timeout_s`` (headers and body of one request), ``idle_timeout_s`` (keep-alive),
     ``limits`` (what one batch may hold, checked while decoding), ``metrics_user_labels`` (publish user
-    names in the fairshare gauges of the open /metrics).
+    names in the fairshare gauges of the open /metrics), ``series`` (where GET /api/v1/series reads: the store, or
+    ``collector.victoriametrics.VmSeriesReader``, whose failures are answered 502/503).
     """
 
     def __init__(
@@ -284,8 +287,10 @@ class CollectorServer:
         metrics_user_labels: bool = False,
         max_series_points: int = MAX_SERIES_POINTS,
         max_page: int = MAX_PAGE,
+        series: SeriesReader | None = None,
     ) -> None:
         self.store = store
+        self.series = store if series is None else series  # GET /api/v1/series reads this (series_url: VictoriaMetrics)
         self._audit = audit_log  # None: the data dir's log, opened at the first POST /api/v1/jobs
         self._audit_lock = threading.Lock()
         self.max_body_bytes = max_body_bytes
@@ -475,9 +480,13 @@ class CollectorServer:
             step = max(step, coarsest)
         elif end - start > self.max_series_points:  # raw samples (1 Hz or more) would exceed the limit
             step = coarsest
-        points = self.store.series(host, uuid, start, end, step=step, mig=mig)
-        if step is None and len(points) > self.max_series_points:  # raw samples denser than the limit allows
-            points = self.store.series(host, uuid, start, end, step=coarsest * 1.0001, mig=mig)
+        try:
+            points = self.series.series(host, uuid, start, end, step=step, mig=mig)
+            if step is None and len(points) > self.max_series_points:  # raw samples denser than the limit allows
+                points = self.series.series(host, uuid, start, end, step=coarsest * 1.0001, mig=mig)
+        except SeriesUnavailable as e:  # VictoriaMetrics away (503) or answering an error (502)
+            return Reply(e.status, {"error": str(e), "reason": "series_unavailable"},
+                         headers={"Retry-After": "5"} if e.status == 503 else {})
         return Reply(200, [p.to_dict() for p in points[:self.max_series_points]])
 
     def get_priority(self, req: Request) -> Reply:

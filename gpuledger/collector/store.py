@@ -26,6 +26,10 @@ restores nothing up front and never peaks above steady state), and evicted once 
 ``idle_evict_s`` (totals are in the ledger, samples in the series store: nothing is lost, and a later batch
 restores them exactly).
 At most ``max_gpus_per_host`` GPUs (and MIG instances) per host.
+
+With ``series_outbox`` (the collector's ``series_url``), the series store is ``collector.series_outbox``'s
+``OutboxSeriesStore``: the chunks as before, and each batch's samples queued for VictoriaMetrics in the same
+transaction (a ``SeriesShipper`` drains the queue).
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqlLedger
 from gpuledger.collector.migrations import migrate
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
-from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention
+from gpuledger.collector.series_outbox import OutboxSeriesStore
+from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention, SeriesStore
 from gpuledger.collector.sinks import Sink
 from gpuledger.collector.validate import Batch, as_sample
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsage
@@ -184,6 +189,7 @@ class Store:
         dedupe_horizon_s: float = DEDUPE_HORIZON_S,
         idle_evict_s: float | None = None,
         max_gpus_per_host: int = MAX_GPUS_PER_HOST,
+        series_outbox: bool = False,
     ) -> None:
         retention.check(window_s)
         # Batch keys older than this are pruned at compaction (a day of 1,000 nodes pushing every 10 s is
@@ -221,7 +227,7 @@ class Store:
         path = getattr(self._db, "path", None)
         self.path: Path | None = Path(path) if self._db.dialect == SQLITE and path is not None else None
         try:
-            self._open(retention)
+            self._open(retention, series_outbox)
         except BaseException as exc:
             self._db.close()
             if isinstance(exc, DatabaseUnavailable) and not isinstance(exc, StoreUnavailable):
@@ -237,22 +243,25 @@ class Store:
         """The database the ledger and the series store share (SQLite or PostgreSQL)."""
         return self._db
 
-    def _open(self, retention: Retention) -> None:
+    def _open(self, retention: Retention, series_outbox: bool) -> None:
         """Bring the database up to date in one transaction under the migrations lock (two collectors opening one
         ledger at once take turns): the ledger's migrations, the series store's tables, the raw sample layout."""
         db = self._db
         with db.transaction():
             applied = migrate(db)
-            self.series_store = ChunkSeriesStore(db, retention)
+            chunk_store = ChunkSeriesStore(db, retention)
+            self.series_store: SeriesStore = chunk_store
             row = db.execute("SELECT value FROM meta WHERE key='sample_fields'").fetchone()
             stored = tuple(json.loads(row[0])) if row else SAMPLE_FIELDS
             if SAMPLE_FIELDS[: len(stored)] != stored:
                 raise RuntimeError(f"{self.url}: raw samples were written with fields {stored}, "
                                    "not a prefix of today's")
             if db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "1":
-                self.series_store.repack_v1_samples(stored)  # a v1 store's raw samples table, into chunks
+                chunk_store.repack_v1_samples(stored)  # a v1 store's raw samples table, into chunks
                 db.execute("UPDATE meta SET value='3' WHERE key='schema'")
             db.execute(upsert("meta", ("key", "value"), ("key",)), ("sample_fields", json.dumps(SAMPLE_FIELDS)))
+            if series_outbox:  # series_url: each batch's samples also queued for VictoriaMetrics, in its transaction
+                self.series_store = OutboxSeriesStore(chunk_store, db, self._lock)
         for m in applied:
             log.info("%s: ledger migration %d applied: %s", self.url, m.version, m.name)
         self.ledger = SqlLedger(db)

@@ -35,6 +35,10 @@ PROVISIONING: dict[str, dict[str, Any]] = {
                                                           "version": "InfluxQL", "timeInterval": "10s"}},
             {"name": "gpuledger Prometheus", "uid": "gpuledger-prometheus", "type": "prometheus", "access": "proxy",
              "url": "http://localhost:9090", "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}},
+            # the collector's series_url: the Prometheus flavour reads the series it ships (same names and labels)
+            {"name": "gpuledger VictoriaMetrics", "uid": "gpuledger-victoriametrics", "type": "prometheus",
+             "access": "proxy", "url": "http://localhost:8428",
+             "jsonData": {"httpMethod": "POST", "timeInterval": "10s"}},
         ],
     },
     "dashboards/gpuledger.yaml": {

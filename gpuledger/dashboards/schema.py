@@ -6,7 +6,7 @@ collector's /metrics. :func:`dashboards.lint.check` holds every panel's query ag
 
 from __future__ import annotations
 
-from gpuledger.agent.exposition import GPU_METRICS
+from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
 from gpuledger.schema.records import RATIO_FIELDS
 
 # measurement -> (tags, fields)
@@ -14,7 +14,8 @@ INFLUX_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "gpu": (
         frozenset({"host", "gpu", "uuid", "model", "mig"}),
         frozenset({
-            *RATIO_FIELDS, "mem_used_bytes", "mem_total_bytes", "power_watts", "energy_joules", "temp_celsius",
+            *RATIO_FIELDS, "mem_used_bytes", "mem_total_bytes", "power_watts", "power_limit_watts", "energy_joules",
+            "temp_celsius",
             "sm_clock_hz", "mem_clock_hz", "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second",
             "throttle_reasons", "ecc_errors_total", "remapped_rows_total", "xid_errors", "jobs",
         }),
@@ -35,11 +36,12 @@ INFLUX_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     ),
 }
 
-# Agent metrics as Prometheus stores them (counters gain "_total").
-AGENT_GPU_METRICS: frozenset[str] = frozenset(
-    name + ("_total" if counter else "") for name, _, _, counter in GPU_METRICS)
-AGENT_METRICS: frozenset[str] = AGENT_GPU_METRICS | {
-    "gpuledger_gpu_job_info", "gpuledger_agent_ticks_total", "gpuledger_agent_errors_total",
+# Agent metrics as Prometheus stores them (counters gain "_total"); the GPU ones and the job series are also what the
+# collector ships to VictoriaMetrics (series_url).
+AGENT_GPU_METRICS: frozenset[str] = frozenset(name for name, _ in GPU_SERIES)
+SHIPPED_METRICS: frozenset[str] = AGENT_GPU_METRICS | {JOBS, JOB_INFO, JOB_SHARE}
+AGENT_METRICS: frozenset[str] = SHIPPED_METRICS | {
+    "gpuledger_agent_ticks_total", "gpuledger_agent_errors_total",
     "gpuledger_agent_tick_seconds", "gpuledger_agent_last_tick_timestamp_seconds", "gpuledger_agent_gpus",
 }
 # The collector's /metrics (collector.server); the fairshare gauges come from the priority feed file.

@@ -72,11 +72,11 @@ def test_names_labels_and_values() -> None:
     assert power["0"].value == snap[0].power_watts
     energy = [s for s in fams["gpuledger_gpu_energy_joules"] if s.name.endswith("_total")]
     assert sorted(s.value for s in energy) == sorted(s.energy_joules for s in snap)
-    # Job ids live only on the info metric.
+    # Job ids live only on the info metric (and the share metric of a GPU split unequally).
     info = fams["gpuledger_gpu_job_info"]
     assert [(s.labels["gpu"], s.labels["jobid"], s.value) for s in info] == [("0", "1234", 1.0)]
     for name, samples in fams.items():
-        if name != "gpuledger_gpu_job_info":
+        if name not in ("gpuledger_gpu_job_info", "gpuledger_gpu_job_share_ratio"):
             assert all("jobid" not in s.labels and "job" not in s.labels for s in samples), name
     assert fams["gpuledger_agent_ticks"][0].value == 1.0
     assert {s.labels["kind"]: s.value for s in fams["gpuledger_agent_errors"]} == {
@@ -98,6 +98,22 @@ def test_none_is_omitted_not_zero() -> None:
     assert {s.labels["uuid"]: s.value for s in fams["gpuledger_gpu_power_watts"]} == {"GPU-a": 55.5, "GPU-b": 0.0}
     assert {s.labels["uuid"]: s.labels["mig"] for s in fams["gpuledger_gpu_power_watts"]} == {"GPU-a": "1.0",
                                                                                               "GPU-b": ""}
+
+
+def test_jobs_shares_and_power_limit() -> None:
+    # What the collector also ships to VictoriaMetrics (collector.victoriametrics): one vocabulary for both.
+    split = GpuSample(ts=1.0, host="h", gpu_uuid="GPU-a", gpu_index=0, power_limit_watts=700.0,
+                      job_ids=("1", "2"), job_shares=(0.25, 0.75))
+    free = GpuSample(ts=1.0, host="h", gpu_uuid="GPU-b", gpu_index=1)
+    agent = Agent(FixedSource([split, free]))
+    agent.tick()
+    fams = families(scrape(agent))
+    assert {s.labels["uuid"]: s.value for s in fams["gpuledger_gpu_jobs"]} == {"GPU-a": 2.0, "GPU-b": 0.0}
+    assert {s.labels["jobid"]: s.value for s in fams["gpuledger_gpu_job_share_ratio"]} == {"1": 0.25, "2": 0.75}
+    assert [s.value for s in fams["gpuledger_gpu_power_limit_watts"]] == [700.0]
+    equal = Agent(FixedSource([GpuSample(ts=1.0, host="h", gpu_uuid="GPU-a", gpu_index=0, job_ids=("1", "2"))]))
+    equal.tick()
+    assert "gpuledger_gpu_job_share_ratio" not in families(scrape(equal))  # split equally: no share series
 
 
 def test_finished_job_leaves_no_series() -> None:

@@ -5,6 +5,7 @@ $__range, $__rate_interval, ${var}, multi-value formatting).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import re
@@ -172,3 +173,60 @@ def interpolate(q: str, flavour: str, ctx: Context) -> str:
         return vals[0]
 
     return _VAR.sub(sub, q)
+
+
+# -- what Grafana does with a Prometheus-flavour dashboard, against anything serving Prometheus' API ----------
+def prom_has_data(data: dict[str, Any]) -> bool:
+    for series in data["result"]:
+        values = series.get("values") or [series.get("value")]
+        if any(v is not None and not math.isnan(float(v[1])) for v in values):
+            return True
+    return False
+
+
+def choose(ctx: Context, v: dict[str, Any], values: list[Any]) -> None:
+    """Pick a query variable's values as Grafana would: all of them for "include all", else the first."""
+    ctx.values[v["name"]] = values if v.get("includeAll") else values[:1]
+    if v.get("multi") or v.get("includeAll"):
+        ctx.multi.add(v["name"])
+
+
+def custom_variables(doc: dict[str, Any], ctx: Context) -> None:
+    for v in doc["templating"]["list"]:
+        if v["type"] == "custom":
+            ctx.values[v["name"]] = [v["current"]["value"]]
+
+
+def prom_variable_values(server: Any, doc: dict[str, Any], ctx: Context, jobid: str) -> None:
+    """Resolve the query variables through ``server``'s /api/v1/series (Prometheus or VictoriaMetrics); the job
+    variable is set to ``jobid``, which must be among its values."""
+    for v in query_variables(doc):
+        q = interpolate(v["query"], "prometheus", ctx)
+        selector, label = q.removeprefix("label_values(").removesuffix(")").rsplit(",", 1)
+        series = server.api("/api/v1/series", **{"match[]": selector, "start": ctx.start, "end": ctx.end})
+        values = sorted({s[label.strip()] for s in series if label.strip() in s})
+        assert values, f"variable ${v['name']}: {q} found nothing"
+        if v["name"] == "jobid":
+            assert jobid in values
+            values = [jobid]
+        choose(ctx, v, values)
+    custom_variables(doc, ctx)
+
+
+def midnight(now: float) -> float:
+    d = dt.datetime.fromtimestamp(now)
+    return d.replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+
+
+def empty_prom_targets(server: Any, doc: dict[str, Any], ctx: Context, jobid: str) -> list[str]:
+    """Every target of a Prometheus-flavour dashboard, interpolated as Grafana would, that ``server`` answers
+    with no data ("where: query")."""
+    prom_variable_values(server, doc, ctx, jobid)
+    empty = []
+    for q in targets(doc):
+        c = ctx.for_panel(q.time_from, midnight(ctx.end))
+        expr = interpolate(q.text, "prometheus", c)
+        data = server.query(expr, at=c.end) if q.instant else server.query_range(expr, c.start, c.end, c.interval_s)
+        if not prom_has_data(data):
+            empty.append(f"{q.where}: {expr}")
+    return empty

@@ -5,8 +5,6 @@ the GPU-state panels count correctly, and every measurement, field, tag and metr
 
 from __future__ import annotations
 
-import datetime as dt
-import math
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -16,7 +14,18 @@ from typing import Any
 
 import pytest
 from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
-from dashboards_grafana import ROOT, Context, interpolate, load, query_variables, targets  # first: sys.path
+from dashboards_grafana import (  # first: sys.path
+    ROOT,
+    Context,
+    choose,
+    custom_variables,
+    empty_prom_targets,
+    interpolate,
+    load,
+    midnight,
+    query_variables,
+    targets,
+)
 from servers import InfluxServer, PrometheusServer
 from typer.testing import CliRunner
 
@@ -91,60 +100,9 @@ def _prom_context(stack: Stack) -> Context:
     return Context(start=stack.fleet_started - 5, end=end, interval_s=1, scrape_s=1)
 
 
-def _prom_has_data(data: dict[str, Any]) -> bool:
-    for series in data["result"]:
-        values = series.get("values") or [series.get("value")]
-        if any(v is not None and not math.isnan(float(v[1])) for v in values):
-            return True
-    return False
-
-
-def _choose(ctx: Context, v: dict[str, Any], values: list[Any]) -> None:
-    """Pick a query variable's values as Grafana would: all of them for "include all", else the first."""
-    ctx.values[v["name"]] = values if v.get("includeAll") else values[:1]
-    if v.get("multi") or v.get("includeAll"):
-        ctx.multi.add(v["name"])
-
-
-def _custom_variables(doc: dict[str, Any], ctx: Context) -> None:
-    for v in doc["templating"]["list"]:
-        if v["type"] == "custom":
-            ctx.values[v["name"]] = [v["current"]["value"]]
-
-
-def _prom_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> None:
-    for v in query_variables(doc):
-        q = interpolate(v["query"], "prometheus", ctx)
-        selector, label = q.removeprefix("label_values(").removesuffix(")").rsplit(",", 1)
-        series = stack.prom.api("/api/v1/series", **{"match[]": selector, "start": ctx.start, "end": ctx.end})
-        values = sorted({s[label.strip()] for s in series if label.strip() in s})
-        assert values, f"variable ${v['name']}: {q} found nothing"
-        if v["name"] == "jobid":
-            assert SHARED_JOB in values
-            values = [SHARED_JOB]
-        _choose(ctx, v, values)
-    _custom_variables(doc, ctx)
-
-
-def _midnight(now: float) -> float:
-    d = dt.datetime.fromtimestamp(now)
-    return d.replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
-
-
 @pytest.mark.parametrize("path", PROM_FILES, ids=lambda p: p.stem)
 def test_prometheus_panels_return_data(stack: Stack, path: Path) -> None:
-    doc = load(path)
-    ctx = _prom_context(stack)
-    _prom_variable_values(stack, doc, ctx)
-    empty = []
-    for q in targets(doc):
-        c = ctx.for_panel(q.time_from, _midnight(ctx.end))
-        expr = interpolate(q.text, "prometheus", c)
-        data = stack.prom.query(expr, at=c.end) if q.instant else stack.prom.query_range(expr, c.start, c.end,
-                                                                                         c.interval_s)
-        if not _prom_has_data(data):
-            empty.append(f"{q.where}: {expr}")
-    assert empty == []
+    assert empty_prom_targets(stack.prom, load(path), _prom_context(stack), SHARED_JOB) == []
 
 
 def test_prometheus_state_panels_count_each_state(stack: Stack) -> None:
@@ -182,8 +140,8 @@ def _influx_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> 
         assert values, f"variable ${v['name']}: {q} found nothing"
         if v["name"] == "jobid":
             assert set(values) <= stack.demo_jobs
-        _choose(ctx, v, values)
-    _custom_variables(doc, ctx)
+        choose(ctx, v, values)
+    custom_variables(doc, ctx)
 
 
 @pytest.mark.parametrize("path", INFLUX_FILES, ids=lambda p: p.stem)
@@ -193,7 +151,7 @@ def test_influx_panels_return_data(stack: Stack, path: Path) -> None:
     _influx_variable_values(stack, doc, ctx)
     empty = []
     for q in targets(doc):
-        text = interpolate(q.text, "influxdb", ctx.for_panel(q.time_from, _midnight(ctx.end)))
+        text = interpolate(q.text, "influxdb", ctx.for_panel(q.time_from, midnight(ctx.end)))
         rows = _influx_rows(stack.influx.query(text))
         if not any(v is not None for row in rows for v in row[1:]):
             empty.append(f"{q.where}: {text}")

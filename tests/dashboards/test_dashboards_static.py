@@ -133,7 +133,8 @@ def test_schema_constants_match_the_code(tmp_path: Path) -> None:
 
 def test_provisioning_files() -> None:
     ds = build.PROVISIONING["datasources/gpuledger.yaml"]["datasources"]
-    assert sorted(d["type"] for d in ds) == sorted(build.FLAVOURS)
+    assert {d["type"] for d in ds} == set(build.FLAVOURS)  # Prometheus' flavour: Prometheus or VictoriaMetrics
+    assert "http://localhost:8428" in {d["url"] for d in ds if d["type"] == "prometheus"}
     assert len({d["uid"] for d in ds}) == len(ds)
     providers = build.PROVISIONING["dashboards/gpuledger.yaml"]["providers"]
     assert sorted(p["options"]["path"].rsplit("/", 1)[1] for p in providers) == sorted(build.FLAVOURS)

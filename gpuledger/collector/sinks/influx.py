@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 FLOAT_FIELDS: tuple[str, ...] = (
     "sm_active_ratio", "sm_occupancy_ratio", "dram_bw_ratio", "tensor_active_ratio", "fp64_active_ratio",
     "fp32_active_ratio", "fp16_active_ratio", "gpu_util_ratio", "mem_copy_util_ratio", "power_watts",
-    "energy_joules", "temp_celsius", "sm_clock_hz", "mem_clock_hz", "pcie_tx_bytes_per_second",
+    "power_limit_watts", "energy_joules", "temp_celsius", "sm_clock_hz", "mem_clock_hz", "pcie_tx_bytes_per_second",
     "pcie_rx_bytes_per_second",
 )
 INT_FIELDS: tuple[str, ...] = ("mem_used_bytes", "mem_total_bytes", "throttle_reasons", "ecc_errors_total",

@@ -1,0 +1,553 @@
+"""Series in VictoriaMetrics (``series_url``) against the real server (Debian's victoria-metrics, loopback, free
+ports): collectors serving real HTTP ingest batches; the samples land in VictoriaMetrics exactly; GET /api/v1/series
+answers from there with the points a collector without series_url gives; a collector killed before shipping loses
+nothing; VictoriaMetrics down leaves ingest and the ledger untouched and shipping resumes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from collector_proc import CollectorProc
+from servers import VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
+
+from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
+from gpuledger.collector.config import ConfigError, load_settings
+from gpuledger.collector.db import open_database
+from gpuledger.collector.series_outbox import (
+    SHIP_SLOTS,
+    OutboxSeriesStore,
+    SeriesShipper,
+    VictoriaMetricsSeries,
+    local_retention,
+)
+from gpuledger.collector.series_store import RAW, ChunkSeriesStore, Retention
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import Store
+from gpuledger.collector.validate import parse_batch
+from gpuledger.collector.victoriametrics import VictoriaMetrics, import_body
+from gpuledger.schema.records import GpuSample
+from gpuledger.schema.wire import to_series
+
+pytestmark = [pytest.mark.influx, pytest.mark.timeout(240)]
+
+H = 1_699_999_200.0  # an hour's start (VictoriaMetrics keeps the past: retention 100 years in the harness)
+NOW = H + 3 * 3600.0  # the collectors' clock
+DEDUP = ("-dedup.minScrapeInterval=1ms",)  # what docs/deploy.md asks of a site's VictoriaMetrics
+NOT_IN_VM = ("xid_errors", "processes", "source")  # sample fields VictoriaMetrics does not hold
+
+
+@pytest.fixture(scope="module")
+def vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VictoriaMetricsServer]:
+    with VictoriaMetricsServer(tmp_path_factory.mktemp("vm"), flags=DEDUP) as server:
+        yield server
+
+
+class Collector:
+    """The collector as `collector serve` wires it, in-process: store, real HTTP server and, with ``vm_url``,
+    the outbox, the shipper (short backoff) and VictoriaMetrics answering /api/v1/series."""
+
+    def __init__(self, path: Path, vm_url: str | None = None, **server: Any) -> None:
+        self.store = Store(path, clock=lambda: NOW, series_outbox=vm_url is not None,
+                                 retention=local_retention(600.0) if vm_url else Retention())
+        self.remote = VictoriaMetricsSeries(self.store.series_store, vm_url, read_timeout_s=5.0, interval_s=0.05,
+                                            backoff_s=0.05, backoff_max_s=0.2) if vm_url else None
+        self.server = CollectorServer(self.store, clock=lambda: NOW, series=self.remote.reader if self.remote else None,
+                                      **server).start()
+        if self.remote:
+            self.server.metrics.registry.register(self.remote.metrics)
+        self.http = httpx.Client(base_url=self.server.url, timeout=30)
+
+    def post(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.http.post("/api/v1/samples", json=body)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def series(self, **params: Any) -> httpx.Response:
+        return self.http.get("/api/v1/series", params=params)
+
+    def metric(self, name: str) -> float:
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
+        if self.remote:
+            self.remote.close()
+        self.store.close()
+
+
+def fleet(host: str, hours: float = 3.0, step_s: float = 10.0, seed: int = 0) -> list[GpuSample]:
+    """Two devices of ``host`` with NVML's resolution (milliwatts, millijoules, bytes, percent; times in ms):
+    a whole GPU running job 101 then, after a free spell, job 102; a MIG instance shared by two jobs."""
+    rng = random.Random(seed)
+    out = []
+    energy = {0: 12_345_678.125, 1: 2_000_000.5}
+    for i in range(int(hours * 3600 / step_s)):
+        ts = H + i * step_s + 0.125
+        for index, (uuid, mig) in enumerate((("GPU-a", None), ("GPU-b", "1.0"))):
+            power = round(rng.uniform(60.0, 700.0), 3)
+            energy[index] = round(energy[index] + power * step_s, 3)
+            if index == 0:
+                jobs: tuple[str, ...] = ("101",) if i < 400 else () if i < 500 else ("102",)
+                shares: tuple[float, ...] = ()
+            else:
+                jobs, shares = ("201", "202"), (0.25, 0.75)
+            out.append(GpuSample(
+                ts=ts, host=host, gpu_uuid=uuid, gpu_index=index, model="NVIDIA H200", mig=mig,
+                sm_active_ratio=round(rng.random(), 2), dram_bw_ratio=round(rng.random(), 2), power_watts=power,
+                energy_joules=energy[index], mem_used_bytes=rng.randrange(80 << 30), mem_total_bytes=80 << 30,
+                temp_celsius=float(rng.randrange(30, 90)), power_limit_watts=700.0, sm_clock_hz=1.98e9,
+                throttle_reasons=rng.choice((0, 4)), ecc_errors_total=0, job_ids=jobs, job_shares=shares,
+                source="nvml"))
+    return out
+
+
+def batches(samples: list[GpuSample], host: str, per_batch_s: float = 60.0) -> list[dict[str, Any]]:
+    """Agent batches of a minute each in the columnar layout; every tenth batch holds back its last round, which
+    the next one sends late in the row layout (late samples take the store's row path)."""
+    by_minute: dict[int, list[GpuSample]] = {}
+    for s in samples:
+        by_minute.setdefault(int((s.ts - H) // per_batch_s), []).append(s)
+    out, held = [], []
+    for seq, minute in enumerate(sorted(by_minute)):
+        group = by_minute[minute]
+        if held:
+            out.append({"agent_id": "a", "seq": 10_000 + seq, "host": host, "samples": [s.to_dict() for s in held]})
+            held = []
+        if seq % 10 == 3:
+            last = max(s.ts for s in group)
+            held = [s for s in group if s.ts == last]
+            group = [s for s in group if s.ts != last]
+        out.append({"agent_id": "a", "seq": seq, "host": host, "series": to_series(group, host)})
+    return out
+
+
+def vm_points(vm: VictoriaMetricsServer, host: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], dict[int, Any]]:
+    """{(metric name, labels): {ms: value}} of every series of ``host``."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], dict[int, Any]] = {}
+    for line in vm.export(f'{{host="{host}"}}'):
+        metric = dict(line["metric"])
+        name = metric.pop("__name__")
+        got = out.setdefault((name, tuple(sorted(metric.items()))), {})
+        for t, v in zip(line["timestamps"], line["values"]):
+            assert t not in got, f"{name} {metric}: two points at {t}"
+            got[t] = v
+    return out
+
+
+def expected_points(samples: list[GpuSample]) -> dict[tuple[str, tuple[tuple[str, str], ...]], dict[int, Any]]:
+    """What the module's vocabulary says VictoriaMetrics must hold for ``samples``."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], dict[int, Any]] = {}
+    for s in samples:
+        t = round(s.ts * 1000)
+        gpu = {"host": s.host, "gpu": str(s.gpu_index), "uuid": s.gpu_uuid, "model": s.model, "mig": s.mig or ""}
+        labels = tuple(sorted((k, v) for k, v in gpu.items() if v))
+        for name, attr in GPU_SERIES:
+            v = getattr(s, attr)
+            if v is not None:
+                out.setdefault((name, labels), {})[t] = v
+        out.setdefault((JOBS, labels), {})[t] = len(s.job_ids)
+        for k, job in enumerate(s.job_ids):
+            job_labels = tuple(sorted((k2, v) for k2, v in {**gpu, "model": "", "jobid": job}.items() if v))
+            out.setdefault((JOB_INFO, job_labels), {})[t] = 1
+            if s.job_shares:
+                out.setdefault((JOB_SHARE, job_labels), {})[t] = s.job_shares[k]
+    return out
+
+
+def stored(store: Store) -> list[GpuSample]:
+    """Every raw sample the local store holds (a MIG GPU's power and energy move to a whole-GPU row of its own)."""
+    return [smp for host, uuid, mig in store.gpus()
+            for smp in store.series(host, uuid, 0, 1e11, mig=mig or None, tier=RAW)]
+
+
+def without_vm_only(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k not in NOT_IN_VM}
+
+
+# -- shipping ---------------------------------------------------------------------------------------------------
+def test_ingested_samples_land_in_victoriametrics_exactly(vm: VictoriaMetricsServer, tmp_path: Path) -> None:
+    host = "exact01"
+    samples = fleet(host, hours=0.5)
+    c = Collector(tmp_path / "c.sqlite", vm.url)
+    try:
+        accepted = sum(c.post(b)["accepted"] for b in batches(samples, host))
+        assert accepted == len(samples)
+        assert c.remote is not None and c.remote.shipper.flush(30)
+        vm.flush()
+        got = vm_points(vm, host)
+        assert got == expected_points(stored(c.store))  # names, labels, millisecond times and values, bit for bit
+        assert len(stored(c.store)) > len(samples)  # the MIG GPU's whole-GPU rows too
+        assert c.metric("gpuledger_collector_series_shipped_samples_total") == len(stored(c.store))
+        assert c.metric("gpuledger_collector_series_backlog_samples") == 0
+        assert c.metric("gpuledger_collector_series_lag_seconds") == 0
+    finally:
+        c.close()
+
+
+def test_series_api_answers_from_victoriametrics_as_the_local_store_would(vm: VictoriaMetricsServer,
+                                                                          tmp_path: Path) -> None:
+    host = "same01"
+    samples = fleet(host)
+    shipped = Collector(tmp_path / "vm.sqlite", vm.url)
+    local = Collector(tmp_path / "local.sqlite")
+    try:
+        for b in batches(samples, host):
+            assert shipped.post(b) == local.post(b)
+        local.store.compact(NOW)  # the local store answers hours and minutes from its rollup tiers
+        assert shipped.remote is not None and shipped.remote.shipper.flush(30)
+        vm.flush()
+        end = H + 2.5 * 3600 - 0.001  # an hour's and a minute's last millisecond: rolled-up rows end there too
+        queries = [
+            {"uuid": "GPU-a", "start": H, "end": H + 1800},  # raw samples
+            {"uuid": "GPU-b", "mig": "1.0", "start": H + 600, "end": H + 900},
+            {"uuid": "GPU-a", "start": H, "end": end, "step": 30},  # raw buckets
+            {"uuid": "GPU-a", "start": H, "end": end, "step": 60},  # the minute tier
+            {"uuid": "GPU-b", "mig": "1.0", "start": H + 600, "end": NOW - 0.001, "step": 300},  # and its tail
+            {"uuid": "GPU-a", "start": H, "end": H + 7200 - 0.001, "step": 3600},  # the hour tier
+            {"uuid": "GPU-a", "start": H + 3600, "end": H + 3600 + 42.5, "step": 10},  # the last bucket cut at end
+            {"uuid": "GPU-a", "start": H, "end": NOW},  # longer than max_series_points seconds: 1.08 s buckets
+            {"uuid": "GPU-a", "start": NOW, "end": NOW + 60},  # nothing there
+        ]
+        for q in queries:
+            a, b = shipped.series(host=host, **q), local.series(host=host, **q)
+            assert a.status_code == b.status_code == 200, (q, a.text)
+            got, want = a.json(), b.json()
+            assert len(got) == len(want), q
+            if q == queries[-1]:
+                assert got == []
+            for g, w in zip(got, want):
+                if "gpu_uuid" in w:  # a raw sample
+                    assert without_vm_only(g) == without_vm_only(w), q
+                    assert (g["xid_errors"], g["processes"], g["source"]) == ([], [], "")
+                    continue
+                assert {k: g[k] for k in ("ts", "step", "samples", "tier", "min", "max")} == \
+                       {k: w[k] for k in ("ts", "step", "samples", "tier", "min", "max")}, q
+                assert g["mean"] == pytest.approx(w["mean"], rel=1e-12), q  # sums in another order
+        tiers = {p["tier"] for q in queries[2:6] for p in shipped.series(host=host, **q).json()}
+        assert tiers == {"raw", "1m", "1h"}
+        assert {p["step"] for p in shipped.series(host=host, **queries[7]).json()} == {1.08}
+        # a step that is no whole number of milliseconds is rounded up to one (VictoriaMetrics' resolution)
+        odd = shipped.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=1.0004).json()
+        assert {p["step"] for p in odd} == {1.001} and sum(p["samples"] for p in odd) == 60
+    finally:
+        shipped.close()
+        local.close()
+
+
+def test_values_beyond_victoriametrics_precision_come_back_within_1e_11(vm: VictoriaMetricsServer,
+                                                                         tmp_path: Path) -> None:
+    # DCGM's ratios carry a double's 17 digits; VictoriaMetrics 1.79 keeps about 12 (the module's docstring).
+    host = "precise01"
+    rng = random.Random(7)
+    samples = [GpuSample(ts=H + i, host=host, gpu_uuid="GPU-p", gpu_index=0, sm_active_ratio=rng.random(),
+                         energy_joules=1e9 + rng.random() * 1e6) for i in range(50)]
+    c = Collector(tmp_path / "c.sqlite", vm.url)
+    try:
+        c.post({"agent_id": "a", "seq": 0, "host": host, "series": to_series(samples, host)})
+        assert c.remote is not None and c.remote.shipper.flush(30)
+        vm.flush()
+        got = c.series(host=host, uuid="GPU-p", start=H, end=H + 60).json()
+        assert [g["ts"] for g in got] == [s.ts for s in samples]
+        for g, s in zip(got, samples):
+            assert g["sm_active_ratio"] == pytest.approx(s.sm_active_ratio, rel=1e-11, abs=0)
+            assert g["energy_joules"] == pytest.approx(s.energy_joules, rel=1e-11, abs=0)
+        assert any(g["sm_active_ratio"] != s.sm_active_ratio for g, s in zip(got, samples))  # the limit is real
+    finally:
+        c.close()
+
+
+def test_a_shipment_that_reached_victoriametrics_unacknowledged_is_stored_once(vm: VictoriaMetricsServer,
+                                                                              tmp_path: Path) -> None:
+    # A collector that died after VictoriaMetrics took a shipment but before it forgot the rows ships them again.
+    host = "twice01"
+    samples = fleet(host, hours=0.1)
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW, series_outbox=True,
+                        retention=local_retention(600.0))
+    try:
+        server = CollectorServer(store, clock=lambda: NOW).start()
+        for b in batches(samples, host):
+            assert httpx.post(f"{server.url}/api/v1/samples", json=b).status_code == 200
+        server.stop()
+        outbox = store.series_store
+        assert isinstance(outbox, OutboxSeriesStore)
+        queued = outbox.take(10_000, 10**9)
+        body, n = import_body(c for q in queued for c in q.chunks())
+        assert n == len(stored(store))
+        VictoriaMetrics(vm.url).import_lines(body)  # ... and the collector died here, before ack
+        remote = VictoriaMetricsSeries(store.series_store, vm.url, interval_s=0.05)
+        assert remote.shipper.flush(30) and remote.shipper.stats.shipped_samples == n
+        remote.close()
+        vm.flush()
+        assert vm_points(vm, host) == expected_points(stored(store))  # one point each (vm_points checks)
+    finally:
+        store.close()
+
+
+# -- one outbox shared by several collectors ------------------------------------------------------------------
+def test_ack_forgets_only_the_rows_it_shipped(ledger: str) -> None:
+    """On a shared ledger another collector's row may commit after the shipper read the queue, older than what it
+    read: acknowledging a shipment must leave it queued."""
+    db = open_database(ledger)
+    written = [100.0]
+    outbox = OutboxSeriesStore(ChunkSeriesStore(db), db, threading.RLock(), clock=lambda: written[0])
+    try:
+        with db.transaction():
+            outbox.write_samples(fleet("ack01", hours=0.01)[:4])
+        taken = outbox.take(10, 10**6)
+        assert [q.samples for q in taken] == [4]
+        written[0] = 50.0  # a transaction that began earlier commits now
+        with db.transaction():
+            outbox.write_samples(fleet("ack02", hours=0.01)[:6])
+        outbox.ack(taken)
+        left = outbox.take(10, 10**6)
+        assert [q.samples for q in left] == [6] and left[0].id != taken[0].id
+        assert outbox.backlog() == (6, 50.0) and outbox.queued()
+        outbox.ack(left)
+        assert outbox.backlog() == (0, None) and not outbox.queued()
+    finally:
+        db.close()
+
+
+def test_a_slot_another_shipper_holds_is_left_to_it(vm: VictoriaMetricsServer, ledger: str) -> None:
+    """Shippers share the queue by slots: rows of a slot another collector's shipper holds stay for it (never
+    sent twice), the rest go, and once that shipper is gone its slot is drained too."""
+    host = "slots01"
+    db = open_database(ledger)
+    outbox = OutboxSeriesStore(ChunkSeriesStore(db), db, threading.RLock())
+    samples = fleet(host, hours=0.2)
+    for k in range(0, len(samples), 2):
+        with db.transaction():
+            outbox.write_samples(samples[k:k + 2])
+    slot0 = sum(q.samples for q in outbox.take(10**6, 10**9) if q.id % SHIP_SLOTS == 0)
+    assert 0 < slot0 < len(samples)  # 72 rows with random ids: some in slot 0, not all (but for 1e-9)
+    shipper = SeriesShipper(outbox, VictoriaMetrics(vm.url), interval_s=0.05)
+    try:
+        with outbox.shipping(0) as held:
+            assert held
+            shipper.start()
+            deadline = time.monotonic() + 30
+            while outbox.backlog()[0] != slot0:
+                assert time.monotonic() < deadline, outbox.backlog()
+                time.sleep(0.05)
+            assert all(q.id % SHIP_SLOTS == 0 for q in outbox.take(10**6, 10**9))
+        assert shipper.flush(30) and shipper.stats.shipped_samples == len(samples)
+        vm.flush()
+        assert vm_points(vm, host) == expected_points(samples)
+    finally:
+        shipper.close()
+        db.close()
+
+
+def test_collectors_sharing_a_postgresql_ledger_ship_every_sample_once(vm: VictoriaMetricsServer, pg_url: str
+                                                                       ) -> None:
+    """Two collectors on one PostgreSQL ledger, both shipping: one host's batches alternate between them (its
+    agent failing over), the other host's go to one. VictoriaMetrics gets every stored sample exactly once, and
+    each was shipped once."""
+    hosts = ("shared01", "shared02")
+    a, b = Collector(pg_url, vm.url), Collector(pg_url, vm.url)
+    try:
+        samples = {h: fleet(h, hours=0.5, seed=k) for k, h in enumerate(hosts)}
+        for k, body in enumerate(batches(samples[hosts[0]], hosts[0])):
+            (a, b)[k % 2].post(body)
+        for body in batches(samples[hosts[1]], hosts[1]):
+            b.post(body)
+        assert a.remote is not None and b.remote is not None
+        assert a.remote.shipper.flush(30) and b.remote.shipper.flush(30)
+        vm.flush()
+        everything = stored(a.store)
+        assert {s.host for s in everything} == set(hosts) and stored(b.store) == everything
+        for h in hosts:
+            assert vm_points(vm, h) == expected_points([s for s in everything if s.host == h])  # each point once
+        # one shipper at a time per slot of the queue: no queued row went out twice
+        assert a.remote.shipper.stats.shipped_samples + b.remote.shipper.stats.shipped_samples == len(everything)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- crashes and outages ----------------------------------------------------------------------------------------
+def test_collector_killed_before_shipping_loses_nothing(tmp_path: Path) -> None:
+    host = "crash01"
+    vm_port, port = free_port(), free_port()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gpuledger.toml").write_text(f'[collector]\nseries_url = "http://127.0.0.1:{vm_port}"\n')
+    now = time.time()  # the real collector runs on the real clock: samples of the last few minutes
+    samples = [replace(s, ts=s.ts - H + math.floor(now) - 600.0) for s in fleet(host, hours=0.1)]
+    proc = CollectorProc(data, port).start()
+    try:
+        for b in batches(samples, host):
+            r = httpx.post(f"{proc.url}/api/v1/samples", json=b, timeout=30)
+            assert r.status_code == 200, r.text  # VictoriaMetrics is not there: ingest goes on
+        usage = httpx.get(f"{proc.url}/api/v1/usage").json()
+        metrics = httpx.get(f"{proc.url}/metrics").text
+        assert "gpuledger_collector_series_backlog_samples 0.0" not in metrics
+        r = httpx.get(f"{proc.url}/api/v1/series", params={"host": host, "uuid": "GPU-a", "start": now - 900,
+                                                            "end": now})
+        assert r.status_code == 503 and "unreachable" in r.json()["error"] and "\n" not in r.text
+    finally:
+        proc.kill()  # SIGKILL: nothing shipped, nothing flushed
+    with VictoriaMetricsServer(tmp_path / "vm", port=vm_port, flags=DEDUP) as vm:
+        proc = CollectorProc(data, port).start()
+        try:
+            assert httpx.get(f"{proc.url}/api/v1/usage").json() == usage
+            deadline = time.monotonic() + 60
+            while "gpuledger_collector_series_backlog_samples 0.0" not in httpx.get(f"{proc.url}/metrics").text:
+                assert time.monotonic() < deadline, "the backlog was not shipped after the restart"
+                time.sleep(0.2)
+            vm.flush()
+            store = Store(data / "gpuledger.sqlite")
+            try:
+                assert vm_points(vm, host) == expected_points(stored(store))
+            finally:
+                store.close()
+            raw = httpx.get(f"{proc.url}/api/v1/series", params={"host": host, "uuid": "GPU-a", "start": now - 900,
+                                                                  "end": now}).json()
+            assert len(raw) == sum(1 for s in samples if s.gpu_uuid == "GPU-a")
+        finally:
+            proc.stop()
+
+
+def test_victoriametrics_down_ingest_goes_on_and_shipping_resumes(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    host = "outage01"
+    vm_port = free_port()
+    samples = fleet(host, hours=0.2)
+    c = Collector(tmp_path / "c.sqlite", f"http://127.0.0.1:{vm_port}")
+    local = Collector(tmp_path / "local.sqlite")
+    caplog.set_level(logging.INFO, logger="gpuledger.collector.series_outbox")
+    try:
+        for b in batches(samples, host):
+            assert c.post(b) == local.post(b)  # the same answers as a collector without series_url
+        assert c.http.get("/api/v1/usage").json() == local.http.get("/api/v1/usage").json()
+        deadline = time.monotonic() + 10
+        while c.metric("gpuledger_collector_series_ship_failures_total") < 3:  # several retries ...
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert c.metric("gpuledger_collector_series_backlog_samples") == len(stored(c.store))
+        assert c.metric("gpuledger_collector_series_lag_seconds") > 0
+        failed = [r for r in caplog.records if "failed" in r.getMessage()]
+        assert len(failed) == 1 and "unreachable" in failed[0].getMessage()  # ... one log line
+        r = c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60)
+        assert r.status_code == 503 and r.headers["Retry-After"] and set(r.json()) == {"error", "reason"}
+        with VictoriaMetricsServer(tmp_path / "vm", port=vm_port, flags=DEDUP) as vm:
+            assert c.remote is not None and c.remote.shipper.flush(30)
+            vm.flush()
+            assert vm_points(vm, host) == expected_points(stored(c.store))
+            assert c.metric("gpuledger_collector_series_backlog_samples") == 0
+            assert c.metric("gpuledger_collector_series_lag_seconds") == 0
+            assert len([r for r in caplog.records if "again" in r.getMessage()]) == 1
+            assert c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60).status_code == 200
+        r = c.series(host=host, uuid="GPU-a", start=H, end=H + 600)  # down again: one line of JSON, never a 500
+        assert r.status_code == 503 and r.text.count("\n") == 0 and r.json()["reason"] == "series_unavailable"
+    finally:
+        c.close()
+        local.close()
+
+
+def test_an_error_answer_of_victoriametrics_is_a_502(vm: VictoriaMetricsServer, tmp_path: Path) -> None:
+    # VictoriaMetrics returns at most 30,000 points a series (-search.maxPointsPerTimeseries): a collector allowed
+    # more asks for more and gets its error, which it passes on as a 502.
+    c = Collector(tmp_path / "c.sqlite", vm.url, max_series_points=100_000)
+    try:
+        r = c.series(host="nobody", uuid="GPU-a", start=H, end=H + 50_000, step=1)
+        assert r.status_code == 502, r.text
+        assert "VictoriaMetrics" in r.json()["error"] and r.json()["reason"] == "series_unavailable"
+    finally:
+        c.close()
+
+
+# -- what stays local ------------------------------------------------------------------------------------------
+def test_the_short_local_retention_leaves_the_ledger_as_the_default_one(tmp_path: Path) -> None:
+    # A node silent for three days, compacted meanwhile, evicted and restored: the energy across its silence is
+    # bridged from its last stored sample, which compaction keeps (it drops only rolled-up samples, and never
+    # rolls up a GPU's window) however short the raw retention.
+    now = [H]
+    kw: dict[str, Any] = {"clock": lambda: now[0], "idle_evict_s": 1200.0}
+    short = Store(tmp_path / "short.sqlite", series_outbox=True, retention=local_retention(600.0), **kw)
+    default = Store(tmp_path / "default.sqlite", **kw)
+    before, after = fleet("quiet01", hours=1.0), fleet("quiet01", hours=1.0, seed=1)
+    silence = 3 * 86400.0
+    after = [replace(s, ts=s.ts + silence + 3600, energy_joules=s.energy_joules + 1e8) for s in after]
+    try:
+        for agent, phase in (("before", before), ("after", after)):  # a new agent id: the agent restarted
+            for b in batches(phase, "quiet01"):
+                batch = parse_batch(json.dumps({**b, "agent_id": agent}).encode(), "application/json", 2e9)
+                now[0] = max(s.ts for s in batch.samples)
+                assert short.ingest(batch) == default.ingest(batch)
+            now[0] += silence / 2
+            for store in (short, default):
+                store.compact()
+                store.compact(now[0] + silence / 2)
+            # another node's batch: its commit evicts the silent node, whose next batch then restores it
+            other = fleet("other01", hours=0.01)[:1]
+            other = [replace(o, ts=now[0] - 1.0) for o in other]
+            for store in (short, default):
+                store.ingest(parse_batch(json.dumps({"agent_id": "o", "seq": int(now[0]), "host": "other01",
+                                                     "samples": [o.to_dict() for o in other]}).encode(),
+                                         "application/json", 2e9))
+                assert "quiet01" not in {k[0] for k in store.agg.gpus}
+        raw_left = {t["tier"]: t["rows"] for t in short.tiers()}["raw"]
+        assert 0 < raw_left < {t["tier"]: t["rows"] for t in default.tiers()}["raw"]  # the short one dropped some
+        for read in ("job_usage", "gpu_energy", "energy_gaps", "totals"):
+            assert getattr(short, read)() == getattr(default, read)(), read
+        assert short.energy_gaps() and any(g["energy_joules"] for g in short.energy_gaps())  # bridged
+    finally:
+        short.close()
+        default.close()
+
+
+# -- the vocabulary and the settings ---------------------------------------------------------------------------
+def test_import_lines_carry_labels_jobs_and_shares() -> None:
+    s = [GpuSample(ts=H + i, host="n1", gpu_uuid="GPU-m", gpu_index=2, mig="3.0", model="", power_watts=100.0 + i,
+                   mem_used_bytes=2**40 + i, job_ids=("j1", "j2"), job_shares=(0.5, 0.5)) for i in range(3)]
+    from gpuledger.collector.chunks import encode_samples
+
+    body, n = import_body([("n1", "GPU-m", "3.0", encode_samples(s))])
+    lines = [json.loads(line) for line in body.decode().splitlines()]
+    assert n == 3
+    by_name = {line["metric"]["__name__"]: line for line in lines if line["metric"].get("jobid") in (None, "j1")}
+    power = by_name["gpuledger_gpu_power_watts"]
+    assert power["metric"] == {"__name__": "gpuledger_gpu_power_watts", "host": "n1", "gpu": "2", "uuid": "GPU-m",
+                               "mig": "3.0"}  # an empty model is no label, as in Prometheus
+    assert power["values"] == [100.0, 101.0, 102.0] and power["timestamps"] == [round(H * 1000) + k * 1000
+                                                                                for k in range(3)]
+    assert by_name["gpuledger_gpu_memory_used_bytes"]["values"] == [2**40, 2**40 + 1, 2**40 + 2]  # integers
+    assert by_name[JOBS]["values"] == [2, 2, 2]
+    assert by_name[JOB_INFO]["metric"]["jobid"] == "j1" and by_name[JOB_INFO]["values"] == [1, 1, 1]
+    assert by_name[JOB_SHARE]["values"] == [0.5, 0.5, 0.5]
+    assert {line["metric"]["__name__"] for line in lines} == {
+        "gpuledger_gpu_power_watts", "gpuledger_gpu_memory_used_bytes", JOBS, JOB_INFO, JOB_SHARE}
+
+
+def test_series_url_setting(tmp_path: Path) -> None:
+    s = load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_SERIES_URL": "http://vm.example.org:8428/"})
+    assert s.series_url == "http://vm.example.org:8428"
+    r = s.retention()  # locally: raw samples for the window and an hour, rollups an hour
+    assert (r.raw_s, r.minute_s, r.hour_s) == (600.0 + 3600.0, 3600.0, 3600.0)
+    r = load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_SERIES_URL": "http://vm:8428",
+                                     "GPULEDGER_COLLECTOR_WINDOW_S": "600"},
+                      overrides={"raw_retention_s": 7200}).retention()
+    assert r.raw_s == 7200.0
+    assert load_settings(tmp_path, env={}).retention() == Retention()  # without it: the local tiers as before
+    for bad in ("influx://db:8086", "vm:8428", "http://:8428", "http://vm:8428/?db=x"):
+        with pytest.raises(ConfigError, match="series_url"):
+            load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_SERIES_URL": bad})
+    with pytest.raises(ConfigError, match="raw retention"):
+        load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_SERIES_URL": "http://vm:8428"},
+                      overrides={"raw_retention_s": 60})
