@@ -17,14 +17,21 @@ from rich.markup import escape
 from gpuledger.accounting.audit import (
     EntryDamaged,
     bind,
-    open_log,
     record_fairshare,
     record_job_records,
     record_priority_changes,
     usage_key,
 )
 from gpuledger.accounting.charge import allocated_gpu_seconds
-from gpuledger.accounting.cli_common import CONFIG_NAME, ConfigOpt, DataDir, LedgerUrl, cli_ledger_url, read_ledger
+from gpuledger.accounting.cli_common import (
+    CONFIG_NAME,
+    ConfigOpt,
+    DataDir,
+    LedgerUrl,
+    cli_ledger_url,
+    open_audit,
+    read_ledger,
+)
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
@@ -129,12 +136,12 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
                                                         settings.timezone or None))
         finally:
             store.close()
-        alias = _history_alias(data_dir, entries)
+        alias = _history_alias(ledger_url, data_dir, entries)
         if not record:
             result = association_usage(entries, settings, tree, now, alias=alias, busy=busy)
             _warn(result)
             return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings
-        with open_log(data_dir, ledger_url=ledger_url) as log:
+        with open_audit(data_dir, ledger_url) as log:
             bound = bind(log, jobs, usages, now, accept_reason=accept_store_changes)
             if bound.changes and accept_store_changes is None:
                 lines = [f"  job {c.job_id} {c.record} {c.field}: logged {c.logged!r} (entry {c.seq}), "
@@ -184,13 +191,17 @@ def _warn(result: UsageResult) -> None:
                   f"{escape(', '.join(result.unmatched_jobs[:10]))}")
 
 
-def _history_alias(data_dir: Path, entries: Iterable[LedgerEntry]) -> Callable[[str], str] | None:
-    """The data dir's pseudonymizer when some record's user was pseudonymized (``audit retention``), so that
-    such history still charges its association."""
+def _history_alias(ledger_url: str | None, data_dir: Path, entries: Iterable[LedgerEntry]
+                   ) -> Callable[[str], str] | None:
+    """The ledger's pseudonymizer when some record's user was pseudonymized (``audit retention``), so that such
+    history still charges its association."""
     from gpuledger.accounting.privacy import Pseudonymizer, is_pseudonym
 
     if any(e.described is not None and e.described.user and is_pseudonym(e.described.user) for e in entries):
-        return Pseudonymizer.for_data_dir(data_dir)
+        try:
+            return Pseudonymizer.for_ledger(ledger_url, data_dir)
+        except ValueError as e:
+            raise _fail(str(e)) from None
     return None
 
 
@@ -370,7 +381,7 @@ def _import_jobs(ledger_url: str | None, data_dir: Path, records: Sequence[JobRe
     """Put Slurm job records into the ledger (made when there is none) and the audit trail; returns how many were
     new or changed."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    with open_log(data_dir, ledger_url=ledger_url) as log:
+    with open_audit(data_dir, ledger_url) as log:
         store = open_ledger(ledger_url, data_dir, create=True)
         try:
             # logged before stored (nothing is charged that the log has not seen), merged as stored: a re-import
@@ -475,7 +486,7 @@ def priority_apply(
     doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
     try:
         write_feed(data_dir / FEED_NAME, doc)
-        with open_log(data_dir, ledger_url=url) as log:
+        with open_audit(data_dir, url) as log:
             plan, applied = run_apply(SlurmClient(), doc["associations"], dry_run,
                                       record=record_priority_changes(log))
     except OSError as e:
@@ -564,7 +575,7 @@ def priority_watch(
         newest_end = _newest_end(url, data_dir)
         if not slurm:
             return CycleResult(newest_end, 0, 0)
-        with open_log(data_dir, ledger_url=url) as log:
+        with open_audit(data_dir, url) as log:
             _, applied = run_apply(client, doc["associations"], record=record_priority_changes(log))
         for o in applied.outcomes:
             if o.status == "failed":

@@ -13,10 +13,11 @@ from gpuledger.output import fail
 
 if TYPE_CHECKING:
     from gpuledger.accounting.ledger import LedgerEntry
+    from gpuledger.collector.auditlog.log import AuditLog
     from gpuledger.collector.store import Store
 
 __all__ = ["CONFIG_NAME", "STORE_NAME", "ConfigOpt", "DataDir", "LedgerUrl", "cli_ledger_url", "fail_exit",
-           "open_store", "read_ledger"]
+           "open_audit", "open_store", "read_ledger"]
 
 CONFIG_NAME = "gpuledger.toml"
 
@@ -44,6 +45,17 @@ def fail_exit(msg: str, code: int = 2) -> typer.Exit:
 def open_store(ledger_url: str | None, data_dir: Path) -> Store:
     """The ledger for a query; a missing one is bad input (exit 2), never created by a query."""
     return open_ledger(ledger_url, data_dir)
+
+
+def open_audit(data_dir: Path, ledger_url: str | None) -> AuditLog:
+    """The ledger's audit log (``open_log``); a data dir whose pseudonymization key contradicts a shared ledger's
+    is bad input (exit 2)."""
+    from gpuledger.collector.auditlog.jobs import open_log
+
+    try:
+        return open_log(data_dir, ledger_url=ledger_url)
+    except ValueError as e:
+        raise fail_exit(str(e)) from None
 
 
 def read_ledger(ledger_url: str | None, data_dir: Path) -> list[LedgerEntry]:

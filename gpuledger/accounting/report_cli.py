@@ -22,7 +22,15 @@ import typer
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
 from gpuledger.accounting.audit.verify import read_checkpoints
-from gpuledger.accounting.cli_common import CONFIG_NAME, ConfigOpt, DataDir, LedgerUrl, cli_ledger_url, read_ledger
+from gpuledger.accounting.cli_common import (
+    CONFIG_NAME,
+    ConfigOpt,
+    DataDir,
+    LedgerUrl,
+    cli_ledger_url,
+    open_audit,
+    read_ledger,
+)
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.ledger import gap_attribution
@@ -107,10 +115,14 @@ def _settings(data_dir: Path, config: Path | None) -> ReportSettings:
         raise _fail(str(e)) from None
 
 
-def _alias(data_dir: Path) -> Pseudonymizer:
+def _alias(url: str | None, data_dir: Path) -> Pseudonymizer:
+    """The ledger's pseudonymizer (a PostgreSQL ledger keeps its key; else the data dir's)."""
     from gpuledger.accounting.privacy import Pseudonymizer
 
-    return Pseudonymizer.for_data_dir(data_dir)
+    try:
+        return Pseudonymizer.for_ledger(url, data_dir)
+    except ValueError as e:
+        raise _fail(str(e)) from None
 
 
 def _per_gpu(store: LedgerReader) -> dict[str, list]:
@@ -143,7 +155,7 @@ def _sign(output: Path | None, ledger_url: str | None, data_dir: Path, config: P
     inputs = {**inputs, "config": {"name": cfg.name, "sha256": digest}}
     try:
         key = au.load_signing_key(key_path)
-        with au.open_log(data_dir, ledger_url=ledger_url) as log:
+        with open_audit(data_dir, ledger_url) as log:
             bound = _bind_store(ledger_url, data_dir, log, write=True)
             if bound.changes:
                 raise _fail(f"report written to {output} but NOT signed: store rows disagree with their logged record "
@@ -205,7 +217,7 @@ def report_usage(
     finally:
         store.close()
     if pseudonymize:
-        entries = pseudonymize_entries(entries, _alias(data_dir))
+        entries = pseudonymize_entries(entries, _alias(url, data_dir))
     try:
         rep = usage_report(entries, by.value, per, settings, per_gpu)
     except ReportError as e:
@@ -225,7 +237,7 @@ def report_usage(
     elif fmt is UsageFmt.html:
         from gpuledger.accounting.html import render_html
 
-        with au.open_log(data_dir, ledger_url=url) as log:
+        with open_audit(data_dir, url) as log:
             size, root = log.head()
         text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}",
                            manifest={"audit log head": f"{size} entries, root {root[:16]}...",
@@ -296,9 +308,10 @@ def report_jobs(
     ledger_url: LedgerUrl = None,
 ) -> None:
     """Per-job measured usage (jobs seen by only one side are marked with *)."""
-    entries = read_ledger(cli_ledger_url(ledger_url, data_dir, config), data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    entries = read_ledger(url, data_dir)
     if pseudonymize:
-        entries = pseudonymize_entries(entries, _alias(data_dir))
+        entries = pseudonymize_entries(entries, _alias(url, data_dir))
     rows = job_rows(entries)
     if fmt is TableFmt.json:
         typer.echo(to_json(rows))
@@ -325,7 +338,8 @@ def report_job(
         rules = jr.Rules.from_mapping(settings.rules)
     except ValueError as e:
         raise _fail(f"{config or data_dir / CONFIG_NAME}: {e}") from None
-    store = _open_store(cli_ledger_url(ledger_url, data_dir, config), data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    store = _open_store(url, data_dir)
     try:
         rep = jr.load_job_report(store, job_id, rules, cluster)
     except LookupError as e:
@@ -335,7 +349,7 @@ def report_job(
     if pseudonymize and rep.record is not None and rep.record.user is not None:
         import dataclasses
 
-        rec = dataclasses.replace(rep.record, user=_alias(data_dir)(rep.record.user), uid=None)
+        rec = dataclasses.replace(rep.record, user=_alias(url, data_dir)(rep.record.user), uid=None)
         rep = dataclasses.replace(rep, record=rec)
     typer.echo(jr.to_json(rep) if fmt is TextFmt.json else jr.to_text(rep), nl=fmt is TextFmt.json)
 
@@ -359,7 +373,8 @@ def report_idle(
         per = parse_period(period) if period else ALL_TIME
     except ReportError as e:
         raise _fail(str(e)) from None
-    store = _open_store(cli_ledger_url(ledger_url, data_dir, config), data_dir)
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    store = _open_store(url, data_dir)
     try:
         everything = load_ledger(store)
         per_gpu = _per_gpu(store)
@@ -369,7 +384,7 @@ def report_idle(
     if not entries:
         _note_empty(per, everything)
     if pseudonymize:
-        entries = pseudonymize_entries(entries, _alias(data_dir))
+        entries = pseudonymize_entries(entries, _alias(url, data_dir))
     rows = idle_jobs(entries, per_gpu, settings.idle_threshold if threshold is None else threshold, min_share)
     if fmt is TableFmt.json:
         typer.echo(to_json(rows))
@@ -413,7 +428,7 @@ def _audit_path(ledger_url: str | None, data_dir: Path) -> Path:
 
 def _open(path: Path, data_dir: Path, ledger_url: str | None) -> au.AuditLog:
     try:
-        return au.open_log(data_dir, ledger_url=ledger_url) if path.name == au.AUDIT_NAME else au.AuditLog(path)
+        return open_audit(data_dir, ledger_url) if path.name == au.AUDIT_NAME else au.AuditLog(path)
     except au.AuditError as e:
         raise _fail(str(e), 2 if "format 1" in str(e) else 1) from None
 
@@ -686,7 +701,7 @@ def audit_retention(
                                                      acct.timezone or None)
     _open_store(url, data_dir).close()  # exit 2 without a ledger; an older one is migrated to today's tables
     try:
-        n = apply_retention(url, data_dir, _alias(data_dir), days, horizon_start=horizon)
+        n = apply_retention(url, data_dir, _alias(url, data_dir), days, horizon_start=horizon)
     except DatabaseUnavailable as e:
         raise _fail(str(e), 1) from None
     except (OSError, ValueError) as e:

@@ -74,6 +74,10 @@ def serve(
         private_dir(data_dir)
     except OSError as e:
         fail(f"--data-dir {data_dir}: {e.strerror or e}", code=1)
+    try:  # the ledger's audit log (beside a PostgreSQL ledger, in its database): posted job records are logged first
+        audit_log = open_log(data_dir, ledger_url=url)
+    except ValueError as e:  # a pseudonymization key that contradicts the shared ledger's
+        fail(str(e))
     store = open_ledger(url, data_dir, create=True, window_s=settings.window_s, max_gap_s=settings.max_gap_s,
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
                         power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
@@ -83,9 +87,7 @@ def serve(
     remote = VictoriaMetricsSeries(store.series_store, settings.series_url, read_timeout_s=settings.request_timeout_s
                                    ) if settings.series_url else None
     server = CollectorServer(
-        # the ledger's audit log (beside a PostgreSQL ledger, in its database): posted job records are logged
-        # before they are stored
-        store, audit_log=open_log(data_dir, ledger_url=url), host=settings.host, port=settings.port,
+        store, audit_log=audit_log, host=settings.host, port=settings.port,
         max_body_bytes=settings.max_body_bytes,
         auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
         priority_feed=settings.priority_feed or data_dir / FEED_NAME, max_inflight=settings.max_inflight,

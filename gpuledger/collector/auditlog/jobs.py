@@ -13,12 +13,12 @@ from gpuledger.schema.records import JobRecord
 
 def open_log(data_dir: str | os.PathLike[str], pseudonymize: bool = True, ledger_url: str | None = None) -> AuditLog:
     """The audit log of the ledger at ``ledger_url`` (see ``open_audit_log``: without one, the data dir's file);
-    user names written as keyed pseudonyms (the key lives in the data dir)."""
+    user names written as keyed pseudonyms (the ledger's key: ``collector.pseudonym.ledger_key``)."""
     alias = None
     if pseudonymize:
         from gpuledger.collector.pseudonym import Pseudonymizer
 
-        alias = Pseudonymizer.for_data_dir(data_dir)
+        alias = Pseudonymizer.for_ledger(ledger_url, data_dir)
     return open_audit_log(ledger_url, data_dir, user_alias=alias)
 
 
