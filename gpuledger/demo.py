@@ -7,6 +7,7 @@ time, accelerated); then accounting: per-job usage, fairshare, the priority feed
 
 from __future__ import annotations
 
+import os
 import random
 import shlex
 import shutil
@@ -24,13 +25,14 @@ from gpuledger.agent.push import Batcher, HttpPusher
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.collector.auditlog.files import private_dir
+from gpuledger.collector.ledger_url import ENV_NAME as LEDGER_URL_ENV
+from gpuledger.collector.ledger_url import STORE_NAME
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
 from gpuledger.output import console as output_console
 from gpuledger.schema.records import JobRecord, JobUsage
 
 CONFIG_NAME = "gpuledger.toml"
-STORE_NAME = "gpuledger.sqlite"
 
 DEMO_CONFIG = """\
 # gpuledger configuration written by `gpuledger demo`; edit freely, the demo never overwrites it.
@@ -368,6 +370,10 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     console.print(f"priority feed: {feed_path}")
     console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')}), signed: {manifest}")
     cmd, d = command_name(), shlex.quote(str(data_dir))
+    # The demo always writes its own embedded ledger, never a site's. A GPULEDGER_LEDGER_URL in the environment
+    # would send the next commands to that ledger instead: then they name the demo's.
+    if os.environ.get(LEDGER_URL_ENV):
+        d += " --ledger-url " + shlex.quote(str(data_dir / STORE_NAME))
     console.print(f"next: {cmd} fairshare --data-dir {d}   |   {cmd} report usage --data-dir {d}",
                   markup=False, highlight=False, soft_wrap=True)
     return res

@@ -170,3 +170,22 @@ def test_demo_prints_the_same_tables_twice_and_a_next_command_that_works(tmp_pat
         assert cmd.startswith(str(exe) + " ")  # `gpuledger` is not on this PATH: the full path is printed
         r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
         assert r.returncode == 0 and r.stdout.strip(), (cmd, r.stderr)
+
+
+def test_demo_keeps_to_its_own_ledger_under_a_site_ledger_url(tmp_path):
+    """With GPULEDGER_LEDGER_URL set (a site's ledger; here one that cannot be reached) the demo still writes its
+    embedded ledger, and the next commands it prints read that one, not the site's."""
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("gpuledger")
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "200",
+           "GPULEDGER_LEDGER_URL": "postgresql://nobody@127.0.0.1:1/site?connect_timeout=2"}
+    p = subprocess.run([str(exe), "demo", "--data-dir", str(tmp_path / "d"), "--nodes", "1", "--gpus", "2",
+                        "--hours", "0.1"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    nxt = [ln for ln in p.stdout.splitlines() if ln.startswith("next: ")]
+    assert len(nxt) == 1 and "--ledger-url" in nxt[0]
+    for cmd in nxt[0].removeprefix("next: ").split("   |   "):
+        r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0 and r.stdout.strip(), (cmd, r.stderr)
