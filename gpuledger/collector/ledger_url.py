@@ -56,6 +56,13 @@ class LedgerUrlError(ValueError):
     """A ledger URL that cannot be used; the message names where it came from (flag, variable, file and key)."""
 
 
+def _port_ok(host: str) -> bool:
+    """One host of a libpq URL's host list (``h1:5432,h2:5433``: libpq tries them in turn, how a site names a
+    primary and its standbys) has no port, or a valid one."""
+    _, colon, port = host.rpartition("]")[2].rpartition(":")  # an IPv6 address is bracketed: [::1]:5432
+    return not colon or not port or (port.isdigit() and 0 < int(port) < 65536)
+
+
 def check_ledger_url(value: str, source: str, base: Path | None = None) -> str:
     """``value`` as the ledger URL: a PostgreSQL URL as given, or the path of a SQLite file (``sqlite://`` stripped;
     relative to ``base`` when one is given). ``source`` names where it came from for the error."""
@@ -63,11 +70,8 @@ def check_ledger_url(value: str, source: str, base: Path | None = None) -> str:
     if not text or text == _SQLITE_PREFIX:
         raise LedgerUrlError(f"{source}: empty ledger URL (unset it for the data directory's embedded store)")
     if is_postgres_url(text):
-        parts = urlsplit(text)
-        try:
-            parts.port  # noqa: B018 - parsing it is the check
-        except ValueError:
-            raise LedgerUrlError(f"{source}: bad port in ledger URL {redact(text)}") from None
+        if not all(_port_ok(host) for host in urlsplit(text).netloc.rsplit("@", 1)[-1].split(",")):
+            raise LedgerUrlError(f"{source}: bad port in ledger URL {redact(text)}")
         return text
     if text.startswith(_SQLITE_PREFIX):
         text = text.removeprefix(_SQLITE_PREFIX)

@@ -18,3 +18,20 @@ def test_portable_dialect_on_sqlite_and_postgresql(pg_url, tmp_path):
                        ("k", 0, None)).fetchone()
         assert r[0] == 1 / 3 + 1
         db.close()
+
+
+def test_a_libpq_host_list_reaches_the_host_that_answers(pg_url):
+    """A site names its primary and standbys in one URL; libpq tries them in turn. Here the first host is a
+    port nothing listens on, the second the real server."""
+    from urllib.parse import urlsplit
+
+    from gpuledger.collector.store import Store
+
+    parts = urlsplit(pg_url)
+    url = pg_url.replace(f"@{parts.hostname}:{parts.port}", f"@{parts.hostname}:1,{parts.hostname}:{parts.port}", 1)
+    assert url != pg_url and "?" not in url
+    store = Store(url + "?connect_timeout=5")
+    try:
+        assert store.batches_seen() == 0
+    finally:
+        store.close()

@@ -59,6 +59,13 @@ def test_sqlite_paths(tmp_path: Path) -> None:
     assert resolve_ledger_url("postgres://h/db", data, env={}) == "postgres://h/db"
 
 
+def test_libpq_host_lists() -> None:
+    """A primary and its standbys, tried in turn by libpq (``target_session_attrs`` picks the writable one)."""
+    for url in ("postgresql://u:pw@db1:5432,db2:5433/gl?target_session_attrs=read-write",
+                "postgresql://db1,db2/gl", "postgresql://[::1]:5432,[fe80::1]/gl"):
+        assert resolve_ledger_url(url, Path("."), env={}) == url
+
+
 @pytest.mark.parametrize(("flag", "env", "config", "needle"), [
     ("", None, None, "--ledger-url: empty ledger URL"),
     ("  ", None, None, "--ledger-url: empty ledger URL"),
@@ -69,6 +76,8 @@ def test_sqlite_paths(tmp_path: Path) -> None:
     (None, "http://h/db", None, f"{ENV_NAME}: unknown scheme 'http'"),
     (None, None, '[ledger]\nurl = "mariadb://h/db"\n', "gpuledger.toml: ledger.url: unknown scheme 'mariadb'"),
     ("postgresql://h:port/db", None, None, "--ledger-url: bad port in ledger URL"),
+    ("postgresql://h1:5432,h2:99999/db", None, None, "--ledger-url: bad port in ledger URL"),
+    ("postgresql://[::1]:x/db", None, None, "--ledger-url: bad port in ledger URL"),
     (None, None, 'ledger = "postgresql://h/db"\n', "gpuledger.toml: [ledger] must be a table"),
     (None, None, '[ledger]\nurl = 5\n', "gpuledger.toml: ledger.url: must be a string"),
     (None, None, '[ledger]\nuri = "postgresql://h/db"\n', "gpuledger.toml: ledger.uri: unknown setting"),
