@@ -36,7 +36,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuledger.collector.aggregate import GapKey, GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
 from gpuledger.collector.db import Database, upsert
@@ -166,6 +166,9 @@ class LedgerReader(Protocol):
     def job_records(self) -> list[tuple[JobRecord, str]]: ...
     def job_usage(self, job_id: str | None = None, per_gpu: bool = False,
                   cluster: str | None = None) -> list[JobUsage]: ...
+    def jobs_page(self, offset: int, limit: int) -> tuple[list[JobRecord], int]: ...
+    def job_usage_page(self, job_id: str | None, per_gpu: bool, offset: int, limit: int
+                       ) -> tuple[list[JobUsage], int]: ...
     def totals(self, start: float | None = None, end: float | None = None) -> dict: ...
     def gpu_energy(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
     def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]: ...
@@ -408,6 +411,21 @@ class SqlLedger:
         """One record per job: the scheduler's, else the first agent's description (see :func:`authoritative`)."""
         return authoritative(self.job_records())
 
+    # authoritative() in SQL: every scheduler record, and an agent's where no scheduler record of its job id is
+    # in its cluster, or unnamed, or it is unnamed itself
+    _SHOWN = ("source = ? OR (source = ? AND NOT EXISTS (SELECT 1 FROM jobs s WHERE s.source = ? AND "
+              "s.job_id = jobs.job_id AND (s.cluster = jobs.cluster OR s.cluster = '' OR jobs.cluster = '')))")
+
+    def jobs_page(self, offset: int, limit: int) -> tuple[list[JobRecord], int]:
+        """``jobs()[offset:offset + limit]`` and ``len(jobs())``, read in SQL: an answer holds at most ``limit``
+        records however many the ledger has."""
+        shown = (SLURM, AGENT, SLURM)
+        (total,) = self._db.execute(f"SELECT COUNT(*) FROM jobs WHERE {self._SHOWN}", shown).fetchone()
+        rows = self._db.execute(
+            f"SELECT data FROM jobs WHERE {self._SHOWN} ORDER BY CASE WHEN source = ? THEN 0 ELSE 1 END, cluster, "
+            "job_id LIMIT ? OFFSET ?", (*shown, SLURM, limit, offset)).fetchall()
+        return [_record(r[0]) for r in rows], int(total)
+
     def jobs_by_id(self, job_ids: Sequence[str]) -> list[JobRecord]:
         out: list[tuple[JobRecord, str]] = []
         for i in range(0, len(job_ids), _IN_CLAUSE_LIMIT):
@@ -471,8 +489,32 @@ class SqlLedger:
             args.append(cluster)
         if where:
             sql += " WHERE " + " AND ".join(where)
+        return self._usage_records(self._db.execute(sql, args).fetchall(), per_gpu)
+
+    def job_usage_page(self, job_id: str | None, per_gpu: bool, offset: int, limit: int
+                       ) -> tuple[list[JobUsage], int]:
+        """``job_usage(job_id, per_gpu)[offset:offset + limit]`` and its length, read in SQL a page at a time (a
+        page of jobs reads the rows of those jobs only): memory bounded by ``limit`` and the jobs' GPU counts."""
+        where, args = ("WHERE job_id = ?", [job_id]) if job_id is not None else ("", [])
+        columns = f"cluster, job_id, host, gpu, {', '.join(USAGE_FIELDS)}"
+        if per_gpu:
+            (total,) = self._db.execute(f"SELECT COUNT(*) FROM usage {where}", args).fetchone()
+            rows = self._db.execute(f"SELECT {columns} FROM usage {where} ORDER BY cluster, job_id, host, gpu "
+                                    "LIMIT ? OFFSET ?", [*args, limit, offset]).fetchall()
+        else:
+            (total,) = self._db.execute(
+                f"SELECT COUNT(*) FROM (SELECT DISTINCT cluster, job_id FROM usage {where}) AS j", args).fetchone()
+            keys = self._db.execute(f"SELECT DISTINCT cluster, job_id FROM usage {where} ORDER BY cluster, job_id "
+                                    "LIMIT ? OFFSET ?", [*args, limit, offset]).fetchall()
+            rows = self._db.execute(  # the page's jobs are one range in (cluster, job_id) order
+                f"SELECT {columns} FROM usage {where}{' AND' if where else ' WHERE'} (cluster, job_id) >= (?, ?) "
+                "AND (cluster, job_id) <= (?, ?)", [*args, *keys[0], *keys[-1]]).fetchall() if keys else []
+        return self._usage_records(rows, per_gpu), int(total)
+
+    def _usage_records(self, rows: Iterable[Sequence[Any]], per_gpu: bool) -> list[JobUsage]:
+        """Usage table rows (cluster, job_id, host, gpu, fields) as records, by cluster (see :meth:`job_usage`)."""
         by_cluster: dict[str, list] = {}
-        for r in self._db.execute(sql, args).fetchall():
+        for r in rows:
             by_cluster.setdefault(r[0], []).append(((r[1], r[2], r[3]), UsageAcc.from_values(r[4:])))
         out = []
         for c in sorted(by_cluster):

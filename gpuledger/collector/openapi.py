@@ -120,6 +120,13 @@ _BODY_TYPES = ("application/json", "application/msgpack")
 _AUTH_ERRORS = {"401": _error("No valid bearer token (auth on)."),
                 "403": _error("The token lacks the right (role, or another host's samples).")}
 _SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
+# GET /api/v1/jobs and /usage: the collector reads just the page asked for (in SQL)
+_PAGE_PARAMS: list[dict[str, Any]] = [
+    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1},
+     "description": "rows in this answer (at most the collector's max_page); X-Total-Count says how many there are, "
+                    "X-Next-Offset where the next page starts"},
+    {"name": "offset", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
+]
 
 
 def _body(ref: str) -> dict[str, Any]:
@@ -232,10 +239,7 @@ def openapi_document() -> dict[str, Any]:
             "/api/v1/jobs": {
                 "get": {"operationId": "getJobs", "summary": "Job records known to the collector.",
                         "security": _SECURED, "parameters": [
-                    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0},
-                     "description": "rows in this answer (at most the collector's max_page); X-Total-Count says how "
-                                    "many there are, X-Next-Offset where the next page starts"},
-                    {"name": "offset", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
+                    *_PAGE_PARAMS,
                         ],
                         "responses": {"200": _json("Job records.",
                                                    {"type": "array", "items": {"$ref": _REF + "JobRecord"}}),
@@ -254,10 +258,7 @@ def openapi_document() -> dict[str, Any]:
                     {"name": "job", "in": "query", "required": False, "schema": {"type": "string"}},
                     {"name": "per_gpu", "in": "query", "required": False,
                      "schema": {"type": "string", "enum": ["0", "1", "true", "false", "yes", "no"]}},
-                    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0},
-                     "description": "rows in this answer (at most the collector's max_page); X-Total-Count says how "
-                                    "many there are, X-Next-Offset where the next page starts"},
-                    {"name": "offset", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0}},
+                    *_PAGE_PARAMS,
                 ],
                 "responses": {"200": _json("Usage records.", {"type": "array", "items": {"$ref": _REF + "JobUsage"}}),
                               "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS},

@@ -430,24 +430,31 @@ class CollectorServer:
 
     def get_jobs(self, req: Request) -> Reply:
         _only(req.query, "limit", "offset")
-        return self._page(req, [j.to_dict() for j in self.store.jobs()])
+        offset, limit = self._page_range(req)
+        records, total = self.store.jobs_page(offset, limit)
+        return self._page([j.to_dict() for j in records], total, offset, limit)
 
     def get_usage(self, req: Request) -> Reply:
         _only(req.query, "job", "per_gpu", "limit", "offset")
         job = _text(req.query, "job")
         per_gpu = _flag(req.query, "per_gpu")
-        return self._page(req, [u.to_dict() for u in self.store.job_usage(job, per_gpu)])
+        offset, limit = self._page_range(req)
+        usage, total = self.store.job_usage_page(job, per_gpu, offset, limit)
+        return self._page([u.to_dict() for u in usage], total, offset, limit)
 
-    def _page(self, req: Request, rows: list[Any]) -> Reply:
-        """One page of rows (``limit`` <= max_page, ``offset``); ``X-Total-Count`` says how many there are and
-        ``X-Next-Offset`` where the next page starts, when there is one."""
+    def _page_range(self, req: Request) -> tuple[int, int]:
+        """(``offset``, ``limit``) of a paged answer; ``limit`` at most max_page. The store reads only that page."""
         limit = _int(req.query, "limit", self.max_page)
-        if limit > self.max_page:
-            raise BatchError(400, f"query parameter 'limit' must be at most {self.max_page}, got {limit}")
-        offset = _int(req.query, "offset", 0)
-        page = rows[offset:offset + limit]
-        headers = {"X-Total-Count": str(len(rows))}
-        if offset + limit < len(rows):
+        if not 0 < limit <= self.max_page:
+            raise BatchError(400, f"query parameter 'limit' must be 1..{self.max_page}, got {limit}")
+        return _int(req.query, "offset", 0), limit
+
+    @staticmethod
+    def _page(page: list[Any], total: int, offset: int, limit: int) -> Reply:
+        """One page of rows; ``X-Total-Count`` says how many there are and ``X-Next-Offset`` where the next page
+        starts, when there is one."""
+        headers = {"X-Total-Count": str(total)}
+        if offset + limit < total:
             headers["X-Next-Offset"] = str(offset + limit)
         return Reply(200, page, headers=headers)
 

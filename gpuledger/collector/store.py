@@ -587,6 +587,17 @@ class Store:
         with self._lock:
             return self.ledger.job_usage(job_id, per_gpu, cluster)
 
+    def jobs_page(self, offset: int, limit: int) -> tuple[list[JobRecord], int]:
+        """A page of :meth:`jobs` and how many there are (``SqlLedger.jobs_page``)."""
+        with self._lock:
+            return self.ledger.jobs_page(offset, limit)
+
+    def job_usage_page(self, job_id: str | None, per_gpu: bool, offset: int, limit: int
+                       ) -> tuple[list[JobUsage], int]:
+        """A page of :meth:`job_usage` and how many there are (``SqlLedger.job_usage_page``)."""
+        with self._lock:
+            return self.ledger.job_usage_page(job_id, per_gpu, offset, limit)
+
     def busy_hours(self, since: float | None = None) -> dict[tuple[str, str, str], list[tuple[float, float]]]:
         """Per GPU: (hour start, GPU-seconds that carried a job) of its hour buckets (``SqlLedger.busy_hours``)."""
         with self._lock:

@@ -4,6 +4,7 @@ sum is exact in any order: expectations are the in-memory aggregation's (the ref
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import threading
@@ -160,6 +161,34 @@ def test_job_records_merge_and_the_schedulers_record_outranks_agents(store):
         ("7", "c1", "eve", "agent")]
     assert [(j.job_id, j.user) for j in store.jobs()] == [("1", "ann"), ("5", "bob"), ("7", "eve")]
     assert [(j.job_id, j.user) for j in store.ledger.jobs_by_id(["7", "1", "nope"])] == [("1", "ann"), ("7", "eve")]
+
+
+def test_pages_read_in_sql_are_slices_of_the_whole_answers(store):
+    """``jobs_page`` and ``job_usage_page`` (what GET /api/v1/jobs and /usage answer) give exactly the slices of
+    ``jobs()`` and ``job_usage()``, whatever the offset and limit, with the scheduler-outranks-agent rule
+    applied in SQL: agents' records of jobs the scheduler knows in their cluster, or unnamed, are not shown."""
+    ingest_all(store)
+    rows = [("c1", "1", "slurm"), ("c1", "1", "agent"), ("c2", "1", "agent"), ("", "2", "slurm"),
+            ("c3", "2", "agent"), ("", "3", "agent"), ("c1", "3", "agent"), ("c1", "4", "agent"),
+            ("", "4", "slurm"), ("c2", "5", "slurm"), ("", "5", "agent"), ("c9", "6", "agent")]
+    with store.db.transaction():
+        store.db.executemany("INSERT INTO jobs (cluster, job_id, source, data) VALUES (?, ?, ?, ?)", [
+            (c, j, src, json.dumps(JobRecord(j, cluster=c, user=src).to_dict())) for c, j, src in rows])
+    everything = store.jobs()
+    assert [(j.cluster, j.job_id, j.user) for j in everything] == [
+        ("", "2", "slurm"), ("", "4", "slurm"), ("c1", "1", "slurm"), ("c2", "5", "slurm"),
+        ("", "3", "agent"), ("c1", "3", "agent"), ("c2", "1", "agent"), ("c9", "6", "agent")]
+    usage = {per_gpu: store.job_usage(per_gpu=per_gpu) for per_gpu in (False, True)}
+    one = {per_gpu: store.job_usage("1", per_gpu) for per_gpu in (False, True)}
+    assert len(usage[False]) == 3 and len(usage[True]) == 3 and len(one[False]) == 2
+    for limit in (1, 2, 3, 100):
+        for offset in (0, 1, 2, 5, 8, 50):
+            assert store.jobs_page(offset, limit) == (everything[offset:offset + limit], len(everything))
+            for per_gpu in (False, True):
+                assert store.job_usage_page(None, per_gpu, offset, limit) == (
+                    usage[per_gpu][offset:offset + limit], len(usage[per_gpu]))
+                assert store.job_usage_page("1", per_gpu, offset, limit) == (
+                    one[per_gpu][offset:offset + limit], len(one[per_gpu]))
 
 
 def test_two_collectors_merging_job_records_at_once_lose_no_update(new_ledger):

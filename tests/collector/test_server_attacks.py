@@ -162,7 +162,7 @@ def test_series_answer_never_exceeds_the_point_limit_and_pages(srv):
     assert len(r.json()) == 2 and r.headers["X-Total-Count"] == "8" and r.headers["X-Next-Offset"] == "2"
     rest = httpx.get(srv.url + "/api/v1/usage", params={"per_gpu": "1", "offset": "6"}, headers=read)
     assert len(rest.json()) == 2 and "X-Next-Offset" not in rest.headers
-    for bad in ({"limit": "3"}, {"offset": "-1"}, {"per_gpu": "maybe"}, {"job": "7", "job2": "8"}):
+    for bad in ({"limit": "3"}, {"limit": "0"}, {"offset": "-1"}, {"per_gpu": "maybe"}, {"job": "7", "job2": "8"}):
         r = httpx.get(srv.url + "/api/v1/usage", params=bad, headers=read)
         assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
 
