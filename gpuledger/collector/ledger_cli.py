@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -31,17 +32,29 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file whos
                                                 "(default: <data-dir>/gpuledger.toml if present).")]
 
 
-def _open(ledger_url: str | None, data_dir: Path) -> Database:
-    """The ledger's database (``ledger_url`` resolved), never a new SQLite file; exit 2 for none, 1 when
-    unreachable."""
-    path = sqlite_path(ledger_url, data_dir)
+FormatOpt = Annotated[Format, typer.Option("--format", help=FORMAT_HELP)]
+T = TypeVar("T")
+
+
+def _on_ledger(ledger_url: str | None, data_dir: Path, config: Path | None, action: Callable[[Database], T]
+               ) -> tuple[T, Database]:
+    """``action`` on the ledger's database (``--ledger-url`` resolved), which is closed again; never a new SQLite
+    file. Exit 2 for no ledger, 1 when it cannot be reached or was written by a newer gpuledger."""
+    url = cli_ledger_url(ledger_url, data_dir, config)
+    path = sqlite_path(url, data_dir)
     if path is not None and not path.is_file():
         fail(f"no gpuledger store at {path} (run a collector or `gpuledger demo` first, or pass --data-dir or "
              "--ledger-url)")
     try:
-        return open_database(str(ledger_url) if path is None else path)
+        db = open_database(str(url) if path is None else path)
     except DatabaseUnavailable as e:
         fail(str(e), code=1)
+    try:
+        return action(db), db
+    except (DatabaseUnavailable, LedgerTooNew) as e:
+        fail(str(e), code=1)
+    finally:
+        db.close()
 
 
 def _state(st: Status) -> list[dict]:
@@ -58,16 +71,10 @@ def status_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
     ledger_url: LedgerUrlOpt = None,
     config: ConfigOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.table,
+    fmt: FormatOpt = Format.table,
 ) -> None:
     """The ledger's backend, URL (without a password), and its applied, pending and unknown (newer) migrations."""
-    db = _open(cli_ledger_url(ledger_url, data_dir, config), data_dir)
-    try:
-        st = status(db)
-    except DatabaseUnavailable as e:
-        fail(str(e), code=1)
-    finally:
-        db.close()
+    st, db = _on_ledger(ledger_url, data_dir, config, status)
     rows = _state(st)
     doc = {"backend": db.dialect, "url": db.url, "latest_known": LATEST, "meta_format": st.meta_format,
            "applied": [r["version"] for r in rows if r["state"] != "pending"],
@@ -88,18 +95,10 @@ def migrate_cmd(
     data_dir: DataDir = Path("gpuledger-data"),
     ledger_url: LedgerUrlOpt = None,
     config: ConfigOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help=FORMAT_HELP)] = Format.table,
+    fmt: FormatOpt = Format.table,
 ) -> None:
     """Apply the pending migrations (in one transaction, under the ledger's migrations lock); prints them."""
-    db = _open(cli_ledger_url(ledger_url, data_dir, config), data_dir)
-    try:
-        applied = migrate(db)
-    except DatabaseUnavailable as e:
-        fail(str(e), code=1)
-    except LedgerTooNew as e:
-        fail(str(e), code=1)
-    finally:
-        db.close()
+    applied, db = _on_ledger(ledger_url, data_dir, config, migrate)
     if fmt is Format.json:
         typer.echo(json.dumps({"backend": db.dialect, "url": db.url, "latest": LATEST,
                                "applied": [{"version": m.version, "name": m.name} for m in applied]}, indent=2))
