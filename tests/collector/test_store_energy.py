@@ -22,8 +22,8 @@ def S(dt: float, e: float | None, jobs: tuple[str, ...] = ("j",), **kw) -> GpuSa
     )
 
 
-def test_gap_records_anomalies_and_unattributed_energy_survive_a_restart(tmp_path):
-    path = tmp_path / "s.sqlite"
+def test_gap_records_anomalies_and_unattributed_energy_survive_a_restart(ledger):
+    path = ledger  # a SQLite file or a PostgreSQL database (tests/collector/conftest.py)
     store = Store(path, window_s=8000.0)  # a late window that reaches back into the gap
     # (0,10] 1000 J; (10,7210] gap, jobs differ: 720000 J unattributed; (7210,7220] counter back: anomaly, 0 J
     store.ingest(Batch("a", 0, "n1", (S(0, 0.0), S(10, 1000.0))))

@@ -64,9 +64,9 @@ def test_raw_samples_live_in_chunks_not_rows(tmp_path):
     store.close()
 
 
-def test_compaction_rolls_up_closed_minutes_exactly_and_is_idempotent(tmp_path):
+def test_compaction_rolls_up_closed_minutes_exactly_and_is_idempotent(ledger):
     clock = Clock(H + 4 * 3600)
-    store = Store(tmp_path / "s.sqlite", window_s=600, clock=clock)
+    store = Store(ledger, window_s=600, clock=clock)
     ss = gen(1200, step=10.0)  # 3 h 20 min per GPU, in 500-sample batches: many small chunks
     ingest_all(store, ss)
     assert len(chunk_rows(store, RAW)) > 8
@@ -176,14 +176,15 @@ def test_retention_never_drops_raw_that_is_not_rolled_up(tmp_path):
     store.close()
 
 
-def test_restart_after_compaction_keeps_aggregation_exact(tmp_path):
+def test_restart_after_compaction_keeps_aggregation_exact(new_ledger):
     clock = Clock(H + 10 * 3600)
     ret = Retention(raw_s=2 * 3600, raw_chunk_s=600)
     ss = gen(1500, step=10.0, seed=3)
     rnd = random.Random(1)
     ss.sort(key=lambda s: s.ts + rnd.uniform(-200, 200))  # late samples straddle batches and restarts
-    one = Store(tmp_path / "one.sqlite", clock=clock, retention=ret)
-    two = Store(tmp_path / "two.sqlite", clock=clock, retention=ret)
+    first, second = new_ledger(), new_ledger()
+    one = Store(first, clock=clock, retention=ret)
+    two = Store(second, clock=clock, retention=ret)
     for i, j in enumerate(range(0, len(ss), 250)):
         b = Batch("a", i, "n1", tuple(ss[j:j + 250]))
         one.ingest(b)
@@ -191,7 +192,7 @@ def test_restart_after_compaction_keeps_aggregation_exact(tmp_path):
         clock.t += 600
         two.compact()
         two.close()
-        two = Store(tmp_path / "two.sqlite", clock=clock, retention=ret)
+        two = Store(second, clock=clock, retention=ret)
     ua = {(u.job_id, u.gpu_uuid): u.to_dict() for u in one.job_usage(per_gpu=True)}
     ub = {(u.job_id, u.gpu_uuid): u.to_dict() for u in two.job_usage(per_gpu=True)}
     assert ua.keys() == ub.keys()
