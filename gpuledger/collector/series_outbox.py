@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gpuledger.collector.aggregate import GpuKey, WindowSegment
 from gpuledger.collector.chunks import encode_samples, encode_series_many
 from gpuledger.collector.db import Database
+from gpuledger.collector.influxdb import InfluxDB, InfluxSeriesReader
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.collector.series_remote import SeriesBackendError, SeriesTarget, SeriesUnavailable
@@ -335,7 +336,7 @@ class ShipperMetrics:
                                   value=float(st.dropped_samples))
 
 
-SERIES_APIS = ("victoriametrics",)  # what series_api names (collector.config)
+SERIES_APIS = ("victoriametrics", "influxdb")  # what series_api names (collector.config)
 
 
 class RemoteSeries:
@@ -348,7 +349,11 @@ class RemoteSeries:
         if not isinstance(series_store, OutboxSeriesStore):
             raise TypeError("series_url: open the store with series_outbox=True")
         target: SeriesTarget
-        if api == "victoriametrics":
+        self.reader: InfluxSeriesReader | VmSeriesReader
+        if api == "influxdb":
+            target = InfluxDB(url, database)
+            self.reader = InfluxSeriesReader(InfluxDB(url, database, timeout_s=read_timeout_s))
+        elif api == "victoriametrics":
             target = VictoriaMetrics(url)
             self.reader = VmSeriesReader(VictoriaMetrics(url, timeout_s=read_timeout_s))
         else:
