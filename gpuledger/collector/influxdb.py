@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 from gpuledger.collector.chunks import decode_samples
+from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_remote import Chunk, SeriesBackendError, SeriesUnavailable, ms_step, one_line
 from gpuledger.collector.series_store import RAW, TIER_NAMES, TIERS, tier_for_step
@@ -78,8 +79,8 @@ class InfluxDB:
     name = "InfluxDB"
 
     def __init__(self, url: str, database: str, timeout_s: float = 30.0) -> None:
-        self.url, self.database = url.rstrip("/"), database
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.url, self.database = redact(url.rstrip("/")), database  # url: for messages, without a password
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:

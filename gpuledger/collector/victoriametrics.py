@@ -36,6 +36,7 @@ import numpy as np
 
 from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
 from gpuledger.collector.chunks import OBJ, column_floats, column_list, decode_columns
+from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_remote import Chunk, SeriesBackendError, SeriesUnavailable, ms_step, one_line
 from gpuledger.collector.series_store import RAW, TIER_NAMES, TIERS, tier_for_step
@@ -55,8 +56,8 @@ class VictoriaMetrics:
     name = "VictoriaMetrics"
 
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.url = redact(url.rstrip("/"))  # for messages, without a password
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:

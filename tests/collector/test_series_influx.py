@@ -242,7 +242,7 @@ def test_influxdb_down_ingest_goes_on_and_shipping_resumes(tmp_path: Path, caplo
     host = "outage01"
     port = free_port()
     samples = fleet(host, hours=0.2)
-    c = Collector(tmp_path / "c.sqlite", f"http://127.0.0.1:{port}", API)
+    c = Collector(tmp_path / "c.sqlite", f"http://gl:secret@127.0.0.1:{port}", API)  # basic auth (off there)
     local = Collector(tmp_path / "local.sqlite")
     caplog.set_level(logging.INFO, logger="gpuledger.collector.series_outbox")
     try:
@@ -259,6 +259,7 @@ def test_influxdb_down_ingest_goes_on_and_shipping_resumes(tmp_path: Path, caplo
         assert len(failed) == 1 and "InfluxDB" in failed[0].getMessage()  # ... one log line
         r = c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60)
         assert r.status_code == 503 and r.headers["Retry-After"] and set(r.json()) == {"error", "reason"}
+        assert "gl:***@" in r.text and "secret" not in r.text + failed[0].getMessage()  # the password stays out
         with InfluxServer(tmp_path / "influx", port=port) as influx:
             shipped(c)
             assert influx_points(influx, host) == expected_points(stored(c.store))
