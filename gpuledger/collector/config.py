@@ -272,13 +272,14 @@ def _merge_tokens_file(settings: CollectorSettings, tokens_file: Path) -> Collec
         extra = TokenTables.model_validate(read_toml(tokens_file))
     except ValidationError as e:
         raise ConfigError(f"{tokens_file}: {_errors(e, '')}") from None
-    merged = settings.model_dump()
-    clash = set(merged["tokens"]) & set(extra.tokens)
+    # what was set, only: validators that tell a setting from its default (model_fields_set) see the same again
+    merged = settings.model_dump(exclude_unset=True)
+    clash = set(settings.tokens) & set(extra.tokens)
     if clash:
         raise ConfigError(f"{tokens_file}: node(s) {sorted(clash)} also have a token in the [collector] table")
-    merged["tokens"] = {**merged["tokens"], **extra.tokens}
-    merged["admin_tokens"] = merged["admin_tokens"] + extra.admin_tokens
-    merged["read_tokens"] = merged["read_tokens"] + extra.read_tokens
+    merged["tokens"] = {**settings.tokens, **extra.tokens}
+    merged["admin_tokens"] = settings.admin_tokens + extra.admin_tokens
+    merged["read_tokens"] = settings.read_tokens + extra.read_tokens
     try:
         return CollectorSettings.model_validate(merged)
     except ValidationError as e:

@@ -317,6 +317,17 @@ def test_series_api_settings(tmp_path: Path) -> None:
             load_settings(tmp_path, env={}, overrides=settings)
 
 
+def test_series_settings_survive_a_tokens_file(tmp_path: Path) -> None:
+    # The tokens file is merged by validating the settings again: what was left at its default stays so.
+    (tmp_path / "tokens.toml").write_text(f'admin_tokens = ["{"a" * 16}"]\n')
+    (tmp_path / "gpuledger.toml").write_text('[collector]\ntokens_file = "tokens.toml"\n')
+    assert load_settings(tmp_path, env={}).series_api == "victoriametrics"
+    s = load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_SERIES_URL": "http://db:8086",
+                                     "GPULEDGER_COLLECTOR_SERIES_API": "influxdb"})
+    assert s.series_api == "influxdb" and s.admin_tokens == ["a" * 16]
+    assert s.retention().raw_s == local_retention(600.0).raw_s  # not the 7 days of a store without series_url
+
+
 @pytest.mark.parametrize("table, key", [
     ('series_url = "http://127.0.0.1:8086"\nseries_api = "influx"', "collector.series_api"),
     ('series_url = "influxdb://127.0.0.1:8086/gpuledger"\nseries_api = "influxdb"', "collector.series_url"),
