@@ -72,6 +72,17 @@ def literal(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def stored_tag(value: str) -> str:
+    """A tag value as InfluxDB 1.x stores what the sink writes: its line protocol unescapes only ``\\,``, ``\\=``
+    and ``\\ `` in tags, so an escaped backslash stays two; a line break (which a tag cannot hold) is a space."""
+    return value.replace("\\", "\\\\").replace("\n", " ").replace("\r", " ")
+
+
+def original_tag(stored: str) -> str:
+    """The inverse of :func:`stored_tag` (but for line breaks)."""
+    return stored.replace("\\\\", "\\")
+
+
 class InfluxDB:
     """One database of an InfluxDB 1.x server (its /write and /query API under ``url``; user and password, if
     any, in the URL). Thread-safe; a ``series_remote.SeriesTarget``."""
@@ -164,7 +175,8 @@ class InfluxSeriesReader:
     ) -> list[GpuSample] | list[RollupPoint]:
         tier = tier_for_step(list(TIERS), step) if tier is None else tier
         # an absent tag (a whole GPU's mig) equals '' in InfluxQL
-        where = f'"host" = {literal(host)} AND "uuid" = {literal(gpu_uuid)} AND "mig" = {literal(mig or "")}'
+        where = " AND ".join(f'"{tag}" = {literal(stored_tag(value))}'
+                             for tag, value in (("host", host), ("uuid", gpu_uuid), ("mig", mig or "")))
         try:
             if tier == RAW and not step:
                 return self._raw(host, gpu_uuid, mig or None, where, start, end)
@@ -186,7 +198,8 @@ class InfluxSeriesReader:
                              'GROUP BY "jobid"')
         per_job: dict[int, dict[str, tuple[float, bool]]] = {}
         for tags, row in _rows(jobs):
-            per_job.setdefault(row["time"], {})[tags["jobid"]] = (float(row["share"]), bool(row["share_reported"]))
+            per_job.setdefault(row["time"], {})[original_tag(tags["jobid"])] = (float(row["share"]),
+                                                                                bool(row["share_reported"]))
         out = []
         for _, row in _rows(gpu):
             ts = row["time"] / 1000.0
@@ -198,7 +211,8 @@ class InfluxSeriesReader:
             job_ids = tuple(sorted(held))
             shares = tuple(held[j][0] for j in job_ids) if job_ids and all(held[j][1] for j in job_ids) else ()
             out.append(GpuSample(ts=ts, host=host, gpu_uuid=uuid, mig=mig, gpu_index=int(row.get("gpu") or 0),
-                                 model=row.get("model") or "", job_ids=job_ids, job_shares=shares, **values))
+                                 model=original_tag(row.get("model") or ""), job_ids=job_ids, job_shares=shares,
+                                 **values))
         return sorted(out, key=lambda s: s.ts)
 
     def _buckets(self, where: str, tier: int, start: float, end: float, step: float | None) -> list[RollupPoint]:

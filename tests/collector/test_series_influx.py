@@ -148,6 +148,26 @@ def test_values_come_back_bit_for_bit(influx: InfluxServer, tmp_path: Path) -> N
         c.close()
 
 
+def test_names_with_quotes_and_backslashes_are_read_back(influx: InfluxServer) -> None:
+    # Tag values reach InfluxQL as string literals: quotes and backslashes are escaped, not interpreted (and
+    # InfluxDB 1.x keeps the sink's escaped backslashes in tags doubled: collector.influxdb.stored_tag). It refuses
+    # a tag value that ends in one: docs/deploy.md says so.
+    from gpuledger.collector.chunks import encode_samples
+    from gpuledger.collector.influxdb import InfluxSeriesReader
+
+    odd = GpuSample(ts=H + 0.5, host="n'1\\x", gpu_uuid='GPU-"q",=', gpu_index=1, mig="1 '0\\a", power_watts=1.5,
+                    model="\\M\\\\a", job_ids=("j'1", "j\\2"), job_shares=(0.25, 0.75))
+    db = InfluxDB(influx.url, influx.db)
+    try:
+        db.write(write_body([(odd.host, odd.gpu_uuid, odd.mig or "", encode_samples([odd]))])[0])
+        reader = InfluxSeriesReader(db)
+        (got,) = reader.series(odd.host, odd.gpu_uuid, H, H + 1, mig=odd.mig)
+        assert got == odd
+        assert reader.series(odd.host, odd.gpu_uuid, H, H + 1, mig=None) == []  # the whole GPU: none
+    finally:
+        db.close()
+
+
 def test_a_shipment_that_reached_influxdb_unacknowledged_is_stored_once(influx: InfluxServer, tmp_path: Path) -> None:
     # A collector that died after InfluxDB took a shipment but before it forgot the rows ships them again:
     # InfluxDB overwrites each point with itself.
