@@ -2,8 +2,9 @@
 influxd, loopback, free ports): collectors serving real HTTP ingest batches; the samples land in InfluxDB exactly,
 as the InfluxDB sink writes them (so the InfluxDB dashboards read them); GET /api/v1/series answers from there with
 the points a collector without series_url gives; a resent shipment is stored once; a collector killed before
-shipping loses nothing; InfluxDB down, or without the database, leaves ingest untouched and shipping resumes; a
-refused shipment is dropped and counted; bad settings are one line and exit 2."""
+shipping loses nothing; collectors sharing a PostgreSQL ledger ship each sample once; InfluxDB down, or without
+the database, leaves ingest untouched and shipping resumes; a refused shipment is dropped and counted; bad
+settings are one line and exit 2."""
 
 from __future__ import annotations
 
@@ -214,6 +215,25 @@ def test_a_refused_shipment_is_dropped_and_counted(influx: InfluxServer, tmp_pat
         assert c.metric("gpuledger_collector_series_shipped_samples_total") == 1
     finally:
         c.close()
+
+
+def test_collectors_sharing_a_postgresql_ledger_ship_every_sample_once(influx: InfluxServer, pg_url: str) -> None:
+    """Two collectors on one PostgreSQL ledger, both shipping to InfluxDB: one host's batches alternate between them
+    (its agent failing over). InfluxDB gets every stored sample, and each was shipped once (slots of the queue)."""
+    host = "shared01"
+    a, b = Collector(pg_url, influx.url, API), Collector(pg_url, influx.url, API)
+    try:
+        for k, body in enumerate(batches(fleet(host, hours=0.5), host)):
+            (a, b)[k % 2].post(body)
+        shipped(a)
+        shipped(b)
+        everything = stored(a.store)
+        assert influx_points(influx, host) == expected_points(everything)
+        assert a.remote is not None and b.remote is not None
+        assert a.remote.shipper.stats.shipped_samples + b.remote.shipper.stats.shipped_samples == len(everything)
+    finally:
+        a.close()
+        b.close()
 
 
 # -- crashes and outages ----------------------------------------------------------------------------------------
