@@ -115,14 +115,15 @@ class _PrometheusApi:
 
 
 class InfluxServer(_Server):
-    """InfluxDB 1.x (``influxd``) with one database; ``query`` runs InfluxQL and returns the JSON results."""
+    """InfluxDB 1.x (``influxd``) with one database; ``query`` runs InfluxQL and returns the JSON results;
+    ``port`` may be chosen in advance."""
 
     binary = "influxd"
 
-    def __init__(self, workdir: Path, db: str = "gpuledger") -> None:
+    def __init__(self, workdir: Path, db: str = "gpuledger", port: int | None = None) -> None:
         super().__init__(workdir)
         self.db = db
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> InfluxServer:

@@ -15,7 +15,7 @@ from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.db import redact
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
-from gpuledger.collector.series_outbox import VictoriaMetricsSeries
+from gpuledger.collector.series_outbox import RemoteSeries
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
 from gpuledger.collector.store_cli import ConfigFile, DataDir
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
@@ -83,9 +83,9 @@ def serve(
                         power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
                         max_gpus_per_host=settings.max_gpus_per_host, series_outbox=bool(settings.series_url))
     store.start_background(settings.compact_interval_s)
-    # series in VictoriaMetrics: the store's outbox is shipped there, and series are answered from there
-    remote = VictoriaMetricsSeries(store.series_store, settings.series_url, read_timeout_s=settings.request_timeout_s
-                                   ) if settings.series_url else None
+    # series in VictoriaMetrics or InfluxDB: the store's outbox is shipped there, and series are answered from there
+    remote = RemoteSeries(store.series_store, settings.series_url, settings.series_api, settings.series_database,
+                          read_timeout_s=settings.request_timeout_s) if settings.series_url else None
     server = CollectorServer(
         store, audit_log=audit_log, host=settings.host, port=settings.port,
         max_body_bytes=settings.max_body_bytes,
@@ -102,7 +102,11 @@ def serve(
     signal.signal(signal.SIGTERM, _interrupt)
     auth = "on" if settings.auth_enabled else "off (no tokens configured)"
     influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if sinks else ""
-    series = f", series in VictoriaMetrics {redact(settings.series_url)}" if settings.series_url else ""
+    series = ""
+    if settings.series_api == "influxdb" and settings.series_url:
+        series = f", series in InfluxDB {redact(settings.series_url)} database {settings.series_database!r}"
+    elif settings.series_url:
+        series = f", series in VictoriaMetrics {redact(settings.series_url)}"
     typer.echo(f"collector listening on {server.url}, ledger {ledger_label(url, data_dir)}, "
                f"auth {auth}{influx}{series}")
     try:

@@ -30,6 +30,9 @@ Example::
                                    # every sample is shipped there at least once, GET /api/v1/series reads it,
                                    # and the local store keeps raw samples for raw_retention_s (default then the
                                    # window plus an hour) and rollups briefly. Unset: the local store holds all.
+    series_api = "victoriametrics" # what series_url is: "victoriametrics" (the default) or "influxdb" (InfluxDB
+    series_database = "gpuledger"  # 1.x, /write and /query; the database must exist): the sink's measurements
+                                   # gpu and gpu_job, which InfluxDB overwrites when resent (docs/deploy.md)
     tls_cert = "/etc/gpuledger/collector.crt"   # both or neither; relative paths are relative to this file
     tls_key = "/etc/gpuledger/collector.key"
     tokens_file = "/etc/gpuledger/tokens.toml"  # same keys as below; keeps secrets out of this file
@@ -72,7 +75,8 @@ MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 # Settings an environment variable may override (the token tables are files' business, not the environment's).
 ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
                 "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token", "max_per_host",
-                "request_timeout_s", "idle_timeout_s", "metrics_user_labels", "series_url")
+                "request_timeout_s", "idle_timeout_s", "metrics_user_labels", "series_url", "series_api",
+                "series_database")
 
 
 class ConfigError(ValueError):
@@ -138,8 +142,11 @@ class CollectorSettings(TokenTables):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     priority_feed: Path | None = None  # default: <data-dir>/priority-feed.json
-    # Series in VictoriaMetrics (collector.series_outbox, collector.victoriametrics); unset: the local store.
+    # Series in VictoriaMetrics or InfluxDB 1.x (collector.series_outbox, collector.victoriametrics,
+    # collector.influxdb); unset: the local store.
     series_url: str | None = None
+    series_api: Literal["victoriametrics", "influxdb"] = "victoriametrics"
+    series_database: str = Field("gpuledger", min_length=1)  # InfluxDB's database (series_api = "influxdb")
     # Tiers (seconds; 0 = keep for good, except raw samples) and the background compaction that applies them.
     raw_retention_s: float = Field(7 * 86400.0, gt=0)
     minute_retention_s: float = Field(90 * 86400.0, ge=0)
@@ -157,7 +164,7 @@ class CollectorSettings(TokenTables):
         return Limits(**{f: getattr(self, f) for f in Limits.__dataclass_fields__})
 
     def retention(self) -> Retention:
-        if self.series_url:  # VictoriaMetrics keeps the series: locally only what restores need
+        if self.series_url:  # the series database keeps the series: locally only what restores need
             return local_retention(self.window_s,
                                    self.raw_retention_s if "raw_retention_s" in self.model_fields_set else None)
         return Retention(raw_s=self.raw_retention_s, minute_s=self.minute_retention_s or None,
@@ -170,8 +177,8 @@ class CollectorSettings(TokenTables):
             return None
         parts = urlsplit(v.strip())
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise ValueError(f"must be VictoriaMetrics' base URL, http(s)://host:port (a path prefix allowed), "
-                             f"got {v!r}")
+            raise ValueError(f"must be the series database's base URL, http(s)://host:port (a path prefix "
+                             f"allowed; InfluxDB's database is series_database), got {v!r}")
         return v.strip().rstrip("/")
 
     def sinks(self) -> list[Any]:
@@ -191,6 +198,11 @@ class CollectorSettings(TokenTables):
     def _consistent(self) -> CollectorSettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
+        for key in ("series_api", "series_database"):
+            if key in self.model_fields_set and not self.series_url:
+                raise ValueError(f"{key} is set but series_url is not: set both (or neither)")
+        if "series_database" in self.model_fields_set and self.series_api != "influxdb":
+            raise ValueError('series_database names an InfluxDB database: it needs series_api = "influxdb"')
         try:
             self.retention().check(self.window_s)
         except ValueError as e:
@@ -260,13 +272,14 @@ def _merge_tokens_file(settings: CollectorSettings, tokens_file: Path) -> Collec
         extra = TokenTables.model_validate(read_toml(tokens_file))
     except ValidationError as e:
         raise ConfigError(f"{tokens_file}: {_errors(e, '')}") from None
-    merged = settings.model_dump()
-    clash = set(merged["tokens"]) & set(extra.tokens)
+    # what was set, only: validators that tell a setting from its default (model_fields_set) see the same again
+    merged = settings.model_dump(exclude_unset=True)
+    clash = set(settings.tokens) & set(extra.tokens)
     if clash:
         raise ConfigError(f"{tokens_file}: node(s) {sorted(clash)} also have a token in the [collector] table")
-    merged["tokens"] = {**merged["tokens"], **extra.tokens}
-    merged["admin_tokens"] = merged["admin_tokens"] + extra.admin_tokens
-    merged["read_tokens"] = merged["read_tokens"] + extra.read_tokens
+    merged["tokens"] = {**settings.tokens, **extra.tokens}
+    merged["admin_tokens"] = settings.admin_tokens + extra.admin_tokens
+    merged["read_tokens"] = settings.read_tokens + extra.read_tokens
     try:
         return CollectorSettings.model_validate(merged)
     except ValidationError as e:

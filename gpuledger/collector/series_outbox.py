@@ -1,17 +1,20 @@
-"""Shipping series to VictoriaMetrics (``series_url``): a transactional outbox in the store, drained by a thread.
+"""Shipping series to VictoriaMetrics or InfluxDB (``series_url``): a transactional outbox in the store, drained by
+a thread.
 
 With ``series_url`` the store wraps its chunk store in :class:`OutboxSeriesStore`. Every batch's raw samples go to
 the chunks, which the aggregation's restores read (``window``), and, in the same transaction, to the
 ``series_outbox`` table: a sample is committed with its batch and queued, or neither. :class:`SeriesShipper`
 reads the oldest queued rows (at most ``batch_rows`` rows holding ``batch_samples`` samples: memory stays
-bounded however long VictoriaMetrics was away), posts them to /api/v1/import and deletes them only once
-VictoriaMetrics answered 2xx. A crash or a timeout between the two ships them again: at least once, never lost.
-VictoriaMetrics then holds each point twice unless it deduplicates, so start it with
+bounded however long the series database was away), posts them to it (a ``series_remote.SeriesTarget``:
+VictoriaMetrics' /api/v1/import, ``collector.victoriametrics``, or InfluxDB's /write, ``collector.influxdb``) and
+deletes them only once it answered 2xx. A crash or a timeout between the two ships them again: at least once,
+never lost. InfluxDB overwrites a point written again (same measurement, tags and time), so a resend is harmless
+there; VictoriaMetrics holds each point twice unless it deduplicates, so start it with
 ``-dedup.minScrapeInterval=1ms`` (docs/deploy.md; the shipper logs a warning when it is not).
 
-While VictoriaMetrics is away, ingest goes on and the queue grows on disk, never in memory. Retries back off from
-``backoff_s``, doubling up to ``backoff_max_s``, and one log line marks each change between shipping and failing.
-A shipment VictoriaMetrics refuses as malformed (4xx other than 408/429: retrying cannot help) is logged,
+While the series database is away, ingest goes on and the queue grows on disk, never in memory. Retries back off
+from ``backoff_s``, doubling up to ``backoff_max_s``, and one log line marks each change between shipping and
+failing. A shipment the database refuses as malformed (4xx other than 408/429: retrying cannot help) is logged,
 dropped and counted.
 
 Collectors sharing a ledger (PostgreSQL) queue into its one outbox, each in its batches' transactions. The queue
@@ -43,23 +46,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gpuledger.collector.aggregate import GpuKey, WindowSegment
 from gpuledger.collector.chunks import encode_samples, encode_series_many
 from gpuledger.collector.db import Database
+from gpuledger.collector.influxdb import InfluxDB, InfluxSeriesReader
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
+from gpuledger.collector.series_remote import SeriesBackendError, SeriesTarget, SeriesUnavailable
 from gpuledger.collector.series_store import MergeGroup, Retention, SeriesStore
-from gpuledger.collector.victoriametrics import (
-    SeriesBackendError,
-    SeriesUnavailable,
-    VictoriaMetrics,
-    VmSeriesReader,
-    import_body,
-    settings_problems,
-)
+from gpuledger.collector.victoriametrics import VictoriaMetrics, VmSeriesReader
 from gpuledger.schema.records import GpuSample
 
 log = logging.getLogger(__name__)
 
 # id: random, so collectors sharing a PostgreSQL ledger queue rows at once without a shared counter (the order
-# shipped is the order written, which VictoriaMetrics does not need either). (written, samples) covers the
+# shipped is the order written, which the series databases do not need either). (written, samples) covers the
 # shipper's oldest-first reads and the backlog's sum without reading the blobs.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS series_outbox (
@@ -70,13 +68,13 @@ SHIP_SLOTS = 4  # shippers that can drain one outbox at once (one per collector)
 
 
 def local_retention(window_s: float, raw_s: float | None = None) -> Retention:
-    """What the local chunk store keeps when VictoriaMetrics holds the series: raw samples for ``raw_s``, by
+    """What the local chunk store keeps when a series database holds the series: raw samples for ``raw_s``, by
     default the least Retention.check allows (the aggregation window plus a chunk's hour). That is all restores
     need: compaction drops only raw samples it rolled up, and it never rolls up a GPU's window (minutes
     close only once they are older than the GPU's newest sample less the window), so a GPU's window and newest
     sample, from which its next interval starts however long it was silent, stay whatever their age.
     Rollups: compaction still builds them before raw samples go, and drops them an hour after their chunk's
-    span (a day's chunk of minutes, a month's of hours); nothing reads them, VictoriaMetrics answers. The chunk
+    span (a day's chunk of minutes, a month's of hours); nothing reads them, the series database answers. The chunk
     spans stay the defaults, so chunks written before series_url was set keep their meaning."""
     return Retention(raw_s=window_s + Retention().raw_chunk_s if raw_s is None else raw_s,
                      minute_s=3600.0, hour_s=3600.0)
@@ -181,7 +179,7 @@ class OutboxSeriesStore:
 
     def backlog(self) -> tuple[int, float | None]:
         """(samples queued, when the oldest queued row was written or None). It sums the queue's index (each
-        /metrics scrape): cheap while VictoriaMetrics keeps up, a scan of the index after a long outage."""
+        /metrics scrape): cheap while the series database keeps up, a scan of the index after a long outage."""
         with self._lock:
             samples, oldest = self._db.execute(
                 "SELECT COALESCE(SUM(samples), 0), MIN(written) FROM series_outbox").fetchone()
@@ -197,19 +195,19 @@ class OutboxSeriesStore:
 class ShipperStats:
     shipped_samples: int = 0
     failures: int = 0  # attempts that failed and were retried
-    dropped_samples: int = 0  # refused by VictoriaMetrics as malformed
+    dropped_samples: int = 0  # refused by the series database as malformed
     failing_since: float | None = None
     last_error: str = ""
 
 
 class SeriesShipper:
-    """Drains an :class:`OutboxSeriesStore` into VictoriaMetrics in a daemon thread (see the module's docstring):
+    """Drains an :class:`OutboxSeriesStore` into ``target`` in a daemon thread (see the module's docstring):
     every ``interval_s`` while the queue is empty, at once while it is not."""
 
-    def __init__(self, outbox: OutboxSeriesStore, vm: VictoriaMetrics, *, batch_rows: int = 256,
+    def __init__(self, outbox: OutboxSeriesStore, target: SeriesTarget, *, batch_rows: int = 256,
                  batch_samples: int = 10_000, interval_s: float = 1.0, backoff_s: float = 0.5,
                  backoff_max_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
-        self.outbox, self.vm = outbox, vm
+        self.outbox, self.target = outbox, target
         self.batch_rows, self.batch_samples = batch_rows, batch_samples
         self.interval_s, self.backoff_s, self.backoff_max_s = interval_s, backoff_s, backoff_max_s
         self.stats = ShipperStats()
@@ -253,15 +251,15 @@ class SeriesShipper:
                 delay = min(delay * 2, self.backoff_max_s)
 
     def _ship(self, rows: list[Queued]) -> None:
-        body, samples = import_body(c for r in rows for c in r.chunks())
+        body, samples = self.target.render(c for r in rows for c in r.chunks())
         try:
             if body:
-                self.vm.import_lines(body)
+                self.target.post(body)
         except SeriesBackendError as e:
             if not 400 <= e.upstream < 500 or e.upstream == 408:
                 raise  # a server error or an unreadable answer: retried
-            log.error("VictoriaMetrics refused %d samples (%d queued rows); dropped, retrying cannot help: %s",
-                      samples, len(rows), e)
+            log.error("%s refused %d samples (%d queued rows); dropped, retrying cannot help: %s",
+                      self.target.name, samples, len(rows), e)
             self.stats.dropped_samples += samples
         else:
             self.stats.shipped_samples += samples
@@ -273,21 +271,21 @@ class SeriesShipper:
         self.stats.last_error = error
         if self.stats.failing_since is None:
             self.stats.failing_since = self._clock()
-            log.warning("shipping series to VictoriaMetrics failed, retrying with backoff (ingest goes on; samples "
-                        "wait in the store): %s", error)
+            log.warning("shipping series to %s failed, retrying with backoff (ingest goes on; samples wait in "
+                        "the store): %s", self.target.name, error)
 
     def _recovered(self) -> None:
         if self.stats.failing_since is not None:
-            log.info("shipping series to VictoriaMetrics again after %.0f s of failures",
-                        self._clock() - self.stats.failing_since)
+            log.info("shipping series to %s again after %.0f s of failures", self.target.name,
+                     self._clock() - self.stats.failing_since)
             self.stats.failing_since = None
         if not self._checked:
             self._checked = True
             try:
-                for problem in settings_problems(self.vm.flags()):
-                    log.warning("VictoriaMetrics at %s: %s", self.vm.url, problem)
+                for problem in self.target.problems():
+                    log.warning("%s at %s: %s", self.target.name, self.target.url, problem)
             except SeriesUnavailable as e:
-                log.warning("VictoriaMetrics at %s: cannot read its flags (%s)", self.vm.url, e)
+                log.warning("%s at %s: cannot read its settings (%s)", self.target.name, self.target.url, e)
 
     def notify(self) -> None:
         """Ship now rather than at the next interval (e.g. after a batch was committed)."""
@@ -310,7 +308,7 @@ class SeriesShipper:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout_s + 30)
-        self.vm.close()
+        self.target.close()
 
 
 class ShipperMetrics:
@@ -323,31 +321,47 @@ class ShipperMetrics:
         st = self.shipper.stats
         waiting, oldest = self.shipper.outbox.backlog()
         yield GaugeMetricFamily("gpuledger_collector_series_backlog_samples",
-                                "Samples committed but not yet in VictoriaMetrics.", value=float(waiting))
+                                "Samples committed but not yet in the series database (series_url).",
+                                value=float(waiting))
         yield GaugeMetricFamily("gpuledger_collector_series_lag_seconds",
-                                "Age of the oldest batch not yet in VictoriaMetrics (0: none waiting).",
+                                "Age of the oldest batch not yet in the series database (0: none waiting).",
                                 value=0.0 if oldest is None else max(0.0, self._clock() - oldest))
         yield CounterMetricFamily("gpuledger_collector_series_shipped_samples",
-                                  "Samples shipped to VictoriaMetrics.", value=float(st.shipped_samples))
+                                  "Samples shipped to the series database.", value=float(st.shipped_samples))
         yield CounterMetricFamily("gpuledger_collector_series_ship_failures",
-                                  "Shipments to VictoriaMetrics that failed and are retried.", value=float(st.failures))
+                                  "Shipments to the series database that failed and are retried.",
+                                  value=float(st.failures))
         yield CounterMetricFamily("gpuledger_collector_series_dropped_samples",
-                                  "Samples VictoriaMetrics refused as malformed (dropped).",
+                                  "Samples the series database refused as malformed (dropped).",
                                   value=float(st.dropped_samples))
 
 
-class VictoriaMetricsSeries:
-    """Everything ``series_url`` switches on besides the store's outbox: the shipper draining it (started here),
-    the reader GET /api/v1/series answers from (``read_timeout_s`` per request) and the shipper's metrics."""
+SERIES_APIS = ("victoriametrics", "influxdb")  # what series_api names (collector.config)
 
-    def __init__(self, series_store: SeriesStore, url: str, read_timeout_s: float = 30.0, **shipper: Any) -> None:
+
+class RemoteSeries:
+    """Everything ``series_url`` switches on besides the store's outbox: the shipper draining it into the series
+    database (``api``: one of SERIES_APIS; ``database``: InfluxDB's), started here, the reader GET /api/v1/series
+    answers from (``read_timeout_s`` per request) and the shipper's metrics."""
+
+    def __init__(self, series_store: SeriesStore, url: str, api: str = "victoriametrics", database: str = "gpuledger",
+                 read_timeout_s: float = 30.0, **shipper: Any) -> None:
         if not isinstance(series_store, OutboxSeriesStore):
             raise TypeError("series_url: open the store with series_outbox=True")
-        self.shipper = SeriesShipper(series_store, VictoriaMetrics(url), **shipper).start()
-        self.reader = VmSeriesReader(VictoriaMetrics(url, timeout_s=read_timeout_s))
+        target: SeriesTarget
+        self.reader: InfluxSeriesReader | VmSeriesReader
+        if api == "influxdb":
+            target = InfluxDB(url, database)
+            self.reader = InfluxSeriesReader(InfluxDB(url, database, timeout_s=read_timeout_s))
+        elif api == "victoriametrics":
+            target = VictoriaMetrics(url)
+            self.reader = VmSeriesReader(VictoriaMetrics(url, timeout_s=read_timeout_s))
+        else:
+            raise ValueError(f"series_api must be one of {', '.join(SERIES_APIS)}, got {api!r}")
+        self.shipper = SeriesShipper(series_store, target, **shipper).start()
         self.metrics = ShipperMetrics(self.shipper)
 
     def close(self) -> None:
         """Ship what is queued for a few seconds (the rest waits for the next start) and stop."""
         self.shipper.close()
-        self.reader.vm.close()
+        self.reader.close()

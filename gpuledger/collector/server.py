@@ -38,10 +38,10 @@ from gpuledger.collector.limits import (
     REQUEST_TIMEOUT_S,
 )
 from gpuledger.collector.openapi import openapi_document
+from gpuledger.collector.series_remote import SeriesUnavailable
 from gpuledger.collector.series_store import SeriesReader
 from gpuledger.collector.store import BatchRefused, Store, StoreFull, StoreUnavailable
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, BatchError, Limits, parse_batch, parse_jobs
-from gpuledger.collector.victoriametrics import SeriesUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,10 @@ import numpy as np
 
 from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
 from gpuledger.collector.chunks import OBJ, column_floats, column_list, decode_columns
+from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
-from gpuledger.collector.series_store import RAW, TIER_NAMES, TIERS, bucket_step, tier_for_step
+from gpuledger.collector.series_remote import Chunk, SeriesBackendError, SeriesUnavailable, ms_step, one_line
+from gpuledger.collector.series_store import RAW, TIER_NAMES, TIERS, tier_for_step
 from gpuledger.schema.records import INT_FIELDS, GpuSample
 
 FIELD_OF: dict[str, str] = {name: attr for name, attr in GPU_SERIES}  # stored name -> GpuSample field
@@ -47,47 +49,28 @@ _STATS = ("n", "sum", "min", "max")
 _INTS = frozenset(INT_FIELDS)
 
 
-class SeriesUnavailable(Exception):
-    """The series database cannot be reached or timed out (HTTP 503 to our clients: try again later)."""
-
-    status = 503
-
-
-class SeriesBackendError(SeriesUnavailable):
-    """The series database answered with an error (``upstream``: its HTTP status) or something unreadable
-    (``upstream`` 0); HTTP 502 to our clients."""
-
-    status = 502
-
-    def __init__(self, message: str, upstream: int = 0) -> None:
-        super().__init__(message)
-        self.upstream = upstream
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    """``text`` on one line, at most ``limit`` characters (error messages end up in JSON answers and logs)."""
-    return " ".join(text.split())[:limit]
-
-
 class VictoriaMetrics:
-    """A VictoriaMetrics single-node server (or anything serving its HTTP API under ``url``). Thread-safe."""
+    """A VictoriaMetrics single-node server (or anything serving its HTTP API under ``url``). Thread-safe; a
+    ``series_remote.SeriesTarget``."""
+
+    name = "VictoriaMetrics"
 
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.url = redact(url.rstrip("/"))  # for messages, without a password
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             r = self._http.request(method, path, **kw)
         except httpx.TransportError as e:  # refused, reset, timed out
             raise SeriesUnavailable(f"VictoriaMetrics at {self.url} unreachable: {type(e).__name__}: "
-                                    f"{_one_line(str(e)) or 'no answer'}") from None
+                                    f"{one_line(str(e)) or 'no answer'}") from None
         if r.status_code in (429, 503):
             raise SeriesUnavailable(f"VictoriaMetrics at {self.url} is overloaded (HTTP {r.status_code}): "
-                                    f"{_one_line(r.text)}")
+                                    f"{one_line(r.text)}")
         if not 200 <= r.status_code < 300:
             raise SeriesBackendError(f"VictoriaMetrics at {self.url} answered HTTP {r.status_code} to {path}: "
-                                     f"{_one_line(r.text)}", r.status_code)
+                                     f"{one_line(r.text)}", r.status_code)
         return r
 
     def import_lines(self, body: bytes) -> None:
@@ -123,7 +106,7 @@ class VictoriaMetrics:
                 raise ValueError(doc.get("error", "no result"))
             return out
         except (ValueError, KeyError, TypeError) as e:
-            raise SeriesBackendError(f"VictoriaMetrics at {self.url}: unreadable answer ({_one_line(str(e))})"
+            raise SeriesBackendError(f"VictoriaMetrics at {self.url}: unreadable answer ({one_line(str(e))})"
                                      ) from None
 
     def flags(self) -> dict[str, str]:
@@ -134,6 +117,16 @@ class VictoriaMetrics:
             if sep:
                 out[name] = value.strip('"')
         return out
+
+    # -- what the shipper needs (series_remote.SeriesTarget) --------------------------------------------------
+    def render(self, chunks: Iterable[Chunk]) -> tuple[bytes, int]:
+        return import_body(chunks)
+
+    def post(self, body: bytes) -> None:
+        self.import_lines(body)
+
+    def problems(self) -> list[str]:
+        return settings_problems(self.flags())
 
     def close(self) -> None:
         self._http.close()
@@ -158,7 +151,7 @@ def settings_problems(flags: dict[str, str]) -> list[str]:
 
 
 # -- writes: stored chunks -> import lines --------------------------------------------------------------------
-def import_body(chunks: Iterable[tuple[str, str, str, bytes]]) -> tuple[bytes, int]:
+def import_body(chunks: Iterable[Chunk]) -> tuple[bytes, int]:
     """/api/v1/import JSON lines of raw chunks ``(host, gpu_uuid, mig, chunk)`` (``collector.chunks``); returns
     (body, samples). A GPU's points of all the chunks go in one line per series."""
     points: dict[tuple[str, str], tuple[list[Any], list[Any]]] = {}  # (name, labels JSON) -> (timestamps, values)
@@ -254,10 +247,13 @@ class VmSeriesReader:
             return self._buckets(labels, tier, start, end, step)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # an answer not shaped as documented
             raise SeriesBackendError(f"VictoriaMetrics at {self.vm.url}: unreadable answer "
-                                     f"({type(e).__name__}: {_one_line(str(e))})") from None
+                                     f"({type(e).__name__}: {one_line(str(e))})") from None
 
     def tiers(self) -> list[dict]:
         return []  # VictoriaMetrics keeps raw points for its own retention; it has no tiers to report
+
+    def close(self) -> None:
+        self.vm.close()
 
     def _raw(self, host: str, uuid: str, mig: str | None, labels: str, start: float, end: float) -> list[GpuSample]:
         got = self.vm.export(f'{{__name__=~"{_ALL_NAMES}", {labels}}}', math.floor(start * 1000) - 1,
@@ -292,7 +288,7 @@ class VmSeriesReader:
         return out
 
     def _buckets(self, labels: str, tier: int, start: float, end: float, step: float | None) -> list[RollupPoint]:
-        step = math.ceil(bucket_step(tier, step) * 1000 - 1e-6) / 1000  # whole milliseconds, VictoriaMetrics' grid
+        step = ms_step(tier, step)  # whole milliseconds, VictoriaMetrics' grid
         step_ms = round(step * 1000)
         first = math.floor(start / step)
         lo_ms = first * step_ms

@@ -22,8 +22,8 @@ INFLUX_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     ),
     "gpu_job": (
         frozenset({"host", "uuid", "mig", "jobid"}),
-        frozenset({"share", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio", "power_watts",
-                   "mem_used_bytes"}),
+        frozenset({"share", "share_reported", "sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
+                   "power_watts", "mem_used_bytes"}),
     ),
     "job_usage": (
         frozenset({"jobid", "user", "account", "partition", "cluster"}),

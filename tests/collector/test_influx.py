@@ -76,7 +76,9 @@ def test_sample_lines_schema():
     assert fs["xid_errors"] == "2i" and fs["jobs"] == "2i" and "sm_occupancy_ratio" not in fs
     assert "jobid" not in gpu  # no job ids on the per-GPU series
     assert j7.startswith("gpu_job,host=n1,jobid=7,mig=1.0,uuid=GPU-1 share=0.75,sm_active_ratio=0.5,")
-    assert j8.split(" ")[1].startswith("share=0.25")
+    assert j8.split(" ")[1].startswith("share=0.25") and ",share_reported=true " in j8
+    (_, equal) = sample_lines([sample(T0, job_ids=("9",))])  # no shares reported: the equal split, marked so
+    assert " share=1.0," in equal and ",share_reported=false " in equal
     (plain,) = sample_lines([sample(T0, job_ids=())])
     assert ",mig=" not in plain
 

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from collector_proc import CollectorProc
+from series_cases import NOW, Collector, H, assert_series_api_matches_local, batches, fleet, stored
 from servers import VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
 
 from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
@@ -27,11 +28,11 @@ from gpuledger.collector.db import open_database
 from gpuledger.collector.series_outbox import (
     SHIP_SLOTS,
     OutboxSeriesStore,
+    RemoteSeries,
     SeriesShipper,
-    VictoriaMetricsSeries,
     local_retention,
 )
-from gpuledger.collector.series_store import RAW, ChunkSeriesStore, Retention
+from gpuledger.collector.series_store import ChunkSeriesStore, Retention
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
 from gpuledger.collector.validate import parse_batch
@@ -41,99 +42,13 @@ from gpuledger.schema.wire import to_series
 
 pytestmark = [pytest.mark.influx, pytest.mark.timeout(240)]
 
-H = 1_699_999_200.0  # an hour's start (VictoriaMetrics keeps the past: retention 100 years in the harness)
-NOW = H + 3 * 3600.0  # the collectors' clock
 DEDUP = ("-dedup.minScrapeInterval=1ms",)  # what docs/deploy.md asks of a site's VictoriaMetrics
-NOT_IN_VM = ("xid_errors", "processes", "source")  # sample fields VictoriaMetrics does not hold
 
 
 @pytest.fixture(scope="module")
 def vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VictoriaMetricsServer]:
     with VictoriaMetricsServer(tmp_path_factory.mktemp("vm"), flags=DEDUP) as server:
         yield server
-
-
-class Collector:
-    """The collector as `collector serve` wires it, in-process: store, real HTTP server and, with ``vm_url``,
-    the outbox, the shipper (short backoff) and VictoriaMetrics answering /api/v1/series."""
-
-    def __init__(self, path: Path, vm_url: str | None = None, **server: Any) -> None:
-        self.store = Store(path, clock=lambda: NOW, series_outbox=vm_url is not None,
-                                 retention=local_retention(600.0) if vm_url else Retention())
-        self.remote = VictoriaMetricsSeries(self.store.series_store, vm_url, read_timeout_s=5.0, interval_s=0.05,
-                                            backoff_s=0.05, backoff_max_s=0.2) if vm_url else None
-        self.server = CollectorServer(self.store, clock=lambda: NOW, series=self.remote.reader if self.remote else None,
-                                      **server).start()
-        if self.remote:
-            self.server.metrics.registry.register(self.remote.metrics)
-        self.http = httpx.Client(base_url=self.server.url, timeout=30)
-
-    def post(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = self.http.post("/api/v1/samples", json=body)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-    def series(self, **params: Any) -> httpx.Response:
-        return self.http.get("/api/v1/series", params=params)
-
-    def metric(self, name: str) -> float:
-        for line in self.http.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
-
-    def close(self) -> None:
-        self.http.close()
-        self.server.stop()
-        if self.remote:
-            self.remote.close()
-        self.store.close()
-
-
-def fleet(host: str, hours: float = 3.0, step_s: float = 10.0, seed: int = 0) -> list[GpuSample]:
-    """Two devices of ``host`` with NVML's resolution (milliwatts, millijoules, bytes, percent; times in ms):
-    a whole GPU running job 101 then, after a free spell, job 102; a MIG instance shared by two jobs."""
-    rng = random.Random(seed)
-    out = []
-    energy = {0: 12_345_678.125, 1: 2_000_000.5}
-    for i in range(int(hours * 3600 / step_s)):
-        ts = H + i * step_s + 0.125
-        for index, (uuid, mig) in enumerate((("GPU-a", None), ("GPU-b", "1.0"))):
-            power = round(rng.uniform(60.0, 700.0), 3)
-            energy[index] = round(energy[index] + power * step_s, 3)
-            if index == 0:
-                jobs: tuple[str, ...] = ("101",) if i < 400 else () if i < 500 else ("102",)
-                shares: tuple[float, ...] = ()
-            else:
-                jobs, shares = ("201", "202"), (0.25, 0.75)
-            out.append(GpuSample(
-                ts=ts, host=host, gpu_uuid=uuid, gpu_index=index, model="NVIDIA H200", mig=mig,
-                sm_active_ratio=round(rng.random(), 2), dram_bw_ratio=round(rng.random(), 2), power_watts=power,
-                energy_joules=energy[index], mem_used_bytes=rng.randrange(80 << 30), mem_total_bytes=80 << 30,
-                temp_celsius=float(rng.randrange(30, 90)), power_limit_watts=700.0, sm_clock_hz=1.98e9,
-                throttle_reasons=rng.choice((0, 4)), ecc_errors_total=0, job_ids=jobs, job_shares=shares,
-                source="nvml"))
-    return out
-
-
-def batches(samples: list[GpuSample], host: str, per_batch_s: float = 60.0) -> list[dict[str, Any]]:
-    """Agent batches of a minute each in the columnar layout; every tenth batch holds back its last round, which
-    the next one sends late in the row layout (late samples take the store's row path)."""
-    by_minute: dict[int, list[GpuSample]] = {}
-    for s in samples:
-        by_minute.setdefault(int((s.ts - H) // per_batch_s), []).append(s)
-    out, held = [], []
-    for seq, minute in enumerate(sorted(by_minute)):
-        group = by_minute[minute]
-        if held:
-            out.append({"agent_id": "a", "seq": 10_000 + seq, "host": host, "samples": [s.to_dict() for s in held]})
-            held = []
-        if seq % 10 == 3:
-            last = max(s.ts for s in group)
-            held = [s for s in group if s.ts == last]
-            group = [s for s in group if s.ts != last]
-        out.append({"agent_id": "a", "seq": seq, "host": host, "series": to_series(group, host)})
-    return out
 
 
 def vm_points(vm: VictoriaMetricsServer, host: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], dict[int, Any]]:
@@ -169,16 +84,6 @@ def expected_points(samples: list[GpuSample]) -> dict[tuple[str, tuple[tuple[str
     return out
 
 
-def stored(store: Store) -> list[GpuSample]:
-    """Every raw sample the local store holds (a MIG GPU's power and energy move to a whole-GPU row of its own)."""
-    return [smp for host, uuid, mig in store.gpus()
-            for smp in store.series(host, uuid, 0, 1e11, mig=mig or None, tier=RAW)]
-
-
-def without_vm_only(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if k not in NOT_IN_VM}
-
-
 # -- shipping ---------------------------------------------------------------------------------------------------
 def test_ingested_samples_land_in_victoriametrics_exactly(vm: VictoriaMetricsServer, tmp_path: Path) -> None:
     host = "exact01"
@@ -211,39 +116,7 @@ def test_series_api_answers_from_victoriametrics_as_the_local_store_would(vm: Vi
         local.store.compact(NOW)  # the local store answers hours and minutes from its rollup tiers
         assert shipped.remote is not None and shipped.remote.shipper.flush(30)
         vm.flush()
-        end = H + 2.5 * 3600 - 0.001  # an hour's and a minute's last millisecond: rolled-up rows end there too
-        queries = [
-            {"uuid": "GPU-a", "start": H, "end": H + 1800},  # raw samples
-            {"uuid": "GPU-b", "mig": "1.0", "start": H + 600, "end": H + 900},
-            {"uuid": "GPU-a", "start": H, "end": end, "step": 30},  # raw buckets
-            {"uuid": "GPU-a", "start": H, "end": end, "step": 60},  # the minute tier
-            {"uuid": "GPU-b", "mig": "1.0", "start": H + 600, "end": NOW - 0.001, "step": 300},  # and its tail
-            {"uuid": "GPU-a", "start": H, "end": H + 7200 - 0.001, "step": 3600},  # the hour tier
-            {"uuid": "GPU-a", "start": H + 3600, "end": H + 3600 + 42.5, "step": 10},  # the last bucket cut at end
-            {"uuid": "GPU-a", "start": H, "end": NOW},  # longer than max_series_points seconds: 1.08 s buckets
-            {"uuid": "GPU-a", "start": NOW, "end": NOW + 60},  # nothing there
-        ]
-        for q in queries:
-            a, b = shipped.series(host=host, **q), local.series(host=host, **q)
-            assert a.status_code == b.status_code == 200, (q, a.text)
-            got, want = a.json(), b.json()
-            assert len(got) == len(want), q
-            if q == queries[-1]:
-                assert got == []
-            for g, w in zip(got, want):
-                if "gpu_uuid" in w:  # a raw sample
-                    assert without_vm_only(g) == without_vm_only(w), q
-                    assert (g["xid_errors"], g["processes"], g["source"]) == ([], [], "")
-                    continue
-                assert {k: g[k] for k in ("ts", "step", "samples", "tier", "min", "max")} == \
-                       {k: w[k] for k in ("ts", "step", "samples", "tier", "min", "max")}, q
-                assert g["mean"] == pytest.approx(w["mean"], rel=1e-12), q  # sums in another order
-        tiers = {p["tier"] for q in queries[2:6] for p in shipped.series(host=host, **q).json()}
-        assert tiers == {"raw", "1m", "1h"}
-        assert {p["step"] for p in shipped.series(host=host, **queries[7]).json()} == {1.08}
-        # a step that is no whole number of milliseconds is rounded up to one (VictoriaMetrics' resolution)
-        odd = shipped.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=1.0004).json()
-        assert {p["step"] for p in odd} == {1.001} and sum(p["samples"] for p in odd) == 60
+        assert_series_api_matches_local(shipped, local, host)
     finally:
         shipped.close()
         local.close()
@@ -289,7 +162,7 @@ def test_a_shipment_that_reached_victoriametrics_unacknowledged_is_stored_once(v
         body, n = import_body(c for q in queued for c in q.chunks())
         assert n == len(stored(store))
         VictoriaMetrics(vm.url).import_lines(body)  # ... and the collector died here, before ack
-        remote = VictoriaMetricsSeries(store.series_store, vm.url, interval_s=0.05)
+        remote = RemoteSeries(store.series_store, vm.url, interval_s=0.05)
         assert remote.shipper.flush(30) and remote.shipper.stats.shipped_samples == n
         remote.close()
         vm.flush()

@@ -18,7 +18,7 @@ from dashboards_grafana import ROOT, Context, empty_prom_targets, interpolate, l
 from servers import VictoriaMetricsServer, free_port
 
 from gpuledger.agent.push import HttpPusher
-from gpuledger.collector.series_outbox import VictoriaMetricsSeries, local_retention
+from gpuledger.collector.series_outbox import RemoteSeries, local_retention
 from gpuledger.collector.server import FEED_NAME, CollectorServer
 from gpuledger.collector.store import Store
 from gpuledger.dashboards import prometheus_defs
@@ -45,7 +45,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             {"account": "physics", "user": "bob", "fairshare": 0.25, "site_factor": 2500}]}))
         store = Store(tmp / "gpuledger.sqlite", series_outbox=True, retention=local_retention(600.0))
         es.callback(store.close)
-        remote = VictoriaMetricsSeries(store.series_store, f"http://127.0.0.1:{vm_port}", interval_s=0.2,
+        remote = RemoteSeries(store.series_store, f"http://127.0.0.1:{vm_port}", interval_s=0.2,
                                        backoff_s=0.1, backoff_max_s=0.5)
         es.callback(remote.close)
         collector = CollectorServer(store, priority_feed=tmp / FEED_NAME, metrics_user_labels=True,

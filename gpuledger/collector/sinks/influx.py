@@ -106,7 +106,7 @@ def line(measurement: str, tag_str: str, field_str: str, ts_ms: int) -> str | No
     return f"{escape_measurement(measurement)}{tag_str} {field_str} {ts_ms}" if field_str else None
 
 
-class _GpuPrefixes:
+class GpuPrefixes:
     """Tag sets per GPU are built once (the hot path only formats fields)."""
 
     def __init__(self) -> None:
@@ -134,9 +134,11 @@ class _GpuPrefixes:
         return p
 
 
-def sample_lines(samples: Iterable[GpuSample], prefixes: _GpuPrefixes | None = None) -> list[str]:
-    """Measurements ``gpu`` (one point per sample, no job ids) and ``gpu_job`` (one per sample and job)."""
-    px = prefixes or _GpuPrefixes()
+def sample_lines(samples: Iterable[GpuSample], prefixes: GpuPrefixes | None = None) -> list[str]:
+    """Measurements ``gpu`` (one point per sample, no job ids) and ``gpu_job`` (one per sample and job; its
+    ``share_reported`` says whether ``share`` is the agent's or the equal split of a sample without shares).
+    ``series_url`` ships these same lines to InfluxDB (``collector.influxdb``)."""
+    px = prefixes or GpuPrefixes()
     out: list[str] = []
     append = out.append
     for s in samples:
@@ -151,7 +153,8 @@ def sample_lines(samples: Iterable[GpuSample], prefixes: _GpuPrefixes | None = N
             common = [f"{k}={v!r}" for k, v in zip(JOB_FIELDS, _JOB(s)) if v is not None and math.isfinite(v)]
             if s.mem_used_bytes is not None and s.mem_used_bytes < _I64:
                 common.append(f"mem_used_bytes={s.mem_used_bytes}i")
-            tail = "," + ",".join(common) if common else ""
+            common.append(f"share_reported={'true' if s.job_shares else 'false'}")
+            tail = "," + ",".join(common)
             for job, share in zip(s.job_ids, shares):
                 append(f"{px.job_prefix(s, job)} share={float(share)!r}{tail} {ts}")
     return out
@@ -241,7 +244,7 @@ class InfluxSink:
         self.max_buffer_lines, self.max_retries = max_buffer_lines, max_retries
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.stats = SinkStats()
-        self._prefixes = _GpuPrefixes()
+        self._prefixes = GpuPrefixes()
         self._buf: deque[tuple[str, Any, int]] = deque()  # (kind, payload, line count)
         self._buffered = 0
         self._inflight = 0
