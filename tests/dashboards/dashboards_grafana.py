@@ -230,3 +230,16 @@ def empty_prom_targets(server: Any, doc: dict[str, Any], ctx: Context, jobid: st
         if not prom_has_data(data):
             empty.append(f"{q.where}: {expr}")
     return empty
+
+
+def prom_state_counts(server: Any, ctx: Context, idle_ratio: str = "0.05") -> dict[str, int]:
+    """GPUs per state, as the Prometheus-flavour state panels count them on ``server`` at ``ctx.end`` (the idle
+    threshold variable set to ``idle_ratio``)."""
+    from gpuledger.dashboards import prometheus_defs
+
+    ctx.values["idle"] = [idle_ratio]
+    got = {}
+    for state, q in prometheus_defs.STATE_QUERIES.items():
+        result = server.query(interpolate(q, "prometheus", ctx), at=ctx.end)["result"]
+        got[state] = int(float(result[0]["value"][1]))
+    return got

@@ -23,6 +23,7 @@ from dashboards_grafana import (  # first: sys.path
     interpolate,
     load,
     midnight,
+    prom_state_counts,
     query_variables,
     targets,
 )
@@ -34,7 +35,7 @@ from gpuledger.cli import app
 from gpuledger.collector.server import FEED_NAME, CollectorServer
 from gpuledger.collector.sinks.influx import InfluxSink
 from gpuledger.collector.store import Store
-from gpuledger.dashboards import influxdb_defs, lint, prometheus_defs
+from gpuledger.dashboards import influxdb_defs, lint
 from gpuledger.dashboards.schema import INFLUX_SCHEMA
 from gpuledger.demo import CONFIG_NAME, STORE_NAME, run_demo
 
@@ -106,13 +107,7 @@ def test_prometheus_panels_return_data(stack: Stack, path: Path) -> None:
 
 
 def test_prometheus_state_panels_count_each_state(stack: Stack) -> None:
-    ctx = _prom_context(stack)
-    ctx.values["idle"] = ["0.05"]
-    got = {}
-    for state, q in prometheus_defs.STATE_QUERIES.items():
-        result = stack.prom.query(interpolate(q, "prometheus", ctx), at=ctx.end)["result"]
-        got[state] = int(float(result[0]["value"][1]))
-    assert got == EXPECTED_STATES
+    assert prom_state_counts(stack.prom, _prom_context(stack)) == EXPECTED_STATES
 
 
 def test_prometheus_metrics_named_exist(stack: Stack) -> None:

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 from dashboards_fleet import EXPECTED_STATES, LOST_HOST, LOST_LAG_S, SHARED_JOB, LiveFleet
-from dashboards_grafana import ROOT, Context, empty_prom_targets, interpolate, load  # first: sys.path
+from dashboards_grafana import ROOT, Context, empty_prom_targets, load, prom_state_counts  # first: sys.path
 from servers import VictoriaMetricsServer, free_port
 
 from gpuledger.agent.push import HttpPusher
 from gpuledger.collector.series_outbox import RemoteSeries, local_retention
 from gpuledger.collector.server import FEED_NAME, CollectorServer
 from gpuledger.collector.store import Store
-from gpuledger.dashboards import prometheus_defs
 
 pytestmark = [pytest.mark.influx, pytest.mark.timeout(180)]
 
@@ -97,13 +96,7 @@ def test_prometheus_panels_return_data_from_victoriametrics(stack: Stack, path: 
 
 
 def test_state_panels_count_each_state_once(stack: Stack) -> None:
-    ctx = _context(stack)
-    ctx.values["idle"] = ["0.05"]
-    got = {}
-    for state, q in prometheus_defs.STATE_QUERIES.items():
-        result = stack.vm.query(interpolate(q, "prometheus", ctx), at=ctx.end)["result"]
-        got[state] = int(float(result[0]["value"][1]))
-    assert got == EXPECTED_STATES
+    assert prom_state_counts(stack.vm, _context(stack)) == EXPECTED_STATES
     # the agents' GPU series were dropped at scrape: the collector's are the only ones
     assert {s["job"] for s in stack.vm.api("/api/v1/series", **{"match[]": "up"})} == {
         "gpuledger-agent", "gpuledger-collector"}
