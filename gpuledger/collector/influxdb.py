@@ -38,8 +38,15 @@ import httpx
 from gpuledger.collector.chunks import decode_samples
 from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
-from gpuledger.collector.series_remote import Chunk, SeriesBackendError, SeriesUnavailable, ms_step, one_line
-from gpuledger.collector.series_store import RAW, TIER_NAMES, TIERS, tier_for_step
+from gpuledger.collector.series_remote import (
+    Chunk,
+    RemoteSeriesReader,
+    SeriesBackendError,
+    SeriesUnavailable,
+    ms_step,
+    one_line,
+)
+from gpuledger.collector.series_store import TIER_NAMES
 from gpuledger.collector.sinks.influx import FLOAT_FIELDS, INT_FIELDS, GpuPrefixes, sample_lines
 from gpuledger.schema.records import GpuSample
 
@@ -161,32 +168,19 @@ def _rows(result: dict[str, Any]) -> Iterable[tuple[dict[str, str], dict[str, An
             yield tags, dict(zip(columns, values))
 
 
-class InfluxSeriesReader:
-    """``SeriesReader`` over InfluxDB 1.x: one GPU's samples or buckets, as ``SqliteSeriesStore.series`` gives
-    them with every tier complete (see the module's docstring for what differs). Raises SeriesUnavailable
+class InfluxSeriesReader(RemoteSeriesReader):
+    """``SeriesReader`` over InfluxDB 1.x with InfluxQL (``RemoteSeriesReader``). Raises SeriesUnavailable
     (unreachable, timed out, overloaded) or SeriesBackendError (an error answer); never blocks ingest."""
 
+    name = "InfluxDB"
+
     def __init__(self, db: InfluxDB) -> None:
-        self.db = db
+        self.db, self.url = db, db.url
 
-    def series(
-        self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
-        tier: int | None = None,
-    ) -> list[GpuSample] | list[RollupPoint]:
-        tier = tier_for_step(list(TIERS), step) if tier is None else tier
+    def _selector(self, host: str, gpu_uuid: str, mig: str) -> str:
         # an absent tag (a whole GPU's mig) equals '' in InfluxQL
-        where = " AND ".join(f'"{tag}" = {literal(stored_tag(value))}'
-                             for tag, value in (("host", host), ("uuid", gpu_uuid), ("mig", mig or "")))
-        try:
-            if tier == RAW and not step:
-                return self._raw(host, gpu_uuid, mig or None, where, start, end)
-            return self._buckets(where, tier, start, end, step)
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:  # not shaped as documented
-            raise SeriesBackendError(f"InfluxDB at {self.db.url}: unreadable answer "
-                                     f"({type(e).__name__}: {one_line(str(e))})") from None
-
-    def tiers(self) -> list[dict]:
-        return []  # InfluxDB keeps raw points for its retention policy; it has no tiers to report
+        return " AND ".join(f'"{tag}" = {literal(stored_tag(value))}'
+                            for tag, value in (("host", host), ("uuid", gpu_uuid), ("mig", mig)))
 
     def close(self) -> None:
         self.db.close()

@@ -8,7 +8,9 @@ import math
 from collections.abc import Iterable
 from typing import Protocol
 
-from gpuledger.collector.series_store import bucket_step
+from gpuledger.collector.rollup import RollupPoint
+from gpuledger.collector.series_store import RAW, TIERS, bucket_step, tier_for_step
+from gpuledger.schema.records import GpuSample
 
 Chunk = tuple[str, str, str, bytes]  # a queued raw chunk: (host, gpu_uuid, mig or "", chunk)
 
@@ -59,3 +61,41 @@ def ms_step(tier: int, step: float | None) -> float:
     """The bucket width the local store would use for ``step`` in ``tier``, rounded up to whole milliseconds
     (the series databases' time resolution as the collector writes them)."""
     return math.ceil(bucket_step(tier, step) * 1000 - 1e-6) / 1000
+
+
+class RemoteSeriesReader:
+    """What a ``SeriesReader`` over a series database does whatever its query language: pick the tier as the local
+    store would, read raw samples or buckets (``_raw``, ``_buckets``: the subclass's queries on its ``selector``
+    of one GPU), and turn an answer not shaped as documented into SeriesBackendError (502). The answers are
+    ``ChunkSeriesStore.series``'s with every tier complete (see each backend's module for what differs)."""
+
+    name = ""  # for messages: "VictoriaMetrics", "InfluxDB"
+    url = ""
+
+    def series(
+        self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
+        tier: int | None = None,
+    ) -> list[GpuSample] | list[RollupPoint]:
+        tier = tier_for_step(list(TIERS), step) if tier is None else tier
+        selector = self._selector(host, gpu_uuid, mig or "")
+        try:
+            if tier == RAW and not step:
+                return self._raw(host, gpu_uuid, mig or None, selector, start, end)
+            return self._buckets(selector, tier, start, end, step)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:  # not shaped as documented
+            raise SeriesBackendError(f"{self.name} at {self.url}: unreadable answer "
+                                     f"({type(e).__name__}: {one_line(str(e))})") from None
+
+    def tiers(self) -> list[dict]:
+        return []  # the database keeps raw points for its own retention; it has no tiers to report
+
+    def _selector(self, host: str, gpu_uuid: str, mig: str) -> str:
+        raise NotImplementedError
+
+    def _raw(self, host: str, uuid: str, mig: str | None, selector: str, start: float, end: float
+             ) -> list[GpuSample]:
+        raise NotImplementedError
+
+    def _buckets(self, selector: str, tier: int, start: float, end: float, step: float | None
+                 ) -> list[RollupPoint]:
+        raise NotImplementedError

@@ -38,8 +38,15 @@ from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
 from gpuledger.collector.chunks import OBJ, column_floats, column_list, decode_columns
 from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
-from gpuledger.collector.series_remote import Chunk, SeriesBackendError, SeriesUnavailable, ms_step, one_line
-from gpuledger.collector.series_store import RAW, TIER_NAMES, TIERS, tier_for_step
+from gpuledger.collector.series_remote import (
+    Chunk,
+    RemoteSeriesReader,
+    SeriesBackendError,
+    SeriesUnavailable,
+    ms_step,
+    one_line,
+)
+from gpuledger.collector.series_store import TIER_NAMES
 from gpuledger.schema.records import INT_FIELDS, GpuSample
 
 FIELD_OF: dict[str, str] = {name: attr for name, attr in GPU_SERIES}  # stored name -> GpuSample field
@@ -227,30 +234,18 @@ def _quote(v: str) -> str:
     return json.dumps(v, ensure_ascii=False)  # a PromQL string literal (Go escapes, which JSON's are)
 
 
-class VmSeriesReader:
-    """``SeriesReader`` over VictoriaMetrics: one GPU's samples or buckets, as ``SqliteSeriesStore.series`` gives
-    them with every tier complete (see the module's docstring for what differs). Raises SeriesUnavailable
-    (unreachable, timed out, overloaded) or SeriesBackendError (an error answer); never blocks ingest."""
+class VmSeriesReader(RemoteSeriesReader):
+    """``SeriesReader`` over VictoriaMetrics with MetricsQL and its export API (``RemoteSeriesReader``). Raises
+    SeriesUnavailable (unreachable, timed out, overloaded) or SeriesBackendError (an error answer); never blocks
+    ingest."""
+
+    name = "VictoriaMetrics"
 
     def __init__(self, vm: VictoriaMetrics) -> None:
-        self.vm = vm
+        self.vm, self.url = vm, vm.url
 
-    def series(
-        self, host: str, gpu_uuid: str, start: float, end: float, step: float | None = None, mig: str | None = None,
-        tier: int | None = None,
-    ) -> list[GpuSample] | list[RollupPoint]:
-        tier = tier_for_step(list(TIERS), step) if tier is None else tier
-        labels = f"host={_quote(host)}, uuid={_quote(gpu_uuid)}, mig={_quote(mig or '')}"
-        try:
-            if tier == RAW and not step:
-                return self._raw(host, gpu_uuid, mig or None, labels, start, end)
-            return self._buckets(labels, tier, start, end, step)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:  # an answer not shaped as documented
-            raise SeriesBackendError(f"VictoriaMetrics at {self.vm.url}: unreadable answer "
-                                     f"({type(e).__name__}: {one_line(str(e))})") from None
-
-    def tiers(self) -> list[dict]:
-        return []  # VictoriaMetrics keeps raw points for its own retention; it has no tiers to report
+    def _selector(self, host: str, gpu_uuid: str, mig: str) -> str:
+        return f"host={_quote(host)}, uuid={_quote(gpu_uuid)}, mig={_quote(mig)}"
 
     def close(self) -> None:
         self.vm.close()
