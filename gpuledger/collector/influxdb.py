@@ -36,12 +36,12 @@ from typing import Any
 import httpx
 
 from gpuledger.collector.chunks import decode_samples
-from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_remote import (
     Chunk,
     RemoteSeriesReader,
     SeriesBackendError,
+    SeriesHttpClient,
     SeriesUnavailable,
     ms_step,
     one_line,
@@ -90,32 +90,20 @@ def original_tag(stored: str) -> str:
     return stored.replace("\\\\", "\\")
 
 
-class InfluxDB:
+class InfluxDB(SeriesHttpClient):
     """One database of an InfluxDB 1.x server (its /write and /query API under ``url``; user and password, if
     any, in the URL). Thread-safe; a ``series_remote.SeriesTarget``."""
 
     name = "InfluxDB"
 
     def __init__(self, url: str, database: str, timeout_s: float = 30.0) -> None:
-        self.url, self.database = redact(url.rstrip("/")), database  # url: for messages, without a password
-        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+        super().__init__(url, timeout_s)
+        self.database = database
 
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            r = self._http.request(method, path, **kw)
-        except httpx.TransportError as e:  # refused, reset, timed out
-            raise SeriesUnavailable(f"InfluxDB at {self.url} unreachable: {type(e).__name__}: "
-                                    f"{one_line(str(e)) or 'no answer'}") from None
-        if r.status_code in (429, 503):
-            raise SeriesUnavailable(f"InfluxDB at {self.url} is overloaded (HTTP {r.status_code}): "
-                                    f"{one_line(r.text)}")
+    def _unavailable(self, r: httpx.Response) -> None:
         if r.status_code == 404 and "database not found" in r.text:  # not malformed: shipped once it exists
             raise SeriesUnavailable(f"InfluxDB at {self.url} has no database {self.database!r} "
                                     f"(CREATE DATABASE {ident(self.database)}): {one_line(r.text)}")
-        if not 200 <= r.status_code < 300:
-            raise SeriesBackendError(f"InfluxDB at {self.url} answered HTTP {r.status_code} to {path}: "
-                                     f"{one_line(r.text)}", r.status_code)
-        return r
 
     def write(self, body: bytes) -> None:
         """POST line protocol (millisecond timestamps) to /write, gzipped (raises SeriesUnavailable, or
@@ -155,9 +143,6 @@ class InfluxDB:
             return [f"no database {self.database!r}: shipments wait until it exists "
                     f"(CREATE DATABASE {ident(self.database)})"]
         return []
-
-    def close(self) -> None:
-        self._http.close()
 
 
 def _rows(result: dict[str, Any]) -> Iterable[tuple[dict[str, str], dict[str, Any]]]:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
+import httpx
+
+from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_store import RAW, TIERS, bucket_step, tier_for_step
 from gpuledger.schema.records import GpuSample
@@ -55,6 +58,39 @@ class SeriesTarget(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class SeriesHttpClient:
+    """The HTTP side both series databases share: ``url`` (for messages, without a password), a thread-safe
+    client, and answers sorted into SeriesUnavailable (unreachable, timed out, 429/503: retried) and
+    SeriesBackendError (any other non-2xx, ``upstream`` its status)."""
+
+    name = ""  # "VictoriaMetrics", "InfluxDB"
+
+    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+        self.url = redact(url.rstrip("/"))
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.TransportError as e:  # refused, reset, timed out
+            raise SeriesUnavailable(f"{self.name} at {self.url} unreachable: {type(e).__name__}: "
+                                    f"{one_line(str(e)) or 'no answer'}") from None
+        if r.status_code in (429, 503):
+            raise SeriesUnavailable(f"{self.name} at {self.url} is overloaded (HTTP {r.status_code}): "
+                                    f"{one_line(r.text)}")
+        self._unavailable(r)
+        if not 200 <= r.status_code < 300:
+            raise SeriesBackendError(f"{self.name} at {self.url} answered HTTP {r.status_code} to {path}: "
+                                     f"{one_line(r.text)}", r.status_code)
+        return r
+
+    def _unavailable(self, r: httpx.Response) -> None:
+        """Raise SeriesUnavailable for an error answer of this database that waiting can cure."""
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def ms_step(tier: int, step: float | None) -> float:

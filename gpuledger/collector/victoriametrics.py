@@ -36,13 +36,12 @@ import numpy as np
 
 from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
 from gpuledger.collector.chunks import OBJ, column_floats, column_list, decode_columns
-from gpuledger.collector.db import redact
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_remote import (
     Chunk,
     RemoteSeriesReader,
     SeriesBackendError,
-    SeriesUnavailable,
+    SeriesHttpClient,
     ms_step,
     one_line,
 )
@@ -56,29 +55,11 @@ _STATS = ("n", "sum", "min", "max")
 _INTS = frozenset(INT_FIELDS)
 
 
-class VictoriaMetrics:
+class VictoriaMetrics(SeriesHttpClient):
     """A VictoriaMetrics single-node server (or anything serving its HTTP API under ``url``). Thread-safe; a
     ``series_remote.SeriesTarget``."""
 
     name = "VictoriaMetrics"
-
-    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
-        self.url = redact(url.rstrip("/"))  # for messages, without a password
-        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
-
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            r = self._http.request(method, path, **kw)
-        except httpx.TransportError as e:  # refused, reset, timed out
-            raise SeriesUnavailable(f"VictoriaMetrics at {self.url} unreachable: {type(e).__name__}: "
-                                    f"{one_line(str(e)) or 'no answer'}") from None
-        if r.status_code in (429, 503):
-            raise SeriesUnavailable(f"VictoriaMetrics at {self.url} is overloaded (HTTP {r.status_code}): "
-                                    f"{one_line(r.text)}")
-        if not 200 <= r.status_code < 300:
-            raise SeriesBackendError(f"VictoriaMetrics at {self.url} answered HTTP {r.status_code} to {path}: "
-                                     f"{one_line(r.text)}", r.status_code)
-        return r
 
     def import_lines(self, body: bytes) -> None:
         """POST JSON lines to /api/v1/import, gzipped (raises SeriesUnavailable, or SeriesBackendError: refused)."""
@@ -134,9 +115,6 @@ class VictoriaMetrics:
 
     def problems(self) -> list[str]:
         return settings_problems(self.flags())
-
-    def close(self) -> None:
-        self._http.close()
 
 
 def _seconds(ms: int) -> str:
