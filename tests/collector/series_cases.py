@@ -4,7 +4,9 @@ that GET /api/v1/series answers from the series database with the points the loc
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +158,33 @@ def assert_series_api_matches_local(shipped: Collector, local: Collector, host: 
     # a step that is no whole number of milliseconds is rounded up to one (the databases' resolution as written)
     odd = shipped.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=1.0004).json()
     assert {p["step"] for p in odd} == {1.001} and sum(p["samples"] for p in odd) == 60
+
+
+def assert_shipping_fails(c: Collector, local: Collector, host: str, samples: list[GpuSample],
+                          records: list[logging.LogRecord]) -> logging.LogRecord:
+    """With the series database down: ``c`` answers every batch as ``local`` (no series_url) does and stores the
+    same usage, retries, shows the whole backlog and its lag, logs one line (returned) and answers series reads
+    503 with Retry-After."""
+    for b in batches(samples, host):
+        assert c.post(b) == local.post(b)
+    assert c.http.get("/api/v1/usage").json() == local.http.get("/api/v1/usage").json()
+    deadline = time.monotonic() + 10
+    while c.metric("gpuledger_collector_series_ship_failures_total") < 3:  # several retries ...
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert c.metric("gpuledger_collector_series_backlog_samples") == len(stored(c.store))
+    assert c.metric("gpuledger_collector_series_lag_seconds") > 0
+    failed = [r for r in records if "failed" in r.getMessage()]
+    assert len(failed) == 1  # ... one log line
+    r = c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60)
+    assert r.status_code == 503 and r.headers["Retry-After"] and set(r.json()) == {"error", "reason"}
+    return failed[0]
+
+
+def assert_shipping_resumed(c: Collector, host: str, records: list[logging.LogRecord]) -> None:
+    """After the series database came back and ``c`` shipped: no backlog, no lag, one log line saying so, and
+    series reads answered."""
+    assert c.metric("gpuledger_collector_series_backlog_samples") == 0
+    assert c.metric("gpuledger_collector_series_lag_seconds") == 0
+    assert len([r for r in records if "again" in r.getMessage()]) == 1
+    assert c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60).status_code == 200

@@ -19,7 +19,17 @@ from typing import Any
 import httpx
 import pytest
 from collector_proc import CollectorProc
-from series_cases import NOW, Collector, H, assert_series_api_matches_local, batches, fleet, stored
+from series_cases import (
+    NOW,
+    Collector,
+    H,
+    assert_series_api_matches_local,
+    assert_shipping_fails,
+    assert_shipping_resumed,
+    batches,
+    fleet,
+    stored,
+)
 from servers import VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
 
 from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
@@ -305,27 +315,13 @@ def test_victoriametrics_down_ingest_goes_on_and_shipping_resumes(tmp_path: Path
     local = Collector(tmp_path / "local.sqlite")
     caplog.set_level(logging.INFO, logger="gpuledger.collector.series_outbox")
     try:
-        for b in batches(samples, host):
-            assert c.post(b) == local.post(b)  # the same answers as a collector without series_url
-        assert c.http.get("/api/v1/usage").json() == local.http.get("/api/v1/usage").json()
-        deadline = time.monotonic() + 10
-        while c.metric("gpuledger_collector_series_ship_failures_total") < 3:  # several retries ...
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert c.metric("gpuledger_collector_series_backlog_samples") == len(stored(c.store))
-        assert c.metric("gpuledger_collector_series_lag_seconds") > 0
-        failed = [r for r in caplog.records if "failed" in r.getMessage()]
-        assert len(failed) == 1 and "unreachable" in failed[0].getMessage()  # ... one log line
-        r = c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60)
-        assert r.status_code == 503 and r.headers["Retry-After"] and set(r.json()) == {"error", "reason"}
+        failed = assert_shipping_fails(c, local, host, samples, caplog.records)
+        assert "unreachable" in failed.getMessage()
         with VictoriaMetricsServer(tmp_path / "vm", port=vm_port, flags=DEDUP) as vm:
             assert c.remote is not None and c.remote.shipper.flush(30)
             vm.flush()
             assert vm_points(vm, host) == expected_points(stored(c.store))
-            assert c.metric("gpuledger_collector_series_backlog_samples") == 0
-            assert c.metric("gpuledger_collector_series_lag_seconds") == 0
-            assert len([r for r in caplog.records if "again" in r.getMessage()]) == 1
-            assert c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60).status_code == 200
+            assert_shipping_resumed(c, host, caplog.records)
         r = c.series(host=host, uuid="GPU-a", start=H, end=H + 600)  # down again: one line of JSON, never a 500
         assert r.status_code == 503 and r.text.count("\n") == 0 and r.json()["reason"] == "series_unavailable"
     finally:
