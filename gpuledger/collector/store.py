@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,12 @@ from gpuledger.collector.db import (
     open_database,
     upsert,
 )
-from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqlLedger
+from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqlLedger, gpu_totals
 from gpuledger.collector.migrations import migrate
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.collector.series_outbox import OutboxSeriesStore
-from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention, SeriesStore
+from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention, SeriesStore, StaleCompaction
 from gpuledger.collector.sinks import Sink
 from gpuledger.collector.validate import Batch, as_sample
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsage
@@ -144,6 +145,49 @@ class _Pending:
         self.result: IngestResult | None = None
         self.error: Exception | None = None
         self.accepted: list[GpuSample] = []
+
+
+COMPACTION_STEP_S = 0.02  # about how long one compaction transaction holds the store's lock (ingest waits)
+_STEP_BUFFER = 256  # planned compaction writes kept before they are applied (bounds memory: merged chunks)
+
+
+class _Steps:
+    """Compaction's planned writes, applied under the store's lock in short transactions: each one once no batch
+    waits for a commit (``Store._compaction_step``), and each takes planned writes until about ``step_s`` of
+    work is done (many GPUs a transaction, one commit for them all, never a long hold). A plan found stale
+    (``StaleCompaction``) rolls its step back; what the step held is planned again by the next compaction."""
+
+    def __init__(self, store: Store, step_s: float) -> None:
+        self._store = store
+        self._step_s = step_s
+        self._ops: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+
+    def add(self, apply: Callable[[], Any], done: Callable[[Any], None]) -> None:
+        """``apply`` writes inside a step's transaction; ``done`` gets its result once that step committed."""
+        self._ops.append((apply, done))
+        if len(self._ops) >= _STEP_BUFFER:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._ops:
+            self._step()
+
+    def _step(self) -> None:
+        results: list[Any] = []
+        try:
+            with self._store._compaction_step(), self._store.db.transaction():
+                end = time.monotonic() + self._step_s
+                for apply, _ in self._ops:
+                    results.append(apply())
+                    if time.monotonic() >= end:
+                        break
+        except StaleCompaction as exc:
+            log.warning("compaction: %s; the step is rolled back, planned again next time", exc)
+            del self._ops[:len(results) + 1]
+            return
+        for (_, done), result in zip(self._ops, results):
+            done(result)
+        del self._ops[:len(results)]
 
 
 def _database(target: Database | str | os.PathLike[str]) -> Database:
@@ -500,8 +544,10 @@ class Store:
     def compact(self, now: float | None = None) -> CompactStats:
         """Apply the tiers: roll up closed minutes and hours, merge small chunks, drop expired data.
 
-        Idempotent; each GPU's rollup and each merge is its own transaction, so ingest waits at most
-        for one of them, and a crash leaves either the old or the new state. On a ledger shared by several
+        Idempotent. A pass plans from reads through a connection of its own (``Database.reader``), outside the
+        store's lock, then writes in short transactions (about ``COMPACTION_STEP_S`` of work each, many GPUs'
+        roll-ups or merges in one), each taken once no ingest batch waits for a commit: ingest waits at most for
+        one step, and a crash leaves each step's GPUs in either the old or the new state. On a ledger shared by several
         collectors one compacts at a time (the ledger's compaction lock): while another one holds it, this one
         only hands its sinks their summaries (``skipped``).
         """
@@ -513,36 +559,55 @@ class Store:
             return CompactStats(job_summaries=self._emit_summaries(force=True), skipped=True)
 
     def _compact(self, now: float) -> CompactStats:
-        with self._lock:  # every stored GPU, in memory or not
-            at = GPU_TOTAL_FIELDS.index("watermark")
-            watermarks = {gpu_key: totals[at] for gpu_key, totals in self.ledger.gpu_totals()}
-        minutes = hours = 0
-        for gpu_key, watermark in sorted(watermarks.items()):
-            # minutes before (newest sample - window) can no longer receive a late sample: final
-            final_before = watermark - self.agg.window_s
-            if self._rolled_to.get(gpu_key) == math.floor(final_before / 60.0):
-                continue  # no minute became final since this GPU's last roll-up: it would change nothing
-            with self._compaction_step():
-                rolled_minutes, rolled_hours = self.series_store.roll_up(gpu_key, final_before)
-            self._rolled_to[gpu_key] = math.floor(final_before / 60.0)
-            minutes, hours = minutes + rolled_minutes, hours + rolled_hours
-        merged = 0
-        for tier in TIERS:
-            with self._lock:
-                groups = self.series_store.mergeable_groups(tier, now)
-            for group in groups:
-                with self._compaction_step():
-                    merged += self.series_store.merge(group)
+        # Every read goes through a connection of its own (Database.reader), outside the store's lock: planning
+        # a pass reads every GPU's totals, groups every chunk and decodes what it rolls up or merges, which held
+        # ingest's commits for as long. Only the planned writes take the lock, in short steps (_Steps).
+        counts = {"minutes": 0, "hours": 0, "merged": 0, "deleted": 0}
+
+        def rolled(gpu_key: GpuKey, minute: int, written: tuple[int, int]) -> None:
+            self._rolled_to[gpu_key] = minute
+            counts["minutes"] += written[0]
+            counts["hours"] += written[1]
+
+        def add(name: str, n: int) -> None:
+            counts[name] += n
+
+        steps = _Steps(self, COMPACTION_STEP_S)
+        with self._db.reader() as rdb:
+            reader = self.series_store.on(rdb)
+            with rdb.snapshot():
+                at = GPU_TOTAL_FIELDS.index("watermark")
+                watermarks = {gpu_key: totals[at] for gpu_key, totals in gpu_totals(rdb)}  # every stored GPU
+            for gpu_key, watermark in sorted(watermarks.items()):
+                # minutes before (newest sample - window) can no longer receive a late sample: final
+                final_before = watermark - self.agg.window_s
+                minute = math.floor(final_before / 60.0)
+                if self._rolled_to.get(gpu_key) == minute:
+                    continue  # no minute became final since this GPU's last roll-up: it would change nothing
+                plan = reader.plan_roll_up(gpu_key, final_before)
+                if plan.changes:
+                    steps.add(partial(self.series_store.apply_roll_up, plan), partial(rolled, gpu_key, minute))
+                else:
+                    self._rolled_to[gpu_key] = minute
+            steps.flush()
+            for tier in TIERS:
+                for group in reader.mergeable_groups(tier, now):
+                    merge = reader.plan_merge(group)
+                    if merge is not None:
+                        steps.add(partial(self.series_store.apply_merge, merge), partial(add, "merged"))
+            steps.flush()
+            for expiry in reader.plan_expiry(now):  # after the roll-ups: what they made expirable goes too
+                steps.add(partial(self.series_store.apply_expiry, expiry), partial(add, "deleted"))
+            steps.flush()
         with self._lock:
-            deleted = self.series_store.expire(now)
             self.ledger.prune_batches(now - self.dedupe_horizon_s)
             summaries = self._emit_summaries(force=True)
-        return CompactStats(minutes, hours, merged, deleted, summaries)
+        return CompactStats(counts["minutes"], counts["hours"], counts["merged"], counts["deleted"], summaries)
 
     @contextmanager
     def _compaction_step(self) -> Iterator[None]:
         """The lock for one compaction step, taken once no batch waits for a commit (or after 50 ms): the lock
-        is not fair, and a compactor releasing and retaking it GPU after GPU kept ingest waiting for seconds."""
+        is not fair, and a compactor releasing and retaking it step after step kept ingest waiting for seconds."""
         end = time.monotonic() + 0.05
         while self._queue and time.monotonic() < end:
             time.sleep(0.001)

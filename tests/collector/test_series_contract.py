@@ -17,7 +17,15 @@ from gpuledger.collector.aggregate import WindowSegment
 from gpuledger.collector.db import Database, open_database
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import series_from_samples
-from gpuledger.collector.series_store import HOUR, MERGE_OPEN_AT, MINUTE, RAW, ChunkSeriesStore, Retention
+from gpuledger.collector.series_store import (
+    HOUR,
+    MERGE_OPEN_AT,
+    MINUTE,
+    RAW,
+    ChunkSeriesStore,
+    Retention,
+    StaleCompaction,
+)
 from gpuledger.schema.records import GpuSample
 
 H = 3600.0 * 480_000  # an hour and day boundary
@@ -136,6 +144,59 @@ def test_merge_joins_small_chunks_of_closed_intervals_and_crowded_open_ones(db):
     write(store, db, gen("n1", "G0", None, 3, step=10.0, t0=H + 7200, seed=1), batch_s=10)
     assert store.mergeable_groups(RAW, H + 7300) == []
     assert [g.bucket for g in store.mergeable_groups(RAW, H + 3 * 3600)] == [H + 7200]
+
+
+def test_plans_made_through_another_connection_apply_while_ingest_adds_chunks(db):
+    """Compaction plans from reads on a connection of its own (``Database.reader``) while ingest writes on the
+    store's; chunks ingest adds between a plan and its transaction are neither merged away nor lost."""
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    ss = gen("n1", "G0", None, 720, step=10.0)
+    write(store, db, ss[:600], batch_s=60)  # hour H closed at H + 1 h 30; hour H + 1 h open with 40 chunks
+    with db.reader() as other:
+        reader = store.on(other)
+        plans = [reader.plan_merge(g) for g in reader.mergeable_groups(RAW, H + 5400)]
+        roll = reader.plan_roll_up(gk, H + 5000)
+    write(store, db, ss[600:], batch_s=60)  # ingest goes on: 20 more chunks in the open hour
+    with db.transaction():
+        assert [store.apply_merge(p) for p in plans if p is not None] == [59, 39]
+        assert store.apply_roll_up(roll) == (83, 1)
+    assert store.series("n1", "G0", 0, 2e9) == ss
+    assert len(chunks(db, RAW)) == 2 + 20
+    minutes = store.series("n1", "G0", H, H + 4979, step=60, tier=MINUTE)
+    assert [(p.ts, p.samples) for p in minutes] == [
+        (H + 60 * i, sum(1 for s in ss if H + 60 * i <= s.ts < H + 60 * (i + 1))) for i in range(83)]
+
+
+def test_a_stale_plan_is_refused_and_its_transaction_rolled_back(db):
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    write(store, db, gen("n1", "G0", None, 720, step=10.0), batch_s=60)
+    group = store.mergeable_groups(RAW, H + 3 * 3600)[0]
+    merge, roll = store.plan_merge(group), store.plan_roll_up(gk, H + 3000)
+    assert merge is not None
+    assert store.merge(group) == 59 and store.roll_up(gk, H + 3000) == (50, 0)  # another pass did them first
+    before = (chunks(db, RAW), chunks(db, MINUTE), store.rolled_up_until(gk, MINUTE))
+    for stale in (lambda: store.apply_merge(merge), lambda: store.apply_roll_up(roll)):
+        with pytest.raises(StaleCompaction), db.transaction():
+            stale()
+        assert (chunks(db, RAW), chunks(db, MINUTE), store.rolled_up_until(gk, MINUTE)) == before
+
+
+def test_hours_from_minutes_of_the_same_plan_equal_hours_from_stored_minutes(db):
+    """A roll-up plan combines the minutes it rolls up itself (not stored yet) with stored ones: its hours are
+    bit for bit those rolled up again from the stored minutes alone."""
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    write(store, db, gen("n1", "G0", None, 1200, step=10.0), batch_s=900)
+    store.roll_up(gk, H + 1000)  # some minutes stored first, then the rest and three hours in one plan
+    assert store.roll_up(gk, H + 3 * 3600 + 100)[1] == 3
+    hour_rows = "SELECT bucket, t_min, t_max, n, data FROM chunks WHERE tier=? ORDER BY t_min"
+    fresh = db.execute(hour_rows, (HOUR,)).fetchall()
+    db.execute("DELETE FROM chunks WHERE tier=?", (HOUR,))
+    db.execute("DELETE FROM rollup_state WHERE tier=?", (HOUR,))
+    assert store.roll_up(gk, H + 3 * 3600 + 100) == (0, 3)
+    assert db.execute(hour_rows, (HOUR,)).fetchall() == fresh
 
 
 def test_expire_drops_only_rolled_up_data_and_never_moves_its_mark_back(db):
