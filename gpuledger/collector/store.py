@@ -148,7 +148,27 @@ class _Pending:
 
 
 COMPACTION_STEP_S = 0.02  # about how long one compaction transaction holds the store's lock (ingest waits)
+COMPACTION_CPU_SHARE = 0.3  # of one core, at most, for compaction's planning (it yields the GIL the rest)
+ROLLUP_EVERY_MINUTES = 10  # an active GPU's final minutes are rolled up this many at a time (see _compact)
 _STEP_BUFFER = 256  # planned compaction writes kept before they are applied (bounds memory: merged chunks)
+
+
+class _Pacer:
+    """Keeps a thread's CPU to ``share`` of one core: after each slice of ``slice_s`` of its CPU time it sleeps
+    long enough. Compaction plans in Python beside the ingest threads; a thread that never sleeps holds the GIL
+    for its full switch interval (5 ms) each time another thread wants it back, and a request that gives the
+    GIL up a few dozen times (socket, SQLite) then waits that long each time."""
+
+    def __init__(self, share: float, slice_s: float = 0.005) -> None:
+        self._share = share
+        self._slice_s = slice_s
+        self._since = time.thread_time()
+
+    def __call__(self) -> None:
+        worked = time.thread_time() - self._since
+        if worked >= self._slice_s:
+            time.sleep(worked * (1.0 - self._share) / self._share)
+            self._since = time.thread_time()
 
 
 class _Steps:
@@ -263,6 +283,7 @@ class Store:
         self._compactor: threading.Thread | None = None
         self._compactor_stop = threading.Event()
         self._rolled_to: dict[GpuKey, int] = {}  # GPU -> the minute its last roll-up made final (compact)
+        self._watermarks: dict[GpuKey, float] = {}  # GPU -> its newest sample's time at the last compaction
         try:
             self._db = _database(db)
         except DatabaseUnavailable as exc:
@@ -573,28 +594,38 @@ class Store:
             counts[name] += n
 
         steps = _Steps(self, COMPACTION_STEP_S)
+        pace = _Pacer(COMPACTION_CPU_SHARE)
+        started = time.monotonic()
         with self._db.reader() as rdb:
             reader = self.series_store.on(rdb)
             with rdb.snapshot():
                 at = GPU_TOTAL_FIELDS.index("watermark")
                 watermarks = {gpu_key: totals[at] for gpu_key, totals in gpu_totals(rdb)}  # every stored GPU
+            seen, self._watermarks = self._watermarks, watermarks
             for gpu_key, watermark in sorted(watermarks.items()):
                 # minutes before (newest sample - window) can no longer receive a late sample: final
                 final_before = watermark - self.agg.window_s
                 minute = math.floor(final_before / 60.0)
-                if self._rolled_to.get(gpu_key) == minute:
-                    continue  # no minute became final since this GPU's last roll-up: it would change nothing
+                last = self._rolled_to.get(gpu_key)
+                if last is not None and (minute == last or (
+                        minute - last < ROLLUP_EVERY_MINUTES and seen.get(gpu_key) != watermark)):
+                    # nothing became final, or a GPU still sending has fewer than ROLLUP_EVERY_MINUTES final
+                    # minutes not rolled up (a roll-up costs about the same for one minute as for ten; queries
+                    # summarise what is not rolled up from raw samples); a GPU gone quiet is rolled up at once
+                    continue
                 plan = reader.plan_roll_up(gpu_key, final_before)
                 if plan.changes:
                     steps.add(partial(self.series_store.apply_roll_up, plan), partial(rolled, gpu_key, minute))
                 else:
                     self._rolled_to[gpu_key] = minute
+                pace()
             steps.flush()
             for tier in TIERS:
                 for group in reader.mergeable_groups(tier, now):
                     merge = reader.plan_merge(group)
                     if merge is not None:
                         steps.add(partial(self.series_store.apply_merge, merge), partial(add, "merged"))
+                    pace()
             steps.flush()
             for expiry in reader.plan_expiry(now):  # after the roll-ups: what they made expirable goes too
                 steps.add(partial(self.series_store.apply_expiry, expiry), partial(add, "deleted"))
@@ -602,6 +633,9 @@ class Store:
         with self._lock:
             self.ledger.prune_batches(now - self.dedupe_horizon_s)
             summaries = self._emit_summaries(force=True)
+        log.info("compaction: %d GPUs, %d minutes and %d hours rolled up, %d chunks merged away, %d expired, in %.1f s",
+                 len(watermarks), counts["minutes"], counts["hours"], counts["merged"], counts["deleted"],
+                 time.monotonic() - started)
         return CompactStats(counts["minutes"], counts["hours"], counts["merged"], counts["deleted"], summaries)
 
     @contextmanager

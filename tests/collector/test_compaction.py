@@ -130,3 +130,35 @@ def test_compaction_writes_many_gpus_a_transaction_in_bounded_steps(ledger, new_
     assert snapshot(store) == snapshot(reference)
     store.close()
     reference.close()
+
+
+def test_an_active_gpus_minutes_are_rolled_up_ten_at_a_time_and_a_quiet_gpus_at_once(ledger):
+    store = make_store(ledger)
+    gk = ("n0", "n0-G0", "")
+
+    def ingest(seqs: range) -> None:
+        for seq in seqs:
+            for host in HOSTS:
+                store.ingest(parse_batch(body(host, seq), "application/msgpack", NOW))
+
+    def rolled() -> float:
+        until = store.series_store.rolled_up_until(gk, MINUTE)
+        assert until is not None
+        return until
+
+    ingest(range(30))
+    store.compact(now=NOW)  # the first pass rolls up every GPU
+    first = rolled()
+    assert first == (START + 299 - 60) // 60 * 60
+    ingest(range(30, 36))  # a minute more: the GPU is sending, fewer than ten final minutes wait
+    store.compact(now=NOW)
+    assert rolled() == first
+    minutes = store.series("n0", "n0-G0", 0, 2e9, step=60)  # the rest summarised from raw samples
+    assert sum(p.samples for p in minutes) == 360
+    store.compact(now=NOW)  # nothing arrived since the last pass: the quiet GPU is rolled up at once
+    assert rolled() == (START + 359 - 60) // 60 * 60
+    ingest(range(36, 100))  # more than ten minutes
+    store.compact(now=NOW)
+    assert rolled() == (START + 999 - 60) // 60 * 60
+    assert sum(p.samples for p in store.series("n0", "n0-G0", 0, 2e9, step=60)) == 1000
+    store.close()
