@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Protocol
@@ -169,7 +170,8 @@ class SeriesStore(SeriesReader, Protocol):
     def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]: ...
     def plan_roll_up(self, gpu_key: GpuKey, final_before: float) -> RollUpPlan: ...
     def apply_roll_up(self, plan: RollUpPlan) -> tuple[int, int]: ...
-    def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]: ...
+    def mergeable_groups(self, tier: int, now: float,
+                         final_before: Mapping[GpuKey, float] | None = None) -> list[MergeGroup]: ...
     def plan_merge(self, group: MergeGroup) -> MergePlan | None: ...
     def apply_merge(self, plan: MergePlan) -> int: ...
     def merge(self, group: MergeGroup) -> int: ...
@@ -448,20 +450,26 @@ class ChunkSeriesStore:
             out.append((tier, *gpu_key, bucket, float(part.ts[0]), float(part.ts[-1]), len(part), rollup.encode(part)))
         return out
 
-    def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]:
-        """Each (GPU, interval) whose small chunks are to be merged into one: closed intervals always, the
-        open one once it has ``MERGE_OPEN_AT`` of them. Raw chunks of ``MERGE_MAX_ROWS`` rows or more are
-        left alone: they compress within a few per cent of a merged one, and re-packing every sample of a
-        large-batch cluster would cost compaction as much CPU as ingest."""
+    def mergeable_groups(self, tier: int, now: float,
+                         final_before: Mapping[GpuKey, float] | None = None) -> list[MergeGroup]:
+        """Each (GPU, interval) whose small chunks are to be merged into one: closed intervals always, an open
+        one once it has ``MERGE_OPEN_AT`` of them. An interval is closed once it ended by ``now`` and, for a GPU
+        in ``final_before`` (its newest sample - the late window), by that time too: one whose agent still sends
+        samples of that interval (a backlog, a clock behind) would otherwise be merged again at every pass, each
+        time re-packing every sample merged before. Raw chunks of ``MERGE_MAX_ROWS`` rows or more are left
+        alone: they compress within a few per cent of a merged one, and re-packing every sample of a large-batch
+        cluster would cost compaction as much CPU as ingest."""
         span = self.retention.span(tier)
         max_rows = MERGE_MAX_ROWS if tier == RAW else 2**62
         groups = self._db.execute(
             "SELECT host, gpu_uuid, mig, bucket, COUNT(*) FROM chunks WHERE tier=? AND n<? "
             "GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1", (tier, max_rows)
         ).fetchall()
+        final = final_before if final_before is not None and tier == RAW else {}
         # sorted here, not in SQL: the engines' text collations differ
         return [MergeGroup(tier, (host, uuid, mig), bucket, max_rows)
-                for host, uuid, mig, bucket, count in sorted(groups) if bucket + span <= now or count >= MERGE_OPEN_AT]
+                for host, uuid, mig, bucket, count in sorted(groups)
+                if count >= MERGE_OPEN_AT or bucket + span <= min(now, final.get((host, uuid, mig), now))]
 
     def plan_merge(self, group: MergeGroup) -> MergePlan | None:
         """The merged chunk of a group's chunks as they are now, and which chunks it replaces (reads only); None

@@ -620,8 +620,10 @@ class Store:
                     self._rolled_to[gpu_key] = minute
                 pace()
             steps.flush()
+            # a GPU still sending: its raw intervals close by its own newest sample as well as by the clock
+            active = {k: w - self.agg.window_s for k, w in watermarks.items() if seen.get(k) != w}
             for tier in TIERS:
-                for group in reader.mergeable_groups(tier, now):
+                for group in reader.mergeable_groups(tier, now, active):
                     merge = reader.plan_merge(group)
                     if merge is not None:
                         steps.add(partial(self.series_store.apply_merge, merge), partial(add, "merged"))

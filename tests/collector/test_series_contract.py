@@ -146,6 +146,22 @@ def test_merge_joins_small_chunks_of_closed_intervals_and_crowded_open_ones(db):
     assert [g.bucket for g in store.mergeable_groups(RAW, H + 3 * 3600)] == [H + 7200]
 
 
+def test_an_interval_a_gpu_still_sends_samples_of_is_not_closed_by_the_clock_alone(db):
+    """Samples three days old (a backlog, an agent's clock behind): the clock closed their interval long ago, but
+    the GPU's newest sample - the late window (``final_before``) has not: it is merged once crowded, not at every
+    pass; once final, or with no ``final_before`` (a GPU gone quiet), it is closed."""
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    write(store, db, gen("n1", "G0", None, 100, step=10.0), batch_s=100)  # 10 chunks in hour H
+    now = H + 3 * DAY
+    assert store.mergeable_groups(RAW, now, {gk: H + 1000 - 600}) == []
+    assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 3600})] == [H]
+    assert [g.bucket for g in store.mergeable_groups(RAW, now, {})] == [H]
+    assert [g.bucket for g in store.mergeable_groups(RAW, now)] == [H]
+    write(store, db, gen("n1", "G0", None, 60, step=10.0, t0=H + 1000, seed=1), batch_s=100)  # 16 chunks now
+    assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 1600 - 600})] == [H]
+
+
 def test_plans_made_through_another_connection_apply_while_ingest_adds_chunks(db):
     """Compaction plans from reads on a connection of its own (``Database.reader``) while ingest writes on the
     store's; chunks ingest adds between a plan and its transaction are neither merged away nor lost."""
