@@ -388,21 +388,21 @@ class Store:
                                      else self._host_gpus[host] + sum(1 for k in keys if k not in self.agg.gpus))
 
     def _evict_idle(self) -> None:
-        """Drop the windows of hosts silent for ``idle_evict_s`` (called after a commit: nothing is dirty); a
-        walk over every GPU, so at most every tenth of that interval."""
+        """Drop the windows and accumulators of hosts silent for ``idle_evict_s``, and hour accumulators past
+        (called after a commit: nothing is dirty); a walk over every GPU, so at most every tenth of that
+        interval."""
         now = self._clock()
         if now < self._next_eviction:
             return
         self._next_eviction = now + self.idle_evict_s / 10
         cutoff = now - self.idle_evict_s
         idle = {h for h, t in self._last_seen.items() if t < cutoff}
-        if not idle:
-            return
         for host in idle:
             del self._last_seen[host]
             self._host_gpus.pop(host, None)
-        for gpu_key in [k for k in self.agg.gpus if k[0] in idle]:
-            del self.agg.gpus[gpu_key]  # the window map's entry; totals and samples are stored
+        if idle:
+            self.agg.evict(idle)  # windows, usage and hours: totals, sums and samples are stored
+        self.agg.drop_past_hours()
 
     # -- writes -------------------------------------------------------------------------------
     def ingest(self, batch: Batch) -> IngestResult:
