@@ -32,6 +32,7 @@ import numpy as np
 from gpuledger.collector import rollup
 from gpuledger.collector.aggregate import PAIR_FLOATS, GpuKey, WindowSegment
 from gpuledger.collector.chunks import (
+    LIGHT_MAX_ROWS,
     NUMERIC_FIELDS,
     column_list,
     columns_as_floats,
@@ -53,6 +54,7 @@ TIER_NAMES = {RAW: "raw", MINUTE: "1m", HOUR: "1h"}
 RESOLUTION = {RAW: 0.0, MINUTE: 60.0, HOUR: 3600.0}
 MERGE_OPEN_AT = 16  # an open interval's chunks are merged once there are this many
 MERGE_MAX_ROWS = 512  # raw chunks this large are not merged (see mergeable_groups)
+OPEN_MERGE_MAX_ROWS = LIGHT_MAX_ROWS  # an open interval merges only chunks this small (batches as they came)
 _sample_time = operator.attrgetter("ts")
 _sample_gpu = operator.attrgetter("host", "gpu_uuid", "mig")
 _sample_gpu_order = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare
@@ -453,23 +455,29 @@ class ChunkSeriesStore:
     def mergeable_groups(self, tier: int, now: float,
                          final_before: Mapping[GpuKey, float] | None = None) -> list[MergeGroup]:
         """Each (GPU, interval) whose small chunks are to be merged into one: closed intervals always, an open
-        one once it has ``MERGE_OPEN_AT`` of them. An interval is closed once it ended by ``now`` and, for a GPU
-        in ``final_before`` (its newest sample - the late window), by that time too: one whose agent still sends
-        samples of that interval (a backlog, a clock behind) would otherwise be merged again at every pass, each
-        time re-packing every sample merged before. Raw chunks of ``MERGE_MAX_ROWS`` rows or more are left
-        alone: they compress within a few per cent of a merged one, and re-packing every sample of a large-batch
-        cluster would cost compaction as much CPU as ingest."""
+        one once it has ``MERGE_OPEN_AT`` chunks as batches wrote them (``OPEN_MERGE_MAX_ROWS`` rows at most;
+        only those are merged there: re-packing the interval's merged chunks with every 16 new batches cost
+        compaction most of its CPU, so they wait for the interval to close). An interval is closed once it ended
+        by ``now`` and, for a GPU in ``final_before`` (its newest sample - the late window), by that time too:
+        one whose agent still sends samples of that interval (a backlog, a clock behind) would otherwise be
+        merged again at every pass, each time re-packing every sample merged before. Raw chunks of
+        ``MERGE_MAX_ROWS`` rows or more are left alone: they compress within a few per cent of a merged one, and
+        re-packing every sample of a large-batch cluster would cost compaction as much CPU as ingest."""
         span = self.retention.span(tier)
         max_rows = MERGE_MAX_ROWS if tier == RAW else 2**62
         groups = self._db.execute(
-            "SELECT host, gpu_uuid, mig, bucket, COUNT(*) FROM chunks WHERE tier=? AND n<? "
-            "GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1", (tier, max_rows)
+            "SELECT host, gpu_uuid, mig, bucket, COUNT(*), COALESCE(SUM(CASE WHEN n<=? THEN 1 ELSE 0 END), 0) "
+            "FROM chunks WHERE tier=? AND n<? GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1",
+            (OPEN_MERGE_MAX_ROWS, tier, max_rows)
         ).fetchall()
         final = final_before if final_before is not None and tier == RAW else {}
-        # sorted here, not in SQL: the engines' text collations differ
-        return [MergeGroup(tier, (host, uuid, mig), bucket, max_rows)
-                for host, uuid, mig, bucket, count in sorted(groups)
-                if count >= MERGE_OPEN_AT or bucket + span <= min(now, final.get((host, uuid, mig), now))]
+        out = []
+        for host, uuid, mig, bucket, _, small in sorted(groups):  # sorted here: the engines' collations differ
+            if bucket + span <= min(now, final.get((host, uuid, mig), now)):
+                out.append(MergeGroup(tier, (host, uuid, mig), bucket, max_rows))
+            elif small >= MERGE_OPEN_AT:
+                out.append(MergeGroup(tier, (host, uuid, mig), bucket, OPEN_MERGE_MAX_ROWS + 1))
+        return out
 
     def plan_merge(self, group: MergeGroup) -> MergePlan | None:
         """The merged chunk of a group's chunks as they are now, and which chunks it replaces (reads only); None

@@ -162,6 +162,21 @@ def test_an_interval_a_gpu_still_sends_samples_of_is_not_closed_by_the_clock_alo
     assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 1600 - 600})] == [H]
 
 
+def test_an_open_interval_merges_batches_as_they_came_and_its_merged_chunks_once_it_closes(db):
+    store = ChunkSeriesStore(db, RET)
+    ss = gen("n1", "G0", None, 330, step=10.0)  # 33 chunks of 10 rows in hour H
+    write(store, db, ss[:160], batch_s=100)
+    now = H + 1700  # the hour is open
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [15]
+    write(store, db, ss[160:310], batch_s=100)  # 15 more: fewer than MERGE_OPEN_AT small ones
+    assert store.mergeable_groups(RAW, now) == []
+    write(store, db, ss[310:], batch_s=100)
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [16]  # the 17 small ones, not the 160
+    assert [r[6] for r in chunks(db, RAW)] == [160, 170]
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, H + 3600)] == [1]  # closed: all of it
+    assert [r[6] for r in chunks(db, RAW)] == [330] and store.series("n1", "G0", 0, 2e9) == ss
+
+
 def test_plans_made_through_another_connection_apply_while_ingest_adds_chunks(db):
     """Compaction plans from reads on a connection of its own (``Database.reader``) while ingest writes on the
     store's; chunks ingest adds between a plan and its transaction are neither merged away nor lost."""
