@@ -19,6 +19,7 @@ from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import series_from_samples
 from gpuledger.collector.series_store import (
     HOUR,
+    MERGE_MAX_ROWS,
     MERGE_OPEN_AT,
     MINUTE,
     RAW,
@@ -127,14 +128,14 @@ def test_roll_up_matches_the_raw_samples_and_is_idempotent(db):
 
 def test_merge_joins_small_chunks_of_closed_intervals_and_crowded_open_ones(db):
     store = ChunkSeriesStore(db, RET)
-    ss = gen("n1", "G0", None, 720, step=10.0)  # two raw hours, in 60 s batches: 60 chunks per hour
-    write(store, db, ss, batch_s=60)
-    assert len(chunks(db, RAW)) == 120
+    ss = gen("n1", "G0", None, 720, step=10.0)  # two raw hours, in 50 s batches: 72 chunks per hour
+    write(store, db, ss, batch_s=50)
+    assert len(chunks(db, RAW)) == 144
     # at H + 1 h 30: the first hour is closed, the second is open but has more than MERGE_OPEN_AT chunks
     groups = store.mergeable_groups(RAW, H + 5400)
     assert [(g.gpu_key, g.bucket) for g in groups] == [(("n1", "G0", ""), H), (("n1", "G0", ""), H + 3600)]
-    assert MERGE_OPEN_AT <= 60
-    assert [store.merge(g) for g in groups] == [59, 59]
+    assert MERGE_OPEN_AT <= 72
+    assert [store.merge(g) for g in groups] == [71, 71]
     assert [(r[3], r[4], r[5], r[6]) for r in chunks(db, RAW)] == [
         (H, ss[0].ts, ss[359].ts, 360), (H + 3600, ss[360].ts, ss[-1].ts, 360)]
     assert store.series("n1", "G0", 0, 2e9) == ss
@@ -158,23 +159,30 @@ def test_an_interval_a_gpu_still_sends_samples_of_is_not_closed_by_the_clock_alo
     assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 3600})] == [H]
     assert [g.bucket for g in store.mergeable_groups(RAW, now, {})] == [H]
     assert [g.bucket for g in store.mergeable_groups(RAW, now)] == [H]
-    write(store, db, gen("n1", "G0", None, 60, step=10.0, t0=H + 1000, seed=1), batch_s=100)  # 16 chunks now
-    assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 1600 - 600})] == [H]
+    more = MERGE_OPEN_AT - 10  # crowded now
+    write(store, db, gen("n1", "G0", None, 10 * more, step=10.0, t0=H + 1000, seed=1), batch_s=100)
+    assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 1000 + 100 * more - 600})] == [H]
 
 
 def test_an_open_interval_merges_batches_as_they_came_and_its_merged_chunks_once_it_closes(db):
     store = ChunkSeriesStore(db, RET)
-    ss = gen("n1", "G0", None, 330, step=10.0)  # 33 chunks of 10 rows in hour H
-    write(store, db, ss[:160], batch_s=100)
-    now = H + 1700  # the hour is open
-    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [15]
-    write(store, db, ss[160:310], batch_s=100)  # 15 more: fewer than MERGE_OPEN_AT small ones
+    k = MERGE_OPEN_AT
+    ss = gen("n1", "G0", None, 10 * (2 * k + 1), step=2.5)  # 2k + 1 chunks of 10 rows in hour H (25 s each)
+    write(store, db, ss[:10 * k], batch_s=25)
+    now = H + 3500  # the hour is open
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [k - 1]
+    write(store, db, ss[10 * k:10 * (2 * k - 1)], batch_s=25)  # fewer than MERGE_OPEN_AT small ones
     assert store.mergeable_groups(RAW, now) == []
-    write(store, db, ss[310:], batch_s=100)
-    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [16]  # the 17 small ones, not the 160
-    assert [r[6] for r in chunks(db, RAW)] == [160, 170]
-    assert [store.merge(g) for g in store.mergeable_groups(RAW, H + 3600)] == [1]  # closed: all of it
-    assert [r[6] for r in chunks(db, RAW)] == [330] and store.series("n1", "G0", 0, 2e9) == ss
+    write(store, db, ss[10 * (2 * k - 1):], batch_s=25)
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [k]  # the k + 1 small ones only
+    assert [r[6] for r in chunks(db, RAW)] == [10 * k, 10 * (k + 1)]
+    assert 10 * k >= MERGE_MAX_ROWS  # so once closed, neither is re-packed: each row was encoded once
+    assert store.mergeable_groups(RAW, H + 3600) == []
+    write(store, db, gen("n1", "G0", None, 20, step=1.0, t0=H + 3300, seed=4), batch_s=10)  # two late batches
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, H + 3600)] == [1]  # closed: the small ones
+    assert sorted(r[6] for r in chunks(db, RAW)) == [20, 10 * k, 10 * (k + 1)]
+    assert store.series("n1", "G0", 0, 2e9) == sorted(ss + gen("n1", "G0", None, 20, step=1.0, t0=H + 3300, seed=4),
+                                                      key=lambda s: s.ts)
 
 
 def test_plans_made_through_another_connection_apply_while_ingest_adds_chunks(db):
@@ -183,17 +191,17 @@ def test_plans_made_through_another_connection_apply_while_ingest_adds_chunks(db
     store = ChunkSeriesStore(db, RET)
     gk = ("n1", "G0", "")
     ss = gen("n1", "G0", None, 720, step=10.0)
-    write(store, db, ss[:600], batch_s=60)  # hour H closed at H + 1 h 30; hour H + 1 h open with 40 chunks
+    write(store, db, ss[:600], batch_s=30)  # hour H closed at H + 1 h 30; hour H + 1 h open with 80 chunks
     with db.reader() as other:
         reader = store.on(other)
         plans = [reader.plan_merge(g) for g in reader.mergeable_groups(RAW, H + 5400)]
         roll = reader.plan_roll_up(gk, H + 5000)
-    write(store, db, ss[600:], batch_s=60)  # ingest goes on: 20 more chunks in the open hour
+    write(store, db, ss[600:], batch_s=30)  # ingest goes on: 40 more chunks in the open hour
     with db.transaction():
-        assert [store.apply_merge(p) for p in plans if p is not None] == [59, 39]
+        assert [store.apply_merge(p) for p in plans if p is not None] == [119, 79]
         assert store.apply_roll_up(roll) == (83, 1)
     assert store.series("n1", "G0", 0, 2e9) == ss
-    assert len(chunks(db, RAW)) == 2 + 20
+    assert len(chunks(db, RAW)) == 2 + 40
     minutes = store.series("n1", "G0", H, H + 4979, step=60, tier=MINUTE)
     assert [(p.ts, p.samples) for p in minutes] == [
         (H + 60 * i, sum(1 for s in ss if H + 60 * i <= s.ts < H + 60 * (i + 1))) for i in range(83)]
