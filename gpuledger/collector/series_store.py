@@ -6,14 +6,16 @@ the same chunk format (``collector.rollup``). Tiers (``Retention``): raw chunks 
 1-minute rollups for ``minute_s`` (90 days), 1-hour rollups for good. Compaction rolls up every GPU's
 closed minutes (older than its newest sample minus the late window, so no late sample can still change
 them), merges small chunks, then drops what retention allows; raw data is never dropped before it is
-rolled up. Each compaction step is one transaction and idempotent.
+rolled up. Each compaction step is planned from reads alone (``plan_*``, on any connection: the store plans
+through one of its own, ``on``) and applied in a transaction that checks the plan still holds (``apply_*``);
+every step is idempotent.
 
 What the rest of the code reads is :class:`SeriesReader`; what the collector's store writes through is
 :class:`SeriesStore`. :class:`ChunkSeriesStore` keeps the chunks in a ``collector.db`` database, SQLite or
 PostgreSQL alike (one portable dialect); it shares the collector's database with the ledger, so ingest writes
 both in one transaction. Chunks are read in key order (bucket, then first time), so sums over rows come out
 bit-for-bit the same on either engine. It is not thread-safe by itself: ``collector.store.Store``
-serialises access.
+serialises access (its compaction plans through a copy bound to another connection).
 """
 
 from __future__ import annotations
