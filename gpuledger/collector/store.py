@@ -317,6 +317,7 @@ class Store:
         with db.transaction():
             applied = migrate(db)
             chunk_store = ChunkSeriesStore(db, retention)
+            self._chunks = chunk_store  # what compaction plans and writes through, whatever wraps it for ingest
             self.series_store: SeriesStore = chunk_store
             row = db.execute("SELECT value FROM meta WHERE key='sample_fields'").fetchone()
             stored = tuple(json.loads(row[0])) if row else SAMPLE_FIELDS
@@ -599,7 +600,7 @@ class Store:
         pace = _Pacer(COMPACTION_CPU_SHARE)
         started = time.monotonic()
         with self._db.reader() as rdb:
-            reader = self.series_store.on(rdb)
+            reader = self._chunks.on(rdb)
             with rdb.snapshot():
                 at = GPU_TOTAL_FIELDS.index("watermark")
                 watermarks = {gpu_key: totals[at] for gpu_key, totals in gpu_totals(rdb)}  # every stored GPU
@@ -617,7 +618,7 @@ class Store:
                     continue
                 plan = reader.plan_roll_up(gpu_key, final_before)
                 if plan.changes:
-                    steps.add(partial(self.series_store.apply_roll_up, plan), partial(rolled, gpu_key, minute))
+                    steps.add(partial(self._chunks.apply_roll_up, plan), partial(rolled, gpu_key, minute))
                 else:
                     self._rolled_to[gpu_key] = minute
                 pace()
@@ -629,11 +630,11 @@ class Store:
                 for group in reader.mergeable_groups(tier, now, active):
                     merge = reader.plan_merge(group)
                     if merge is not None:
-                        steps.add(partial(self.series_store.apply_merge, merge), partial(add, "merged"))
+                        steps.add(partial(self._chunks.apply_merge, merge), partial(add, "merged"))
                     pace()
             steps.flush()
             for expiry in reader.plan_expiry(now):  # after the roll-ups: what they made expirable goes too
-                steps.add(partial(self.series_store.apply_expiry, expiry), partial(add, "deleted"))
+                steps.add(partial(self._chunks.apply_expiry, expiry), partial(add, "deleted"))
             steps.flush()
         with self._lock:
             self.ledger.prune_batches(now - self.dedupe_horizon_s)
