@@ -1266,6 +1266,26 @@ class Aggregator:
         self.dirty_gpus = {k for k in self.dirty_gpus if k[0] != host}
         self.dirty_hours = {k for k in self.dirty_hours if k[0] != host}
 
+    def evict(self, hosts: set[str]) -> None:
+        """Drop idle hosts' GPU windows, usage and hour accumulators (call only when nothing is dirty): their
+        totals and sums are stored, and reloaded exactly when the host sends again."""
+        for gk in [k for k in self.gpus if k[0] in hosts]:
+            del self.gpus[gk]
+        for uk in [k for k in self.usage if k[1] in hosts]:
+            del self.usage[uk]
+        for hk in [k for k in self.hours if k[0] in hosts]:
+            del self.hours[hk]
+
+    def drop_past_hours(self) -> int:
+        """Drop hour accumulators that ended two windows before their GPU's newest sample, or whose GPU left
+        memory (call only when nothing is dirty); returns how many. A GPU sending on for days would otherwise
+        keep one a hour; one a late sample still needs is reloaded exactly (``load_hour``)."""
+        old = [k for k in self.hours
+               if (g := self.gpus.get(k[:3])) is None or k[3] + HOUR_S + 2 * self.window_s <= g.watermark]
+        for k in old:
+            del self.hours[k]
+        return len(old)
+
     def drop_caches(self) -> None:
         """Drop clean accumulators; they are reloaded on demand. Call only when nothing is dirty."""
         self.usage.clear()

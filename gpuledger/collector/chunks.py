@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import operator
 import struct
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +51,11 @@ LIGHT_MAX_ROWS = 64
 FLOAT, INT, OBJ = "f", "i", "o"
 _U64 = np.uint64
 _MAX_EXACT = float(2**53)
-_ZSTD = threading.local()  # one compressor and decompressor per thread: zstandard's are not thread-safe
+# zstandard's (de)compressors are not thread-safe: each call takes one from a pool and gives it back. Not one per
+# thread: the collector serves each connection on a thread of its own, and thousands of threads each kept their
+# own contexts (hundreds of KB each) as they came to write a group commit.
+_COMPRESSORS: list[zstandard.ZstdCompressor] = []
+_DECOMPRESSORS: list[zstandard.ZstdDecompressor] = []
 _HDR = struct.Struct("<I")
 _POW10 = [10.0**k for k in range(10)]  # the scales a decimal column may have
 _HEAD = 4  # first values from which _decimal_scale proves where to start
@@ -398,17 +401,25 @@ def encode_columns(n: int, columns: Sequence[tuple], light: bool | None = None) 
 
 
 def _compress(data: bytes) -> bytes:
-    zc = getattr(_ZSTD, "c", None)
-    if zc is None:
-        zc = _ZSTD.c = zstandard.ZstdCompressor(level=3)
-    return zc.compress(data)
+    try:
+        zc = _COMPRESSORS.pop()  # list.pop and append are atomic: no two threads get one compressor
+    except IndexError:
+        zc = zstandard.ZstdCompressor(level=3)
+    try:
+        return zc.compress(data)
+    finally:
+        _COMPRESSORS.append(zc)
 
 
 def _decompress(blob: bytes) -> bytes:
-    zd = getattr(_ZSTD, "d", None)
-    if zd is None:
-        zd = _ZSTD.d = zstandard.ZstdDecompressor()
-    return zd.decompress(blob)
+    try:
+        zd = _DECOMPRESSORS.pop()
+    except IndexError:
+        zd = zstandard.ZstdDecompressor()
+    try:
+        return zd.decompress(blob)
+    finally:
+        _DECOMPRESSORS.append(zd)
 
 
 def decode_columns(blob: bytes) -> tuple[int, dict[str, tuple[str, Any, np.ndarray | None]]]:

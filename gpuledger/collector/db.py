@@ -10,6 +10,8 @@ Code above this module writes one SQL dialect, SQLite's portable subset, and nev
 - upserts as ``INSERT ... ON CONFLICT (key) DO UPDATE SET c=excluded.c`` (:func:`upsert`), never
   ``INSERT OR REPLACE``; sums as ``COALESCE(SUM(x), 0)``, never ``TOTAL``; reserved words (``end``) quoted;
 - :meth:`Database.snapshot` reads several statements from one consistent state without blocking writers;
+  :meth:`Database.reader` gives a thread a connection of its own for long reads while another thread writes
+  (SQLite: a second connection to the file; PostgreSQL: the pool, which is thread-safe);
 - :meth:`Database.lock` serialises a critical section across processes inside a transaction (SQLite's
   ``BEGIN IMMEDIATE`` already does; PostgreSQL takes a transaction-scoped advisory lock);
   :meth:`Database.try_lock` takes a lock for a longer task made of several transactions, or says it is taken
@@ -63,6 +65,7 @@ class Database(Protocol):
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
     def transaction(self) -> Any: ...  # context manager; nested use joins the outer transaction
     def snapshot(self) -> Any: ...  # context manager: reads see one state while writers go on; joins a transaction
+    def reader(self) -> AbstractContextManager[Database]: ...  # another connection, for another thread's reads
     def lock(self, name: str) -> None: ...
     def try_lock(self, name: str) -> AbstractContextManager[bool]: ...
     def script(self, ddl: str) -> None: ...
@@ -171,6 +174,17 @@ class SqliteDatabase:
         """A read transaction (deferred BEGIN: in WAL mode the first read fixes the state it sees, writers go on);
         inside a transaction, joins it."""
         return self._begun("BEGIN")
+
+    @contextmanager
+    def reader(self) -> Iterator[SqliteDatabase]:
+        """A second connection to the same file for the block, for a thread that reads while another one writes
+        through this one (a connection is not shared between threads; in WAL mode its reads never wait for the
+        writer, nor the writer for them). Reads only: a write there would take the file's write lock."""
+        other = SqliteDatabase(self.path)
+        try:
+            yield other
+        finally:
+            other.close()
 
     def lock(self, name: str) -> None:
         """Nothing to do: BEGIN IMMEDIATE holds the database's write lock already."""
@@ -360,6 +374,12 @@ class PostgresDatabase:
         with self.transaction():
             self.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             yield self
+
+    @contextmanager
+    def reader(self) -> Iterator[PostgresDatabase]:
+        """This database: its pool is thread-safe, and a thread's transaction (or snapshot) takes a connection
+        of its own."""
+        yield self
 
     def lock(self, name: str) -> None:
         """A transaction-scoped advisory lock on ``name``, held until the transaction ends (call inside one)."""

@@ -224,6 +224,13 @@ def _record(data: str) -> JobRecord:
     return JobRecord.from_dict(json.loads(data))
 
 
+def gpu_totals(db: Database) -> list[tuple[GpuKey, tuple]]:
+    """Every GPU's running totals (``GPU_TOTAL_FIELDS``) in ``db``'s ledger (``SqlLedger.gpu_totals``; also read
+    through another connection, ``Database.reader``)."""
+    rows = db.execute(f"SELECT host, gpu_uuid, mig, {', '.join(GPU_TOTAL_FIELDS)} FROM gpus").fetchall()
+    return [((r[0], r[1], r[2]), tuple(r[3:])) for r in rows]
+
+
 class SqlLedger:
     """The ledger in the store's database, SQLite or PostgreSQL (tables ``usage``, ``gpus``, ``gpu_hours``,
     ``jobs``, ``gpu_clusters``, ``energy_gaps``, ``batch_keys``, ``hosts``). ``collector.migrations`` creates
@@ -450,8 +457,7 @@ class SqlLedger:
 
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]:
         """Every GPU's running totals (``GPU_TOTAL_FIELDS``), from which the aggregation restarts."""
-        rows = self._db.execute(f"SELECT host, gpu_uuid, mig, {', '.join(GPU_TOTAL_FIELDS)} FROM gpus").fetchall()
-        return [((r[0], r[1], r[2]), tuple(r[3:])) for r in rows]
+        return gpu_totals(self._db)
 
     def host_gpu_totals(self, host: str) -> list[tuple[GpuKey, tuple]]:
         """The running totals of every GPU (and MIG instance) stored for one host."""

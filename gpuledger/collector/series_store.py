@@ -6,20 +6,24 @@ the same chunk format (``collector.rollup``). Tiers (``Retention``): raw chunks 
 1-minute rollups for ``minute_s`` (90 days), 1-hour rollups for good. Compaction rolls up every GPU's
 closed minutes (older than its newest sample minus the late window, so no late sample can still change
 them), merges small chunks, then drops what retention allows; raw data is never dropped before it is
-rolled up. Each compaction step is one transaction and idempotent.
+rolled up. Each compaction step is planned from reads alone (``plan_*``, on any connection: the store plans
+through one of its own, ``on``) and applied in a transaction that checks the plan still holds (``apply_*``);
+every step is idempotent.
 
 What the rest of the code reads is :class:`SeriesReader`; what the collector's store writes through is
 :class:`SeriesStore`. :class:`ChunkSeriesStore` keeps the chunks in a ``collector.db`` database, SQLite or
 PostgreSQL alike (one portable dialect); it shares the collector's database with the ledger, so ingest writes
 both in one transaction. Chunks are read in key order (bucket, then first time), so sums over rows come out
 bit-for-bit the same on either engine. It is not thread-safe by itself: ``collector.store.Store``
-serialises access.
+serialises access (its compaction plans through a copy bound to another connection).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Protocol
@@ -30,6 +34,7 @@ import numpy as np
 from gpuledger.collector import rollup
 from gpuledger.collector.aggregate import PAIR_FLOATS, GpuKey, WindowSegment
 from gpuledger.collector.chunks import (
+    LIGHT_MAX_ROWS,
     NUMERIC_FIELDS,
     column_list,
     columns_as_floats,
@@ -49,8 +54,9 @@ RAW, MINUTE, HOUR = 0, 1, 2
 TIERS = (RAW, MINUTE, HOUR)
 TIER_NAMES = {RAW: "raw", MINUTE: "1m", HOUR: "1h"}
 RESOLUTION = {RAW: 0.0, MINUTE: 60.0, HOUR: 3600.0}
-MERGE_OPEN_AT = 16  # an open interval's chunks are merged once there are this many
+MERGE_OPEN_AT = 64  # an open interval's batch chunks are merged once there are this many (see mergeable_groups)
 MERGE_MAX_ROWS = 512  # raw chunks this large are not merged (see mergeable_groups)
+OPEN_MERGE_MAX_ROWS = LIGHT_MAX_ROWS  # an open interval merges only chunks this small (batches as they came)
 _sample_time = operator.attrgetter("ts")
 _sample_gpu = operator.attrgetter("host", "gpu_uuid", "mig")
 _sample_gpu_order = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare
@@ -108,6 +114,44 @@ class MergeGroup:
     gpu_key: GpuKey
     bucket: float
     max_rows: int  # only chunks with fewer rows take part
+
+
+@dataclass(frozen=True, slots=True)
+class RollUpPlan:
+    """What one GPU's roll-up writes: its rollup chunks and, per tier, its state as read and as it becomes."""
+
+    gpu_key: GpuKey
+    states: tuple[tuple[int, float | None, float], ...]  # (tier, rolled up until as read, until after)
+    chunks: list[tuple]  # chunk rows to insert
+    minutes: int
+    hours: int
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.chunks) or any(read != after for _, read, after in self.states)
+
+
+@dataclass(frozen=True, slots=True)
+class MergePlan:
+    """One group's merged chunk and the chunks (by first time) it replaces."""
+
+    key: tuple  # (tier, host, gpu_uuid, mig, bucket)
+    t_mins: tuple[float, ...]
+    chunk: tuple  # the merged chunk's row
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiryPlan:
+    """A GPU's chunks of one tier that retention lets go: every interval up to ``last_bucket``."""
+
+    tier: int
+    gpu_key: GpuKey
+    last_bucket: float
+
+
+class StaleCompaction(Exception):
+    """A compaction plan whose reads no longer hold when it is applied (its transaction is rolled back; the
+    next compaction plans again)."""
 
 
 class SeriesReader(Protocol):
@@ -173,6 +217,12 @@ class ChunkSeriesStore:
         self._db = db
         self.retention = retention
         db.script(SCHEMA)
+
+    def on(self, db: Database) -> ChunkSeriesStore:
+        """This store through another connection to its database (``Database.reader``: compaction plans there)."""
+        other = copy.copy(self)
+        other._db = db
+        return other
 
     def repack_v1_samples(self, fields: tuple[str, ...]) -> None:
         """Schema 1 kept one msgpack row per sample (table ``samples``); repack them into chunks and drop
@@ -310,18 +360,11 @@ class ChunkSeriesStore:
                 for a, b in zip(cuts, cuts[1:])]
 
     # -- compaction: rollups, merging, retention ----------------------------------------------
-    def _resume_at(self, gpu_key: GpuKey, tier: int, horizon: float) -> float:
-        """Where rolling up into ``tier`` goes on: its saved state, else the start of the finer tier's first
-        chunk (on the tier's grid), never past ``horizon``."""
-        until = self.rolled_up_until(gpu_key, tier)
-        if until is not None:
-            return until
-        (first,) = self._db.execute(
-            "SELECT MIN(t_min) FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=?", (tier - 1, *gpu_key)
-        ).fetchone()
-        res = RESOLUTION[tier]
-        return horizon if first is None else min(horizon, math.floor(first / res) * res)
-
+    # Each step is planned from reads alone (``plan_*``: on any connection, another thread's included, without
+    # the store's lock), then applied in a transaction (``apply_*``) that first checks that what the plan read
+    # still holds (StaleCompaction otherwise: roll the transaction back and plan again). Only compaction
+    # rewrites rollups and state or deletes chunks, and one compacts at a time (the compaction lock); ingest only
+    # adds raw chunks of minutes that are not final yet, so a plan stays valid while ingest goes on.
     def rolled_up_until(self, gpu_key: GpuKey, tier: int) -> float | None:
         """How far ``tier`` is rolled up for this GPU (None: not yet)."""
         row = self._db.execute(
@@ -329,92 +372,173 @@ class ChunkSeriesStore:
         ).fetchone()
         return None if row is None else row[0]
 
-    def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]:
-        """Roll up this GPU's minutes that end by ``final_before`` (no late sample can change them any
-        more), then its hours of rolled-up minutes, in one transaction. Returns (minutes, hours) written."""
-        with self._db.transaction() as db:
-            horizon = math.floor(final_before / 60.0) * 60.0
-            until = self._resume_at(gpu_key, MINUTE, horizon)
-            n_minutes = 0
-            if horizon > until:
-                ts, vals = self._raw_arrays(gpu_key, until, horizon)
-                n_minutes = self._insert_rollup(MINUTE, gpu_key, rollup.from_raw(ts, vals, 60.0))
-                until = horizon
-            db.execute(_SET_ROLLUP_STATE, (*gpu_key, MINUTE, until))
-            hour_horizon = math.floor(until / 3600.0) * 3600.0
-            hours_until = self._resume_at(gpu_key, HOUR, hour_horizon)
-            n_hours = 0
-            if hour_horizon > hours_until:
-                rows = self._rollup_rows(MINUTE, gpu_key, hours_until, hour_horizon)
-                n_hours = self._insert_rollup(HOUR, gpu_key, rollup.combine(rows, 3600.0))
-                hours_until = hour_horizon
-            db.execute(_SET_ROLLUP_STATE, (*gpu_key, HOUR, hours_until))
-        return n_minutes, n_hours
+    def _first_time(self, gpu_key: GpuKey, tier: int) -> float | None:
+        (first,) = self._db.execute(
+            "SELECT MIN(t_min) FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=?", (tier, *gpu_key)
+        ).fetchone()
+        return first
 
-    def _insert_rollup(self, tier: int, gpu_key: GpuKey, r: rollup.Rollup) -> int:
+    @staticmethod
+    def _resume(state: float | None, first: float | None, tier: int, horizon: float) -> float:
+        """Where rolling up into ``tier`` goes on: its saved state, else the start of the finer tier's first
+        chunk (on the tier's grid), never past ``horizon``."""
+        if state is not None:
+            return state
+        res = RESOLUTION[tier]
+        return horizon if first is None else min(horizon, math.floor(first / res) * res)
+
+    def plan_roll_up(self, gpu_key: GpuKey, final_before: float) -> RollUpPlan:
+        """What rolling up this GPU's minutes that end by ``final_before`` (no late sample can change them any
+        more), then its hours of rolled-up minutes, writes (reads only)."""
+        horizon = math.floor(final_before / 60.0) * 60.0
+        minute_state = self.rolled_up_until(gpu_key, MINUTE)
+        until = self._resume(minute_state, None if minute_state is not None else self._first_time(gpu_key, RAW),
+                             MINUTE, horizon)
+        minutes = rollup.empty()
+        if horizon > until:
+            ts, vals = self._raw_arrays(gpu_key, until, horizon)
+            minutes = rollup.from_raw(ts, vals, 60.0)
+            until = horizon
+        hour_horizon = math.floor(until / 3600.0) * 3600.0
+        hour_state = self.rolled_up_until(gpu_key, HOUR)
+        first_minute = None
+        if hour_state is None:  # the first minute stored, or rolled up just now
+            firsts = [t for t in (self._first_time(gpu_key, MINUTE), float(minutes.ts[0]) if len(minutes) else None)
+                      if t is not None]
+            first_minute = min(firsts) if firsts else None
+        hours_until = self._resume(hour_state, first_minute, HOUR, hour_horizon)
+        hours = rollup.empty()
+        if hour_horizon > hours_until:
+            # the stored minutes, then the new ones (all later): the rows in the order one transaction read them
+            fresh = minutes.select((minutes.ts >= hours_until) & (minutes.ts < hour_horizon))
+            hours = rollup.combine(rollup.concat([self._rollup_rows(MINUTE, gpu_key, hours_until, hour_horizon),
+                                                  fresh]), 3600.0)
+            hours_until = hour_horizon
+        return RollUpPlan(gpu_key, ((MINUTE, minute_state, until), (HOUR, hour_state, hours_until)),
+                          self._rollup_chunks(MINUTE, gpu_key, minutes) + self._rollup_chunks(HOUR, gpu_key, hours),
+                          len(minutes), len(hours))
+
+    def apply_roll_up(self, plan: RollUpPlan) -> tuple[int, int]:
+        """Write a roll-up plan (inside the caller's transaction); returns (minutes, hours) written."""
+        for tier, read, _ in plan.states:
+            if self.rolled_up_until(plan.gpu_key, tier) != read:
+                raise StaleCompaction(f"{plan.gpu_key} tier {TIER_NAMES[tier]}: rolled up since it was planned")
+        if plan.chunks:
+            self._db.executemany(_INSERT_CHUNK, plan.chunks)
+        self._db.executemany(_SET_ROLLUP_STATE, [(*plan.gpu_key, tier, until) for tier, _, until in plan.states])
+        return plan.minutes, plan.hours
+
+    def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]:
+        """Roll up this GPU's final minutes and hours (:meth:`plan_roll_up`) in one transaction. Returns
+        (minutes, hours) written."""
+        with self._db.transaction():
+            return self.apply_roll_up(self.plan_roll_up(gpu_key, final_before))
+
+    def _rollup_chunks(self, tier: int, gpu_key: GpuKey, r: rollup.Rollup) -> list[tuple]:
+        """A rollup's chunk rows, one per interval of the tier's span."""
         if not len(r):
-            return 0
+            return []
         span = self.retention.span(tier)
         buckets = np.floor(r.ts / span) * span
+        out = []
         for bucket in np.unique(buckets).tolist():
             part = r.select(buckets == bucket)
-            self._db.execute(_INSERT_CHUNK, (
-                tier, *gpu_key, bucket, float(part.ts[0]), float(part.ts[-1]), len(part), rollup.encode(part)))
-        return len(r)
+            out.append((tier, *gpu_key, bucket, float(part.ts[0]), float(part.ts[-1]), len(part), rollup.encode(part)))
+        return out
 
-    def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]:
-        """Each (GPU, interval) whose small chunks are to be merged into one: closed intervals always, the
-        open one once it has ``MERGE_OPEN_AT`` of them. Raw chunks of ``MERGE_MAX_ROWS`` rows or more are
-        left alone: they compress within a few per cent of a merged one, and re-packing every sample of a
-        large-batch cluster would cost compaction as much CPU as ingest."""
+    def mergeable_groups(self, tier: int, now: float,
+                         final_before: Mapping[GpuKey, float] | None = None) -> list[MergeGroup]:
+        """Each (GPU, interval) whose small chunks are to be merged into one: closed intervals always, an open
+        one once it has ``MERGE_OPEN_AT`` chunks as batches wrote them (``OPEN_MERGE_MAX_ROWS`` rows at most;
+        only those are merged there: re-packing the interval's merged chunks with every 16 new batches cost
+        compaction most of its CPU, so they wait for the interval to close). An interval is closed once it ended
+        by ``now`` and, for a GPU in ``final_before`` (its newest sample - the late window), by that time too:
+        one whose agent still sends samples of that interval (a backlog, a clock behind) would otherwise be
+        merged again at every pass, each time re-packing every sample merged before. Raw chunks of
+        ``MERGE_MAX_ROWS`` rows or more are left alone: they compress within a few per cent of a merged one, and
+        re-packing every sample of a large-batch cluster would cost compaction as much CPU as ingest."""
         span = self.retention.span(tier)
         max_rows = MERGE_MAX_ROWS if tier == RAW else 2**62
         groups = self._db.execute(
-            "SELECT host, gpu_uuid, mig, bucket, COUNT(*) FROM chunks WHERE tier=? AND n<? "
-            "GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1", (tier, max_rows)
+            "SELECT host, gpu_uuid, mig, bucket, COUNT(*), COALESCE(SUM(CASE WHEN n<=? THEN 1 ELSE 0 END), 0) "
+            "FROM chunks WHERE tier=? AND n<? GROUP BY host, gpu_uuid, mig, bucket HAVING COUNT(*) > 1",
+            (OPEN_MERGE_MAX_ROWS, tier, max_rows)
         ).fetchall()
-        # sorted here, not in SQL: the engines' text collations differ
-        return [MergeGroup(tier, (host, uuid, mig), bucket, max_rows)
-                for host, uuid, mig, bucket, count in sorted(groups) if bucket + span <= now or count >= MERGE_OPEN_AT]
+        final = final_before if final_before is not None and tier == RAW else {}
+        out = []
+        for host, uuid, mig, bucket, _, small in sorted(groups):  # sorted here: the engines' collations differ
+            if bucket + span <= min(now, final.get((host, uuid, mig), now)):
+                out.append(MergeGroup(tier, (host, uuid, mig), bucket, max_rows))
+            elif small >= MERGE_OPEN_AT:
+                out.append(MergeGroup(tier, (host, uuid, mig), bucket, OPEN_MERGE_MAX_ROWS + 1))
+        return out
+
+    def plan_merge(self, group: MergeGroup) -> MergePlan | None:
+        """The merged chunk of a group's chunks as they are now, and which chunks it replaces (reads only); None
+        when there is nothing to merge."""
+        key = (group.tier, *group.gpu_key, group.bucket)
+        rows = self._db.execute(
+            "SELECT t_min, data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? AND n<?"
+            + _CHUNK_ORDER, (*key, group.max_rows),
+        ).fetchall()
+        if len(rows) < 2:
+            return None
+        blob, n, t_min, t_max = merge_chunks([r[1] for r in rows])
+        return MergePlan(key, tuple(r[0] for r in rows), (*key, t_min, t_max, n, blob))
+
+    def apply_merge(self, plan: MergePlan) -> int:
+        """Replace a plan's chunks by its merged one (inside the caller's transaction); returns how many chunks
+        were merged away."""
+        # (key, t_min) is the unique index: one chunk each; chunks ingest added since are not among them
+        gone = self._db.execute(
+            "DELETE FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? AND t_min IN ("
+            + ",".join("?" * len(plan.t_mins)) + ")", (*plan.key, *plan.t_mins)).rowcount
+        if gone != len(plan.t_mins):
+            raise StaleCompaction(f"{plan.key}: {len(plan.t_mins)} chunks planned for merging, {gone} found")
+        self._db.execute(_INSERT_CHUNK, plan.chunk)
+        return gone - 1
 
     def merge(self, group: MergeGroup) -> int:
         """Merge one group's chunks in one transaction; returns how many chunks were merged away."""
-        with self._db.transaction() as db:
-            key = (group.tier, *group.gpu_key, group.bucket)
-            rows = db.execute(
-                "SELECT t_min, data FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? AND n<?"
-                + _CHUNK_ORDER, (*key, group.max_rows),
-            ).fetchall()
-            if len(rows) > 1:
-                blob, n, t_min, t_max = merge_chunks([r[1] for r in rows])
-                # (key, t_min) is the unique index: one chunk each
-                db.executemany("DELETE FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket=? "
-                               "AND t_min=?", [(*key, r[0]) for r in rows])
-                db.execute(_INSERT_CHUNK, (*key, t_min, t_max, n, blob))
-        return max(0, len(rows) - 1)
+        with self._db.transaction():
+            plan = self.plan_merge(group)
+            return 0 if plan is None else self.apply_merge(plan)
+
+    def plan_expiry(self, now: float) -> list[ExpiryPlan]:
+        """Per tier and GPU, the newest interval whose chunks retention lets go: older than the tier's retention,
+        and (raw and minute data) rolled up into the next tier already (reads only)."""
+        plans = []
+        for tier in TIERS:
+            keep = self.retention.keep(tier)
+            if keep is None:
+                continue
+            span = self.retention.span(tier)
+            where = "FROM chunks WHERE tier=? AND bucket + ? <= ?"
+            args: tuple = (tier, span, now - keep)
+            if tier != HOUR:
+                where += (" AND bucket + ? <= COALESCE((SELECT until FROM rollup_state r WHERE r.host=chunks.host "
+                          "AND r.gpu_uuid=chunks.gpu_uuid AND r.mig=chunks.mig AND r.tier=?), -1e300)")
+                args += (span, tier + 1)
+            rows = self._db.execute(f"SELECT host, gpu_uuid, mig, MAX(bucket) {where} GROUP BY host, gpu_uuid, mig",
+                                    args).fetchall()
+            plans += [ExpiryPlan(tier, (h, u, m), b) for h, u, m, b in sorted(rows)]
+        return plans
+
+    def apply_expiry(self, plan: ExpiryPlan) -> int:
+        """Delete a GPU's chunks of a tier up to the plan's interval (inside the caller's transaction; both
+        conditions only grow true with time, so a plan stays valid); returns how many were deleted."""
+        deleted = self._db.execute("DELETE FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket<=?",
+                                   (plan.tier, *plan.gpu_key, plan.last_bucket)).rowcount
+        # remember how far each GPU's tier is gone, so queries pick a tier that is complete
+        self._db.execute(_EXPIRED_UNTIL, (*plan.gpu_key, plan.tier,
+                                          plan.last_bucket + self.retention.span(plan.tier)))
+        return deleted
 
     def expire(self, now: float) -> int:
         """Delete chunks older than their tier's retention, but never raw or minute data that the
-        next tier has not rolled up yet. Returns how many chunks were deleted."""
-        deleted = 0
-        with self._db.transaction() as db:
-            for tier in TIERS:
-                keep = self.retention.keep(tier)
-                if keep is None:
-                    continue
-                span = self.retention.span(tier)
-                where = "FROM chunks WHERE tier=? AND bucket + ? <= ?"
-                args: tuple = (tier, span, now - keep)
-                if tier != HOUR:
-                    where += (" AND bucket + ? <= COALESCE((SELECT until FROM rollup_state r WHERE r.host=chunks.host "
-                              "AND r.gpu_uuid=chunks.gpu_uuid AND r.mig=chunks.mig AND r.tier=?), -1e300)")
-                    args += (span, tier + 1)
-                gone = db.execute(f"SELECT host, gpu_uuid, mig, MAX(bucket) {where} GROUP BY host, gpu_uuid, mig",
-                                  args).fetchall()
-                deleted += db.execute("DELETE " + where, args).rowcount
-                # remember how far each GPU's tier is gone, so queries pick a tier that is complete
-                db.executemany(_EXPIRED_UNTIL, [(h, u, m, tier, b + span) for h, u, m, b in gone])
-        return deleted
+        next tier has not rolled up yet, in one transaction. Returns how many chunks were deleted."""
+        with self._db.transaction():
+            return sum(self.apply_expiry(p) for p in self.plan_expiry(now))
 
     # -- reads --------------------------------------------------------------------------------
     def pick_tier(self, gpu_key: GpuKey, start: float, step: float | None = None) -> int:

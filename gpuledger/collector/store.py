@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,12 @@ from gpuledger.collector.db import (
     open_database,
     upsert,
 )
-from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqlLedger
+from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqlLedger, gpu_totals
 from gpuledger.collector.migrations import migrate
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.collector.series_outbox import OutboxSeriesStore
-from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention, SeriesStore
+from gpuledger.collector.series_store import TIERS, ChunkSeriesStore, Retention, SeriesStore, StaleCompaction
 from gpuledger.collector.sinks import Sink
 from gpuledger.collector.validate import Batch, as_sample
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobRecord, JobUsage
@@ -146,6 +147,71 @@ class _Pending:
         self.accepted: list[GpuSample] = []
 
 
+COMPACTION_STEP_S = 0.02  # about how long one compaction transaction holds the store's lock (ingest waits)
+COMPACTION_CPU_SHARE = 0.15  # of one core, at most, for compaction's planning (it yields the GIL the rest)
+ROLLUP_EVERY_MINUTES = 10  # an active GPU's final minutes are rolled up this many at a time (see _compact)
+_STEP_BUFFER = 256  # planned compaction writes kept before they are applied (bounds memory: merged chunks)
+
+
+class _Pacer:
+    """Keeps a thread's CPU to ``share`` of one core: after each slice of ``slice_s`` of its CPU time it sleeps
+    long enough. Compaction plans in Python beside the ingest threads; a thread that never sleeps holds the GIL
+    for its full switch interval (5 ms) each time another thread wants it back, and a request that gives the
+    GIL up a few dozen times (socket, SQLite) then waits that long each time. At 2,000 nodes (16,000 GPUs)
+    compaction needs about a tenth of a core on average (merging each row once); the share spreads the waves
+    (every GPU's open interval filling at once) instead of letting them take the GIL from ingest."""
+
+    def __init__(self, share: float, slice_s: float = 0.002) -> None:
+        self._share = share
+        self._slice_s = slice_s
+        self._since = time.thread_time()
+
+    def __call__(self) -> None:
+        worked = time.thread_time() - self._since
+        if worked >= self._slice_s:
+            time.sleep(worked * (1.0 - self._share) / self._share)
+            self._since = time.thread_time()
+
+
+class _Steps:
+    """Compaction's planned writes, applied under the store's lock in short transactions: each one once no batch
+    waits for a commit (``Store._compaction_step``), and each takes planned writes until about ``step_s`` of
+    work is done (many GPUs a transaction, one commit for them all, never a long hold). A plan found stale
+    (``StaleCompaction``) rolls its step back; what the step held is planned again by the next compaction."""
+
+    def __init__(self, store: Store, step_s: float) -> None:
+        self._store = store
+        self._step_s = step_s
+        self._ops: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+
+    def add(self, apply: Callable[[], Any], done: Callable[[Any], None]) -> None:
+        """``apply`` writes inside a step's transaction; ``done`` gets its result once that step committed."""
+        self._ops.append((apply, done))
+        if len(self._ops) >= _STEP_BUFFER:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._ops:
+            self._step()
+
+    def _step(self) -> None:
+        results: list[Any] = []
+        try:
+            with self._store._compaction_step(), self._store.db.transaction():
+                end = time.monotonic() + self._step_s
+                for apply, _ in self._ops:
+                    results.append(apply())
+                    if time.monotonic() >= end:
+                        break
+        except StaleCompaction as exc:
+            log.warning("compaction: %s; the step is rolled back, planned again next time", exc)
+            del self._ops[:len(results) + 1]
+            return
+        for (_, done), result in zip(self._ops, results):
+            done(result)
+        del self._ops[:len(results)]
+
+
 def _database(target: Database | str | os.PathLike[str]) -> Database:
     """``target`` as a database: a PostgreSQL URL is connected to, a SQLite path (or ``sqlite://`` URL) opened
     (created mode 0600: user names and uids are readable by the collector's account only)."""
@@ -219,6 +285,7 @@ class Store:
         self._compactor: threading.Thread | None = None
         self._compactor_stop = threading.Event()
         self._rolled_to: dict[GpuKey, int] = {}  # GPU -> the minute its last roll-up made final (compact)
+        self._watermarks: dict[GpuKey, float] = {}  # GPU -> its newest sample's time at the last compaction
         try:
             self._db = _database(db)
         except DatabaseUnavailable as exc:
@@ -250,6 +317,7 @@ class Store:
         with db.transaction():
             applied = migrate(db)
             chunk_store = ChunkSeriesStore(db, retention)
+            self._chunks = chunk_store  # what compaction plans and writes through, whatever wraps it for ingest
             self.series_store: SeriesStore = chunk_store
             row = db.execute("SELECT value FROM meta WHERE key='sample_fields'").fetchone()
             stored = tuple(json.loads(row[0])) if row else SAMPLE_FIELDS
@@ -323,21 +391,21 @@ class Store:
                                      else self._host_gpus[host] + sum(1 for k in keys if k not in self.agg.gpus))
 
     def _evict_idle(self) -> None:
-        """Drop the windows of hosts silent for ``idle_evict_s`` (called after a commit: nothing is dirty); a
-        walk over every GPU, so at most every tenth of that interval."""
+        """Drop the windows and accumulators of hosts silent for ``idle_evict_s``, and hour accumulators past
+        (called after a commit: nothing is dirty); a walk over every GPU, so at most every tenth of that
+        interval."""
         now = self._clock()
         if now < self._next_eviction:
             return
         self._next_eviction = now + self.idle_evict_s / 10
         cutoff = now - self.idle_evict_s
         idle = {h for h, t in self._last_seen.items() if t < cutoff}
-        if not idle:
-            return
         for host in idle:
             del self._last_seen[host]
             self._host_gpus.pop(host, None)
-        for gpu_key in [k for k in self.agg.gpus if k[0] in idle]:
-            del self.agg.gpus[gpu_key]  # the window map's entry; totals and samples are stored
+        if idle:
+            self.agg.evict(idle)  # windows, usage and hours: totals, sums and samples are stored
+        self.agg.drop_past_hours()
 
     # -- writes -------------------------------------------------------------------------------
     def ingest(self, batch: Batch) -> IngestResult:
@@ -500,8 +568,10 @@ class Store:
     def compact(self, now: float | None = None) -> CompactStats:
         """Apply the tiers: roll up closed minutes and hours, merge small chunks, drop expired data.
 
-        Idempotent; each GPU's rollup and each merge is its own transaction, so ingest waits at most
-        for one of them, and a crash leaves either the old or the new state. On a ledger shared by several
+        Idempotent. A pass plans from reads through a connection of its own (``Database.reader``), outside the
+        store's lock, then writes in short transactions (about ``COMPACTION_STEP_S`` of work each, many GPUs'
+        roll-ups or merges in one), each taken once no ingest batch waits for a commit: ingest waits at most for
+        one step, and a crash leaves each step's GPUs in either the old or the new state. On a ledger shared by several
         collectors one compacts at a time (the ledger's compaction lock): while another one holds it, this one
         only hands its sinks their summaries (``skipped``).
         """
@@ -513,36 +583,71 @@ class Store:
             return CompactStats(job_summaries=self._emit_summaries(force=True), skipped=True)
 
     def _compact(self, now: float) -> CompactStats:
-        with self._lock:  # every stored GPU, in memory or not
-            at = GPU_TOTAL_FIELDS.index("watermark")
-            watermarks = {gpu_key: totals[at] for gpu_key, totals in self.ledger.gpu_totals()}
-        minutes = hours = 0
-        for gpu_key, watermark in sorted(watermarks.items()):
-            # minutes before (newest sample - window) can no longer receive a late sample: final
-            final_before = watermark - self.agg.window_s
-            if self._rolled_to.get(gpu_key) == math.floor(final_before / 60.0):
-                continue  # no minute became final since this GPU's last roll-up: it would change nothing
-            with self._compaction_step():
-                rolled_minutes, rolled_hours = self.series_store.roll_up(gpu_key, final_before)
-            self._rolled_to[gpu_key] = math.floor(final_before / 60.0)
-            minutes, hours = minutes + rolled_minutes, hours + rolled_hours
-        merged = 0
-        for tier in TIERS:
-            with self._lock:
-                groups = self.series_store.mergeable_groups(tier, now)
-            for group in groups:
-                with self._compaction_step():
-                    merged += self.series_store.merge(group)
+        # Every read goes through a connection of its own (Database.reader), outside the store's lock: planning
+        # a pass reads every GPU's totals, groups every chunk and decodes what it rolls up or merges, which held
+        # ingest's commits for as long. Only the planned writes take the lock, in short steps (_Steps).
+        counts = {"minutes": 0, "hours": 0, "merged": 0, "deleted": 0}
+
+        def rolled(gpu_key: GpuKey, minute: int, written: tuple[int, int]) -> None:
+            self._rolled_to[gpu_key] = minute
+            counts["minutes"] += written[0]
+            counts["hours"] += written[1]
+
+        def add(name: str, n: int) -> None:
+            counts[name] += n
+
+        steps = _Steps(self, COMPACTION_STEP_S)
+        pace = _Pacer(COMPACTION_CPU_SHARE)
+        started = time.monotonic()
+        with self._db.reader() as rdb:
+            reader = self._chunks.on(rdb)
+            with rdb.snapshot():
+                at = GPU_TOTAL_FIELDS.index("watermark")
+                watermarks = {gpu_key: totals[at] for gpu_key, totals in gpu_totals(rdb)}  # every stored GPU
+            seen, self._watermarks = self._watermarks, watermarks
+            for gpu_key, watermark in sorted(watermarks.items()):
+                # minutes before (newest sample - window) can no longer receive a late sample: final
+                final_before = watermark - self.agg.window_s
+                minute = math.floor(final_before / 60.0)
+                last = self._rolled_to.get(gpu_key)
+                if last is not None and (minute == last or (
+                        minute - last < ROLLUP_EVERY_MINUTES and seen.get(gpu_key) != watermark)):
+                    # nothing became final, or a GPU still sending has fewer than ROLLUP_EVERY_MINUTES final
+                    # minutes not rolled up (a roll-up costs about the same for one minute as for ten; queries
+                    # summarise what is not rolled up from raw samples); a GPU gone quiet is rolled up at once
+                    continue
+                plan = reader.plan_roll_up(gpu_key, final_before)
+                if plan.changes:
+                    steps.add(partial(self._chunks.apply_roll_up, plan), partial(rolled, gpu_key, minute))
+                else:
+                    self._rolled_to[gpu_key] = minute
+                pace()
+            steps.flush()
+            # a GPU still sending (its newest sample moved since the last pass): its raw intervals close by that
+            # sample - the late window as well as by the clock
+            active = {k: w - self.agg.window_s for k, w in watermarks.items() if k in seen and seen[k] != w}
+            for tier in TIERS:
+                for group in reader.mergeable_groups(tier, now, active):
+                    merge = reader.plan_merge(group)
+                    if merge is not None:
+                        steps.add(partial(self._chunks.apply_merge, merge), partial(add, "merged"))
+                    pace()
+            steps.flush()
+            for expiry in reader.plan_expiry(now):  # after the roll-ups: what they made expirable goes too
+                steps.add(partial(self._chunks.apply_expiry, expiry), partial(add, "deleted"))
+            steps.flush()
         with self._lock:
-            deleted = self.series_store.expire(now)
             self.ledger.prune_batches(now - self.dedupe_horizon_s)
             summaries = self._emit_summaries(force=True)
-        return CompactStats(minutes, hours, merged, deleted, summaries)
+        log.info("compaction: %d GPUs, %d minutes and %d hours rolled up, %d chunks merged away, %d expired, in %.1f s",
+                 len(watermarks), counts["minutes"], counts["hours"], counts["merged"], counts["deleted"],
+                 time.monotonic() - started)
+        return CompactStats(counts["minutes"], counts["hours"], counts["merged"], counts["deleted"], summaries)
 
     @contextmanager
     def _compaction_step(self) -> Iterator[None]:
         """The lock for one compaction step, taken once no batch waits for a commit (or after 50 ms): the lock
-        is not fair, and a compactor releasing and retaking it GPU after GPU kept ingest waiting for seconds."""
+        is not fair, and a compactor releasing and retaking it step after step kept ingest waiting for seconds."""
         end = time.monotonic() + 0.05
         while self._queue and time.monotonic() < end:
             time.sleep(0.001)

@@ -102,6 +102,29 @@ def test_batch_keys_are_pruned_past_the_dedupe_horizon(ledger):
     store.close()
 
 
+def test_past_hours_leave_memory_and_the_sums_go_on_exactly(ledger):
+    from gpuledger.collector.aggregate import Aggregator
+
+    clock = [NOW]
+    store = Store(ledger, clock=lambda: clock[0], window_s=60.0, idle_evict_s=60)
+    ref = Aggregator(window_s=60.0)
+    for seq in range(400):  # 4,000 s: across an hour boundary (NOW - 600 + 3,400 s)
+        b = parse_batch(body("n1", seq), "application/msgpack", clock[0])
+        store.ingest(b)
+        for s in b.samples:
+            ref.add(s)
+        clock[0] += 10.0
+    hour = 3600.0
+    boundary = (NOW - 600 + 3400) // hour * hour
+    assert [k[3] for k in store.agg.hours] == [boundary]  # the hour before it ended two windows ago: dropped
+    assert {k[3] for k in ref.hours} == {boundary - hour, boundary}
+    stored = store.db.execute("SELECT hour, observed_s, energy_j, alloc_s, samples FROM gpu_hours ORDER BY hour")
+    assert [tuple(r) for r in stored.fetchall()] == [  # bit for bit what the per-sample reference sums
+        (k[3], a.observed_s, a.energy_j, a.alloc_s, a.samples) for k, a in sorted(ref.hours.items())]
+    assert sum(a.samples for a in ref.hours.values()) == 4000
+    store.close()
+
+
 def test_idle_gpus_leave_memory_and_come_back_exactly(ledger):
     from gpuledger.collector.aggregate import Aggregator
 
@@ -120,7 +143,8 @@ def test_idle_gpus_leave_memory_and_come_back_exactly(ledger):
     store.ingest(b)
     for s in b.samples:
         ref.add(s)
-    assert {k[0] for k in store.agg.gpus} == {"n2"}  # n1's window left memory
+    assert {k[0] for k in store.agg.gpus} == {"n2"}  # n1's window left memory, its sums too
+    assert {k[1] for k in store.agg.usage} == {"n2"} and {k[0] for k in store.agg.hours} == {"n2"}
     for seq in (3, 4):  # n1 is back: its window is restored from the store, the sums go on exactly
         b = batch("n1", seq)
         store.ingest(b)

@@ -17,7 +17,16 @@ from gpuledger.collector.aggregate import WindowSegment
 from gpuledger.collector.db import Database, open_database
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import series_from_samples
-from gpuledger.collector.series_store import HOUR, MERGE_OPEN_AT, MINUTE, RAW, ChunkSeriesStore, Retention
+from gpuledger.collector.series_store import (
+    HOUR,
+    MERGE_MAX_ROWS,
+    MERGE_OPEN_AT,
+    MINUTE,
+    RAW,
+    ChunkSeriesStore,
+    Retention,
+    StaleCompaction,
+)
 from gpuledger.schema.records import GpuSample
 
 H = 3600.0 * 480_000  # an hour and day boundary
@@ -119,14 +128,14 @@ def test_roll_up_matches_the_raw_samples_and_is_idempotent(db):
 
 def test_merge_joins_small_chunks_of_closed_intervals_and_crowded_open_ones(db):
     store = ChunkSeriesStore(db, RET)
-    ss = gen("n1", "G0", None, 720, step=10.0)  # two raw hours, in 60 s batches: 60 chunks per hour
-    write(store, db, ss, batch_s=60)
-    assert len(chunks(db, RAW)) == 120
+    ss = gen("n1", "G0", None, 720, step=10.0)  # two raw hours, in 50 s batches: 72 chunks per hour
+    write(store, db, ss, batch_s=50)
+    assert len(chunks(db, RAW)) == 144
     # at H + 1 h 30: the first hour is closed, the second is open but has more than MERGE_OPEN_AT chunks
     groups = store.mergeable_groups(RAW, H + 5400)
     assert [(g.gpu_key, g.bucket) for g in groups] == [(("n1", "G0", ""), H), (("n1", "G0", ""), H + 3600)]
-    assert MERGE_OPEN_AT <= 60
-    assert [store.merge(g) for g in groups] == [59, 59]
+    assert MERGE_OPEN_AT <= 72
+    assert [store.merge(g) for g in groups] == [71, 71]
     assert [(r[3], r[4], r[5], r[6]) for r in chunks(db, RAW)] == [
         (H, ss[0].ts, ss[359].ts, 360), (H + 3600, ss[360].ts, ss[-1].ts, 360)]
     assert store.series("n1", "G0", 0, 2e9) == ss
@@ -136,6 +145,97 @@ def test_merge_joins_small_chunks_of_closed_intervals_and_crowded_open_ones(db):
     write(store, db, gen("n1", "G0", None, 3, step=10.0, t0=H + 7200, seed=1), batch_s=10)
     assert store.mergeable_groups(RAW, H + 7300) == []
     assert [g.bucket for g in store.mergeable_groups(RAW, H + 3 * 3600)] == [H + 7200]
+
+
+def test_an_interval_a_gpu_still_sends_samples_of_is_not_closed_by_the_clock_alone(db):
+    """Samples three days old (a backlog, an agent's clock behind): the clock closed their interval long ago, but
+    the GPU's newest sample - the late window (``final_before``) has not: it is merged once crowded, not at every
+    pass; once final, or with no ``final_before`` (a GPU gone quiet), it is closed."""
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    write(store, db, gen("n1", "G0", None, 100, step=10.0), batch_s=100)  # 10 chunks in hour H
+    now = H + 3 * DAY
+    assert store.mergeable_groups(RAW, now, {gk: H + 1000 - 600}) == []
+    assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 3600})] == [H]
+    assert [g.bucket for g in store.mergeable_groups(RAW, now, {})] == [H]
+    assert [g.bucket for g in store.mergeable_groups(RAW, now)] == [H]
+    more = MERGE_OPEN_AT - 10  # crowded now
+    write(store, db, gen("n1", "G0", None, 10 * more, step=10.0, t0=H + 1000, seed=1), batch_s=100)
+    assert [g.bucket for g in store.mergeable_groups(RAW, now, {gk: H + 1000 + 100 * more - 600})] == [H]
+
+
+def test_an_open_interval_merges_batches_as_they_came_and_its_merged_chunks_once_it_closes(db):
+    store = ChunkSeriesStore(db, RET)
+    k = MERGE_OPEN_AT
+    ss = gen("n1", "G0", None, 10 * (2 * k + 1), step=2.5)  # 2k + 1 chunks of 10 rows in hour H (25 s each)
+    write(store, db, ss[:10 * k], batch_s=25)
+    now = H + 3500  # the hour is open
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [k - 1]
+    write(store, db, ss[10 * k:10 * (2 * k - 1)], batch_s=25)  # fewer than MERGE_OPEN_AT small ones
+    assert store.mergeable_groups(RAW, now) == []
+    write(store, db, ss[10 * (2 * k - 1):], batch_s=25)
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, now)] == [k]  # the k + 1 small ones only
+    assert [r[6] for r in chunks(db, RAW)] == [10 * k, 10 * (k + 1)]
+    assert 10 * k >= MERGE_MAX_ROWS  # so once closed, neither is re-packed: each row was encoded once
+    assert store.mergeable_groups(RAW, H + 3600) == []
+    write(store, db, gen("n1", "G0", None, 20, step=1.0, t0=H + 3300, seed=4), batch_s=10)  # two late batches
+    assert [store.merge(g) for g in store.mergeable_groups(RAW, H + 3600)] == [1]  # closed: the small ones
+    assert sorted(r[6] for r in chunks(db, RAW)) == [20, 10 * k, 10 * (k + 1)]
+    assert store.series("n1", "G0", 0, 2e9) == sorted(ss + gen("n1", "G0", None, 20, step=1.0, t0=H + 3300, seed=4),
+                                                      key=lambda s: s.ts)
+
+
+def test_plans_made_through_another_connection_apply_while_ingest_adds_chunks(db):
+    """Compaction plans from reads on a connection of its own (``Database.reader``) while ingest writes on the
+    store's; chunks ingest adds between a plan and its transaction are neither merged away nor lost."""
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    ss = gen("n1", "G0", None, 720, step=10.0)
+    write(store, db, ss[:600], batch_s=30)  # hour H closed at H + 1 h 30; hour H + 1 h open with 80 chunks
+    with db.reader() as other:
+        reader = store.on(other)
+        plans = [reader.plan_merge(g) for g in reader.mergeable_groups(RAW, H + 5400)]
+        roll = reader.plan_roll_up(gk, H + 5000)
+    write(store, db, ss[600:], batch_s=30)  # ingest goes on: 40 more chunks in the open hour
+    with db.transaction():
+        assert [store.apply_merge(p) for p in plans if p is not None] == [119, 79]
+        assert store.apply_roll_up(roll) == (83, 1)
+    assert store.series("n1", "G0", 0, 2e9) == ss
+    assert len(chunks(db, RAW)) == 2 + 40
+    minutes = store.series("n1", "G0", H, H + 4979, step=60, tier=MINUTE)
+    assert [(p.ts, p.samples) for p in minutes] == [
+        (H + 60 * i, sum(1 for s in ss if H + 60 * i <= s.ts < H + 60 * (i + 1))) for i in range(83)]
+
+
+def test_a_stale_plan_is_refused_and_its_transaction_rolled_back(db):
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    write(store, db, gen("n1", "G0", None, 720, step=10.0), batch_s=60)
+    group = store.mergeable_groups(RAW, H + 3 * 3600)[0]
+    merge, roll = store.plan_merge(group), store.plan_roll_up(gk, H + 3000)
+    assert merge is not None
+    assert store.merge(group) == 59 and store.roll_up(gk, H + 3000) == (50, 0)  # another pass did them first
+    before = (chunks(db, RAW), chunks(db, MINUTE), store.rolled_up_until(gk, MINUTE))
+    for stale in (lambda: store.apply_merge(merge), lambda: store.apply_roll_up(roll)):
+        with pytest.raises(StaleCompaction), db.transaction():
+            stale()
+        assert (chunks(db, RAW), chunks(db, MINUTE), store.rolled_up_until(gk, MINUTE)) == before
+
+
+def test_hours_from_minutes_of_the_same_plan_equal_hours_from_stored_minutes(db):
+    """A roll-up plan combines the minutes it rolls up itself (not stored yet) with stored ones: its hours are
+    bit for bit those rolled up again from the stored minutes alone."""
+    store = ChunkSeriesStore(db, RET)
+    gk = ("n1", "G0", "")
+    write(store, db, gen("n1", "G0", None, 1200, step=10.0), batch_s=900)
+    store.roll_up(gk, H + 1000)  # some minutes stored first, then the rest and three hours in one plan
+    assert store.roll_up(gk, H + 3 * 3600 + 100)[1] == 3
+    hour_rows = "SELECT bucket, t_min, t_max, n, data FROM chunks WHERE tier=? ORDER BY t_min"
+    fresh = db.execute(hour_rows, (HOUR,)).fetchall()
+    db.execute("DELETE FROM chunks WHERE tier=?", (HOUR,))
+    db.execute("DELETE FROM rollup_state WHERE tier=?", (HOUR,))
+    assert store.roll_up(gk, H + 3 * 3600 + 100) == (0, 3)
+    assert db.execute(hour_rows, (HOUR,)).fetchall() == fresh
 
 
 def test_expire_drops_only_rolled_up_data_and_never_moves_its_mark_back(db):

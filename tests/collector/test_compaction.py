@@ -1,0 +1,164 @@
+"""The store's compaction while ingest goes on, on both ledger engines: it plans through a connection of its own
+(outside the store's lock) and writes in short steps of many GPUs each; what it leaves is what compacting after
+ingest leaves (raw samples exact, rollups and the ledger bit for bit)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from ledger_engines import commit_counter
+
+from gpuledger.agent.push import encode_batch
+from gpuledger.collector import store as store_module
+from gpuledger.collector.series_store import HOUR, MINUTE, RAW, Retention
+from gpuledger.collector.store import CompactStats, Store
+from gpuledger.collector.validate import parse_batch
+from gpuledger.schema.records import GpuSample
+
+NOW = 1_700_000_000.0
+START = NOW - 3 * 3600.0
+RET = Retention(raw_chunk_s=600.0)  # 10-minute raw intervals: several close while the test ingests
+HOSTS = [f"n{h}" for h in range(6)]
+GPUS = 3
+
+
+def body(host: str, seq: int) -> bytes:
+    """``host``'s batch ``seq``: 10 s of its GPUs at 1 Hz, as the default agent pushes them (job changes)."""
+    samples = [GpuSample(ts=START + 10 * seq + k + 0.25 * g, host=host, gpu_uuid=f"{host}-G{g}", gpu_index=g,
+                         model="H200", power_watts=100.0 + ((seq * 7 + k * 3 + g) % 500) / 10,
+                         energy_joules=1e6 + 250.0 * (10 * seq + k), sm_active_ratio=((seq + k) % 10) / 10,
+                         job_ids=(f"{host}-{seq // 40}",))
+               for g in range(GPUS) for k in range(10)]
+    return encode_batch(f"agent-{host}", host, seq, samples, fmt="msgpack")
+
+
+def make_store(url) -> Store:
+    return Store(url, window_s=60.0, retention=RET, clock=lambda: NOW)
+
+
+def ingest_all(store: Store, batches: int) -> None:
+    for seq in range(batches):
+        for host in HOSTS:
+            assert store.ingest(parse_batch(body(host, seq), "application/msgpack", NOW)).accepted == 10 * GPUS
+
+
+def snapshot(store: Store) -> str:
+    """Every GPU's raw samples, minute and hour rollups, the usage per job and GPU, the totals: as JSON (floats
+    by repr, so equal means bit for bit)."""
+    out: list = []
+    for host in HOSTS:
+        for g in range(GPUS):
+            uuid = f"{host}-G{g}"
+            out.append([s.to_dict() for s in store.series(host, uuid, 0, 2e9)])
+            for tier in (MINUTE, HOUR):
+                out.append([p.to_dict() for p in store.series(host, uuid, 0, 2e9, tier=tier)])
+    out.append([u.to_dict() for u in store.job_usage(per_gpu=True)])
+    out.append(store.totals())
+    return json.dumps(out, sort_keys=True, default=repr)
+
+
+def test_compaction_during_ingest_leaves_what_compaction_after_it_leaves(new_ledger):
+    batches = 150  # 25 minutes of each host: minutes become final and raw intervals close as it goes
+    store, reference = make_store(new_ledger()), make_store(new_ledger())
+    passes: list[CompactStats] = []
+    errors: list[BaseException] = []
+    ingesting = threading.Event()
+    ingesting.set()
+
+    def compactor() -> None:
+        try:
+            while ingesting.is_set():
+                passes.append(store.compact(now=NOW))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    def agents(hosts: list[str]) -> None:
+        try:
+            for seq in range(batches):
+                for host in hosts:
+                    assert store.ingest(parse_batch(body(host, seq), "application/msgpack", NOW)).accepted == 30
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agents, args=(HOSTS[i::3],)) for i in range(3)]
+    compacting = threading.Thread(target=compactor)
+    compacting.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ingesting.clear()
+    compacting.join()
+    assert not errors
+    during = sum(p.merged_chunks for p in passes), sum(p.rolled_minutes for p in passes)
+    assert during[0] > 0 and during[1] > 0, f"compaction found nothing to do while ingest ran: {passes}"
+    store.compact(now=NOW)
+    ingest_all(reference, batches)
+    reference.compact(now=NOW)
+    assert snapshot(store) == snapshot(reference)
+    assert store.tiers()[RAW]["rows"] == len(HOSTS) * GPUS * 10 * batches
+    store.close()
+    reference.close()
+
+
+@pytest.mark.parametrize("step_s", [0.0, 60.0])
+def test_compaction_writes_many_gpus_a_transaction_in_bounded_steps(ledger, new_ledger, monkeypatch, step_s):
+    """A step takes planned writes until ``COMPACTION_STEP_S`` of work is done: with none, one GPU's roll-up or
+    one merge a transaction; with a long one, hundreds of them in one (a commit each, not each GPU's). Either way
+    the same result."""
+    store, reference = make_store(ledger), make_store(new_ledger())
+    ingest_all(store, 80)
+    ingest_all(reference, 80)
+    writes = 0
+    for gpu_key in reference.gpus():  # the reference: one transaction per GPU's roll-up, per merge
+        reference.series_store.roll_up(gpu_key, START + 799.5 - reference.agg.window_s)
+        writes += 1
+    for tier in (RAW, MINUTE, HOUR):
+        for group in reference.series_store.mergeable_groups(tier, NOW):
+            reference.series_store.merge(group)
+            writes += 1
+    monkeypatch.setattr(store_module, "COMPACTION_STEP_S", step_s)
+    commits = commit_counter(store)
+    stats = store.compact(now=NOW)
+    assert stats.rolled_minutes == len(HOSTS) * GPUS * 12 and stats.merged_chunks > 0
+    if step_s:
+        assert commits() <= 3  # roll-ups, merges, (expiry: none) and the batch keys' pruning
+    else:
+        assert commits() >= writes
+    assert snapshot(store) == snapshot(reference)
+    store.close()
+    reference.close()
+
+
+def test_an_active_gpus_minutes_are_rolled_up_ten_at_a_time_and_a_quiet_gpus_at_once(ledger):
+    store = make_store(ledger)
+    gk = ("n0", "n0-G0", "")
+
+    def ingest(seqs: range) -> None:
+        for seq in seqs:
+            for host in HOSTS:
+                store.ingest(parse_batch(body(host, seq), "application/msgpack", NOW))
+
+    def rolled() -> float:
+        until = store.series_store.rolled_up_until(gk, MINUTE)
+        assert until is not None
+        return until
+
+    ingest(range(30))
+    store.compact(now=NOW)  # the first pass rolls up every GPU
+    first = rolled()
+    assert first == (START + 299 - 60) // 60 * 60
+    ingest(range(30, 36))  # a minute more: the GPU is sending, fewer than ten final minutes wait
+    store.compact(now=NOW)
+    assert rolled() == first
+    minutes = store.series("n0", "n0-G0", 0, 2e9, step=60)  # the rest summarised from raw samples
+    assert sum(p.samples for p in minutes) == 360
+    store.compact(now=NOW)  # nothing arrived since the last pass: the quiet GPU is rolled up at once
+    assert rolled() == (START + 359 - 60) // 60 * 60
+    ingest(range(36, 100))  # more than ten minutes
+    store.compact(now=NOW)
+    assert rolled() == (START + 999 - 60) // 60 * 60
+    assert sum(p.samples for p in store.series("n0", "n0-G0", 0, 2e9, step=60)) == 1000
+    store.close()
