@@ -5,13 +5,19 @@ that GET /api/v1/series answers from the series database with the points the loc
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
+from collector_proc import CollectorProc
+from servers import free_port
 
 from gpuledger.collector.series_outbox import RemoteSeries, local_retention
 from gpuledger.collector.series_store import RAW, Retention
@@ -22,6 +28,7 @@ from gpuledger.schema.wire import to_series
 
 H = 1_699_999_200.0  # an hour's start (the harnesses' servers keep the past)
 NOW = H + 3 * 3600.0  # the collectors' clock
+R = TypeVar("R")  # a series database's test harness
 NOT_REMOTE = ("xid_errors", "processes", "source")  # sample fields the series databases do not hold
 
 
@@ -188,3 +195,49 @@ def assert_shipping_resumed(c: Collector, host: str, records: list[logging.LogRe
     assert c.metric("gpuledger_collector_series_lag_seconds") == 0
     assert len([r for r in records if "again" in r.getMessage()]) == 1
     assert c.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=60).status_code == 200
+
+
+def killed_collector_ships_after_restart(tmp_path: Path, settings: str, remote: Callable[[], AbstractContextManager[R]],
+                                         check: Callable[[R, list[GpuSample]], None]) -> str:
+    """A real collector (`collector serve`, ``settings`` in its [collector] table) ingests while its series
+    database is away, and is SIGKILLed before shipping anything. Restarted with the database up (``remote()``):
+    the same usage, the backlog shipped, ``check(database, stored samples)``, and /api/v1/series answered from the
+    database. Returns the 503's error while the database was away."""
+    host = "crash01"
+    port = free_port()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gpuledger.toml").write_text("[collector]\n" + settings)
+    now = time.time()  # the real collector runs on the real clock: samples of the last few minutes
+    samples = [replace(s, ts=s.ts - H + math.floor(now) - 600.0) for s in fleet(host, hours=0.1)]
+    gpu_a = {"host": host, "uuid": "GPU-a", "start": now - 900, "end": now}
+    proc = CollectorProc(data, port).start()
+    try:
+        for b in batches(samples, host):
+            r = httpx.post(f"{proc.url}/api/v1/samples", json=b, timeout=30)
+            assert r.status_code == 200, r.text  # the series database is not there: ingest goes on
+        usage = httpx.get(f"{proc.url}/api/v1/usage").json()
+        assert "gpuledger_collector_series_backlog_samples 0.0" not in httpx.get(f"{proc.url}/metrics").text
+        r = httpx.get(f"{proc.url}/api/v1/series", params=gpu_a)
+        assert r.status_code == 503 and "unreachable" in r.json()["error"] and "\n" not in r.text
+        error = str(r.json()["error"])
+    finally:
+        proc.kill()  # SIGKILL: nothing shipped, nothing flushed
+    with remote() as database:
+        proc = CollectorProc(data, port).start()
+        try:
+            assert httpx.get(f"{proc.url}/api/v1/usage").json() == usage
+            deadline = time.monotonic() + 60
+            while "gpuledger_collector_series_backlog_samples 0.0" not in httpx.get(f"{proc.url}/metrics").text:
+                assert time.monotonic() < deadline, "the backlog was not shipped after the restart"
+                time.sleep(0.2)
+            store = Store(data / "gpuledger.sqlite")
+            try:
+                check(database, stored(store))
+            finally:
+                store.close()
+            raw = httpx.get(f"{proc.url}/api/v1/series", params=gpu_a).json()
+            assert len(raw) == sum(1 for s in samples if s.gpu_uuid == "GPU-a")
+        finally:
+            proc.stop()
+    return error

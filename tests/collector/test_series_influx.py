@@ -9,19 +9,17 @@ settings are one line and exit 2."""
 from __future__ import annotations
 
 import logging
-import math
 import random
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from collector_proc import ROOT, CollectorProc
+from collector_proc import ROOT
 from series_cases import (
     NOW,
     Collector,
@@ -31,6 +29,7 @@ from series_cases import (
     assert_shipping_resumed,
     batches,
     fleet,
+    killed_collector_ships_after_restart,
     stored,
 )
 from servers import InfluxServer, free_port  # tests/servers.py: the shared harness
@@ -248,44 +247,15 @@ def test_collectors_sharing_a_postgresql_ledger_ship_every_sample_once(influx: I
 
 # -- crashes and outages ----------------------------------------------------------------------------------------
 def test_collector_killed_before_shipping_loses_nothing(tmp_path: Path) -> None:
-    host = "crash01"
-    influx_port, port = free_port(), free_port()
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "gpuledger.toml").write_text(f'[collector]\nseries_url = "http://127.0.0.1:{influx_port}"\n'
-                                         'series_api = "influxdb"\nseries_database = "site"\n')
-    now = time.time()  # the real collector runs on the real clock: samples of the last few minutes
-    samples = [replace(s, ts=s.ts - H + math.floor(now) - 600.0) for s in fleet(host, hours=0.1)]
-    proc = CollectorProc(data, port).start()
-    try:
-        for b in batches(samples, host):
-            r = httpx.post(f"{proc.url}/api/v1/samples", json=b, timeout=30)
-            assert r.status_code == 200, r.text  # InfluxDB is not there: ingest goes on
-        usage = httpx.get(f"{proc.url}/api/v1/usage").json()
-        assert "gpuledger_collector_series_backlog_samples 0.0" not in httpx.get(f"{proc.url}/metrics").text
-        r = httpx.get(f"{proc.url}/api/v1/series", params={"host": host, "uuid": "GPU-a", "start": now - 900,
-                                                            "end": now})
-        assert r.status_code == 503 and "InfluxDB" in r.json()["error"] and "unreachable" in r.json()["error"]
-    finally:
-        proc.kill()  # SIGKILL: nothing shipped, nothing flushed
-    with InfluxServer(tmp_path / "influx", db="site", port=influx_port) as influx:
-        proc = CollectorProc(data, port).start()
-        try:
-            assert httpx.get(f"{proc.url}/api/v1/usage").json() == usage
-            deadline = time.monotonic() + 60
-            while "gpuledger_collector_series_backlog_samples 0.0" not in httpx.get(f"{proc.url}/metrics").text:
-                assert time.monotonic() < deadline, "the backlog was not shipped after the restart"
-                time.sleep(0.2)
-            store = Store(data / "gpuledger.sqlite")
-            try:
-                assert influx_points(influx, host) == expected_points(stored(store))
-            finally:
-                store.close()
-            raw = httpx.get(f"{proc.url}/api/v1/series", params={"host": host, "uuid": "GPU-a", "start": now - 900,
-                                                                  "end": now}).json()
-            assert len(raw) == sum(1 for s in samples if s.gpu_uuid == "GPU-a")
-        finally:
-            proc.stop()
+    influx_port = free_port()
+
+    def check(influx: InfluxServer, stored_samples: list[GpuSample]) -> None:
+        assert influx_points(influx, "crash01") == expected_points(stored_samples)
+
+    error = killed_collector_ships_after_restart(
+        tmp_path, f'series_url = "http://127.0.0.1:{influx_port}"\nseries_api = "influxdb"\nseries_database = "site"\n',
+        lambda: InfluxServer(tmp_path / "influx", db="site", port=influx_port), check)
+    assert "InfluxDB" in error
 
 
 def test_influxdb_down_ingest_goes_on_and_shipping_resumes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

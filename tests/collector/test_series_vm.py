@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import threading
 import time
@@ -18,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-from collector_proc import CollectorProc
 from series_cases import (
     NOW,
     Collector,
@@ -28,6 +26,7 @@ from series_cases import (
     assert_shipping_resumed,
     batches,
     fleet,
+    killed_collector_ships_after_restart,
     stored,
 )
 from servers import VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
@@ -265,45 +264,15 @@ def test_collectors_sharing_a_postgresql_ledger_ship_every_sample_once(vm: Victo
 
 # -- crashes and outages ----------------------------------------------------------------------------------------
 def test_collector_killed_before_shipping_loses_nothing(tmp_path: Path) -> None:
-    host = "crash01"
-    vm_port, port = free_port(), free_port()
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "gpuledger.toml").write_text(f'[collector]\nseries_url = "http://127.0.0.1:{vm_port}"\n')
-    now = time.time()  # the real collector runs on the real clock: samples of the last few minutes
-    samples = [replace(s, ts=s.ts - H + math.floor(now) - 600.0) for s in fleet(host, hours=0.1)]
-    proc = CollectorProc(data, port).start()
-    try:
-        for b in batches(samples, host):
-            r = httpx.post(f"{proc.url}/api/v1/samples", json=b, timeout=30)
-            assert r.status_code == 200, r.text  # VictoriaMetrics is not there: ingest goes on
-        usage = httpx.get(f"{proc.url}/api/v1/usage").json()
-        metrics = httpx.get(f"{proc.url}/metrics").text
-        assert "gpuledger_collector_series_backlog_samples 0.0" not in metrics
-        r = httpx.get(f"{proc.url}/api/v1/series", params={"host": host, "uuid": "GPU-a", "start": now - 900,
-                                                            "end": now})
-        assert r.status_code == 503 and "unreachable" in r.json()["error"] and "\n" not in r.text
-    finally:
-        proc.kill()  # SIGKILL: nothing shipped, nothing flushed
-    with VictoriaMetricsServer(tmp_path / "vm", port=vm_port, flags=DEDUP) as vm:
-        proc = CollectorProc(data, port).start()
-        try:
-            assert httpx.get(f"{proc.url}/api/v1/usage").json() == usage
-            deadline = time.monotonic() + 60
-            while "gpuledger_collector_series_backlog_samples 0.0" not in httpx.get(f"{proc.url}/metrics").text:
-                assert time.monotonic() < deadline, "the backlog was not shipped after the restart"
-                time.sleep(0.2)
-            vm.flush()
-            store = Store(data / "gpuledger.sqlite")
-            try:
-                assert vm_points(vm, host) == expected_points(stored(store))
-            finally:
-                store.close()
-            raw = httpx.get(f"{proc.url}/api/v1/series", params={"host": host, "uuid": "GPU-a", "start": now - 900,
-                                                                  "end": now}).json()
-            assert len(raw) == sum(1 for s in samples if s.gpu_uuid == "GPU-a")
-        finally:
-            proc.stop()
+    vm_port = free_port()
+
+    def check(vm: VictoriaMetricsServer, stored_samples: list[GpuSample]) -> None:
+        vm.flush()
+        assert vm_points(vm, "crash01") == expected_points(stored_samples)  # one point each (vm_points checks)
+
+    killed_collector_ships_after_restart(
+        tmp_path, f'series_url = "http://127.0.0.1:{vm_port}"\n',
+        lambda: VictoriaMetricsServer(tmp_path / "vm", port=vm_port, flags=DEDUP), check)
 
 
 def test_victoriametrics_down_ingest_goes_on_and_shipping_resumes(tmp_path: Path,
