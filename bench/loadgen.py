@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import os
 import random
 import socket
@@ -142,35 +143,11 @@ async def node(host: str, port: int, make_request: Callable[[int], tuple[bytes, 
 
 async def closed_loop(host: str, port: int, make_request: Callable[[int], tuple[bytes, int]], conns: int,
                       seconds: float, stats: Stats) -> None:
-    """``conns`` connections posting back to back for ``seconds`` (saturation)."""
+    """``conns`` connections posting back to back for ``seconds`` (saturation): connection c sends
+    ``make_request(c)``, ``make_request(c + conns)``, ..."""
     until = time.monotonic() + seconds
-
-    async def one(c: int) -> None:
-        reader, writer = await asyncio.open_connection(host, port)
-        i = c
-        while time.monotonic() < until:
-            req, n = make_request(i)
-            t0 = time.monotonic()
-            try:
-                writer.write(req)
-                status, _b, close = await _read_response(reader)
-            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                stats.error(exc)
-                writer.close()
-                reader, writer = await asyncio.open_connection(host, port)
-                continue
-            stats.latencies.append(time.monotonic() - t0)
-            stats.statuses[status] = stats.statuses.get(status, 0) + 1
-            if status == 200:
-                stats.ok += 1
-                stats.samples += n
-            if close:
-                writer.close()
-                reader, writer = await asyncio.open_connection(host, port)
-            i += conns
-        writer.close()
-
-    await asyncio.gather(*(one(c) for c in range(conns)))
+    await asyncio.gather(*(_post_until(host, port, map(make_request, itertools.count(c, conns)), until, stats)
+                           for c in range(conns)))
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -198,29 +175,32 @@ async def post_each(host: str, port: int, requests: Iterator[tuple[bytes, int]],
     """``conns`` keep-alive connections posting the next of ``requests`` (request bytes, samples) back to back until
     the iterator is exhausted or ``time.monotonic()`` passes ``until``: each request is sent once (unlike
     :func:`closed_loop`, which may repeat them), so a store that deduplicates batches is measured on new ones."""
+    await asyncio.gather(*(_post_until(host, port, requests, until, stats) for _ in range(conns)))
 
-    async def one() -> None:
-        reader, writer = await asyncio.open_connection(host, port)
-        for req, n in requests:
-            if time.monotonic() >= until:
-                break
-            t0 = time.monotonic()
-            try:
-                writer.write(req)
-                status, _b, close = await _read_response(reader)
-            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                stats.error(exc)
-                writer.close()
-                reader, writer = await asyncio.open_connection(host, port)
-                continue
-            stats.latencies.append(time.monotonic() - t0)
-            stats.statuses[status] = stats.statuses.get(status, 0) + 1
-            if status == 200:
-                stats.ok += 1
-                stats.samples += n
-            if close:
-                writer.close()
-                reader, writer = await asyncio.open_connection(host, port)
-        writer.close()
 
-    await asyncio.gather(*(one() for _ in range(conns)))
+async def _post_until(host: str, port: int, requests: Iterator[tuple[bytes, int]], until: float,
+                      stats: Stats) -> None:
+    """One keep-alive connection posting ``requests`` (request bytes, samples) back to back until they run out or
+    ``time.monotonic()`` passes ``until``; reconnects after an error or a ``Connection: close``."""
+    reader, writer = await asyncio.open_connection(host, port)
+    for req, n in requests:
+        if time.monotonic() >= until:
+            break
+        t0 = time.monotonic()
+        try:
+            writer.write(req)
+            status, _b, close = await _read_response(reader)
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            stats.error(exc)
+            writer.close()
+            reader, writer = await asyncio.open_connection(host, port)
+            continue
+        stats.latencies.append(time.monotonic() - t0)
+        stats.statuses[status] = stats.statuses.get(status, 0) + 1
+        if status == 200:
+            stats.ok += 1
+            stats.samples += n
+        if close:
+            writer.close()
+            reader, writer = await asyncio.open_connection(host, port)
+    writer.close()
