@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 from test_cli_errors import COMMANDS, call, one_error_line
-from testdata import DATA_ROOT
+from testdata import DATA_ROOT, measure_jobs_3_and_999
 
 from gpuledger.collector.ledger_url import ENV_NAME, ledger_fingerprint
 from gpuledger.collector.store import open_store
-from gpuledger.collector.validate import Batch
-from gpuledger.schema.records import GpuSample
 
 # Commands that never touch the ledger: the node agent, the dashboards, and the demo (its own embedded store).
 NO_LEDGER = {("agent", "once"), ("agent", "run"), ("agent", "sources"), ("dashboards", "export"), ("demo",)}
@@ -87,10 +85,7 @@ def measure(ledger_url: str | None, data_dir: Path) -> None:
     """Samples of job 3 (Slurm's) and job 999 (an agent's only) into the ledger, as a collector stores them."""
     store = open_store(ledger_url, data_dir)
     try:
-        samples = tuple(GpuSample(ts=1795969360.0 + 10 * k, host="vm", gpu_uuid="GPU-0", gpu_index=0,
-                                  sm_active_ratio=0.5, energy_joules=1000.0 * k, job_ids=(job,))
-                        for k, job in enumerate(["3", "3", "3", "999", "999"]))
-        store.ingest(Batch("t", 1, "vm", samples))
+        measure_jobs_3_and_999(store)
     finally:
         store.close()
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testdata import DATA_ROOT, capture  # noqa: F401
+from testdata import DATA_ROOT, capture, measure_jobs_3_and_999  # noqa: F401
 from typer.testing import CliRunner
 
 from gpuledger.accounting.audit import open_log
 from gpuledger.cli import app
 from gpuledger.collector.store import Store
-from gpuledger.collector.validate import Batch
-from gpuledger.schema.records import GpuSample
 
 REAL = DATA_ROOT / "slurm" / "real-22.05"
 runner = CliRunner()
@@ -32,10 +30,7 @@ def test_import_is_idempotent_and_list_joins_measurements(tmp_path: Path) -> Non
     # Measurements for job 3 (a real job) and for job 999 (which Slurm never reported).
     store = Store(tmp_path / "gpuledger.sqlite")
     try:
-        samples = tuple(GpuSample(ts=1795969360.0 + 10 * k, host="vm", gpu_uuid="GPU-0", gpu_index=0,
-                                  sm_active_ratio=0.5, energy_joules=1000.0 * k, job_ids=(job,))
-                        for k, job in enumerate(["3", "3", "3", "999", "999"]))
-        store.ingest(Batch("t", 1, "vm", samples))
+        measure_jobs_3_and_999(store)
     finally:
         store.close()
     r = runner.invoke(app, ["jobs", "list", "--data-dir", d, "--format", "json"])
