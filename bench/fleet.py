@@ -4,9 +4,10 @@ agent pushes (8 GPUs sampled at 1 Hz: 80 samples, msgpack columns from the agent
 ``agent.push.encode_batch``) over its own keep-alive connection, first pushes spread over one period.
 
 The collector runs in its own process as `collector serve` runs it (Store with durable commits and
-per-job aggregation, background compaction every --compact seconds, the threaded HTTP server). Every
---report seconds the script prints requests/s, samples/s, p50/p99 latency of that interval, the collector's
-CPU and RSS; at the end the totals, connection errors, answers by status and the peak RSS.
+per-job aggregation, the threaded HTTP server, compaction every --compact seconds in a child process, or with
+--compaction thread in the collector's). Every --report seconds the script prints requests/s, samples/s, p50/p99
+latency of that interval, the collector's CPU and RSS and its compactor's; at the end the totals, connection
+errors, answers by status and the peak RSS of each process.
 
     .venv/bin/python bench/fleet.py --nodes 2000 --seconds 60
     .venv/bin/python bench/fleet.py --nodes 10000 --seconds 60
@@ -36,10 +37,16 @@ from gpuledger.schema.records import GpuSample  # noqa: E402
 COLLECTOR = """
 import sys
 sys.path.insert(0, sys.argv[4])
+from gpuledger.collector.compactor import CompactorProcess
+from gpuledger.collector.gcfreeze import GcFreezer
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
 store = Store(sys.argv[1])
-store.start_background(float(sys.argv[3]))
+if sys.argv[5] == "process":  # as `collector serve` runs it by default (compaction = "process")
+    CompactorProcess.beside(store, sys.argv[1], float(sys.argv[3])).start()
+store.start_background(float(sys.argv[3]), compact=sys.argv[5] == "thread")
+if sys.argv[6] == "on":
+    GcFreezer().start()
 CollectorServer(store, port=int(sys.argv[2]), max_inflight=4096).serve_forever()
 """
 
@@ -59,6 +66,20 @@ def push_body(node: int, i: int, base: float, period: float) -> bytes:
     return encode_batch(f"agent-{node}", host, i, samples, fmt="msgpack")
 
 
+def compactor(pid: int) -> dict[str, float]:
+    """CPU seconds, RSS and peak RSS of the collector's children (its compactor process; none with
+    --compaction thread)."""
+    out = {"cpu_s": 0.0, "rss": 0, "hwm": 0}
+    for child in loadgen.children(pid):
+        try:
+            out["cpu_s"] += loadgen.cpu_s(child)
+            out["rss"] += loadgen.rss_bytes(child)
+            out["hwm"] += loadgen.hwm_bytes(child)
+        except OSError:  # gone between the listing and the read
+            pass
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2000)
@@ -66,6 +87,10 @@ def main() -> None:
     ap.add_argument("--period", type=float, default=10.0, help="seconds between one node's pushes")
     ap.add_argument("--report", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--compact", type=float, default=30.0, help="collector compaction interval")
+    ap.add_argument("--compaction", choices=("process", "thread"), default="process",
+                    help="compaction in a child process (the default of `collector serve`) or in the collector's")
+    ap.add_argument("--gc-freeze", choices=("on", "off"), default="on",
+                    help="freeze long-lived objects out of full GC passes (collector.gcfreeze; `collector serve`: on)")
     a = ap.parse_args()
     loadgen.raise_nofile()
     pushes = int(a.seconds / a.period) + 2
@@ -78,7 +103,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
         port = loadgen.free_port()
         proc = subprocess.Popen([sys.executable, "-c", COLLECTOR, str(Path(tmp) / "c.sqlite"), str(port),
-                                 str(a.compact), str(ROOT)])
+                                 str(a.compact), str(ROOT), a.compaction, a.gc_freeze])
         try:
             loadgen.wait_ready(port, proc)
             stats = loadgen.Stats()
@@ -86,21 +111,24 @@ def main() -> None:
 
             async def reporter(until: float) -> None:
                 seen, cpu0, t0 = 0, loadgen.cpu_s(proc.pid), time.monotonic()
-                samples0 = 0
+                samples0, ccpu0 = 0, compactor(proc.pid)["cpu_s"]
                 while time.monotonic() < until + a.period:
                     await asyncio.sleep(a.report)
                     lat = stats.latencies[seen:]
-                    now, cpu = time.monotonic(), loadgen.cpu_s(proc.pid)
+                    now, cpu, comp = time.monotonic(), loadgen.cpu_s(proc.pid), compactor(proc.pid)
                     row = {"t_s": round(now - start, 1), "requests_per_s": round(len(lat) / (now - t0), 1),
                            "samples_per_s": round((stats.samples - samples0) / (now - t0)),
                            "p50_ms": loadgen.ms(loadgen.percentile(lat, 0.5)),
                            "p99_ms": loadgen.ms(loadgen.percentile(lat, 0.99)),
                            "cpu_pct": round(100 * (cpu - cpu0) / (now - t0)),
                            "rss_mb": round(loadgen.rss_bytes(proc.pid) / 2**20, 1),
+                           "compactor_cpu_pct": round(100 * (comp["cpu_s"] - ccpu0) / (now - t0)),
+                           "compactor_rss_mb": round(comp["rss"] / 2**20, 1),
                            "connection_errors": stats.conn_errors}
                     timeline.append(row)
                     print(json.dumps(row), flush=True)
                     seen, cpu0, t0, samples0 = len(stats.latencies), cpu, now, stats.samples
+                    ccpu0 = comp["cpu_s"]
 
             async def run() -> None:
                 until = start + a.seconds
@@ -110,9 +138,10 @@ def main() -> None:
                                  until, stats, rng) for n in range(a.nodes)))
 
             start = time.monotonic()
-            cpu_start = loadgen.cpu_s(proc.pid)
+            cpu_start, ccpu_start = loadgen.cpu_s(proc.pid), compactor(proc.pid)["cpu_s"]
             asyncio.run(run())
             wall = a.seconds  # the load window (the last period only lets the last pushes finish)
+            comp, n = compactor(proc.pid), max(len(stats.latencies), 1)
             total = {"nodes": a.nodes, "seconds": round(wall, 1), "period_s": a.period,
                      "requests": len(stats.latencies), "requests_per_s": round(len(stats.latencies) / wall, 1),
                      "samples_per_s": round(stats.samples / wall),
@@ -120,9 +149,11 @@ def main() -> None:
                      "p99_ms": loadgen.ms(loadgen.percentile(stats.latencies, 0.99)),
                      "statuses": stats.statuses, "connection_errors": stats.conn_errors,
                      "error_kinds": stats.error_kinds,
-                     "collector_cpu_ms_per_request": round(1e3 * (loadgen.cpu_s(proc.pid) - cpu_start)
-                                                           / max(len(stats.latencies), 1), 2),
+                     "compaction": a.compaction, "gc_freeze": a.gc_freeze,
+                     "collector_cpu_ms_per_request": round(1e3 * (loadgen.cpu_s(proc.pid) - cpu_start) / n, 2),
+                     "compactor_cpu_ms_per_request": round(1e3 * (comp["cpu_s"] - ccpu_start) / n, 2),
                      "collector_peak_rss_mb": round(loadgen.hwm_bytes(proc.pid) / 2**20, 1),
+                     "compactor_peak_rss_mb": round(comp["hwm"] / 2**20, 1),
                      "collector_rss_mb_first_last": [timeline[0]["rss_mb"], timeline[-1]["rss_mb"]] if timeline
                      else None}
             print(json.dumps({"total": total}, indent=1))

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from loadgen import cpu_s, free_port, wait_ready  # noqa: E402
+from loadgen import free_port, tree_cpu_s, wait_ready  # noqa: E402
 
 from gpuledger.agent.push import encode_batch  # noqa: E402
 from gpuledger.schema.records import GpuSample  # noqa: E402
@@ -151,11 +151,11 @@ def post_all(port: int, path: str, bodies: list[bytes], headers: dict, ok: int, 
 def settle(pid: int, idle_s: float = 2.0, limit_s: float = 30.0) -> None:
     """Wait until the server has been idle for ``idle_s`` (background merges finish)."""
     end = time.monotonic() + limit_s
-    last = cpu_s(pid)
+    last = tree_cpu_s(pid)
     quiet = 0.0
     while time.monotonic() < end and quiet < idle_s:
         time.sleep(0.5)
-        now = cpu_s(pid)
+        now = tree_cpu_s(pid)
         quiet = quiet + 0.5 if now - last < 0.02 else 0.0
         last = now
 
@@ -163,10 +163,15 @@ def settle(pid: int, idle_s: float = 2.0, limit_s: float = 30.0) -> None:
 COLLECTOR = """
 import sys
 sys.path.insert(0, sys.argv[3])
+from gpuledger.collector.compactor import CompactorProcess
+from gpuledger.collector.gcfreeze import GcFreezer
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
 store = Store(sys.argv[1])
-store.start_background(float(sys.argv[4]))  # compaction runs during ingest
+# as `collector serve` runs it: compaction during ingest, in a child process (its CPU is counted with the collector's)
+CompactorProcess.beside(store, sys.argv[1], float(sys.argv[4])).start()
+store.start_background(float(sys.argv[4]), compact=False)
+GcFreezer().start()
 server = CollectorServer(store, port=int(sys.argv[2]))
 server.serve_forever()
 """
@@ -204,7 +209,7 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
 
         def measure(name: str, mp: list[bytes], lp: list[bytes]) -> dict:
             pid = vm.pid if name == "vm" else gl.pid
-            c0 = cpu_s(pid)
+            c0 = tree_cpu_s(pid)
             if name == "vm":
                 n, wall = post_all(vm_port, "/write?precision=ms", lp, {}, 204, a.conns, a.seconds)
             else:
@@ -212,7 +217,7 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
                                    a.conns, a.seconds)
             settle(pid)
             samples = n * shape
-            return {"samples": samples, "wall_s": wall, "rate": samples / wall, "cpu_s": cpu_s(pid) - c0,
+            return {"samples": samples, "wall_s": wall, "rate": samples / wall, "cpu_s": tree_cpu_s(pid) - c0,
                     "batches": n}
 
         out: dict[str, dict] = {}

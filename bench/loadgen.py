@@ -45,6 +45,33 @@ def hwm_bytes(pid: int) -> int:
     return _status_bytes(pid, "VmHWM")
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid``, whichever of its threads started them."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its running children (a collector and its compactor process)."""
+    total = cpu_s(pid)
+    for child in children(pid):
+        try:
+            total += cpu_s(child)
+        except OSError:  # gone between the listing and the read
+            pass
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,8 +12,10 @@ import typer
 from gpuledger.collector.auditlog import open_log
 from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.auth import Authenticator
+from gpuledger.collector.compactor import CompactorProcess
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.db import redact
+from gpuledger.collector.gcfreeze import GcFreezer
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.series_outbox import RemoteSeries
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
@@ -82,7 +84,12 @@ def serve(
                         retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
                         power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
                         max_gpus_per_host=settings.max_gpus_per_host, series_outbox=bool(settings.series_url))
-    store.start_background(settings.compact_interval_s)
+    compactor = None
+    if settings.compaction == "process":
+        compactor = CompactorProcess.beside(store, url or store_path(data_dir), settings.compact_interval_s)
+        compactor.start()
+    store.start_background(settings.compact_interval_s, compact=compactor is None)
+    freezer = GcFreezer().start()
     # series in VictoriaMetrics or InfluxDB: the store's outbox is shipped there, and series are answered from there
     remote = RemoteSeries(store.series_store, settings.series_url, settings.series_api, settings.series_database,
                           read_timeout_s=settings.request_timeout_s) if settings.series_url else None
@@ -115,6 +122,9 @@ def serve(
         pass
     finally:
         server.stop()
+        freezer.stop()
+        if compactor is not None:
+            compactor.stop()
         if remote is not None:  # what it cannot ship in a few seconds stays queued for the next start
             remote.close()
         store.close()

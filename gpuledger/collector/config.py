@@ -152,6 +152,9 @@ class CollectorSettings(TokenTables):
     minute_retention_s: float = Field(90 * 86400.0, ge=0)
     hour_retention_s: float = Field(0.0, ge=0)
     compact_interval_s: float = Field(300.0, gt=0)
+    # "process": compaction in a child process (collector.compactor), off ingest's GIL and memory; "thread": in the
+    # collector's own process (one process, e.g. where a service manager counts them)
+    compaction: Literal["process", "thread"] = "process"
     # InfluxDB sink (off unless influx_url is set): api "v2" (2.x, 3.x, 1.8+, VictoriaMetrics) or "v1" (/write).
     influx_url: str | None = None
     influx_api: Literal["v1", "v2"] = "v2"

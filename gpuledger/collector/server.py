@@ -8,6 +8,7 @@ document is checked against.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import logging
@@ -183,6 +184,9 @@ class _Metrics:
         g = Gauge("gpuledger_collector_ingest_queue_depth",
                   "Ingest requests in flight (validating, waiting for or holding the store).", registry=r)
         g.set_function(ingest_depth)
+        g = Gauge("gpuledger_collector_gc_frozen_objects", "Objects moved out of the garbage collector's full passes "
+                  "(collector.gcfreeze); flat unless frozen cycles leak.", registry=r)
+        g.set_function(gc.get_freeze_count)
         r.register(_FeedGauges(feed, user_labels))
         r.register(_StoreCounters(store))
 

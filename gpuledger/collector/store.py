@@ -654,8 +654,9 @@ class Store:
         with self._lock:
             yield
 
-    def start_background(self, interval_s: float = 300.0) -> None:
-        """Run :meth:`compact` every ``interval_s`` seconds in a daemon thread until :meth:`close`."""
+    def start_background(self, interval_s: float = 300.0, compact: bool = True) -> None:
+        """Every ``interval_s`` seconds until :meth:`close`, in a daemon thread: :meth:`compact`, or with ``compact``
+        false (compaction runs elsewhere: ``collector.compactor``) only hand the sinks the jobs' updated usage."""
         if self._compactor is not None:
             return
         self._compactor_stop.clear()
@@ -663,9 +664,13 @@ class Store:
         def loop() -> None:
             while not self._compactor_stop.wait(interval_s):
                 try:
-                    self.compact()
+                    if compact:
+                        self.compact()
+                    else:
+                        with self._lock:
+                            self._emit_summaries(force=True)
                 except Exception:  # keep compacting later; the store itself is consistent
-                    log.exception("compaction failed")
+                    log.exception("compaction failed" if compact else "job summaries failed")
 
         self._compactor = threading.Thread(target=loop, name="store-compact", daemon=True)
         self._compactor.start()

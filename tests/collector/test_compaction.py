@@ -24,9 +24,10 @@ HOSTS = [f"n{h}" for h in range(6)]
 GPUS = 3
 
 
-def body(host: str, seq: int) -> bytes:
-    """``host``'s batch ``seq``: 10 s of its GPUs at 1 Hz, as the default agent pushes them (job changes)."""
-    samples = [GpuSample(ts=START + 10 * seq + k + 0.25 * g, host=host, gpu_uuid=f"{host}-G{g}", gpu_index=g,
+def body(host: str, seq: int, start: float = START) -> bytes:
+    """``host``'s batch ``seq``: 10 s of its GPUs at 1 Hz from ``start``, as the default agent pushes them (job
+    changes)."""
+    samples = [GpuSample(ts=start + 10 * seq + k + 0.25 * g, host=host, gpu_uuid=f"{host}-G{g}", gpu_index=g,
                          model="H200", power_watts=100.0 + ((seq * 7 + k * 3 + g) % 500) / 10,
                          energy_joules=1e6 + 250.0 * (10 * seq + k), sm_active_ratio=((seq + k) % 10) / 10,
                          job_ids=(f"{host}-{seq // 40}",))

@@ -1,0 +1,152 @@
+"""Compaction in a process of its own (``collector.compactor``, issue 13): what the child leaves is what compaction in
+the collector's process leaves, on both ledger engines, while ingest goes on; `collector serve` starts it, starts it
+again when it dies, and it never outlives its collector, however the collector ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from collector_proc import CollectorProc, free_port
+from test_compaction import HOSTS, RET, body, snapshot
+
+from gpuledger.collector.compactor import CompactorProcess
+from gpuledger.collector.series_store import MINUTE, RAW
+from gpuledger.collector.store import Store
+from gpuledger.collector.validate import parse_batch
+
+BATCHES = 150  # 25 minutes of each host: minutes become final and raw intervals close
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited child nobody has reaped yet, a zombie, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The running children of ``pid``, whichever of its threads started them."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split() if alive(int(c))]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def wait_for(what: str, check, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+def tier_rows(store: Store) -> list[int]:
+    """Rows per tier (not chunks: how many there are depends on the passes, e.g. a raw interval merged while open
+    into chunks of 512 rows or more keeps them)."""
+    return [t["rows"] for t in store.tiers()]
+
+
+def ingest(store: Store, start: float) -> None:
+    for seq in range(BATCHES):
+        for host in HOSTS:
+            assert store.ingest(parse_batch(body(host, seq, start), "application/msgpack", time.time())).accepted == 30
+
+
+def test_a_compactor_process_leaves_what_compaction_in_the_collectors_process_leaves(new_ledger):
+    # the child runs on the real clock: samples of three hours ago (closed intervals, within raw retention)
+    start = time.time() - 3 * 3600.0
+    target, reference_target = new_ledger(), new_ledger()
+    store = Store(target, window_s=60.0, retention=RET)
+    compactor = CompactorProcess.beside(store, target, interval_s=0.2)
+    compactor.start()
+    try:
+        ingest(store, start)  # while the child compacts the same database
+        reference = Store(reference_target, window_s=60.0, retention=RET)
+        ingest(reference, start)
+        reference.compact()
+        expected = tier_rows(reference)
+        assert expected[MINUTE] > 0  # rolled up
+        # this process never compacts: the rollups and merges are the child's, and they come out the same
+        deadline = time.monotonic() + 60
+        while (got := tier_rows(store)) != expected:
+            assert time.monotonic() < deadline, f"the compactor process left {got}, compaction here {expected}"
+            time.sleep(0.1)
+        assert snapshot(store) == snapshot(reference)
+        assert store.tiers()[RAW]["chunks"] < len(HOSTS) * 3 * BATCHES  # the batches' chunks were merged
+        assert compactor.restarts == 0 and compactor.pid is not None
+    finally:
+        compactor.stop()
+        store.close()
+    assert compactor.pid is None
+    reference.close()
+
+
+def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_path: Path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gpuledger.toml").write_text("[collector]\ncompact_interval_s = 0.5\nwindow_s = 60\n")
+    proc = CollectorProc(data, free_port()).start()
+    try:
+        [child] = children(proc.proc.pid)
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            assert b"gpuledger.collector.compactor" in f.read()
+        start = time.time() - 3 * 3600.0
+        for seq in range(60):  # 10 minutes of one host
+            r = httpx.post(f"{proc.url}/api/v1/samples", content=body(HOSTS[0], seq, start),
+                           headers={"Content-Type": "application/msgpack"}, timeout=30)
+            assert r.status_code == 200, r.text
+
+        def rolled_up() -> bool:
+            store = Store(data / "gpuledger.sqlite")
+            try:
+                return store.tiers()[MINUTE]["rows"] > 0
+            finally:
+                store.close()
+
+        wait_for("the child to roll up minutes", rolled_up)
+        os.kill(child, signal.SIGKILL)  # a compactor that dies is started again; ingest never notices
+        again = wait_for("a new compactor process", lambda: [c for c in children(proc.proc.pid) if c != child])
+        assert httpx.get(f"{proc.url}/healthz", timeout=5).status_code == 200
+        proc.kill()  # SIGKILL: the collector cannot stop its child; the child sees its standard input end
+        wait_for("the orphaned compactor to exit", lambda: not alive(again[0]), timeout=10)
+        proc.start()  # SIGTERM: stopped with the collector
+        [child] = children(proc.proc.pid)
+        proc.stop()
+        assert proc.proc.returncode == 0
+        wait_for("the compactor to exit with its collector", lambda: not alive(child), timeout=10)
+    finally:
+        proc.kill()
+
+
+def test_compaction_in_the_collectors_own_process_starts_no_child(tmp_path: Path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gpuledger.toml").write_text('[collector]\ncompaction = "thread"\n')
+    proc = CollectorProc(data, free_port()).start()
+    try:
+        assert children(proc.proc.pid) == []
+    finally:
+        proc.stop()
+
+
+def test_a_compactor_that_cannot_open_its_store_is_retried_not_fatal(tmp_path: Path):
+    store = Store(tmp_path / "ledger.sqlite", window_s=60.0)
+    # a target the child cannot open (its directory is a file): it exits at once, is logged and started again
+    (tmp_path / "file").write_text("")
+    compactor = CompactorProcess.beside(store, tmp_path / "file" / "ledger.sqlite", interval_s=0.2,
+                                        restart_after_s=0.1)
+    compactor.start()
+    try:
+        wait_for("the compactor to be started again", lambda: compactor.restarts >= 2, timeout=60)
+    finally:
+        compactor.stop()
+        store.close()
