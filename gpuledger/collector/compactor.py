@@ -156,7 +156,10 @@ def run(settings: Mapping[str, Any], stdin: IO[bytes]) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"gpuledger compactor[{os.getpid()}]: %(levelname)s %(message)s")
     # below ingest: on a busy machine the collector's answers come first, compaction takes the CPU left over
-    os.nice(NICENESS)
+    try:
+        os.nice(NICENESS)
+    except OSError as exc:  # a sandbox that refuses it: compaction still runs, at the collector's priority
+        log.warning("cannot lower the compactor's priority: %s", exc)
     line = sys.stdin.buffer.readline()
     if not line:
         return

@@ -47,7 +47,7 @@ def ingest_all(store: Store, batches: int) -> None:
 
 def snapshot(store: Store) -> str:
     """Every GPU's raw samples, minute and hour rollups, the usage per job and GPU, the totals: as JSON (floats
-    by repr, so equal means bit for bit)."""
+    by repr, so equal means bit for bit, but for the totals)."""
     out: list = []
     for host in HOSTS:
         for g in range(GPUS):
@@ -56,7 +56,9 @@ def snapshot(store: Store) -> str:
             for tier in (MINUTE, HOUR):
                 out.append([p.to_dict() for p in store.series(host, uuid, 0, 2e9, tier=tier)])
     out.append([u.to_dict() for u in store.job_usage(per_gpu=True)])
-    out.append(store.totals())
+    # cluster totals are SQL SUMs over the ledger's hour rows in storage order, which on PostgreSQL follows the
+    # rows' update history (an UPDATE writes a new row version elsewhere): equal to 12 significant digits
+    out.append({k: float(f"{v:.12g}") if isinstance(v, float) else v for k, v in store.totals().items()})
     return json.dumps(out, sort_keys=True, default=repr)
 
 
