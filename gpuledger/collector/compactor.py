@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import IO, Any
 
 from gpuledger.collector.series_store import Retention
@@ -38,17 +38,15 @@ STOP_GRACE_S = 5.0
 class CompactorProcess:
     """Run ``Store.compact`` every ``interval_s`` seconds in a child process on the database ``target`` (a SQLite
     path or a PostgreSQL URL), opened with the ingest store's ``window_s``, ``max_gap_s``, ``retention`` and
-    ``dedupe_horizon_s`` (what compaction reads of its settings). ``command`` is the child's command line (the seam
-    for tests; default: this Python running this module)."""
+    ``dedupe_horizon_s`` (what compaction reads of its settings); the child is this Python running this module."""
 
     def __init__(self, target: str, *, interval_s: float, window_s: float, max_gap_s: float, retention: Retention,
-                 dedupe_horizon_s: float, command: Sequence[str] | None = None,
-                 restart_after_s: float | None = None) -> None:
+                 dedupe_horizon_s: float, restart_after_s: float | None = None) -> None:
         self.settings: dict[str, Any] = {
             "target": str(target), "interval_s": interval_s, "window_s": window_s, "max_gap_s": max_gap_s,
             "retention": dataclasses.asdict(retention), "dedupe_horizon_s": dedupe_horizon_s,
         }
-        self.command = list(command or (sys.executable, "-m", __name__))
+        self.command = [sys.executable, "-m", __name__]
         # a child that died is started again after this long (not in a tight loop if it cannot even open the store)
         self.restart_after_s = min(interval_s, 30.0) if restart_after_s is None else restart_after_s
         self.restarts = 0

@@ -101,11 +101,17 @@ def test_a_compactor_process_leaves_what_compaction_in_the_collectors_process_le
     reference.close()
 
 
-def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_path: Path):
+def serve(tmp_path: Path, settings: str) -> CollectorProc:
+    """`collector serve` on a new data dir, ``settings`` in its [collector] table."""
     data = tmp_path / "data"
     data.mkdir()
-    (data / "gpuledger.toml").write_text("[collector]\ncompact_interval_s = 0.5\nwindow_s = 60\n")
-    proc = CollectorProc(data, free_port()).start()
+    (data / "gpuledger.toml").write_text("[collector]\n" + settings)
+    return CollectorProc(data, free_port()).start()
+
+
+def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_path: Path):
+    proc = serve(tmp_path, "compact_interval_s = 0.5\nwindow_s = 60\n")
+    data = proc.data_dir
     try:
         [child] = children(proc.proc.pid)
         with open(f"/proc/{child}/cmdline", "rb") as f:
@@ -139,10 +145,7 @@ def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_p
 
 
 def test_compaction_in_the_collectors_own_process_starts_no_child(tmp_path: Path):
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "gpuledger.toml").write_text('[collector]\ncompaction = "thread"\n')
-    proc = CollectorProc(data, free_port()).start()
+    proc = serve(tmp_path, 'compaction = "thread"\n')
     try:
         assert children(proc.proc.pid) == []
     finally:
