@@ -8,11 +8,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def wait_until(cond: Callable[[], T], what: str, timeout: float = 30.0) -> T:
+    """Poll ``cond`` until it gives a true value, and return that; an AssertionError naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
 
 
 def free_port() -> int:

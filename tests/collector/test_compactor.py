@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
-from collector_proc import CollectorProc, free_port
+from collector_proc import CollectorProc, free_port, wait_until
 from test_compaction import HOSTS, RET, body, snapshot
 
 from gpuledger.collector.compactor import CompactorProcess
@@ -40,14 +40,6 @@ def children(pid: int) -> list[int]:
         except FileNotFoundError:  # a thread that ended meanwhile
             pass
     return out
-
-
-def wait_for(what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def first_difference(got: str, want: str) -> str:
@@ -129,17 +121,18 @@ def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_p
             finally:
                 store.close()
 
-        wait_for("the child to roll up minutes", rolled_up)
+        wait_until(rolled_up, "the child to roll up minutes", timeout=60)
         os.kill(child, signal.SIGKILL)  # a compactor that dies is started again; ingest never notices
-        again = wait_for("a new compactor process", lambda: [c for c in children(proc.proc.pid) if c != child])
+        again = wait_until(lambda: [c for c in children(proc.proc.pid) if c != child], "a new compactor process",
+                           timeout=60)
         assert httpx.get(f"{proc.url}/healthz", timeout=5).status_code == 200
         proc.kill()  # SIGKILL: the collector cannot stop its child; the child sees its standard input end
-        wait_for("the orphaned compactor to exit", lambda: not alive(again[0]), timeout=10)
+        wait_until(lambda: not alive(again[0]), "the orphaned compactor to exit", timeout=10)
         proc.start()  # SIGTERM: stopped with the collector
         [child] = children(proc.proc.pid)
         proc.stop()
         assert proc.proc.returncode == 0
-        wait_for("the compactor to exit with its collector", lambda: not alive(child), timeout=10)
+        wait_until(lambda: not alive(child), "the compactor to exit with its collector", timeout=10)
     finally:
         proc.kill()
 
@@ -160,7 +153,7 @@ def test_a_compactor_that_cannot_open_its_store_is_retried_not_fatal(tmp_path: P
                                         restart_after_s=0.1)
     compactor.start()
     try:
-        wait_for("the compactor to be started again", lambda: compactor.restarts >= 2, timeout=60)
+        wait_until(lambda: compactor.restarts >= 2, "the compactor to be started again", timeout=60)
     finally:
         compactor.stop()
         store.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from collector_proc import ROOT, CollectorProc, free_port
+from collector_proc import ROOT, CollectorProc, free_port, wait_until
 
 from gpuledger.schema.records import GpuSample
 
@@ -103,14 +103,6 @@ def _agent(spool: Path, url: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait(cond, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _spooled(spool: Path) -> list[str]:
     return sorted(p.name for p in spool.iterdir() if not p.name.startswith("."))
 
@@ -123,17 +115,17 @@ def test_spool_delivers_everything_in_order_across_collector_and_agent_restarts(
     a = _agent(spool, c.url)
     agents = [a]
     try:
-        _wait(lambda: httpx.get(c.url + "/api/v1/totals").json()["samples"] >= 10, what="first samples")
+        wait_until(lambda: httpx.get(c.url + "/api/v1/totals").json()["samples"] >= 10, "first samples")
         c.kill()  # the collector is gone for a while: the agent spools
-        _wait(lambda: len(_spooled(spool)) >= 8, what="spooled batches")
+        wait_until(lambda: len(_spooled(spool)) >= 8, "spooled batches")
         a.send_signal(signal.SIGKILL)  # and the agent dies too, holding a spool
         a.wait(timeout=10)
         b = _agent(spool, c.url)  # a restarted agent resumes the spool
         agents.append(b)
-        _wait(lambda: len(_spooled(spool)) >= 16, what="more spooled batches")
+        wait_until(lambda: len(_spooled(spool)) >= 16, "more spooled batches")
         shutil.copytree(spool, kept)  # what must arrive
         c = CollectorProc(data, port, "--window", "0").start()
-        _wait(lambda: not any(n in _spooled(spool) for n in _spooled(kept)), what="spool drained")
+        wait_until(lambda: not any(n in _spooled(spool) for n in _spooled(kept)), "spool drained")
         b.send_signal(signal.SIGTERM)
         out, _ = b.communicate(timeout=20)
         assert b.returncode == 0, out

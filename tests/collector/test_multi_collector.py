@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from collector_proc import CollectorProc, free_port
+from collector_proc import CollectorProc, free_port, wait_until
 from typer.testing import CliRunner
 
 from gpuledger.agent.mappers.static import StaticMapper
@@ -154,14 +154,6 @@ def apply_plan(tick: int, nodes: dict[str, Node]) -> None:
                     nodes[host].mapper.clear(g)
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def job_records(t0: float) -> list[dict[str, Any]]:
     """The scheduler's records of the plan (a job's samples at ticks start..end-1 cover its allocation)."""
     out = []
@@ -266,7 +258,8 @@ def scale_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             apply_plan(k, nodes)
             for n in nodes.values():
                 n.agent.tick()
-        wait_until(lambda: all(n.spooler.spool.depth == 0 for n in nodes.values()), "the agents' spools to drain")
+        wait_until(lambda: all(n.spooler.spool.depth == 0 for n in nodes.values()), "the agents' spools to drain",
+                   timeout=60)
         for n in nodes.values():
             n.agent.close()
         _post_jobs(b.url, t0)
