@@ -4,13 +4,16 @@ agent pushes (8 GPUs sampled at 1 Hz: 80 samples, msgpack columns from the agent
 ``agent.push.encode_batch``) over its own keep-alive connection, first pushes spread over one period.
 
 The collector runs in its own process as `collector serve` runs it (Store with durable commits and
-per-job aggregation, the threaded HTTP server, compaction every --compact seconds in a child process, or with
---compaction thread in the collector's). Every --report seconds the script prints requests/s, samples/s, p50/p99
-latency of that interval, the collector's CPU and RSS and its compactor's; at the end the totals, connection
-errors, answers by status and the peak RSS of each process.
+per-job aggregation, the asyncio HTTP server, compaction every --compact seconds in a child process, or with
+--compaction thread in the collector's). With --workers N > 1 it is the real `gpuledger collector serve --workers N`:
+a supervisor, N worker processes on the port and a compactor. Every --report seconds the script prints requests/s,
+samples/s, p50/p99 latency of that interval, the collector's CPU and RSS (with workers: the supervisor's and the
+workers' together) and its compactor's; at the end the totals, connection errors, answers by status and the peak RSS
+of each (summed over the processes).
 
     .venv/bin/python bench/fleet.py --nodes 2000 --seconds 60
     .venv/bin/python bench/fleet.py --nodes 10000 --seconds 60
+    .venv/bin/python bench/fleet.py --nodes 2000 --seconds 60 --workers 2
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,18 +70,51 @@ def push_body(node: int, i: int, base: float, period: float) -> bytes:
     return encode_batch(f"agent-{node}", host, i, samples, fmt="msgpack")
 
 
-def compactor(pid: int) -> dict[str, float]:
-    """CPU seconds, RSS and peak RSS of the collector's children (its compactor process; none with
-    --compaction thread)."""
-    out = {"cpu_s": 0.0, "rss": 0, "hwm": 0}
-    for child in loadgen.children(pid):
-        try:
-            out["cpu_s"] += loadgen.cpu_s(child)
-            out["rss"] += loadgen.rss_bytes(child)
-            out["hwm"] += loadgen.hwm_bytes(child)
-        except OSError:  # gone between the listing and the read
-            pass
+def _is_compactor(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"gpuledger.collector.compactor" in f.read()
+    except OSError:
+        return False
+
+
+def figures(pid: int) -> dict[str, dict[str, float]]:
+    """CPU seconds, RSS and peak RSS, each summed, of the collector's serving processes (the collector, or the
+    supervisor and its workers) and of its compactor (none with --compaction thread)."""
+    below = loadgen.descendants(pid)
+    groups = {"collector": [pid] + [p for p in below if not _is_compactor(p)],
+              "compactor": [p for p in below if _is_compactor(p)]}
+    out = {}
+    for name, pids in groups.items():
+        out[name] = fig = {"cpu_s": 0.0, "rss": 0, "hwm": 0}
+        for p in pids:
+            try:
+                fig["cpu_s"] += loadgen.cpu_s(p)
+                fig["rss"] += loadgen.rss_bytes(p)
+                fig["hwm"] += loadgen.hwm_bytes(p)
+            except OSError:  # gone between the listing and the read
+                pass
     return out
+
+
+def start_collector(a: argparse.Namespace, tmp: Path, port: int) -> subprocess.Popen[Any]:
+    """The collector: the inline script (one process), or `gpuledger collector serve --workers N`, once all its
+    workers listen."""
+    if a.workers == 1:
+        return subprocess.Popen([sys.executable, "-c", COLLECTOR, str(tmp / "c.sqlite"), str(port), str(a.compact),
+                                 str(ROOT), a.compaction, a.gc_freeze])
+    data = tmp / "data"
+    data.mkdir()
+    # the inline script's settings: compaction every --compact seconds, 4,096 ingest requests at once (per worker)
+    (data / "gpuledger.toml").write_text(f"[collector]\ncompact_interval_s = {a.compact}\nmax_inflight = 4096\n")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "gpuledger"), "collector", "serve", "--data-dir",
+                             str(data), "--port", str(port), "--workers", str(a.workers)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the supervisor says it listens once every worker does
+    if "collector listening on" not in line:
+        raise RuntimeError(f"collector serve --workers {a.workers} did not start: {line!r}")
+    return proc
 
 
 def main() -> None:
@@ -91,7 +128,13 @@ def main() -> None:
                     help="compaction in a child process (the default of `collector serve`) or in the collector's")
     ap.add_argument("--gc-freeze", choices=("on", "off"), default="on",
                     help="freeze long-lived objects out of full GC passes (collector.gcfreeze; `collector serve`: on)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="N > 1: `gpuledger collector serve --workers N` (compaction in a process, GC freezing on)")
     a = ap.parse_args()
+    if a.workers < 1:
+        ap.error("--workers must be at least 1")
+    if a.workers > 1 and (a.compaction, a.gc_freeze) != ("process", "on"):
+        ap.error("--workers N > 1 runs `collector serve` as it is: --compaction process and --gc-freeze on")
     loadgen.raise_nofile()
     pushes = int(a.seconds / a.period) + 2
     base = time.time()  # samples' time anchor: pushes start after the bodies are encoded, so all lie in the past
@@ -102,26 +145,27 @@ def main() -> None:
     print(f"encoded {a.nodes * pushes} bodies in {time.monotonic() - t_enc:.1f} s", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
         port = loadgen.free_port()
-        proc = subprocess.Popen([sys.executable, "-c", COLLECTOR, str(Path(tmp) / "c.sqlite"), str(port),
-                                 str(a.compact), str(ROOT), a.compaction, a.gc_freeze])
+        proc = start_collector(a, Path(tmp), port)
         try:
             loadgen.wait_ready(port, proc)
             stats = loadgen.Stats()
             timeline: list[dict] = []
 
             async def reporter(until: float) -> None:
-                seen, cpu0, t0 = 0, loadgen.cpu_s(proc.pid), time.monotonic()
-                samples0, ccpu0 = 0, compactor(proc.pid)["cpu_s"]
+                f0 = figures(proc.pid)
+                seen, cpu0, t0 = 0, f0["collector"]["cpu_s"], time.monotonic()
+                samples0, ccpu0 = 0, f0["compactor"]["cpu_s"]
                 while time.monotonic() < until + a.period:
                     await asyncio.sleep(a.report)
                     lat = stats.latencies[seen:]
-                    now, cpu, comp = time.monotonic(), loadgen.cpu_s(proc.pid), compactor(proc.pid)
+                    now, f = time.monotonic(), figures(proc.pid)
+                    cpu, comp = f["collector"]["cpu_s"], f["compactor"]
                     row = {"t_s": round(now - start, 1), "requests_per_s": round(len(lat) / (now - t0), 1),
                            "samples_per_s": round((stats.samples - samples0) / (now - t0)),
                            "p50_ms": loadgen.ms(loadgen.percentile(lat, 0.5)),
                            "p99_ms": loadgen.ms(loadgen.percentile(lat, 0.99)),
                            "cpu_pct": round(100 * (cpu - cpu0) / (now - t0)),
-                           "rss_mb": round(loadgen.rss_bytes(proc.pid) / 2**20, 1),
+                           "rss_mb": round(f["collector"]["rss"] / 2**20, 1),
                            "compactor_cpu_pct": round(100 * (comp["cpu_s"] - ccpu0) / (now - t0)),
                            "compactor_rss_mb": round(comp["rss"] / 2**20, 1),
                            "connection_errors": stats.conn_errors}
@@ -138,10 +182,12 @@ def main() -> None:
                                  until, stats, rng) for n in range(a.nodes)))
 
             start = time.monotonic()
-            cpu_start, ccpu_start = loadgen.cpu_s(proc.pid), compactor(proc.pid)["cpu_s"]
+            f0 = figures(proc.pid)
+            cpu_start, ccpu_start = f0["collector"]["cpu_s"], f0["compactor"]["cpu_s"]
             asyncio.run(run())
             wall = a.seconds  # the load window (the last period only lets the last pushes finish)
-            comp, n = compactor(proc.pid), max(len(stats.latencies), 1)
+            f, n = figures(proc.pid), max(len(stats.latencies), 1)
+            coll, comp = f["collector"], f["compactor"]
             total = {"nodes": a.nodes, "seconds": round(wall, 1), "period_s": a.period,
                      "requests": len(stats.latencies), "requests_per_s": round(len(stats.latencies) / wall, 1),
                      "samples_per_s": round(stats.samples / wall),
@@ -149,10 +195,10 @@ def main() -> None:
                      "p99_ms": loadgen.ms(loadgen.percentile(stats.latencies, 0.99)),
                      "statuses": stats.statuses, "connection_errors": stats.conn_errors,
                      "error_kinds": stats.error_kinds,
-                     "compaction": a.compaction, "gc_freeze": a.gc_freeze,
-                     "collector_cpu_ms_per_request": round(1e3 * (loadgen.cpu_s(proc.pid) - cpu_start) / n, 2),
+                     "compaction": a.compaction, "gc_freeze": a.gc_freeze, "workers": a.workers,
+                     "collector_cpu_ms_per_request": round(1e3 * (coll["cpu_s"] - cpu_start) / n, 2),
                      "compactor_cpu_ms_per_request": round(1e3 * (comp["cpu_s"] - ccpu_start) / n, 2),
-                     "collector_peak_rss_mb": round(loadgen.hwm_bytes(proc.pid) / 2**20, 1),
+                     "collector_peak_rss_mb": round(coll["hwm"] / 2**20, 1),
                      "compactor_peak_rss_mb": round(comp["hwm"] / 2**20, 1),
                      "collector_rss_mb_first_last": [timeline[0]["rss_mb"], timeline[-1]["rss_mb"]] if timeline
                      else None}

@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Which HTTP layer for the collector: the standard library's threading server, aiohttp, or uvicorn
-(uvloop + httptools) with starlette, measured on the fleet shape.
+"""Which HTTP layer for the collector: the standard library's threading server, aiohttp, uvicorn (uvloop +
+httptools) with starlette, and the collector's own (``collector.server``: uvloop + httptools, no framework),
+measured on the fleet shape.
 
 Every candidate serves the same handler: read the body, run the collector's real validation
 (``collector.validate.parse_batch``) and answer a small JSON document; no store, so what differs is the
-HTTP layer alone. The clients are simulated agents (``bench/loadgen.py``): each node holds one keep-alive
-connection and pushes an 80-sample msgpack batch from the agent's own encoder (8 GPUs x 10 s at 1 Hz)
-every --period seconds. Two phases per candidate, each server in its own process:
+HTTP layer alone. "collector" is the product's ``CollectorServer`` itself, its transport and its whole
+POST /api/v1/samples path (auth, ingest slot, validation, metrics, answer), with the one step that stores
+(``_ingest``) answering as if stored. The clients are simulated agents (``bench/loadgen.py``): each node
+holds one keep-alive connection and pushes an 80-sample msgpack batch from the agent's own encoder (8 GPUs
+x 10 s at 1 Hz) every --period seconds. Two phases per candidate, each server in its own process:
 
 - fleet: --nodes connections (default 2,000), one push per node per --period: requests/s, p50/p99
   latency, connection errors, server CPU per request, server RSS with all connections open;
 - saturation: --conns connections posting back to back for --burst seconds: the most requests/s.
 
-    .venv/bin/python bench/http_layer.py                 # ~2 minutes
+    .venv/bin/python bench/http_layer.py                 # ~3 minutes
     .venv/bin/python bench/http_layer.py --nodes 500 --seconds 10 --burst 5
 """
 
@@ -37,7 +40,7 @@ from gpuledger.agent.push import encode_batch  # noqa: E402
 from gpuledger.schema.records import GpuSample  # noqa: E402
 
 PATH = "/api/v1/samples"
-CANDIDATES = ("stdlib", "aiohttp", "uvicorn")
+CANDIDATES = ("stdlib", "aiohttp", "uvicorn", "collector")
 
 # Each candidate's server; argv: port. The handler is the same everywhere: parse_batch, then a JSON reply.
 SERVE = {
@@ -102,6 +105,15 @@ async def get(request):
 app = Starlette(routes=[Route("/api/v1/samples", post, methods=["POST"]), Route("/healthz", get)])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), backlog=4096, log_level="warning", access_log=False,
             loop="uvloop", http="httptools", timeout_keep_alive=60)
+""",
+    "collector": """
+import sys, tempfile
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import IngestResult, Store
+class ParseOnly(CollectorServer):
+    async def _ingest(self, batch):
+        return IngestResult(batch.n_samples)
+ParseOnly(Store(tempfile.mkdtemp() + "/unused.sqlite"), port=int(sys.argv[1])).serve_forever()
 """,
 }
 

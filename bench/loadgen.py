@@ -61,12 +61,20 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a process and its running children (a collector and its compactor process)."""
-    total = cpu_s(pid)
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: its children, theirs, and so on (a collector's workers and its compactor)."""
+    out: list[int] = []
     for child in children(pid):
+        out += [child, *descendants(child)]
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and every running process below it (a collector, its workers, its compactor)."""
+    total = cpu_s(pid)
+    for p in descendants(pid):
         try:
-            total += cpu_s(child)
+            total += cpu_s(p)
         except OSError:  # gone between the listing and the read
             pass
     return total
@@ -116,7 +124,8 @@ class Stats:
         self.error_kinds[k] = self.error_kinds.get(k, 0) + 1
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    """One HTTP/1.1 response: (status, body, whether the server closes)."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ", 2)[1])
@@ -146,7 +155,7 @@ async def node(host: str, port: int, make_request: Callable[[int], tuple[bytes, 
             if writer is None:
                 reader, writer = await asyncio.open_connection(host, port)
             writer.write(req)
-            status, _body, close = await _read_response(reader)
+            status, _body, close = await read_response(reader)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             stats.error(exc)
             if writer is not None:
@@ -216,7 +225,7 @@ async def _post_until(host: str, port: int, requests: Iterator[tuple[bytes, int]
         t0 = time.monotonic()
         try:
             writer.write(req)
-            status, _b, close = await _read_response(reader)
+            status, _b, close = await read_response(reader)
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
             stats.error(exc)
             writer.close()

@@ -46,9 +46,10 @@ statement of them):
 
 Three implementations, on purpose: :meth:`Aggregator.add` (one sample, any order: a late sample needs the
 undo/redo of its neighbours' pairs) is the **reference**; :meth:`Aggregator._run_pairs` folds a long in-order
-run a column at a time (numpy instead of a Python step per sample), and :meth:`Aggregator._fold_small` folds
-a GPU's few rows of one batch (the default agent sends 10 a GPU) in plain Python floats, where numpy's
-per-call cost would be most of the work. Both fast paths take only runs where every interval is observed and
+run a column at a time (numpy instead of a Python step per sample), and :meth:`Aggregator._fold_columns` folds
+many GPUs' few rows at once (the default agent sends 10 a GPU; a group commit holds many agents' batches), one
+matrix row a GPU, where numpy's per-call cost would be most of the work for one GPU alone. Both fast paths take
+only runs where every interval is observed and
 every counter delta is trusted; any other run (gaps, anomalies, MIG instances) goes sample by sample. Every
 sum is the same sequence of ``+=`` in all three. Property tests in ``tests/collector/test_aggregate.py`` hold
 them equal bit for bit.
@@ -65,8 +66,9 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from operator import attrgetter, lt
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypedDict
+from itertools import repeat
+from operator import attrgetter
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypedDict, cast
 
 import numpy as np
 
@@ -125,6 +127,13 @@ class UsageAcc:
 
     def values(self) -> tuple:
         return _USAGE_VALUES(self)
+
+    def set_sums(self, alloc_s: float, energy_j: float, sm_s: float, sm_sum: float, sm_w: float, dram_sum: float,
+                 dram_w: float, tensor_sum: float, tensor_w: float, occ_sum: float, occ_w: float) -> None:
+        """The sums the columnar fold adds (``_USAGE_SUMS``' order), in one call."""
+        self.alloc_s, self.energy_j, self.sm_s, self.sm_sum, self.sm_w = alloc_s, energy_j, sm_s, sm_sum, sm_w
+        self.dram_sum, self.dram_w, self.tensor_sum, self.tensor_w = dram_sum, dram_w, tensor_sum, tensor_w
+        self.occ_sum, self.occ_w = occ_sum, occ_w
 
     @classmethod
     def from_values(cls, values: Iterable) -> UsageAcc:
@@ -270,6 +279,9 @@ class GpuState:
 
 # one C call per row the store writes (a batch writes a usage, GPU and hour row per GPU)
 _USAGE_VALUES = attrgetter(*UsageAcc.FIELDS)
+# what UsageAcc.set_sums sets, read in the same order
+_USAGE_SUMS = attrgetter("alloc_s", "energy_j", "sm_s", "sm_sum", "sm_w", "dram_sum", "dram_w", "tensor_sum",
+                         "tensor_w", "occ_sum", "occ_w")
 _HOUR_VALUES = attrgetter(*HourAcc.FIELDS)
 _GPU_TOTALS = attrgetter(*GpuState.TOTAL_FIELDS)
 
@@ -341,6 +353,67 @@ def _last(col: np.ndarray | None) -> float | None:
         return None
     v = float(col[-1])
     return None if v != v else v
+
+
+_NAN = np.float64(np.nan).tobytes()
+_GPU_SUMS = attrgetter("observed_s", "energy_j")
+_HOUR_PHYSICAL = attrgetter("observed_s", "energy_j")
+_HOUR_HELD = attrgetter("alloc_s", "job_energy_j", "sm_s")
+
+
+def _hosts(items: list[tuple[GpuKey, Series]]) -> Iterable[str]:
+    return (gk[0] for gk, _ in items)
+
+
+def _uuids(items: list[tuple[GpuKey, Series]]) -> Iterable[str]:
+    return (gk[1] for gk, _ in items)
+
+
+def _first_jobs(xs: list[Series]) -> Iterable[str]:
+    return (x.job_ids[0] for x in xs)
+
+
+def _last_values(m: np.ndarray) -> list[float | None]:
+    """A (series, row) matrix's last column as floats, None where NaN (not reported)."""
+    last = m[:, -1]
+    nan = np.isnan(last)
+    if not nan.any():
+        return last.tolist()
+    if nan.all():
+        return [None] * len(last)
+    return [None if v != v else v for v in last.tolist()]
+
+
+def _window_row(values: tuple) -> WindowRow:
+    return tuple.__new__(WindowRow, values)
+
+
+def _float_matrix(xs: list[Series], wires: list[dict[str, bytes]] | None, f: str, n: int) -> np.ndarray:
+    """Field ``f`` of series of ``n`` rows each as a (series, row) float64 matrix, NaN where not reported: from
+    the wire bytes when every series has them (``wires``: one join, one view), else from their arrays."""
+    if wires is not None:
+        raw = b"".join(map(dict.get, wires, repeat(f, len(wires)), repeat(_NAN * n, len(wires))))
+        return np.frombuffer(raw, dtype="<f8").reshape(len(wires), n)
+    return np.array([x.float_col(f) for x in xs], dtype=np.float64).reshape(len(xs), n)
+
+
+def _mem_peaks(xs: list[Series], wires: list[dict[str, bytes]] | None, n: int) -> list[int | None]:
+    """Per series, its largest memory reading, None when it reported none."""
+    if wires is not None:
+        if all("mem_used_bytes" in w for w in wires):
+            raw = b"".join([w["mem_used_bytes"] for w in wires])
+            return np.frombuffer(raw, dtype="<i8").reshape(len(wires), n).max(axis=1).tolist()
+        return [None if (col := w.get("mem_used_bytes")) is None else int(np.frombuffer(col, dtype="<i8").max())
+                for w in wires]
+    out: list[int | None] = []
+    for x in xs:
+        if "mem_used_bytes" not in x.ints:
+            out.append(None)
+            continue
+        v, m = x.ints["mem_used_bytes"]
+        mem = (v if m is None else v[m]).tolist()
+        out.append(max(mem) if mem else None)
+    return out
 
 
 def _last_model(models: list[str]) -> str:
@@ -532,6 +605,22 @@ class Aggregator:
             self.hours[key] = acc
         self.dirty_hours.add(key)
         return acc
+
+    def _usages(self, keys: list[UsageKey]) -> list[UsageAcc]:
+        """:meth:`_usage` of many keys (a lookup each, in C, but for those to load)."""
+        accs = list(map(self.usage.get, keys))
+        if None in accs:
+            accs = [self._usage(k) if a is None else a for k, a in zip(keys, accs)]
+        self.dirty_usage.update(keys)
+        return accs  # type: ignore[return-value]
+
+    def _hours(self, keys: list[HourKey]) -> list[HourAcc]:
+        """:meth:`_hour` of many keys."""
+        accs = list(map(self.hours.get, keys))
+        if None in accs:
+            accs = [self._hour(k) if a is None else a for k, a in zip(keys, accs)]
+        self.dirty_hours.update(keys)
+        return accs  # type: ignore[return-value]
 
     def _pair_energy(self, g: GpuState, prev: GpuSample, cur: GpuSample, dt: float, gap: bool) -> tuple[float, int]:
         """(joules, anomalies) of the interval (prev, cur]: the trusted counter delta, else the capped power
@@ -783,8 +872,9 @@ class Aggregator:
     def add_series(self, series: list[Series]) -> tuple[list[Series], list[GpuSample]]:
         """Fold columnar series a column at a time where that is exact: each GPU's series, in time order,
         strictly increasing, not overlapping and all newer than the GPU's watermark (an agent's batch).
-        Returns (the series folded, every other series' samples for :meth:`add_many`). GPUs never share
-        state, so a GPU either takes this path whole or the per-sample one whole."""
+        Returns (the series folded, every other series' samples for :meth:`add_many`, in that order: a GPU's
+        folded series come before its samples left for add_many, so with ``load_window`` the folded ones must be
+        stored before add_many reads the window back). GPUs never share state."""
         by_gpu: dict[GpuKey, list[Series]] = {}
         mig_gpus = set()
         for s in series:
@@ -793,6 +883,7 @@ class Aggregator:
                 mig_gpus.add((s.host, s.gpu_uuid))
         folded: list[Series] = []
         rest: list[GpuSample] = []
+        small: list[tuple[GpuKey, list[Series]]] = []  # folded together, a GPU's first series, then its second...
         for gk, ss in by_gpu.items():
             if (gk[0], gk[1]) in mig_gpus:  # a MIG GPU's rows are normalised together (normalize_mig)
                 rest.extend(r for x in ss for r in x.rows())
@@ -800,9 +891,9 @@ class Aggregator:
             if len(ss) > 1:
                 ss.sort(key=lambda x: x.ts[0])
             if sum(x.n for x in ss) <= self.small_series_rows:  # an agent's batch: a few rows per GPU
-                if self._fold_small(gk, ss):
-                    folded.extend(ss)
-                else:
+                if all(a.ts[-1] < b.ts[0] for a, b in zip(ss, ss[1:])):
+                    small.append((gk, ss))
+                else:  # interleaved series (job sets alternating): folding one first would make the next late
                     rest.extend(r for x in ss for r in x.rows())
                 continue
             g = self.gpus.get(gk)
@@ -822,6 +913,21 @@ class Aggregator:
             for x in ss:
                 self._fold_series(gk, x)
             folded.extend(ss)
+        # Round r folds the r-th series of every GPU (most have one; a GPU's series follow one another). Once one
+        # of a GPU's series is refused, it and the GPU's later ones go sample by sample: each GPU's samples are
+        # still folded in time order, and the fold leaves what the per-sample path leaves, so where a GPU switches
+        # paths does not matter.
+        refused: dict[GpuKey, int] = {}  # GPU -> its first series refused
+        for r in range(max((len(ss) for _, ss in small), default=0)):
+            items = [(gk, ss[r]) for gk, ss in small if len(ss) > r and gk not in refused]
+            for (gk, x), ok in zip(items, self._fold_columns(items)):
+                if ok:
+                    folded.append(x)
+                else:
+                    refused[gk] = r
+        for gk, ss in small:
+            if gk in refused:
+                rest.extend(row for x in ss[refused[gk]:] for row in x.rows())
         return folded, rest
 
     def _fold_series(self, gk: GpuKey, s: Series) -> None:
@@ -848,185 +954,199 @@ class Aggregator:
         self._evict(g)
         self._trim(g)
 
-    def _fold_small(self, gk: GpuKey, ss: list[Series]) -> bool:
-        """Fold one GPU's few-row series (sorted by first time) in plain Python floats, or return False
-        without changing anything where the per-sample path must take them (out of order, a gap, an
-        untrusted counter). For ten rows numpy's per-call cost is most of what the columnar path spends;
-        here every sum is the same sequence of ``+=`` that :meth:`_apply_pair` and :meth:`_apply_point`
-        perform, so the result is theirs bit for bit."""
-        g = self.gpus.get(gk)
-        if g is None:
-            anchor, model, last = None, "", -math.inf
-        else:
-            anchor, model, last = g.anchor(), g.model, g.watermark
-        max_gap = self.max_gap_s
-        plans = []
-        # first pass: check every interval and compute its seconds and energy (nothing changes yet)
-        for x in ss:
-            ts = x.ts.tolist()
-            n = len(ts)
-            if not ts[0] > last or (n > 1 and not all(map(lt, ts, ts[1:]))):
-                return False
-            last = ts[-1]
-            e, p, lim = (_present(x.floats.get(f)) for f in ("energy_joules", "power_watts", "power_limit_watts"))
-            cap0 = self.cap_w(model)  # the model known before each row (_apply_point sets it after its pair)
-            model = x.model or model
-            cap = self.cap_w(model)
-            dts: list[float] = []
-            ens: list[float] = []
-            if anchor is None:  # the GPU's first sample starts no interval
-                first, pt, pe = 1, ts[0], None if e is None else e[0]
-            else:
-                first, pt, pe = 0, anchor[0], anchor[1]
-                if pe != pe:
-                    pe = None
-            for k in range(first, n):
-                t = ts[k]
-                dt = t - pt
-                if dt > max_gap:
-                    return False
-                c = cap if k else cap0
-                if lim is not None and (li := lim[k]) is not None and li > 0:
-                    c = min(li, c)
-                ce = None if e is None else e[k]
-                if ce is not None and pe is not None:
-                    d = ce - pe
-                    if not 0.0 <= d <= c * dt:
-                        return False
-                    dts.append(dt)
-                    ens.append(d)
-                else:
-                    pw = None if p is None else p[k]
-                    dts.append(dt)
-                    ens.append(0.0 if pw is None else min(pw, c) * dt)
-                pt, pe = t, ce
-            anchor = (last, math.nan if e is None or e[-1] is None else e[-1])
-            plans.append((x, ts, first, dts, ens, p))
-        if g is None:
-            g = self.gpus[gk] = GpuState()
-        for x, ts, first, dts, ens, p in plans:
-            self._fold_small_series(gk, g, x, ts, first, dts, ens, p)
-        return True
+    def _fold_columns(self, items: list[tuple[GpuKey, Series]]) -> list[bool]:
+        """Fold GPUs' few-row series (one series a GPU, each newer than its GPU's watermark) in matrices: one row
+        a series, one numpy pass a field over all of them (an agent's batch holds 8 GPUs of 10 rows, a group
+        commit many batches). Returns, per item, whether it was folded; a refused series changed nothing, the
+        per-sample path takes it (out of order, a gap, an untrusted counter). Every sum is a sequential cumsum
+        along a row over the same terms, in the same order, that :meth:`_apply_pair` adds (never a pairwise sum),
+        padded with +0.0 terms where an interval does not exist (a sum that starts at +0.0 never becomes -0.0,
+        so adding +0.0 leaves it as it is): the result is the per-sample path's bit for bit."""
+        ok = [False] * len(items)
+        shapes: dict[tuple[int, int], list[int]] = {}  # (rows, jobs) -> positions: one block of matrices each
+        for i, (_, x) in enumerate(items):
+            shapes.setdefault((x.n, len(x.job_ids)), []).append(i)
+        for (n, n_jobs), pos in shapes.items():
+            for i, folded in zip(pos, self._fold_block([items[i] for i in pos], n, n_jobs)):
+                ok[i] = folded
+        return ok
 
-    def _fold_small_series(self, gk: GpuKey, g: GpuState, x: Series, ts: list[float], first: int,
-                           dts: list[float], ens: list[float], power: list | None) -> None:
-        """:meth:`_fold_small`'s second pass for one series: the intervals ending at rows ``first``.. (their
-        seconds ``dts`` and joules ``ens``), then the rows' counts, times and peaks."""
-        host, uuid, mig = gk
-        n = len(ts)
-        obs, ej = g.observed_s, g.energy_j
-        for dt, en in zip(dts, ens):
-            obs += dt
-            ej += en
-        g.observed_s, g.energy_j = obs, ej
-        job_ids = x.job_ids
-        jobs: list[tuple[UsageAcc, float]] = []
-        if job_ids:
-            gid = gpu_id(uuid, mig)
-            jobs = [(self._usage((job, host, gid)), share) for job, share in zip(job_ids, _shares(x))]
-            ratios = [(f, _present(x.floats.get(f))) for f in _MEANS]
-            sm = ratios[0][1]
-            # per job: the same terms, in the same order, as _apply_pair's += (w = 1.0 * dt * share is dt * share)
-            for acc, share in jobs:
-                alloc, energy = acc.alloc_s, acc.energy_j
-                for dt, en in zip(dts, ens):
-                    alloc += dt * share
-                    energy += en * share
-                acc.alloc_s, acc.energy_j = alloc, energy
-                for f, vals in ratios:
-                    if vals is None:
-                        continue
-                    s_attr, w_attr = _MEANS[f]
-                    vs, ws = getattr(acc, s_attr), getattr(acc, w_attr)
-                    if f == "sm_active_ratio":
-                        sms = acc.sm_s
-                        for v, dt in zip(vals[first:], dts):
-                            if v is not None:
-                                w = dt * share
-                                sms += v * w
-                                vs += v * w
-                                ws += w
-                        acc.sm_s = sms
-                    else:
-                        for v, dt in zip(vals[first:], dts):
-                            if v is not None:
-                                w = dt * share
-                                vs += v * w
-                                ws += w
-                    setattr(acc, s_attr, vs)
-                    setattr(acc, w_attr, ws)
-        # hour buckets: each interval in the bucket of its end, each row counted in its own
-        h0 = math.floor(ts[0] / HOUR_S) * HOUR_S
-        if h0 == math.floor(ts[-1] / HOUR_S) * HOUR_S:
-            spans = [(h0, 0, n)]
+    def _fold_block(self, items: list[tuple[GpuKey, Series]], n: int, n_jobs: int) -> list[bool]:
+        """:meth:`_fold_columns` for series of ``n`` rows and ``n_jobs`` jobs each (never MIG instances)."""
+        k = len(items)
+        gpus_in_memory = self.gpus
+        states = [gpus_in_memory.get(gk) for gk, _ in items]
+        xs = [x for _, x in items]
+        anchors = [None if g is None else g.anchor() for g in states]
+        before = ["" if g is None else g.model for g in states]  # the model known before each series' first row
+        ts = np.array([x.ts for x in xs], dtype=np.float64).reshape(k, n)
+        all_wire = [x.wire for x in xs]
+        wires = None if None in all_wire else cast(list[dict[str, bytes]], all_wire)  # the fast path's, or none
+        cols = {f: _float_matrix(xs, wires, f, n) for f in PAIR_FLOATS}
+        energy, power, limit = cols["energy_joules"], cols["power_watts"], cols["power_limit_watts"]
+        has_anchor = np.array([a is not None for a in anchors])
+        prev_t = np.empty_like(ts)
+        prev_t[:, 0] = [ts[j, 0] if a is None else a[0] for j, a in enumerate(anchors)]
+        prev_t[:, 1:] = ts[:, :-1]
+        prev_e = np.empty_like(ts)
+        prev_e[:, 0] = [math.nan if a is None else a[1] for a in anchors]
+        prev_e[:, 1:] = energy[:, :-1]
+        dt = ts - prev_t  # 0 where the GPU's first sample starts no interval
+        cap_w = self.cap_w
+        caps = np.empty_like(ts)
+        caps[:, 0] = [cap_w(m) for m in before]
+        caps[:, 1:] = np.array([cap_w(x.model or m) for x, m in zip(xs, before)])[:, None]
+        caps = np.where(limit > 0, np.minimum(limit, caps), caps)
+        counter = ~np.isnan(energy) & ~np.isnan(prev_e)
+        delta = energy - prev_e
+        watermarks = np.array([-math.inf if g is None else g.watermark for g in states])
+        good = ts[:, 0] > watermarks
+        if n > 1:
+            good &= (ts[:, 1:] > ts[:, :-1]).all(axis=1)
+        good &= (dt <= self.max_gap_s).all(axis=1)
+        good &= ~(counter & ~((delta >= 0.0) & (delta <= caps * dt))).any(axis=1)
+        take = np.flatnonzero(good)
+        if not take.size:
+            return good.tolist()
+        if take.size < k:
+            pick = take.tolist()
+            items, xs, states = [items[j] for j in pick], [xs[j] for j in pick], [states[j] for j in pick]
+            wires = None if wires is None else [wires[j] for j in pick]
+            ts, dt, counter, delta = ts[take], dt[take], counter[take], delta[take]
+            caps, power = caps[take], power[take]
+            cols = {f: c[take] for f, c in cols.items()}
+            has_anchor = has_anchor[take]
+            k = len(items)
+        joules = np.where(counter, delta, np.where(np.isnan(power), 0.0, np.minimum(power, caps) * dt))
+        joules[~has_anchor, 0] = 0.0
+        gpus: list[GpuState] = []
+        for (gk, _), state in zip(items, states):
+            if state is None:
+                state = gpus_in_memory[gk] = GpuState()
+            gpus.append(state)
+        # the GPUs' totals
+        sums = np.empty((2, k, n + 1))
+        sums[:, :, 0] = np.array([_GPU_SUMS(g) for g in gpus]).T
+        sums[0, :, 1:] = dt
+        sums[1, :, 1:] = joules
+        for g, (observed, spent) in zip(gpus, np.cumsum(sums, axis=2)[:, :, -1].T.tolist()):
+            g.observed_s, g.energy_j = observed, spent
+        # hour buckets (one a series unless it crosses an hour): rows, and its intervals' terms masked to it
+        bucket = np.floor(ts / HOUR_S) * HOUR_S
+        first_hour, last_hour = bucket[:, 0].tolist(), bucket[:, -1].tolist()
+        if first_hour == last_hour:
+            hours = self._hours(list(zip(_hosts(items), _uuids(items), repeat("", k), first_hour)))
+            for hour in hours:
+                hour.samples += n
+            which: np.ndarray | slice = slice(None)
+            mask = None
         else:
-            buckets = [math.floor(t / HOUR_S) * HOUR_S for t in ts]
-            cuts = [0, *(k for k in range(1, n) if buckets[k] != buckets[k - 1]), n]
-            spans = [(buckets[a], a, b) for a, b in zip(cuts, cuts[1:])]
-        shares = [share for _, share in jobs]
-        for hb, a, b in spans:
-            hour = self._hour((host, uuid, mig, hb))
-            hour.samples += b - a
-            lo = max(a, first) - first
-            hi = b - first
-            if hi <= lo:
+            spans: list[tuple[int, float, np.ndarray | None]] = []  # (series, hour, its rows there or None: all)
+            for j, (b0, b1) in enumerate(zip(first_hour, last_hour)):
+                if b0 == b1:
+                    spans.append((j, b0, None))
+                else:
+                    spans.extend((j, hb, bucket[j] == hb) for hb in np.unique(bucket[j]).tolist())
+            hours = self._hours([(items[j][0][0], items[j][0][1], "", hb) for j, hb, _ in spans])
+            for hour, (_, _, rows) in zip(hours, spans):
+                hour.samples += n if rows is None else int(rows.sum())
+            which = np.array([j for j, _, _ in spans])
+            mask = np.ones((len(spans), n), dtype=bool)
+            for s, (_, _, rows) in enumerate(spans):
+                if rows is not None:
+                    mask[s] = rows
+        physical = np.empty((2, len(hours), n + 1))
+        physical[:, :, 0] = np.array([_HOUR_PHYSICAL(h) for h in hours]).T
+        physical[0, :, 1:] = dt[which] if mask is None else np.where(mask, dt[which], 0.0)
+        physical[1, :, 1:] = joules[which] if mask is None else np.where(mask, joules[which], 0.0)
+        for hour, (observed, spent) in zip(hours, np.cumsum(physical, axis=2)[:, :, -1].T.tolist()):
+            hour.observed_s, hour.energy_j = observed, spent
+        accs: list[UsageAcc] = []
+        if n_jobs:
+            shares = np.array([_shares(x) for x in xs], dtype=np.float64)  # (series, jobs)
+            w = dt[:, :, None] * shares[:, None, :]  # (series, interval, job): dt * share, as _apply_pair's w
+            spent = joules[:, :, None] * shares[:, None, :]
+            means = []
+            for f in _MEANS:
+                v = cols[f][:, :, None]
+                present = ~np.isnan(v)
+                means.append((np.where(present, v * w, 0.0), np.where(present, w, 0.0)))
+            sm_w = means[0][0]
+            # per job: alloc_s, energy_j, sm_s, then each mean's sum and weight (UsageAcc.set_sums' order)
+            terms = [w, spent, sm_w, *(t for pair in means for t in pair)]
+            # (gpu_id: never a MIG instance here)
+            if n_jobs == 1:
+                accs = self._usages(list(zip(_first_jobs(xs), _hosts(items), _uuids(items))))
+            else:
+                accs = self._usages([(job, gk[0], gk[1]) for gk, x in items for job in x.job_ids])
+            usage = np.empty((len(terms), k * n_jobs, n + 1))
+            usage[:, :, 0] = np.array([_USAGE_SUMS(a) for a in accs]).T
+            for t, term in enumerate(terms):  # rows (series, job), columns the intervals
+                usage[t, :, 1:] = term.transpose(0, 2, 1).reshape(k * n_jobs, n)
+            for acc, values in zip(accs, np.cumsum(usage, axis=2)[:, :, -1].T.tolist()):
+                acc.set_sums(*values)
+            # the hours' job sums: per interval, per job (the order _apply_pair adds them in), masked to the hour
+            held = np.empty((3, len(hours), n * n_jobs + 1))
+            held[:, :, 0] = np.array([_HOUR_HELD(h) for h in hours]).T
+            jmask = None if mask is None else np.repeat(mask, n_jobs, axis=1)
+            for t, term in enumerate((w, spent, sm_w)):
+                flat = term[which].reshape(len(hours), n * n_jobs)
+                held[t, :, 1:] = flat if jmask is None else np.where(jmask, flat, 0.0)
+            for hour, (alloc, job_energy, sm_s) in zip(hours, np.cumsum(held, axis=2)[:, :, -1].T.tolist()):
+                hour.alloc_s, hour.job_energy_j, hour.sm_s = alloc, job_energy, sm_s
+        # the rows themselves (_apply_point): counts, first and last times, model, peaks; then the window
+        firsts, lasts = ts[:, 0].tolist(), ts[:, -1].tolist()
+        newest_rows = list(zip(*map(_last_values, (cols[f] for f in PAIR_FLOATS))))  # per series, PAIR_FLOATS'
+        mem_peaks: list = []
+        power_peaks: list = []
+        if n_jobs:
+            mem_peaks = _mem_peaks(xs, wires, n)
+            power_peaks = np.fmax.reduce(power, axis=1).tolist()
+        trim = self._load_window is not None
+        dirty_gpus = self.dirty_gpus
+        at = 0
+        for j, ((gk, x), g) in enumerate(zip(items, gpus)):
+            g.n += n
+            if firsts[j] < g.first_ts:
+                g.first_ts = firsts[j]
+            model = x.model
+            if model:
+                g.model = model
+            dirty_gpus.add(gk)
+            if n_jobs:
+                mem_peak = mem_peaks[j]
+                power_peak = power_peaks[j]
+                if power_peak != power_peak:
+                    power_peak = None  # never reported
+                elif power_peak == 0.0:  # +0.0 or -0.0: the first of equals, as max() keeps it
+                    power_peak = max(p for p in x.float_col("power_watts").tolist() if p == p)
+                t0, t1 = firsts[j], lasts[j]
+                for acc in accs[at:at + n_jobs]:
+                    acc.samples += n
+                    if t0 < acc.first_ts:
+                        acc.first_ts = t0
+                    if t1 > acc.last_ts:
+                        acc.last_ts = t1
+                        if model:
+                            acc.model = model
+                    if mem_peak is not None and (acc.mem_peak is None or mem_peak > acc.mem_peak):
+                        acc.mem_peak = mem_peak
+                    if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
+                        acc.power_peak = power_peak
+                at += n_jobs
+            g.watermark = lasts[j]
+            if trim:  # the store has the window: keep the newest row only (see _trim)
+                row = _window_row((lasts[j], *newest_rows[j], x.job_ids, x.job_shares))
+                g.ts, g.samples, g.pending, g.start, g.partial = [lasts[j]], [row], [], 0, True
                 continue
-            obs, ej = hour.observed_s, hour.energy_j
-            for dt, en in zip(dts[lo:hi], ens[lo:hi]):
-                obs += dt
-                ej += en
-            hour.observed_s, hour.energy_j = obs, ej
-            if not jobs:
-                continue
-            alloc, jen, sms = hour.alloc_s, hour.job_energy_j, hour.sm_s
-            sm_vals = sm[first + lo:first + hi] if sm is not None else [None] * (hi - lo)
-            for dt, en, v in zip(dts[lo:hi], ens[lo:hi], sm_vals):
-                for share in shares:  # (interval, job) order, as _apply_pair adds them
-                    w = dt * share
-                    alloc += w
-                    jen += en * share
-                    if v is not None:
-                        sms += v * w
-            hour.alloc_s, hour.job_energy_j, hour.sm_s = alloc, jen, sms
-        # the rows themselves (_apply_point): counts, first and last times, model, peaks
-        g.n += n
-        if ts[0] < g.first_ts:
-            g.first_ts = ts[0]
-        if x.model:
-            g.model = x.model
-        self.dirty_gpus.add(gk)
-        if jobs:
-            mem_peak = power_peak = None
-            if "mem_used_bytes" in x.ints:
-                v, m = x.ints["mem_used_bytes"]
-                mem = (v if m is None else v[m]).tolist()
-                mem_peak = max(mem) if mem else None
-            if power is not None:
-                present = [pw for pw in power if pw is not None]
-                power_peak = max(present) if present else None  # max() keeps the first of equals, as add() does
-            t0, t1 = ts[0], ts[-1]
-            for acc, _share in jobs:
-                acc.samples += n
-                if t0 < acc.first_ts:
-                    acc.first_ts = t0
-                if t1 > acc.last_ts:
-                    acc.last_ts = t1
-                    if x.model:
-                        acc.model = x.model
-                if mem_peak is not None and (acc.mem_peak is None or mem_peak > acc.mem_peak):
-                    acc.mem_peak = mem_peak
-                if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
-                    acc.power_peak = power_peak
-        g.watermark = ts[-1]
-        if self._load_window is not None:  # the store has the window: keep the newest row only (see _trim)
-            newest = WindowRow._make((ts[-1], *(_last(x.floats.get(f)) for f in PAIR_FLOATS), x.job_ids, x.job_shares))
-            g.ts, g.samples, g.pending, g.start, g.partial = [ts[-1]], [newest], [], 0, True
-            return
-        g.ts.extend(ts)
-        # the window keeps a copy of what pair contributions read, not the batch's arrays
-        g.pending.append(WindowSegment(x.ts.copy(), {f: x.float_col(f).copy() for f in PAIR_FLOATS}, x.job_ids,
-                                       x.job_shares))
-        self._evict(g)
+            g.ts.extend(x.ts.tolist())
+            # the window keeps a copy of what pair contributions read, not the batch's arrays
+            g.pending.append(WindowSegment(x.ts.copy(), {f: x.float_col(f).copy() for f in PAIR_FLOATS}, x.job_ids,
+                                           x.job_shares))
+            self._evict(g)
+        result = np.zeros(len(good), dtype=bool)
+        result[take] = True
+        return result.tolist()
 
     # -- the columnar path's preconditions and caps -------------------------------------------
     def _pair_caps(self, g_model: str, models: list[str], limits: np.ndarray) -> np.ndarray:

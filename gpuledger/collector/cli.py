@@ -6,21 +6,20 @@ import signal
 import socket
 import ssl
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from gpuledger.collector.auditlog import open_log
 from gpuledger.collector.auditlog.files import private_dir
-from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.compactor import CompactorProcess
-from gpuledger.collector.config import ConfigError, load_settings
+from gpuledger.collector.config import CollectorSettings, ConfigError, load_settings
 from gpuledger.collector.db import redact
-from gpuledger.collector.gcfreeze import GcFreezer
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
-from gpuledger.collector.series_outbox import RemoteSeries
-from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
+from gpuledger.collector.server import tls_context
 from gpuledger.collector.store_cli import ConfigFile, DataDir
-from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, note, percent
+from gpuledger.collector.supervisor import METRICS_DIR, Supervisor, WorkerFailed
+from gpuledger.collector.worker import Collector
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, error, fail, fixed, gib, note, percent
 
 app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
                   no_args_is_help=True)
@@ -42,6 +41,8 @@ def serve(
                                        "(default: <data-dir>/gpuledger.toml if present)."),
     host: str | None = typer.Option(None, help="Address to listen on [default: 127.0.0.1]."),
     port: int | None = typer.Option(None, help="Port to listen on, 0 picks a free one [default: 8470]."),
+    workers: str | None = typer.Option(None, "--workers", help="Ingest processes sharing the port and the ledger: a "
+                                       "number, or auto (one per CPU this process may use, at most 8) [default: 1]."),
     window: float | None = typer.Option(None, help="Seconds a late sample may trail its GPU's newest and still "
                                         "count [default: 600]."),
     max_gap: float | None = typer.Option(None, help="Longer intervals between samples are gaps [default: 60]."),
@@ -54,15 +55,15 @@ def serve(
     """Serve the ingest and query API until interrupted (settings: file < GPULEDGER_COLLECTOR_* < flags)."""
     try:
         settings = load_settings(data_dir, config, overrides={
-            "host": host, "port": port, "window_s": window, "max_gap_s": max_gap, "tokens_file": tokens_file,
-            "tls_cert": tls_cert, "tls_key": tls_key,
+            "host": host, "port": port, "workers": workers, "window_s": window, "max_gap_s": max_gap,
+            "tokens_file": tokens_file, "tls_cert": tls_cert, "tls_key": tls_key,
         })
         tls = tls_context(settings.tls_cert, settings.tls_key) if settings.tls_cert and settings.tls_key else None
     except (ConfigError, OSError, ssl.SSLError) as e:
         fail(str(e))
     url = cli_ledger_url(ledger_url, data_dir, config)
     try:
-        sinks = settings.sinks()
+        sinks = settings.sinks() if settings.workers == 1 else []  # workers build their own
     except ValueError as e:
         fail(str(e))
     # Nothing is created before we know it can run: the address must be free and the data dir a directory.
@@ -76,60 +77,69 @@ def serve(
         private_dir(data_dir)
     except OSError as e:
         fail(f"--data-dir {data_dir}: {e.strerror or e}", code=1)
-    try:  # the ledger's audit log (beside a PostgreSQL ledger, in its database): posted job records are logged first
-        audit_log = open_log(data_dir, ledger_url=url)
-    except ValueError as e:  # a pseudonymization key that contradicts the shared ledger's
-        fail(str(e))
-    store = open_ledger(url, data_dir, create=True, window_s=settings.window_s, max_gap_s=settings.max_gap_s,
-                        retention=settings.retention(), sinks=sinks, power_cap_w=settings.power_cap_w,
-                        power_caps=settings.power_caps, dedupe_horizon_s=settings.dedupe_horizon_s,
-                        max_gpus_per_host=settings.max_gpus_per_host, series_outbox=bool(settings.series_url))
+    if settings.workers > 1:
+        _supervise(settings, data_dir, url)
+    else:
+        _serve_here(settings, data_dir, url, tls, sinks)
+
+
+def _serve_here(settings: CollectorSettings, data_dir: Path, url: str | None, tls: ssl.SSLContext | None,
+                sinks: list[Any]) -> None:
+    """``serve`` in this process (``workers = 1``), compaction in a child unless ``compaction = "thread"``."""
+    collector = Collector.open(settings, data_dir, url, tls, sinks, compact=settings.compaction == "thread")
     compactor = None
     if settings.compaction == "process":
-        compactor = CompactorProcess.beside(store, url or store_path(data_dir), settings.compact_interval_s)
+        compactor = CompactorProcess.beside(collector.store, url or store_path(data_dir), settings.compact_interval_s)
         compactor.start()
-    store.start_background(settings.compact_interval_s, compact=compactor is None)
-    freezer = GcFreezer().start()
-    # series in VictoriaMetrics or InfluxDB: the store's outbox is shipped there, and series are answered from there
-    remote = RemoteSeries(store.series_store, settings.series_url, settings.series_api, settings.series_database,
-                          read_timeout_s=settings.request_timeout_s) if settings.series_url else None
-    server = CollectorServer(
-        store, audit_log=audit_log, host=settings.host, port=settings.port,
-        max_body_bytes=settings.max_body_bytes,
-        auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
-        priority_feed=settings.priority_feed or data_dir / FEED_NAME, max_inflight=settings.max_inflight,
-        max_per_host=settings.max_per_host, request_timeout_s=settings.request_timeout_s,
-        idle_timeout_s=settings.idle_timeout_s, limits=settings.limits(), max_series_points=settings.max_series_points,
-        max_page=settings.max_page, metrics_user_labels=settings.metrics_user_labels,
-        series=remote.reader if remote else None,
-    )
-    if remote is not None:
-        server.metrics.registry.register(remote.metrics)
     # SIGTERM (systemd, kill) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
+    typer.echo(_listening(settings, collector.server.url, url, data_dir))
+    try:
+        collector.server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        collector.close()
+        if compactor is not None:
+            compactor.stop()
+
+
+def _supervise(settings: CollectorSettings, data_dir: Path, url: str | None) -> None:
+    """``serve`` as ``settings.workers`` worker processes and a compactor (``collector.supervisor``); exits with the
+    status of a worker that cannot start."""
+    compactor = CompactorProcess(
+        str(url or store_path(data_dir)), interval_s=settings.compact_interval_s, window_s=settings.window_s,
+        max_gap_s=settings.max_gap_s, retention=settings.retention(), dedupe_horizon_s=settings.dedupe_horizon_s)
+    # what the workers need, on their standard input: the settings as validated here (tokens included), not re-read
+    worker = {"settings": settings.model_dump(mode="json", exclude_unset=True), "data_dir": str(data_dir),
+              "ledger_url": url}
+    supervisor = Supervisor(settings.workers, worker, settings.port, compactor, data_dir / METRICS_DIR)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: supervisor.request_stop(signum))
+    try:
+        listening = supervisor.start()
+        if listening is not None:
+            typer.echo(_listening(settings, listening, url, data_dir))
+            supervisor.run()
+    except WorkerFailed as e:
+        if e.message is not None:
+            error(e.message)
+        raise typer.Exit(e.status) from None
+    finally:
+        supervisor.stop()
+
+
+def _listening(settings: CollectorSettings, server_url: str, url: str | None, data_dir: Path) -> str:
     auth = "on" if settings.auth_enabled else "off (no tokens configured)"
-    influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if sinks else ""
+    influx = f", InfluxDB sink {settings.influx_url} ({settings.influx_api})" if settings.influx_url else ""
     series = ""
     if settings.series_api == "influxdb" and settings.series_url:
         series = f", series in InfluxDB {redact(settings.series_url)} database {settings.series_database!r}"
     elif settings.series_url:
         series = f", series in VictoriaMetrics {redact(settings.series_url)}"
-    typer.echo(f"collector listening on {server.url}, ledger {ledger_label(url, data_dir)}, "
-               f"auth {auth}{influx}{series}")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-        freezer.stop()
-        if compactor is not None:
-            compactor.stop()
-        if remote is not None:  # what it cannot ship in a few seconds stays queued for the next start
-            remote.close()
-        store.close()
-        for sink in sinks:  # flush what is buffered for InfluxDB
-            sink.close()
+    workers = f", {settings.workers} workers" if settings.workers > 1 else ""
+    return (f"collector listening on {server_url}, ledger {ledger_label(url, data_dir)}, auth {auth}{influx}{series}"
+            f"{workers}")
 
 
 USAGE_COLUMNS = (

@@ -12,9 +12,12 @@ Example::
                                    # the agents' sampling intervals: raise it with the agents' --interval)
     power_cap_w = 1500             # the most a GPU can draw when its sample reports no power limit; a counter
                                    # delta above cap x seconds is not trusted (see collector.aggregate)
+    workers = 1                    # ingest processes sharing the port and the ledger (SO_REUSEPORT; "auto": one
+                                   # per CPU this process may use, at most 8); max_inflight, max_per_host and the
+                                   # connection limit are each worker's
     max_body_bytes = 16777216      # decoded request body limit
-    max_inflight = 256             # ingest requests validating or storing at once; more get 503 (agents retry)
-    max_per_host = 4               # concurrent ingest requests of one node token; more get 429
+    max_inflight = 256             # ingest requests validating or storing at once (per worker); more get 503
+    max_per_host = 4               # concurrent ingest requests of one node token (per worker); more get 429
     request_timeout_s = 30         # headers and body of one request, however slowly they arrive
     idle_timeout_s = 120           # a keep-alive connection idle this long is closed
     max_samples = 20000            # per batch; further limits: max_series, max_job_ids (per series),
@@ -76,7 +79,8 @@ MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
                 "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token", "max_per_host",
                 "request_timeout_s", "idle_timeout_s", "metrics_user_labels", "series_url", "series_api",
-                "series_database")
+                "series_database", "workers")
+MAX_AUTO_WORKERS = 8  # workers = "auto": one per usable CPU, up to this many (each is a whole collector's memory)
 
 
 class ConfigError(ValueError):
@@ -114,9 +118,17 @@ def _check_token(token: str, what: str) -> None:
         raise ValueError(f"{what} must be at least {MIN_TOKEN_CHARS} characters without surrounding blanks")
 
 
+def auto_workers() -> int:
+    """``workers = "auto"``: the CPUs this process may run on (its affinity, not the machine's count), at most
+    MAX_AUTO_WORKERS."""
+    return min(len(os.sched_getaffinity(0)), MAX_AUTO_WORKERS)
+
+
 class CollectorSettings(TokenTables):
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
+    # ingest processes on one port and one ledger (collector.supervisor); 1: `collector serve` is one process
+    workers: int = 1
     window_s: float = Field(600.0, ge=0)
     max_gap_s: float = Field(DEFAULT_MAX_GAP_S, gt=0)
     power_cap_w: float = Field(DEFAULT_POWER_CAP_W, gt=0)
@@ -173,6 +185,17 @@ class CollectorSettings(TokenTables):
         return Retention(raw_s=self.raw_retention_s, minute_s=self.minute_retention_s or None,
                          hour_s=self.hour_retention_s or None)
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> int:
+        if v == "auto":
+            return auto_workers()
+        if isinstance(v, str) and v.strip().isdigit():  # from the environment or --workers
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f'must be a whole number of processes, at least 1, or "auto", got {v!r}')
+        return v
+
     @field_validator("series_url")
     @classmethod
     def _series_url(cls, v: str | None) -> str | None:
@@ -201,6 +224,9 @@ class CollectorSettings(TokenTables):
     def _consistent(self) -> CollectorSettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
+        if self.workers > 1 and self.compaction == "thread":
+            raise ValueError(f'compaction = "thread" compacts in the collector\'s one process: it needs workers = 1, '
+                             f'not {self.workers} (the default, "process", runs one compactor for all workers)')
         for key in ("series_api", "series_database"):
             if key in self.model_fields_set and not self.series_url:
                 raise ValueError(f"{key} is set but series_url is not: set both (or neither)")

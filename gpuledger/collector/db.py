@@ -6,7 +6,8 @@ Code above this module writes one SQL dialect, SQLite's portable subset, and nev
 - placeholders ``?``; no ``%`` needs escaping (translated for psycopg here);
 - DDL types ``TEXT``, ``INTEGER`` (64-bit), ``REAL`` (a double: PostgreSQL's ``REAL`` is 32-bit, so it becomes
   ``DOUBLE PRECISION``, or stored totals would lose bits), ``BLOB`` (``BYTEA``); ``WITHOUT ROWID`` is dropped
-  for PostgreSQL. DDL goes through :meth:`Database.script`;
+  for PostgreSQL. An ``INTEGER PRIMARY KEY`` an insert leaves out is assigned in insertion order (SQLite's
+  rowid; a PostgreSQL identity column). DDL goes through :meth:`Database.script`;
 - upserts as ``INSERT ... ON CONFLICT (key) DO UPDATE SET c=excluded.c`` (:func:`upsert`), never
   ``INSERT OR REPLACE``; sums as ``COALESCE(SUM(x), 0)``, never ``TOTAL``; reserved words (``end``) quoted;
 - :meth:`Database.snapshot` reads several statements from one consistent state without blocking writers;
@@ -62,8 +63,9 @@ class Database(Protocol):
     url: str  # for messages: a PostgreSQL password is never in it
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Rows: ...
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> int: ...  # rows changed, in all
     def transaction(self) -> Any: ...  # context manager; nested use joins the outer transaction
+    def ready_to_write(self) -> bool: ...  # whether a transaction would start now, without waiting for a writer
     def snapshot(self) -> Any: ...  # context manager: reads see one state while writers go on; joins a transaction
     def reader(self) -> AbstractContextManager[Database]: ...  # another connection, for another thread's reads
     def lock(self, name: str) -> None: ...
@@ -124,6 +126,8 @@ class SqliteDatabase:
         # isolation_level=None: BEGIN/COMMIT are ours, so one batch is one transaction
         self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.conn.execute("PRAGMA busy_timeout=10000")
+        self._writer: int | None = None  # the writers' lock file (see transaction), opened when first needed
+        self._writer_held: int | None = None  # the thread that took it with ready_to_write, for its next transaction
         self._wal(deadline=time.monotonic() + 10.0)
         self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
 
@@ -145,9 +149,9 @@ class SqliteDatabase:
         except sqlite3.Error as exc:
             raise _sqlite_error(exc, self.url) from exc
 
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
         try:
-            self.conn.executemany(sql, rows)
+            return self.conn.executemany(sql, rows).rowcount
         except sqlite3.Error as exc:
             raise _sqlite_error(exc, self.url) from exc
 
@@ -166,9 +170,43 @@ class SqliteDatabase:
                 self.conn.execute("ROLLBACK")
             raise
 
-    def transaction(self) -> AbstractContextManager[SqliteDatabase]:
-        """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (re-raised); inside one, joins it."""
-        return self._begun("BEGIN IMMEDIATE")
+    @contextmanager
+    def transaction(self) -> Iterator[SqliteDatabase]:
+        """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (re-raised); inside one, joins it.
+
+        Writers queue on a lock file (``<file>-writer.lock``) before BEGIN IMMEDIATE: the kernel wakes the next one
+        as the last one lets go. SQLite's own wait for its write lock polls, sleeping 1, 2, 5, 10, 15 ... ms
+        between tries, so a process writing often beside another (the collector's workers, its compactor) lost
+        milliseconds at every turn."""
+        if self.conn.in_transaction:
+            yield self
+            return
+        if self._writer_held != threading.get_ident():  # (held: taken by ready_to_write, for this transaction)
+            fcntl.flock(self._writer_fd(), fcntl.LOCK_EX)
+        self._writer_held = None
+        try:
+            with self._begun("BEGIN IMMEDIATE"):
+                yield self
+        finally:
+            fcntl.flock(self._writer_fd(), fcntl.LOCK_UN)
+
+    def ready_to_write(self) -> bool:
+        """Take the writers' lock if no other writer has it (never waits), for this thread's next transaction; False
+        when another has it. For a caller that must not block (an event loop): it tries again soon, and serves
+        meanwhile."""
+        if self._writer_held == threading.get_ident():
+            return True
+        try:
+            fcntl.flock(self._writer_fd(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self._writer_held = threading.get_ident()
+        return True
+
+    def _writer_fd(self) -> int:
+        if self._writer is None:
+            self._writer = os.open(f"{self.path}-writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        return self._writer
 
     def snapshot(self) -> AbstractContextManager[SqliteDatabase]:
         """A read transaction (deferred BEGIN: in WAL mode the first read fixes the state it sees, writers go on);
@@ -218,10 +256,14 @@ class SqliteDatabase:
 
     def close(self) -> None:
         self.conn.close()
+        if self._writer is not None:
+            os.close(self._writer)
+            self._writer = None
 
 
 # -- PostgreSQL ----------------------------------------------------------------------------------------------------
 _TYPES = [(re.compile(r"\bREAL\b"), "DOUBLE PRECISION"), (re.compile(r"\bBLOB\b"), "BYTEA"),
+          (re.compile(r"\bINTEGER PRIMARY KEY\b"), "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY"),
           (re.compile(r"\bINTEGER\b"), "BIGINT"), (re.compile(r"\s*\bWITHOUT ROWID\b"), "")]
 
 
@@ -332,14 +374,20 @@ class PostgresDatabase:
         except Exception as exc:
             raise self._error(exc) from exc
 
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> int:
         if not rows:
-            return
+            return 0
         with self.transaction():
             try:
-                self._local.conn.cursor().executemany(self._translate(sql), rows)
+                cur = self._local.conn.cursor()
+                cur.executemany(self._translate(sql), rows)
+                return cur.rowcount  # psycopg >= 3.1: the sum over the rows
             except Exception as exc:
                 raise self._error(exc) from exc
+
+    def ready_to_write(self) -> bool:
+        """Always: writers of a PostgreSQL ledger wait on the rows they write (hosts' claims), not on the database."""
+        return True
 
     @contextmanager
     def transaction(self) -> Iterator[PostgresDatabase]:

@@ -21,7 +21,7 @@ Job identity is ``(cluster, job_id)``: two clusters feeding one collector may bo
 
 Several collectors may share one ledger: ``hosts`` holds each host's write generation, bumped (under the row's
 lock) by every transaction that writes the host, so a collector learns that another one wrote a host since it
-last did (``collector.store`` then restores the host from the ledger; see :meth:`SqlLedger.claim_host`).
+last did (``collector.store`` then restores the host from the ledger; see :meth:`SqlLedger.claim_hosts`).
 
 Schema history: v2 keyed ``jobs`` by (job_id, cluster) with agents' and the scheduler's records mixed, and
 ``usage`` by (job_id, host, gpu). :func:`migrate_v2` moves such a store to v3: usage rows get cluster "" (their
@@ -181,11 +181,10 @@ class LedgerStore(LedgerReader, Protocol):
     """What the collector's store writes through (called with its lock held; ingest's writes inside
     the store's transaction)."""
 
-    def claim_host(self, host: str) -> int: ...
+    def claim_hosts(self, hosts: Sequence[str]) -> dict[str, int]: ...
     def forget_host(self, host: str) -> None: ...
-    def batch_seen(self, host: str, agent_id: str, seq: int) -> bytes | None: ...
-    def record_batch(self, host: str, agent_id: str, seq: int, digest: bytes | None, received: float,
-                     samples: int) -> bool: ...
+    def batches_seen_of(self, keys: Sequence[tuple[str, str, int]]) -> dict[tuple[str, str, int], bytes]: ...
+    def record_batches(self, batches: Sequence[tuple[str, str, int, bytes | None, float, int]]) -> int: ...
     def prune_batches(self, before: float) -> int: ...
     def note_gpus(self, cluster: str, gpus: Iterable[tuple[str, str]]) -> None: ...
     def reload_clusters(self) -> None: ...
@@ -213,6 +212,7 @@ _GPU_UPSERT = upsert("gpus", (*_GPU_KEY, *GPU_TOTAL_FIELDS), _GPU_KEY)
 _HOUR_KEY = ("host", "gpu_uuid", "mig", "hour")
 _HOUR_UPSERT = upsert("gpu_hours", (*_HOUR_KEY, *HOUR_FIELDS), _HOUR_KEY)
 _GAP_KEY = ("host", "gpu_uuid", "mig", "start", "end")
+
 _GAP_UPSERT = upsert("energy_gaps", (*_GAP_KEY, "energy_j", "jobs"), _GAP_KEY)
 
 
@@ -250,16 +250,22 @@ class SqlLedger:
         self._gpu_cluster = {(h, g): c for h, g, c in rows}
 
     # -- hosts: which collector wrote a host last -----------------------------------------------
-    def claim_host(self, host: str) -> int:
-        """Bump ``host``'s write generation and return it (call inside the transaction that writes the host).
+    def claim_hosts(self, hosts: Sequence[str]) -> dict[str, int]:
+        """Bump each host's write generation and return them (call inside the transaction that writes the hosts;
+        give them sorted: one statement locks its rows in that order).
 
-        The row stays locked until that transaction ends (PostgreSQL's row lock; SQLite's ``BEGIN IMMEDIATE``
-        already holds the whole file), so two collectors never write one host at once. The caller compares the
+        The rows stay locked until that transaction ends (PostgreSQL's row locks; SQLite's ``BEGIN IMMEDIATE``
+        already holds the whole file), so two collectors never write one host at once. The caller compares each
         result with the generation it wrote last + 1: anything else means another collector wrote the host in
         between, and what it keeps in memory of the host is stale (:meth:`forget_host`)."""
-        row = self._db.execute("INSERT INTO hosts (host, generation) VALUES (?, 1) ON CONFLICT (host) DO UPDATE "
-                               "SET generation = hosts.generation + 1 RETURNING generation", (host,)).fetchall()
-        return int(row[0][0])
+        out: dict[str, int] = {}
+        for at in range(0, len(hosts), _IN_CLAUSE_LIMIT):
+            part = hosts[at:at + _IN_CLAUSE_LIMIT]
+            rows = self._db.execute(
+                f"INSERT INTO hosts (host, generation) VALUES {','.join(['(?, 1)'] * len(part))} ON CONFLICT (host) "
+                "DO UPDATE SET generation = hosts.generation + 1 RETURNING host, generation", part).fetchall()
+            out.update((h, int(g)) for h, g in rows)
+        return out
 
     def forget_host(self, host: str) -> None:
         """Re-read ``host``'s GPUs' clusters (another collector may have named them since they were cached)."""
@@ -271,23 +277,44 @@ class SqlLedger:
     # -- batches ------------------------------------------------------------------------------
     # A batch's key is (host, agent_id, seq): the host is the one its token is bound to, so one node cannot
     # claim another's numbers. The digest of its content tells a resend (same content) from a conflict.
+    def batches_seen_of(self, keys: Sequence[tuple[str, str, int]]) -> dict[tuple[str, str, int], bytes]:
+        """Of these batch keys (host, agent_id, seq), the ones stored, with their content digests (NO_DIGEST where
+        none was stored)."""
+        out: dict[tuple[str, str, int], bytes] = {}
+        step = _IN_CLAUSE_LIMIT // 3
+        for at in range(0, len(keys), step):
+            part = keys[at:at + step]
+            # the keys as a table joined to the index (a row-value IN list is a scan of the whole table in SQLite)
+            rows = self._db.execute(
+                f"WITH k (h, a, s) AS (VALUES {','.join(['(?,?,?)'] * len(part))}) SELECT b.host, b.agent_id, b.seq, "
+                "b.digest FROM k JOIN batch_keys b ON b.host = k.h AND b.agent_id = k.a AND b.seq = k.s",
+                [x for k in part for x in k]).fetchall()
+            out.update(((h, a, int(s)), bytes(d) if d else NO_DIGEST) for h, a, s, d in rows)
+            legacy = self._db.execute(
+                f"WITH k (a, s) AS (VALUES {','.join(['(?,?)'] * len(part))}) SELECT b.agent_id, b.seq FROM k "
+                "JOIN batches b ON b.agent_id = k.a AND b.seq = k.s", [x for k in part for x in k[1:]]).fetchall()
+            if legacy:
+                old = {(a, int(s)) for a, s in legacy}
+                out.update((k, NO_DIGEST) for k in part if (k[1], k[2]) in old and k not in out)
+        return out
+
     def batch_seen(self, host: str, agent_id: str, seq: int) -> bytes | None:
         """None for a new batch, else the stored content digest (NO_DIGEST when none was stored)."""
-        row = self._db.execute("SELECT digest FROM batch_keys WHERE host=? AND agent_id=? AND seq=?",
-                               (host, agent_id, seq)).fetchone()
-        if row is not None:
-            return bytes(row[0]) if row[0] else NO_DIGEST
-        legacy = self._db.execute("SELECT 1 FROM batches WHERE agent_id=? AND seq=?", (agent_id, seq)).fetchone()
-        return None if legacy is None else NO_DIGEST
+        return self.batches_seen_of([(host, agent_id, seq)]).get((host, agent_id, seq))
 
-    def record_batch(self, host: str, agent_id: str, seq: int, digest: bytes | None, received: float,
-                     samples: int) -> bool:
-        """Record a batch's key; False when it was there already (stored meanwhile by another collector: the
-        caller's transaction must not commit this batch a second time)."""
-        return self._db.execute(
-            "INSERT INTO batch_keys (host, agent_id, seq, digest, received, samples) VALUES (?,?,?,?,?,?) "
-            "ON CONFLICT (host, agent_id, seq) DO NOTHING", (host, agent_id, seq, digest, received, samples)
-        ).rowcount == 1
+    def record_batches(self, batches: Sequence[tuple[str, str, int, bytes | None, float, int]]) -> int:
+        """Record batch keys (host, agent_id, seq, digest, received, samples); returns how many were new (a key
+        stored meanwhile by another collector is not written again: the caller's transaction must not commit that
+        batch a second time)."""
+        new = 0
+        step = _IN_CLAUSE_LIMIT // 6
+        for at in range(0, len(batches), step):
+            part = batches[at:at + step]
+            new += len(self._db.execute(
+                "INSERT INTO batch_keys (host, agent_id, seq, digest, received, samples) VALUES "
+                + ",".join(["(?,?,?,?,?,?)"] * len(part)) + " ON CONFLICT (host, agent_id, seq) DO NOTHING "
+                "RETURNING seq", [x for b in part for x in b]).fetchall())
+        return new
 
     def prune_batches(self, before: float) -> int:
         """Forget batch keys received before ``before`` (the dedupe horizon); returns how many."""

@@ -2,6 +2,11 @@
 
 The collector folds, stores and packs a series a column at a time; ``rows()`` turns it into GpuSamples
 only where a sample at a time is needed (late or out-of-order samples, sinks, tests).
+
+A series the validator took from an agent's msgpack body keeps its columns as the body's bytes (``wire``:
+field -> n little-endian 8-byte values, all present): the ingest path stacks those bytes straight into the
+matrices it folds and into the batch's stored chunk, and the per-field arrays (``floats``, ``ints``) are made
+only when something asks for them.
 """
 
 from __future__ import annotations
@@ -15,29 +20,73 @@ from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 from gpuledger.schema.wire import FLOAT_COLUMNS, INT_COLUMNS
 
 _NONE: dict[str, Any] = {}
+_INT_COLUMNS = frozenset(INT_COLUMNS)
 
 
 class Series:
     """``floats``: field -> float64 array, NaN where not reported (validated values are never NaN);
     ``ints``: field -> (int64 array, present mask or None when all present); ``lists``: field -> one tuple
-    per row (``xid_errors``: ints, ``processes``: GpuProcess). Fields never reported are absent."""
+    per row (``xid_errors``: ints, ``processes``: GpuProcess). Fields never reported are absent.
+    ``wire``: field -> the column's bytes as the agent sent them (ts excluded), or None for a series made
+    from arrays."""
 
     __slots__ = ("host", "gpu_uuid", "gpu_index", "model", "mig", "source", "job_ids", "job_shares",
-                 "n", "ts", "floats", "ints", "lists")
+                 "n", "ts", "_floats", "_ints", "lists", "wire")
 
     def __init__(self, host: str, gpu_uuid: str, gpu_index: int, ts: np.ndarray, *, model: str = "",
                  mig: str | None = None, source: str = "", job_ids: tuple[str, ...] = (),
                  job_shares: tuple[float, ...] = (), floats: Mapping[str, np.ndarray] = _NONE,
                  ints: Mapping[str, tuple[np.ndarray, np.ndarray | None]] = _NONE,
-                 lists: Mapping[str, tuple] = _NONE) -> None:
+                 lists: Mapping[str, tuple] = _NONE, wire: dict[str, bytes] | None = None) -> None:
         self.host, self.gpu_uuid, self.gpu_index = host, gpu_uuid, gpu_index
         self.model, self.mig, self.source = model, mig, source
         self.job_ids, self.job_shares = job_ids, job_shares
         self.n = len(ts)
         self.ts = ts
-        self.floats = dict(floats)
-        self.ints = dict(ints)
+        self.wire = wire
+        if wire is None:
+            self._floats: dict[str, np.ndarray] | None = dict(floats)
+            self._ints: dict[str, tuple[np.ndarray, np.ndarray | None]] | None = dict(ints)
+        else:  # made from ``wire`` when first asked for
+            self._floats = self._ints = None
         self.lists = dict(lists)
+
+    @classmethod
+    def of_wire(cls, host: str, gpu_uuid: str, gpu_index: int, ts: np.ndarray, model: str, mig: str | None,
+                source: str, job_ids: tuple[str, ...], job_shares: tuple[float, ...], lists: dict[str, tuple],
+                wire: dict[str, bytes]) -> Series:
+        """A series over an agent body's column bytes (the validator's, once it checked them): ``__init__`` without
+        its copies, for the ingest path's few microseconds a series."""
+        s = cls.__new__(cls)
+        s.host, s.gpu_uuid, s.gpu_index, s.ts, s.n = host, gpu_uuid, gpu_index, ts, len(ts)
+        s.model, s.mig, s.source, s.job_ids, s.job_shares = model, mig, source, job_ids, job_shares
+        s.lists, s.wire, s._floats, s._ints = lists, wire, None, None
+        return s
+
+    @property
+    def floats(self) -> dict[str, np.ndarray]:
+        if self._floats is None:
+            self._decode_wire()
+        assert self._floats is not None
+        return self._floats
+
+    @property
+    def ints(self) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+        if self._ints is None:
+            self._decode_wire()
+        assert self._ints is not None
+        return self._ints
+
+    def _decode_wire(self) -> None:
+        assert self.wire is not None
+        floats: dict[str, np.ndarray] = {}
+        ints: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
+        for f, raw in self.wire.items():
+            if f in _INT_COLUMNS:
+                ints[f] = (np.frombuffer(raw, dtype="<i8"), None)
+            else:
+                floats[f] = np.frombuffer(raw, dtype="<f8")
+        self._floats, self._ints = floats, ints
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -35,7 +35,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -122,9 +122,15 @@ class OutboxSeriesStore:
         blobs = encode_series_many(series)
         self._queue([[s.host, s.gpu_uuid, s.mig or "", b] for s, b in zip(series, blobs)], sum(s.n for s in series))
 
+    def write_host_series(self, series: list[Series]) -> None:
+        self.write_series(series)  # one chunk a GPU: the shipper sends chunks of one GPU each
+
     # -- the chunk store's part ------------------------------------------------------------------------------------
     def window(self, gpu_key: GpuKey, floor: float) -> list[WindowSegment]:
         return self.inner.window(gpu_key, floor)
+
+    def host_windows(self, host: str, floors: Mapping[GpuKey, float]) -> dict[GpuKey, list[WindowSegment]]:
+        return self.inner.host_windows(host, floors)
 
     def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]:
         return self.inner.roll_up(gpu_key, final_before)

@@ -23,10 +23,10 @@ from __future__ import annotations
 import copy
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -36,14 +36,19 @@ from gpuledger.collector.aggregate import PAIR_FLOATS, GpuKey, WindowSegment
 from gpuledger.collector.chunks import (
     LIGHT_MAX_ROWS,
     NUMERIC_FIELDS,
+    HostPart,
     column_list,
     columns_as_floats,
-    decode_arrays,
     decode_columns,
-    decode_samples,
+    decode_host_chunk,
+    encode_host_chunk,
     encode_samples,
     encode_series_many,
+    join_parts,
     merge_chunks,
+    merge_columns,
+    samples_of,
+    series_columns,
 )
 from gpuledger.collector.db import Database, upsert
 from gpuledger.collector.rollup import RollupPoint
@@ -57,6 +62,8 @@ RESOLUTION = {RAW: 0.0, MINUTE: 60.0, HOUR: 3600.0}
 MERGE_OPEN_AT = 64  # an open interval's batch chunks are merged once there are this many (see mergeable_groups)
 MERGE_MAX_ROWS = 512  # raw chunks this large are not merged (see mergeable_groups)
 OPEN_MERGE_MAX_ROWS = LIGHT_MAX_ROWS  # an open interval merges only chunks this small (batches as they came)
+_IN_LIMIT = 500  # ids per "IN (...)", well under SQLite's parameter limit
+_Columns = tuple[int, dict[str, tuple[str, Any, np.ndarray | None]]]  # a decoded chunk: rows, columns
 _sample_time = operator.attrgetter("ts")
 _sample_gpu = operator.attrgetter("host", "gpu_uuid", "mig")
 _sample_gpu_order = operator.attrgetter("host", "gpu_uuid")  # not mig: None and str do not compare
@@ -72,7 +79,16 @@ CREATE TABLE IF NOT EXISTS rollup_state (
 CREATE TABLE IF NOT EXISTS expired (
   host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, tier INTEGER NOT NULL, until REAL NOT NULL,
   PRIMARY KEY (host, gpu_uuid, mig, tier)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS host_chunks (
+  id INTEGER PRIMARY KEY, host TEXT NOT NULL, t_min REAL NOT NULL, t_max REAL NOT NULL, n INTEGER NOT NULL,
+  data BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS host_chunks_by_host ON host_chunks (host, t_min);
 """
+# host_chunks: raw samples of one batch (one host, several GPUs; chunks.encode_host_chunk), one row a batch, as
+# ingest writes them; compaction splits them into the GPUs' raw chunks (plan_host_splits). Every raw read sees
+# both. id: assigned in insertion order, so each insert appends to the table (a random id costs SQLite three
+# times as much: every insert lands on another page).
+HOST_SPLIT_MAX_ROWS = 200_000  # samples one split plan decodes at most (bounds compaction's memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +157,14 @@ class MergePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """Host chunks of one host (by id) and the GPUs' raw chunks their rows become."""
+
+    ids: tuple[int, ...]
+    chunks: list[tuple]  # chunk rows to insert
+
+
+@dataclass(frozen=True, slots=True)
 class ExpiryPlan:
     """A GPU's chunks of one tier that retention lets go: every interval up to ``last_bucket``."""
 
@@ -170,7 +194,9 @@ class SeriesStore(SeriesReader, Protocol):
 
     def write_samples(self, samples: list[GpuSample]) -> None: ...
     def write_series(self, series: list[Series]) -> None: ...
+    def write_host_series(self, series: list[Series]) -> None: ...
     def window(self, gpu_key: GpuKey, floor: float) -> list[WindowSegment]: ...
+    def host_windows(self, host: str, floors: Mapping[GpuKey, float]) -> dict[GpuKey, list[WindowSegment]]: ...
     def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]: ...
     def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]: ...
     def merge(self, group: MergeGroup) -> int: ...
@@ -264,6 +290,14 @@ class ChunkSeriesStore:
                 (RAW, p.host, p.gpu_uuid, p.mig or "", b, float(p.ts[0]), float(p.ts[-1]), p.n, blob)
                 for p, b, blob in zip(parts, buckets, encode_series_many(parts))])
 
+    def write_host_series(self, series: list[Series]) -> None:
+        """One batch's series (one host; each with the agent's wire columns, in time order) as one host chunk."""
+        if series:
+            self._db.execute(
+                "INSERT INTO host_chunks (host, t_min, t_max, n, data) VALUES (?,?,?,?,?)",
+                (series[0].host, min([s.ts[0] for s in series]).item(),
+                 max([s.ts[-1] for s in series]).item(), sum([s.n for s in series]), encode_host_chunk(series)))
+
     def _insert_raw(self, groups: dict[tuple, list[GpuSample]]) -> None:
         self._db.executemany(
             _INSERT_CHUNK,
@@ -279,19 +313,36 @@ class ChunkSeriesStore:
             (tier, *gpu_key, lo, end, start, end),
         ).fetchall()
 
+    def _host_parts(self, host: str, start: float = -math.inf, end: float = math.inf) -> dict[GpuKey, list[_Columns]]:
+        """The host chunks of ``host`` reaching into [start, end], decoded, by GPU."""
+        rows = self._db.execute(
+            "SELECT data FROM host_chunks WHERE host=? AND t_max>=? AND t_min<=? ORDER BY t_min, id",
+            (host, max(start, -1e300), min(end, 1e300))).fetchall()
+        out: dict[GpuKey, list[_Columns]] = {}
+        for (data,) in rows:
+            for part in decode_host_chunk(data):
+                out.setdefault((host, *part.key[1:]), []).append(series_columns(part.series(host)))
+        return out
+
+    def _raw_parts(self, gpu_key: GpuKey, start: float, end: float) -> list[_Columns]:
+        """A GPU's raw chunks reaching into [start, end], decoded: its own, then its part of its host's host
+        chunks."""
+        parts = [decode_columns(data) for (data,) in self._chunk_rows(RAW, gpu_key, start, end)]
+        return parts + self._host_parts(gpu_key[0], start, end).get(gpu_key, [])
+
     def _read_raw(self, gpu_key: GpuKey, start: float, end: float) -> list[GpuSample]:
         host, uuid, mig = gpu_key
         out: list[GpuSample] = []
-        for (data,) in self._chunk_rows(RAW, gpu_key, start, end):
-            out.extend(smp for smp in decode_samples(data, host, uuid, mig or None) if start <= smp.ts <= end)
+        for n, cols in self._raw_parts(gpu_key, start, end):
+            out.extend(smp for smp in samples_of(n, cols, host, uuid, mig or None) if start <= smp.ts <= end)
         out.sort(key=_sample_time)
         return out
 
     def _raw_arrays(self, gpu_key: GpuKey, start: float, end: float) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Raw samples with start <= ts < end as arrays (for rollups), unsorted."""
         ts_parts, val_parts = [], []
-        for (data,) in self._chunk_rows(RAW, gpu_key, start, end):
-            ts, vals = decode_arrays(data, NUMERIC_FIELDS)
+        for n, cols in self._raw_parts(gpu_key, start, end):
+            ts, vals = columns_as_floats(n, cols, NUMERIC_FIELDS)
             keep = (ts >= start) & (ts < end)
             ts_parts.append(ts[keep])
             val_parts.append({f: v[keep] for f, v in vals.items()})
@@ -309,12 +360,21 @@ class ChunkSeriesStore:
         aggregation window keeps them: time-ordered columns of the fields pair contributions read, one
         segment per run of one job set, straight from the chunks (no object per sample: a restart reads
         every GPU's window)."""
+        return self._window(gpu_key, floor, self._host_parts(gpu_key[0]).get(gpu_key, []))
+
+    def host_windows(self, host: str, floors: Mapping[GpuKey, float]) -> dict[GpuKey, list[WindowSegment]]:
+        """:meth:`window` of several GPUs of one host (each host chunk decoded once: a restore reads them all)."""
+        parts = self._host_parts(host)
+        return {gpu_key: self._window(gpu_key, floor, parts.get(gpu_key, [])) for gpu_key, floor in floors.items()}
+
+    def _window(self, gpu_key: GpuKey, floor: float, host_parts: list[_Columns]) -> list[WindowSegment]:
+        """:meth:`window` from the GPU's own chunks and its parts of the host chunks (all of them: recent)."""
         (newest_before,) = self._db.execute(
             "SELECT MAX(t_max) FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND t_max<?",
             (*gpu_key, floor),
         ).fetchone()
         # the anchor is in a chunk ending at newest_before, or in one reaching past floor: such a chunk keeps its
-        # samples before floor too (the newest of them may be the anchor)
+        # samples before floor too (the newest of them may be the anchor); or in a host chunk
         lo = floor if newest_before is None else newest_before
         oldest_kept = -math.inf if newest_before is None else newest_before
         span = self.retention.raw_chunk_s
@@ -327,8 +387,7 @@ class ChunkSeriesStore:
         cols: dict[str, list[np.ndarray]] = {f: [] for f in PAIR_FLOATS}
         job_set_codes: list[np.ndarray] = []
         job_sets: dict[tuple, int] = {}  # (job_ids, job_shares) -> code
-        for (data,) in chunks:
-            n, columns = decode_columns(data)
+        for n, columns in [*(decode_columns(data) for (data,) in chunks), *host_parts]:
             ts, vals = columns_as_floats(n, columns, PAIR_FLOATS)
             keep = np.flatnonzero(ts >= oldest_kept)
             if not keep.size:
@@ -365,6 +424,68 @@ class ChunkSeriesStore:
     # still holds (StaleCompaction otherwise: roll the transaction back and plan again). Only compaction
     # rewrites rollups and state or deletes chunks, and one compacts at a time (the compaction lock); ingest only
     # adds raw chunks of minutes that are not final yet, so a plan stays valid while ingest goes on.
+    def split_hosts(self, newest: Mapping[str, float] | None = None, span_s: float = 0.0,
+                    min_chunks: int = 1) -> list[str]:
+        """The hosts whose host chunks are to be split: with ``newest`` (each host's newest sample), those whose
+        oldest host chunk starts ``span_s`` or more before it, or that hold ``min_chunks`` host chunks or more
+        (each split then makes chunks of many rows a GPU, not one batch's few); without, every host that has any."""
+        rows = self._db.execute("SELECT host, MIN(t_min), COUNT(*) FROM host_chunks GROUP BY host").fetchall()
+        if newest is None:
+            return sorted(h for h, _, _ in rows)
+        return sorted(h for h, oldest, count in rows
+                      if count >= min_chunks or newest.get(h, math.inf) - oldest >= span_s)
+
+    def plan_host_splits(self, host: str) -> Iterator[SplitPlan]:
+        """A host's host chunks as its GPUs' raw chunks, one per GPU and raw interval (reads only), in plans of at
+        most ``HOST_SPLIT_MAX_ROWS`` samples (a backlog never takes memory without bound)."""
+        sizes = self._db.execute("SELECT id, n FROM host_chunks WHERE host=? ORDER BY t_min, id", (host,)).fetchall()
+        ids: list[int] = []
+        rows = 0
+        for i, (chunk_id, n) in enumerate(sizes):
+            ids.append(chunk_id)
+            rows += n
+            if rows >= HOST_SPLIT_MAX_ROWS or i == len(sizes) - 1:
+                yield self._plan_split(host, ids)
+                ids, rows = [], 0
+
+    def _plan_split(self, host: str, ids: list[int]) -> SplitPlan:
+        by_gpu: dict[GpuKey, list[HostPart]] = {}
+        for at in range(0, len(ids), _IN_LIMIT):
+            chunk_ids = ids[at:at + _IN_LIMIT]
+            for (data,) in self._db.execute(
+                    f"SELECT data FROM host_chunks WHERE id IN ({','.join('?' * len(chunk_ids))}) ORDER BY t_min, id",
+                    chunk_ids).fetchall():
+                for part in decode_host_chunk(data):
+                    by_gpu.setdefault((host, *part.key[1:]), []).append(part)
+        span = self.retention.raw_chunk_s
+        series: list[tuple[Series, float]] = []  # each GPU's rows of an interval, encoded together below
+        odd: list[tuple[GpuKey, list[_Columns]]] = []  # GPUs whose batches differ (a job change): merged apart
+        for gpu_key, parts in sorted(by_gpu.items()):
+            joined = join_parts(parts, host)  # (parts in the order their batches came: a GPU's times in order)
+            if joined is None or not bool((joined.ts[1:] > joined.ts[:-1]).all()):
+                odd.append((gpu_key, [series_columns(p.series(host)) for p in parts]))
+                continue
+            for i, j, bucket in _intervals(joined.ts, span):
+                series.append((joined if j - i == joined.n else joined.slice(i, j), bucket))
+        chunks = [(RAW, *s.key, bucket, float(s.ts[0]), float(s.ts[-1]), s.n, blob)
+                  for (s, bucket), blob in zip(series, encode_series_many([s for s, _ in series]))]
+        chunks += [(RAW, *gpu_key, bucket, t_min, t_max, n, blob) for gpu_key, parts in odd
+                   for blob, n, t_min, t_max, bucket in merge_columns(parts, span)]
+        return SplitPlan(tuple(ids), chunks)
+
+    def apply_host_split(self, plan: SplitPlan) -> int:
+        """Replace a plan's host chunks by the GPUs' chunks (inside the caller's transaction); returns how many
+        host chunks went."""
+        gone = 0
+        for at in range(0, len(plan.ids), _IN_LIMIT):
+            part = plan.ids[at:at + _IN_LIMIT]
+            gone += self._db.execute(f"DELETE FROM host_chunks WHERE id IN ({','.join('?' * len(part))})",
+                                     part).rowcount
+        if gone != len(plan.ids):
+            raise StaleCompaction(f"{len(plan.ids)} host chunks planned for splitting, {gone} found")
+        self._db.executemany(_INSERT_CHUNK, plan.chunks)
+        return gone
+
     def rolled_up_until(self, gpu_key: GpuKey, tier: int) -> float | None:
         """How far ``tier`` is rolled up for this GPU (None: not yet)."""
         row = self._db.execute(
@@ -591,6 +712,13 @@ class ChunkSeriesStore:
             "FROM chunks GROUP BY tier"
         ).fetchall()
         have = {r[0]: r for r in rows}
+        count, n, size, oldest, newest = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(n), 0), COALESCE(SUM(LENGTH(data)), 0), MIN(t_min), MAX(t_max) "
+            "FROM host_chunks").fetchone()
+        if count:  # batches not split yet are raw samples too
+            _, c0, n0, s0, o0, w0 = have.get(RAW, (RAW, 0, 0, 0, None, None))
+            have[RAW] = (RAW, c0 + count, n0 + n, s0 + size, oldest if o0 is None else min(o0, oldest),
+                         newest if w0 is None else max(w0, newest))
         return [{"tier": TIER_NAMES[t], "chunks": have[t][1] if t in have else 0,
                  "rows": int(have[t][2]) if t in have else 0, "bytes": int(have[t][3]) if t in have else 0,
                  "oldest": have[t][4] if t in have else None, "newest": have[t][5] if t in have else None,

@@ -13,7 +13,7 @@ a batch is stored whole (samples, usage, batch id) or not at all. Opening the st
 migrations (``collector.migrations``).
 
 Several collectors may share one PostgreSQL ledger (or, for tests, one SQLite file), and any of them may take
-any host's batch. Each group commit claims its hosts in sorted order (``LedgerStore.claim_host``: the host's
+any host's batch. Each group commit claims its hosts in sorted order (``LedgerStore.claim_hosts``: a host's
 generation, bumped under its row lock, so two collectors never write one host at once and never deadlock).
 A generation other than the one this collector wrote last + 1 means another collector wrote the host since:
 its in-memory state of the host is dropped and restored from the ledger inside the same transaction, so the
@@ -42,6 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -132,22 +133,31 @@ class CompactStats:
     deleted_chunks: int = 0
     job_summaries: int = 0
     skipped: bool = False  # another collector was compacting the shared ledger
+    split_chunks: int = 0  # batches' host chunks split into their GPUs' chunks
 
 
 class _Pending:
-    """A batch waiting for a group commit, and its outcome."""
+    """A batch waiting for a group commit, and its outcome (``future``, once settled)."""
 
-    __slots__ = ("batch", "done", "result", "error", "accepted")
+    __slots__ = ("batch", "future", "result", "error", "accepted")
 
     def __init__(self, batch: Batch) -> None:
         self.batch = batch
-        self.done = threading.Event()
+        self.future: Future[IngestResult] = Future()
         self.result: IngestResult | None = None
         self.error: Exception | None = None
         self.accepted: list[GpuSample] = []
 
+    def settle(self) -> None:
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            assert self.result is not None
+            self.future.set_result(self.result)
+
 
 COMPACTION_STEP_S = 0.02  # about how long one compaction transaction holds the store's lock (ingest waits)
+HOST_SPLIT_CHUNKS = 64  # a host's batches' host chunks are split once this many (or half a window) wait (_compact)
 COMPACTION_CPU_SHARE = 0.15  # of one core, at most, for compaction's planning (it yields the GIL the rest)
 ROLLUP_EVERY_MINUTES = 10  # an active GPU's final minutes are rolled up this many at a time (see _compact)
 _STEP_BUFFER = 256  # planned compaction writes kept before they are applied (bounds memory: merged chunks)
@@ -227,6 +237,20 @@ def _database(target: Database | str | os.PathLike[str]) -> Database:
     return open_database(path)
 
 
+def _rounds(group: list[_Pending]) -> list[list[_Pending]]:
+    """A group's batches (sorted by host) in rounds of distinct hosts: a host's first batch in the first round,
+    its second (a resend, a spool's backlog) in the second, ...; a host's batches keep their order."""
+    rounds: list[list[_Pending]] = []
+    seen: dict[str, int] = {}
+    for it in group:
+        r = seen.get(it.batch.host, 0)
+        seen[it.batch.host] = r + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(it)
+    return rounds
+
+
 _RACE_RETRIES = 3  # a group rolled back by _BatchRaced is committed again at most this often
 
 
@@ -269,7 +293,7 @@ class Store:
         self._next_eviction = -math.inf
         self.max_gpus_per_host = max_gpus_per_host
         self._host_gpus: dict[str, int] = {}  # host in memory -> its GPUs (and MIG instances)
-        # host -> the generation this store last wrote it at (LedgerStore.claim_host); a host not here has no
+        # host -> the generation this store last wrote it at (LedgerStore.claim_hosts); a host not here has no
         # state in memory
         self._generation: dict[str, int] = {}
         self.retention = retention
@@ -278,8 +302,10 @@ class Store:
         self._clock = clock
         self._cache_limit = cache_limit
         self._lock = threading.RLock()
-        self._queue_lock = threading.Lock()
+        self._queue_ready = threading.Condition()
         self._queue: list[_Pending] = []  # batches handed in, waiting for the next group commit
+        self._committer: threading.Thread | None = None  # commits them (started by the first submit)
+        self._closing = False
         self._pending_jobs: set[str] = set()
         self._summary_sent: dict[str, float] = {}
         self._compactor: threading.Thread | None = None
@@ -346,8 +372,7 @@ class Store:
         """Claim each host a group writes, in sorted order (the one lock order of every collector: none waits for
         another in a cycle). A host another collector wrote since this one did is forgotten here, so
         ``_ensure_windows`` restores it from the ledger: it is locked now, nobody else can move it on."""
-        for host in sorted(hosts):
-            generation = self.ledger.claim_host(host)
+        for host, generation in sorted(self.ledger.claim_hosts(sorted(hosts)).items()):
             last = self._generation.get(host)
             if last != generation - 1:
                 if last is not None:  # only then is anything of the host in memory (see _generation)
@@ -377,10 +402,11 @@ class Store:
                 grows.add(host)
         watermark = GPU_TOTAL_FIELDS.index("watermark")
         now = self._clock()
-        for rows in load.values():
+        for host, rows in load.items():
+            floors = {gpu_key: totals[watermark] - self.agg.window_s for gpu_key, totals in rows}
+            windows = self.series_store.host_windows(host, floors)
             for gpu_key, totals in rows:
-                floor = totals[watermark] - self.agg.window_s
-                self.agg.restore_gpu(gpu_key, totals, segments=self.series_store.window(gpu_key, floor))
+                self.agg.restore_gpu(gpu_key, totals, segments=windows[gpu_key])
         for host in hosts:
             self._last_seen[host] = now
         for host in grows:  # only the batch's keys (a walk over every GPU in memory cost O(fleet) a batch)
@@ -411,27 +437,59 @@ class Store:
     def ingest(self, batch: Batch) -> IngestResult:
         """Store and aggregate a validated batch durably; idempotent per (host, agent_id, seq). Returns only
         after the commit that holds it. Raises BatchRefused (BatchConflict: a known key with other content;
-        TooManyGpus), StoreFull when the disk is full.
+        TooManyGpus), StoreFull when the disk is full, StoreUnavailable when the ledger cannot be reached."""
+        return self.submit(batch).result()
 
-        Group commit: callers on other threads hand their batches in; whoever takes the lock commits every
-        batch waiting at that moment in one transaction (one fsync) and wakes their callers. A batch that
-        fails on its own (a conflict) is answered alone; one that breaks the transaction sends the others of
-        its group through one at a time, so it never costs them their commit."""
+    def submit(self, batch: Batch) -> Future[IngestResult]:
+        """Hand a validated batch to the group commit; the future settles as :meth:`ingest` returns or raises.
+
+        Group commit: a committer thread takes every batch waiting and commits them in one transaction (one
+        fsync), then settles their futures; batches handed in meanwhile wait for the next one. A batch that fails
+        on its own (a conflict) is answered alone; one that breaks the transaction sends the others of its group
+        through one at a time, so it never costs them their commit."""
         item = _Pending(batch)
-        with self._queue_lock:
+        with self._queue_ready:
+            if self._closing:
+                raise StoreUnavailable(f"store {self.url} is closed")
             self._queue.append(item)
-        while not item.done.is_set():
-            with self._lock:
-                if item.done.is_set():
-                    break  # committed by the writer before us
-                with self._queue_lock:
-                    group, self._queue = self._queue, []
-                if group:
+            self._queue_ready.notify()
+            if self._committer is None:
+                self._committer = threading.Thread(target=self._commit_loop, name="store-commit", daemon=True)
+                self._committer.start()
+        return item.future
+
+    def ready_to_commit(self) -> bool:
+        """Whether a group commit would start now, without waiting for another process's (``Database.ready_to_write``:
+        the collector's workers on one SQLite file take turns); the calling thread's next one then goes ahead."""
+        return self._db.ready_to_write()
+
+    def ingest_group(self, batches: Sequence[Batch]) -> list[IngestResult | Exception]:
+        """Commit ``batches`` as one group on the calling thread, waiting for nothing else: each one's result, or
+        the exception :meth:`ingest` would raise for it. For a caller that gathers batches itself (the server's
+        event loop, on an embedded ledger: no thread hand-off per batch, no thread competing for the GIL)."""
+        group = [_Pending(b) for b in batches]
+        with self._lock:
+            self._commit_group(group)
+        return [it.result if it.error is None else it.error for it in group]  # type: ignore[misc]
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self._queue_ready:
+                while not self._queue and not self._closing:
+                    self._queue_ready.wait()
+                if not self._queue:
+                    return  # closing, and nothing left to commit
+            group: list[_Pending] = []
+            try:
+                with self._lock:  # then whatever waits by now: batches that came while compaction held the lock too
+                    with self._queue_ready:
+                        group, self._queue = self._queue, []
                     self._commit_group(group)
-        if item.error is not None:
-            raise item.error
-        assert item.result is not None
-        return item.result
+            except BaseException as exc:  # never leave a caller waiting (nor the thread dead without a word)
+                log.exception("group commit failed")
+                for it in group:
+                    if not it.future.done():
+                        it.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
 
     def _commit_group(self, group: list[_Pending], races: int = 0) -> None:
         """One transaction for every batch of ``group`` (called with the lock held); sets each one's outcome.
@@ -440,12 +498,8 @@ class Store:
         try:
             with self._db.transaction():
                 self._claim_hosts({it.batch.host for it in group})
-                for it in group:
-                    it.error = None
-                    try:
-                        it.result, it.accepted = self._add_batch(it.batch)
-                    except BatchRefused as exc:  # found before anything of it was written
-                        it.error = exc
+                for batches in _rounds(group):
+                    self._add_round(batches)
                 jobs = self._flush()
         except Exception as exc:
             # The in-memory aggregation already moved; put it back to what is committed (the GPUs' clusters are
@@ -468,7 +522,7 @@ class Store:
                 err = StoreUnavailable(str(exc))
             for it in group:
                 it.error, it.result = err, None
-                it.done.set()
+                it.settle()
             return
         try:
             if len(self.agg.usage) + len(self.agg.hours) > self._cache_limit:
@@ -483,43 +537,83 @@ class Store:
                 self._emit_summaries(force=False)
         finally:  # committed: each caller gets its answer whatever a sink does
             for it in group:
-                it.done.set()
+                it.settle()
 
-    def _add_batch(self, batch: Batch) -> tuple[IngestResult, list[GpuSample]]:
-        """Aggregate one batch and write its samples and key inside the group's transaction; returns its result
-        and (when there are sinks) its accepted samples as GpuSamples."""
-        seen = self.ledger.batch_seen(batch.host, batch.agent_id, batch.seq)
-        if seen is not None:
-            if seen and batch.digest and seen != batch.digest:
-                raise BatchConflict(f"batch agent_id={batch.agent_id!r} seq={batch.seq} of host {batch.host!r} "
-                                    "was stored before with different content; the first one stands "
-                                    "(an agent reusing sequence numbers lost its state)")
-            return IngestResult(0, duplicate_batch=True), []
+    def _add_round(self, group: list[_Pending]) -> None:
+        """Aggregate batches of distinct hosts and write their samples and keys inside the group's transaction;
+        sets each one's result and (when there are sinks) its accepted samples as GpuSamples, or its error
+        (BatchRefused: found before anything of it was written). Their series are folded together (one matrix
+        row a GPU: ``Aggregator.add_series``); hosts share no aggregation state, so this is what folding them one
+        batch after the other gives."""
+        live: list[_Pending] = []
+        seen = self.ledger.batches_seen_of([(it.batch.host, it.batch.agent_id, it.batch.seq) for it in group])
+        for it in group:
+            it.error = None
+            try:
+                if self._seen_before(it, seen):
+                    continue
+                rows = it.batch.rows
+                self._ensure_windows({(s.host, s.gpu_uuid, s.mig or "") for s in (*it.batch.series, *rows)})
+            except BatchRefused as exc:
+                it.error = exc
+                continue
+            live.append(it)
         # rows: GpuSamples or the fast path's structs with the same fields (no GpuSample built per sample);
-        # series are folded and packed a column at a time unless a GPU's samples must go one by one
-        rows = list(batch.rows)
-        self._ensure_windows({(s.host, s.gpu_uuid, s.mig or "") for s in (*batch.series, *rows)})
-        folded: list[Series]
-        if rows:  # both layouts in one batch (only through the Python API): all one by one
-            folded, rest = [], [r for s in batch.series for r in s.rows()]
-        else:
-            folded, rest = self.agg.add_series(list(batch.series))
-        counts, accepted = self.agg.add_many(rows + rest) if rows or rest else (AddCounts(), [])
-        self.series_store.write_samples(accepted)
-        self.series_store.write_series(folded)
-        cluster = batch.cluster
-        uuids = set(map(_UUID, rows))
-        uuids.update(map(_UUID, batch.series))
-        self.ledger.note_gpus(cluster, [(batch.host, u) for u in uuids])
-        if batch.jobs:
-            # an agent's job metadata is kept only for jobs whose samples came from its host
-            job_ids = {j for r in (*rows, *batch.series) for j in r.job_ids}
-            self.ledger.add_agent_jobs(batch.jobs, batch.host, cluster, job_ids)
-        n_accepted = counts.accepted + sum(s.n for s in folded)
-        if not self.ledger.record_batch(batch.host, batch.agent_id, batch.seq, batch.digest, self._clock(), n_accepted):
-            raise _BatchRaced(f"batch agent_id={batch.agent_id!r} seq={batch.seq} of host {batch.host!r}")
-        out = [as_sample(s) for s in accepted] + [r for s in folded for r in s.rows()] if self.sinks else []
-        return IngestResult(n_accepted, counts.duplicate, counts.too_late), out
+        # series are folded and packed a column at a time unless a GPU's samples must go one by one. A batch with
+        # both layouts (only through the Python API) goes one by one.
+        folded, rest = self.agg.add_series([s for it in live if not it.batch.rows for s in it.batch.series])
+        folded_by_host: dict[str, list[Series]] = {}
+        for s in folded:
+            folded_by_host.setdefault(s.host, []).append(s)
+        rest_by_host: dict[str, list[GpuSample]] = {}
+        for r in rest:
+            rest_by_host.setdefault(r.host, []).append(r)
+        for it in live:
+            batch = it.batch
+            rows = list(batch.rows)
+            if rows:
+                rows += [r for s in batch.series for r in s.rows()]
+            else:
+                rows = rest_by_host.get(batch.host, [])
+            mine = folded_by_host.get(batch.host, [])
+            # the agent's columns as one host chunk (compaction splits it into the GPUs' chunks); others a GPU each.
+            # Stored before the rest is folded: a GPU whose later series go sample by sample reads its window back.
+            self.series_store.write_host_series([s for s in mine if s.wire is not None])
+            self.series_store.write_series([s for s in mine if s.wire is None])
+            counts, accepted = self.agg.add_many(rows) if rows else (AddCounts(), [])
+            self.series_store.write_samples(accepted)
+            cluster = batch.cluster
+            uuids = set(map(_UUID, batch.rows))
+            uuids.update(map(_UUID, batch.series))
+            self.ledger.note_gpus(cluster, [(batch.host, u) for u in uuids])
+            if batch.jobs:
+                # an agent's job metadata is kept only for jobs whose samples came from its host
+                job_ids = {j for r in (*batch.rows, *batch.series) for j in r.job_ids}
+                self.ledger.add_agent_jobs(batch.jobs, batch.host, cluster, job_ids)
+            n_accepted = counts.accepted + sum(s.n for s in mine)
+            it.result = IngestResult(n_accepted, counts.duplicate, counts.too_late)
+            it.accepted = [as_sample(s) for s in accepted] + [r for s in mine for r in s.rows()] if self.sinks else []
+        now = self._clock()
+        keys = [(it.batch.host, it.batch.agent_id, it.batch.seq, it.batch.digest, now, it.result.accepted)
+                for it in live if it.result is not None]
+        if self.ledger.record_batches(keys) != len(keys):
+            raise _BatchRaced(f"a key of {len(keys)} batches of hosts {sorted({k[0] for k in keys})[:5]} was stored "
+                              "meanwhile")
+
+    @staticmethod
+    def _seen_before(it: _Pending, stored: Mapping[tuple[str, str, int], bytes]) -> bool:
+        """Whether the ledger holds the batch's key (``stored``: the round's keys found, with their digests; its
+        result is then set: a duplicate); BatchConflict when it holds it with other content."""
+        batch = it.batch
+        seen = stored.get((batch.host, batch.agent_id, batch.seq))
+        if seen is None:
+            return False
+        if seen and batch.digest and len(seen) == len(batch.digest) and seen != batch.digest:  # (same form)
+            raise BatchConflict(f"batch agent_id={batch.agent_id!r} seq={batch.seq} of host {batch.host!r} "
+                                "was stored before with different content; the first one stands "
+                                "(an agent reusing sequence numbers lost its state)")
+        it.result, it.accepted = IngestResult(0, duplicate_batch=True), []
+        return True
 
     def _flush(self) -> set[str]:
         """Write the dirty accumulators to the ledger; returns the job ids whose usage changed."""
@@ -565,8 +659,10 @@ class Store:
             return self.ledger.merge_jobs(records, before_store)
 
     # -- compaction: rollups, merging, retention ----------------------------------------------
-    def compact(self, now: float | None = None) -> CompactStats:
-        """Apply the tiers: roll up closed minutes and hours, merge small chunks, drop expired data.
+    def compact(self, now: float | None = None, all_host_chunks: bool = False) -> CompactStats:
+        """Apply the tiers: split batches' host chunks into their GPUs' chunks, roll up closed minutes and hours,
+        merge small chunks, drop expired data. A host's host chunks wait until they are many or reach half a window
+        behind its newest sample (``all_host_chunks``: split every one now, as an operator's compaction does).
 
         Idempotent. A pass plans from reads through a connection of its own (``Database.reader``), outside the
         store's lock, then writes in short transactions (about ``COMPACTION_STEP_S`` of work each, many GPUs'
@@ -578,15 +674,15 @@ class Store:
         now = self._clock() if now is None else now
         with self._db.try_lock(COMPACTION_LOCK) as mine:
             if mine:
-                return self._compact(now)
+                return self._compact(now, all_host_chunks)
         with self._lock:
             return CompactStats(job_summaries=self._emit_summaries(force=True), skipped=True)
 
-    def _compact(self, now: float) -> CompactStats:
+    def _compact(self, now: float, all_host_chunks: bool) -> CompactStats:
         # Every read goes through a connection of its own (Database.reader), outside the store's lock: planning
         # a pass reads every GPU's totals, groups every chunk and decodes what it rolls up or merges, which held
         # ingest's commits for as long. Only the planned writes take the lock, in short steps (_Steps).
-        counts = {"minutes": 0, "hours": 0, "merged": 0, "deleted": 0}
+        counts = {"minutes": 0, "hours": 0, "merged": 0, "deleted": 0, "split": 0}
 
         def rolled(gpu_key: GpuKey, minute: int, written: tuple[int, int]) -> None:
             self._rolled_to[gpu_key] = minute
@@ -605,6 +701,20 @@ class Store:
                 at = GPU_TOTAL_FIELDS.index("watermark")
                 watermarks = {gpu_key: totals[at] for gpu_key, totals in gpu_totals(rdb)}  # every stored GPU
             seen, self._watermarks = self._watermarks, watermarks
+            # Batches' host chunks become their GPUs' chunks first, a host's once they reach half a window behind
+            # its newest sample (or are many): its GPUs' chunks then hold many rows, and the minutes rolled up below
+            # (final: a window behind) are in them. (Raw reads see host chunks too, so this is only a matter of
+            # cost.) ``all_host_chunks``: every host's, now.
+            newest: dict[str, float] = {}
+            for (host, _, _), watermark in watermarks.items():
+                newest[host] = max(newest.get(host, -math.inf), watermark)
+            hosts = (reader.split_hosts() if all_host_chunks
+                     else reader.split_hosts(newest, self.agg.window_s / 2, HOST_SPLIT_CHUNKS))
+            for host in hosts:
+                for split in reader.plan_host_splits(host):
+                    steps.add(partial(self._chunks.apply_host_split, split), partial(add, "split"))
+                pace()
+            steps.flush()
             for gpu_key, watermark in sorted(watermarks.items()):
                 # minutes before (newest sample - window) can no longer receive a late sample: final
                 final_before = watermark - self.agg.window_s
@@ -639,10 +749,11 @@ class Store:
         with self._lock:
             self.ledger.prune_batches(now - self.dedupe_horizon_s)
             summaries = self._emit_summaries(force=True)
-        log.info("compaction: %d GPUs, %d minutes and %d hours rolled up, %d chunks merged away, %d expired, in %.1f s",
-                 len(watermarks), counts["minutes"], counts["hours"], counts["merged"], counts["deleted"],
-                 time.monotonic() - started)
-        return CompactStats(counts["minutes"], counts["hours"], counts["merged"], counts["deleted"], summaries)
+        log.info("compaction: %d host chunks split, %d GPUs, %d minutes and %d hours rolled up, %d chunks merged away, "
+                 "%d expired, in %.1f s", counts["split"], len(watermarks), counts["minutes"], counts["hours"],
+                 counts["merged"], counts["deleted"], time.monotonic() - started)
+        return CompactStats(counts["minutes"], counts["hours"], counts["merged"], counts["deleted"], summaries,
+                            split_chunks=counts["split"])
 
     @contextmanager
     def _compaction_step(self) -> Iterator[None]:
@@ -781,6 +892,11 @@ class Store:
 
     def close(self) -> None:
         self.stop_background()
+        with self._queue_ready:
+            self._closing = True
+            self._queue_ready.notify()
+        if self._committer is not None:
+            self._committer.join()  # after it committed what was handed in
         with self._lock:
             self._db.close()
 

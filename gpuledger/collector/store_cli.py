@@ -39,10 +39,11 @@ def compact(
     """Roll up closed minutes and hours, merge small chunks, drop data past retention (idempotent)."""
     store = _open(data_dir, config, ledger_url)
     try:
-        st = store.compact(now)
+        st = store.compact(now, all_host_chunks=True)
         store.checkpoint()
-        typer.echo(json.dumps({"rolled_minutes": st.rolled_minutes, "rolled_hours": st.rolled_hours,
-                               "merged_chunks": st.merged_chunks, "deleted_chunks": st.deleted_chunks,
+        typer.echo(json.dumps({"split_host_chunks": st.split_chunks, "rolled_minutes": st.rolled_minutes,
+                               "rolled_hours": st.rolled_hours, "merged_chunks": st.merged_chunks,
+                               "deleted_chunks": st.deleted_chunks,
                                "tiers": store.tiers(), "size_bytes": store.size_bytes()}, indent=2))
     finally:
         store.close()

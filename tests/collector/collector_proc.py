@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,29 +37,50 @@ def free_port() -> int:
 
 
 class CollectorProc:
+    """`collector serve` on ``port`` (0: the one it picks, then in ``url``); ``output()`` is what it wrote so far."""
+
     def __init__(self, data_dir: Path, port: int, *extra: str) -> None:
         self.data_dir, self.port, self.extra = data_dir, port, extra
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
 
     def start(self, timeout: float = 30.0) -> CollectorProc:
+        """Once it says it listens (every worker, with --workers) and answers /healthz."""
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.lines = []
         self.proc = subprocess.Popen(
             [sys.executable, "-u", "-m", "gpuledger.cli", "collector", "serve", "--data-dir", str(self.data_dir),
              "--port", str(self.port), *self.extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
+        # read all along: a collector writing to a full pipe would block
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"collector exited {self.proc.returncode}: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
+            listening = [line for line in self.lines if line.startswith("collector listening on ")]
+            if self.proc.poll() is not None and not listening:
+                self.proc.wait()
+                time.sleep(0.1)  # the reader's last lines
+                raise RuntimeError(f"collector exited {self.proc.returncode}: {self.output()}")
+            if listening:
+                self.url = listening[0].split("listening on ")[1].split(",")[0]
+                try:
+                    if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.05)
         self.kill()
-        raise RuntimeError("collector did not come up")
+        raise RuntimeError(f"collector did not come up: {self.output()}")
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

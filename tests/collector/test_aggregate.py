@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuledger.collector.aggregate import ACCEPTED, DUPLICATE, TOO_LATE, Aggregator, UsageAcc
@@ -750,26 +751,64 @@ def test_add_series_is_bit_exact(small_rows, seq, rnd, n_late):
         assert pair_fields(f.rows()[f.start :]) == pair_fields(g.samples[g.start :])
 
 
-def test_small_series_path_takes_clean_in_order_series_only():
+def test_matrix_fold_takes_clean_in_order_series_only():
     from gpuledger.collector.series import series_from_samples
 
-    def one(samples):
-        return [series_from_samples(samples)]
-
     gk = ("h1", "G0", "")
+
+    def one(samples):
+        return [(gk, series_from_samples(samples))]
+
     clean = [S(float(t), energy_joules=100.0 * t, power_watts=100.0, job_ids=("j",), model="H200") for t in range(10)]
     agg = Aggregator()
-    assert agg._fold_small(gk, one(clean))
+    assert agg._fold_columns(one(clean)) == [True]
     later = [S(s.ts + 10, energy_joules=s.energy_joules + 1000, power_watts=100.0, job_ids=("j",)) for s in clean]
-    assert agg._fold_small(gk, one(later))
+    assert agg._fold_columns(one(later)) == [True]
     assert agg.gpus[gk].observed_s == 19.0 and agg.gpus[gk].energy_j == 1900.0
     before = state(agg)
-    assert not agg._fold_small(gk, one(later))  # not after the watermark
+    assert agg._fold_columns(one(later)) == [False]  # not after the watermark
     gap = [S(s.ts + 1000, energy_joules=s.energy_joules + 1e5, job_ids=("j",)) for s in later]
-    assert not agg._fold_small(gk, one(gap))
+    assert agg._fold_columns(one(gap)) == [False]
     back = [S(s.ts + 10, energy_joules=s.energy_joules - 5000, job_ids=("j",)) for s in later]
-    assert not agg._fold_small(gk, one(back))
+    assert agg._fold_columns(one(back)) == [False]
     jump = [S(s.ts + 10, energy_joules=s.energy_joules + 1e6, job_ids=("j",)) for s in later]
-    assert not agg._fold_small(gk, one(jump))
+    assert agg._fold_columns(one(jump)) == [False]
     assert state(agg) == before  # a refused series changes nothing
-    assert not Aggregator(power_caps={"H200": 50.0})._fold_small(gk, one(clean))  # 100 W > 50 W cap
+    assert Aggregator(power_caps={"H200": 50.0})._fold_columns(one(clean)) == [False]  # 100 W > 50 W cap
+
+
+def test_matrix_fold_refuses_one_gpu_and_folds_the_others():
+    from gpuledger.collector.series import series_from_samples
+
+    agg = Aggregator()
+    first = [(("h1", f"G{g}", ""), series_from_samples([S(float(t), gpu=f"G{g}", energy_joules=100.0 * t,
+                                                           job_ids=("j",)) for t in range(10)])) for g in range(4)]
+    assert agg._fold_columns(first) == [True] * 4
+    bad = 2  # its counter steps back: the per-sample path's
+    second = [(gk, series_from_samples([S(float(t), gpu=gk[1], energy_joules=100.0 * t - (5000.0 if g == bad else 0.0),
+                                          job_ids=("j",)) for t in range(10, 20)])) for g, (gk, _) in enumerate(first)]
+    assert agg._fold_columns(second) == [True, True, False, True]
+    assert [agg.gpus[gk].watermark for gk, _ in first] == [19.0, 19.0, 9.0, 19.0]
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.data_too_large, HealthCheck.too_slow, HealthCheck.large_base_example])
+@given(st.lists(long_runs(), min_size=2, max_size=4), st.randoms(use_true_random=False))
+def test_many_gpus_in_one_call_are_bit_exact(runs, rnd):
+    """A group commit hands add_series many hosts' series at once: the matrices hold them all, each GPU as the
+    per-sample path would have it."""
+    fast, slow = Aggregator(power_caps=CAPS), Aggregator(power_caps=CAPS)
+    per_host = [[replace(s, host=f"h{i}") for s in run] for i, run in enumerate(runs)]
+    batches = [random_batches(seq, rnd, 0) for seq in per_host]
+    for k in range(max(map(len, batches))):
+        group = [s for b in batches if k < len(b) for s in b[k]]
+        series = [x for b in batches if k < len(b) for x in as_series(sorted(b[k], key=lambda s: (s.gpu_uuid, s.ts)))]
+        rnd.shuffle(series)
+        folded, rest = fast.add_series(series)
+        counts, _ = fast.add_many(rest)
+        results = [slow.add(s) for s in sorted(group, key=lambda s: s.ts)]
+        assert sum(x.n for x in folded) + counts.accepted == results.count(ACCEPTED)
+        assert fast.take_dirty() == slow.take_dirty()
+    assert {k: a.values() for k, a in fast.usage.items()} == {k: a.values() for k, a in slow.usage.items()}
+    assert {k: a.values() for k, a in fast.hours.items()} == {k: a.values() for k, a in slow.hours.items()}
+    assert {k: g.totals() for k, g in fast.gpus.items()} == {k: g.totals() for k, g in slow.gpus.items()}

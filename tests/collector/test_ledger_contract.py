@@ -17,7 +17,7 @@ from gpuledger.collector.db import open_database
 from gpuledger.collector.ledger_store import NO_DIGEST
 from gpuledger.collector.migrations import LATEST, LedgerTooNew, migrate, status
 from gpuledger.collector.store import BatchConflict, Store
-from gpuledger.collector.validate import Batch
+from gpuledger.collector.validate import Batch, content_digest
 from gpuledger.schema.records import GpuSample, JobRecord
 
 T0 = 1_699_999_200.0  # an hour boundary
@@ -126,13 +126,24 @@ def test_a_batch_is_stored_once_a_conflict_is_refused_and_old_keys_are_pruned(st
     with pytest.raises(BatchConflict):
         store.ingest(other)
     assert store.ledger.batch_seen("n1", "a", 1) == b"digest-1" and store.ledger.batch_seen("n1", "a", 2) is None
+    # a digest of an earlier form (16-byte BLAKE2b, before the tagged SHA-256 ones): not compared, a duplicate
+    legacy = Batch("a", 3, "n1", (mk(40, 4000.0),))
+    legacy.digest = bytes(16)
+    assert store.ingest(legacy).accepted == 1
+    resend = Batch("a", 3, "n1", (mk(50, 5000.0),))
+    resend.digest = content_digest(b"other content")
+    assert len(resend.digest) == 17 and store.ingest(resend).duplicate_batch
+    store.db.execute("DELETE FROM batch_keys WHERE seq=3")
     # keys of stores written before the host and digest were part of them: any content is a duplicate
     store.db.execute("INSERT INTO batches (agent_id, seq, received, samples) VALUES ('a', 7, ?, 1)", (T0 - 10,))
     assert store.ledger.batch_seen("n1", "a", 7) == NO_DIGEST
     assert store.ingest(Batch("a", 7, "n1", (mk(30, 3000.0),))).duplicate_batch
     with store.db.transaction():  # a key that is there already is not written again
-        assert not store.ledger.record_batch("n1", "a", 1, b"x", T0, 5)
-    assert store.batches_seen() == 2 and store.totals()["samples"] == 2
+        assert store.ledger.record_batches([("n1", "a", 1, b"x", T0, 5), ("n1", "a", 8, b"y", T0, 1)]) == 1
+    assert store.ledger.batches_seen_of([("n1", "a", 1), ("n1", "a", 8), ("n1", "a", 9)]) == {
+        ("n1", "a", 1): b"digest-1", ("n1", "a", 8): b"y"}
+    store.db.execute("DELETE FROM batch_keys WHERE seq=8")
+    assert store.batches_seen() == 2 and store.totals()["samples"] == 3
     assert store.ledger.prune_batches(T0) == 1 and store.batches_seen() == 1
     assert store.ledger.prune_batches(math.inf) == 1 and store.batches_seen() == 0
 
@@ -248,12 +259,12 @@ def test_floats_round_trip_to_the_last_bit(store):
 
 def test_hosts_generations_and_cluster_cache(store, ledger):
     with store.db.transaction():
-        assert [store.ledger.claim_host("n1") for _ in range(3)] == [1, 2, 3]
-        assert store.ledger.claim_host("n2") == 1
+        assert [store.ledger.claim_hosts(["n1"]) for _ in range(3)] == [{"n1": 1}, {"n1": 2}, {"n1": 3}]
+        assert store.ledger.claim_hosts(["n1", "n2"]) == {"n1": 4, "n2": 1}
     other = Store(ledger)  # another collector names a GPU's cluster
     try:
         with other.db.transaction():
-            assert other.ledger.claim_host("n1") == 4
+            assert other.ledger.claim_hosts(["n1"]) == {"n1": 5}
             other.ledger.note_gpus("c9", [("n1", "G0")])
     finally:
         other.close()

@@ -25,8 +25,12 @@ T0 = 1_700_000_000.0
 NOW = T0 + 10**6
 
 
-def stream(rnd: random.Random, gpus: int, n: int, step: float) -> list[GpuSample]:
+def stream(rnd: random.Random, gpus: int, n: int, step: float, complete: bool = False) -> list[GpuSample]:
+    """Samples of ``gpus`` GPUs (the fourth a MIG instance) with a gap, a counter reset, job changes and Xid errors;
+    ``complete``: no value missing (the agent's binary columns: its batches are stored as host chunks), else some
+    missing energy, HBM and memory readings (list columns: stored a chunk a GPU)."""
     out = []
+    maybe = (lambda v: v) if complete else (lambda v: rnd.choice([None, v]))
     for g in range(gpus):
         e = rnd.uniform(1e5, 1e7)
         for i in range(n):
@@ -35,9 +39,10 @@ def stream(rnd: random.Random, gpus: int, n: int, step: float) -> list[GpuSample
             job = ("7",) if i < n // 3 else (("8", "9") if g % 2 else ())
             out.append(GpuSample(
                 ts=ts, host="n1", gpu_uuid=f"G{g}", gpu_index=g, model="H200", mig="1.0" if g == 3 else None,
-                energy_joules=None if rnd.random() < 0.05 else e, power_watts=round(rnd.uniform(60, 700), 1),
-                sm_active_ratio=round(rnd.random(), 3), dram_bw_ratio=rnd.choice([None, round(rnd.random(), 3)]),
-                mem_used_bytes=rnd.choice([None, rnd.randrange(10**11)]), temp_celsius=float(rnd.randint(-5, 90)),
+                energy_joules=None if rnd.random() < 0.05 and not complete else e,
+                power_watts=round(rnd.uniform(60, 700), 1), sm_active_ratio=round(rnd.random(), 3),
+                dram_bw_ratio=maybe(round(rnd.random(), 3)), mem_used_bytes=maybe(rnd.randrange(10**11)),
+                temp_celsius=float(rnd.randint(-5, 90)),
                 job_ids=job, job_shares=(0.25, 0.75) if len(job) == 2 and g == 1 else (),
                 xid_errors=(79,) if rnd.random() < 0.02 else ()))
     return out
@@ -87,12 +92,14 @@ def cut(samples: list[GpuSample], rnd: random.Random, sizes: tuple[int, int], la
     return [b for b in out if b]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10**6), late=st.sampled_from([0.0, 0.0, 0.05]), restart=st.integers(0, 12),
-       fmt=st.sampled_from(["msgpack", "json"]))
-def test_series_layout_equals_row_layout(tmp_path_factory, seed, late, restart, fmt):
+       fmt=st.sampled_from(["msgpack", "json"]), complete=st.booleans())
+def test_series_layout_equals_row_layout(tmp_path_factory, seed, late, restart, fmt, complete):
+    """The agent's series layout stores and aggregates what the row layout does: before compaction (host chunks:
+    complete msgpack columns), after a background pass (some split), after an operator's (all split)."""
     rnd = random.Random(seed)
-    batches = cut(stream(rnd, gpus=4, n=rnd.randint(20, 160), step=rnd.choice([1.0, 10.0])), rnd,
+    batches = cut(stream(rnd, gpus=4, n=rnd.randint(20, 160), step=rnd.choice([1.0, 10.0]), complete=complete), rnd,
                   (1, 300), late)
     d = tmp_path_factory.mktemp("s")
     rows = ingest_all(Store(d / "rows.sqlite"), batches, "samples")
@@ -101,6 +108,9 @@ def test_series_layout_equals_row_layout(tmp_path_factory, seed, late, restart, 
     assert snapshot(cols) == snapshot(rows)
     rows.compact(now=NOW)
     cols.compact(now=NOW)
+    assert snapshot(cols) == snapshot(rows)
+    cols.compact(now=NOW, all_host_chunks=True)
+    assert cols.db.execute("SELECT COUNT(*) FROM host_chunks").fetchone()[0] == 0
     assert snapshot(cols) == snapshot(rows)
     rows.close()
     cols.close()
@@ -190,11 +200,51 @@ def test_compaction_merges_small_raw_chunks_and_leaves_large_ones(tmp_path):
                     energy_joules=1e6 + 100.0 * i, job_ids=("1",)) for i in range(1200)]
     store = Store(tmp_path / "s.sqlite")
     parts = [mk[:600], mk[600:610], mk[610:620], mk[620:630], mk[630:]]
-    for i, p in enumerate(parts):
-        store.ingest(parse_batch(body("a", i, p, "series", "msgpack"), "application/msgpack", h + 10**5))
+    for i, p in enumerate(parts):  # JSON: a chunk a GPU and batch (msgpack batches are host chunks, below)
+        store.ingest(parse_batch(body("a", i, p, "series", "json"), "application/json", h + 10**5))
     rows = lambda: sorted(n for (n,) in store._db.execute("SELECT n FROM chunks WHERE tier=0"))  # noqa: E731
     assert rows() == [10, 10, 10, 570, 600]
     stats = store.compact(now=h + 10**5)
     assert stats.merged_chunks >= 2 and rows() == [30, 570, 600]  # (rollup tiers merge too)
     assert store.series("n1", "G0", 0, 2e9) == mk
     store.close()
+
+
+def test_host_chunks_hold_batches_until_compaction_splits_them(tmp_path):
+    """An agent's msgpack batch is stored as one host chunk (every GPU of it): reads see it, a late sample reads
+    its window from it, a restarted store restores from it, and compaction splits it into the GPUs' chunks, one a
+    GPU and raw interval."""
+    h = 3600.0 * 472_223  # an hour boundary: the batches cross it
+    mk = [GpuSample(ts=h - 30 + i, host="n1", gpu_uuid=f"G{g}", gpu_index=g, power_watts=100.0 + i % 7,
+                    energy_joules=1e6 + 100.0 * i, sm_active_ratio=0.5, job_ids=("1",)) for i in range(60)
+          for g in range(2)]
+    path = tmp_path / "s.sqlite"
+    store = Store(path)
+    for k in range(3):
+        part = [s for s in mk if h - 30 + 20 * k <= s.ts < h - 10 + 20 * k]
+        store.ingest(parse_batch(body("a", k, part, "series", "msgpack"), "application/msgpack", h + 10**5))
+    count = lambda table: store._db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: E731
+    assert (count("host_chunks"), count("chunks")) == (3, 0)
+    for g in range(2):
+        assert store.series("n1", f"G{g}", 0, 2e9) == [s for s in mk if s.gpu_uuid == f"G{g}"]
+    assert store.tiers()[0]["rows"] == 120
+    store.close()
+    store = Store(path)  # restored from the host chunks when the host's next batch comes
+    late = GpuSample(ts=h - 30 + 5.5, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=100.0, job_ids=("1",))
+    assert store.ingest(parse_batch(body("a", 3, [late], "series", "msgpack"), "application/msgpack",
+                                    h + 10**5)).accepted == 1
+    ref = Store(tmp_path / "ref.sqlite")
+    ref.ingest(Batch("a", 0, "n1", tuple(sorted([*mk, late], key=lambda s: s.ts))))
+    usage = [u.to_dict() for u in ref.job_usage(per_gpu=True)]
+    assert [u.to_dict() for u in store.job_usage(per_gpu=True)] == usage
+    before = [store.series("n1", f"G{g}", 0, 2e9) for g in range(2)]
+    store.compact(now=h + 10**5)  # a minute of the host's batches: half a window (300 s) has not passed yet
+    assert count("host_chunks") == 3
+    store.compact(now=h + 10**5, all_host_chunks=True)
+    assert count("host_chunks") == 0
+    buckets = sorted(store._db.execute("SELECT gpu_uuid, bucket, n FROM chunks WHERE tier=0").fetchall())
+    assert buckets == [("G0", h - 3600, 31), ("G0", h, 30), ("G1", h - 3600, 30), ("G1", h, 30)]
+    assert [store.series("n1", f"G{g}", 0, 2e9) for g in range(2)] == before
+    assert [u.to_dict() for u in store.job_usage(per_gpu=True)] == usage
+    store.close()
+    ref.close()
