@@ -388,6 +388,16 @@ def _window_row(values: tuple) -> WindowRow:
     return tuple.__new__(WindowRow, values)
 
 
+def _fill(held: dict, keys: list, accs: list, load: Callable[[list], dict], new: Callable[[], object]) -> list:
+    """``accs`` (``held``'s accumulators of ``keys``, None where not in memory) with the missing ones loaded (one
+    call for them all) or new, and kept in ``held``."""
+    missing = [k for k, a in zip(keys, accs) if a is None]
+    loaded = load(missing)
+    for k in missing:
+        held[k] = loaded.get(k) or new()
+    return [held[k] if a is None else a for k, a in zip(keys, accs)]
+
+
 def _float_matrix(xs: list[Series], wires: list[dict[str, bytes]] | None, f: str, n: int) -> np.ndarray:
     """Field ``f`` of series of ``n`` rows each as a (series, row) float64 matrix, NaN where not reported: from
     the wire bytes when every series has them (``wires``: one join, one view), else from their arrays."""
@@ -531,7 +541,8 @@ def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
 class Aggregator:
     """In-memory streaming aggregation; the store persists what :meth:`take_dirty` names.
 
-    ``load_usage`` / ``load_hour`` fetch an accumulator that is not in memory (from the store), so
+    ``load_usage`` / ``load_hour`` fetch accumulators that are not in memory (from the store: a list of keys, a
+    dict of those it has), so
     memory holds only the window and what it touches; the defaults start every key from zero.
 
     ``load_window(gpu_key, floor)`` (the store's ``series_store.window``) returns a GPU's stored samples at or
@@ -547,8 +558,8 @@ class Aggregator:
         self,
         window_s: float = 600.0,
         max_gap_s: float = DEFAULT_MAX_GAP_S,
-        load_usage: Callable[[UsageKey], UsageAcc | None] | None = None,
-        load_hour: Callable[[HourKey], HourAcc | None] | None = None,
+        load_usage: Callable[[list[UsageKey]], dict[UsageKey, UsageAcc]] | None = None,
+        load_hour: Callable[[list[HourKey]], dict[HourKey, HourAcc]] | None = None,
         power_cap_w: float = DEFAULT_POWER_CAP_W,
         power_caps: Mapping[str, float] | None = None,
         load_window: Callable[[GpuKey, float], list[WindowSegment]] | None = None,
@@ -566,8 +577,8 @@ class Aggregator:
         self.power_caps = {str(k): float(v) for k, v in caps.items()}
         self._model_caps: dict[str, float] = {}
         self.gaps: dict[GapKey, tuple[float, tuple[str, ...]] | None] = {}  # dirty gap records; None: deleted
-        self._load_usage = load_usage or (lambda k: None)
-        self._load_hour = load_hour or (lambda k: None)
+        self._load_usage = load_usage or (lambda keys: {})
+        self._load_hour = load_hour or (lambda keys: {})
         self._load_window = load_window
         self.gpus: dict[GpuKey, GpuState] = {}
         self.usage: dict[UsageKey, UsageAcc] = {}
@@ -593,7 +604,7 @@ class Aggregator:
     def _usage(self, key: UsageKey) -> UsageAcc:
         acc = self.usage.get(key)
         if acc is None:
-            acc = self._load_usage(key) or UsageAcc()
+            acc = self._load_usage([key]).get(key) or UsageAcc()
             self.usage[key] = acc
         self.dirty_usage.add(key)
         return acc
@@ -601,16 +612,16 @@ class Aggregator:
     def _hour(self, key: HourKey) -> HourAcc:
         acc = self.hours.get(key)
         if acc is None:
-            acc = self._load_hour(key) or HourAcc()
+            acc = self._load_hour([key]).get(key) or HourAcc()
             self.hours[key] = acc
         self.dirty_hours.add(key)
         return acc
 
     def _usages(self, keys: list[UsageKey]) -> list[UsageAcc]:
-        """:meth:`_usage` of many keys (a lookup each, in C, but for those to load)."""
+        """:meth:`_usage` of many keys: a lookup each (in C), one load for all not in memory."""
         accs = list(map(self.usage.get, keys))
         if None in accs:
-            accs = [self._usage(k) if a is None else a for k, a in zip(keys, accs)]
+            accs = _fill(self.usage, keys, accs, self._load_usage, UsageAcc)
         self.dirty_usage.update(keys)
         return accs  # type: ignore[return-value]
 
@@ -618,7 +629,7 @@ class Aggregator:
         """:meth:`_hour` of many keys."""
         accs = list(map(self.hours.get, keys))
         if None in accs:
-            accs = [self._hour(k) if a is None else a for k, a in zip(keys, accs)]
+            accs = _fill(self.hours, keys, accs, self._load_hour, HourAcc)
         self.dirty_hours.update(keys)
         return accs  # type: ignore[return-value]
 

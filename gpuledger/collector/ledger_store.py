@@ -195,6 +195,8 @@ class LedgerStore(LedgerReader, Protocol):
     def jobs_by_id(self, job_ids: Sequence[str]) -> list[JobRecord]: ...
     def load_usage(self, key: UsageKey) -> UsageAcc | None: ...
     def load_hour(self, key: HourKey) -> HourAcc | None: ...
+    def load_usages(self, keys: Sequence[UsageKey]) -> dict[UsageKey, UsageAcc]: ...
+    def load_hours(self, keys: Sequence[HourKey]) -> dict[HourKey, HourAcc]: ...
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]: ...
     def host_gpu_totals(self, host: str) -> list[tuple[GpuKey, tuple]]: ...
     def write_aggregates(self, usage: Iterable[tuple[UsageKey, tuple]], gpus: Iterable[tuple[GpuKey, tuple]],
@@ -241,13 +243,14 @@ class SqlLedger:
         if not db.has_table("hosts") or needs_migration(db):
             raise RuntimeError(f"ledger {db.url}: tables missing or of an older schema; open it through the store, "
                                "which applies collector.migrations")
-        self._gpu_cluster: dict[tuple[str, str], str] = {}
+        self._gpu_cluster: dict[str, dict[str, str]] = {}  # host -> GPU uuid -> cluster (note_gpus)
         self.reload_clusters()
 
     def reload_clusters(self) -> None:
         """Re-read the GPUs' clusters (after a rolled-back ingest: :meth:`note_gpus` caches what it writes)."""
-        rows = self._db.execute("SELECT host, gpu_uuid, cluster FROM gpu_clusters")
-        self._gpu_cluster = {(h, g): c for h, g, c in rows}
+        self._gpu_cluster = {}
+        for h, g, c in self._db.execute("SELECT host, gpu_uuid, cluster FROM gpu_clusters"):
+            self._gpu_cluster.setdefault(h, {})[g] = c
 
     # -- hosts: which collector wrote a host last -----------------------------------------------
     def claim_hosts(self, hosts: Sequence[str]) -> dict[str, int]:
@@ -269,10 +272,8 @@ class SqlLedger:
 
     def forget_host(self, host: str) -> None:
         """Re-read ``host``'s GPUs' clusters (another collector may have named them since they were cached)."""
-        for key in [k for k in self._gpu_cluster if k[0] == host]:
-            del self._gpu_cluster[key]
-        for uuid, cluster in self._db.execute("SELECT gpu_uuid, cluster FROM gpu_clusters WHERE host=?", (host,)):
-            self._gpu_cluster[(host, uuid)] = cluster
+        self._gpu_cluster[host] = dict(self._db.execute("SELECT gpu_uuid, cluster FROM gpu_clusters WHERE host=?",
+                                                        (host,)).fetchall())
 
     # -- batches ------------------------------------------------------------------------------
     # A batch's key is (host, agent_id, seq): the host is the one its token is bound to, so one node cannot
@@ -331,21 +332,22 @@ class SqlLedger:
         written. A GPU's first named cluster sticks (a GPU is in one cluster); a name given later for a GPU
         first seen unnamed ("") renames its usage rows."""
         for host, uuid in gpus:
-            known = self._gpu_cluster.get((host, uuid))
+            clusters = self._gpu_cluster.setdefault(host, {})
+            known = clusters.get(uuid)
             if known == cluster or (known is not None and known != "" and cluster == ""):
                 continue
             if known:
                 log.warning("GPU %s/%s is in cluster %r; its agent now names %r (kept %r)", host, uuid, known,
                             cluster, known)
                 continue
-            self._gpu_cluster[(host, uuid)] = cluster
+            clusters[uuid] = cluster
             self._db.execute(_GPU_CLUSTER_UPSERT, (host, uuid, cluster))
             if known == "":
                 self._db.execute("UPDATE usage SET cluster=? WHERE cluster='' AND host=? AND (gpu=? OR gpu LIKE ?)",
                                  (cluster, host, uuid, uuid + "/%"))
 
     def _cluster_of(self, host: str, gpu: str) -> str:
-        return self._gpu_cluster.get((host, gpu.partition("/")[0]), "")
+        return self._gpu_cluster.get(host, {}).get(gpu.partition("/")[0], "")
 
     # -- jobs ---------------------------------------------------------------------------------
     def add_agent_jobs(self, records: Iterable[JobRecord], host: str, cluster: str,
@@ -470,17 +472,37 @@ class SqlLedger:
 
     # -- aggregates ---------------------------------------------------------------------------
     def load_usage(self, key: UsageKey) -> UsageAcc | None:
-        job_id, host, gpu = key
-        row = self._db.execute(
-            f"SELECT {', '.join(USAGE_FIELDS)} FROM usage WHERE cluster=? AND job_id=? AND host=? AND gpu=?",
-            (self._cluster_of(host, gpu), job_id, host, gpu)).fetchone()
-        return UsageAcc.from_values(row) if row else None
+        return self.load_usages([key]).get(key)
 
     def load_hour(self, key: HourKey) -> HourAcc | None:
-        row = self._db.execute(
-            f"SELECT {', '.join(HOUR_FIELDS)} FROM gpu_hours WHERE host=? AND gpu_uuid=? AND mig=? AND hour=?", key
-        ).fetchone()
-        return HourAcc.from_values(row) if row else None
+        return self.load_hours([key]).get(key)
+
+    def load_usages(self, keys: Sequence[UsageKey]) -> dict[UsageKey, UsageAcc]:
+        """The stored accumulators of these (job, host, GPU) keys (those not stored are left out)."""
+        out: dict[UsageKey, UsageAcc] = {}
+        step = _IN_CLAUSE_LIMIT // 4
+        for at in range(0, len(keys), step):
+            part = keys[at:at + step]
+            rows = self._db.execute(
+                f"WITH k (c, j, h, g) AS (VALUES {','.join(['(?,?,?,?)'] * len(part))}) SELECT u.job_id, u.host, "
+                f"u.gpu, {', '.join('u.' + f for f in USAGE_FIELDS)} FROM k JOIN usage u ON u.cluster = k.c AND "
+                "u.job_id = k.j AND u.host = k.h AND u.gpu = k.g",
+                [x for job, host, gpu in part for x in (self._cluster_of(host, gpu), job, host, gpu)]).fetchall()
+            out.update(((r[0], r[1], r[2]), UsageAcc.from_values(r[3:])) for r in rows)
+        return out
+
+    def load_hours(self, keys: Sequence[HourKey]) -> dict[HourKey, HourAcc]:
+        """The stored accumulators of these (host, GPU uuid, MIG, hour) keys (those not stored are left out)."""
+        out: dict[HourKey, HourAcc] = {}
+        step = _IN_CLAUSE_LIMIT // 4
+        for at in range(0, len(keys), step):
+            part = keys[at:at + step]
+            rows = self._db.execute(
+                f"WITH k (h, u, m, t) AS (VALUES {','.join(['(?,?,?,?)'] * len(part))}) SELECT b.host, b.gpu_uuid, "
+                f"b.mig, b.hour, {', '.join('b.' + f for f in HOUR_FIELDS)} FROM k JOIN gpu_hours b ON b.host = k.h "
+                "AND b.gpu_uuid = k.u AND b.mig = k.m AND b.hour = k.t", [x for key in part for x in key]).fetchall()
+            out.update(((r[0], r[1], r[2], r[3]), HourAcc.from_values(r[4:])) for r in rows)
+        return out
 
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]:
         """Every GPU's running totals (``GPU_TOTAL_FIELDS``), from which the aggregation restarts."""

@@ -35,7 +35,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -129,8 +129,8 @@ class OutboxSeriesStore:
     def window(self, gpu_key: GpuKey, floor: float) -> list[WindowSegment]:
         return self.inner.window(gpu_key, floor)
 
-    def host_windows(self, host: str, floors: Mapping[GpuKey, float]) -> dict[GpuKey, list[WindowSegment]]:
-        return self.inner.host_windows(host, floors)
+    def newest(self, host: str, gpu_keys: Iterable[GpuKey]) -> dict[GpuKey, list[WindowSegment]]:
+        return self.inner.newest(host, gpu_keys)
 
     def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]:
         return self.inner.roll_up(gpu_key, final_before)

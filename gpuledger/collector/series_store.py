@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Protocol
@@ -196,7 +196,7 @@ class SeriesStore(SeriesReader, Protocol):
     def write_series(self, series: list[Series]) -> None: ...
     def write_host_series(self, series: list[Series]) -> None: ...
     def window(self, gpu_key: GpuKey, floor: float) -> list[WindowSegment]: ...
-    def host_windows(self, host: str, floors: Mapping[GpuKey, float]) -> dict[GpuKey, list[WindowSegment]]: ...
+    def newest(self, host: str, gpu_keys: Iterable[GpuKey]) -> dict[GpuKey, list[WindowSegment]]: ...
     def roll_up(self, gpu_key: GpuKey, final_before: float) -> tuple[int, int]: ...
     def mergeable_groups(self, tier: int, now: float) -> list[MergeGroup]: ...
     def merge(self, group: MergeGroup) -> int: ...
@@ -362,10 +362,32 @@ class ChunkSeriesStore:
         every GPU's window)."""
         return self._window(gpu_key, floor, self._host_parts(gpu_key[0]).get(gpu_key, []))
 
-    def host_windows(self, host: str, floors: Mapping[GpuKey, float]) -> dict[GpuKey, list[WindowSegment]]:
-        """:meth:`window` of several GPUs of one host (each host chunk decoded once: a restore reads them all)."""
+    def newest(self, host: str, gpu_keys: Iterable[GpuKey]) -> dict[GpuKey, list[WindowSegment]]:
+        """Each of these GPUs' (one host's) newest stored sample as a window of one row, [] where none is stored:
+        what a GPU restored into the aggregation keeps in memory (the start of its next interval; a late sample
+        reads the rest of its window back, ``window``). Read from the GPU's newest chunk (the one ending last in its
+        newest interval) and its host's host chunks (each decoded once for all the host's GPUs)."""
         parts = self._host_parts(host)
-        return {gpu_key: self._window(gpu_key, floor, parts.get(gpu_key, [])) for gpu_key, floor in floors.items()}
+        out: dict[GpuKey, list[WindowSegment]] = {}
+        for gpu_key in gpu_keys:
+            row = self._db.execute(
+                "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? ORDER BY bucket DESC, "
+                "t_max DESC LIMIT 1", gpu_key).fetchone()
+            best: tuple[float, int, np.ndarray, dict[str, np.ndarray], _Columns] | None = None
+            for n, columns in [*([decode_columns(row[0])] if row else []), *parts.get(gpu_key, [])]:
+                ts, vals = columns_as_floats(n, columns, PAIR_FLOATS)
+                i = int(ts.argmax())
+                if best is None or ts[i] > best[0]:
+                    best = (float(ts[i]), i, ts, vals, (n, columns))
+            if best is None:
+                out[gpu_key] = []
+                continue
+            _, i, ts, vals, (n, columns) = best
+            ids = column_list(n, columns["job_ids"])[i] if "job_ids" in columns else ()
+            shares = column_list(n, columns["job_shares"])[i] if "job_shares" in columns else ()
+            out[gpu_key] = [WindowSegment(ts[i:i + 1], {f: v[i:i + 1] for f, v in vals.items()}, tuple(ids or ()),
+                                          tuple(shares or ()))]
+        return out
 
     def _window(self, gpu_key: GpuKey, floor: float, host_parts: list[_Columns]) -> list[WindowSegment]:
         """:meth:`window` from the GPU's own chunks and its parts of the host chunks (all of them: recent)."""

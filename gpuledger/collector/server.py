@@ -2,13 +2,15 @@
 
 One thread runs the event loop and every connection on it: an idle keep-alive connection costs a file
 descriptor and a few KiB, not a thread, so a fleet of thousands of nodes can each hold one. Blocking work
-never runs on the loop: the endpoints (they read the store under its lock, render /metrics, write the
-audit log) run in a bounded thread pool, and ``store.ingest``, which waits for the group commit that makes
-a batch durable, in a pool with a thread for each of the ``max_inflight`` ingest slots.
+runs on the loop only where it costs less than a hand-off to a thread: the endpoints (they read the store under its
+lock, render /metrics, write the audit log) run in a bounded thread pool; a large or compressed body is
+validated in a small parser pool, an agent's usual small one on the loop; a batch is made durable in a group
+commit of every batch waiting, which the loop runs itself on an embedded (SQLite) ledger and the store's
+committer thread on PostgreSQL (``_ingest``). ``max_inflight`` ingest slots bound the batches held at once.
 
 Bad input always gets a 4xx with ``{"error": ...}`` naming the problem; an unexpected failure in one
 request gets a 500 for that request only and the server keeps serving. A batch is answered 2xx only
-after ``store.ingest`` has committed it durably. Routes live in one table (``ROUTES``) that the OpenAPI
+once the group commit that holds it is durable. Routes live in one table (``ROUTES``) that the OpenAPI
 document is checked against.
 """
 

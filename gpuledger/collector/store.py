@@ -137,18 +137,21 @@ class CompactStats:
 
 
 class _Pending:
-    """A batch waiting for a group commit, and its outcome (``future``, once settled)."""
+    """A batch waiting for a group commit, and its outcome (``future``, once settled: a batch handed to ``submit``;
+    ``ingest_group`` reads ``result`` and ``error`` instead)."""
 
     __slots__ = ("batch", "future", "result", "error", "accepted")
 
-    def __init__(self, batch: Batch) -> None:
+    def __init__(self, batch: Batch, future: Future[IngestResult] | None = None) -> None:
         self.batch = batch
-        self.future: Future[IngestResult] = Future()
+        self.future = future
         self.result: IngestResult | None = None
         self.error: Exception | None = None
         self.accepted: list[GpuSample] = []
 
     def settle(self) -> None:
+        if self.future is None:
+            return
         if self.error is not None:
             self.future.set_exception(self.error)
         else:
@@ -327,7 +330,7 @@ class Store:
                 raise StoreUnavailable(str(exc)) from exc
             raise
         # load_window: a GPU's window stays in the series store, only its newest sample in memory (bounded memory)
-        self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usage, load_hour=self.ledger.load_hour,
+        self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usages, load_hour=self.ledger.load_hours,
                               power_cap_w=power_cap_w, power_caps=power_caps, load_window=self.series_store.window)
         self._restore()
 
@@ -383,10 +386,11 @@ class Store:
             self._generation[host] = generation
 
     def _ensure_windows(self, gpu_keys: set[tuple]) -> None:
-        """Restore every stored GPU of the hosts in ``gpu_keys`` not in memory (their windows: recent samples plus
-        the one before, and totals). A host's GPUs come back together: the aggregation's rules may join a GPU
-        and its MIG instances. TooManyGpus (before anything changes) when new GPUs would take a host over
-        ``max_gpus_per_host``."""
+        """Restore every stored GPU of the hosts in ``gpu_keys`` not in memory: its totals and its newest sample, where
+        its next interval starts (the aggregation keeps no more of a GPU between batches; a late sample reads the rest
+        of its window back, ``Aggregator(load_window=...)``). A host's GPUs come back together: the aggregation's
+        rules may join a GPU and its MIG instances. TooManyGpus (before anything changes) when new GPUs would take a
+        host over ``max_gpus_per_host``."""
         hosts = {k[0] for k in gpu_keys}
         load = {h: self.ledger.host_gpu_totals(h) for h in hosts if h not in self._last_seen}
         grows: set[str] = set()  # hosts whose count of GPUs in memory may change with this batch
@@ -400,13 +404,11 @@ class Store:
                                   f"pass the limit of {self.max_gpus_per_host}")
             if new or stored is not None:
                 grows.add(host)
-        watermark = GPU_TOTAL_FIELDS.index("watermark")
         now = self._clock()
         for host, rows in load.items():
-            floors = {gpu_key: totals[watermark] - self.agg.window_s for gpu_key, totals in rows}
-            windows = self.series_store.host_windows(host, floors)
+            newest = self.series_store.newest(host, [gpu_key for gpu_key, _ in rows])
             for gpu_key, totals in rows:
-                self.agg.restore_gpu(gpu_key, totals, segments=windows[gpu_key])
+                self.agg.restore_gpu(gpu_key, totals, segments=newest[gpu_key])
         for host in hosts:
             self._last_seen[host] = now
         for host in grows:  # only the batch's keys (a walk over every GPU in memory cost O(fleet) a batch)
@@ -447,7 +449,7 @@ class Store:
         fsync), then settles their futures; batches handed in meanwhile wait for the next one. A batch that fails
         on its own (a conflict) is answered alone; one that breaks the transaction sends the others of its group
         through one at a time, so it never costs them their commit."""
-        item = _Pending(batch)
+        item = _Pending(batch, Future())
         with self._queue_ready:
             if self._closing:
                 raise StoreUnavailable(f"store {self.url} is closed")
@@ -456,6 +458,7 @@ class Store:
             if self._committer is None:
                 self._committer = threading.Thread(target=self._commit_loop, name="store-commit", daemon=True)
                 self._committer.start()
+        assert item.future is not None
         return item.future
 
     def ready_to_commit(self) -> bool:
@@ -488,7 +491,7 @@ class Store:
             except BaseException as exc:  # never leave a caller waiting (nor the thread dead without a word)
                 log.exception("group commit failed")
                 for it in group:
-                    if not it.future.done():
+                    if it.future is not None and not it.future.done():
                         it.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
 
     def _commit_group(self, group: list[_Pending], races: int = 0) -> None:

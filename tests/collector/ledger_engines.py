@@ -25,7 +25,8 @@ def allow_inserts(store, table: str) -> None:
 
 def commit_counter(store) -> Callable[[], int]:
     """A function giving how many write transactions the store's database committed since this call (SQLite: its
-    COMMIT statements; PostgreSQL: transaction ids assigned, one per writing transaction)."""
+    COMMIT statements; PostgreSQL: transaction ids assigned, one per writing transaction, in a cluster run without
+    autovacuum, whose ANALYZE takes ids too: tests.servers.PostgresServer)."""
     if store.db.dialect == "sqlite":
         commits: list[str] = []
         store.db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
