@@ -479,29 +479,29 @@ class SqlLedger:
 
     def load_usages(self, keys: Sequence[UsageKey]) -> dict[UsageKey, UsageAcc]:
         """The stored accumulators of these (job, host, GPU) keys (those not stored are left out)."""
-        out: dict[UsageKey, UsageAcc] = {}
-        step = _IN_CLAUSE_LIMIT // 4
-        for at in range(0, len(keys), step):
-            part = keys[at:at + step]
-            rows = self._db.execute(
-                f"WITH k (c, j, h, g) AS (VALUES {','.join(['(?,?,?,?)'] * len(part))}) SELECT u.job_id, u.host, "
-                f"u.gpu, {', '.join('u.' + f for f in USAGE_FIELDS)} FROM k JOIN usage u ON u.cluster = k.c AND "
-                "u.job_id = k.j AND u.host = k.h AND u.gpu = k.g",
-                [x for job, host, gpu in part for x in (self._cluster_of(host, gpu), job, host, gpu)]).fetchall()
-            out.update(((r[0], r[1], r[2]), UsageAcc.from_values(r[3:])) for r in rows)
-        return out
+        rows = self._stored("usage", ("cluster", "job_id", "host", "gpu"), USAGE_FIELDS,
+                            [(self._cluster_of(host, gpu), job, host, gpu) for job, host, gpu in keys])
+        return {(r[1], r[2], r[3]): UsageAcc.from_values(r[4:]) for r in rows}
 
     def load_hours(self, keys: Sequence[HourKey]) -> dict[HourKey, HourAcc]:
         """The stored accumulators of these (host, GPU uuid, MIG, hour) keys (those not stored are left out)."""
-        out: dict[HourKey, HourAcc] = {}
-        step = _IN_CLAUSE_LIMIT // 4
+        rows = self._stored("gpu_hours", ("host", "gpu_uuid", "mig", "hour"), HOUR_FIELDS, list(keys))
+        return {(r[0], r[1], r[2], r[3]): HourAcc.from_values(r[4:]) for r in rows}
+
+    def _stored(self, table: str, columns: tuple[str, ...], fields: Sequence[str], keys: list[tuple]) -> list[tuple]:
+        """The rows of ``table`` whose ``columns`` equal one of ``keys``: each those columns, then ``fields`` (a
+        query for each _IN_CLAUSE_LIMIT values, the keys joined as a VALUES list)."""
+        width = len(columns)
+        names = ", ".join(f"k{i}" for i in range(width))
+        on = " AND ".join(f"t.{c} = k.k{i}" for i, c in enumerate(columns))
+        select = ", ".join(f"t.{c}" for c in (*columns, *fields))
+        row = f"({','.join('?' * width)})"
+        out: list[tuple] = []
+        step = _IN_CLAUSE_LIMIT // width
         for at in range(0, len(keys), step):
             part = keys[at:at + step]
-            rows = self._db.execute(
-                f"WITH k (h, u, m, t) AS (VALUES {','.join(['(?,?,?,?)'] * len(part))}) SELECT b.host, b.gpu_uuid, "
-                f"b.mig, b.hour, {', '.join('b.' + f for f in HOUR_FIELDS)} FROM k JOIN gpu_hours b ON b.host = k.h "
-                "AND b.gpu_uuid = k.u AND b.mig = k.m AND b.hour = k.t", [x for key in part for x in key]).fetchall()
-            out.update(((r[0], r[1], r[2], r[3]), HourAcc.from_values(r[4:])) for r in rows)
+            out += self._db.execute(f"WITH k ({names}) AS (VALUES {','.join([row] * len(part))}) SELECT {select} "
+                                    f"FROM k JOIN {table} t ON {on}", [x for key in part for x in key]).fetchall()
         return out
 
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]:

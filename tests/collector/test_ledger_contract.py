@@ -257,6 +257,38 @@ def test_floats_round_trip_to_the_last_bit(store):
     assert store.job_usage(per_gpu=True)[0].cluster == "c1"
 
 
+def test_accumulators_load_many_keys_at_once_under_their_gpus_clusters(store):
+    """``load_usages`` / ``load_hours`` (what a batch's new keys are loaded with): more keys than one query takes,
+    some never stored (left out), usage rows found under their GPU's cluster; each as ``load_usage`` reads it."""
+    gpus = [(f"n{h}", f"G{g}") for h in (1, 2) for g in range(100)]
+    usage_keys = [(str(j), host, uuid) for host, uuid in gpus for j in range(2)]  # 400: over one query's 125
+    hour_keys = [(host, uuid, "", T0 + 3600.0 * k) for host, uuid in gpus for k in range(2)]
+    with store.db.transaction():
+        for host in ("n1", "n2"):
+            store.ledger.note_gpus(CLUSTER[host], [g for g in gpus if g[0] == host])
+        usage_rows = []
+        for i, key in enumerate(usage_keys):
+            acc = UsageAcc()
+            acc.samples, acc.energy_j, acc.model = i + 1, i * 0.25, "H200"
+            usage_rows.append((key, acc.values()))
+        hour_rows = []
+        for i, key in enumerate(hour_keys):
+            acc = HourAcc()
+            acc.samples, acc.energy_j = i + 1, i * 0.5
+            hour_rows.append((key, acc.values()))
+        store.ledger.write_aggregates(usage_rows, [], hour_rows)
+    missing_usage = [("9", "n1", "G0"), ("0", "n3", "G0"), ("0", "n1", "G100")]
+    missing_hours = [("n1", "G0", "", T0 - 3600.0), ("n1", "G0", "1g.10gb", T0), ("n3", "G0", "", T0)]
+    loaded = store.ledger.load_usages(usage_keys[::-1] + missing_usage)
+    assert set(loaded) == set(usage_keys)
+    assert {k: a.values() for k, a in loaded.items()} == dict(usage_rows)
+    assert all(loaded[k].values() == store.ledger.load_usage(k).values() for k in usage_keys[:3])
+    hours = store.ledger.load_hours(missing_hours + hour_keys)
+    assert {k: a.values() for k, a in hours.items()} == dict(hour_rows)
+    assert store.ledger.load_usages([]) == {} and store.ledger.load_hours(missing_hours) == {}
+    assert {u.cluster for u in store.job_usage(per_gpu=True) if u.host == "n2"} == {"c2"}
+
+
 def test_hosts_generations_and_cluster_cache(store, ledger):
     with store.db.transaction():
         assert [store.ledger.claim_hosts(["n1"]) for _ in range(3)] == [{"n1": 1}, {"n1": 2}, {"n1": 3}]
