@@ -388,14 +388,18 @@ def _window_row(values: tuple) -> WindowRow:
     return tuple.__new__(WindowRow, values)
 
 
-def _fill(held: dict, keys: list, accs: list, load: Callable[[list], dict], new: Callable[[], object]) -> list:
-    """``accs`` (``held``'s accumulators of ``keys``, None where not in memory) with the missing ones loaded (one
-    call for them all) or new, and kept in ``held``."""
-    missing = [k for k, a in zip(keys, accs) if a is None]
-    loaded = load(missing)
-    for k in missing:
-        held[k] = loaded.get(k) or new()
-    return [held[k] if a is None else a for k, a in zip(keys, accs)]
+def _accumulators(held: dict, dirty: set, keys: list, load: Callable[[list], dict], new: Callable[[], object]) -> list:
+    """``held``'s accumulators of ``keys`` (a lookup each, in C), those not in memory loaded (one call for them all)
+    or new and kept in ``held``; every key marked ``dirty``."""
+    accs = list(map(held.get, keys))
+    if None in accs:
+        missing = [k for k, a in zip(keys, accs) if a is None]
+        loaded = load(missing)
+        for k in missing:
+            held[k] = loaded.get(k) or new()
+        accs = [held[k] if a is None else a for k, a in zip(keys, accs)]
+    dirty.update(keys)
+    return accs
 
 
 def _float_matrix(xs: list[Series], wires: list[dict[str, bytes]] | None, f: str, n: int) -> np.ndarray:
@@ -618,20 +622,12 @@ class Aggregator:
         return acc
 
     def _usages(self, keys: list[UsageKey]) -> list[UsageAcc]:
-        """:meth:`_usage` of many keys: a lookup each (in C), one load for all not in memory."""
-        accs = list(map(self.usage.get, keys))
-        if None in accs:
-            accs = _fill(self.usage, keys, accs, self._load_usage, UsageAcc)
-        self.dirty_usage.update(keys)
-        return accs  # type: ignore[return-value]
+        """:meth:`_usage` of many keys: one load for all not in memory."""
+        return _accumulators(self.usage, self.dirty_usage, keys, self._load_usage, UsageAcc)
 
     def _hours(self, keys: list[HourKey]) -> list[HourAcc]:
         """:meth:`_hour` of many keys."""
-        accs = list(map(self.hours.get, keys))
-        if None in accs:
-            accs = _fill(self.hours, keys, accs, self._load_hour, HourAcc)
-        self.dirty_hours.update(keys)
-        return accs  # type: ignore[return-value]
+        return _accumulators(self.hours, self.dirty_hours, keys, self._load_hour, HourAcc)
 
     def _pair_energy(self, g: GpuState, prev: GpuSample, cur: GpuSample, dt: float, gap: bool) -> tuple[float, int]:
         """(joules, anomalies) of the interval (prev, cur]: the trusted counter delta, else the capped power

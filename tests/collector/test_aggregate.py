@@ -726,6 +726,21 @@ def pair_fields(rows) -> list[tuple]:
     ]
 
 
+def fold_both(fast: Aggregator, slow: Aggregator, series: list, samples: list) -> None:
+    """One batch: ``series`` through add_series (what it leaves through add_many) into ``fast``, its ``samples``
+    one by one through add() into ``slow``; both accept as many and dirty the same keys."""
+    folded, rest = fast.add_series(series)
+    counts, _ = fast.add_many(rest)
+    results = [slow.add(s) for s in sorted(samples, key=lambda s: s.ts)]
+    assert sum(x.n for x in folded) + counts.accepted == results.count(ACCEPTED)
+    assert fast.take_dirty() == slow.take_dirty()
+
+
+def assert_same_sums(fast: Aggregator, slow: Aggregator) -> None:
+    assert {k: a.values() for k, a in fast.usage.items()} == {k: a.values() for k, a in slow.usage.items()}
+    assert {k: a.values() for k, a in fast.hours.items()} == {k: a.values() for k, a in slow.hours.items()}
+
+
 @pytest.mark.parametrize("small_rows", [0, 64, 10**9], ids=["columnar", "by-size", "plain-python"])
 @settings(max_examples=100, deadline=None)
 @given(long_runs(), st.randoms(use_true_random=False), st.integers(0, 4))
@@ -737,13 +752,8 @@ def test_add_series_is_bit_exact(small_rows, seq, rnd, n_late):
     for b in batches:
         series = as_series(sorted(b, key=lambda s: (s.gpu_uuid, s.ts)))
         rnd.shuffle(series)  # a batch's series in any order
-        folded, rest = fast.add_series(series)
-        counts, _ = fast.add_many(rest)
-        results = [slow.add(s) for s in sorted(b, key=lambda s: s.ts)]
-        assert sum(x.n for x in folded) + counts.accepted == results.count(ACCEPTED)
-        assert fast.take_dirty() == slow.take_dirty()
-    assert {k: a.values() for k, a in fast.usage.items()} == {k: a.values() for k, a in slow.usage.items()}
-    assert {k: a.values() for k, a in fast.hours.items()} == {k: a.values() for k, a in slow.hours.items()}
+        fold_both(fast, slow, series, b)
+    assert_same_sums(fast, slow)
     for k, g in slow.gpus.items():
         f = fast.gpus[k]
         assert f.totals() == g.totals()
@@ -804,11 +814,6 @@ def test_many_gpus_in_one_call_are_bit_exact(runs, rnd):
         group = [s for b in batches if k < len(b) for s in b[k]]
         series = [x for b in batches if k < len(b) for x in as_series(sorted(b[k], key=lambda s: (s.gpu_uuid, s.ts)))]
         rnd.shuffle(series)
-        folded, rest = fast.add_series(series)
-        counts, _ = fast.add_many(rest)
-        results = [slow.add(s) for s in sorted(group, key=lambda s: s.ts)]
-        assert sum(x.n for x in folded) + counts.accepted == results.count(ACCEPTED)
-        assert fast.take_dirty() == slow.take_dirty()
-    assert {k: a.values() for k, a in fast.usage.items()} == {k: a.values() for k, a in slow.usage.items()}
-    assert {k: a.values() for k, a in fast.hours.items()} == {k: a.values() for k, a in slow.hours.items()}
+        fold_both(fast, slow, series, group)
+    assert_same_sums(fast, slow)
     assert {k: g.totals() for k, g in fast.gpus.items()} == {k: g.totals() for k, g in slow.gpus.items()}
