@@ -193,8 +193,6 @@ class LedgerStore(LedgerReader, Protocol):
     def put_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> int: ...
     def merge_jobs(self, records: Iterable[JobRecord], before_store: BeforeStore | None = None) -> list[JobRecord]: ...
     def jobs_by_id(self, job_ids: Sequence[str]) -> list[JobRecord]: ...
-    def load_usage(self, key: UsageKey) -> UsageAcc | None: ...
-    def load_hour(self, key: HourKey) -> HourAcc | None: ...
     def load_usages(self, keys: Sequence[UsageKey]) -> dict[UsageKey, UsageAcc]: ...
     def load_hours(self, keys: Sequence[HourKey]) -> dict[HourKey, HourAcc]: ...
     def gpu_totals(self) -> list[tuple[GpuKey, tuple]]: ...
@@ -214,7 +212,6 @@ _GPU_UPSERT = upsert("gpus", (*_GPU_KEY, *GPU_TOTAL_FIELDS), _GPU_KEY)
 _HOUR_KEY = ("host", "gpu_uuid", "mig", "hour")
 _HOUR_UPSERT = upsert("gpu_hours", (*_HOUR_KEY, *HOUR_FIELDS), _HOUR_KEY)
 _GAP_KEY = ("host", "gpu_uuid", "mig", "start", "end")
-
 _GAP_UPSERT = upsert("energy_gaps", (*_GAP_KEY, "energy_j", "jobs"), _GAP_KEY)
 
 
@@ -471,12 +468,6 @@ class SqlLedger:
         return authoritative(out)
 
     # -- aggregates ---------------------------------------------------------------------------
-    def load_usage(self, key: UsageKey) -> UsageAcc | None:
-        return self.load_usages([key]).get(key)
-
-    def load_hour(self, key: HourKey) -> HourAcc | None:
-        return self.load_hours([key]).get(key)
-
     def load_usages(self, keys: Sequence[UsageKey]) -> dict[UsageKey, UsageAcc]:
         """The stored accumulators of these (job, host, GPU) keys (those not stored are left out)."""
         rows = self._stored("usage", ("cluster", "job_id", "host", "gpu"), USAGE_FIELDS,

@@ -243,11 +243,11 @@ def test_floats_round_trip_to_the_last_bit(store):
         store.ledger.write_aggregates([(("1", "n1", "G0"), usage.values())], [(("n1", "G0", ""), totals)],
                                       [(("n1", "G0", "", hour), hours.values())])
         store.ledger.write_gaps({("n1", "G0", "", tricky[7], tricky[8]): (tricky[1], ("1",))})
-    back = store.ledger.load_usage(("1", "n1", "G0"))
+    back = store.ledger.load_usages([("1", "n1", "G0")]).get(("1", "n1", "G0"))
     assert back is not None and [type(v) for v in back.values()] == [type(v) for v in usage.values()]
     assert [bits(v) if isinstance(v, float) else v for v in back.values()] == \
            [bits(v) if isinstance(v, float) else v for v in usage.values()]
-    got_hour = store.ledger.load_hour(("n1", "G0", "", hour))
+    got_hour = store.ledger.load_hours([("n1", "G0", "", hour)]).get(("n1", "G0", "", hour))
     assert got_hour is not None and list(map(bits, got_hour.values()[:4])) == list(map(bits, hours.values()[:4]))
     assert got_hour.values()[4:] == hours.values()[4:]
     assert store.ledger.host_gpu_totals("n1") == store.ledger.gpu_totals() == [(("n1", "G0", ""), totals)]
@@ -259,7 +259,7 @@ def test_floats_round_trip_to_the_last_bit(store):
 
 def test_accumulators_load_many_keys_at_once_under_their_gpus_clusters(store):
     """``load_usages`` / ``load_hours`` (what a batch's new keys are loaded with): more keys than one query takes,
-    some never stored (left out), usage rows found under their GPU's cluster; each as ``load_usage`` reads it."""
+    some never stored (left out), usage rows found under their GPU's cluster; each as loaded alone."""
     gpus = [(f"n{h}", f"G{g}") for h in (1, 2) for g in range(100)]
     usage_keys = [(str(j), host, uuid) for host, uuid in gpus for j in range(2)]  # 400: over one query's 125
     hour_keys = [(host, uuid, "", T0 + 3600.0 * k) for host, uuid in gpus for k in range(2)]
@@ -282,7 +282,7 @@ def test_accumulators_load_many_keys_at_once_under_their_gpus_clusters(store):
     loaded = store.ledger.load_usages(usage_keys[::-1] + missing_usage)
     assert set(loaded) == set(usage_keys)
     assert {k: a.values() for k, a in loaded.items()} == dict(usage_rows)
-    assert all(loaded[k].values() == store.ledger.load_usage(k).values() for k in usage_keys[:3])
+    assert all(loaded[k].values() == store.ledger.load_usages([k])[k].values() for k in usage_keys[:3])
     hours = store.ledger.load_hours(missing_hours + hour_keys)
     assert {k: a.values() for k, a in hours.items()} == dict(hour_rows)
     assert store.ledger.load_usages([]) == {} and store.ledger.load_hours(missing_hours) == {}

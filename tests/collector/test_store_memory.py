@@ -73,13 +73,13 @@ def as_batch(seq: int, samples: list[GpuSample], layout: str) -> Batch:
 def assert_ledger_is(store: Store, ref: Aggregator) -> None:
     """The store's ledger rows equal the reference's accumulators exactly (floats bit for bit)."""
     led = store.ledger
+    usage = led.load_usages(list(ref.usage))
     for key, acc in ref.usage.items():
-        stored = led.load_usage(key)
-        assert stored is not None and stored.values() == acc.values(), key
+        assert key in usage and usage[key].values() == acc.values(), key
     assert dict(led.gpu_totals()) == {k: g.totals() for k, g in ref.gpus.items()}
+    hours = led.load_hours(list(ref.hours))
     for key, hour in ref.hours.items():
-        stored_hour = led.load_hour(key)
-        assert stored_hour is not None and stored_hour.values() == hour.values(), key
+        assert key in hours and hours[key].values() == hour.values(), key
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
