@@ -102,7 +102,7 @@ CREATE INDEX IF NOT EXISTS batch_keys_by_received ON batch_keys (received);
 # ``batches`` is the key of stores written before the host and the content digest were part of it: still
 # consulted (by agent id and seq, as then) until the dedupe horizon has pruned it empty.
 HOSTS_TABLE = "CREATE TABLE IF NOT EXISTS hosts (host TEXT PRIMARY KEY, generation INTEGER NOT NULL)"
-NO_DIGEST = b""  # what batch_seen returns for a batch stored without a digest (it matches any content)
+NO_DIGEST = b""  # what batches_seen_of gives for a batch stored without a digest (it matches any content)
 
 
 def needs_migration(db: Database) -> bool:
@@ -295,10 +295,6 @@ class SqlLedger:
                 old = {(a, int(s)) for a, s in legacy}
                 out.update((k, NO_DIGEST) for k in part if (k[1], k[2]) in old and k not in out)
         return out
-
-    def batch_seen(self, host: str, agent_id: str, seq: int) -> bytes | None:
-        """None for a new batch, else the stored content digest (NO_DIGEST when none was stored)."""
-        return self.batches_seen_of([(host, agent_id, seq)]).get((host, agent_id, seq))
 
     def record_batches(self, batches: Sequence[tuple[str, str, int, bytes | None, float, int]]) -> int:
         """Record batch keys (host, agent_id, seq, digest, received, samples); returns how many were new (a key

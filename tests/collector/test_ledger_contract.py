@@ -125,7 +125,7 @@ def test_a_batch_is_stored_once_a_conflict_is_refused_and_old_keys_are_pruned(st
     other.digest = b"digest-2"
     with pytest.raises(BatchConflict):
         store.ingest(other)
-    assert store.ledger.batch_seen("n1", "a", 1) == b"digest-1" and store.ledger.batch_seen("n1", "a", 2) is None
+    assert store.ledger.batches_seen_of([("n1", "a", 1), ("n1", "a", 2)]) == {("n1", "a", 1): b"digest-1"}
     # a digest of an earlier form (16-byte BLAKE2b, before the tagged SHA-256 ones): not compared, a duplicate
     legacy = Batch("a", 3, "n1", (mk(40, 4000.0),))
     legacy.digest = bytes(16)
@@ -136,7 +136,7 @@ def test_a_batch_is_stored_once_a_conflict_is_refused_and_old_keys_are_pruned(st
     store.db.execute("DELETE FROM batch_keys WHERE seq=3")
     # keys of stores written before the host and digest were part of them: any content is a duplicate
     store.db.execute("INSERT INTO batches (agent_id, seq, received, samples) VALUES ('a', 7, ?, 1)", (T0 - 10,))
-    assert store.ledger.batch_seen("n1", "a", 7) == NO_DIGEST
+    assert store.ledger.batches_seen_of([("n1", "a", 7)]) == {("n1", "a", 7): NO_DIGEST}
     assert store.ingest(Batch("a", 7, "n1", (mk(30, 3000.0),))).duplicate_batch
     with store.db.transaction():  # a key that is there already is not written again
         assert store.ledger.record_batches([("n1", "a", 1, b"x", T0, 5), ("n1", "a", 8, b"y", T0, 1)]) == 1
