@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 SQLITE, POSTGRESQL = "sqlite", "postgresql"
+MAX_LIST_VALUES = 500  # values bound in one statement's IN (...) or VALUES list: well under SQLite's limit
 
 
 class DatabaseUnavailable(Exception):

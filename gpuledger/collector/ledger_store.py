@@ -39,7 +39,7 @@ from dataclasses import fields, replace
 from typing import Any, Protocol
 
 from gpuledger.collector.aggregate import GapKey, GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
-from gpuledger.collector.db import Database, upsert
+from gpuledger.collector.db import MAX_LIST_VALUES, Database, upsert
 from gpuledger.schema.records import JobRecord, JobUsage
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 USAGE_FIELDS = UsageAcc.FIELDS
 HOUR_FIELDS = HourAcc.FIELDS
 GPU_TOTAL_FIELDS = GpuState.TOTAL_FIELDS
-_IN_CLAUSE_LIMIT = 500  # ids per "IN (...)" query, well under SQLite's parameter limit
 SLURM, AGENT = "slurm", "agent"  # sources of a job record
 BeforeStore = Callable[[list[JobRecord]], object]  # sees the merged records a write will store, before it does
 
@@ -259,8 +258,8 @@ class SqlLedger:
         result with the generation it wrote last + 1: anything else means another collector wrote the host in
         between, and what it keeps in memory of the host is stale (:meth:`forget_host`)."""
         out: dict[str, int] = {}
-        for at in range(0, len(hosts), _IN_CLAUSE_LIMIT):
-            part = hosts[at:at + _IN_CLAUSE_LIMIT]
+        for at in range(0, len(hosts), MAX_LIST_VALUES):
+            part = hosts[at:at + MAX_LIST_VALUES]
             rows = self._db.execute(
                 f"INSERT INTO hosts (host, generation) VALUES {','.join(['(?, 1)'] * len(part))} ON CONFLICT (host) "
                 "DO UPDATE SET generation = hosts.generation + 1 RETURNING host, generation", part).fetchall()
@@ -279,7 +278,7 @@ class SqlLedger:
         """Of these batch keys (host, agent_id, seq), the ones stored, with their content digests (NO_DIGEST where
         none was stored)."""
         out: dict[tuple[str, str, int], bytes] = {}
-        step = _IN_CLAUSE_LIMIT // 3
+        step = MAX_LIST_VALUES // 3
         for at in range(0, len(keys), step):
             part = keys[at:at + step]
             # the keys as a table joined to the index (a row-value IN list is a scan of the whole table in SQLite)
@@ -301,7 +300,7 @@ class SqlLedger:
         stored meanwhile by another collector is not written again: the caller's transaction must not commit that
         batch a second time)."""
         new = 0
-        step = _IN_CLAUSE_LIMIT // 6
+        step = MAX_LIST_VALUES // 6
         for at in range(0, len(batches), step):
             part = batches[at:at + step]
             new += len(self._db.execute(
@@ -457,8 +456,8 @@ class SqlLedger:
 
     def jobs_by_id(self, job_ids: Sequence[str]) -> list[JobRecord]:
         out: list[tuple[JobRecord, str]] = []
-        for i in range(0, len(job_ids), _IN_CLAUSE_LIMIT):
-            part = job_ids[i:i + _IN_CLAUSE_LIMIT]
+        for i in range(0, len(job_ids), MAX_LIST_VALUES):
+            part = job_ids[i:i + MAX_LIST_VALUES]
             out += [(_record(r[0]), r[1]) for r in self._db.execute(
                 f"SELECT data, source FROM jobs WHERE job_id IN ({','.join('?' * len(part))})", part)]
         return authoritative(out)
@@ -477,14 +476,14 @@ class SqlLedger:
 
     def _stored(self, table: str, columns: tuple[str, ...], fields: Sequence[str], keys: list[tuple]) -> list[tuple]:
         """The rows of ``table`` whose ``columns`` equal one of ``keys``: each those columns, then ``fields`` (a
-        query for each _IN_CLAUSE_LIMIT values, the keys joined as a VALUES list)."""
+        query for each MAX_LIST_VALUES values, the keys joined as a VALUES list)."""
         width = len(columns)
         names = ", ".join(f"k{i}" for i in range(width))
         on = " AND ".join(f"t.{c} = k.k{i}" for i, c in enumerate(columns))
         select = ", ".join(f"t.{c}" for c in (*columns, *fields))
         row = f"({','.join('?' * width)})"
         out: list[tuple] = []
-        step = _IN_CLAUSE_LIMIT // width
+        step = MAX_LIST_VALUES // width
         for at in range(0, len(keys), step):
             part = keys[at:at + step]
             out += self._db.execute(f"WITH k ({names}) AS (VALUES {','.join([row] * len(part))}) SELECT {select} "

@@ -50,7 +50,7 @@ from gpuledger.collector.chunks import (
     samples_of,
     series_columns,
 )
-from gpuledger.collector.db import Database, upsert
+from gpuledger.collector.db import MAX_LIST_VALUES, Database, upsert
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.schema.records import GpuSample
@@ -62,7 +62,6 @@ RESOLUTION = {RAW: 0.0, MINUTE: 60.0, HOUR: 3600.0}
 MERGE_OPEN_AT = 64  # an open interval's batch chunks are merged once there are this many (see mergeable_groups)
 MERGE_MAX_ROWS = 512  # raw chunks this large are not merged (see mergeable_groups)
 OPEN_MERGE_MAX_ROWS = LIGHT_MAX_ROWS  # an open interval merges only chunks this small (batches as they came)
-_IN_LIMIT = 500  # ids per "IN (...)", well under SQLite's parameter limit
 _Columns = tuple[int, dict[str, tuple[str, Any, np.ndarray | None]]]  # a decoded chunk: rows, columns
 _sample_time = operator.attrgetter("ts")
 _sample_gpu = operator.attrgetter("host", "gpu_uuid", "mig")
@@ -472,8 +471,8 @@ class ChunkSeriesStore:
 
     def _plan_split(self, host: str, ids: list[int]) -> SplitPlan:
         by_gpu: dict[GpuKey, list[HostPart]] = {}
-        for at in range(0, len(ids), _IN_LIMIT):
-            chunk_ids = ids[at:at + _IN_LIMIT]
+        for at in range(0, len(ids), MAX_LIST_VALUES):
+            chunk_ids = ids[at:at + MAX_LIST_VALUES]
             for (data,) in self._db.execute(
                     f"SELECT data FROM host_chunks WHERE id IN ({','.join('?' * len(chunk_ids))}) ORDER BY t_min, id",
                     chunk_ids).fetchall():
@@ -499,8 +498,8 @@ class ChunkSeriesStore:
         """Replace a plan's host chunks by the GPUs' chunks (inside the caller's transaction); returns how many
         host chunks went."""
         gone = 0
-        for at in range(0, len(plan.ids), _IN_LIMIT):
-            part = plan.ids[at:at + _IN_LIMIT]
+        for at in range(0, len(plan.ids), MAX_LIST_VALUES):
+            part = plan.ids[at:at + MAX_LIST_VALUES]
             gone += self._db.execute(f"DELETE FROM host_chunks WHERE id IN ({','.join('?' * len(part))})",
                                      part).rowcount
         if gone != len(plan.ids):
