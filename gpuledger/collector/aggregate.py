@@ -135,6 +135,13 @@ class UsageAcc:
         self.dram_sum, self.dram_w, self.tensor_sum, self.tensor_w = dram_sum, dram_w, tensor_sum, tensor_w
         self.occ_sum, self.occ_w = occ_sum, occ_w
 
+    def raise_peaks(self, mem_peak: int | None, power_peak: float | None) -> None:
+        """Keep the larger of each peak and the one seen (the first of equals; None: not reported)."""
+        if mem_peak is not None and (self.mem_peak is None or mem_peak > self.mem_peak):
+            self.mem_peak = mem_peak
+        if power_peak is not None and (self.power_peak is None or power_peak > self.power_peak):
+            self.power_peak = power_peak
+
     @classmethod
     def from_values(cls, values: Iterable) -> UsageAcc:
         acc = cls()
@@ -745,10 +752,7 @@ class Aggregator:
                 acc.last_ts = s.ts
                 if s.model:
                     acc.model = s.model
-            if s.mem_used_bytes is not None and (acc.mem_peak is None or s.mem_used_bytes > acc.mem_peak):
-                acc.mem_peak = s.mem_used_bytes
-            if s.power_watts is not None and (acc.power_peak is None or s.power_watts > acc.power_peak):
-                acc.power_peak = s.power_watts
+            acc.raise_peaks(s.mem_used_bytes, s.power_watts)
 
     # -- ingest -------------------------------------------------------------------------------
     def add(self, s: GpuSample) -> str:
@@ -1136,10 +1140,7 @@ class Aggregator:
                         acc.last_ts = t1
                         if model:
                             acc.model = model
-                    if mem_peak is not None and (acc.mem_peak is None or mem_peak > acc.mem_peak):
-                        acc.mem_peak = mem_peak
-                    if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
-                        acc.power_peak = power_peak
+                    acc.raise_peaks(mem_peak, power_peak)
                 at += n_jobs
             g.watermark = lasts[j]
             if trim:  # the store has the window: keep the newest row only (see _trim)
@@ -1301,10 +1302,7 @@ class Aggregator:
                 model = _last_model(models[newer:])
                 if model:
                     acc.model = model
-            if mem_peak is not None and (acc.mem_peak is None or mem_peak > acc.mem_peak):
-                acc.mem_peak = mem_peak
-            if power_peak is not None and (acc.power_peak is None or power_peak > acc.power_peak):
-                acc.power_peak = power_peak
+            acc.raise_peaks(mem_peak, power_peak)
 
     def _evict(self, g: GpuState) -> None:
         # Keep every sample inside the window plus one before it (the "anchor"), which is the prev
@@ -1453,10 +1451,7 @@ def merge(accs: Iterable[UsageAcc]) -> UsageAcc:
         for f in ("samples", "alloc_s", "sm_s", "energy_j", "sm_sum", "sm_w", "dram_sum", "dram_w",
                   "tensor_sum", "tensor_w", "occ_sum", "occ_w", "gap_s"):
             setattr(out, f, getattr(out, f) + getattr(a, f))
-        if a.mem_peak is not None and (out.mem_peak is None or a.mem_peak > out.mem_peak):
-            out.mem_peak = a.mem_peak
-        if a.power_peak is not None and (out.power_peak is None or a.power_peak > out.power_peak):
-            out.power_peak = a.power_peak
+        out.raise_peaks(a.mem_peak, a.power_peak)
         if a.model and a.last_ts >= latest:
             out.model, latest = a.model, a.last_ts
     return out
