@@ -162,8 +162,15 @@ def listening(pid: int, port: int) -> bool:
         fields = line.split()
         if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
             inodes.add(fields[9])
+    sockets = {f"socket:[{i}]" for i in inodes}
     fds = Path(f"/proc/{pid}/fd")
-    return any(os.readlink(fds / fd) in {f"socket:[{i}]" for i in inodes} for fd in os.listdir(fds))
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(fds / fd) in sockets:
+                return True
+        except FileNotFoundError:  # a starting worker closes files between the listdir and the readlink
+            continue
+    return False
 
 
 @pytest.fixture(scope="module")
