@@ -142,7 +142,12 @@ def scrape(url: str) -> str:
 
 
 def workers_of(supervisor: int) -> list[int]:
-    return [p for p in children(supervisor) if b"gpuledger.collector.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:  # a child that exited since children() listed it
+            return b""
+    return [p for p in children(supervisor) if b"gpuledger.collector.worker" in cmdline(p)]
 
 
 def per_worker_batches(data_dir: Path, pids: list[int]) -> dict[int, float]:
