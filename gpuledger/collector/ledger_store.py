@@ -277,22 +277,11 @@ class SqlLedger:
     def batches_seen_of(self, keys: Sequence[tuple[str, str, int]]) -> dict[tuple[str, str, int], bytes]:
         """Of these batch keys (host, agent_id, seq), the ones stored, with their content digests (NO_DIGEST where
         none was stored)."""
-        out: dict[tuple[str, str, int], bytes] = {}
-        step = MAX_LIST_VALUES // 3
-        for at in range(0, len(keys), step):
-            part = keys[at:at + step]
-            # the keys as a table joined to the index (a row-value IN list is a scan of the whole table in SQLite)
-            rows = self._db.execute(
-                f"WITH k (h, a, s) AS (VALUES {','.join(['(?,?,?)'] * len(part))}) SELECT b.host, b.agent_id, b.seq, "
-                "b.digest FROM k JOIN batch_keys b ON b.host = k.h AND b.agent_id = k.a AND b.seq = k.s",
-                [x for k in part for x in k]).fetchall()
-            out.update(((h, a, int(s)), bytes(d) if d else NO_DIGEST) for h, a, s, d in rows)
-            legacy = self._db.execute(
-                f"WITH k (a, s) AS (VALUES {','.join(['(?,?)'] * len(part))}) SELECT b.agent_id, b.seq FROM k "
-                "JOIN batches b ON b.agent_id = k.a AND b.seq = k.s", [x for k in part for x in k[1:]]).fetchall()
-            if legacy:
-                old = {(a, int(s)) for a, s in legacy}
-                out.update((k, NO_DIGEST) for k in part if (k[1], k[2]) in old and k not in out)
+        out = {(h, a, int(s)): bytes(d) if d else NO_DIGEST
+               for h, a, s, d in self._stored("batch_keys", ("host", "agent_id", "seq"), ("digest",), list(keys))}
+        legacy = {(a, int(s)) for a, s in self._stored("batches", ("agent_id", "seq"), (), [k[1:] for k in keys])}
+        if legacy:
+            out.update((k, NO_DIGEST) for k in keys if (k[1], k[2]) in legacy and k not in out)
         return out
 
     def record_batches(self, batches: Sequence[tuple[str, str, int, bytes | None, float, int]]) -> int:
@@ -476,7 +465,8 @@ class SqlLedger:
 
     def _stored(self, table: str, columns: tuple[str, ...], fields: Sequence[str], keys: list[tuple]) -> list[tuple]:
         """The rows of ``table`` whose ``columns`` equal one of ``keys``: each those columns, then ``fields`` (a
-        query for each MAX_LIST_VALUES values, the keys joined as a VALUES list)."""
+        query for each MAX_LIST_VALUES values, the keys a VALUES table joined to the key's index: a row-value IN list
+        is a scan of the whole table in SQLite)."""
         width = len(columns)
         names = ", ".join(f"k{i}" for i in range(width))
         on = " AND ".join(f"t.{c} = k.k{i}" for i, c in enumerate(columns))
