@@ -256,6 +256,10 @@ class GpuState:
             return last.ts, math.nan if last.energy_joules is None else last.energy_joules
         return None
 
+    def keep_newest(self, ts: float, row: WindowRow) -> None:
+        """Hold only the newest sample (``row``, at ``ts``): the rest of the window is in the store (``partial``)."""
+        self.ts, self.samples, self.pending, self.start, self.partial = [ts], [row], [], 0, True
+
     def rows(self) -> list:
         """The window as objects (``ts`` aligned), turning pending columns into rows."""
         if self.pending:
@@ -345,23 +349,6 @@ class _SeqSums:
                 setattr(o, a, v)
 
 
-def _present(col: np.ndarray | None) -> list | None:
-    """A float column as a list with None where absent (NaN), or None when the field was never reported."""
-    if col is None:
-        return None
-    vals = col.tolist()
-    total = sum(vals)  # NaN if any value is: one C loop instead of a test per value
-    return [None if v != v else v for v in vals] if total != total else vals
-
-
-def _last(col: np.ndarray | None) -> float | None:
-    """A float column's last value, None where absent (NaN or never reported)."""
-    if col is None:
-        return None
-    v = float(col[-1])
-    return None if v != v else v
-
-
 _NAN = np.float64(np.nan).tobytes()
 _GPU_SUMS = attrgetter("observed_s", "energy_j")
 _HOUR_PHYSICAL = attrgetter("observed_s", "energy_j")
@@ -426,15 +413,17 @@ def _mem_peaks(xs: list[Series], wires: list[dict[str, bytes]] | None, n: int) -
             return np.frombuffer(raw, dtype="<i8").reshape(len(wires), n).max(axis=1).tolist()
         return [None if (col := w.get("mem_used_bytes")) is None else int(np.frombuffer(col, dtype="<i8").max())
                 for w in wires]
-    out: list[int | None] = []
-    for x in xs:
-        if "mem_used_bytes" not in x.ints:
-            out.append(None)
-            continue
-        v, m = x.ints["mem_used_bytes"]
-        mem = (v if m is None else v[m]).tolist()
-        out.append(max(mem) if mem else None)
-    return out
+    return [_series_mem_peak(x) for x in xs]
+
+
+def _series_mem_peak(x: Series) -> int | None:
+    """A series' largest memory reading, None when it reported none."""
+    if "mem_used_bytes" not in x.ints:
+        return None
+    v, m = x.ints["mem_used_bytes"]
+    if m is not None:
+        v = v[m]
+    return int(v.max()) if v.size else None
 
 
 def _last_model(models: list[str]) -> str:
@@ -949,12 +938,7 @@ class Aggregator:
         cols = {f: s.float_col(f) for f in PAIR_FLOATS}
         caps = self._series_caps(g.model, s.model, s.n, cols["power_limit_watts"])
         self._run_pairs(gk, g, g.anchor(), s.job_ids, _shares(s), 0, s.n, ts, cols, caps)
-        mem_peak = None
-        if "mem_used_bytes" in s.ints:
-            v, m = s.ints["mem_used_bytes"]
-            if m is not None:
-                v = v[m]
-            mem_peak = int(v.max()) if v.size else None
+        mem_peak = _series_mem_peak(s)
         power = cols["power_watts"]
         power_peak = None if np.isnan(power).all() else float(np.nanmax(power))
         self._run_points(gk, g, ts, [s.model] * s.n, s.job_ids, mem_peak, power_peak)
@@ -1144,8 +1128,7 @@ class Aggregator:
                 at += n_jobs
             g.watermark = lasts[j]
             if trim:  # the store has the window: keep the newest row only (see _trim)
-                row = _window_row((lasts[j], *newest_rows[j], x.job_ids, x.job_shares))
-                g.ts, g.samples, g.pending, g.start, g.partial = [lasts[j]], [row], [], 0, True
+                g.keep_newest(lasts[j], _window_row((lasts[j], *newest_rows[j], x.job_ids, x.job_shares)))
                 continue
             g.ts.extend(x.ts.tolist())
             # the window keeps a copy of what pair contributions read, not the batch's arrays
@@ -1344,7 +1327,7 @@ class Aggregator:
             r = g.samples[-1]
             newest = r if type(r) is WindowRow else WindowRow._make(
                 (r.ts, *(getattr(r, f) for f in PAIR_FLOATS), tuple(r.job_ids), tuple(r.job_shares)))
-        g.ts, g.samples, g.pending, g.start, g.partial = [g.ts[-1]], [newest], [], 0, True
+        g.keep_newest(g.ts[-1], newest)
 
     def _load(self, gk: GpuKey, g: GpuState) -> None:
         """Read a trimmed GPU's window back from the store (a late sample is to be inserted into it)."""
