@@ -358,38 +358,9 @@ class ChunkSeriesStore:
         """A GPU's stored samples at or after ``floor`` plus the newest one before it (the anchor), as the
         aggregation window keeps them: time-ordered columns of the fields pair contributions read, one
         segment per run of one job set, straight from the chunks (no object per sample: a restart reads
-        every GPU's window)."""
-        return self._window(gpu_key, floor, self._host_parts(gpu_key[0]).get(gpu_key, []))
-
-    def newest(self, host: str, gpu_keys: Iterable[GpuKey]) -> dict[GpuKey, list[WindowSegment]]:
-        """Each of these GPUs' (one host's) newest stored sample as a window of one row, [] where none is stored:
-        what a GPU restored into the aggregation keeps in memory (the start of its next interval; a late sample
-        reads the rest of its window back, ``window``). Read from the GPU's newest chunk (the one ending last in its
-        newest interval) and its host's host chunks (each decoded once for all the host's GPUs)."""
-        parts = self._host_parts(host)
-        out: dict[GpuKey, list[WindowSegment]] = {}
-        for gpu_key in gpu_keys:
-            row = self._db.execute(
-                "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? ORDER BY bucket DESC, "
-                "t_max DESC LIMIT 1", gpu_key).fetchone()
-            best: tuple[float, int, np.ndarray, dict[str, np.ndarray], _Columns] | None = None
-            for n, columns in [*([decode_columns(row[0])] if row else []), *parts.get(gpu_key, [])]:
-                ts, vals = columns_as_floats(n, columns, PAIR_FLOATS)
-                i = int(ts.argmax())
-                if best is None or ts[i] > best[0]:
-                    best = (float(ts[i]), i, ts, vals, (n, columns))
-            if best is None:
-                out[gpu_key] = []
-                continue
-            _, i, ts, vals, (n, columns) = best
-            ids = column_list(n, columns["job_ids"])[i] if "job_ids" in columns else ()
-            shares = column_list(n, columns["job_shares"])[i] if "job_shares" in columns else ()
-            out[gpu_key] = [WindowSegment(ts[i:i + 1], {f: v[i:i + 1] for f, v in vals.items()}, tuple(ids or ()),
-                                          tuple(shares or ()))]
-        return out
-
-    def _window(self, gpu_key: GpuKey, floor: float, host_parts: list[_Columns]) -> list[WindowSegment]:
-        """:meth:`window` from the GPU's own chunks and its parts of the host chunks (all of them: recent)."""
+        every GPU's window). Read from the GPU's own chunks and its parts of its host's host chunks (all of
+        them: they are recent)."""
+        host_parts = self._host_parts(gpu_key[0]).get(gpu_key, [])
         (newest_before,) = self._db.execute(
             "SELECT MAX(t_max) FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? AND t_max<?",
             (*gpu_key, floor),
@@ -438,6 +409,33 @@ class ChunkSeriesStore:
         cuts = [0, *(np.flatnonzero(code[1:] != code[:-1]) + 1).tolist(), len(ts)]
         return [WindowSegment(ts[a:b], {f: v[a:b] for f, v in arrays.items()}, *job_set_of[int(code[a])])
                 for a, b in zip(cuts, cuts[1:])]
+
+    def newest(self, host: str, gpu_keys: Iterable[GpuKey]) -> dict[GpuKey, list[WindowSegment]]:
+        """Each of these GPUs' (one host's) newest stored sample as a window of one row, [] where none is stored:
+        what a GPU restored into the aggregation keeps in memory (the start of its next interval; a late sample
+        reads the rest of its window back, ``window``). Read from the GPU's newest chunk (the one ending last in its
+        newest interval) and its host's host chunks (each decoded once for all the host's GPUs)."""
+        parts = self._host_parts(host)
+        out: dict[GpuKey, list[WindowSegment]] = {}
+        for gpu_key in gpu_keys:
+            row = self._db.execute(
+                "SELECT data FROM chunks WHERE tier=0 AND host=? AND gpu_uuid=? AND mig=? ORDER BY bucket DESC, "
+                "t_max DESC LIMIT 1", gpu_key).fetchone()
+            best: tuple[float, int, np.ndarray, dict[str, np.ndarray], _Columns] | None = None
+            for n, columns in [*([decode_columns(row[0])] if row else []), *parts.get(gpu_key, [])]:
+                ts, vals = columns_as_floats(n, columns, PAIR_FLOATS)
+                i = int(ts.argmax())
+                if best is None or ts[i] > best[0]:
+                    best = (float(ts[i]), i, ts, vals, (n, columns))
+            if best is None:
+                out[gpu_key] = []
+                continue
+            _, i, ts, vals, (n, columns) = best
+            ids = column_list(n, columns["job_ids"])[i] if "job_ids" in columns else ()
+            shares = column_list(n, columns["job_shares"])[i] if "job_shares" in columns else ()
+            out[gpu_key] = [WindowSegment(ts[i:i + 1], {f: v[i:i + 1] for f, v in vals.items()}, tuple(ids or ()),
+                                          tuple(shares or ()))]
+        return out
 
     # -- compaction: rollups, merging, retention ----------------------------------------------
     # Each step is planned from reads alone (``plan_*``: on any connection, another thread's included, without
