@@ -42,8 +42,9 @@ import msgpack
 import numpy as np
 import zstandard
 
-from gpuledger.collector.series import Series
+from gpuledger.collector.series import Series, plain_row_lists, row_list
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuProcess, GpuSample
+from gpuledger.schema.wire import ROW_LISTS
 
 VERSION = 1
 LIGHT = 2  # the light form of small chunks
@@ -546,10 +547,7 @@ def _series_columns(s: Series, light: bool | None,
         # a constant column is one run: what _rle makes of [x] * n, without looking at n values
         cols += [(f, OBJ, _ENCODED, [], msgpack.packb([[getattr(s, f), n]] if n else [], use_bin_type=True))
                  for f in _CONSTANTS]
-    if "xid_errors" in s.lists:
-        cols.append(("xid_errors", OBJ, [list(x) for x in s.lists["xid_errors"]]))
-    if "processes" in s.lists:
-        cols.append(("processes", OBJ, [[[p.pid, p.used_memory_bytes] for p in ps] for ps in s.lists["processes"]]))
+    cols += [(name, OBJ, rows) for name, rows in plain_row_lists(s.lists).items()]
     return cols
 
 
@@ -762,13 +760,8 @@ def encode_host_chunk(series: Sequence[Series]) -> bytes:
         wire = s.wire
         if wire is None:
             raise ValueError(f"series of {s.gpu_uuid!r}: a host chunk takes series with wire columns only")
-        lists: dict[str, list] = {}
-        if "xid_errors" in s.lists:
-            lists["xid_errors"] = [list(x) for x in s.lists["xid_errors"]]
-        if "processes" in s.lists:
-            lists["processes"] = [[[p.pid, p.used_memory_bytes] for p in ps] for ps in s.lists["processes"]]
         meta.append([s.gpu_uuid, s.mig, s.gpu_index, s.model, s.source, s.job_ids, s.job_shares, s.n, list(wire),
-                     lists])
+                     plain_row_lists(s.lists)])
         parts.append(s.ts.tobytes())
         parts.extend(wire.values())
     header = msgpack.packb([HOST_CHUNK, meta], use_bin_type=True)
@@ -800,11 +793,7 @@ class HostPart(NamedTuple):
         size = 8 * self.n
         block = self.block
         wire = {name: block[size * (k + 1):size * (k + 2)] for k, name in enumerate(self.names)}
-        rows: dict[str, tuple] = {}
-        if "xid_errors" in self.lists:
-            rows["xid_errors"] = tuple(map(tuple, self.lists["xid_errors"]))
-        if "processes" in self.lists:
-            rows["processes"] = tuple(tuple(GpuProcess(p, m) for p, m in r) for r in self.lists["processes"])
+        rows = {name: row_list(name, self.lists[name]) for name in ROW_LISTS if name in self.lists}
         return Series.of_wire(host, self.gpu_uuid, self.gpu_index, np.frombuffer(block, "<f8", self.n), self.model,
                               self.mig, self.source, self.job_ids, self.job_shares, rows, wire)  # type: ignore[arg-type]
 
@@ -858,7 +847,6 @@ def series_columns(s: Series) -> tuple[int, dict[str, tuple[str, Any, np.ndarray
     for name in _CONSTANTS:
         value = getattr(s, name)
         cols[name] = (OBJ, [list(value) if isinstance(value, tuple) else value] * n, None)
-    for name, per_row in s.lists.items():
-        cols[name] = (OBJ, [list(x) for x in per_row] if name == "xid_errors"
-                      else [[[p.pid, p.used_memory_bytes] for p in r] for r in per_row], None)
+    for name, rows in plain_row_lists(s.lists).items():
+        cols[name] = (OBJ, rows, None)
     return n, cols

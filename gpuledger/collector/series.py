@@ -11,13 +11,13 @@ only when something asks for them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
-from gpuledger.schema.wire import FLOAT_COLUMNS, INT_COLUMNS
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuProcess, GpuSample
+from gpuledger.schema.wire import FLOAT_COLUMNS, INT_COLUMNS, ROW_LISTS
 
 _NONE: dict[str, Any] = {}
 _INT_COLUMNS = frozenset(INT_COLUMNS)
@@ -164,3 +164,22 @@ def series_from_samples(samples: list[GpuSample]) -> Series:
                   model=s0.model, mig=s0.mig, source=s0.source, job_ids=s0.job_ids, job_shares=s0.job_shares,
                   floats=floats, ints=ints, lists=lists)
 
+
+
+def plain_row_lists(lists: Mapping[str, tuple]) -> dict[str, list]:
+    """A series' row lists (``Series.lists``) as msgpack packs them, in ``ROW_LISTS`` order: per row, xid_errors a
+    list of ints, processes a list of [pid, used_memory_bytes]."""
+    out: dict[str, list] = {}
+    for name in ROW_LISTS:
+        if name in lists:
+            out[name] = ([[[p.pid, p.used_memory_bytes] for p in r] for r in lists[name]] if name == "processes"
+                         else [list(x) for x in lists[name]])
+    return out
+
+
+def row_list(name: str, plain: Iterable[Sequence]) -> tuple:
+    """One row list from its plain form (:func:`plain_row_lists`, the wire's): a tuple a row, processes of
+    GpuProcess."""
+    if name == "processes":
+        return tuple(tuple(GpuProcess(p, m) for p, m in r) for r in plain)
+    return tuple(map(tuple, plain))

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import zstandard
 
-from gpuledger.collector.series import Series
+from gpuledger.collector.series import Series, row_list
 from gpuledger.schema.records import (
     INT_FIELDS,
     NONNEG_FIELDS,
@@ -556,7 +556,7 @@ def _parse_series(d: Any, i: int, where: str, host: str, now: float, typed: bool
         if type(v) is not list or len(v) != n:
             raise BatchError(400, f"{at}.{f}: must be a list of {n} per-sample lists (got {_excerpt(v)})")
         if typed:
-            rows = tuple(tuple(GpuProcess(p, m) for p, m in r) for r in v) if f == "processes" else tuple(map(tuple, v))
+            rows = row_list(f, v)
         else:
             rows = tuple(map(check, v))
             if _BAD in rows:
@@ -700,8 +700,7 @@ def _wire_series(series: list[Any], host: str, now: float) -> tuple[Series, ...]
                     continue
                 if len(v) != n:
                     return None
-                lists[f] = (tuple(tuple(GpuProcess(p, m) for p, m in r) for r in v) if f == "processes"
-                            else tuple(map(tuple, v)))
+                lists[f] = row_list(f, v)
         out.append(of_wire(host, d.gpu_uuid, d.gpu_index, np.frombuffer(ts, dtype="<f8"), d.model, d.mig, d.source,
                            job_ids, tuple(map(float, shares)) if shares else (), lists, wire))
     return tuple(out)
