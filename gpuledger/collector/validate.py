@@ -51,6 +51,7 @@ FUTURE_SLACK_S = 300.0
 # aggregates into inf, which JSON cannot carry. No GPU reading comes near either bound.
 MAX_INT = 2**63 - 1
 MAX_FLOAT = 1e18
+SHARES_SUM_TOLERANCE = 1e-6  # a sample's job shares must sum to 1 within this
 BATCH_KEYS = frozenset({"agent_id", "seq", "host", "cluster", "samples", "series", "jobs"})  # one of samples/series;
 # jobs and cluster optional (cluster: the Slurm cluster the agent's host is in; absent or "" = not named)
 MAX_CLUSTER_CHARS = 256
@@ -444,7 +445,7 @@ def _parse_sample(d: Any, i: int, where: str, host: str, now: float, bound: bool
         if len(shares) != len(jobs):
             raise BatchError(400, f"{where}: sample[{i}].job_shares: must have one share per job id ({len(jobs)}) "
                                   f"or be empty (got {list(shares)!r})")
-        if abs(math.fsum(shares) - 1.0) > 1e-6:
+        if abs(math.fsum(shares) - 1.0) > SHARES_SUM_TOLERANCE:
             raise BatchError(400, f"{where}: sample[{i}].job_shares: must sum to 1 (got {list(shares)!r})")
     return GpuSample(**d)
 
@@ -570,7 +571,7 @@ def _parse_series(d: Any, i: int, where: str, host: str, now: float, typed: bool
         if len(shares) != len(job_ids):
             raise BatchError(400, f"{at}.job_shares: must have one share per job id ({len(job_ids)}) or be empty "
                                   f"(got {list(shares)!r})")
-        if abs(math.fsum(shares) - 1.0) > 1e-6:
+        if abs(math.fsum(shares) - 1.0) > SHARES_SUM_TOLERANCE:
             raise BatchError(400, f"{at}.job_shares: must sum to 1 (got {list(shares)!r})")
     return Series(host, d["gpu_uuid"], d["gpu_index"], ts, model=d.get("model") or "", mig=d.get("mig"),
                   source=d.get("source") or "", job_ids=job_ids, job_shares=tuple(map(float, shares)),
@@ -610,6 +611,14 @@ def _binary_columns(series: list[Any], now: float) -> list[dict[str, np.ndarray]
             out[j][f] = a[at:at + len(v) // 8]
             at += len(v) // 8
     return out
+
+
+def _doubtful_job_set(job_ids: Sequence[str], shares: Sequence[float]) -> bool:
+    """Whether a fast path leaves a job set to the per-sample path, which words the error: job ids repeated, or
+    shares given that are not one a job id or do not sum to 1."""
+    if len(job_ids) > 1 and len(set(job_ids)) != len(job_ids):
+        return True
+    return bool(shares) and (len(shares) != len(job_ids) or abs(math.fsum(shares) - 1.0) > SHARES_SUM_TOLERANCE)
 
 
 _WIRE_COLUMNS = COLUMNS[1:]  # every numeric column but ts, in wire order
@@ -687,9 +696,7 @@ def _wire_series(series: list[Any], host: str, now: float) -> tuple[Series, ...]
     of_wire = Series.of_wire
     for d, ts, wire in made:
         job_ids, shares = d.job_ids, d.job_shares
-        if shares and (len(shares) != len(job_ids) or abs(math.fsum(shares) - 1.0) > 1e-6):
-            return None
-        if len(job_ids) > 1 and len(set(job_ids)) != len(job_ids):
+        if _doubtful_job_set(job_ids, shares):
             return None
         lists: dict[str, tuple] = {}
         if d.xid_errors is not None or d.processes is not None:
@@ -891,9 +898,7 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
         return None
     # job ids and shares: checked once per distinct combination (a GPU's job rarely changes within a batch)
     for jobs, shares in set(zip(map(_JOBS, rows), map(_SHARES, rows))):
-        if len(set(jobs)) != len(jobs):
-            return None
-        if shares and (len(shares) != len(jobs) or abs(math.fsum(shares) - 1.0) > 1e-6):
+        if _doubtful_job_set(jobs, shares):
             return None
     if any(map(_PROCS, rows)):
         for r in rows:
