@@ -21,7 +21,7 @@ from gpuledger.agent.cli import app as agent_app
 from gpuledger.collector.cli import app as collector_app
 from gpuledger.collector.ledger_cli import app as ledger_app
 from gpuledger.dashboards.cli import app as dashboards_app
-from gpuledger.output import error
+from gpuledger.output import error, unexpected
 
 app = typer.Typer(
     name="gpuledger",
@@ -93,11 +93,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `gpuledger ... | head`: the reader has what it wanted
         return 0
-    except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a line and exit 1
-        if os.environ.get("GPULEDGER_DEBUG"):
-            raise
-        error(f"unexpected {type(e).__name__}: {e} (GPULEDGER_DEBUG=1 shows where)")
-        return 1
+    except Exception as e:  # noqa: BLE001 - where an unexpected error becomes a line and exit 1
+        return unexpected(e)
     return rv if isinstance(rv, int) else 0
 
 

@@ -14,6 +14,7 @@ import typer
 
 from gpuledger.cli import app, run
 from gpuledger.demo import run_demo
+from gpuledger.output import unexpected
 
 
 def leaf_commands() -> list[tuple[str, ...]]:
@@ -190,3 +191,12 @@ def test_ports_in_use_fail_in_one_line_exit_1_and_create_nothing(capsys, tmp_pat
         assert not (tmp_path / "spool").exists()
     code, out, err = call(capsys, "demo", "--data-dir", tmp_path / "c" / "x", "--nodes", "0")
     assert code == 2 and out == "" and not (tmp_path / "c").exists()
+
+
+def test_an_unexpected_error_is_one_line_and_exit_1_or_with_debug_its_traceback(capsys, monkeypatch):
+    monkeypatch.delenv("GPULEDGER_DEBUG", raising=False)
+    assert unexpected(ValueError("no\nsuch key")) == 1
+    assert capsys.readouterr().err == "error: unexpected ValueError: no such key (GPULEDGER_DEBUG=1 shows where)\n"
+    monkeypatch.setenv("GPULEDGER_DEBUG", "1")
+    with pytest.raises(KeyError):
+        unexpected(KeyError("x"))

@@ -45,7 +45,7 @@ from gpuledger.collector.ledger_url import open_ledger
 from gpuledger.collector.series_outbox import RemoteSeries, ShipperMetrics
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
 from gpuledger.collector.store import Store
-from gpuledger.output import error, fail
+from gpuledger.output import fail, unexpected
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +224,8 @@ def main() -> None:
         pass
     except typer.Exit as e:  # output.fail said why
         sys.exit(e.exit_code)
-    except Exception as e:  # as the gpuledger command does: one line, exit 1 (GPULEDGER_DEBUG=1: the traceback)
-        if os.environ.get("GPULEDGER_DEBUG"):
-            raise
-        error(f"unexpected {type(e).__name__}: {e} (GPULEDGER_DEBUG=1 shows where)")
-        sys.exit(1)
+    except Exception as e:  # as the gpuledger command does: one line, exit 1
+        sys.exit(unexpected(e))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,15 @@ def emit(fmt: Format, records: Sequence[Mapping[str, Any]], columns: Sequence[Co
 def error(message: str) -> None:
     """``error: <message>`` on stderr as one line, whatever line breaks the message holds."""
     sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+
+
+def unexpected(exc: Exception) -> int:
+    """An unexpected exception at a command's top: one line and exit status 1, never a traceback; with
+    GPULEDGER_DEBUG=1 it is raised again, traceback and all."""
+    if os.environ.get("GPULEDGER_DEBUG"):
+        raise exc
+    error(f"unexpected {type(exc).__name__}: {exc} (GPULEDGER_DEBUG=1 shows where)")
+    return 1
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
