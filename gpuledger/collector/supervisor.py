@@ -38,6 +38,7 @@ from typing import Any
 
 from prometheus_client import multiprocess
 
+from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.compactor import CompactorProcess
 
 log = logging.getLogger(__name__)
@@ -216,5 +217,4 @@ def _fresh_private_dir(path: Path) -> None:
         path.unlink()
     elif path.exists():
         shutil.rmtree(path)
-    os.mkdir(path, 0o700)
-    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+    private_dir(path)
