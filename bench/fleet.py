@@ -103,18 +103,9 @@ def start_collector(a: argparse.Namespace, tmp: Path, port: int) -> subprocess.P
     if a.workers == 1:
         return subprocess.Popen([sys.executable, "-c", COLLECTOR, str(tmp / "c.sqlite"), str(port), str(a.compact),
                                  str(ROOT), a.compaction, a.gc_freeze])
-    data = tmp / "data"
-    data.mkdir()
     # the inline script's settings: compaction every --compact seconds, 4,096 ingest requests at once (per worker)
-    (data / "gpuledger.toml").write_text(f"[collector]\ncompact_interval_s = {a.compact}\nmax_inflight = 4096\n")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "gpuledger"), "collector", "serve", "--data-dir",
-                             str(data), "--port", str(port), "--workers", str(a.workers)], stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # the supervisor says it listens once every worker does
-    if "collector listening on" not in line:
-        raise RuntimeError(f"collector serve --workers {a.workers} did not start: {line!r}")
-    return proc
+    return loadgen.serve_workers(tmp / "data", port, a.workers,
+                                 f"compact_interval_s = {a.compact}\nmax_inflight = 4096\n")
 
 
 def main() -> None:

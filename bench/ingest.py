@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from loadgen import free_port, read_response, request_bytes, tree_cpu_s, wait_ready  # noqa: E402
+from loadgen import free_port, read_response, request_bytes, serve_workers, tree_cpu_s, wait_ready  # noqa: E402
 
 from gpuledger.agent.push import encode_batch  # noqa: E402
 from gpuledger.schema.records import GpuSample  # noqa: E402
@@ -220,20 +220,12 @@ server.serve_forever()
 def start_collector(a: argparse.Namespace, data: Path, port: int, log_path: Path) -> subprocess.Popen:
     """The collector on ``data``'s embedded store: the inline script (one process), or `gpuledger collector serve
     --workers N` once all its workers listen."""
+    if a.workers > 1:
+        return serve_workers(data, port, a.workers, f"compact_interval_s = {a.compact}\n", log_path)
     data.mkdir()
     with log_path.open("wb") as out:
-        if a.workers == 1:
-            return subprocess.Popen([sys.executable, "-c", COLLECTOR, str(data / "gpuledger.sqlite"), str(port),
-                                     str(ROOT), str(a.compact)], stdout=out, stderr=subprocess.STDOUT)
-        (data / "gpuledger.toml").write_text(f"[collector]\ncompact_interval_s = {a.compact}\n")
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "gpuledger"), "collector", "serve", "--data-dir",
-                                 str(data), "--port", str(port), "--workers", str(a.workers)], stdout=subprocess.PIPE,
-                                stderr=out, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # the supervisor says it listens once every worker does
-    if "collector listening on" not in line:
-        raise RuntimeError(f"collector serve --workers {a.workers} did not start: {log_path.read_text()[-2000:]}")
-    return proc
+        return subprocess.Popen([sys.executable, "-c", COLLECTOR, str(data / "gpuledger.sqlite"), str(port),
+                                 str(ROOT), str(a.compact)], stdout=out, stderr=subprocess.STDOUT)
 
 
 def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:

@@ -8,15 +8,18 @@ httpx: on a 2-core machine the client must cost far less CPU than the server it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import itertools
 import os
 import random
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -101,6 +104,23 @@ def wait_ready(port: int, proc: subprocess.Popen, path: str = "/healthz", timeou
             pass
         time.sleep(0.1)
     raise RuntimeError(f"port {port} not ready")
+
+
+def serve_workers(data: Path, port: int, workers: int, settings: str, log: Path | None = None) -> subprocess.Popen:
+    """The real `gpuledger collector serve --workers N` on ``data`` (its gpuledger.toml: ``settings``, lines of its
+    [collector] table; its standard error to ``log``), once the supervisor says every worker listens."""
+    data.mkdir()
+    (data / "gpuledger.toml").write_text("[collector]\n" + settings)
+    with log.open("wb") if log is not None else contextlib.nullcontext() as err:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "gpuledger"), "collector", "serve", "--data-dir",
+                                 str(data), "--port", str(port), "--workers", str(workers)], stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "collector listening on" not in line:
+        said = log.read_text()[-2000:] if log is not None else line
+        raise RuntimeError(f"collector serve --workers {workers} did not start: {said!r}")
+    return proc
 
 
 def request_bytes(path: str, body: bytes, headers: dict[str, str]) -> bytes:
