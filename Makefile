@@ -35,6 +35,7 @@ bench: $(STAMP) deps
 	$(PY) bench/fairshare.py
 	$(PY) bench/report.py
 	$(PY) bench/ingest.py
+	$(PY) bench/batch_cost.py
 
 clean:
 	rm -rf $(VENV) gpuledger-data .pytest_cache .hypothesis
