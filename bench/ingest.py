@@ -18,7 +18,8 @@ agent's connection carries them, the connections kept from phase to phase; an as
 beside the servers) for at most --seconds or --points samples. The
 collector compacts every --compact seconds during ingest (rollups, merges). With --workers N > 1 the collector is the
 real `gpuledger collector serve --workers N` (a supervisor, N workers on the port, a compactor). Server CPU comes
-from /proc, summed over the server's process tree.
+from /proc, summed over the server's process tree; batches/commit (how many batches the collector's group commits
+held, on average) from its /metrics (``gpuledger_collector_group_commit_batches``).
 
     .venv/bin/python bench/ingest.py                                # all shapes, ~3-4 minutes
     .venv/bin/python bench/ingest.py --shapes 80 --seconds 10       # the fleet shape only
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -217,6 +219,15 @@ server.serve_forever()
 """
 
 
+def group_commits(port: int) -> tuple[float, float]:
+    """The collector's (batches, group commits) so far, from its /metrics (every worker's, summed)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line.startswith("gpuledger_collector_group_commit_batches_"))
+    return (float(values.get("gpuledger_collector_group_commit_batches_sum", 0.0)),
+            float(values.get("gpuledger_collector_group_commit_batches_count", 0.0)))
+
+
 def start_collector(a: argparse.Namespace, data: Path, port: int, log_path: Path) -> subprocess.Popen:
     """The collector on ``data``'s embedded store: the inline script (one process), or `gpuledger collector serve
     --workers N` once all its workers listen."""
@@ -261,6 +272,7 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
             pid = vm.pid if name == "vm" else gl.pid
             batch_bodies = bodies(name, keys)
             c0 = tree_cpu_s(pid)
+            g0 = group_commits(gl_port) if name == "gl" else (0.0, 0.0)
             if name == "vm":
                 posted, wall = posters["vm"].post("/write?precision=ms", batch_bodies, {}, 204, a.seconds)
             else:
@@ -268,8 +280,9 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
                                                   {"Content-Type": "application/msgpack"}, 200, a.seconds)
             settle(pid)
             n = sum(posted.values())
+            g1 = group_commits(gl_port) if name == "gl" else (0.0, 0.0)
             return {"samples": n * shape, "wall_s": wall, "rate": n * shape / wall, "cpu_s": tree_cpu_s(pid) - c0,
-                    "batches": n, "posted": posted}
+                    "batches": n, "posted": posted, "commits": g1[1] - g0[1]}
 
         out: dict[str, dict] = {}
         # new series: each host's first batch (k = 0); both servers get the same hosts
@@ -289,8 +302,9 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
                     cursor[name][h] += count
                 rounds[name].append(r)
                 log(f"shape {shape} steady round {rnd + 1} {name}: {r['rate']:,.0f} samples/s")
-        out["steady"] = {k: {"rate": statistics.median(x["rate"] for x in v),
-                             "cpu_s": sum(x["cpu_s"] for x in v), "samples": sum(x["samples"] for x in v)}
+        out["steady"] = {k: {"rate": statistics.median(x["rate"] for x in v), "cpu_s": sum(x["cpu_s"] for x in v),
+                             "samples": sum(x["samples"] for x in v), "batches": sum(x["batches"] for x in v),
+                             "commits": sum(x["commits"] for x in v)}
                          for k, v in rounds.items()}
         for poster in posters.values():
             poster.close()
@@ -333,7 +347,7 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print(f"{'batch':>7} {'phase':<8}{'VM samples/s':>14}{'collector':>12}{'ratio':>8}"
-          f"{'VM CPU s/1M':>13}{'coll. CPU s/1M':>16}{'CPU ratio':>11}")
+          f"{'VM CPU s/1M':>13}{'coll. CPU s/1M':>16}{'CPU ratio':>11}{'batches/commit':>16}")
     table = []
     for shape, phases in results.items():
         for phase in ("new", "steady"):
@@ -342,10 +356,12 @@ def main() -> None:
             row = {"batch": shape, "phase": phase, "vm_samples_per_s": vm["rate"],
                    "collector_samples_per_s": gl["rate"], "ratio": gl["rate"] / vm["rate"],
                    "vm_cpu_s_per_million": cpu["vm"],
-                   "collector_cpu_s_per_million": cpu["gl"], "cpu_ratio": cpu["gl"] / max(cpu["vm"], 1e-9)}
+                   "collector_cpu_s_per_million": cpu["gl"], "cpu_ratio": cpu["gl"] / max(cpu["vm"], 1e-9),
+                   "collector_batches_per_commit": gl["batches"] / max(gl["commits"], 1)}
             table.append(row)
             print(f"{shape:>7} {phase:<8}{vm['rate']:>14,.0f}{gl['rate']:>12,.0f}{row['ratio']:>8.2f}"
-                  f"{cpu['vm']:>13.1f}{cpu['gl']:>16.1f}{row['cpu_ratio']:>11.2f}")
+                  f"{cpu['vm']:>13.1f}{cpu['gl']:>16.1f}{row['cpu_ratio']:>11.2f}"
+                  f"{row['collector_batches_per_commit']:>16.1f}")
     print(f"workload: {a.hosts} hosts x {GPUS} GPUs, {len(FIELDS)} fields, {a.conns} connections each, "
           f"collector workers {a.workers}, compaction every {a.compact:g} s; "
           f"target: ratio >= 1.5 on the 80-sample steady state")

@@ -238,6 +238,16 @@ class _Metrics:
             "gpuledger_collector_ingest_latency_seconds", "Time to validate, store and commit one batch.", registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         )
+        # whether batches waiting together share a commit, and how long the ledger takes to make them durable
+        self.group_batches = Histogram(
+            "gpuledger_collector_group_commit_batches", "Batches in one group commit (one transaction).", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        )
+        self.group_seconds = Histogram(
+            "gpuledger_collector_group_commit_seconds",
+            "Time one group commit's transaction took, to durable (a slow disk or ledger shows here first).",
+            registry=r, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
         gauges = (("gpuledger_collector_requests_in_flight", "HTTP requests being handled now.", in_flight),
                   ("gpuledger_collector_ingest_queue_depth",
                    "Ingest requests in flight (validating, waiting for or holding the store).", ingest_depth),
@@ -260,6 +270,11 @@ class _Metrics:
         r = self.registry
         r.register(_FeedGauges(feed, user_labels))
         r.register(_StoreCounters(store))
+
+    def observe_group_commit(self, batches: int, seconds: float) -> None:
+        """A ``Store.commit_observers`` entry: one group commit of ``batches`` that took ``seconds``."""
+        self.group_batches.observe(batches)
+        self.group_seconds.observe(seconds)
 
     def refresh(self) -> None:
         """Shared: writes this process's frozen-object count, which changes in the GC freezer's own thread (at each
@@ -356,6 +371,7 @@ class CollectorServer:
         self._tasks: set[asyncio.Task[None]] = set()  # requests being handled
         self.metrics = _Metrics(store, priority_feed, lambda: self._in_flight, lambda: self._ingesting,
                                 metrics_user_labels, shared_dir=metrics_dir)
+        store.commit_observers.append(self.metrics.observe_group_commit)  # removed by stop()
         self._tls = tls
         # Bound here, as before serving: `url` is known at once, and connections made before the loop runs wait
         # in the backlog.
@@ -434,6 +450,8 @@ class CollectorServer:
             self._loop.close()
         if self._audit is not None:
             self._audit.close()
+        with contextlib.suppress(ValueError):  # (stopped before)
+            self.store.commit_observers.remove(self.metrics.observe_group_commit)
 
     def _run(self) -> None:
         _raise_open_files_limit()

@@ -309,6 +309,9 @@ class Store:
         self._queue: list[_Pending] = []  # batches handed in, waiting for the next group commit
         self._committer: threading.Thread | None = None  # commits them (started by the first submit)
         self._closing = False
+        # called after each group commit that stored its batches, with (batches, seconds the transaction took),
+        # on the committing thread once their callers have their answers: the server's group-commit metrics
+        self.commit_observers: list[Callable[[int, float], None]] = []
         self._pending_jobs: set[str] = set()
         self._summary_sent: dict[str, float] = {}
         self._compactor: threading.Thread | None = None
@@ -498,6 +501,7 @@ class Store:
         """One transaction for every batch of ``group`` (called with the lock held); sets each one's outcome.
         Batches go by host (stable: a host's batches keep their order), after their hosts are claimed."""
         group = sorted(group, key=lambda it: it.batch.host)
+        began = time.perf_counter()
         try:
             with self._db.transaction():
                 self._claim_hosts({it.batch.host for it in group})
@@ -527,6 +531,7 @@ class Store:
                 it.error, it.result = err, None
                 it.settle()
             return
+        took = time.perf_counter() - began
         try:
             if len(self.agg.usage) + len(self.agg.hours) > self._cache_limit:
                 self.agg.drop_caches()
@@ -541,6 +546,11 @@ class Store:
         finally:  # committed: each caller gets its answer whatever a sink does
             for it in group:
                 it.settle()
+            for observe in self.commit_observers:
+                try:
+                    observe(len(group), took)
+                except Exception:  # a metric never fails a commit
+                    log.exception("group commit observer %r failed", observe)
 
     def _add_round(self, group: list[_Pending]) -> None:
         """Aggregate batches of distinct hosts and write their samples and keys inside the group's transaction;

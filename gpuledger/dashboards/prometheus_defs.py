@@ -100,6 +100,17 @@ def _cluster() -> Dashboard:
             timeseries("Store size", target("gpuledger_collector_store_size_bytes", "{{instance}}"), unit="bytes",
                        width=8),
         ),
+        row(
+            "Collector group commits",
+            timeseries("Batches per group commit (mean)", target(
+                "sum(rate(gpuledger_collector_group_commit_batches_sum[$__rate_interval])) / "
+                "sum(rate(gpuledger_collector_group_commit_batches_count[$__rate_interval]))", "batches"),
+                unit="short", width=12),
+            timeseries("Group commit time p99", target(
+                "histogram_quantile(0.99, sum by (le) "
+                "(rate(gpuledger_collector_group_commit_seconds_bucket[$__rate_interval])))", "p99"),
+                unit="s", width=12),
+        ),
         variables=(IDLE_VAR,),
         description="Fleet state, activity, power and energy from the agents' /metrics; collector health.",
     )

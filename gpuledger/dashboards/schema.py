@@ -52,6 +52,9 @@ COLLECTOR_METRICS: frozenset[str] = frozenset({
     "gpuledger_collector_ingest_latency_seconds_sum", "gpuledger_collector_store_size_bytes",
     "gpuledger_collector_batches_accepted_total", "gpuledger_collector_internal_errors_total",
     "gpuledger_collector_requests_in_flight", "gpuledger_collector_ingest_queue_depth",
+    "gpuledger_collector_group_commit_batches_bucket", "gpuledger_collector_group_commit_batches_count",
+    "gpuledger_collector_group_commit_batches_sum", "gpuledger_collector_group_commit_seconds_bucket",
+    "gpuledger_collector_group_commit_seconds_count", "gpuledger_collector_group_commit_seconds_sum",
     "gpuledger_fairshare_ratio", "gpuledger_site_factor", "gpuledger_priority_feed_generated_timestamp_seconds",
 })
 # Series Prometheus itself adds to every scrape target.

@@ -80,6 +80,27 @@ def test_a_conflict_in_a_group_is_answered_alone(ledger):
     store.close()
 
 
+def test_each_group_commit_is_observed_with_its_batches_and_time(ledger):
+    store = Store(ledger, clock=lambda: NOW)
+    seen: list[tuple[int, float]] = []
+    store.commit_observers.append(lambda batches, seconds: seen.append((batches, seconds)))
+    store.ingest(batch("n1", 0))
+    one_group(store, {"a": batch("n2", 0), "b": batch("n3", 0), "dup": batch("n1", 0)})
+    assert [n for n, _ in seen] == [1, 3]  # a duplicate is committed (its answer) with its group
+    assert all(0 < t < 10 for _, t in seen)
+    fail_inserts(store, "batch_keys", "NEW.host = 'bad'", "one bad batch")
+    seen.clear()
+    one_group(store, {"c": batch("n4", 0), "bad": batch("bad", 0)})
+    assert sorted(n for n, _ in seen) == [1]  # the group failed, then each alone: only c's commit stored anything
+
+    def broken(batches: int, seconds: float) -> None:
+        raise RuntimeError("a broken metric")
+
+    store.commit_observers.insert(0, broken)  # costs no batch its answer, nor the next observer its call
+    assert store.ingest(batch("n5", 0)).accepted == 10 and seen[-1][0] == 1
+    store.close()
+
+
 def test_a_batch_that_breaks_the_transaction_costs_its_group_nothing(ledger):
     store = Store(ledger, clock=lambda: NOW)
     fail_inserts(store, "batch_keys", "NEW.host = 'bad'", "one bad batch")

@@ -85,6 +85,10 @@ def test_duplicate_batch_acknowledged_once(srv):
     assert "gpuledger_collector_batches_deduplicated_total 1.0" in metrics
     assert "gpuledger_collector_samples_accepted_total 4.0" in metrics
     assert "gpuledger_collector_ingest_latency_seconds_count 2.0" in metrics
+    # one at a time, each its own group commit: two commits of one batch each
+    assert "gpuledger_collector_group_commit_batches_count 2.0" in metrics
+    assert "gpuledger_collector_group_commit_batches_sum 2.0" in metrics
+    assert "gpuledger_collector_group_commit_seconds_count 2.0" in metrics
     assert "gpuledger_collector_store_size_bytes" in metrics
 
 
