@@ -8,8 +8,8 @@ per-job aggregation, the asyncio HTTP server, compaction every --compact seconds
 --compaction thread in the collector's). With --workers N > 1 it is the real `gpuledger collector serve --workers N`:
 a supervisor, N worker processes on the port and a compactor. Every --report seconds the script prints requests/s,
 samples/s, p50/p99 latency of that interval, the collector's CPU and RSS (with workers: the supervisor's and the
-workers' together) and its compactor's; at the end the totals, connection errors, answers by status and the peak RSS
-of each (summed over the processes).
+workers' together) and its compactor's, and how many batches its group commits held on average; at the end the
+totals, connection errors, answers by status and the peak RSS of each (summed over the processes).
 
     .venv/bin/python bench/fleet.py --nodes 2000 --seconds 60
     .venv/bin/python bench/fleet.py --nodes 10000 --seconds 60
@@ -146,11 +146,14 @@ def main() -> None:
                 f0 = figures(proc.pid)
                 seen, cpu0, t0 = 0, f0["collector"]["cpu_s"], time.monotonic()
                 samples0, ccpu0 = 0, f0["compactor"]["cpu_s"]
+                groups0 = await asyncio.to_thread(loadgen.group_commits, port)
                 while time.monotonic() < until + a.period:
                     await asyncio.sleep(a.report)
                     lat = stats.latencies[seen:]
                     now, f = time.monotonic(), figures(proc.pid)
                     cpu, comp = f["collector"]["cpu_s"], f["compactor"]
+                    groups = await asyncio.to_thread(loadgen.group_commits, port)
+                    commits = groups[1] - groups0[1]
                     row = {"t_s": round(now - start, 1), "requests_per_s": round(len(lat) / (now - t0), 1),
                            "samples_per_s": round((stats.samples - samples0) / (now - t0)),
                            "p50_ms": loadgen.ms(loadgen.percentile(lat, 0.5)),
@@ -159,11 +162,12 @@ def main() -> None:
                            "rss_mb": round(f["collector"]["rss"] / 2**20, 1),
                            "compactor_cpu_pct": round(100 * (comp["cpu_s"] - ccpu0) / (now - t0)),
                            "compactor_rss_mb": round(comp["rss"] / 2**20, 1),
+                           "batches_per_commit": round((groups[0] - groups0[0]) / commits, 2) if commits else None,
                            "connection_errors": stats.conn_errors}
                     timeline.append(row)
                     print(json.dumps(row), flush=True)
                     seen, cpu0, t0, samples0 = len(stats.latencies), cpu, now, stats.samples
-                    ccpu0 = comp["cpu_s"]
+                    ccpu0, groups0 = comp["cpu_s"], groups
 
             async def run() -> None:
                 until = start + a.seconds
@@ -175,9 +179,11 @@ def main() -> None:
             start = time.monotonic()
             f0 = figures(proc.pid)
             cpu_start, ccpu_start = f0["collector"]["cpu_s"], f0["compactor"]["cpu_s"]
+            groups_start = loadgen.group_commits(port)
             asyncio.run(run())
             wall = a.seconds  # the load window (the last period only lets the last pushes finish)
             f, n = figures(proc.pid), max(len(stats.latencies), 1)
+            groups = loadgen.group_commits(port)
             coll, comp = f["collector"], f["compactor"]
             total = {"nodes": a.nodes, "seconds": round(wall, 1), "period_s": a.period,
                      "requests": len(stats.latencies), "requests_per_s": round(len(stats.latencies) / wall, 1),
@@ -191,6 +197,8 @@ def main() -> None:
                      "compactor_cpu_ms_per_request": round(1e3 * (comp["cpu_s"] - ccpu_start) / n, 2),
                      "collector_peak_rss_mb": round(coll["hwm"] / 2**20, 1),
                      "compactor_peak_rss_mb": round(comp["hwm"] / 2**20, 1),
+                     "batches_per_commit": round((groups[0] - groups_start[0]) / max(groups[1] - groups_start[1], 1),
+                                                 2),
                      "collector_rss_mb_first_last": [timeline[0]["rss_mb"], timeline[-1]["rss_mb"]] if timeline
                      else None}
             print(json.dumps({"total": total}, indent=1))

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -48,7 +47,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from loadgen import free_port, read_response, request_bytes, serve_workers, tree_cpu_s, wait_ready  # noqa: E402
+from loadgen import (  # noqa: E402
+    free_port,
+    group_commits,
+    read_response,
+    request_bytes,
+    serve_workers,
+    tree_cpu_s,
+    wait_ready,
+)
 
 from gpuledger.agent.push import encode_batch  # noqa: E402
 from gpuledger.schema.records import GpuSample  # noqa: E402
@@ -217,15 +224,6 @@ GcFreezer().start()
 server = CollectorServer(store, port=int(sys.argv[2]))
 server.serve_forever()
 """
-
-
-def group_commits(port: int) -> tuple[float, float]:
-    """The collector's (batches, group commits) so far, from its /metrics (every worker's, summed)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
-                  if line.startswith("gpuledger_collector_group_commit_batches_"))
-    return (float(values.get("gpuledger_collector_group_commit_batches_sum", 0.0)),
-            float(values.get("gpuledger_collector_group_commit_batches_count", 0.0)))
 
 
 def start_collector(a: argparse.Namespace, data: Path, port: int, log_path: Path) -> subprocess.Popen:

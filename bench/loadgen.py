@@ -83,6 +83,20 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
+def group_commits(port: int) -> tuple[float, float]:
+    """The collector's (batches, group commits) so far, from its /metrics (every worker's, summed)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request("GET", "/metrics")
+        text = c.getresponse().read().decode()
+    finally:
+        c.close()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line.startswith("gpuledger_collector_group_commit_batches_"))
+    return (float(values.get("gpuledger_collector_group_commit_batches_sum", 0.0)),
+            float(values.get("gpuledger_collector_group_commit_batches_count", 0.0)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
