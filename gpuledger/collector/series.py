@@ -165,7 +165,6 @@ def series_from_samples(samples: list[GpuSample]) -> Series:
                   floats=floats, ints=ints, lists=lists)
 
 
-
 def plain_row_lists(lists: Mapping[str, tuple]) -> dict[str, list]:
     """A series' row lists (``Series.lists``) as msgpack packs them, in ``ROW_LISTS`` order: per row, xid_errors a
     list of ints, processes a list of [pid, used_memory_bytes]."""
