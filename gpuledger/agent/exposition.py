@@ -145,25 +145,15 @@ class SnapshotCollector:
         yield GaugeMetricFamily("gpuledger_agent_gpus", "GPUs (and MIG instances) in the latest snapshot.",
                                 value=float(len(a.snapshot)))
         yield from self._source_metrics(getattr(a, "source", None))
-        for sink in getattr(a, "sinks", ()):  # a spooling pusher (agent.spool) reports its spool
+        for sink in getattr(a, "sinks", ()):  # the pushing sink (agent.push, agent.spool) reports its figures
             stats = getattr(sink, "stats", None)
             st = stats() if callable(stats) else None
             if st:
-                yield GaugeMetricFamily("gpuledger_agent_spool_batches", "Batches waiting in the spool.",
-                                        value=float(st["depth"]))
-                yield GaugeMetricFamily("gpuledger_agent_spool_bytes", "Bytes the spool holds on disk.",
-                                        value=float(st["bytes"]))
-                yield CounterMetricFamily("gpuledger_agent_spool_dropped_batches",
-                                          "Oldest batches dropped from a full spool.",
-                                          value=float(st["dropped_batches"]))
-                yield CounterMetricFamily("gpuledger_agent_spool_dropped_samples",
-                                          "Samples in batches dropped from a full spool.",
-                                          value=float(st["dropped_samples"]))
-                yield CounterMetricFamily("gpuledger_agent_push_rejected_batches",
-                                          "Batches the collector refused (4xx) and the agent dropped.",
-                                          value=float(st["rejected_batches"]))
+                for key, (name, doc, counter) in _SINK_METRICS.items():
+                    if key in st:  # a spool's figures, or a direct sink's
+                        family = CounterMetricFamily if counter else GaugeMetricFamily
+                        yield family(name, doc, value=float(st[key]))
                 break
-
 
     @staticmethod
     def _source_metrics(src: Any) -> Iterator[Metric]:
@@ -195,6 +185,26 @@ class SnapshotCollector:
         if lost is not None:
             yield _one("gpuledger_agent_gpu_lost", "Times a GPU was marked lost (fell off the bus, reset required).",
                        name, float(lost), counter=True)
+
+
+# sink.stats() key -> (metric, help, counter?): the keys a sink gives decide what is exported
+_SINK_METRICS: dict[str, tuple[str, str, bool]] = {
+    "depth": ("gpuledger_agent_spool_batches", "Batches waiting in the spool.", False),
+    "bytes": ("gpuledger_agent_spool_bytes", "Bytes the spool holds on disk.", False),
+    "dropped_batches": ("gpuledger_agent_spool_dropped_batches", "Oldest batches dropped from a full spool.", True),
+    "dropped_samples": ("gpuledger_agent_spool_dropped_samples", "Samples in batches dropped from a full spool.",
+                        True),
+    "sent_batches": ("gpuledger_agent_push_sent_batches", "Batches a collector acknowledged.", True),
+    "rejected_batches": ("gpuledger_agent_push_rejected_batches",
+                         "Batches the collector refused (4xx) and the agent dropped.", True),
+    "rejected_samples": ("gpuledger_agent_push_rejected_samples",
+                         "Samples in batches the collector refused (4xx) and the agent dropped.", True),
+    "unsent_batches": ("gpuledger_agent_push_unsent_batches",
+                       "Batches no collector took, dropped because there is no spool (--spool-dir) to keep them.",
+                       True),
+    "unsent_samples": ("gpuledger_agent_push_unsent_samples",
+                       "Samples in batches no collector took, dropped for want of a spool (--spool-dir).", True),
+}
 
 
 def _one(metric: str, doc: str, source: str, value: float, *, counter: bool) -> Metric:

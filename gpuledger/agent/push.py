@@ -19,9 +19,11 @@ import math
 import secrets
 import ssl
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from email.utils import parsedate_to_datetime
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -37,8 +39,11 @@ _BODY_EXCERPT = 500  # characters of an error response kept in the exception
 CONTENT_TYPES = {"json": "application/json", "msgpack": "application/msgpack"}
 SAMPLES_PATH = "/api/v1/samples"
 # Answers after which another collector (or a later attempt) may take the batch: no answer, the server's
-# trouble, overload, or a configuration problem of that collector (wrong token, wrong path).
-FAILOVER_STATUSES = frozenset({401, 403, 404, 408, 425, 429}) | frozenset(range(500, 600))
+# trouble, overload, or a configuration problem of that collector or a proxy before it (a redirect, a wrong
+# token, path, method or media type). Only the collector's own verdict on the batch (400, 409, 413, 422) is final.
+FAILOVER_STATUSES = (frozenset(range(300, 400)) | frozenset({401, 403, 404, 405, 407, 408, 415, 421, 425, 429})
+                     | frozenset(range(500, 600)))
+MAX_HUNG_REQUESTS = 2  # requests past their deadline still waiting on a stalled answer; more are not started
 
 
 def samples_url(collector: str) -> str:
@@ -80,12 +85,13 @@ class PushError(RuntimeError):
     ``reason`` the collector's machine-readable reason (``future``, ``invalid``, ...) when it gave one."""
 
     def __init__(self, message: str, status: int | None = None, body: str = "", cause: str = "",
-                 reason: str = "") -> None:
+                 reason: str = "", retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
         self.cause = cause
         self.reason = reason
+        self.retry_after_s = retry_after_s  # the answer's Retry-After, in seconds from now (None: not given)
 
     @property
     def failover(self) -> bool:
@@ -97,6 +103,23 @@ class PushError(RuntimeError):
         if self.status is None:
             return f"unreachable ({self.cause})"
         return f"answered HTTP {self.status}: {self.body.strip()[:200] or '(no body)'}"
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """A Retry-After header (RFC 9110 10.2.3: delay-seconds or an HTTP-date) as seconds from now; None when
+    absent or unreadable (then the agent's own backoff decides)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP-date is GMT; a date without a zone is not one
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 class EncodeError(ValueError):
@@ -151,6 +174,7 @@ class HttpPusher:
         agent_id: str,
         host: str,
         timeout: float = 10.0,
+        deadline_s: float | None = None,
         seq_start: int | None = None,
         client: httpx.Client | None = None,
         token: str | None = None,
@@ -180,7 +204,16 @@ class HttpPusher:
         self._own_client = client is None
         # One client for the agent's life: keep-alive spares a TCP (and TLS) handshake per batch.
         # verify: True (system CAs), a CA bundle path (a self-signed collector), or False (tests only).
-        self._client = client if client is not None else httpx.Client(timeout=timeout, verify=_verify(verify))
+        self._timeout = timeout
+        self._verify = _verify(verify)
+        self._client = client if client is not None else self._new_client()
+        # httpx's timeout bounds each socket operation, not the request: an answer that trickles in a byte at a
+        # time would hold the sender (and the agent's shutdown) for ever. Each attempt gets a whole deadline.
+        self.deadline_s = 3.0 * timeout if deadline_s is None else deadline_s
+        if not self.deadline_s > 0:
+            raise ValueError(f"pusher: deadline_s must be positive, got {deadline_s!r}")
+        self._hung: list[threading.Thread] = []  # attempts past their deadline, still waiting on an answer
+        self._client_lock = threading.Lock()
         self._lock = threading.Lock()
         # not the clock: a random start (62 bits) that a restarted agent without state will not meet again
         self._next_seq = secrets.randbits(62) if seq_start is None else int(seq_start)
@@ -205,25 +238,49 @@ class HttpPusher:
         with self._jobs_lock:
             self._jobs.update((r.job_id, r) for r in records)
 
+    def take_jobs(self) -> list[JobRecord]:
+        """The job metadata waiting for a batch, now that one will carry it."""
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, {}
+        return list(jobs.values())
+
+    def return_jobs(self, records: Sequence[JobRecord]) -> None:
+        """Records a batch took but did not deliver (not spooled, not acknowledged): the next batch carries them,
+        unless a newer record of the same job is already waiting. The agent sends a record only when it changes,
+        so one dropped with its batch would be lost for good."""
+        with self._jobs_lock:
+            for r in records:
+                self._jobs.setdefault(r.job_id, r)
+
     def bump_seq(self, at_least: int) -> None:
         """Never hand out a number below ``at_least`` (a spool's batches already hold the ones before)."""
         with self._lock:
             self._next_seq = max(self._next_seq, at_least)
 
     def encode(self, seq: int, samples: Sequence[GpuSample], fmt: str = "json", compress: str | None = None,
-               layout: str = "series") -> bytes:
-        """The request body of a batch (see :func:`encode_batch`), with the job metadata waiting for it."""
-        with self._jobs_lock:
-            jobs, self._jobs = self._jobs, {}
+               layout: str = "series", jobs: Sequence[JobRecord] | None = None) -> bytes:
+        """The request body of a batch (see :func:`encode_batch`) with ``jobs``, or else the job metadata waiting
+        for it (given back if the batch cannot be encoded)."""
+        taken = self.take_jobs() if jobs is None else []
         try:
-            return encode_batch(self.agent_id, self.host, seq, samples, list(jobs.values()), fmt, compress, layout,
-                                self.cluster)
+            return encode_batch(self.agent_id, self.host, seq, samples, taken if jobs is None else jobs, fmt,
+                                compress, layout, self.cluster)
         except EncodeError as exc:
+            if taken:
+                self.return_jobs(taken)
             raise PushError(f"batch {seq} for {self.url} cannot be encoded as {fmt.upper()}: {exc}") from exc
 
     def send(self, seq: int, samples: Sequence[GpuSample]) -> None:
-        """Send a batch under a given sequence number (in ``fmt``)."""
-        self.post(seq, self.encode(seq, samples, self.fmt), self.fmt, samples=len(samples))
+        """Send a batch under a given sequence number (in ``fmt``). The job metadata it carries goes back in the
+        queue when no collector answered or the batch could not be encoded (a refusal of the batch itself drops
+        it: it may be the cause)."""
+        jobs = self.take_jobs()
+        try:
+            self.post(seq, self.encode(seq, samples, self.fmt, jobs=jobs), self.fmt, samples=len(samples))
+        except PushError as exc:
+            if exc.failover:
+                self.return_jobs(jobs)
+            raise
 
     def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None, samples: int = 0) -> None:
         """POST an encoded batch to the collectors in order until one acknowledges it (a 2xx); raises the last
@@ -243,10 +300,12 @@ class HttpPusher:
 
     def _post_one(self, url: str, seq: int, body: bytes, headers: dict[str, str], samples: int) -> None:
         try:
-            response = self._client.post(url, content=body, headers=headers)
+            response = self._request(url, body, headers)
         except httpx.HTTPError as exc:
             cause = f"{type(exc).__name__}: {exc}"
             raise PushError(f"push of batch {seq} to {url} failed: {cause}", cause=cause) from exc
+        except TimeoutError as exc:
+            raise PushError(f"push of batch {seq} to {url} failed: {exc}", cause=str(exc)) from exc
         if not 200 <= response.status_code < 300:
             text = response.text[:_BODY_EXCERPT]
             try:
@@ -254,10 +313,53 @@ class HttpPusher:
             except (ValueError, AttributeError):
                 reason = ""
             raise PushError(f"push of batch {seq} to {url} rejected: HTTP {response.status_code}: {text}",
-                            status=response.status_code, body=text, reason=reason if isinstance(reason, str) else "")
+                            status=response.status_code, body=text, reason=reason if isinstance(reason, str) else "",
+                            retry_after_s=retry_after_seconds(response.headers.get("Retry-After")))
         self.batches_sent += 1
         self.samples_sent += samples
         self._read_ack(url, seq, response)
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(timeout=self._timeout, verify=self._verify)
+
+    def _request(self, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """POST within ``deadline_s``, or TimeoutError. The request runs in a thread of its own that is left
+        behind when the deadline passes (a blocked socket read cannot be interrupted); the pusher then moves to a
+        fresh client, the old one is closed when that thread ends, and at most MAX_HUNG_REQUESTS are left so."""
+        with self._client_lock:
+            self._hung = [t for t in self._hung if t.is_alive()]
+            if len(self._hung) >= MAX_HUNG_REQUESTS:
+                raise TimeoutError(f"{len(self._hung)} earlier requests are still waiting on their answers")
+            client = self._client
+        outcome: list[Any] = []
+        done = threading.Event()
+        abandoned = threading.Event()
+
+        def attempt() -> None:
+            try:
+                outcome.append(client.post(url, content=body, headers=headers))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                outcome.append(exc)
+            finally:
+                done.set()
+                if abandoned.is_set() and self._own_client:
+                    client.close()
+
+        worker = threading.Thread(target=attempt, name="push-request", daemon=True)
+        worker.start()
+        if not done.wait(self.deadline_s):
+            abandoned.set()
+            with self._client_lock:
+                self._hung.append(worker)
+                if self._own_client and self._client is client:
+                    self._client = self._new_client()
+            if done.is_set() and self._own_client:  # it ended just now: its thread may not have seen the flag
+                client.close()
+            raise TimeoutError(f"no complete answer within {self.deadline_s:g} s")
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return cast(httpx.Response, result)
 
     def _read_ack(self, url: str, seq: int, response: httpx.Response) -> None:
         """Every answer is read: samples the collector acknowledged but did not store are counted and said."""
@@ -277,7 +379,8 @@ class HttpPusher:
 
     def close(self) -> None:
         if self._own_client:
-            self._client.close()
+            with self._client_lock:
+                self._client.close()
 
 
 class DirectSink:
@@ -289,6 +392,7 @@ class DirectSink:
         self.dropped_batches = 0
         self.dropped_samples = 0
         self.rejected_batches = 0  # of the dropped: refused for good by the collector (a 4xx about the batch)
+        self.rejected_samples = 0
 
     def write(self, samples: Sequence[GpuSample]) -> None:
         seq = self.pusher.next_seq()
@@ -302,6 +406,7 @@ class DirectSink:
                             exc.describe(), seq, len(samples))
             else:
                 self.rejected_batches += 1
+                self.rejected_samples += len(samples)
                 log.warning("collector refused batch %d (%d samples) for good, %s: dropped", seq, len(samples),
                             exc.describe())
 
@@ -309,8 +414,11 @@ class DirectSink:
         self.pusher.write_jobs(records)
 
     def stats(self) -> dict[str, float]:
-        return {"sent_batches": self.pusher.batches_sent, "dropped_batches": self.dropped_batches,
-                "dropped_samples": self.dropped_samples, "rejected_batches": self.rejected_batches}
+        """For the agent's /metrics (``agent.exposition``: the keys both sinks share, and no spool's)."""
+        return {"sent_batches": self.pusher.batches_sent,
+                "unsent_batches": self.dropped_batches - self.rejected_batches,
+                "unsent_samples": self.dropped_samples - self.rejected_samples,
+                "rejected_batches": self.rejected_batches, "rejected_samples": self.rejected_samples}
 
     def delivered(self) -> int:
         return self.pusher.batches_sent

@@ -8,10 +8,13 @@ so the collector acknowledges a re-sent batch without storing it twice. When the
 that decays, and the newest batch always fits.
 
 :class:`SpoolingPusher` is an Agent sink: ``write`` only spools (never blocks on the network); a sender
-thread posts the oldest batch first. A connection failure, a 5xx, 401/403/404 (configuration, not the
-batch), 408, 429, or a 400 for times in the collector's future (this node's clock is off: fixed, the batch
-goes through) is retried after an exponential, jittered delay; any other 4xx means the collector will never
-take the batch: it is dropped, counted and logged. Each failed attempt is one warning line.
+thread posts the oldest batch first. A connection failure, no whole answer within the pusher's deadline, a 5xx,
+a redirect or 401/403/404/405/415 (configuration, not the batch), 408 or 429 stops the pass, and the spool is
+tried again after an exponential, jittered delay, or the answer's Retry-After when that is longer (capped at
+``backoff_max_s``). A 400 for times in the collector's future (this node's clock was ahead when it sampled) is
+about that batch alone: it waits in the spool on a backoff of its own, the batches after it go ahead, and it is
+taken once its times are no longer in the future. Any other 4xx means the collector will never take the batch:
+it is dropped, counted and logged. Each failed attempt is one warning line.
 
 Sequence numbers persist in the spool directory (``SeqFile``), so a restarted agent continues after the
 numbers it used, whatever its clock says.
@@ -25,6 +28,7 @@ import os
 import random
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +45,14 @@ CLOCK_SKEW_REASONS = frozenset({"future"})  # a 400 with this reason: this node'
 SEQ_FILE = ".next-seq"  # hidden: the spool directory lists batches
 
 
+def clock_skewed(exc: PushError) -> bool:
+    """Refused for times in the collector's future: the batch is kept, and waits without holding up the others."""
+    return exc.status == 400 and exc.reason in CLOCK_SKEW_REASONS
+
+
 def retryable(exc: PushError) -> bool:
     """Keep the batch and try again later? (No answer, 5xx, overload, configuration, clock skew.)"""
-    return exc.failover or (exc.status == 400 and exc.reason in CLOCK_SKEW_REASONS)
+    return exc.failover or clock_skewed(exc)
 
 
 class SeqFile:
@@ -152,13 +161,14 @@ class Spool:
             self._bytes += len(body)
             self._enforce_bound(keep=seq)
 
-    def oldest(self) -> tuple[SpooledBatch, builtins.bytes] | None:
-        """The batch with the lowest seq and its body; an unreadable file is dropped (and counted)."""
+    def oldest(self, skip: frozenset[int] | set[int] = frozenset()) -> tuple[SpooledBatch, builtins.bytes] | None:
+        """The batch with the lowest seq not in ``skip`` and its body; an unreadable file is dropped (and counted)."""
         while True:
             with self._lock:
-                if not self._index:
+                seq = min((s for s in self._index if s not in skip), default=None)
+                if seq is None:
                     return None
-                b = self._index[min(self._index)]
+                b = self._index[seq]
             try:
                 return b, (self.path / b.name).read_bytes()
             except OSError as exc:
@@ -198,9 +208,10 @@ def _fsync_dir(path: Path) -> None:
 class SpoolingPusher:
     """An Agent sink: spool each batch, deliver the spool oldest first in a background thread.
 
-    ``rng`` and ``sleep`` are the seams for tests: the delay before retry n (1-based) is
-    ``min(backoff_max_s, backoff_base_s * 2**(n-1))`` scaled by a random factor in [0.5, 1) ("equal jitter":
-    agents that lost the collector together do not return in lockstep, and no delay collapses to zero).
+    ``rng``, ``sleep`` and ``clock`` (monotonic seconds) are the seams for tests: the delay before retry n
+    (1-based) is ``min(backoff_max_s, backoff_base_s * 2**(n-1))`` scaled by a random factor in [0.5, 1) ("equal
+    jitter": agents that lost the collector together do not return in lockstep, and no delay collapses to zero),
+    or the collector's Retry-After when that is longer, up to ``backoff_max_s``.
     """
 
     def __init__(
@@ -213,6 +224,7 @@ class SpoolingPusher:
         backoff_max_s: float = 300.0,
         rng: random.Random | None = None,
         sleep: Callable[[float], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pusher = pusher
         self.spool = spool
@@ -224,9 +236,13 @@ class SpoolingPusher:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._sleep = sleep or self._stop.wait  # the thread's waits end at once on close()
+        self._clock = clock
         self._send_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.failures = 0  # consecutive failed attempts (0: the last attempt succeeded)
+        self._retry_after_s: float | None = None  # what the last failed answer asked for
+        # batches refused for clock skew: seq -> (attempts, when the next one may start, on ``clock``)
+        self._skewed: dict[int, tuple[int, float]] = {}
         self.rejected_batches = 0  # 4xx: dropped, the collector will never take them
         self.rejected_samples = 0
         self.sent_batches = 0
@@ -240,8 +256,13 @@ class SpoolingPusher:
         """Spool one batch under a new seq and wake the sender; returns the seq. Raises PushError if unencodable."""
         seq = self.pusher.next_seq()
         self.seq_file.reserve(seq)
-        body = self.pusher.encode(seq, samples, self.fmt, self.compress)
-        self.spool.put(seq, body, len(samples), self.fmt, self.compress)
+        jobs = self.pusher.take_jobs()
+        try:
+            body = self.pusher.encode(seq, samples, self.fmt, self.compress, jobs=jobs)
+            self.spool.put(seq, body, len(samples), self.fmt, self.compress)
+        except BaseException:  # not spooled (a full disk, an unencodable batch): the next batch carries the jobs
+            self.pusher.return_jobs(jobs)
+            raise
         self._wake.set()
         return seq
 
@@ -251,10 +272,13 @@ class SpoolingPusher:
 
     # -- delivery -------------------------------------------------------------------------------
     def send_pending(self) -> bool:
-        """Send spooled batches oldest first until empty (True) or a retryable failure (False)."""
+        """Send spooled batches oldest first until none is left to send now (True: the spool is empty, or holds
+        only batches refused for clock skew whose next attempt is not due) or a retryable failure (False)."""
         with self._send_lock:
+            now = self._clock()
+            waiting = {seq for seq, (_, due) in self._skewed.items() if due > now}
             while True:
-                item = self.spool.oldest()
+                item = self.spool.oldest(skip=waiting)
                 if item is None:
                     return True
                 b, body = item
@@ -262,34 +286,54 @@ class SpoolingPusher:
                     self.pusher.post(b.seq, body, b.fmt, b.compress, samples=b.samples)
                 except PushError as exc:
                     self.last_error = str(exc)
+                    if clock_skewed(exc):
+                        attempts = self._skewed.get(b.seq, (0, 0.0))[0] + 1
+                        self._skewed[b.seq] = (attempts, self._clock() + self._backoff(attempts))
+                        waiting.add(b.seq)
+                        log.warning("collector %s for batch %d (%d samples): kept in the spool, retried later; "
+                                    "the batches after it go first", exc.describe(), b.seq, b.samples)
+                        continue
                     if not retryable(exc):
                         log.warning("collector refused batch %d (%d samples) for good, %s: dropped",
                                     b.seq, b.samples, exc.describe())
                         self.rejected_batches += 1
                         self.rejected_samples += b.samples
                         self.spool.remove(b.seq)
+                        self._skewed.pop(b.seq, None)
                         continue
                     self.failures += 1
+                    self._retry_after_s = exc.retry_after_s
                     log.warning("collector %s for batch %d (%d samples): kept in the spool (%d batches), retried "
                                 "later", exc.describe(), b.seq, b.samples, self.spool.depth)
                     return False
                 self.spool.remove(b.seq)
+                self._skewed.pop(b.seq, None)
                 self.sent_batches += 1
                 if self.failures:
                     log.info("collector reachable again after %d failed attempts", self.failures)
                 self.failures = 0
+                self._retry_after_s = None
                 self.last_error = None
 
-    def retry_delay(self) -> float:
-        """The jittered delay before the next attempt after ``self.failures`` consecutive failures."""
-        n = max(self.failures, 1)
-        base = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** min(n - 1, 60))
+    def _backoff(self, n: int) -> float:
+        """The jittered delay before attempt n + 1 after n failed ones."""
+        base = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** min(max(n, 1) - 1, 60))
         return base * (0.5 + 0.5 * self._rng.random())
 
-    def drain(self, max_attempts: int | None = None) -> bool:
-        """Send until the spool is empty, sleeping the backoff delay between failed attempts.
+    def retry_delay(self) -> float:
+        """The delay before the next attempt after ``self.failures`` consecutive failures: the jittered backoff,
+        or the last answer's Retry-After if longer (never past ``backoff_max_s``: a collector cannot park an agent
+        for longer than its operator allows)."""
+        delay = self._backoff(self.failures)
+        if self._retry_after_s is not None:
+            delay = max(delay, min(self._retry_after_s, self.backoff_max_s))
+        return delay
 
-        Returns True once empty, False when stopped or ``max_attempts`` attempts failed.
+    def drain(self, max_attempts: int | None = None) -> bool:
+        """Send until nothing is left to send now (see :meth:`send_pending`), sleeping the backoff delay between
+        failed attempts.
+
+        Returns True then, False when stopped or ``max_attempts`` attempts failed.
         """
         attempts = 0
         while not self._stop.is_set():
@@ -308,7 +352,8 @@ class SpoolingPusher:
                 self._wake.wait(1.0)
                 continue
             try:
-                self.drain()
+                if self.drain() and self.spool.depth:  # only batches refused for clock skew left: not due yet
+                    self._wake.wait(1.0)
             except Exception as exc:  # noqa: BLE001 - a disk error must not end delivery for good
                 log.exception("spool sender: %s", exc)
                 self._stop.wait(self.backoff_base_s)
@@ -324,6 +369,9 @@ class SpoolingPusher:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():  # still in an attempt: a flush would wait on it; the spool keeps the rest
+                log.warning("spool sender still busy after 30 s: %d batch(es) left in the spool", self.spool.depth)
+                flush = False
         if flush and self.failures == 0 and self.spool.depth:
             try:
                 self.send_pending()  # whatever is left stays spooled for the next start
@@ -348,5 +396,6 @@ class SpoolingPusher:
             "dropped_batches": self.spool.dropped_batches,
             "dropped_samples": self.spool.dropped_samples,
             "rejected_batches": self.rejected_batches,
+            "rejected_samples": self.rejected_samples,
             "sent_batches": self.sent_batches,
         }

@@ -215,3 +215,151 @@ def test_batcher_pushes_every_n_ticks_and_on_close() -> None:
     assert [len(x) for x in inner.batches] == [6, 6, 2] and inner.closed
     with pytest.raises(ValueError, match="must be >= 1"):
         Batcher(inner, every=0)
+
+
+class Dripping:
+    """A server (or a proxy) that reads the request, then answers one byte every ``every_s``: each read is within
+    any per-read timeout, the whole answer takes for ever."""
+
+    def __init__(self, every_s: float = 0.2) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/api/v1/samples"
+        self.every_s = every_s
+        self.accepted = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            try:
+                for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b" " * 100000:
+                    if self._stop.wait(self.every_s):
+                        return
+                    conn.send(bytes([byte]))
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.listener.close()
+
+
+def test_an_answer_that_trickles_in_fails_at_the_deadline_and_close_returns(tmp_path) -> None:
+    import time
+
+    from gpuledger.agent.push import MAX_HUNG_REQUESTS
+    from gpuledger.agent.spool import Spool, SpoolingPusher
+
+    srv = Dripping(every_s=0.2)
+    try:
+        pusher = HttpPusher(srv.url, agent_id="a", host="n7", timeout=1.0, deadline_s=1.5, seq_start=1)
+        t0 = time.monotonic()
+        with pytest.raises(PushError, match="no complete answer within 1.5 s") as info:
+            pusher.write(samples(1))
+        assert 1.4 < time.monotonic() - t0 < 5 and info.value.status is None and info.value.failover
+        for _ in range(MAX_HUNG_REQUESTS - 1):
+            with pytest.raises(PushError, match="no complete answer"):
+                pusher.write(samples(1))
+        t0 = time.monotonic()  # as many requests hang as allowed: the next fails at once, opening no connection
+        with pytest.raises(PushError, match=f"{MAX_HUNG_REQUESTS} earlier requests are still waiting"):
+            pusher.write(samples(1))
+        assert time.monotonic() - t0 < 0.5 and srv.accepted == MAX_HUNG_REQUESTS
+        pusher.close()
+        # the spooling sender: the batch stays spooled, and the agent's shutdown is not held
+        sp = SpoolingPusher(HttpPusher(srv.url, agent_id="a", host="n7", timeout=1.0, deadline_s=1.0),
+                            Spool(tmp_path), backoff_base_s=0.1, backoff_max_s=0.2).start()
+        sp.write(samples(1))
+        deadline = time.monotonic() + 10
+        while sp.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sp.failures >= 1 and "no complete answer" in (sp.last_error or "") and sp.spool.depth == 1
+        t0 = time.monotonic()
+        sp.close()
+        assert time.monotonic() - t0 < 5 and sp.spool.depth == 1
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="deadline_s"):
+        HttpPusher(srv.url, agent_id="a", host="n7", deadline_s=0)
+
+
+def test_job_records_of_a_batch_no_collector_took_ride_with_the_next(collector: Collector, tmp_path) -> None:
+    from gpuledger.agent.push import DirectSink
+    from gpuledger.agent.spool import Spool, SpoolingPusher
+    from gpuledger.schema.records import JobRecord
+
+    rec = JobRecord(job_id="4242", user="alice", account="proj_a")
+    direct = DirectSink(HttpPusher(collector.url, agent_id="a", host="n7", seq_start=1))
+    direct.write_jobs([rec])
+    collector.status = 503  # down for one batch: dropped (no spool), its job record kept for the next
+    direct.write(samples(1))
+    collector.status = 200
+    direct.write(samples(1))
+    direct.write(samples(1))
+    carried = [[j["job_id"] for j in r["json"].get("jobs", [])] for r in collector.requests]
+    assert carried == [["4242"], ["4242"], []]
+    assert direct.stats()["unsent_batches"] == 1 and direct.stats()["rejected_batches"] == 0
+    # a batch refused for good drops its records with it (they may be why it was refused)
+    collector.status = 400
+    direct.write_jobs([JobRecord(job_id="7")])
+    direct.write(samples(1))
+    collector.status = 200
+    direct.write(samples(1))
+    assert "jobs" not in collector.requests[-1]["json"] and direct.stats()["rejected_batches"] == 1
+    direct.close()
+
+    # spooled: a batch that could not be written to the spool (its directory gone) gives its records back
+    collector.requests.clear()
+    spool_dir = tmp_path / "spool"
+    sp = SpoolingPusher(HttpPusher(collector.url, agent_id="a", host="n7"), Spool(spool_dir), fmt="json",
+                        compress=None, sleep=lambda s: None)
+    sp.write(samples(1))  # reserves a block of sequence numbers: the next writes only spool
+    sp.write_jobs([rec])
+    moved = tmp_path / "moved"
+    spool_dir.rename(moved)
+    with pytest.raises(FileNotFoundError):
+        sp.write(samples(1))
+    moved.rename(spool_dir)
+    sp.write(samples(1))
+    assert sp.drain() is True
+    assert [[j["job_id"] for j in r["json"].get("jobs", [])] for r in collector.requests] == [[], ["4242"]]
+    sp.close()
+
+
+def test_metrics_of_a_pusher_without_a_spool_are_exported(collector: Collector) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuledger.agent.exposition import make_registry
+    from gpuledger.agent.push import Batcher, DirectSink
+
+    for sink in (DirectSink(HttpPusher(collector.url, agent_id="a", host="h", seq_start=1)),
+                 Batcher(DirectSink(HttpPusher(collector.url, agent_id="a", host="h", seq_start=1)), 1)):
+        collector.requests.clear()
+        agent = Agent(SimulatedSource(host="h", gpus=2), sinks=[sink])
+        collector.status = 200
+        agent.tick()
+        collector.status = 503
+        agent.tick()
+        collector.status = 422
+        agent.tick()
+        text = generate_latest(make_registry(agent)).decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert values["gpuledger_agent_push_sent_batches_total"] == 1
+        assert values["gpuledger_agent_push_unsent_batches_total"] == 1
+        assert values["gpuledger_agent_push_unsent_samples_total"] == 2
+        assert values["gpuledger_agent_push_rejected_batches_total"] == 1
+        assert values["gpuledger_agent_push_rejected_samples_total"] == 2
+        assert "gpuledger_agent_spool_batches" not in values  # no spool, no spool figures
+        agent.close()

@@ -25,10 +25,13 @@ def samples(n: int = 2, ts: float = 1_700_000_000.0) -> list[GpuSample]:
 
 
 class Scripted:
-    """Answers POSTs with the next status of ``script`` (then ``default``); records each decoded batch."""
+    """Answers POSTs with the next status of ``script`` (then ``default``), with ``headers``; records each decoded
+    batch. A script entry may be a function of the decoded batch giving the status."""
 
-    def __init__(self, script: list[int] | None = None, default: int = 200, body: bytes = b"{}") -> None:
+    def __init__(self, script: list | None = None, default: int = 200, body: bytes = b"{}",
+                 headers: dict[str, str] | None = None) -> None:
         self.script, self.default, self.body = list(script or []), default, body
+        self.headers = dict(headers or {})
         self.received: list[dict] = []  # every request, whatever was answered
         self.statuses: list[int] = []
         outer = self
@@ -40,10 +43,15 @@ class Scripted:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.headers.get("Content-Encoding") == "zstd":
                     body = zstandard.ZstdDecompressor().decompress(body)
-                outer.received.append(json.loads(body))
+                batch = json.loads(body)
+                outer.received.append(batch)
                 status = outer.script.pop(0) if outer.script else outer.default
+                if callable(status):
+                    status = status(batch)
                 outer.statuses.append(status)
                 self.send_response(status)
+                for name, value in outer.headers.items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(outer.body)))
                 self.end_headers()
                 self.wfile.write(outer.body)
@@ -157,24 +165,124 @@ def test_seq_file_reserves_blocks_and_survives_without_the_clock(tmp_path):
         SeqFile(tmp_path / "next-seq")
 
 
-def test_clock_skew_is_kept_and_retried_a_bad_batch_is_dropped_and_counted(tmp_path, scripted, caplog):
-    future = b'{"error": "series[0].ts[3]: is more than 300 s in the future", "reason": "future"}'
-    srv = scripted([400], body=future)
-    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), sleep=lambda s: None)
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+FUTURE = b'{"error": "series[0].ts[3]: is more than 300 s in the future", "reason": "future"}'
+
+
+def test_a_batch_from_a_clock_ahead_waits_and_the_batches_after_it_go_first(tmp_path, scripted, caplog):
+    # The node's clock ran ahead for one batch (seq 1), then was stepped back: that batch is refused as "future"
+    # until real time reaches its times; the correct batches behind it must not wait for that.
+    clock = Clock()
+    srv = scripted(body=FUTURE)
+    srv.default = lambda b: 400 if b["seq"] == 1 else 200
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), backoff_base_s=10.0,
+                       rng=random.Random(1), sleep=lambda s: None, clock=clock)
+    for _ in range(3):
+        p.write(samples())
+    assert p.send_pending() is True  # nothing more to send now: seq 1 waits on its own backoff
+    assert srv.acked() == [2, 3] and p.spool.seqs() == [1] and p.rejected_batches == 0 and p.failures == 0
+    assert [r["seq"] for r in srv.received] == [1, 2, 3]
     p.write(samples())
-    assert p.send_pending() is False and p.spool.depth == 1  # the node's clock, not the batch: kept
-    assert p.rejected_batches == 0
-    assert p.send_pending() is True and srv.acked() == [1]
-    srv.body, srv.script = b'{"error": "bad", "reason": "invalid"}', [400]
+    assert p.send_pending() is True and srv.acked() == [2, 3, 4]  # not due: seq 1 is not tried again
+    assert [r["seq"] for r in srv.received] == [1, 2, 3, 4]
+    clock.t += 10.0  # past its first delay (5-10 s): tried again, still refused; the next delay doubles
+    assert p.send_pending() is True and [r["seq"] for r in srv.received][-1] == 1 and p.spool.seqs() == [1]
+    clock.t += 10.0
+    p.send_pending()
+    assert p.spool.seqs() == [1]  # 10-20 s now: not due after 10
+    clock.t += 10.0
+    srv.default = 200  # its times are no longer in the future: taken
+    assert p.send_pending() is True and srv.acked() == [2, 3, 4, 1] and p.spool.depth == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpuledger.agent.spool"]
+    assert any("kept in the spool" in m and "HTTP 400" in m and "go first" in m for m in lines)
+    p.close()
+
+
+def test_the_background_sender_does_not_spin_on_a_batch_that_is_not_due(tmp_path, scripted):
+    srv = scripted(default=400, body=FUTURE)
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), backoff_base_s=60.0).start()
+    try:
+        p.write(samples())
+        deadline = time.monotonic() + 5
+        while not srv.received and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert len(srv.received) == 1 and p.spool.depth == 1  # one attempt, then it waits 30-60 s
+        srv.default = 200
+        p.write(samples())  # a new batch wakes the sender and goes ahead of the waiting one
+        deadline = time.monotonic() + 5
+        while srv.acked() != [2] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.acked() == [2] and p.spool.seqs() == [1]
+    finally:
+        p.close(flush=False)
+
+
+def test_a_bad_batch_is_dropped_and_counted(tmp_path, scripted, caplog):
+    srv = scripted([400], body=b'{"error": "bad", "reason": "invalid"}')
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=2), Spool(tmp_path), sleep=lambda s: None)
     p.write(samples(3))
     assert p.send_pending() is True and p.spool.depth == 0  # refused for good: dropped and counted
     assert (p.rejected_batches, p.rejected_samples) == (1, 3)
     lines = [r.getMessage() for r in caplog.records if r.name == "gpuledger.agent.spool"]
-    assert any("kept in the spool" in m and "HTTP 400" in m for m in lines)
     assert any("refused batch 2 (3 samples) for good" in m and "dropped" in m for m in lines)
     assert all("\n" not in m for m in lines) and "unreachable" not in " ".join(lines)  # 4xx is no outage
     assert "dropped 1 refused" in p.summary()
     p.close()
+
+
+@pytest.mark.parametrize("status", [301, 307, 308, 405, 415])
+def test_a_redirect_or_a_wrong_endpoint_keeps_the_whole_spool(tmp_path, scripted, status):
+    # A proxy redirecting, or a URL that is not the collector's samples endpoint, says nothing about the batches:
+    # one pass must not throw the backlog away.
+    srv = scripted(default=status)
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), sleep=lambda s: None)
+    for _ in range(5):
+        p.write(samples())
+    assert p.send_pending() is False and len(srv.received) == 1  # the pass stops at the first answer
+    assert p.spool.depth == 5 and p.rejected_batches == 0 and p.failures == 1
+    srv.default = 200
+    assert p.drain() is True and srv.acked() == [1, 2, 3, 4, 5]
+    p.close()
+
+
+def test_retry_after_is_honoured_up_to_the_longest_backoff(tmp_path, scripted):
+    srv = scripted(default=507, headers={"Retry-After": "30"}, body=b'{"error": "disk full", "reason": "full"}')
+    sleeps: list[float] = []
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), backoff_base_s=0.5,
+                       backoff_max_s=300.0, rng=random.Random(3), sleep=sleeps.append)
+    p.write(samples())
+    assert p.drain(max_attempts=3) is False
+    assert sleeps == [30.0, 30.0]  # the jittered backoff (0.25-2 s) is shorter: the collector's word wins
+    srv.headers = {"Retry-After": "86400"}  # a day: capped at backoff_max_s
+    sleeps.clear()
+    p.backoff_max_s = 60.0
+    assert p.drain(max_attempts=2) is False and sleeps == [60.0]
+    srv.headers = {}  # none given: the backoff alone
+    srv.default = 429
+    p.failures = 0
+    sleeps.clear()
+    assert p.drain(max_attempts=2) is False and 0.25 <= sleeps[0] < 0.5
+    srv.default, srv.headers = 200, {}
+    assert p.drain() is True and srv.acked() == [1]
+    p.close()
+
+
+def test_retry_after_seconds_reads_delay_seconds_and_http_dates():
+    from gpuledger.agent.push import retry_after_seconds
+
+    assert retry_after_seconds("120") == 120.0 and retry_after_seconds(" 0 ") == 0.0
+    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412490.0) == 0.0  # past: now
+    for bad in (None, "", "soon", "-5", "1.5", "\u00b2", "Wed, 21 Oct 2015 07:28:00"):
+        assert retry_after_seconds(bad) is None
 
 
 def test_background_sender_with_the_real_collector_and_agent_metrics(tmp_path):
