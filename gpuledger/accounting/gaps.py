@@ -18,6 +18,11 @@ or clock skew), all are scaled down to sum to 1: never more energy than the gap 
 ``energy x share_j``, placed in time evenly over its overlap with the gap (which spans the hour buckets it fell
 in); the gap's remainder stays unattributed. Equal inputs give equal outputs: gaps and jobs are taken in a
 fixed order and sums are ``math.fsum``.
+
+A GPU in MIG mode: its instances charge their own jobs for a gap they held (each its slice), and record it; the
+physical GPU's record of that gap then says no jobs (its rows carry none), yet is not unattributed. A physical gap
+that overlaps a gap one of its instances held is not reassigned: what the instances did not hold stays
+unattributed rather than be charged twice.
 """
 
 from __future__ import annotations
@@ -82,12 +87,20 @@ def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_hos
             continue
         for h in dict.fromkeys(r.hosts):
             by_host.setdefault(h, []).append((r, r.start))
+    gaps = list(gaps)
+    held_by_instances: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (host, GPU) -> held MIG gap spans
+    for g in gaps:
+        if g.get("mig") and g["job_ids"]:
+            held_by_instances.setdefault((g["host"], g["gpu_uuid"]), []).append((float(g["start"]), float(g["end"])))
     shares: list[GapShare] = []
     remaining: list[tuple[Mapping, float]] = []
     for g in sorted(gaps, key=lambda g: (g["host"], g["gpu_uuid"], g.get("mig") or "", g["start"], g["end"])):
         if g["job_ids"]:
             continue
-        energy, lo, hi = float(g["energy_joules"]), float(g["start"]), float(g["end"])
+        lo, hi = float(g["start"]), float(g["end"])
+        if any(a < hi and lo < b for a, b in held_by_instances.get((g["host"], g["gpu_uuid"]), ())):
+            continue  # charged by the GPU's MIG instances already
+        energy = float(g["energy_joules"])
         length = hi - lo
         found: list[tuple[JobRecord, float, float, float]] = []
         if length > 0 and energy > 0:

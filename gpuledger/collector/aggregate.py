@@ -693,16 +693,20 @@ class Aggregator:
     def _apply_gap(self, gk: GpuKey, g: GpuState, prev: GpuSample, cur: GpuSample, sign: float, dt: float,
                    energy: float, anomaly: int) -> None:
         """A gap (prev, cur]: its energy spread over the hours it covers, charged to the jobs on both sides of it
-        (held) or left unattributed, and kept as a gap record."""
+        (held) or left unattributed, and kept as a gap record: the physical GPU's always; a MIG instance's when it
+        charged its jobs (the physical rows carry no jobs, ``normalize_mig``), so accounting does not reassign
+        the physical gap as unattributed on top (``accounting.gaps.reassign``)."""
         physical = not gk[2]
         held = bool(cur.job_ids) and set(prev.job_ids) == set(cur.job_ids)
+        key = (gk[0], gk[1], gk[2], prev.ts, cur.ts)
         if physical:
             g.energy_j += sign * energy
             g.anomalies += int(sign) * anomaly
             if anomaly:
                 self._hour((gk[0], gk[1], gk[2], math.floor(cur.ts / HOUR_S) * HOUR_S)).anomalies += int(sign) * anomaly
-            key = (gk[0], gk[1], gk[2], prev.ts, cur.ts)
             self.gaps[key] = (energy, tuple(cur.job_ids) if held else ()) if sign > 0 else None
+        elif held:  # undone (sign < 0) exactly as it was written: deleted
+            self.gaps[key] = (energy, tuple(cur.job_ids)) if sign > 0 else None
         if energy == 0.0 and not held:
             return
         parts = _hour_parts(prev.ts, cur.ts)

@@ -607,7 +607,9 @@ class SqlLedger:
 
     def energy_gaps(self, start: float | None = None, end: float | None = None) -> list[dict]:
         """Gaps in each GPU's samples that ended in [start, end): span, the counter delta across it (J) and the
-        jobs it was charged to (empty: unattributed). Accounting may reassign these from the scheduler's records."""
+        jobs it was charged to (empty: unattributed). Accounting may reassign these from the scheduler's records.
+        A MIG instance's record (``mig`` set) is a gap its jobs held (each charged its slice); its energy is the
+        physical GPU's delta, which the physical record (no jobs) also holds."""
         lo = -math.inf if start is None else start
         hi = math.inf if end is None else end
         rows = self._db.execute(

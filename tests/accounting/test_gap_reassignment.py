@@ -260,3 +260,63 @@ def test_the_audit_trail_records_and_explains_the_reassigned_gap_energy(store_di
     r = runner.invoke(app, ["audit", "explain", "7", "--data-dir", str(store_dir)])
     assert r.exit_code == 0, r.output
     assert "gap energy: 90000.0 J" in r.output
+
+
+def _mig_gap_store(tmp_path, second_jobs: tuple[str, str]) -> Store:
+    """n3's MIG A100 at 70 W (the counter 70 J/s), samples at +0, 10, 20, then +320, 330: a 300 s gap (21 kJ).
+    Instance 1.0 (3g) runs job 21 throughout; instance 2.0 (2g) job 22 before the gap, ``second_jobs`` after."""
+    store = Store(tmp_path / "gpuledger.sqlite")
+    rows = []
+    for t in (0, 10, 20, 320, 330):
+        e = 70.0 * t
+        jobs = ("21", "22") if t < 320 else second_jobs
+        rows += [_s("n3", "M0", T0 + t, e, model=A100, power=70.0),
+                 _s("n3", "M0", T0 + t, e, (jobs[0],), f"{A100} MIG 3g.40gb", "1.0", 70.0),
+                 _s("n3", "M0", T0 + t, e, (jobs[1],), f"{A100} MIG 2g.20gb", "2.0", 70.0)]
+    store.ingest(Batch("a3", 1, "n3", tuple(rows), cluster="c"))
+    store.put_jobs([_job(j, "proj", T0 - 10, T0 + 400, hosts=("n3",), gpu_model=None,
+                         tres=(("gres/gpu", 1.0), (f"gres/gpu:{p}", 1.0)))
+                    for j, p in (("21", "3g.40gb"), ("22", "2g.20gb"), ("23", "2g.20gb"))])
+    return store
+
+
+def test_a_gap_the_mig_instances_held_is_charged_once(tmp_path):
+    # The instances charge their jobs their slices of the gap (held: the same job on both sides); the physical
+    # GPU's gap record names no job (its rows carry none), and must not be reassigned to the same jobs again.
+    store = _mig_gap_store(tmp_path, ("21", "22"))
+    try:
+        entries = {e.job_id: e for e in load(store, now=T0 + 86400)}
+        (gpu,) = store.gpu_energy()
+    finally:
+        store.close()
+    assert gpu["energy_joules"] == pytest.approx(70.0 * 330)
+    charged = {j: e.usage.energy_joules + e.gap_energy_joules for j, e in entries.items() if j in ("21", "22")}
+    assert charged == pytest.approx({"21": 70.0 * 330 * 3 / 7, "22": 70.0 * 330 * 2 / 7})
+    assert all(e.gap_energy_joules == 0.0 for e in entries.values())
+    assert gpu["unattributed_energy_joules"] == pytest.approx(70.0 * 330 * 2 / 7)  # the free slices
+
+
+def test_a_mig_gap_only_some_instances_held_is_never_charged_twice(tmp_path):
+    # Instance 2.0's job changes across the gap (22 -> 23): its slice of the gap stays unattributed; instance 1.0
+    # held it. The physical gap is not reassigned on top of what the instances charged.
+    store = _mig_gap_store(tmp_path, ("21", "23"))
+    try:
+        entries = {e.job_id: e for e in load(store, now=T0 + 86400)}
+        (gpu,) = store.gpu_energy()
+    finally:
+        store.close()
+    total = math_sum(e.usage.energy_joules + e.gap_energy_joules for e in entries.values())
+    assert total <= gpu["energy_joules"] * 5 / 7 + 1e-6
+    assert entries["21"].usage.energy_joules == pytest.approx(70.0 * 330 * 3 / 7)  # held: its slice of the gap
+    assert all(e.gap_energy_joules == 0.0 for e in entries.values())
+
+
+def test_a_mig_gap_no_instance_held_is_reassigned_from_slurm(tmp_path):
+    store = _mig_gap_store(tmp_path, ("23", "23"))  # both instances change jobs across the gap: nobody held it
+    try:
+        gaps = store.energy_gaps()
+        entries = {e.job_id: e for e in load(store, now=T0 + 86400)}
+    finally:
+        store.close()
+    assert [(g["mig"], g["job_ids"]) for g in gaps] == [(None, [])]  # only the physical record
+    assert math_sum(e.gap_energy_joules for e in entries.values()) == pytest.approx(21000.0)
