@@ -644,9 +644,15 @@ class ChunkSeriesStore:
             plan = self.plan_merge(group)
             return 0 if plan is None else self.apply_merge(plan)
 
-    def plan_expiry(self, now: float) -> list[ExpiryPlan]:
+    def plan_expiry(self, now: float, window_floors: Mapping[GpuKey, float] | None = None) -> list[ExpiryPlan]:
         """Per tier and GPU, the newest interval whose chunks retention lets go: older than the tier's retention,
-        and (raw and minute data) rolled up into the next tier already (reads only)."""
+        and (raw and minute data) rolled up into the next tier already (reads only).
+
+        ``window_floors``: per GPU, where its aggregation window begins (newest sample - window_s). Retention runs
+        on the clock, the window on sample time: samples that arrive late in life (a spool replayed after a week)
+        are past retention yet in the window. Raw chunks the window reads (:meth:`window`: from the floor on, and
+        the newest sample before it, the start of the interval a late sample splits) are kept whatever their age,
+        or that interval would be counted twice."""
         plans = []
         for tier in TIERS:
             keep = self.retention.keep(tier)
@@ -661,8 +667,28 @@ class ChunkSeriesStore:
                 args += (span, tier + 1)
             rows = self._db.execute(f"SELECT host, gpu_uuid, mig, MAX(bucket) {where} GROUP BY host, gpu_uuid, mig",
                                     args).fetchall()
-            plans += [ExpiryPlan(tier, (h, u, m), b) for h, u, m, b in sorted(rows)]
+            for h, u, m, b in sorted(rows):
+                if tier == RAW and window_floors and (floor := window_floors.get((h, u, m))) is not None:
+                    b = self._before_window(tier, (h, u, m), b, floor, span)
+                    if b is None:
+                        continue
+                plans.append(ExpiryPlan(tier, (h, u, m), b))
         return plans
+
+    def _before_window(self, tier: int, gpu_key: GpuKey, last_bucket: float, floor: float,
+                       span: float) -> float | None:
+        """``last_bucket``, or the newest bucket before the one holding the GPU's window anchor (the newest raw
+        chunk with a sample before ``floor``), None when nothing is left to expire. Both only move forward with
+        time, so a plan stays valid."""
+        (anchor,) = self._db.execute(
+            "SELECT MAX(bucket) FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND t_min<?",
+            (tier, *gpu_key, floor)).fetchone()
+        if anchor is None or anchor > last_bucket:
+            return last_bucket
+        (older,) = self._db.execute(
+            "SELECT MAX(bucket) FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=? AND bucket<=?",
+            (tier, *gpu_key, anchor - span)).fetchone()
+        return older
 
     def apply_expiry(self, plan: ExpiryPlan) -> int:
         """Delete a GPU's chunks of a tier up to the plan's interval (inside the caller's transaction; both

@@ -756,7 +756,8 @@ class Store:
                         steps.add(partial(self._chunks.apply_merge, merge), partial(add, "merged"))
                     pace()
             steps.flush()
-            for expiry in reader.plan_expiry(now):  # after the roll-ups: what they made expirable goes too
+            floors = {k: w - self.agg.window_s for k, w in watermarks.items()}
+            for expiry in reader.plan_expiry(now, floors):  # after the roll-ups: what they made expirable goes too
                 steps.add(partial(self._chunks.apply_expiry, expiry), partial(add, "deleted"))
             steps.flush()
         with self._lock:

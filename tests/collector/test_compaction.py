@@ -173,3 +173,42 @@ def test_an_active_gpus_minutes_are_rolled_up_ten_at_a_time_and_a_quiet_gpus_at_
     assert rolled() == (START + 999 - 60) // 60 * 60
     assert sum(p.samples for p in store.series("n0", "n0-G0", 0, 2e9, step=60)) == 1000
     store.close()
+
+
+def test_expiry_keeps_the_samples_a_late_sample_needs_however_old(ledger):
+    # Samples a week and a day old when they arrive (an agent's spool replayed after an outage): past raw
+    # retention by the clock, yet in the GPU's late window. Expiry must keep the window's raw samples and the
+    # newest one before it, or a late sample's interval (anchor, next] is never taken out and is counted twice.
+    from gpuledger.collector.aggregate import Aggregator
+    from gpuledger.collector.validate import Batch
+
+    t0 = 1_700_002_800.0  # an hour boundary
+    now = t0 + 8 * 86400
+
+    def sample(t: float) -> GpuSample:
+        return GpuSample(ts=t0 + t, host="n1", gpu_uuid="G0", gpu_index=0, model="H200",
+                         energy_joules=100.0 * (t + 3600), power_watts=100.0, job_ids=("7",))
+
+    on_time = [sample(t) for t in [*range(-3600, 3600, 10), *range(3610, 4200, 10), 4203]]  # none at 3600
+    late = sample(3605)  # after the window's floor (4203 - 600): its interval splits (3590, 3610]
+    reference = Aggregator()
+    for s in [*on_time, late]:
+        reference.add(s)
+    (expected,) = reference.job_usage("7")
+    store = Store(ledger, clock=lambda: now)
+    try:
+        for i in range(0, len(on_time), 10):
+            store.ingest(Batch("a", i, "n1", tuple(on_time[i:i + 10])))
+        stats = store.compact(now=now)
+        assert stats.deleted_chunks > 0  # the hour before the anchor's is gone
+        assert store.ingest(Batch("a", 10**6, "n1", (late,))).accepted == 1
+        (u,) = store.job_usage("7")
+        assert (u.allocated_gpu_seconds, u.energy_joules) == (expected.allocated_gpu_seconds, expected.energy_joules)
+        assert u.allocated_gpu_seconds == 3600 + 4203.0
+        store.close()
+        store = Store(ledger, clock=lambda: now)  # a restart reads the window from what expiry left
+        assert store.ingest(Batch("a", 10**6 + 1, "n1", (sample(3615),))).accepted == 1
+        (u,) = store.job_usage("7")
+        assert (u.allocated_gpu_seconds, u.energy_joules) == (expected.allocated_gpu_seconds, expected.energy_joules)
+    finally:
+        store.close()
