@@ -898,7 +898,10 @@ class Aggregator:
             if len(ss) > 1:
                 ss.sort(key=lambda x: x.ts[0])
             if sum(x.n for x in ss) <= self.small_series_rows:  # an agent's batch: a few rows per GPU
-                if all(a.ts[-1] < b.ts[0] for a, b in zip(ss, ss[1:])):
+                # each series in order too where a GPU has several (one alone out of order is refused by the
+                # fold and goes whole to add_many, which sorts): otherwise a later series would fold first
+                if all(a.ts[-1] < b.ts[0] for a, b in zip(ss, ss[1:])) and (
+                        len(ss) == 1 or all((x.ts[1:] > x.ts[:-1]).all() for x in ss)):
                     small.append((gk, ss))
                 else:  # interleaved series (job sets alternating): folding one first would make the next late
                     rest.extend(r for x in ss for r in x.rows())

@@ -116,6 +116,24 @@ def test_series_layout_equals_row_layout(tmp_path_factory, seed, late, restart, 
     cols.close()
 
 
+def test_a_gpus_series_out_of_time_order_store_what_rows_store(tmp_path):
+    # One GPU, two series in a batch (its job shares change): [117, 97] and [107]. Sorted by their first times
+    # the [107] one would fold first and 97 become late; the rows are folded in time order. Bit for bit equal.
+    rnd = random.Random(0)
+    for trial in range(20):
+        def s(t: float, shares: tuple[float, ...]) -> GpuSample:
+            return GpuSample(ts=T0 + t, host="n1", gpu_uuid="G1", gpu_index=1, model="H200",
+                             energy_joules=1000.0 * t, power_watts=300.0, sm_active_ratio=round(rnd.random(), 3),
+                             job_ids=("8", "9"), job_shares=shares)
+
+        batches = [[s(77, ()), s(87, ())], [s(117, (0.25, 0.75)), s(97, (0.25, 0.75)), s(107, ())]]
+        rows = ingest_all(Store(tmp_path / f"rows{trial}.sqlite"), batches, "samples")
+        cols = ingest_all(Store(tmp_path / f"cols{trial}.sqlite"), batches, "series")
+        assert snapshot(cols) == snapshot(rows)
+        rows.close()
+        cols.close()
+
+
 def test_in_order_series_take_the_columnar_path_and_late_ones_fall_back(tmp_path):
     rnd = random.Random(1)
     samples = stream(rnd, gpus=2, n=100, step=1.0)
