@@ -217,6 +217,9 @@ def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self.calls[name] += 1
+            if self._failing[name]:  # a transient failure the test asked for (fail_next)
+                self._failing[name] -= 1
+                raise _err(self._failing_code[name])
             if name in self.scenario.missing_functions and name not in _SYMBOL_CHOSEN_INSIDE:
                 raise _err(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
             if name not in ("nvmlInit", "nvmlInitWithFlags") and self._init_count == 0:
@@ -280,6 +283,8 @@ class FakeNvml:
         self._gpus = [_GpuState(g, now) for g in scenario.gpus]
         self._init_count = 0
         self.calls: Counter[str] = Counter()
+        self._failing: Counter[str] = Counter()  # function -> calls left that fail (fail_next)
+        self._failing_code: dict[str, int] = {}
         self.event_wait_timeouts: list[int] = []  # timeoutms of every nvmlEventSetWait call
         # GPM sample buffers: address -> (gpu, gi or None, time, integrals) once filled.
         self._gpm_buffers: dict[int, Any] = {}
@@ -296,6 +301,12 @@ class FakeNvml:
                 if not hasattr(target, k):
                     raise AttributeError(f"fake GPU has no field {k!r}")
                 setattr(target, k, v)
+
+    def fail_next(self, name: str, times: int = 1, code: int = _real.NVML_ERROR_UNKNOWN) -> None:
+        """The next ``times`` calls of ``name`` (on any handle) raise ``code``: a transient driver error."""
+        with self._lock:
+            self._failing[name] = times
+            self._failing_code[name] = code
 
     def lose(self, index: int) -> None:
         with self._lock:

@@ -18,8 +18,8 @@ counters' deltas sum to the GPU's counter delta; the whole-GPU sample of a MIG G
   starts at 0 and takes shares from its second sample on (a series' first sample has no interval downstream).
 - **Activity** is the instance's SM activity, or else its utilisation (on dcgm-exporter MIG instances that is
   ``GR_ENGINE_ACTIVE``: the stock counters leave SM activity out); with either unknown for any instance, the
-  dynamic part is split by slice fraction too. Slice fractions come from the profile name ("3g.40gb" = 3/7);
-  unknown profiles count as equal slices.
+  dynamic part is split by slice fraction too. Slice fractions come from the profile name ("3g.40gb" = 3/7;
+  an A30 has 4 slices); unknown profiles count as equal slices.
 
 So a job on an instance is charged its share, the sum over instances equals the GPU exactly, and nothing
 downstream can count the GPU twice. (Per-GPU power on a dashboard is the sum over the GPU's instances.)
@@ -42,14 +42,21 @@ from dataclasses import replace
 from gpuledger.agent.sharing import split_mig_energy
 from gpuledger.schema.records import GpuSample
 
-# "NVIDIA A100-SXM4-80GB MIG 3g.40gb" / "1g.10gb+me": compute slices out of 7 on A100/H100/H200.
+# "NVIDIA A100-SXM4-80GB MIG 3g.40gb" / "1g.10gb+me": compute slices out of the GPU's (NVIDIA's MIG user guide,
+# supported GPUs): 4 on the A30 (1g.6gb x 4 ... 4g.24gb), 7 on A100, H100, H200 and Blackwell.
 _PROFILE = re.compile(r"(\d+)g\.\d+gb")
+_FOUR_SLICES = re.compile(r"\bA30\b")
 COMPUTE_SLICES = 7
+
+
+def compute_slices(model: str) -> int:
+    """Compute slices of the physical GPU a model name (the GPU's, or an instance's "<GPU> MIG <profile>") names."""
+    return 4 if _FOUR_SLICES.search(model.split(" MIG ")[0]) else COMPUTE_SLICES
 
 
 def slice_fraction(model: str) -> float | None:
     m = _PROFILE.search(model)
-    return int(m.group(1)) / COMPUTE_SLICES if m else None
+    return min(1.0, int(m.group(1)) / compute_slices(model)) if m else None
 
 
 class MigEnergySplitter:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm
@@ -25,6 +26,28 @@ def test_slice_fraction_from_profile_names():
     assert slice_fraction("NVIDIA A100-SXM4-80GB MIG 3g.40gb") == 3 / 7
     assert slice_fraction("NVIDIA H200 MIG 1g.18gb+me") == 1 / 7
     assert slice_fraction("NVIDIA H200") is None
+    # the A30 has 4 compute slices, not 7 (the captured A30 page: 4 x 1g.6gb fill the GPU)
+    assert slice_fraction("NVIDIA A30 MIG 1g.6gb") == 1 / 4
+    assert slice_fraction("NVIDIA A30 MIG 4g.24gb") == 1.0
+    assert slice_fraction("NVIDIA A30X MIG 1g.6gb") == 1 / 7  # not an A30 by name: the common 7
+
+
+def test_four_jobs_on_a_full_a30_are_charged_all_of_its_energy():
+    from gpuledger.collector.aggregate import Aggregator
+
+    agg = Aggregator()  # the rows as dcgm-exporter gives them: each instance repeats the GPU's counter
+    rows = []
+    for t in (0.0, 10.0, 20.0):
+        rows.append(GpuSample(ts=1e9 + t, host="n1", gpu_uuid="A30-0", gpu_index=0, model="NVIDIA A30",
+                              energy_joules=70.0 * t, power_watts=70.0))
+        rows += [GpuSample(ts=1e9 + t, host="n1", gpu_uuid="A30-0", gpu_index=0, mig=str(gi),
+                           model="NVIDIA A30 MIG 1g.6gb", energy_joules=70.0 * t, power_watts=70.0,
+                           job_ids=(f"j{gi}",)) for gi in range(4)]
+    agg.add_many(rows)
+    usage = {u.job_id: u for u in agg.job_usage()}
+    assert sorted(usage) == ["j0", "j1", "j2", "j3"]
+    assert sum(u.energy_joules for u in usage.values()) == pytest.approx(1400.0)
+    assert all(u.allocated_gpu_seconds == pytest.approx(20.0 / 4) for u in usage.values())
 
 
 def test_nvml_mig_energy_split_by_activity_and_conserved():

@@ -272,6 +272,38 @@ def test_mig_one_sample_per_gpu_instance_power_once() -> None:
     assert lib.calls["nvmlDeviceGetUtilizationRates"] == 2  # only the non-MIG GPU is asked
 
 
+@pytest.mark.parametrize("call", ["nvmlDeviceGetMigMode", "nvmlDeviceGetMaxMigDeviceCount",
+                                  "nvmlDeviceGetMigDeviceHandleByIndex", "nvmlDeviceGetUUID"])
+def test_a_transient_error_reading_the_mig_layout_keeps_the_last_one(call, caplog) -> None:
+    # One NVML_ERROR_UNKNOWN while reading the MIG mode or layout is not "MIG turned off" nor "instance gone":
+    # the instances stay, with their processes and GPM windows; the whole GPU never takes their processes.
+    clock = Clock()
+    gpu = FakeGpu("GPU-a", gpm=busy_gpm(), mig=[FakeMigInstance(1, "3g.40gb", gpm=busy_gpm(sm=50)),
+                                                FakeMigInstance(2, "4g.40gb", gpm=busy_gpm(sm=20))],
+                  processes=[FakeProcess(11, MIB, gpu_instance=1), FakeProcess(12, MIB, gpu_instance=2)])
+    lib = FakeNvml(Scenario([gpu]), clock=clock)
+    src = _open(lib, clock)
+    src.sample()
+    clock.t += 1
+
+    def layout(samples):
+        return [(s.mig, s.pids, s.sm_active_ratio) for s in samples]
+
+    steady = layout(src.sample())
+    assert steady == [(None, (), pytest.approx(0.9)), ("1", (11,), pytest.approx(0.5)),
+                      ("2", (12,), pytest.approx(0.2))]
+    lib.fail_next(call)
+    clock.t += 1
+    assert layout(src.sample()) == steady
+    clock.t += 1
+    assert layout(src.sample()) == steady  # and after it: GPM windows kept, nothing re-learnt
+    assert not any("MIG mode turned" in r.getMessage() for r in caplog.records)
+    lib.update(0, mig=None)  # MIG really turned off: seen at once
+    clock.t += 1
+    assert [s.mig for s in src.sample()] == [None]
+    assert any("MIG mode turned off" in r.getMessage() for r in caplog.records)
+
+
 def test_open_fails_cleanly_without_driver() -> None:
     lib = FakeNvml(Scenario([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
     with pytest.raises(SourceUnavailable, match="libnvidia-ml.so.1 not found"):

@@ -77,7 +77,9 @@ def test_parse_real_linuxproc_has_no_job() -> None:
         (V2, JobRef(job_id="4242", step="0")),
         ("0::/system.slice/slurmstepd.scope/job_9/step_batch\n", JobRef(job_id="9", step="batch")),
         ("0::/system.slice/slurmstepd.scope/job_9\n", JobRef(job_id="9")),
-        ("0::/system.slice/slurmstepd_n01.scope/job_9/step_1/user/task_0\n", JobRef(job_id="9", step="1")),
+        # several slurmd on one machine (MULTIPLE_SLURMD): "<NodeName>_slurmstepd.scope" (cgroup_v2.c)
+        ("0::/system.slice/n01_slurmstepd.scope/job_9/step_1/user/task_0\n", JobRef(job_id="9", step="1")),
+        ("0::/system.slice/gx10-ac12_slurmstepd.scope/job_12/step_0/user/task_0\n", JobRef(job_id="12", step="0")),
         (V2_SLUID, JobRef(sluid="sEKNKTV3WPV500", step="0")),
         (NOT_SLURM, None),
         ("", None),

@@ -29,7 +29,9 @@ from gpuledger.schema.records import GpuSample, JobRecord
 
 log = logging.getLogger(__name__)
 
-_ROOT_RE = re.compile(r"slurm(_[^/]*)?|slurmstepd(_[^/]*)?\.scope")
+# v1: slurm or slurm_<node> (MULTIPLE_SLURMD); v2: system.slice/slurmstepd.scope, or <node>_slurmstepd.scope
+# (cgroup_v2.c with MULTIPLE_SLURMD)
+_ROOT_RE = re.compile(r"slurm(_[^/]*)?|([^/]+_)?slurmstepd(_[^/]*)?\.scope")
 _JOB_RE = re.compile(r"job_(\d+)")
 _UID_RE = re.compile(r"uid_(\d+)")
 _STEP_RE = re.compile(r"step_(\w+)")

@@ -540,8 +540,12 @@ class NvmlSource:
         self._register_events(gpu)
 
     def _refresh_mig(self, gpu: _Gpu, now: float) -> None:
-        """Read the MIG mode and (when on) the instances; called every tick: MIG can be reconfigured any time."""
+        """Read the MIG mode and (when on) the instances; called every tick: MIG can be reconfigured any time.
+        A read that fails this tick (not lost, not unsupported) keeps the last tick's layout: taken for "MIG
+        off", it would hand every instance's processes to the whole GPU and drop the instances' GPM windows."""
         mode = self._call(gpu, "nvmlDeviceGetMigMode", gpu.handle)
+        if mode is None and gpu.mig_enabled is not None and not self._never(gpu, "nvmlDeviceGetMigMode"):
+            return
         enabled = mode is not None and mode[0] == _MIG_ENABLE
         if gpu.mig_enabled is not None and enabled != gpu.mig_enabled:
             # Fields NOT_SUPPORTED in one mode (remapped rows, utilisation) may exist in the other.
@@ -555,6 +559,8 @@ class NvmlSource:
             gpu.migs = {}
             return
         count = self._call(gpu, "nvmlDeviceGetMaxMigDeviceCount", gpu.handle)
+        if count is None and not self._never(gpu, "nvmlDeviceGetMaxMigDeviceCount"):
+            return
         found: dict[int, _Mig] = {}
         lib = self.lib
         for i in range(int(count or 0)):
@@ -564,7 +570,10 @@ class NvmlSource:
             except lib.NVMLError as exc:
                 if exc.value in _LOST:
                     raise _GpuLost(str(exc)) from exc
-                continue  # NOT_FOUND: an empty slot
+                if exc.value == _ERR_NOT_FOUND:
+                    continue  # an empty slot
+                self._keep_layout(gpu, found, f"MIG slot {i}: {exc}")
+                return
             if gi in found:
                 found[gi].handles.append(mh)  # another compute instance of the same GPU instance
                 continue
@@ -573,7 +582,8 @@ class NvmlSource:
             except lib.NVMLError as exc:
                 if exc.value in _LOST:
                     raise _GpuLost(str(exc)) from exc
-                continue
+                self._keep_layout(gpu, found, f"MIG instance {gi} UUID: {exc}")
+                return
             old = gpu.migs.get(gi)
             if old is not None and old.uuid == muuid:
                 old.handles = [mh]
@@ -586,6 +596,20 @@ class NvmlSource:
             if found.get(gi) is not m:
                 self._free_one(m.gpm)  # gone, or the same id now names another instance
         gpu.migs = found
+
+    def _never(self, gpu: _Gpu, name: str) -> bool:
+        """Will ``name`` never answer on this GPU (not supported, or not in this driver or binding)?"""
+        return name in gpu.unsupported or name in self._missing
+
+    def _keep_layout(self, gpu: _Gpu, found: dict[int, _Mig], why: str) -> None:
+        """A MIG layout read cut short by a transient error: the last tick's instances stand; GPM state made for
+        instances read so far is freed."""
+        for gi, m in found.items():
+            if gpu.migs.get(gi) is not m:
+                self._free_one(m.gpm)
+        self._log_once(("mig layout", gpu.label), logging.WARNING,
+                       "nvml: GPU %s: %s; the MIG layout of the last tick kept (later repeats not logged)",
+                       gpu.label, why)
 
     def _mark_lost(self, gpu: _Gpu, now: float, reason: str) -> None:
         if not gpu.lost:
