@@ -22,6 +22,7 @@ Example::
     idle_timeout_s = 120           # a keep-alive connection idle this long is closed
     max_samples = 20000            # per batch; further limits: max_series, max_job_ids (per series),
     max_job_ids = 64               # max_batch_job_ids, max_jobs, max_str (characters), max_list
+    max_batch_list = 256000        # processes, and Xid errors, in one batch (all its samples together); more: 413
     max_series_points = 10000      # GET /api/v1/series picks a coarser step rather than answer more points
     max_page = 10000               # GET /api/v1/jobs and /usage: most rows an answer holds (then ?offset=)
     metrics_user_labels = false    # publish user names in /metrics (the fairshare gauges); /metrics is open
@@ -90,7 +91,7 @@ class ConfigError(ValueError):
 class TokenTables(BaseModel):
     """What a tokens file holds (and the token part of the ``[collector]`` table)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # an error never shows a token
 
     tokens: dict[str, str] = {}
     admin_tokens: list[str] = []
@@ -116,6 +117,9 @@ class TokenTables(BaseModel):
 def _check_token(token: str, what: str) -> None:
     if len(token) < MIN_TOKEN_CHARS or token != token.strip():
         raise ValueError(f"{what} must be at least {MIN_TOKEN_CHARS} characters without surrounding blanks")
+    if not (token.isascii() and token.isprintable()):
+        # a header's bytes are read as latin-1 and a token hashed as UTF-8: any other character could never match
+        raise ValueError(f"{what} must be printable ASCII (it travels in an HTTP header)")
 
 
 def auto_workers() -> int:
@@ -145,6 +149,7 @@ class CollectorSettings(TokenTables):
     max_jobs: int = Field(DEFAULT_LIMITS.max_jobs, gt=0)
     max_str: int = Field(DEFAULT_LIMITS.max_str, gt=0)
     max_list: int = Field(DEFAULT_LIMITS.max_list, gt=0)
+    max_batch_list: int = Field(DEFAULT_LIMITS.max_batch_list, gt=0)
     max_series_points: int = Field(MAX_SERIES_POINTS, gt=0)
     max_page: int = Field(MAX_PAGE, gt=0)
     metrics_user_labels: bool = False

@@ -231,9 +231,12 @@ def openapi_document() -> dict[str, Any]:
                               **rejected, **_AUTH_ERRORS,
                               "409": _error("The batch's key (host, agent_id, seq) was stored with other content."),
                               "422": _error("Stored except for samples behind their GPU's aggregation window "
-                                            "(reason too_late; the counts ride along)."),
+                                            "(reason too_late; the counts ride along); or not stored: too many "
+                                            "GPUs for its host (gpu_limit), a value the ledger cannot hold "
+                                            "(unstorable)."),
                               "429": _error("This node has too many ingest requests in flight; retry later."),
-                              "503": _error("Too many ingest requests in flight; retry with backoff."),
+                              "503": _error("Too many ingest requests in flight, or the ledger cannot be "
+                                            "reached; retry with backoff."),
                               "507": _error("The collector's disk is full; retry after Retry-After.")},
             }},
             "/api/v1/jobs": {
@@ -249,7 +252,10 @@ def openapi_document() -> dict[str, Any]:
                          "responses": {"200": _json("Received and changed counts.", {
                              "type": "object", "required": ["received", "changed"],
                              "properties": {"received": {"type": "integer"}, "changed": {"type": "integer"}}}),
-                             **rejected, **_AUTH_ERRORS}},
+                             **rejected, **_AUTH_ERRORS,
+                             "422": _error("A value the ledger cannot hold (unstorable); nothing was stored."),
+                             "503": _error("The ledger cannot be reached; retry later."),
+                             "507": _error("The collector's disk is full; retry after Retry-After.")}},
             },
             "/api/v1/usage": {"get": {
                 "operationId": "getUsage", "summary": "Measured usage per job (or per job and GPU).",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import gc
 import inspect
@@ -27,7 +28,9 @@ import math
 import resource
 import signal
 import socket
+import sqlite3
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -47,7 +50,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from gpuledger.collector.auditlog import AuditLog, open_log, record_job_records
 from gpuledger.collector.auth import Access, Authenticator, AuthError, Principal
-from gpuledger.collector.db import SQLITE
+from gpuledger.collector.db import SQLITE, DatabaseFull, DatabaseUnavailable
 from gpuledger.collector.limits import (
     IDLE_TIMEOUT_S,
     LISTEN_BACKLOG,
@@ -63,13 +66,14 @@ from gpuledger.collector.limits import (
 from gpuledger.collector.openapi import openapi_document
 from gpuledger.collector.series_remote import SeriesUnavailable
 from gpuledger.collector.series_store import SeriesReader
-from gpuledger.collector.store import BatchRefused, IngestResult, Store, StoreFull, StoreUnavailable
+from gpuledger.collector.store import BatchRefused, IngestResult, Store, StoreFull
 from gpuledger.collector.validate import (
     DEFAULT_LIMITS,
     MAX_BODY_BYTES,
     Batch,
     BatchError,
     Limits,
+    is_name,
     parse_batch,
     parse_jobs,
 )
@@ -607,14 +611,11 @@ class CollectorServer:
             return await done
         except BatchRefused as e:  # 409: its key was stored with other content; 422: too many GPUs
             raise BatchError(409 if e.reason == "conflict" else 422, str(e), e.reason, batch.n_samples) from None
-        except StoreFull as e:
-            log.error("disk full, batches refused with 507 until there is room (reads go on): %s", e)
-            raise BatchError(507, f"the collector's disk is full; retry later ({e})", "disk_full",
-                             batch.n_samples) from None
-        except StoreUnavailable as e:
-            log.error("ledger unavailable, batch refused with 503 (the agent retries): %s", e)
-            raise BatchError(503, f"the ledger cannot be reached; retry later ({e})", "ledger_unavailable",
-                             batch.n_samples) from None
+        except Exception as e:
+            refusal = _write_refusal(e, batch.n_samples)
+            if refusal is None:
+                raise
+            raise refusal from None
 
     def _commit_waiting(self) -> None:
         """One group commit (on the loop) of every batch waiting; settles their futures. While another process
@@ -635,14 +636,20 @@ class CollectorServer:
     def post_jobs(self, req: Request) -> Reply:
         records = parse_jobs(req.read_body(), req.headers.get("Content-Type", "application/json"),
                              self.limits.max_body_bytes, req.headers.get("Content-Encoding", ""))
-        with self._audit_lock:
-            if self._audit is None:
-                # the embedded store's directory; a PostgreSQL ledger has none: its server is given audit_log
-                assert self.store.path is not None, "a server on a PostgreSQL ledger needs audit_log"
-                self._audit = open_log(self.store.path.parent)
-            audit = self._audit
-        # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)
-        changed = self.store.put_jobs(records, before_store=lambda merged: record_job_records(audit, merged))
+        try:
+            with self._audit_lock:
+                if self._audit is None:
+                    # the embedded store's directory; a PostgreSQL ledger has none: its server is given audit_log
+                    assert self.store.path is not None, "a server on a PostgreSQL ledger needs audit_log"
+                    self._audit = open_log(self.store.path.parent)
+                audit = self._audit
+            # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)
+            changed = self.store.put_jobs(records, before_store=lambda merged: record_job_records(audit, merged))
+        except Exception as e:  # the ledger's or the audit log's disk full, the ledger away: as for samples
+            refusal = _write_refusal(e)
+            if refusal is None:
+                raise
+            raise refusal from None
         return Reply(200, {"received": len(records), "changed": changed})
 
     def get_jobs(self, req: Request) -> Reply:
@@ -1186,6 +1193,25 @@ class _Connection(asyncio.Protocol):
         self.transport.abort()
 
 
+def _write_refusal(e: Exception, samples: int = 0) -> BatchError | None:
+    """How a write the ledger or the audit log failed is answered, a batch's and job records' alike: a full disk 507
+    (Retry-After; reads go on), the ledger away 503, a value it cannot hold 422 (final: validation should have refused
+    it, and a 5xx would have the agent resend it for good); None for anything else (a 500)."""
+    if isinstance(e, (StoreFull, DatabaseFull)) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+        log.error("disk full, writes refused with 507 until there is room (reads go on): %s", e)
+        return BatchError(507, f"the collector's disk is full; retry later ({e})", "disk_full", samples)
+    if isinstance(e, DatabaseUnavailable):  # StoreUnavailable among them
+        log.error("ledger unavailable, write refused with 503 (the agent retries): %s", e)
+        return BatchError(503, f"the ledger cannot be reached; retry later ({e})", "ledger_unavailable", samples)
+    psycopg = sys.modules.get("psycopg")  # loaded where the ledger is PostgreSQL
+    if isinstance(e, (sqlite3.DataError, UnicodeEncodeError, OverflowError)) or (
+            psycopg is not None and isinstance(e, psycopg.DataError)):
+        log.error("the ledger cannot store a value of a write (refused with 422): %s", e, exc_info=e)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return BatchError(422, f"the ledger cannot store a value of this request ({first})", "unstorable", samples)
+    return None
+
+
 _MAX_TIME = 1e11  # seconds: unix times until the year 5138, steps up to 3,000 years
 _MIN_STEP_S = 1e-3  # no bucket finer than a millisecond (a finer step only multiplies empty buckets)
 
@@ -1204,6 +1230,8 @@ def _text(q: Mapping[str, list[str]], name: str) -> str | None:
     v = q.get(name, [None])[0]
     if v is not None and len(v) > 1024:
         raise BatchError(400, f"query parameter {name!r} is longer than 1024 characters")
+    if v and not is_name(v):  # a name (job, host, GPU) holds none: a NUL would fail inside PostgreSQL, a 500
+        raise BatchError(400, f"query parameter {name!r} must not contain control characters, got {v[:40]!r}")
     return v or None
 
 
@@ -1218,7 +1246,7 @@ def _int(q: Mapping[str, list[str]], name: str, default: int) -> int:
     if name not in q:
         return default
     v = q[name][0]
-    if not v.isdigit() or len(v) > 12:
+    if not (v.isascii() and v.isdigit()) or len(v) > 12:  # isdigit alone takes '²', which int() does not
         raise BatchError(400, f"query parameter {name!r} must be a non-negative integer, got {v[:40]!r}")
     return int(v)
 

@@ -22,7 +22,7 @@ import math
 import operator
 import re
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from operator import is_not
 from typing import Any, TypeGuard
@@ -55,6 +55,13 @@ SHARES_SUM_TOLERANCE = 1e-6  # a sample's job shares must sum to 1 within this
 BATCH_KEYS = frozenset({"agent_id", "seq", "host", "cluster", "samples", "series", "jobs"})  # one of samples/series;
 # jobs and cluster optional (cluster: the Slurm cluster the agent's host is in; absent or "" = not named)
 MAX_CLUSTER_CHARS = 256
+# Characters no accepted string holds: PostgreSQL text cannot hold NUL (a 500 the agent would retry for good), and an
+# unpaired surrogate (a JSON escape) is no UTF-8. Names (hosts, GPUs, job ids, users, ...) hold no control
+# character either (C0, DEL: they would forge log lines and labels); free text (model, source, job state) may.
+_BAD_NAME = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+_BAD_TEXT = re.compile("[\x00\ud800-\udfff]")
+_NAME_CHARS = "without control characters or unpaired surrogates"
+_TEXT_CHARS = "without NUL characters or unpaired surrogates"
 _REQUIRED = ("ts", "host", "gpu_uuid", "gpu_index")
 _RATIOS = frozenset(RATIO_FIELDS)
 _NONNEG = frozenset(NONNEG_FIELDS)
@@ -72,9 +79,11 @@ _HANDLED = _RATIOS | _NONNEG | _INTS | _FLOATS | _STRS | {
 class Limits:
     """What one request may hold, checked while it is decoded (before the objects exist): a request's memory
     is bounded by these, never by what the sender claims. Counts over a limit are a 413, a string too long
-    a 400. The decoded body is at most ``max_body_bytes``; decoding costs at most about 8x that (a list of
-    1-byte integers becomes 8-byte pointers), so the default caps one request at roughly 128 MiB for an
-    instant and typical agent batches (80 samples: 8 KiB) at well under 1 MiB."""
+    a 400. The decoded body is at most ``max_body_bytes``, and each list's length is bounded; the lists whose
+    elements cost least on the wire and most in memory (processes: 3 bytes, ~100 in memory) by ``max_batch_list``
+    over the whole batch as well. With the defaults, validating one body costs at most about 100 MiB for an
+    instant, typical agent batches (80 samples: 8 KiB) well under 1 MiB.
+    Measured: ru_maxrss growth of one parse_batch in a fresh process, bodies with every list at its limit: 92 MiB."""
 
     max_body_bytes: int = MAX_BODY_BYTES
     max_samples: int = 20_000  # per batch (all series together); a default agent batch has 80
@@ -84,6 +93,9 @@ class Limits:
     max_jobs: int = 1_024  # job records riding with one batch
     max_str: int = 256  # host, GPU uuid, job id, model, user, ... (characters)
     max_list: int = 256  # per sample: processes, Xid errors; per job record: hosts, GPUs, TRES
+    # per batch, all samples together: processes, and Xid errors (each; 1,000 samples of max_list). A process
+    # is 3 bytes of msgpack but ~100 of memory: max_samples x max_list of them would be 500 MiB.
+    max_batch_list: int = 256_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -179,9 +191,8 @@ def _decompress(body: bytes, content_encoding: str, max_bytes: int) -> bytes:
     enc = content_encoding.strip().lower()
     try:
         if enc == "gzip":
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            body = d.decompress(body, max_bytes + 1)  # bounded: a small bomb cannot eat memory
-            if len(body) > max_bytes or d.unconsumed_tail:
+            body = _gunzip_bounded(body, max_bytes + 1)
+            if len(body) > max_bytes:
                 raise BatchError(413, f"decompressed body exceeds the limit of {max_bytes} bytes", "too_large")
         elif enc == "zstd":
             body = _unzstd_bounded(body, max_bytes + 1)
@@ -218,8 +229,31 @@ def _decode(body: bytes, content_type: str) -> Any:
     )
 
 
+def _gunzip_bounded(body: bytes, limit: int) -> bytes:
+    """Every member of a gzip body (RFC 1952 2.2: members one after the other are one stream), inflated to at most
+    ``limit`` bytes in all (bounded as it inflates: a small bomb cannot eat memory); BatchError for a stream cut
+    short or followed by anything but another member."""
+    parts, n, rest, members = [], 0, body, 0
+    while n < limit:
+        if members and rest[:2] != b"\x1f\x8b":
+            raise BatchError(400, f"body is not valid gzip (Content-Encoding: gzip): {len(rest)} bytes after member "
+                                  f"{members} are not another member", "malformed")
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        parts.append(d.decompress(rest, limit - n))
+        n += len(parts[-1])
+        members += 1
+        if n < limit and not d.eof:
+            raise BatchError(400, f"body is not valid gzip (Content-Encoding: gzip): it ends inside member {members}",
+                             "malformed")
+        rest = d.unused_data
+        if not rest:
+            break
+    return b"".join(parts)
+
+
 def _unzstd_bounded(body: bytes, limit: int) -> bytes:
-    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
+    # every frame (RFC 8878 3.1: frames one after the other are one stream), as for gzip's members
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True)
     parts, n = [], 0
     while n < limit:
         chunk = reader.read(min(1 << 20, limit - n))
@@ -279,16 +313,17 @@ def _parse_doc(doc: Any, now: float, allowed_host: str | None) -> Batch:
     extra = set(doc) - BATCH_KEYS
     if extra:
         raise BatchError(400, f"{where}: unknown field(s) {sorted(map(str, extra))}")
-    if not isinstance(agent_id, str) or not agent_id:
-        raise BatchError(400, f"{where}: field 'agent_id' must be a non-empty string")
+    if not isinstance(agent_id, str) or not agent_id or _BAD_NAME.search(agent_id):
+        raise BatchError(400, f"{where}: field 'agent_id' must be a non-empty string {_NAME_CHARS}")
     if not _is_int(seq) or seq < 0:
         raise BatchError(400, f"{where}: field 'seq' must be an integer in 0..{MAX_INT}")
     host, samples = doc.get("host"), doc.get("samples")
-    if not isinstance(host, str) or not host:
-        raise BatchError(400, f"{where}: field 'host' must be a non-empty string")
+    if not isinstance(host, str) or not host or _BAD_NAME.search(host):
+        raise BatchError(400, f"{where}: field 'host' must be a non-empty string {_NAME_CHARS}")
     cluster = doc.get("cluster", "")
-    if not isinstance(cluster, str) or len(cluster) > MAX_CLUSTER_CHARS:
-        raise BatchError(400, f"{where}: field 'cluster' must be a string of at most {MAX_CLUSTER_CHARS} characters")
+    if not isinstance(cluster, str) or len(cluster) > MAX_CLUSTER_CHARS or _BAD_NAME.search(cluster):
+        raise BatchError(400, f"{where}: field 'cluster' must be a string of at most {MAX_CLUSTER_CHARS} characters "
+                              f"{_NAME_CHARS}")
     if ("samples" in doc) == ("series" in doc):
         raise BatchError(400, f"{where}: exactly one of the fields 'samples' (one object a sample) and 'series' "
                               "(columns) is required")
@@ -350,12 +385,17 @@ def _count(v: Any) -> Any:
     return v if type(v) is int and 0 <= v <= MAX_INT else _BAD
 
 
+def is_name(s: str) -> bool:
+    """Whether ``s`` may be a name (a host, a GPU, a job id, ...): no control character, no unpaired surrogate."""
+    return _BAD_NAME.search(s) is None
+
+
 def _name(v: Any) -> Any:
-    return v if type(v) is str and v else _BAD
+    return v if type(v) is str and v and not _BAD_NAME.search(v) else _BAD
 
 
 def _text(v: Any) -> Any:
-    return v if type(v) is str else _BAD
+    return v if type(v) is str and not _BAD_TEXT.search(v) else _BAD
 
 
 def _xids(v: Any) -> Any:
@@ -363,7 +403,7 @@ def _xids(v: Any) -> Any:
 
 
 def _job_ids(v: Any) -> Any:
-    ok = type(v) is list and all(type(x) is str and x for x in v) and len(set(v)) == len(v)
+    ok = type(v) is list and all(_name(x) is not _BAD for x in v) and len(set(v)) == len(v)
     return tuple(v) if ok else _BAD
 
 
@@ -385,7 +425,16 @@ def _processes(v: Any) -> Any:
 
 def _by_annotation(field: str) -> Any:
     annotation = _SAMPLE_TYPES[field]
-    return lambda v: v if _check_annotation(annotation, v) else _BAD
+    return lambda v: v if _check_annotation(annotation, v) and not any(map(_BAD_TEXT.search, _strings(v))) else _BAD
+
+
+def _strings(v: Any) -> Iterator[str]:
+    """The strings in a value of a record field (a string, or lists of them or of pairs)."""
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, list):
+        for x in v:
+            yield from _strings(x)
 
 
 # field -> (check returning the stored value or _BAD, what a valid value is). One dict lookup a field: this
@@ -393,14 +442,14 @@ def _by_annotation(field: str) -> Any:
 _CHECKS: dict[str, tuple[Any, str]] = {
     "ts": (lambda v: _BAD if (r := _nonneg(v)) is _BAD or r <= 0 else r,
            "must be a positive finite number (unix seconds)"),
-    "host": (_name, "must be a non-empty string"),
-    "gpu_uuid": (_name, "must be a non-empty string"),
-    "model": (_text, "must be a string"),
-    "source": (_text, "must be a string"),
+    "host": (_name, f"must be a non-empty string {_NAME_CHARS}"),
+    "gpu_uuid": (_name, f"must be a non-empty string {_NAME_CHARS}"),
+    "model": (_text, f"must be a string {_TEXT_CHARS}"),
+    "source": (_text, f"must be a string {_TEXT_CHARS}"),
     "gpu_index": (_count, f"must be an integer in 0..{MAX_INT}"),
-    "mig": (_opt(_name), "must be a non-empty string or null"),
+    "mig": (_opt(_name), f"must be a non-empty string {_NAME_CHARS}, or null"),
     "xid_errors": (_xids, "must be a list of integers"),
-    "job_ids": (_job_ids, "must be a list of distinct non-empty strings"),
+    "job_ids": (_job_ids, f"must be a list of distinct non-empty strings {_NAME_CHARS}"),
     "job_shares": (_shares, "must be a list of non-negative finite numbers"),
     "processes": (_processes, "must be a list of [pid, used_memory_bytes or null]"),
     **{k: (_opt(_ratio), "ratio must be a finite number in 0..1") for k in _RATIOS},
@@ -760,6 +809,12 @@ def _column(v: Any, f: str, n: int, at: str, typed: bool) -> tuple[np.ndarray, n
 class _Decoders:
     msgpack: Any
     json: Any
+    # the same with each row list (processes, Xid errors) left as its raw bytes, decoded once the batch's totals are
+    # known to be within max_batch_list (_row_lists); a body too short to exceed them takes the decoders above
+    guarded_msgpack: Any
+    guarded_json: Any
+    row_list_msgpack: dict[str, Any]
+    row_list_json: dict[str, Any]
     peek_msgpack: Any
     peek_json: Any
 
@@ -794,11 +849,6 @@ def _decoders(limits: Limits) -> _Decoders | None:
         **{k: num(int if k in _INTS else float, ge=lo, le=hi) | None
            for k, (lo, hi) in _COLUMN_BOUNDS.items() if k != "ts"},
     }
-    # SAMPLE_FIELDS order, so astuple() feeds GpuSample(*...); gc=False: rows hold only strings, numbers
-    # and tuples of them (no cycles), and skipping GC tracking makes them cheaper
-    spec = [(f.name, types[f.name]) if f.name in _REQUIRED else (f.name, types[f.name], f.default)
-            for f in fields(GpuSample)]
-    row = msgspec.defstruct("WireSample", spec, forbid_unknown_fields=True, gc=False)
 
     def column(t: Any) -> Any:  # a list (typed, null = absent) or bytes of 8-byte values
         return (Annotated[list_of[t], msgspec.Meta(max_length=lim.max_samples)]
@@ -807,13 +857,6 @@ def _decoders(limits: Limits) -> _Decoders | None:
     def rows(t: Any) -> Any:
         return Annotated[list_of[t], msgspec.Meta(max_length=lim.max_samples)]
 
-    # a series: the constants typed as above; columns (ts has no nulls); per-row lists of the row fields' types
-    series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", column(types["ts"]))]
-    series_spec += [(k, types[k], GpuSample.__dataclass_fields__[k].default)
-                    for k in SERIES_CONSTANTS if k not in ("gpu_uuid", "gpu_index")]
-    series_spec += [(k, column(types[k]) | None, None) for k in COLUMNS if k != "ts"]
-    series_spec += [(k, rows(types[k]) | None, None) for k in ROW_LISTS]
-    series = msgspec.defstruct("WireSeries", series_spec, forbid_unknown_fields=True)
     # job records: JobRecord's fields, typed and bounded (omit_defaults: to_builtins gives what was sent)
     job_types = {"str": text, "str | None": text | None, "int | None": int | None, "float | None": float | None,
                  "tuple[str, ...]": seq(text, lim.max_list), "tuple[int, ...]": seq(int, lim.max_list),
@@ -821,36 +864,56 @@ def _decoders(limits: Limits) -> _Decoders | None:
     job = msgspec.defstruct("WireJob", [(f.name, job_types[str(f.type)]) if f.name == "job_id" else
                                         (f.name, job_types[str(f.type)], f.default) for f in fields(JobRecord)],
                             forbid_unknown_fields=True, omit_defaults=True)
-    wire = msgspec.defstruct("WireBatch", [
-        ("agent_id", name), ("seq", count), ("host", name),
-        # UNSET, not None: an explicit null is the slow path's error
-        ("samples", Annotated[list_of[row], msgspec.Meta(max_length=lim.max_samples)] | msgspec.UnsetType,
-         msgspec.UNSET),
-        ("series", Annotated[list_of[series], msgspec.Meta(max_length=lim.max_series)] | msgspec.UnsetType,
-         msgspec.UNSET),
-        ("jobs", Annotated[list_of[job], msgspec.Meta(max_length=lim.max_jobs)], []),
-        ("cluster", num(str, max_length=MAX_CLUSTER_CHARS), "")], forbid_unknown_fields=True)
+
+    def batch(types: dict[str, Any]) -> Any:
+        # SAMPLE_FIELDS order, so astuple() feeds GpuSample(*...); gc=False: rows hold only strings, numbers
+        # and tuples of them (no cycles), and skipping GC tracking makes them cheaper
+        spec = [(f.name, types[f.name]) if f.name in _REQUIRED else (f.name, types[f.name], f.default)
+                for f in fields(GpuSample)]
+        row = msgspec.defstruct("WireSample", spec, forbid_unknown_fields=True, gc=False)
+        # a series: the constants typed as above; columns (ts has no nulls); per-row lists of the row fields' types
+        series_spec: list[tuple] = [("gpu_uuid", name), ("gpu_index", count), ("ts", column(types["ts"]))]
+        series_spec += [(k, types[k], GpuSample.__dataclass_fields__[k].default)
+                        for k in SERIES_CONSTANTS if k not in ("gpu_uuid", "gpu_index")]
+        series_spec += [(k, column(types[k]) | None, None) for k in COLUMNS if k != "ts"]
+        series_spec += [(k, rows(types[k]) | None, None) for k in ROW_LISTS]
+        series = msgspec.defstruct("WireSeries", series_spec, forbid_unknown_fields=True)
+        return msgspec.defstruct("WireBatch", [
+            ("agent_id", name), ("seq", count), ("host", name),
+            # UNSET, not None: an explicit null is the slow path's error
+            ("samples", Annotated[list_of[row], msgspec.Meta(max_length=lim.max_samples)] | msgspec.UnsetType,
+             msgspec.UNSET),
+            ("series", Annotated[list_of[series], msgspec.Meta(max_length=lim.max_series)] | msgspec.UnsetType,
+             msgspec.UNSET),
+            ("jobs", Annotated[list_of[job], msgspec.Meta(max_length=lim.max_jobs)], []),
+            ("cluster", num(str, max_length=MAX_CLUSTER_CHARS), "")], forbid_unknown_fields=True)
+
+    wire, guarded = batch(types), batch({**types, **{k: msgspec.Raw for k in ROW_LISTS}})
     # the batch's name for an error message, read without building anything else (other fields are skipped)
     peek = msgspec.defstruct("WirePeek", [("agent_id", text | int | None, None), ("seq", int | text | None, None)])
-    return _Decoders(msgspec.msgpack.Decoder(wire), msgspec.json.Decoder(wire), msgspec.msgpack.Decoder(peek),
+    return _Decoders(msgspec.msgpack.Decoder(wire), msgspec.json.Decoder(wire), msgspec.msgpack.Decoder(guarded),
+                     msgspec.json.Decoder(guarded), {k: msgspec.msgpack.Decoder(types[k]) for k in ROW_LISTS},
+                     {k: msgspec.json.Decoder(types[k]) for k in ROW_LISTS}, msgspec.msgpack.Decoder(peek),
                      msgspec.json.Decoder(peek))
 
 
 _FAST = _decoders(DEFAULT_LIMITS)  # None: every batch takes the per-sample path (tests compare both paths)
 _HOST, _TS, _JOBS = (operator.attrgetter(f) for f in ("host", "ts", "job_ids"))
 _SHARES, _PROCS = operator.attrgetter("job_shares"), operator.attrgetter("processes")
+_UUID, _MIG, _MODEL, _SOURCE = (operator.attrgetter(f) for f in ("gpu_uuid", "mig", "model", "source"))
 _MSGSPEC_AT = re.compile(r"^(.*) - at `\$(.*)`$", re.S)
 
 
-def _typed_error(body: bytes, exc: Exception, dec: _Decoders, json_body: bool) -> BatchError:
+def _typed_error(body: bytes, exc: Exception, dec: _Decoders, json_body: bool, within: str = "") -> BatchError:
     """A typed decode's refusal as a BatchError: 413 for a length limit, else 400; named like the per-sample
-    path names fields (``series[0].job_ids``)."""
+    path names fields (``series[0].job_ids``). ``within``: where the decoded value lies in the batch (a row list
+    decoded on its own, ``samples[3].processes``)."""
     msg = str(exc)
     m = _MSGSPEC_AT.match(msg)
-    at = ""
+    at = within
     if m:
-        msg, at = m[1], m[2].lstrip(".")
-        at = re.sub(r"^samples\[", "sample[", at)
+        msg, at = m[1], within + m[2]
+    at = re.sub(r"^samples\[", "sample[", at.lstrip("."))
     try:
         p = (dec.peek_json if json_body else dec.peek_msgpack).decode(body)
         where = f"batch agent_id={p.agent_id!r} seq={p.seq!r}"
@@ -862,6 +925,15 @@ def _typed_error(body: bytes, exc: Exception, dec: _Decoders, json_body: bool) -
     return BatchError(413 if too_large else 400, " ".join(text.split()), "too_large" if too_large else "invalid")
 
 
+def _refuse_typed(body: bytes, exc: Exception, dec: _Decoders, json_body: bool, now: float,
+                  allowed_host: str | None, within: str = "") -> BatchError:
+    """The refusal of a body the typed decode refused, worded by the per-sample path where it is small."""
+    err = _typed_error(body, exc, dec, json_body, within)
+    if len(body) <= _WORDING_MAX_BYTES and err.status != 413:
+        _parse_doc(_decode(body, "application/json" if json_body else "application/msgpack"), now, allowed_host)
+    return err  # the per-sample path accepted what the typed decode refuses: the refusal stands
+
+
 def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limits = DEFAULT_LIMITS,
                 json_body: bool = False) -> Batch | None:
     """The batch, or None where the per-sample path must decide (and word any error); BatchError when the
@@ -869,19 +941,32 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
     dec = _decoders(limits)
     if dec is None:
         return None
+    # each process is at least 3 bytes, each Xid error 1: a shorter body cannot exceed max_batch_list
+    guarded = len(body) > limits.max_batch_list
     try:
-        b = (dec.json if json_body else dec.msgpack).decode(body)
+        if guarded:
+            b = (dec.guarded_json if json_body else dec.guarded_msgpack).decode(body)
+        else:
+            b = (dec.json if json_body else dec.msgpack).decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        err = _typed_error(body, exc, dec, json_body)
-        if len(body) <= _WORDING_MAX_BYTES and err.status != 413:
-            _parse_doc(_decode(body, "application/json" if json_body else "application/msgpack"), now, allowed_host)
-        raise err from None  # the per-sample path accepted what the typed decode refuses: the refusal stands
+        raise _refuse_typed(body, exc, dec, json_body, now, allowed_host) from None
     host, rows = b.host, b.samples
-    if (rows is msgspec.UNSET) == (b.series is msgspec.UNSET) or (allowed_host is not None and host != allowed_host):
-        return None
+    one = (rows is msgspec.UNSET) != (b.series is msgspec.UNSET)
     where = f"batch agent_id={b.agent_id!r} seq={b.seq!r}"
+    names = (b.agent_id, host, b.cluster)
+    if one and allowed_host is not None and host != allowed_host and not _BAD_NAME.search("".join(names)):
+        # refused here, as the per-sample path would (its checks before this one are the typed decode's): the body
+        # is not decoded again
+        raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
+                         "forbidden", _batch_samples(b))
+    if guarded:  # before the per-sample path could decode them all
+        _row_lists(b, body, dec, json_body, now, allowed_host, where, limits)
+    if not one or allowed_host is not None and host != allowed_host:
+        return None
     _check_totals(b, where, limits)
     if b.series is not msgspec.UNSET:
+        if _doubtful_strings(names, b.series):
+            return None
         try:
             series = _wire_series(b.series, host, now)
             if series is None:  # list columns (or a doubt): series by series, as the per-sample path reads them
@@ -894,7 +979,8 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
             return None  # the per-sample path words it (from the body as msgpack decodes it)
         return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series, cluster=b.cluster)
     if (not rows
-            or list(map(_HOST, rows)).count(host) != len(rows) or max(map(_TS, rows)) > now + FUTURE_SLACK_S):
+            or list(map(_HOST, rows)).count(host) != len(rows) or max(map(_TS, rows)) > now + FUTURE_SLACK_S
+            or _doubtful_strings(names, rows)):
         return None
     # job ids and shares: checked once per distinct combination (a GPU's job rarely changes within a batch)
     for jobs, shares in set(zip(map(_JOBS, rows), map(_SHARES, rows))):
@@ -909,6 +995,77 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
     except BatchError:
         return None
     return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs), cluster=b.cluster)
+
+
+def _doubtful_strings(names: Sequence[str], items: Sequence[Any]) -> bool:
+    """Whether a typed batch holds a character its strings may not (its envelope's ``names``, then the samples' or
+    series' names and free text): the per-sample path then finds and words it. Each distinct value once."""
+    ids = [*names, *set(map(_UUID, items)), *filter(None, set(map(_MIG, items)))]
+    ids += [j for js in set(map(_JOBS, items)) for j in js]
+    texts = {*map(_MODEL, items), *map(_SOURCE, items)}
+    return bool(_BAD_NAME.search("".join(ids)) or _BAD_TEXT.search("".join(texts)))
+
+
+def _batch_samples(b: Any) -> int:
+    """How many samples a typed batch holds (for the rejection metrics)."""
+    if b.series is not msgspec.UNSET:
+        return sum(len(s.ts) // 8 if type(s.ts) is bytes else len(s.ts) for s in b.series)
+    return len(b.samples) if b.samples is not msgspec.UNSET else 0
+
+
+def _row_lists(b: Any, body: bytes, dec: _Decoders, json_body: bool, now: float, allowed_host: str | None,
+               where: str, limits: Limits) -> None:
+    """A guarded decode's row lists (raw bytes): counted over the whole batch from their headers, refused (413) past
+    ``max_batch_list``, then decoded in place, as the unguarded decode has them."""
+    found: dict[str, list[tuple[Any, int | None, Any, str]]] = {k: [] for k in ROW_LISTS}  # owner, row, raw, where
+    for i, r in enumerate(b.samples or ()):
+        for k in ROW_LISTS:
+            v = getattr(r, k)
+            if type(v) is msgspec.Raw:
+                found[k].append((r, None, v, f"samples[{i}].{k}"))
+    for i, d in enumerate(b.series or ()):
+        for k in ROW_LISTS:
+            for j, v in enumerate(getattr(d, k) or ()):
+                found[k].append((d, j, v, f"series[{i}].{k}[{j}]"))
+    items = _json_items if json_body else _msgpack_items
+    for k, what in (("processes", "processes"), ("xid_errors", "Xid errors")):
+        have = sum(items(raw, k == "processes") for _, _, raw, _ in found[k])
+        if have > limits.max_batch_list:
+            raise BatchError(413, f"{where}: {have} {what} in one batch, more than the limit of "
+                                  f"{limits.max_batch_list}", "too_large", _batch_samples(b))
+    for k in ROW_LISTS:
+        decode = (dec.row_list_json if json_body else dec.row_list_msgpack)[k].decode
+        for owner, row, raw, at in found[k]:
+            try:
+                v = decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+                raise _refuse_typed(body, exc, dec, json_body, now, allowed_host, at) from None
+            if row is None:
+                setattr(owner, k, v)
+            else:
+                getattr(owner, k)[row] = v
+
+
+def _msgpack_items(raw: Any, pairs: bool) -> int:
+    """How many elements a msgpack array says it has (0 for anything else: its decode then fails)."""
+    head = memoryview(raw)[:5]
+    if not head:
+        return 0
+    t = head[0]
+    if 0x90 <= t <= 0x9F:
+        return t & 0x0F
+    if t in (0xDC, 0xDD):
+        return int.from_bytes(head[1:3 if t == 0xDC else 5], "big")
+    return 0
+
+
+def _json_items(raw: Any, pairs: bool) -> int:
+    """How many elements a JSON array holds, at most (exact for a valid one): of pairs (processes) by their
+    brackets, else by the commas."""
+    text = bytes(raw)
+    if pairs:
+        return max(text.count(b"[") - 1, 0)
+    return text.count(b",") + 1 if text.strip(b" \t\r\n[]") else 0
 
 
 def _check_totals(b: Any, where: str, limits: Limits) -> None:
@@ -948,6 +1105,7 @@ def _check_annotation(annotation: str, v: Any) -> bool:
 
 
 _JOB_FIELDS = {f.name: str(f.type) for f in fields(JobRecord)}
+_JOB_TEXT = frozenset({"state", "gpu_model"})  # free text; the record's other strings are names
 
 
 def parse_jobs(body: bytes, content_type: str, max_bytes: int = MAX_BODY_BYTES,
@@ -977,6 +1135,10 @@ def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = Fa
                 raise BatchError(400, f"{at}: unknown field {str(k)!r}")
             if not _check_annotation(_JOB_FIELDS[k], v) or (k == "job_id" and not v):
                 raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})")
+            text = k in _JOB_TEXT
+            if any(map((_BAD_TEXT if text else _BAD_NAME).search, _strings(v))):
+                raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} {_TEXT_CHARS if text else _NAME_CHARS} "
+                                      f"(got {v!r})")
         if "job_id" not in d:
             raise BatchError(400, f"{at}.job_id: missing")
         rec = JobRecord.from_dict(d)

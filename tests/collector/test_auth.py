@@ -168,3 +168,33 @@ def test_serve_refuses_a_bad_config_with_exit_2(tmp_path):
     assert r.exit_code == 2 and "tls_key" in r.output
     r = CliRunner().invoke(app, ["serve", "--data-dir", str(tmp_path), "--tls-cert", "nope.pem", "--tls-key", "k.pem"])
     assert r.exit_code == 2 and "error" in r.output
+
+
+@pytest.mark.parametrize("where,table", [
+    ("config", '[collector.tokens]\nn1 = "{token}"'),
+    ("config", 'admin_tokens = ["{token}"]'),
+    ("tokens_file", 'read_tokens = ["{token}"]'),
+    ("tokens_file", '[tokens]\nn1 = "{token}"'),
+])
+@pytest.mark.parametrize("token", ["jeton-s\u00e9curit\u00e9-0123456789", "tab-in-the-token\t0123456789",
+                                   "nbsp-in-the-token\u00a00123456789"])
+def test_a_token_that_is_not_printable_ascii_is_refused_at_start_without_showing_it(tmp_path, where, table, token):
+    # a header is read as latin-1 and a token hashed as UTF-8: such a token could never authenticate
+    from typer.testing import CliRunner
+
+    from gpuledger.collector.cli import app
+
+    entry = table.format(token=token.replace("\t", "\\t"))
+    config = tmp_path / "gpuledger.toml"
+    if where == "config":
+        config.write_text(f"[collector]\n{entry}\n")
+    else:
+        (tmp_path / "tokens.toml").write_text(entry + "\n")
+        config.write_text('[collector]\ntokens_file = "tokens.toml"\n')
+    with pytest.raises(ConfigError) as e:
+        load_settings(tmp_path, env={})
+    assert "must be printable ASCII" in str(e.value) and "token" in str(e.value) and token not in str(e.value)
+    r = CliRunner().invoke(app, ["serve", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "must be printable ASCII" in r.output and token not in r.output, r.output
+    config.write_text(f'[collector]\n[collector.tokens]\nn1 = "{N1}"\n')  # an ASCII token is taken
+    assert load_settings(tmp_path, env={}).tokens == {"n1": N1}

@@ -3,7 +3,11 @@ and nothing acknowledged is lost."""
 
 from __future__ import annotations
 
+import errno
+import gzip
+import json
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -15,6 +19,9 @@ import pytest
 import zstandard
 
 from gpuledger.agent.push import encode_batch
+from gpuledger.collector import server as server_module
+from gpuledger.collector import validate
+from gpuledger.collector.auditlog import open_log
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
@@ -22,14 +29,15 @@ from gpuledger.schema.records import GpuSample
 
 NOW = 1_700_000_000.0
 N1, N2 = "node-one-token-0123456789", "node-two-token-0123456789"
+ADMIN, READ = "admin-token-0123456789", "read-token-0123456789"
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
-def honest(seq: int, host: str = "n1", start: float = NOW - 600) -> bytes:
+def honest(seq: int, host: str = "n1", start: float = NOW - 600, fmt: str = "msgpack") -> bytes:
     """An agent's batch: 8 GPUs x 10 s, msgpack columns (the agent's own encoder)."""
     s = [GpuSample(ts=start + 10 * seq + k, host=host, gpu_uuid=f"GPU-{host}-{g}", gpu_index=g, sm_active_ratio=0.5,
                    energy_joules=1e6 + 100.0 * (10 * seq + k), job_ids=("7",)) for g in range(8) for k in range(10)]
-    return encode_batch(f"agent-{host}", host, seq, s, fmt="msgpack")
+    return encode_batch(f"agent-{host}", host, seq, s, fmt=fmt)
 
 
 @pytest.fixture
@@ -282,3 +290,168 @@ def test_a_node_inventing_gpus_is_capped_and_its_real_gpus_go_on(tmp_path):
     finally:
         s.stop()
         store.close()
+
+
+@pytest.mark.parametrize("query", ["/api/v1/jobs?limit=%C2%B2", "/api/v1/jobs?offset=%C2%B2",
+                                   "/api/v1/usage?offset=%E2%91%A0", "/api/v1/usage?limit=%D9%A3"])
+def test_paging_parameters_are_ascii_digits_and_any_other_digit_is_a_400_naming_it(srv, query):
+    path, param = query.split("?")
+    name = param.split("=")[0]
+    read = {"Authorization": f"Bearer {READ}"}
+    r = httpx.get(srv.url + query, headers=read)
+    assert r.status_code == 400 and f"query parameter {name!r} must be a non-negative integer" in r.json()["error"]
+    assert httpx.get(srv.url + path + "?limit=1&offset=0", headers=read).status_code == 200
+
+
+def test_job_records_on_a_full_disk_are_507_like_samples_and_go_in_once_there_is_room(tiny_disk, monkeypatch):
+    mnt, mounted = tiny_disk
+    store = Store(mnt / "c.sqlite", clock=lambda: NOW)
+    s = CollectorServer(store, clock=lambda: NOW, auth=Authenticator({"n1": N1}, admin_tokens=[ADMIN])).start()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    jobs = [{"job_id": str(i), "user": "u" * 100} for i in range(200)]
+
+    def post(records: list) -> httpx.Response:
+        return httpx.post(s.url + "/api/v1/jobs", json=records, headers=admin, timeout=10)
+
+    try:
+        assert post([{"job_id": "x"}]).status_code == 200
+        # the audit log's disk full first (it is written before the ledger), then the ledger's
+        real = server_module.record_job_records
+
+        def no_room(*_):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(server_module, "record_job_records", no_room)
+        r = post(jobs)
+        assert r.status_code == 507 and r.json()["reason"] == "disk_full" and int(r.headers["Retry-After"]) > 0
+        monkeypatch.setattr(server_module, "record_job_records", real)
+        filler = mnt / "filler"
+        if mounted:  # take every byte that is left
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+            try:
+                while os.write(fd, b"\0" * 4096):
+                    pass
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        else:
+            store._db.execute(f"PRAGMA max_page_count={store._db.execute('PRAGMA page_count').fetchone()[0]}")
+        r = post(jobs)
+        assert r.status_code == 507, r.text
+        assert r.json()["reason"] == "disk_full" and "disk is full" in r.json()["error"]
+        assert int(r.headers["Retry-After"]) > 0
+        if mounted:
+            filler.unlink()
+        else:
+            store._db.execute("PRAGMA max_page_count=1073741823")
+        r = post(jobs)
+        assert r.status_code == 200 and r.json()["received"] == 200
+        assert httpx.get(s.url + "/api/v1/jobs?limit=1", headers=admin).headers["X-Total-Count"] == "201"
+    finally:
+        s.stop()
+        store.close()
+
+
+def _nul_cases() -> list:
+    def series(key, value):
+        return lambda d: d["series"][0].__setitem__(key, value)
+
+    def top(key, value):
+        return lambda d: d.__setitem__(key, value)
+
+    def rows(d):
+        d.pop("series")
+        d["samples"] = [{"ts": NOW - 5, "host": "n1", "gpu_uuid": "GPU-n1\x00", "gpu_index": 0}]
+
+    return [("agent_id", top("agent_id", "a\x00b"), "field 'agent_id'"),
+            ("host", top("host", "n1\x00"), "field 'host'"),
+            ("cluster", top("cluster", "c\x00"), "field 'cluster'"),
+            ("gpu_uuid", series("gpu_uuid", "G\x00"), "series[0].gpu_uuid"),
+            ("job_ids", series("job_ids", ["7\x00"]), "series[0].job_ids"),
+            ("model", series("model", "H100\x00"), "series[0].model"),
+            ("mig", series("mig", "\x00"), "series[0].mig"),
+            ("job-record", top("jobs", [{"job_id": "7", "hosts": ["n1"], "user": "u\x00"}]), "job[0].user"),
+            ("rows", rows, "sample[0].gpu_uuid")]
+
+
+def _ledger_server(ledger, tmp_path, **kw) -> CollectorServer:
+    store = Store(ledger, clock=lambda: NOW)
+    audit = open_log(tmp_path, pseudonymize=False, ledger_url=ledger if isinstance(ledger, str) else None)
+    return CollectorServer(store, clock=lambda: NOW, audit_log=audit, **kw,
+                           auth=Authenticator({"n1": N1}, admin_tokens=[ADMIN], read_tokens=[READ])).start()
+
+
+def test_nul_and_control_characters_are_400_naming_the_field_on_both_engines(ledger, tmp_path):
+    s = _ledger_server(ledger, tmp_path)
+    read, admin = {"Authorization": f"Bearer {READ}"}, {"Authorization": f"Bearer {ADMIN}"}
+    try:
+        seq = 0
+        for name, mutate, needle in _nul_cases():
+            for fmt in ("msgpack", "json"):
+                seq += 1
+                doc = msgpack.unpackb(honest(seq)) if fmt == "msgpack" else json.loads(honest(seq, fmt="json"))
+                mutate(doc)
+                body = msgpack.packb(doc) if fmt == "msgpack" else json.dumps(doc).encode()
+                r = push(s, body, **{"Content-Type": f"application/{fmt}"})
+                assert r.status_code == 400 and needle in r.json()["error"], (name, fmt, r.text)
+                assert r.json()["reason"] == "invalid"
+        assert push(s, honest(seq + 1)).status_code == 200  # the node's next batch goes in
+        assert stored(s) == 80
+        start, end = NOW - 700, NOW
+        for query, name in (("/api/v1/usage?job=7%00", "job"),
+                            (f"/api/v1/series?host=n1%00&uuid=GPU-n1-0&start={start}&end={end}", "host"),
+                            (f"/api/v1/series?host=n1&uuid=GPU-n1-0%0A&start={start}&end={end}", "uuid"),
+                            (f"/api/v1/series?host=n1&uuid=GPU-n1-0&start={start}&end={end}&mig=%00", "mig")):
+            r = httpx.get(s.url + query, headers=read)
+            assert r.status_code == 400 and f"query parameter {name!r} must not contain control characters" in (
+                r.json()["error"]), (query, r.text)
+        assert httpx.get(s.url + "/api/v1/usage?job=7", headers=read).json()[0]["samples"] == 80
+        r = httpx.post(s.url + "/api/v1/jobs", json=[{"job_id": "9", "user": "u\x00"}], headers=admin)
+        assert r.status_code == 400 and "job[0].user" in r.json()["error"]
+        assert httpx.post(s.url + "/api/v1/jobs", json=[{"job_id": "9", "user": "u"}], headers=admin).status_code == 200
+    finally:
+        s.stop()
+        s.store.close()
+
+
+def test_a_value_the_ledger_cannot_hold_is_a_final_422_never_a_500_the_agent_resends(pg_url, tmp_path, monkeypatch):
+    s = _ledger_server(pg_url, tmp_path)
+    try:
+        for rule in ("_BAD_TEXT", "_BAD_NAME"):  # a hole in validation: NUL gets through
+            monkeypatch.setattr(validate, rule, re.compile("(?!)"))
+        doc = msgpack.unpackb(honest(1))
+        doc["series"][0]["model"] = "H100\x00"
+        r = push(s, msgpack.packb(doc))
+        assert r.status_code == 422 and r.json()["reason"] == "unstorable" and "NUL" in r.json()["error"], r.text
+        r = httpx.post(s.url + "/api/v1/jobs", json=[{"job_id": "9\x00"}],
+                       headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 422 and r.json()["reason"] == "unstorable", r.text
+        assert push(s, honest(2)).status_code == 200
+        assert stored(s) == 80
+    finally:
+        s.stop()
+        s.store.close()
+
+
+def test_gzip_members_are_one_body_and_trailing_garbage_is_a_400(srv):
+    body = honest(0)
+    r = push(srv, gzip.compress(body[:100]) + gzip.compress(body[100:]), **{"Content-Encoding": "gzip"})
+    assert r.status_code == 200 and r.json()["accepted"] == 80, r.text
+    r = push(srv, gzip.compress(honest(1)) + b"GARBAGE", **{"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "body is not valid gzip (Content-Encoding: gzip)" in r.json()["error"]
+    r = push(srv, gzip.compress(honest(1))[:-8], **{"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "ends inside member 1" in r.json()["error"]
+    assert push(srv, honest(1)).status_code == 200
+    assert stored(srv) == 160
+
+
+def test_a_batch_of_millions_of_processes_is_413_before_they_are_built_and_honest_pushes_go_on(srv):
+    doc = {"agent_id": "a", "seq": 1, "host": "n1", "samples": [
+        {"ts": NOW - 20_000 + i, "host": "n1", "gpu_uuid": "G", "gpu_index": 0, "processes": [[0, None]] * 250}
+        for i in range(20_000)]}
+    r = push(srv, msgpack.packb(doc))
+    assert r.status_code == 413 and r.json()["reason"] == "too_large"
+    assert "5000000 processes in one batch, more than the limit of 256000" in r.json()["error"]
+    assert push(srv, honest(0)).status_code == 200
+    assert stored(srv) == 80

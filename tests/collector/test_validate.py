@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import tracemalloc
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuledger.collector import validate
-from gpuledger.collector.validate import BatchError, parse_batch, parse_jobs
+from gpuledger.collector.validate import DEFAULT_LIMITS, BatchError, parse_batch, parse_jobs
 from gpuledger.schema.records import GpuProcess, GpuSample
 
 NOW = 1_700_000_000.0
@@ -181,7 +183,8 @@ def test_every_record_field_has_a_validation_rule():
 
 _ODD = st.sampled_from([None, True, False, 0, 1, -1, 2, 0.0, -0.0, 0.5, 1.5, -0.5, 1e18, 2e18,
                         2**63 - 1, 2**63, 2**64 - 1, -2**63, float("nan"), float("inf"), "", "x", [], ["1"],
-                        ["1", "1"], [""], [1, None], [[1, None]], [[1]], [[-1, 2]], [0.5, 0.5], [1.0], [2**63]])
+                        ["1", "1"], [""], [1, None], [[1, None]], [[1]], [[-1, 2]], [0.5, 0.5], [1.0], [2**63],
+                        "\x00", "n1\x00", "a\tb", "\x7f", ["4\x002"], ["4\n"]])
 
 
 @st.composite
@@ -222,3 +225,152 @@ def test_fast_path_decides_as_the_per_sample_path(doc, allowed):
     finally:
         validate._FAST = saved
     assert fast == slow
+
+
+# -- review fixes: strings, gzip members, row lists over the batch, a foreign host's batch ----------------
+
+def _both_paths(b: bytes, ctype: str = "application/msgpack", **kw) -> tuple:
+    """What the fast and the forced per-sample path decide (as _outcome), asserted alike."""
+    def outcome():
+        try:
+            return parse_batch(b, ctype, NOW, **kw).samples
+        except BatchError as e:
+            return (e.status, e.reason, e.message)
+    fast = outcome()
+    saved, validate._FAST = validate._FAST, None
+    try:
+        slow = outcome()
+    finally:
+        validate._FAST = saved
+    assert fast == slow
+    return fast
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("agent_id", "a1\x00", "field 'agent_id' must be a non-empty string without control characters"),
+    ("host", "n1\x00", "field 'host' must be a non-empty string without control characters"),
+    ("cluster", "c\n", "field 'cluster' must be a string of at most 256 characters without control characters"),
+    ("gpu_uuid", "GPU-1\x00", "sample[0].gpu_uuid: must be a non-empty string without control characters"),
+    ("mig", "1g\x1b[0m", "sample[0].mig: must be a non-empty string without control characters"),
+    ("job_ids", ["4\x002"], "sample[0].job_ids: must be a list of distinct non-empty strings without control"),
+    ("model", "H100\x00", "sample[0].model: must be a string without NUL characters"),
+    ("source", "\x00", "sample[0].source: must be a string without NUL characters"),
+    ("jobs", [{"job_id": "42\x00", "hosts": ["n1"]}], "job[0].job_id: expected str without control characters"),
+])
+def test_nul_and_control_characters_are_refused_naming_the_field_on_both_paths(key, value, needle):
+    doc = json.loads(body())
+    if key in ("agent_id", "host", "cluster", "jobs"):
+        doc[key] = value
+    else:
+        doc["samples"][0][key] = value
+    for b, ctype in ((msgpack.packb(doc), "application/msgpack"), (json.dumps(doc).encode(), "application/json")):
+        status, reason, message = _both_paths(b, ctype)
+        assert (status, reason) == (400, "invalid") and needle in message, message
+    # free text keeps a tab (only NUL is refused there), a name any printable character
+    doc = json.loads(body([sample(model="NVIDIA\tH100 \u00e9", job_ids=["t\u00e2che-1"], job_shares=[1.0])]))
+    assert _both_paths(msgpack.packb(doc))[0].model == "NVIDIA\tH100 \u00e9"
+
+
+@pytest.mark.parametrize("record,needle", [
+    ({"job_id": "9", "user": "u\ud800"}, "job[0].user: expected str | None without control characters or unpaired"),
+    ({"job_id": "9\udc00"}, "job[0].job_id: expected str without control characters or unpaired surrogates"),
+    ({"job_id": "9", "account": "a\x00"}, "job[0].account"),
+    ({"job_id": "9", "hosts": ["n1", "n2\r\n"]}, "job[0].hosts"),
+    ({"job_id": "9", "tres": [["gres/gpu\x00", 1]]}, "job[0].tres"),
+    ({"job_id": "9", "state": "DONE\x00"}, "job[0].state: expected str | None without NUL characters or unpaired"),
+    ({"job_id": "9", "gpu_model": "H\ud800"}, "job[0].gpu_model"),
+])
+def test_job_records_with_a_lone_surrogate_or_a_control_character_are_refused_naming_the_field(record, needle):
+    doc = json.dumps([{"job_id": "8"}, record]).encode()  # ensure_ascii: a surrogate travels as its \ud800 escape
+    with pytest.raises(BatchError) as e:
+        parse_jobs(doc, "application/json")
+    assert e.value.status == 400 and needle.replace("job[0]", "job[1]") in e.value.message, e.value.message
+    assert parse_jobs(json.dumps([{"job_id": "8", "state": "CANCELLED\tby 0", "user": "\u00e9ve"}]).encode(),
+                      "application/json")[0].user == "\u00e9ve"
+
+
+def test_every_member_of_a_gzip_body_is_read_and_anything_else_after_them_is_refused():
+    b = body()
+    two = gzip.compress(b[:40]) + gzip.compress(b[40:])
+    assert gzip.decompress(two) == b
+    assert parse_batch(two, "application/json", NOW, content_encoding="gzip").samples == parse_batch(
+        b, "application/json", NOW).samples
+    enc = {"content_encoding": "gzip"}
+    reject(gzip.compress(b) + b"GARBAGE", "body is not valid gzip (Content-Encoding: gzip)",
+           "7 bytes after member 1 are not another member", **enc)
+    reject(gzip.compress(b)[:-4], "body is not valid gzip (Content-Encoding: gzip): it ends inside member 1", **enc)
+    reject(two[:-1], "it ends inside member 2", **enc)
+    reject(b"", "it ends inside member 1", **enc)
+    # the inflated limit holds over all members together, checked while inflating
+    half = gzip.compress(b" " * 600_000)
+    reject(gzip.compress(b"[") + half + half + gzip.compress(b"]"), "exceeds the limit of 1000000", status=413,
+           max_bytes=1_000_000, **enc)
+    # zstd's frames likewise (RFC 8878 3.1)
+    z = zstandard.ZstdCompressor()
+    assert parse_batch(z.compress(b[:40]) + z.compress(b[40:]), "application/json", NOW,
+                       content_encoding="zstd").seq == 3
+
+
+def _many(n: int, fmt: str = "msgpack", **fields) -> bytes:
+    doc = {"agent_id": "a1", "seq": 3, "host": "n1", "samples": [
+        {"ts": NOW - 20_000 + i, "host": "n1", "gpu_uuid": "G", "gpu_index": 0, **fields} for i in range(n)]}
+    return msgpack.packb(doc) if fmt == "msgpack" else json.dumps(doc).encode()
+
+
+def test_processes_over_the_batch_limit_are_refused_before_they_are_built():
+    # 20,000 samples of 250 processes: 15 MiB of msgpack, within every other limit, ~500 MiB once built
+    big = _many(20_000, processes=[[0, None]] * 250)
+    assert len(big) < validate.MAX_BODY_BYTES
+    tracemalloc.start()
+    try:
+        e = reject(big, "batch agent_id='a1' seq=3: 5000000 processes in one batch, more than the limit of 256000",
+                   status=413, ctype="application/msgpack")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (e.reason, e.samples) == ("too_large", 20_000) and peak < 32 * 2**20, peak
+    # Xid errors (a 1-byte integer becomes an object of 28), JSON bodies and the columnar layout alike
+    reject(_many(1001, xid_errors=[-10] * 256), "256256 Xid errors in one batch, more than the limit of 256000",
+           status=413, ctype="application/msgpack")
+    reject(_many(1001, "json", processes=[[1, 2]] * 256), "256256 processes in one batch", status=413)
+    series = {"agent_id": "a1", "seq": 3, "host": "n1", "series": [
+        {"gpu_uuid": "G", "gpu_index": 0, "ts": [NOW - 2000 + i for i in range(1001)],
+         "processes": [[[i, None] for i in range(256)]] * 1001}]}
+    reject(msgpack.packb(series), "256256 processes in one batch", status=413, ctype="application/msgpack")
+    # at the limit: accepted, exactly as decoded in one pass (a body too short to exceed the limit is)
+    at = _many(1000, processes=[[7, 2**40]] * 255 + [[8, None]], xid_errors=[79] * 256)
+    one_pass = replace(DEFAULT_LIMITS, max_batch_list=len(at))
+    got = parse_batch(at, "application/msgpack", NOW).samples
+    assert got == parse_batch(at, "application/msgpack", NOW, limits=one_pass).samples
+    assert sum(len(s.processes) for s in got) == 256_000 and got[0].processes[-1] == GpuProcess(8, None)
+    series["series"][0]["processes"] = series["series"][0]["processes"][:1000]
+    series["series"][0]["ts"] = series["series"][0]["ts"][:1000]
+    assert parse_batch(msgpack.packb(series), "application/msgpack", NOW).n_samples == 1000
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_row_lists_decoded_after_their_count_are_worded_as_in_one_pass(fmt):
+    ctype = "application/msgpack" if fmt == "msgpack" else "application/json"
+    small = replace(DEFAULT_LIMITS, max_batch_list=100)  # every body here is longer: counted first
+    for procs in ([[7, 100]], [[-1, 5]], [[7]], "x", None):
+        b = body([sample(), sample(processes=procs)])
+        b = msgpack.packb(json.loads(b)) if fmt == "msgpack" else b
+        assert _both_paths(b, ctype) == _both_paths(b, ctype, limits=small)
+    # a body too large to be worded by the per-sample path: the typed decode's words, at the same place
+    big = json.loads(_many(3000, "json"))
+    big["samples"][2500]["processes"] = [[1, 2], [3, "x"]]
+    b = msgpack.packb(big) if fmt == "msgpack" else json.dumps(big).encode()
+    one = reject(b, "sample[2500].processes[1][1]", ctype=ctype)
+    assert reject(b, ctype=ctype, limits=small).message == one.message
+
+
+def test_a_batch_of_another_host_is_refused_without_decoding_it_twice(monkeypatch):
+    big = _many(20_000, processes=[[1, None]] * 12)
+
+    def never(*_):
+        raise AssertionError("decoded a second time")
+
+    monkeypatch.setattr(validate, "_parse_doc", never)
+    e = reject(big, "field 'host' is 'n1' but the token is bound to host 'n2'", status=403,
+               ctype="application/msgpack", allowed_host="n2")
+    assert (e.reason, e.samples) == ("forbidden", 20_000)

@@ -241,6 +241,9 @@ NONNEG = "must be a finite number in 0..1e+18"
 INT = f"must be an integer in 0..{MAX_INT}"
 TS = "must be a positive finite number (unix seconds)"
 FUTURE = "is more than 300 s in the future (collector time 1700000000.000)"
+NAME = "must be a non-empty string without control characters or unpaired surrogates"
+TEXT = "must be a string without NUL characters or unpaired surrogates"
+JOB_IDS = "must be a list of distinct non-empty strings without control characters or unpaired surrogates"
 EXACTLY_ONE = "exactly one of the fields 'samples' (one object a sample) and 'series' (columns) is required"
 
 # (id, mutation, message after "batch agent_id='a1' seq=3: ", encodings, samples, reason, status)
@@ -339,20 +342,27 @@ REJECTIONS: list[tuple] = [
     ("host-in-series", _set("host", "n1"), "series[1]: unknown field 'host' (a series takes the batch's host)", ALL),
     ("gpu_uuid-missing", _del("gpu_uuid"), "series[1].gpu_uuid: missing", ALL),
     ("gpu_index-missing", _del("gpu_index"), "series[1].gpu_index: missing", ALL),
-    ("gpu_uuid-empty", _set("gpu_uuid", ""), "series[1].gpu_uuid: must be a non-empty string (got '')", ALL),
-    ("gpu_uuid-int", _set("gpu_uuid", 5), "series[1].gpu_uuid: must be a non-empty string (got 5)", ALL),
+    ("gpu_uuid-empty", _set("gpu_uuid", ""), f"series[1].gpu_uuid: {NAME} (got '')", ALL),
+    ("gpu_uuid-int", _set("gpu_uuid", 5), f"series[1].gpu_uuid: {NAME} (got 5)", ALL),
+    ("gpu_uuid-nul", _set("gpu_uuid", "GPU-1\x00"), f"series[1].gpu_uuid: {NAME} (got 'GPU-1\\x00')", ALL),
+    ("gpu_uuid-newline", _set("gpu_uuid", "GPU-1\nforged"), f"series[1].gpu_uuid: {NAME} (got 'GPU-1\\nforged')", ALL),
     ("gpu_index-negative", _set("gpu_index", -1), f"series[1].gpu_index: {INT} (got -1)", ALL),
     ("gpu_index-bool", _set("gpu_index", True), f"series[1].gpu_index: {INT} (got True)", ALL),
     ("gpu_index-float", _set("gpu_index", 1.0), f"series[1].gpu_index: {INT} (got 1.0)", ALL),
-    ("mig-empty", _set("mig", ""), "series[1].mig: must be a non-empty string or null (got '')", ALL),
-    ("model-int", _set("model", 5), "series[1].model: must be a string (got 5)", ALL),
-    ("source-null", _set("source", None), "series[1].source: must be a string (got None)", ALL),
+    ("mig-empty", _set("mig", ""), f"series[1].mig: {NAME}, or null (got '')", ALL),
+    ("mig-nul", _set("mig", "\x00"), f"series[1].mig: {NAME}, or null (got '\\x00')", ALL),
+    ("model-int", _set("model", 5), f"series[1].model: {TEXT} (got 5)", ALL),
+    ("model-nul", _set("model", "H100\x00"), f"series[1].model: {TEXT} (got 'H100\\x00')", ALL),
+    ("source-null", _set("source", None), f"series[1].source: {TEXT} (got None)", ALL),
+    ("source-nul", _set("source", "\x00nvml"), f"series[1].source: {TEXT} (got '\\x00nvml')", ALL),
     ("job_ids-duplicate", _set("job_ids", ["1", "1"]),
-     "series[1].job_ids: must be a list of distinct non-empty strings (got ['1', '1'])", ALL),
+     f"series[1].job_ids: {JOB_IDS} (got ['1', '1'])", ALL),
     ("job_ids-empty-id", _set("job_ids", ["1", ""]),
-     "series[1].job_ids: must be a list of distinct non-empty strings (got ['1', ''])", ALL),
+     f"series[1].job_ids: {JOB_IDS} (got ['1', ''])", ALL),
+    ("job_ids-nul", _set("job_ids", ["1", "7\x00"]), f"series[1].job_ids: {JOB_IDS} (got ['1', '7\\x00'])", ALL),
+    ("job_ids-tab", _set("job_ids", ["1\t2"]), f"series[1].job_ids: {JOB_IDS} (got ['1\\t2'])", ALL),
     ("job_ids-string", _set("job_ids", "1"),
-     "series[1].job_ids: must be a list of distinct non-empty strings (got '1')",
+     f"series[1].job_ids: {JOB_IDS} (got '1')",
      ALL),
     ("job_shares-sum", _set("job_shares", [0.5, 0.6]), "series[1].job_shares: must sum to 1 (got [0.5, 0.6])", ALL),
     ("job_shares-count", _set("job_shares", [1.0]),
@@ -390,6 +400,17 @@ REJECTIONS: list[tuple] = [
     ("both-samples-and-series", _top("samples", []), EXACTLY_ONE, ALL, 0),
     ("neither-samples-nor-series", _top("series", delete=True), EXACTLY_ONE, ALL, 0),
     ("unknown-top-level", _top("bogus", 1), "unknown field(s) ['bogus']", ALL, 0),
+    ("host-nul", _top("host", "n1\x00"), f"field 'host' {NAME}", ALL, 0),
+    ("cluster-nul", _top("cluster", "c\x00"),
+     "field 'cluster' must be a string of at most 256 characters without control characters or unpaired surrogates",
+     ALL, 0),
+    ("jobs-user-nul", _top("jobs", [{"job_id": "1", "hosts": ["n1"], "user": "ann\x00"}]),
+     "job[0].user: expected str | None without control characters or unpaired surrogates (got 'ann\\x00')", ALL),
+    ("jobs-host-newline", _top("jobs", [{"job_id": "1", "hosts": ["n1", "n2\r\n"]}]),
+     "job[0].hosts: expected tuple[str, ...] without control characters or unpaired surrogates "
+     "(got ['n1', 'n2\\r\\n'])", ALL),
+    ("jobs-state-nul", _top("jobs", [{"job_id": "1", "hosts": ["n1"], "state": "DONE\x00"}]),
+     "job[0].state: expected str | None without NUL characters or unpaired surrogates (got 'DONE\\x00')", ALL),
     ("jobs-not-a-list", _top("jobs", {}), "field 'jobs' must be a list of job records", ALL),
     ("jobs-other-host", _top("jobs", [{"job_id": "1", "hosts": ["n2"]}]),
      "job[0].hosts: ['n2'] does not include the batch's host 'n1'", ALL),
@@ -454,6 +475,10 @@ ACCEPTED: list[tuple] = [
     ("no-job-shares", _set("job_shares", []), "job_shares", [()] * 5, ALL),
     ("integer-shares", _both(_set("job_ids", ["1"]), _set("job_shares", [1])), "job_shares", [(1.0,)] * 5, ALL),
     ("shares-within-1e-6", _set("job_shares", [0.25, 0.7500005]), "job_shares", [(0.25, 0.7500005)] * 5, ALL),
+    # free text may hold what a name may not (all but NUL); a name may be any printable text
+    ("model-with-a-tab", _set("model", "NVIDIA\tH100 \u2028"), "model", ["NVIDIA\tH100 \u2028"] * 5, ALL),
+    ("names-non-ascii", _both(_set("mig", "\u00e9\U0001f600"), _set("job_ids", ["t\u00e2che"]),
+                             _set("job_shares", [])), "job_ids", [("t\u00e2che",)] * 5, ALL),
 ]
 
 
