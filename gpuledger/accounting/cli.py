@@ -95,6 +95,16 @@ def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
         raise _fail(str(e)) from None
 
 
+def _settings(data_dir: Path, config: Path | None) -> AccountingSettings:
+    """The ``[accounting]`` settings (defaults without a configuration file); a bad one exits 2 naming the file."""
+    path = config or data_dir / CONFIG_NAME
+    cfg = _config(data_dir, config)[0] if (config is not None or path.exists()) else {}
+    try:
+        return accounting_settings(cfg, path)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+
+
 def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, associations: Path | None = None,
                    usage_file: Path | None = None, now: float | None = None, feed_weight: int | None = None,
                    record: bool = False, accept_store_changes: str | None = None, ledger_url: str | None = None,
@@ -129,11 +139,12 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             return rows, settings
         store = _open_store(ledger_url, data_dir)
         try:
-            jobs, usages = store.jobs(), store.job_usage()
-            entries = join(store.job_records(), usages, store.job_usage(per_gpu=True),
-                           gap_attribution(store, now).by_job())
-            busy = store.busy_hours(decay_horizon_start(now, settings.half_life_s, settings.usage_reset,
-                                                        settings.timezone or None))
+            jobs, usages, per_gpu = store.jobs(), store.job_usage(), store.job_usage(per_gpu=True)
+            entries = join(store.job_records(), usages, per_gpu, gap_attribution(store, now).by_job())
+            horizon = decay_horizon_start(now, settings.half_life_s, settings.usage_reset, settings.timezone or None)
+            # from the first hour of every GPU record that reaches the horizon: a charge placed over only the hours
+            # after it (a reset, or decayed away) would put the whole of it where it survives
+            busy = store.busy_hours(min((u.first_ts for u in per_gpu if u.last_ts >= horizon), default=horizon))
         finally:
             store.close()
         alias = _history_alias(ledger_url, data_dir, entries)
@@ -241,8 +252,7 @@ def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
     """The feed document (and, ``with_rows``, the fairshare rows it came from, as a pair) of the ledger at
     ``ledger_url`` (resolved; None: the data dir's embedded store)."""
     now = time.time() if now is None else now
-    cfg = _config(data_dir, config)[0] if (config is not None or (data_dir / CONFIG_NAME).exists()) else {}
-    weight = accounting_settings(cfg).priority_weight
+    weight = _settings(data_dir, config).priority_weight
     rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight,
                                     record=True, accept_store_changes=accept_store_changes, ledger_url=ledger_url)
     doc = feed_from_rows(rows, settings, now)
@@ -541,6 +551,7 @@ def priority_watch(
     from gpuledger.accounting.slurm import ENDED_STATES, SlurmClient
 
     url = cli_ledger_url(ledger_url, data_dir, config)
+    _settings(data_dir, config)  # a bad configuration ends the daemon at its start, not every poll after
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logger = logging.getLogger("gpuledger.priority.watch")
     feed_path = output or data_dir / FEED_NAME

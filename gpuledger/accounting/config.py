@@ -60,7 +60,8 @@ class AccountingSettings(BaseModel):
                 raise ValueError(
                     f"unknown time zone {v!r} (an IANA name like Europe/Berlin, or \"\" for local)") from None
         return v
-    priority_weight: int = Field(10_000, ge=0)
+    # scontrol takes a SiteFactor within +/-2147483645: a larger weight would fail on every job
+    priority_weight: int = Field(10_000, ge=0, le=2_147_483_645)
     dampening: float = Field(1.0, gt=0)
     model_weights: dict[str, float] = {}
     # Where the association tree comes from when a command is not given --associations: "slurm" (sacctmgr on

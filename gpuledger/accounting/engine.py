@@ -152,6 +152,19 @@ class HourlyPlacer:
         return out
 
 
+def _until_tick(pieces: list[tuple[float, float, float]], tick: float) -> list[tuple[float, float, float]]:
+    """A running job's pieces up to the last decay tick: slurmctld adds what a running job accrued only at its
+    ticks, so what came after the last one is not in Slurm's usage yet (a piece accrues evenly, so its part before
+    the tick is in proportion)."""
+    out = []
+    for a, b, x in pieces:
+        if b <= tick:
+            out.append((a, b, x))
+        elif a < tick:
+            out.append((a, tick, x * (tick - a) / (b - a)))
+    return out
+
+
 def hourly_pieces(u: JobUsage, amount: float, busy: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
     """One GPU's measured charge placed in the hours it was used; ``busy`` its (hour start, busy GPU-seconds)."""
     return HourlyPlacer({_gpu_key(u): busy}).place([(u, amount)])[0]
@@ -219,6 +232,8 @@ def association_usage(
         if c.unmeasured > 0 and r is not None and r.start is not None:
             # Slurm's allocation accrues evenly over [start, end]
             pieces.append((r.start, max(r.start, min(r.end if r.end is not None else now, now)), c.unmeasured))
+        if r is not None and (r.end is None or r.end > now):
+            pieces = _until_tick(pieces, math.floor(now / settings.calc_period_s) * settings.calc_period_s)
         charges += [((key, e.key), a, b, x) for a, b, x in pieces]
         ranges.append((min((p[0] for p in pieces), default=now), max((p[1] for p in pieces), default=now)))
     decayed = decayed_usage(

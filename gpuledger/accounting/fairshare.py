@@ -313,6 +313,8 @@ def _raw_usage(index: _Index, usage: Usage) -> np.ndarray:
     for nodes, parents, accts in index.rollup:
         if accts.size:
             raw[accts] = np.bincount(parents, weights=raw[nodes], minlength=accts.size)
+    if not math.isfinite(raw[0]):  # each usage finite, their sum not: every ratio would be 0 or NaN
+        raise UsageError(f"usage sums to more than a double holds ({float(raw[0])!r} at the root): scale it down")
     return raw
 
 
