@@ -70,6 +70,16 @@ def _stages(mapper: list[str], mapping_dir: str | None) -> list[Any]:
     return out + [MigEnergySplitter()]
 
 
+def _with_mig_uuids(stages: list[Any], source: Any) -> list[Any]:
+    """The mappers told the opened source's MIG instance UUIDs (NVML's), so that a mapping file or table may name
+    an instance by its own UUID (samples carry the GPU's UUID and the instance id)."""
+    mig_uuids = getattr(source, "mig_uuids", None)
+    for stage in stages:
+        if mig_uuids is not None and hasattr(stage, "mig_uuids"):
+            stage.mig_uuids = mig_uuids
+    return stages
+
+
 MAPPER_HELP = "job mapper(s), applied in order: slurm-cgroup, mapping-dir, static (repeat the option for several)"
 LOAD_HELP = (f"simulated source: the node's workload, one of {', '.join(LOADS)} (mixed: training, inference, a "
              "stalling loader and an idle GPU, like the demo); busy GPUs carry simulated job ids [default: free]")
@@ -125,7 +135,7 @@ def once(
 
     stages = _stages(mapper, mapping_dir)
     src = _open_source(source, url, host, gpus, seed, load)
-    agent = Agent(src, stages)
+    agent = Agent(src, _with_mig_uuids(stages, src))
     try:
         if getattr(src, "name", "") == "nvml":
             # GPM rates need a window: take the first GPM sample now and report the 200 ms after it.
@@ -211,6 +221,7 @@ def run(
     node = host or socket.gethostname()
     stages = _stages(mapper, mapping_dir)
     src = _open_source(source, url, node, gpus, seed, load)  # samples carry the host the agent pushes as
+    stages = _with_mig_uuids(stages, src)
     sinks: list[Any] = []
     delivery: Any = None  # the sink that says what reached the collector
     if collector:

@@ -257,3 +257,32 @@ def test_concurrent_prologs_on_one_gpu_lose_no_job(tmp_path: Path) -> None:
     assert all(p.wait(timeout=60) == 0 for p in procs)
     assert sorted(parse_dcgm_mapping((tmp_path / "dcgm" / "0").read_text()),
                   key=lambda e: e.job_id) == [JobEntry(str(100 + i)) for i in range(12)]
+
+
+def test_a_file_or_table_naming_a_mig_instance_by_its_own_uuid_maps_that_instance(tmp_path: Path) -> None:
+    # jobstats names a MIG card's file by the instance's UUID ("MIG-..."): samples carry the GPU's UUID and the
+    # instance id, so the mapper needs the source's MIG UUIDs to match it (the agent CLI wires NvmlSource's in)
+    from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm
+
+    from gpuledger.agent.cli import _stages, _with_mig_uuids
+    from gpuledger.agent.mappers.static import StaticMapper
+    from gpuledger.agent.sources.nvml import NvmlSource
+
+    gpu = FakeGpu("GPU-1f2d6f5a-0000-4000-8000-000000000000", gpm=busy_gpm(),
+                  mig=[FakeMigInstance(1, "3g.40gb"), FakeMigInstance(2, "4g.40gb")],
+                  processes=[FakeProcess(11, MIB, gpu_instance=1)])
+    lib = FakeNvml(Scenario([gpu]))
+    src = NvmlSource(lib=lib, host="n")
+    src.open()
+    samples = src.sample()
+    mig_uuid = lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetMigDeviceHandleByIndex(lib.nvmlDeviceGetHandleByIndex(0), 0))
+    assert src.mig_uuids()[(gpu.uuid, "1")] == mig_uuid
+    (tmp_path / mig_uuid).write_text("4242 1000\n")
+    (mapper, _) = _with_mig_uuids(_stages(["mapping-dir"], str(tmp_path)), src)
+    assert [(s.mig, s.job_ids) for s in mapper.map(samples)] == [(None, ()), ("1", ("4242",)), ("2", ())]
+    assert mapper.job_metadata()["4242"].uid == 1000
+    static = StaticMapper({mig_uuid: "4242"}, mig_uuids=src.mig_uuids)
+    assert [(s.mig, s.job_ids) for s in static.map(samples)] == [(None, ()), ("1", ("4242",)), ("2", ())]
+    # without the source's UUIDs nothing can match (as before): the instance takes no job from such a file
+    assert [s.job_ids for s in make_mapper("mapping-dir", path=tmp_path).map(samples)] == [(), (), ()]
+    src.close()

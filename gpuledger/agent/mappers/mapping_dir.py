@@ -14,7 +14,9 @@ index and by its UUID. A MIG sample's ``mig`` is ``"<gi>.<ci>"`` or ``"<gi>"`` (
 instance id, optionally with the compute instance id); only the GPU instance matters (a
 dcgm-exporter file is per GPU instance), so it takes ``<index>.<gi>``, plus ``<index>`` and
 the UUID files (a job that holds the whole GPU holds all its instances). A ``mig`` that is not
-numeric (a profile name) matches only the whole-GPU files.
+numeric (a profile name) matches only the whole-GPU files. A file named by a MIG instance's own UUID
+(``MIG-...``, as jobstats names them) matches that instance when the mapper is given ``mig_uuids`` (the NVML
+source's: samples carry the GPU's UUID and the instance id, not the instance's UUID).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -140,12 +142,16 @@ def _gpu_instance(mig: str | None) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def jobs_for_sample(table: Mapping[GpuKey, Sequence[JobEntry]], s: GpuSample) -> list[JobEntry]:
-    """The entries of every file that names this sample's GPU (see the module docstring)."""
+def jobs_for_sample(table: Mapping[GpuKey, Sequence[JobEntry]], s: GpuSample,
+                    mig_uuid: str | None = None) -> list[JobEntry]:
+    """The entries of every file that names this sample's GPU (see the module docstring); ``mig_uuid``: the
+    MIG instance's own UUID, when known."""
     keys = [GpuKey(index=s.gpu_index), GpuKey(uuid=s.gpu_uuid)]
     gi = _gpu_instance(s.mig)
     if gi is not None:
         keys.append(GpuKey(index=s.gpu_index, gpu_instance=gi))
+    if s.mig is not None and mig_uuid:
+        keys.append(GpuKey(uuid=mig_uuid))
     found: list[JobEntry] = []
     for k in keys:
         found.extend(table.get(k, ()))
@@ -159,11 +165,13 @@ class MappingDirMapper:
     uses. A missing directory is logged once (until it reappears) and means "no jobs".
     """
 
-    def __init__(self, path: str | Path, format: Format = "auto") -> None:
+    def __init__(self, path: str | Path, format: Format = "auto",
+                 mig_uuids: Callable[[], Mapping[tuple[str, str], str]] | None = None) -> None:
         if format not in _FORMATS:
             raise ValueError(f"unknown mapping format {format!r}; known: {', '.join(_FORMATS)}")
         self.path = Path(path)
         self.format: Format = format
+        self.mig_uuids = mig_uuids  # (GPU UUID, mig) -> MIG UUID: the source's (NvmlSource.mig_uuids)
         self._missing_logged = False
         self._uids: dict[str, int | None] = {}
         self._uuids: dict[str, set[str]] = {}
@@ -184,8 +192,9 @@ class MappingDirMapper:
         uids: dict[str, int | None] = {}
         uuids: dict[str, set[str]] = {}
         out: list[GpuSample] = []
+        mig_uuids = self.mig_uuids() if self.mig_uuids is not None and any(s.mig for s in samples) else {}
         for s in samples:
-            entries = jobs_for_sample(table, s)
+            entries = jobs_for_sample(table, s, mig_uuids.get((s.gpu_uuid, s.mig or "")))
             if not entries:
                 out.append(s)
                 continue

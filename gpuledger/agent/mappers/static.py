@@ -1,13 +1,14 @@
 """A job mapper from a fixed (but changeable) table: GPU UUID or index -> job id(s).
 
-For demos, tests and hosts without a scheduler. Keys may be a GPU UUID (also a MIG instance's UUID) or
-a GPU index; an all-digit string key counts as an index because TOML table keys are always strings.
+For demos, tests and hosts without a scheduler. Keys may be a GPU UUID, a MIG instance's own UUID (matched when
+the mapper is given ``mig_uuids``, the NVML source's) or a GPU index; an all-digit string key counts as an index
+because TOML table keys are always strings.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from gpuledger.schema.records import GpuSample
@@ -44,7 +45,9 @@ def _normalise_jobs(gpu: GpuKey, job_ids: str | Sequence[str]) -> tuple[str, ...
 class StaticMapper:
     """Assigns the configured job ids; GPUs absent from the table are passed through unchanged."""
 
-    def __init__(self, mapping: Mapping[GpuKey, str | Sequence[str]] | None = None) -> None:
+    def __init__(self, mapping: Mapping[GpuKey, str | Sequence[str]] | None = None,
+                 mig_uuids: Callable[[], Mapping[tuple[str, str], str]] | None = None) -> None:
+        self.mig_uuids = mig_uuids  # (GPU UUID, mig) -> MIG UUID: the source's (NvmlSource.mig_uuids)
         self._lock = threading.Lock()
         self._table: dict[GpuKey, tuple[str, ...]] = {}
         for gpu, jobs in (mapping or {}).items():
@@ -75,8 +78,13 @@ class StaticMapper:
         with self._lock:
             table = dict(self._table)
         out: list[GpuSample] = []
+        mig_uuids = self.mig_uuids() if self.mig_uuids is not None and any(s.mig for s in samples) else {}
         for s in samples:
-            jobs = table.get(s.gpu_uuid)
+            jobs = None
+            if s.mig is not None and (mig_uuid := mig_uuids.get((s.gpu_uuid, s.mig))) is not None:
+                jobs = table.get(mig_uuid)
+            if jobs is None:
+                jobs = table.get(s.gpu_uuid)
             if jobs is None:
                 jobs = table.get(s.gpu_index)
             # Equal split: no shares are known to a static table.

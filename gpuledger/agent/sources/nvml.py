@@ -404,6 +404,11 @@ class NvmlSource:
             ))
         return samples
 
+    def mig_uuids(self) -> dict[tuple[str, str], str]:
+        """(GPU UUID, ``mig`` as samples carry it) -> the MIG instance's own UUID, for the current layout: what
+        a mapping file or a static table may name a MIG instance by (``MIG-...``, as ``nvidia-smi -L`` shows)."""
+        return {(gpu.uuid, str(gi)): m.uuid for gpu in self._gpus if gpu.uuid for gi, m in gpu.migs.items()}
+
     def _processes(self, gpu: _Gpu, handle: Any, where: str) -> list[GpuProcess]:
         """Compute processes and MPS clients on ``handle``, by pid (an MPS client is not a compute process)."""
         out: dict[int, GpuProcess] = {}
