@@ -132,6 +132,9 @@ class Spool:
     def bytes(self) -> int:
         return self._bytes
 
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._index
+
     def max_seq(self) -> int | None:
         with self._lock:
             return max(self._index, default=None)
@@ -276,6 +279,7 @@ class SpoolingPusher:
         only batches refused for clock skew whose next attempt is not due) or a retryable failure (False)."""
         with self._send_lock:
             now = self._clock()
+            self._skewed = {seq: v for seq, v in self._skewed.items() if seq in self.spool}  # not dropped meanwhile
             waiting = {seq for seq, (_, due) in self._skewed.items() if due > now}
             while True:
                 item = self.spool.oldest(skip=waiting)
