@@ -1,8 +1,10 @@
 """Rendering fairshare rows the way sshare does, and parsing sshare's and the usage CSV's text.
 
 * :func:`render_table` is ``sshare -a -l`` (fixed width: Account left-aligned and indented one space
-  per level, numbers right-aligned, ``%f`` doubles, truncated RawUsage). GrpTRESMins/TRESRunMins
-  are left out: gpuledger has no TRES limits to show. LevelFS is shown when any row has one (Fair
+  per level, numbers right-aligned, ``%f`` doubles, truncated RawUsage). sshare's widths are the
+  minimums: where sshare would cut a value to ``name+`` (or a number to ``%e``), the column widens
+  to its longest value instead, so two long names never print alike. GrpTRESMins/TRESRunMins are
+  left out: gpuledger has no TRES limits to show. LevelFS is shown when any row has one (Fair
   Tree); classic sshare prints no LevelFS column.
 * :func:`render_parsable` is the same as ``sshare -a -l -P``.
 * :func:`to_json` / :func:`render_csv` are for machines: full precision, ``raw_shares`` a number or
@@ -21,8 +23,10 @@ from typing import Any
 
 from gpuledger.accounting.associations import PARENT, AssociationError, parse_shares
 from gpuledger.accounting.fairshare import Row, UsageError
+from gpuledger.output import display_text, display_width, pad
 
-# (header, width, getter). A negative width is left-aligned, as in sshare's print_fields table.
+# (header, width, getter). A negative width is left-aligned, as in sshare's print_fields table; the width is
+# sshare's, a minimum here (render_table widens a column rather than truncate).
 _Column = tuple[str, int, Callable[[Row], Any]]
 
 
@@ -57,30 +61,19 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _fixed(value: Any, width: int) -> str:
-    """One fixed-width cell plus its trailing space, as sshare's print_fields_* do."""
-    n = abs(width)
-    if isinstance(value, float):
-        s = f"{value:{n}f}"
-        if len(s) > n:
-            s = f"{value:{n}.{max(n - 7, 0)}e}"
-        return s + " "
-    s = "" if value is None else str(value)
-    if len(s) > n:
-        s = s[: n - 1] + "+"
-    return (f"{s:<{n}}" if width < 0 else f"{s:>{n}}") + " "
-
-
 def render_table(rows: Sequence[Row], level_fs: bool | None = None) -> str:
-    """``sshare -a -l`` fixed-width text (trailing spaces stripped)."""
+    """``sshare -a -l`` fixed-width text (trailing spaces stripped): each cell plus a trailing space, as sshare's
+    print_fields_* print them, in columns as wide as sshare's or as their longest value (never truncated; control
+    characters escaped, display widths, as gpuledger.output's tables)."""
     cols = _columns(rows, level_fs)
-    lines = [
-        "".join(_fixed(h, w) for h, w, _ in cols).rstrip(),
-        "".join(_fixed("-" * abs(w), w) for _, w, _ in cols).rstrip(),
-    ]
-    for r in rows:
-        lines.append("".join(_fixed(get(r), w) for _, w, get in cols).rstrip())
-    return "\n".join(lines) + "\n"
+    body = [[display_text(_text(get(r))) for _, _, get in cols] for r in rows]
+    widths = [max([abs(w), *(display_width(line[i]) for line in body)]) for i, (_, w, _) in enumerate(cols)]
+    lefts = [w < 0 for _, w, _ in cols]
+
+    def line(cells: Sequence[str]) -> str:
+        return "".join(pad(c, n, lf) + " " for c, n, lf in zip(cells, widths, lefts)).rstrip()
+
+    return "\n".join([line([h for h, _, _ in cols]), line(["-" * n for n in widths]), *map(line, body)]) + "\n"
 
 
 def render_parsable(rows: Sequence[Row], level_fs: bool | None = None) -> str:

@@ -1,7 +1,9 @@
 """How commands print, in one place: ``--format table|json|csv``; tables for people, JSON and CSV for machines.
 
 - Tables: a rich table on a terminal; in a pipe or file the same table as plain fixed-width text, never truncated
-  and never wrapped (UUIDs and paths stay whole). Units for people: GiB, kWh, W, percentages.
+  and never wrapped (UUIDs and paths stay whole). Units for people: GiB, kWh, W, percentages. A cell's control
+  characters are shown escaped (``\\n``), so a name holding a line break cannot split a row; widths are display
+  widths (a CJK character takes two columns).
 - JSON and CSV: the records' own fields in SI base units, ratios as 0..1 (what ``gpuledger.schema`` carries).
 
 Imports nothing of ours, so every part's command-line module can use it (like ``gpuledger.schema``).
@@ -14,6 +16,7 @@ import io
 import json
 import os
 import sys
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -69,13 +72,48 @@ def fixed(digits: int, scale: float = 1.0) -> Callable[[float | None], str]:
     return lambda v: "-" if v is None else f"{v * scale:.{digits}f}"
 
 
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# control and format characters (line breaks, escape sequences, bidi overrides, zero-width marks), and the
+# line/paragraph separators some terminals break lines at
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _escape(c: str) -> str:
+    if unicodedata.category(c) not in _ESCAPED_CATEGORIES:
+        return c
+    n = ord(c)
+    return _SHORT_ESCAPES.get(c) or (f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+
+
+def display_text(text: str) -> str:
+    """``text`` for a table cell: control characters escaped (``\\n``, ``\\x1b``, ``\\u202e``), the rest as is."""
+    if text.isprintable():  # the common case; isprintable is False for every escaped category
+        return text
+    return "".join(_escape(c) for c in text)
+
+
+def display_width(text: str) -> int:
+    """Terminal columns ``text`` takes: wide and fullwidth characters (CJK) two, combining marks none."""
+    if text.isascii():
+        return len(text)
+    return sum(0 if unicodedata.category(c) in ("Mn", "Me") else 2 if unicodedata.east_asian_width(c) in ("W", "F")
+               else 1 for c in text)
+
+
+def pad(text: str, width: int, left: bool = True) -> str:
+    """``text`` padded with spaces to ``width`` display columns (``str.ljust``/``rjust`` count characters)."""
+    fill = " " * max(0, width - display_width(text))
+    return text + fill if left else fill + text
+
+
 def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[bool]) -> str:
-    """Fixed-width text: columns as wide as their widest cell, text left and numbers right."""
-    cells = [list(headers)] + [list(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
+    """Fixed-width text: columns as wide as their widest cell (display width), text left and numbers right;
+    control characters escaped (:func:`display_text`)."""
+    cells = [[display_text(c) for c in line] for line in [headers, *rows]]
+    widths = [max(display_width(c[i]) for c in cells) for i in range(len(headers))]
     out = []
     for line in cells:
-        out.append("  ".join(c.ljust(w) if lf else c.rjust(w) for c, w, lf in zip(line, widths, left)).rstrip())
+        out.append("  ".join(pad(c, w, lf) for c, w, lf in zip(line, widths, left)).rstrip())
     return "\n".join(out) + "\n"
 
 
@@ -99,12 +137,14 @@ def print_table(title: str | None, headers: Sequence[str], rows: Sequence[Sequen
     """Cells already formatted for people: a rich table on a terminal, fixed-width text in a pipe or a file."""
     if is_terminal():
         from rich.table import Table
+        from rich.text import Text
 
         t = Table(title=title)
         for h, lf in zip(headers, left):
             t.add_column(h, justify="left" if lf else "right")
         for r in rows:
-            t.add_row(*r)
+            # Text, not markup: a "[bold]" in a name is the name
+            t.add_row(*(Text(display_text(c)) for c in r))
         console().print(t)
     else:
         sys.stdout.write((f"{title}\n\n" if title else "") + plain_table(headers, rows, left))

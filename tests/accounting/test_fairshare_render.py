@@ -48,13 +48,33 @@ def test_csv_round_trips_values() -> None:
         assert float(p["effective_usage"]) == r.effective_usage
 
 
-def test_table_omits_levelfs_for_classic_and_truncates_long_names() -> None:
-    t = AssocTree.from_csv("account,parent,user,shares\nan_account_name_longer_than_20,,,1\n"
-                           "an_account_name_longer_than_20,,someone_long,1\n")
-    text = render_table(classic(t, {}))
-    assert "LevelFS" not in text.splitlines()[0]
-    assert " an_account_name_lo+ " in text and "someone_l+" in text
+def test_table_omits_levelfs_for_classic_and_widens_for_long_names() -> None:
+    # sshare cuts these to "physics_lattice_qc+" and "alexander+", so two accounts and two users print alike
+    t = AssocTree.from_csv("account,parent,user,shares\nphysics_lattice_qcd_group_a,,,1\n"
+                           "physics_lattice_qcd_group_a,,alexander_hamilton,1\nphysics_lattice_qcd_group_b,,,3\n"
+                           "physics_lattice_qcd_group_b,,alexander_humboldt,1\nshort,,,1\nshort,,用户,1\n")
+    rows = classic(t, {("physics_lattice_qcd_group_a", "alexander_hamilton"): 123456789012.0})
+    text = render_table(rows)
+    lines = text.splitlines()
+    assert "LevelFS" not in lines[0] and "+" not in text
+    for name in ("physics_lattice_qcd_group_a", "physics_lattice_qcd_group_b", "alexander_hamilton",
+                 "alexander_humboldt", " 123456789012 "):  # RawUsage whole, not cut to sshare's 11 columns
+        assert name in text
+    assert len({_columns(line) for line in lines}) == 1  # widened columns stay aligned ("用户" is 4 wide)
+    assert [len(d) for d in lines[1].split()][:2] == [29, 18]  # the dashes follow the widened columns
     assert "LevelFS" in render_table(fair_tree(t, {})).splitlines()[0]
+    # short names keep sshare's widths exactly
+    small = render_table(classic(AssocTree.from_csv("account,parent,user,shares\na,,,1\na,,u,1\n"), {}))
+    assert small.splitlines()[1].split(" ")[:2] == ["-" * 20, "-" * 10]
+    assert small.splitlines()[0].startswith("Account" + " " * 13 + " " + " " * 6 + "User ")
+
+
+def test_table_escapes_control_characters_in_names() -> None:
+    # association names hold no whitespace, but a terminal escape sequence is no whitespace
+    t = AssocTree.from_csv("account,parent,user,shares\nacct,,,1\nacct,,u\x1b[2Jx,1\n")
+    text = render_table(classic(t, {}))
+    assert "\x1b" not in text and " u\\x1b[2Jx " in text
+    assert "u\x1b[2Jx" in render_csv(classic(t, {}))  # machines get the exact name
 
 
 def test_parse_real_sshare_capture() -> None:
@@ -102,3 +122,10 @@ def test_usage_csv_errors(text: str, message: str) -> None:
     with pytest.raises(UsageError) as e:
         parse_usage_csv(text)
     assert message in str(e.value)
+
+
+def _columns(text: str) -> int:
+    """Terminal columns of a line, computed here rather than by the code under test: CJK takes two."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)

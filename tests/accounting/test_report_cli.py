@@ -175,3 +175,66 @@ def test_retention_pseudonymizes_old_job_records_only(data_dir):
     assert jobs["1"].account == "a"  # accounts are projects, not people
     with pytest.raises(ValueError, match="retention days"):
         apply_retention(None, data_dir, alias, -1)
+
+
+@pytest.mark.parametrize("args", [("--from", "1e15", "--format", "csv"), ("--from", "-1e15", "--format", "json"),
+                                  ("--to", "1e15"), ("--from", "nan")])
+def test_times_out_of_range_are_bad_input_before_anything_is_printed(data_dir, args):
+    r = run("report", "usage", "--data-dir", data_dir, *args)
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.startswith(f"error: {args[0]} {args[1]!r}: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "unexpected" not in r.stderr
+
+
+def test_csv_of_no_rows_still_has_its_header(data_dir, tmp_path):
+    from dataclasses import fields
+
+    from gpuledger.accounting.report.idle import IdleRow
+    from gpuledger.accounting.report.jobs import JobRow
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    Store(empty / "gpuledger.sqlite").close()
+    jobs_header = ",".join(f.name for f in fields(JobRow))
+    idle_header = ",".join(f.name for f in fields(IdleRow))
+    for d, extra, header in ((empty, (), jobs_header),):
+        r = run("report", "jobs", "--data-dir", d, "--format", "csv", *extra)
+        assert r.exit_code == 0 and r.stdout.splitlines() == [header], r.output
+    for d, extra in ((empty, ()), (data_dir, ("--threshold", "0"))):  # no jobs; every job filtered out
+        r = run("report", "idle", "--data-dir", d, "--format", "csv", *extra)
+        assert r.exit_code == 0 and r.stdout.splitlines() == [idle_header], r.output
+    # the same columns as when there are rows
+    r = run("report", "jobs", "--data-dir", data_dir, "--format", "csv")
+    assert r.stdout.splitlines()[0] == jobs_header
+    r = run("report", "idle", "--data-dir", data_dir, "--format", "csv")
+    assert r.stdout.splitlines()[0] == idle_header and len(r.stdout.splitlines()) == 2
+
+
+def test_tables_in_a_pipe_escape_line_breaks_and_align_wide_characters(tmp_path):
+    store = Store(tmp_path / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
+    users = ["line\nbreak", "zoë-用户", "bob"]
+    try:
+        samples = [_s(T0 + 10 * k, f"G{i}", str(i), 0.5) for i in range(3) for k in range(361)]
+        store.ingest(Batch("a", 0, "n1", tuple(samples)))
+        store.put_jobs([JobRecord(str(i), cluster="c", user=u, account="a", gpus=1, start=T0, end=T0 + 3600)
+                        for i, u in enumerate(users)])
+    finally:
+        store.close()
+    for args, first in ((("report", "usage", "--by", "user"), "User"), (("report", "jobs"), "Job")):
+        r = run(*args, "--data-dir", tmp_path)
+        assert r.exit_code == 0, r.output
+        lines = r.stdout.splitlines()
+        table = lines[lines.index(next(x for x in lines if x.startswith(first + "  "))):]
+        assert len(table) == len(users) + 1 + (args[1] == "usage"), table  # header, a row per job (and TOTAL)
+        assert any("line\\nbreak" in x for x in table)
+        # the last column is numbers, right-aligned: every line ends at one terminal column ("用户" takes four)
+        assert len({_columns(x) for x in table}) == 1, table
+    r = run("report", "usage", "--by", "user", "--data-dir", tmp_path, "--format", "csv")
+    assert {row["user"] for row in csv.DictReader(io.StringIO(r.stdout))} >= set(users)  # CSV keeps the names
+
+
+def _columns(text: str) -> int:
+    """Terminal columns of a line, computed here rather than by the code under test: CJK takes two."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)

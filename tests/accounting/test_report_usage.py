@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import tomllib
 from datetime import UTC, datetime
 
 import pytest
@@ -17,7 +19,7 @@ from gpuledger.accounting.report.grid import GridIntensity
 from gpuledger.accounting.report.idle import idle_jobs
 from gpuledger.accounting.report.period import parse_period
 from gpuledger.accounting.report.settings import ReportSettings, report_settings
-from gpuledger.accounting.report.usage import TOTAL, usage_report, usage_report_csv
+from gpuledger.accounting.report.usage import TOTAL, usage_report, usage_report_csv, usage_report_text
 from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
@@ -229,3 +231,127 @@ def test_pseudonymize_entries_hides_users_in_every_row():
     rep = usage_report(pseudonymize_entries(fixture(), alias), "user", OCT)
     assert {r.group for r in rep.rows} == {"u-ecila", "u-bob", "u-lorac", "(unknown)"}
     assert "alice" not in usage_report_csv(rep)
+
+
+@pytest.mark.parametrize("text", ["1e15", "-1e15", "1e400", "nan", "inf", "253402300800", "-62135596801",
+                                  "9999-12-31T23:59:59-01:00", "0001-01-01T00:00:00+01:00"])
+def test_times_outside_the_calendar_are_refused_when_parsed(text):
+    # they used to pass and fail later, printing the period (year ... is out of range) after the report
+    for flag, kw in (("--from", {"start": text}), ("--to", {"end": text})):
+        with pytest.raises(ReportError, match=f"^{flag} {re.escape(repr(text))}: "):
+            parse_period(**kw)
+    assert parse_period(start="-62135596800", end="253402300799").to_dict()["end_iso"].startswith("9999-12-31")
+
+
+def test_gpu_hour_price_is_the_most_specific_pattern_whatever_the_key_order():
+    a = report_settings(tomllib.loads('[report.price_per_gpu_hour]\n"H100" = 2.5\n"H100 NVL" = 3.0\ndefault = 1\n'))
+    b = report_settings(tomllib.loads('[report.price_per_gpu_hour]\ndefault = 1\n"H100 NVL" = 3.0\n"H100" = 2.5\n'))
+    for s in (a, b):
+        assert s.gpu_hour_price("NVIDIA H100 NVL") == 3.0  # the longest pattern it contains
+        assert s.gpu_hour_price("NVIDIA H100 80GB HBM3") == 2.5 and s.gpu_hour_price("H100") == 2.5
+        assert s.gpu_hour_price("NVIDIA A100") == 1.0  # nothing matches: default
+    ties = ReportSettings(price_per_gpu_hour={"b": 2.0, "a": 1.0})
+    assert ties.gpu_hour_price("ab") == ReportSettings(price_per_gpu_hour={"a": 1.0, "b": 2.0}).gpu_hour_price("ab")
+    assert ReportSettings(price_per_gpu_hour={"h100": 2.0}).gpu_hour_price("NVIDIA H100") == 2.0  # any case
+    assert ReportSettings().gpu_hour_price("NVIDIA H100") == 0.0
+
+
+FLOAT_COLUMNS = ("allocated_gpu_hours", "sm_active_gpu_hours", "energy_kwh", "idle_gpu_hours", "slurm_gpu_hours",
+                 "unmeasured_gpu_hours")
+
+
+def _node_fixture() -> tuple[list[LedgerEntry], dict[str, list[JobUsage]]]:
+    h = 3600.0
+    t1 = T(2026, 10, 10)
+    t0 = t1 - h
+
+    def rec(job, hosts, gpus):
+        return JobRecord(job, account="a", hosts=hosts, gpus=gpus, start=t0, end=t1)
+
+    per_gpu = {
+        # 7: Slurm says 2 GPUs on n1+n2; only n1's agent measured (its GPU, all hour long)
+        "7": [U("7", h, h / 2, 0.0, host="n1", gpu="G0", last=t1)],
+        # 10: 3 GPUs as 2 + 1 over n1, n2, every one measured: nothing unmeasured, the allocation follows the GPUs
+        "10": [U("10", h, 0.0, 0.0, host="n1", gpu=g, last=t1) for g in ("G1", "G2")]
+        + [U("10", h, 0.0, 0.0, host="n2", gpu="G3", last=t1)],
+        # 11: 2 GPUs on n1+n2, n1 measured 1.5 GPU-h (clock skew), n2 half an hour: the job misses 0 GPU-h
+        "11": [U("11", 1.5 * h, 0.0, 0.0, host="n1", gpu="G4", last=t1),
+               U("11", 0.5 * h, 0.0, 0.0, host="n2", gpu="G5", last=t1)],
+    }
+    usages = [U(j, math.fsum(g.allocated_gpu_seconds for g in gs), math.fsum(g.sm_active_gpu_seconds for g in gs),
+                0.0, host=gs[0].host, last=t1, gpus=len(gs)) for j, gs in per_gpu.items()]
+    records = [rec("7", ("n1", "n2"), 2), rec("10", ("n1", "n2"), 3), rec("11", ("n1", "n2"), 2),
+               rec("8", ("n3",), 1),  # never measured: a node nobody measured still has its row
+               rec("9", ("n3", "n4"), 2),  # never measured, two nodes
+               rec("12", (), 1)]  # never measured, no node named
+    return join(records, usages), per_gpu
+
+
+def test_by_node_every_column_adds_up_to_the_totals_row():
+    entries, per_gpu = _node_fixture()
+    rep = usage_report(entries, "node", OCT, per_gpu=per_gpu)
+    rows = {r.group: r for r in rep.rows}
+    assert set(rows) == {"n1", "n2", "n3", "n4", "(unknown)"}
+    for col in FLOAT_COLUMNS:
+        assert math.fsum(getattr(r, col) for r in rep.rows) == pytest.approx(getattr(rep.total, col)), col
+    t = rep.total
+    assert (t.jobs, t.unmeasured_jobs, t.slurm_gpu_hours, t.unmeasured_gpu_hours) == (6, 3, 11.0, 5.0)
+    # the same totals as any other grouping: a job's Slurm figures are split, never made up
+    by_account = usage_report(entries, "account", OCT).total
+    for col in FLOAT_COLUMNS:
+        assert getattr(t, col) == pytest.approx(getattr(by_account, col)), col
+    # job 7 allocated 1 GPU-h on n2 that nobody measured; job 10 is 2 + 1 GPU-h; job 9 is 1 + 1
+    assert (rows["n1"].slurm_gpu_hours, rows["n1"].unmeasured_gpu_hours) == (4.0, 0.0)
+    assert (rows["n2"].slurm_gpu_hours, rows["n2"].unmeasured_gpu_hours) == (3.0, 1.0)
+    assert (rows["n3"].jobs, rows["n3"].unmeasured_jobs, rows["n3"].slurm_gpu_hours) == (2, 2, 2.0)
+    assert (rows["n4"].slurm_gpu_hours, rows["n4"].unmeasured_gpu_hours, rows["n4"].allocated_gpu_hours) == (
+        1.0, 1.0, 0.0)
+    assert (rows["(unknown)"].jobs, rows["(unknown)"].slurm_gpu_hours) == (1, 1.0)
+    assert rows["n2"].jobs == 3 and rows["n1"].jobs == 3  # job 7 counts on n2, where Slurm put it
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.sampled_from(["n1", "n2", "n3"]), max_size=3, unique=True),
+                          st.integers(0, 4), st.lists(st.tuples(st.sampled_from(["n1", "n2", "n4"]),
+                                                                st.floats(0, 7200)), max_size=4)),
+                min_size=1, max_size=12))
+def test_by_node_rows_add_up_whatever_was_measured_where(jobs):
+    t1 = T(2026, 10, 10)
+    records, usages, per_gpu = [], [], {}
+    for i, (hosts, gpus, measured) in enumerate(jobs):
+        job = str(i)
+        records.append(JobRecord(job, account="a", hosts=tuple(hosts), gpus=gpus, start=t1 - 3600, end=t1))
+        if measured:
+            per_gpu[job] = [U(job, s, s / 2, s, host=h, gpu=f"G{k}", last=t1) for k, (h, s) in enumerate(measured)]
+            usages.append(U(job, math.fsum(s for _, s in measured), math.fsum(s / 2 for _, s in measured),
+                            math.fsum(s for _, s in measured), host=measured[0][0], last=t1))
+    entries = join(records, usages)
+    rep = usage_report(entries, "node", OCT, per_gpu=per_gpu)
+    by_account = usage_report(entries, "account", OCT).total
+    for col in FLOAT_COLUMNS:
+        total = getattr(rep.total, col)
+        assert math.fsum(getattr(r, col) for r in rep.rows) == pytest.approx(total, rel=1e-12, abs=1e-9), col
+        assert total == pytest.approx(getattr(by_account, col), rel=1e-12, abs=1e-9), col
+
+
+def test_tables_for_people_escape_control_characters_and_count_display_width():
+    records = [JobRecord(str(i), user=u, account="a", end=T(2026, 10, 10))
+               for i, u in enumerate(["line\nbreak", "zoë-用户", "tab\there", "plain"])]
+    entries = join(records, [U(str(i), 3600.0, 0.0, 0.0) for i in range(4)])
+    rep = usage_report(entries, "user", OCT)
+    text = usage_report_text(rep)
+    lines = text.splitlines()[2:]
+    assert len(lines) == 6  # header, four users, TOTAL: no row split by a line break
+    assert any(line.startswith("line\\nbreak ") for line in lines) and any("tab\\there" in line for line in lines)
+    # every row's second column starts at the same terminal column ("用户" takes four)
+    starts = {_columns(line[: line.index("  1 " if "  1 " in line else "  Jobs")]) for line in lines[:-1]}
+    assert len(starts) == 1, lines
+    assert {r.group for r in rep.rows} >= {"line\nbreak", "zoë-用户"}  # the data keeps the exact names
+    assert "line\nbreak" in usage_report_csv(rep)
+
+
+def _columns(text: str) -> int:
+    """Terminal columns of a line, computed here rather than by the code under test: CJK takes two."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)

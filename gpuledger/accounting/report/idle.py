@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.errors import ReportError
-from gpuledger.accounting.report.tables import fmt_optional
+from gpuledger.accounting.report.tables import Rows, fmt_optional
 from gpuledger.accounting.report.units import SECONDS_PER_HOUR
 from gpuledger.schema.records import JobUsage
 
@@ -31,7 +31,7 @@ def idle_jobs(
     per_gpu: Mapping[str, Sequence[JobUsage]] | None = None,
     threshold: float = 0.05,
     min_share: float = 0.5,
-) -> list[IdleRow]:
+) -> Rows[IdleRow]:
     """Jobs that held GPUs mostly idle, worst (most idle GPU-hours) first.
 
     A GPU of a job is idle when its mean SM activity over the job is below ``threshold``; a job is listed when
@@ -40,7 +40,7 @@ def idle_jobs(
     """
     if not 0.0 <= threshold <= 1.0:
         raise ReportError(f"idle threshold {threshold!r} must lie in 0..1")
-    out = []
+    out = Rows(IdleRow)  # CSV of no idle jobs still has its header
     for e in entries:
         u = e.usage
         if u is None or u.allocated_gpu_seconds <= 0:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gpuledger.accounting.charge import allocated_gpu_seconds
 from gpuledger.accounting.ledger import LedgerEntry
-from gpuledger.accounting.report.tables import fmt_optional
+from gpuledger.accounting.report.tables import Rows, fmt_optional
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
 
 
@@ -42,9 +42,9 @@ class GroupRow:
     energy_kwh: float
 
 
-def job_rows(entries: Iterable[LedgerEntry], now: float | None = None) -> list[JobRow]:
+def job_rows(entries: Iterable[LedgerEntry], now: float | None = None) -> Rows[JobRow]:
     now = time.time() if now is None else now
-    rows = []
+    rows = Rows(JobRow)  # CSV of no jobs still has its header
     for e in entries:
         u = e.usage
         slurm_s = allocated_gpu_seconds(e.record, now)

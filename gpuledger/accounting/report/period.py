@@ -42,19 +42,26 @@ def iso_utc(t: float) -> str | None:
 
 
 def parse_time(text: str, what: str = "time") -> float:
-    """``YYYY-MM-DD`` (UTC midnight), an ISO 8601 date-time (UTC unless it carries an offset), or unix seconds."""
+    """``YYYY-MM-DD`` (UTC midnight), an ISO 8601 date-time (UTC unless it carries an offset), or unix seconds;
+    refused unless it is a UTC date-time of the years 1 to 9999, so that nothing later fails to print it."""
     s = text.strip()
     try:
-        return float(s)
+        t = float(s)
     except ValueError:
-        pass
+        try:
+            dt = datetime.fromisoformat(s)
+        except ValueError:
+            raise ReportError(f"{what} {text!r}: expected YYYY-MM-DD, an ISO 8601 date-time or unix seconds") from None
+        if dt.tzinfo is None:
+            dt = dt.replace(tzinfo=UTC)
+        t = dt.timestamp()  # an offset can carry year 1 or 9999 out of range in UTC
+    if not math.isfinite(t):
+        raise ReportError(f"{what} {text!r}: not a finite time")
     try:
-        dt = datetime.fromisoformat(s)
-    except ValueError:
-        raise ReportError(f"{what} {text!r}: expected YYYY-MM-DD, an ISO 8601 date-time or unix seconds") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
-    return dt.timestamp()
+        iso_utc(t)
+    except (ValueError, OverflowError, OSError):
+        raise ReportError(f"{what} {text!r}: out of range (a time of the years 1 to 9999 UTC)") from None
+    return t
 
 
 PERIOD_FORMS = "YYYY-MM, YYYY-MM-DD..YYYY-MM-DD (both days included), last-30d (or YYYY, YYYY-MM-DD)"

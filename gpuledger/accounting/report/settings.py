@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuledger.accounting.charge import ChargePolicy
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
 
@@ -21,9 +22,9 @@ grid_intensity_csv = "grid.csv"  # or a time series (relative to the data dir): 
                                  # time as unix seconds or ISO 8601; overrides the constant factor
 idle_threshold = 0.05            # a GPU whose mean SM activity is below this is idle (report idle, job notes)
 retention_days = 365             # job records that ended longer ago get pseudonymous user names
-[report.price_per_gpu_hour]      # price per allocated GPU-hour by model: exact name, else a case-insensitive
-default = 1.0                    # substring of the model ("H200" matches "NVIDIA H200"), else `default`
-"H200" = 3.2
+[report.price_per_gpu_hour]      # price per allocated GPU-hour by model: exact name, else the longest
+default = 1.0                    # case-insensitive substring of the model ("H200" matches "NVIDIA H200"; ties
+"H200" = 3.2                     # by name, as accounting.charge's model_weights), else `default`
 [report.rules]                   # efficiency notes of `report job` (see accounting.jobreport.Rules)
 """
 
@@ -44,14 +45,15 @@ class ReportSettings:
         return bool(self.price_per_gpu_hour) or self.price_per_kwh > 0
 
     def gpu_hour_price(self, model: str) -> float:
-        p = self.price_per_gpu_hour
-        if model in p:
-            return p[model]
+        """The model's price: the rule of the charge's model weights (``ChargePolicy.weight``: the exact name, else
+        the longest pattern contained in it, ties by name), so it never depends on the order of the TOML's keys;
+        else ``default``."""
+        patterns = {k: v for k, v in self.price_per_gpu_hour.items() if k != "default"}
         low = model.lower()
-        for name, v in p.items():
-            if name != "default" and name.lower() in low:
-                return v
-        return p.get("default", 0.0)
+        # weight() falls back to 1, which can be a price too: ask it only when some pattern matches
+        if model in patterns or any(k.lower() in low for k in patterns):
+            return ChargePolicy(model_weights=patterns).weight(model)
+        return self.price_per_gpu_hour.get("default", 0.0)
 
 
 _REPORT_KEYS = {"currency", "price_per_kwh", "price_per_gpu_hour", "co2e_kg_per_kwh", "grid_intensity_csv",

@@ -6,14 +6,29 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 Columns = Sequence[tuple[str, Callable[[Any], str]]]
+R = TypeVar("R")
+
+
+class Rows(list[R], Generic[R]):
+    """A list of dataclass rows that knows their type, so that CSV of no rows still has its header."""
+
+    def __init__(self, row_type: type[R], rows: Iterable[R] = ()) -> None:
+        super().__init__(rows)
+        self.row_type = row_type
+
+
+def _names(rows: Sequence[Any], row_type: type | None) -> list[str] | None:
+    """The CSV columns: the row type's fields (given, carried by ``Rows``, or the first row's); None if unknown."""
+    row_type = row_type or getattr(rows, "row_type", None) or (type(rows[0]) if rows else None)
+    return None if row_type is None else [f.name for f in fields(row_type)]
 
 
 def to_json(rows: Sequence[Any]) -> str:
@@ -21,23 +36,26 @@ def to_json(rows: Sequence[Any]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-def to_csv(rows: Sequence[Any]) -> str:
-    """Dataclass rows as CSV with a header of their field names."""
+def to_csv(rows: Sequence[Any], row_type: type | None = None) -> str:
+    """Dataclass rows as CSV with a header of their field names, also when there are no rows (the columns come
+    from ``row_type``, else from ``Rows``): the column set never depends on the data."""
+    names = _names(rows, row_type)
     buf = io.StringIO()
-    if rows:
-        w = csv.DictWriter(buf, fieldnames=list(asdict(rows[0])))
+    if names is not None:
+        w = csv.DictWriter(buf, fieldnames=names)
         w.writeheader()
         for r in rows:
             w.writerow(asdict(r))
     return buf.getvalue()
 
 
-def exact_csv(rows: Sequence[Any], header: Mapping[str, str] | None = None) -> str:
+def exact_csv(rows: Sequence[Any], header: Mapping[str, str] | None = None, row_type: type | None = None) -> str:
     """Dataclass rows as CSV at full float precision (``repr``), so the file reconciles like the numbers;
-    None is an empty cell. ``header`` renames columns (field name -> header)."""
+    None is an empty cell. ``header`` renames columns (field name -> header); the header is there without rows
+    too (as in :func:`to_csv`)."""
+    names = _names(rows, row_type)
     buf = io.StringIO()
-    if rows:
-        names = [f.name for f in fields(rows[0])]
+    if names is not None:
         w = csv.writer(buf, lineterminator="\n")
         w.writerow([(header or {}).get(n, n) for n in names])
         for r in rows:
@@ -55,12 +73,15 @@ LEFT = ("Job", "User", "Account")  # text columns; the rest are numbers, right-a
 
 def rich_table(title: str, columns: Columns, rows: Sequence[Any]) -> Table:
     from rich.table import Table
+    from rich.text import Text
+
+    from gpuledger.output import display_text
 
     t = Table(title=title)
     for name, _ in columns:
         t.add_column(name, justify="left" if name in LEFT else "right")
     for r in rows:
-        t.add_row(*(f(r) for _, f in columns))
+        t.add_row(*(Text(display_text(f(r))) for _, f in columns))  # Text: a "[b]" in a name is no markup
     return t
 
 
@@ -73,7 +94,8 @@ def show(title: str, columns: Columns, rows: Sequence[Any]) -> None:
 
 
 def plain_table(columns: Columns, rows: Sequence[Any]) -> str:
-    """A fixed-width text table (for files and pipes)."""
-    cells = [[name for name, _ in columns]] + [[f(r) for _, f in columns] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells) + "\n"
+    """A fixed-width text table (for files and pipes), every column left-aligned; display widths and escaped
+    control characters as ``gpuledger.output.plain_table``, which draws it."""
+    from gpuledger.output import plain_table as draw
+
+    return draw([name for name, _ in columns], [[f(r) for _, f in columns] for r in rows], [True] * len(columns))

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from itertools import chain
 from typing import Any
 
-from gpuledger.accounting.charge import allocated_gpu_seconds
+from gpuledger.accounting.charge import allocated_gpu_seconds, physical_gpus
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
@@ -23,7 +23,7 @@ from gpuledger.accounting.report.period import ALL_TIME, Period
 from gpuledger.accounting.report.settings import ReportSettings
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
-from gpuledger.schema.records import JobUsage
+from gpuledger.schema.records import JobRecord, JobUsage
 
 GROUP_BY: tuple[str, ...] = ("account", "user", "partition", "model", "node")
 TOTAL = "TOTAL"
@@ -70,20 +70,20 @@ class _GroupColumns:
     one group lie scattered in memory.
     """
 
-    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured", "job_ids", "slurm")
+    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured", "job_keys")
 
     def __init__(self) -> None:
         self.values = array("d")
         self.co2e_kg, self.waits = array("d"), array("d")
-        self.slurm = array("d")  # by node only: per job Slurm knows, (allocated, unmeasured) GPU-seconds
         self.jobs = self.unmeasured = 0
-        self.job_ids: set[str] = set()  # by node only: a job on several GPUs of a node is one job there
+        self.job_keys: set[tuple[str, str]] = set()  # by node only: a job on several GPUs of a node is one job there
 
 
 # Column order in _GroupColumns.values. HBM_WEIGHTED and HBM_SECONDS are 0 where HBM is not reported (adding 0
 # leaves an fsum exact).
 # SLURM_S and UNMEASURED_S: Slurm-allocated GPU-seconds of the job and the part no agent observed (0 for a job
-# without a scheduler record, and on per-GPU records by node: a job's allocation is not split among nodes).
+# without a scheduler record). By node they are the node's share of the job's allocation, on a record of their own
+# (0 on the per-GPU usage records), so that the node rows add up to the totals row (see _node_allocation).
 ALLOCATED_S, ACTIVE_S, ENERGY_J, HBM_WEIGHTED, HBM_SECONDS, PRICED_S, SLURM_S, UNMEASURED_S, N_COLUMNS = range(9)
 
 
@@ -110,8 +110,10 @@ def usage_report(
     """Per-group usage of the jobs that ended in ``period`` (the period rule of ``report.period``).
 
     ``by="node"`` needs ``per_gpu`` (job id -> its per-GPU usage records) so that a job spanning nodes is split
-    by where its GPU-seconds were spent; a job then counts once in each node's job count. Every sum is
-    ``math.fsum`` over the job (or per-GPU) records, so the totals row is exactly the sum of the records.
+    by where its GPU-seconds were spent, and its Slurm allocation over the nodes Slurm lists (``_node_allocation``);
+    a job then counts once in each node's job count (so the job counts of the node rows may add up to more than
+    the totals row's; every GPU-hour, energy and cost column adds up). Every sum is ``math.fsum`` over the job (or
+    per-GPU) records, so the totals row is exactly the sum of the records.
     Emissions: kWh x the constant factor, or per record kWh x the grid intensity's mean over its interval.
     """
     if by not in GROUP_BY:
@@ -156,19 +158,8 @@ def usage_report(
         if missing < 0.0:
             missing = 0.0
         if per_gpu is not None and by == "node":
-            everything.slurm.extend((slurm_s, missing))
-        if per_gpu is not None and by == "node" and usage is not None:
-            # a job counts once per node; its per-GPU records split its numbers among the nodes
-            for gpu_usage in per_gpu.get(entry.job_id) or (usage,):
-                cols = groups.get(gpu_usage.host)
-                if cols is None:
-                    cols = groups[gpu_usage.host] = _GroupColumns()
-                if entry.job_id not in cols.job_ids:
-                    cols.job_ids.add(entry.job_id)
-                    cols.jobs += 1
-                    if wait is not None:
-                        cols.waits.append(wait)
-                _add_usage(cols, record, gpu_usage, grid, priced, prices, settings)
+            gpu_usages = (per_gpu.get(entry.job_id) or (usage,)) if usage is not None else ()
+            _add_by_node(groups, entry, gpu_usages, wait, slurm_s, missing, grid, priced, prices, settings)
             continue
         key = group_key(record, usage)
         cols = groups.get(key)
@@ -199,9 +190,68 @@ def usage_report(
     rows = [_usage_row(k, [cols], cols.jobs, cols.waits, cols.unmeasured, settings)
             for k, cols in sorted(groups.items())]
     # The totals: one fsum over every record (not a sum of rounded group sums), so they reconcile exactly.
-    total = _usage_row(TOTAL, list(groups.values()), n_jobs, everything.waits, everything.unmeasured, settings,
-                       everything if by == "node" else None)
+    total = _usage_row(TOTAL, list(groups.values()), n_jobs, everything.waits, everything.unmeasured, settings)
     return UsageReport(by, period, rows, total, settings.currency)
+
+
+def _add_by_node(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages: Sequence[JobUsage],
+                 wait: float | None, slurm_s: float, missing: float, grid: GridIntensity | None, priced: bool,
+                 prices: dict[str, float], settings: ReportSettings) -> None:
+    """One job into the node groups: its per-GPU usage records where they were measured, and its Slurm allocation
+    (``slurm_s``, of it ``missing`` unmeasured) as ``_node_allocation`` splits it. The job counts once on every node
+    it touched, measured or only allocated there."""
+    record = entry.described
+
+    def node(host: str) -> _GroupColumns:
+        cols = groups.get(host)
+        if cols is None:
+            cols = groups[host] = _GroupColumns()
+        if entry.key not in cols.job_keys:
+            cols.job_keys.add(entry.key)
+            cols.jobs += 1
+            if wait is not None:
+                cols.waits.append(wait)
+            if not gpu_usages:
+                cols.unmeasured += 1
+        return cols
+
+    for gpu_usage in gpu_usages:
+        _add_usage(node(gpu_usage.host), record, gpu_usage, grid, priced, prices, settings)
+    if slurm_s > 0.0 or (not gpu_usages and entry.record is not None):
+        for host, (share, short) in _node_allocation(entry.record, gpu_usages, slurm_s, missing).items():
+            node(host).values.extend((0.0, 0.0, 0.0, 0.0, 0.0, 0.0, share, short))
+
+
+def _node_allocation(record: JobRecord | None, gpu_usages: Sequence[JobUsage], slurm_s: float,
+                     missing: float) -> dict[str, tuple[float, float]]:
+    """A job's Slurm allocation per node: host -> (allocated, unmeasured) GPU-seconds; they add up to ``slurm_s``
+    and ``missing``, the job's own figures, as in every other grouping.
+
+    sacct's AllocTRES is the job's total, so it is split over the nodes its record lists (else the nodes the agents
+    measured it on, else "(unknown)") evenly, as ``report reconcile`` splits it, unless the agents saw every one of
+    those nodes' GPUs: then by their GPU count (``--gpus=3`` over 2 nodes is 2 + 1). A node's unmeasured part is its
+    shortfall (its share less what the agents observed there), scaled so that they add up to the job's unmeasured
+    GPU-seconds: a node observed beyond its even share does not make another node's shortfall count twice."""
+    hosts = tuple(dict.fromkeys(record.hosts if record is not None else ())) or tuple(
+        dict.fromkeys(u.host for u in gpu_usages)) or ("(unknown)",)
+    observed: dict[str, float] = {}
+    gpus: dict[str, set[str]] = {}
+    for u in gpu_usages:
+        observed[u.host] = observed.get(u.host, 0.0) + u.allocated_gpu_seconds
+        gpus.setdefault(u.host, set()).add(u.gpu_uuid)
+    n_seen = sum(len(g) for g in gpus.values())
+    # "*": a job-level record (no per-GPU records loaded) says nothing of the GPUs per node
+    if (len(hosts) > 1 and record is not None and set(gpus) == set(hosts) and all("*" not in g for g in gpus.values())
+            and n_seen == physical_gpus(record)):
+        shares = {h: slurm_s * len(gpus[h]) / n_seen for h in hosts}
+    else:
+        shares = {h: slurm_s / len(hosts) for h in hosts}
+    short = {h: max(0.0, s - observed.get(h, 0.0)) for h, s in shares.items()}
+    total_short = math.fsum(short.values())
+    if total_short != missing:
+        scale = missing / total_short if total_short > 0.0 else 0.0
+        short = {h: v * scale for h, v in short.items()}
+    return {h: (shares[h], short[h]) for h in hosts}
 
 
 def _add_gap_energy(groups: dict[str, _GroupColumns], entry: LedgerEntry, key: str, by_node: bool,
@@ -233,7 +283,7 @@ def _add_usage(cols: _GroupColumns, record: Any, usage: JobUsage, grid: GridInte
 
 
 def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence[float], unmeasured: int,
-               settings: ReportSettings, slurm: _GroupColumns | None = None) -> UsageRow:
+               settings: ReportSettings) -> UsageRow:
     def fsum(column: int) -> float:
         return math.fsum(chain.from_iterable(g.values[column::N_COLUMNS] for g in groups))
 
@@ -259,9 +309,9 @@ def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence
         queue_wait_mean_h=math.fsum(waits) / len(waits) / SECONDS_PER_HOUR if waits else None,
         queue_wait_jobs=len(waits),
         unmeasured_jobs=unmeasured,
-        # by node a job's Slurm allocation is not split among nodes: only the totals row holds it (slurm=)
-        slurm_gpu_hours=(math.fsum(slurm.slurm[0::2]) if slurm else fsum(SLURM_S)) / SECONDS_PER_HOUR,
-        unmeasured_gpu_hours=(math.fsum(slurm.slurm[1::2]) if slurm else fsum(UNMEASURED_S)) / SECONDS_PER_HOUR,
+        # by node each node holds its share of a job's allocation (_node_allocation), so the rows add up here too
+        slurm_gpu_hours=fsum(SLURM_S) / SECONDS_PER_HOUR,
+        unmeasured_gpu_hours=fsum(UNMEASURED_S) / SECONDS_PER_HOUR,
     )
 
 
