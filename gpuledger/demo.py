@@ -333,7 +333,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     store = Store(data_dir / STORE_NAME)
     try:
         entries = load_ledger(store)
-        jobs, usages = store.jobs(), store.job_usage()
+        jobs, usages, stored = store.jobs(), store.job_usage(), [r for r, _ in store.job_records()]
     finally:
         store.close()
     # simulated time, not the wall clock: a running job's allocation and the fairshare's decay are the same for every
@@ -362,7 +362,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     if not key_path.exists():
         keygen(key_path)
     with open_log(data_dir) as log:
-        bound = bind(log, jobs, usages, now)
+        bound = bind(log, jobs, usages, now, stored_jobs=stored)
         manifest = sign_report(report_path, load_signing_key(key_path), log, now=now, used=bound.used(),
                                inputs={"config": CONFIG_NAME, "jobs": len(jobs_table)},
                                period={"from": min(j.submit for j in res.jobs), "to": now})

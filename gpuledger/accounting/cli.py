@@ -17,6 +17,7 @@ from rich.markup import escape
 from gpuledger.accounting.audit import (
     EntryDamaged,
     bind,
+    gap_key,
     record_fairshare,
     record_job_records,
     record_priority_changes,
@@ -36,7 +37,7 @@ from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
 from gpuledger.accounting.engine import LIVE_SLURM, association_usage, audit_charges, compute, load_tree
-from gpuledger.accounting.ledger import LedgerEntry, gap_attribution, join
+from gpuledger.accounting.ledger import GapInputs, LedgerEntry, gap_attribution, gap_inputs, join
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
 from gpuledger.accounting.privacy import decay_horizon_start
@@ -140,11 +141,14 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         store = _open_store(ledger_url, data_dir)
         try:
             jobs, usages, per_gpu = store.jobs(), store.job_usage(), store.job_usage(per_gpu=True)
-            entries = join(store.job_records(), usages, per_gpu, gap_attribution(store, now).by_job())
+            # what the charge reads is what is bound to the audit log: records, per-GPU rows, gaps, hour buckets
+            stored, gaps = store.job_records(), gap_inputs(store)
+            entries = join(stored, usages, per_gpu, gap_attribution(store, now, inputs=gaps).by_job(), now)
             horizon = decay_horizon_start(now, settings.half_life_s, settings.usage_reset, settings.timezone or None)
             # from the first hour of every GPU record that reaches the horizon: a charge placed over only the hours
             # after it (a reset, or decayed away) would put the whole of it where it survives
-            busy = store.busy_hours(min((u.first_ts for u in per_gpu if u.last_ts >= horizon), default=horizon))
+            since = min((u.first_ts for u in per_gpu if u.last_ts >= horizon), default=horizon)
+            busy = store.busy_hours(since)
         finally:
             store.close()
         alias = _history_alias(ledger_url, data_dir, entries)
@@ -153,10 +157,11 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             _warn(result)
             return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings
         with open_audit(data_dir, ledger_url) as log:
-            bound = bind(log, jobs, usages, now, accept_reason=accept_store_changes)
+            bound = bind(log, jobs, usages, now, per_gpu=per_gpu, gaps=gaps.records(), busy=busy, busy_since=since,
+                         stored_jobs=[r for r, _ in stored], accept_reason=accept_store_changes)
             if bound.changes and accept_store_changes is None:
-                lines = [f"  job {c.job_id} {c.record} {c.field}: logged {c.logged!r} (entry {c.seq}), "
-                         f"stored {c.stored!r}" for c in bound.changes]
+                lines = [f"  {c.label()} {c.field}: logged {c.logged!r} (entry {c.seq}), stored {c.stored!r}"
+                         for c in bound.changes]
                 err.print(escape("error: refused: store rows disagree with their logged record (edited after they "
                                  "were logged?); `--accept-store-changes REASON` logs them as corrections:\n"
                                  + "\n".join(lines)), highlight=False, soft_wrap=True)
@@ -165,7 +170,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             _warn(result)
             rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
             charges = audit_charges(result.jobs)
-            sources = _sources(entries, result.jobs, charges, bound)
+            sources = _sources(entries, result.jobs, charges, bound, gaps)
             record_fairshare(
                 log, now=now, settings=settings, charges=charges, usage=result.usage,
                 rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (), sources=sources,
@@ -181,14 +186,22 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
 
 
 def _sources(entries: list[LedgerEntry], jobs: Sequence[ChargedJob], charges: Sequence[ChargedJob],
-             bound: Bound) -> dict[str, dict[str, int | None]]:
-    """Per charged job (by its id in the audit entry): the log entries of its usage and job records."""
+             bound: Bound, gaps: GapInputs) -> dict[str, dict[str, Any]]:
+    """Per charged job (by its id in the audit entry): the log entries of its usage and job records, of the
+    per-GPU usage the charge read (in its order) and of the gaps its reassigned energy came from."""
     by_key = {e.key: e for e in entries}
-    out: dict[str, dict[str, int | None]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for j, c in zip(jobs, charges):
         e = by_key[(j.cluster, j.job_id)]
-        out[c.job_id] = {"usage_entry": bound.seq_of(usage_key(e.usage)) if e.usage is not None else None,
-                         "job_entry": bound.seq_of(job_key(e.described)) if e.described is not None else None}
+        src: dict[str, Any] = {
+            "usage_entry": bound.seq_of(usage_key(e.usage)) if e.usage is not None else None,
+            "job_entry": bound.seq_of(job_key(e.described)) if e.described is not None else None}
+        if e.gpus:
+            src["gpu_entries"] = [bound.seq_of(usage_key(u)) for u in e.gpus]
+        if e.gap_shares:
+            seqs = {bound.seq_of(gap_key(g)) for s in e.gap_shares for g in gaps.holding(s)}
+            src["gap_entries"] = sorted(seq for seq in seqs if seq is not None)
+        out[c.job_id] = src
     return out
 
 

@@ -188,7 +188,7 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
     from gpuledger.accounting.ledger import gap_attribution, join
 
     entries = join([(r, src) for r, src in store.job_records() if r.job_id == job_id], store.job_usage(job_id),
-                   store.job_usage(job_id, per_gpu=True), gap_attribution(store, now).by_job())
+                   store.job_usage(job_id, per_gpu=True), gap_attribution(store, now).by_job(), now)
     if cluster is not None:
         entries = [e for e in entries if e.cluster == cluster]
     if not entries:

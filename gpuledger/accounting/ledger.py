@@ -14,8 +14,10 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gpuledger.accounting.gaps import GapAttribution, GapShare, reassign
+from gpuledger.accounting.scope import OutOfScope, in_scope
 from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage
 
@@ -31,6 +33,9 @@ class LedgerEntry:
     agent_record: JobRecord | None = None  # an agent's description; used only without a scheduler record
     gpus: tuple[JobUsage, ...] = ()  # measured, per GPU
     gap_shares: tuple[GapShare, ...] = ()  # unattributed gap energy reassigned to the job (``gaps``)
+    # measured usage outside the scheduler's record of the job (another host, other times; ``scope``): not in
+    # ``usage`` or ``gpus``, never charged
+    out_of_scope: tuple[OutOfScope, ...] = ()
 
     @property
     def gap_energy_joules(self) -> float:
@@ -110,10 +115,13 @@ def _resolver(slurm_keys: Iterable[JobKey]) -> Callable[[JobKey], JobKey]:
 
 def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[JobUsage],
          per_gpu: Iterable[JobUsage] = (), gap_shares: Mapping[JobKey, tuple[GapShare, ...]] | None = None,
-         ) -> list[LedgerEntry]:
+         now: float | None = None) -> list[LedgerEntry]:
     """Entries from job records (scheduler records, or (record, source) pairs from ``job_records()``), job-level
     usage, per-GPU usage and the gap energy reassigned to scheduler jobs (:func:`gap_attribution`); sorted by
-    job id then cluster."""
+    job id then cluster. A scheduler job's measured usage is held to its record (``scope``, with ``now`` for a
+    job still running): what lies outside is kept aside in ``out_of_scope``, and the job-level usage is then
+    the sum of what is left."""
+    now = time.time() if now is None else now
     slurm: dict[JobKey, JobRecord] = {}
     agent: list[JobRecord] = []
     for item in records:
@@ -137,37 +145,95 @@ def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[
     for k in keys:
         uses = by_use.get(k, [])
         # an unnamed agent side joined to a named record: two usage records of one job (rare) are summed
-        usage = uses[0] if len(uses) == 1 else (_sum(uses) if uses else None)
-        out.append(LedgerEntry(k[1], slurm.get(k), usage, k[0], by_agent.get(k), tuple(by_gpu.get(k, ())),
-                               (gap_shares or {}).get(k, ()) if k in slurm else ()))
+        usage = uses[0] if len(uses) == 1 else (sum_usage(uses) if uses else None)
+        gpus = tuple(by_gpu.get(k, ()))
+        record = slurm.get(k)
+        cut: tuple[OutOfScope, ...] = ()
+        if record is not None and (gpus or usage is not None):
+            kept, cut = in_scope(record, gpus or (usage,), now)  # type: ignore[arg-type]
+            if cut:
+                if gpus:
+                    gpus = kept
+                usage = sum_usage(list(kept)) if kept else None
+        out.append(LedgerEntry(k[1], record, usage, k[0], by_agent.get(k), gpus,
+                               (gap_shares or {}).get(k, ()) if k in slurm else (), cut))
     return out
 
 
-def _sum(uses: list[JobUsage]) -> JobUsage:
+def sum_usage(uses: list[JobUsage]) -> JobUsage:
+    """Usage records of one job as one: sums add, peaks max, spans join; each mean weighted by its record's
+    allocated GPU-seconds (the collector weights by the seconds the value was reported: the same where a source
+    reports it throughout)."""
     first = uses[0]
-    return replace(first, host="*", first_ts=min(u.first_ts for u in uses), last_ts=max(u.last_ts for u in uses),
+    hosts = {u.host for u in uses}
+
+    def mean(field: str) -> float | None:
+        pairs = [(v, u.allocated_gpu_seconds) for u in uses if (v := getattr(u, field)) is not None]
+        weight = math.fsum(w for _, w in pairs)
+        return math.fsum(v * w for v, w in pairs) / weight if weight > 0 else (pairs[0][0] if pairs else None)
+
+    def peak(field: str) -> Any:
+        values = [v for u in uses if (v := getattr(u, field)) is not None]
+        return max(values) if values else None
+
+    return replace(first, host=first.host if len(hosts) == 1 else "*",
+                   gpu_uuid=first.gpu_uuid if len(uses) == 1 else "*",
+                   first_ts=min(u.first_ts for u in uses), last_ts=max(u.last_ts for u in uses),
                    samples=sum(u.samples for u in uses),
-                   allocated_gpu_seconds=sum(u.allocated_gpu_seconds for u in uses),
-                   sm_active_gpu_seconds=sum(u.sm_active_gpu_seconds for u in uses),
-                   energy_joules=sum(u.energy_joules for u in uses), gpus=sum(u.gpus for u in uses))
+                   allocated_gpu_seconds=math.fsum(u.allocated_gpu_seconds for u in uses),
+                   sm_active_gpu_seconds=math.fsum(u.sm_active_gpu_seconds for u in uses),
+                   energy_joules=math.fsum(u.energy_joules for u in uses), gpus=sum(u.gpus for u in uses),
+                   gap_gpu_seconds=math.fsum(u.gap_gpu_seconds for u in uses),
+                   sm_active_mean=mean("sm_active_mean"), dram_bw_mean=mean("dram_bw_mean"),
+                   tensor_active_mean=mean("tensor_active_mean"), sm_occupancy_mean=mean("sm_occupancy_mean"),
+                   mem_used_peak_bytes=peak("mem_used_peak_bytes"), power_peak_watts=peak("power_peak_watts"))
 
 
-def gap_attribution(store: LedgerReader, now: float | None = None, start: float | None = None,
-                    end: float | None = None) -> GapAttribution:
-    """The store's unattributed gaps (ended in [start, end)) reassigned to its scheduler records (``gaps``);
-    a host's GPU count is the physical GPUs the collector knows on it."""
+@dataclass(frozen=True, slots=True)
+class GapInputs:
+    """What reassigning gap energy reads from the store: the gaps, each host's physical GPUs, each GPU's cluster."""
+
+    gaps: tuple[dict, ...]
+    gpus_per_host: Mapping[str, int]
+    gpu_clusters: Mapping[tuple[str, str], str]
+
+    def records(self) -> list[dict]:
+        """The gaps as the audit log binds them: an unattributed one with the GPU count and the cluster its
+        reassignment reads (a GPU added to the host later changes what an old gap charges)."""
+        return [dict(g) if g["job_ids"] else {**g, "host_gpus": self.gpus_per_host.get(g["host"], 0),
+                                               "cluster": self.gpu_clusters.get((g["host"], g["gpu_uuid"]), "")}
+                for g in self.gaps]
+
+    def holding(self, share: GapShare) -> list[dict]:
+        """The unattributed gaps a share of energy came from (its span lies inside theirs, on its GPU)."""
+        return [g for g in self.gaps if not g["job_ids"] and g["host"] == share.host
+                and g["gpu_uuid"] == share.gpu_uuid and g["start"] <= share.start and share.end <= g["end"]]
+
+
+def gap_inputs(store: LedgerReader, start: float | None = None, end: float | None = None) -> GapInputs:
+    """The store's gaps that ended in [start, end), with what :func:`gap_attribution` reads beside them."""
     per_host: dict[str, int] = {}
     for g in store.gpu_energy():
         per_host[g["host"]] = per_host.get(g["host"], 0) + 1
     clusters = {(h["host"], h["gpu_uuid"]): h["cluster"] for h in store.gpu_hours() if not h["mig"]}
+    return GapInputs(tuple(store.energy_gaps(start, end)), per_host, clusters)
+
+
+def gap_attribution(store: LedgerReader, now: float | None = None, start: float | None = None,
+                    end: float | None = None, inputs: GapInputs | None = None) -> GapAttribution:
+    """The store's unattributed gaps (ended in [start, end); or ``inputs``, as bound to the audit log)
+    reassigned to its scheduler records (``gaps``); a host's GPU count is the physical GPUs the collector knows
+    on it."""
+    inputs = gap_inputs(store, start, end) if inputs is None else inputs
     slurm = [r for r, src in store.job_records() if src != AGENT]
-    return reassign(store.energy_gaps(start, end), slurm, per_host, time.time() if now is None else now, clusters)
+    return reassign(inputs.gaps, slurm, inputs.gpus_per_host, time.time() if now is None else now,
+                    inputs.gpu_clusters)
 
 
 def load(store: LedgerReader, now: float | None = None, gaps: GapAttribution | None = None) -> list[LedgerEntry]:
     """Every job of the store, with the gap energy reassigned to it (``gaps``, else :func:`gap_attribution`)."""
     gaps = gap_attribution(store, now) if gaps is None else gaps
-    return join(store.job_records(), store.job_usage(), store.job_usage(per_gpu=True), gaps.by_job())
+    return join(store.job_records(), store.job_usage(), store.job_usage(per_gpu=True), gaps.by_job(), now)
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:

@@ -33,7 +33,7 @@ from gpuledger.accounting.cli_common import (
 )
 from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
-from gpuledger.accounting.ledger import gap_attribution
+from gpuledger.accounting.ledger import gap_attribution, gap_inputs
 from gpuledger.accounting.ledger import load as load_ledger
 from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
@@ -49,6 +49,7 @@ from gpuledger.accounting.report.usage import (
     usage_report_json,
     usage_report_text,
 )
+from gpuledger.collector.auditlog import LogDamaged
 from gpuledger.collector.db import DatabaseUnavailable, is_postgres_url
 from gpuledger.collector.ledger_url import ledger_exists, ledger_label
 from gpuledger.output import Format, note
@@ -509,8 +510,8 @@ def _trusted(public_keys: list[Path] | None, keyring: Path | None, log: au.Audit
 
 def _store_changes(changes: Iterable[au.StoreChange]) -> str:
     lines = ["job\trecord\tfield\tlogged\tstored\tentry"]
-    lines += [f"{c.job_id}\t{c.record}\t{c.field}\t{json.dumps(c.logged)}\t{json.dumps(c.stored)}\t{c.seq}"
-              for c in changes]
+    lines += [f"{c.job_id or '-'}\t{c.what()}\t{c.field}\t{json.dumps(c.logged)}\t"
+              f"{json.dumps(c.stored)}\t{c.seq}" for c in changes]
     return "\n".join(lines)
 
 
@@ -572,12 +573,14 @@ def _bind_store(ledger_url: str | None, data_dir: Path, log: au.AuditLog, write:
     import time as _time
 
     store = _open_store(ledger_url, data_dir)
-    try:
-        jobs, usage = store.jobs(), store.job_usage()
+    try:  # everything a charge reads (``accounting.cli.fairshare_rows``), every hour bucket
+        jobs, stored, usage = store.jobs(), store.job_records(), store.job_usage()
+        per_gpu, gaps, busy = store.job_usage(per_gpu=True), gap_inputs(store).records(), store.busy_hours()
     finally:
         store.close()
     try:
-        return au.bind(log, jobs, usage, _time.time() if now is None else now, write=write, accept_reason=accept_reason)
+        return au.bind(log, jobs, usage, _time.time() if now is None else now, per_gpu=per_gpu, gaps=gaps, busy=busy,
+                       stored_jobs=[r for r, _ in stored], write=write, accept_reason=accept_reason)
     except au.EntryDamaged as e:
         raise _fail(f"TAMPERED: {e}", 1) from None
     except au.AuditError as e:
@@ -598,22 +601,28 @@ def audit_proof(
     url = cli_ledger_url(ledger_url, data_dir, config)
     path = _audit_path(url, data_dir)
     with _open(path, data_dir, url) as log:
-        n = log.size() if size is None else size
         try:
+            n = log.size() if size is None else size
             if not 0 <= n <= log.size():
                 raise ValueError(f"--size {n}: the log has {log.size()} entries")
             if entry is not None:
-                e = log.get(entry)
+                # the leaf recomputed from the body: a proof of a stored leaf the body no longer states proves nothing
+                e = log.checked(entry)
                 if e is None or entry > n:
                     raise ValueError(f"--entry {entry}: no such entry in a tree of {n}")
                 doc = {"leaf_index": entry - 1, "tree_size": n, "leaf_hash": e.leaf.hex(), "root": log.root(n).hex(),
                        "inclusion_path": [h.hex() for h in log.inclusion_proof(entry, n)]}
             elif since is not None:
+                res = log.verify()  # every entry the proof covers, rehashed from its body, against the stored tree
+                if res.problem is not None and res.problem.first <= n:
+                    raise au.EntryDamaged(str(res.problem))
                 doc = {"first": since, "second": n, "first_root": log.root(since).hex(),
                        "second_root": log.root(n).hex(),
                        "consistency_path": [h.hex() for h in log.consistency_proof(since, n)]}
             else:
                 raise ValueError("give --entry N or --since SIZE")
+        except (au.EntryDamaged, LogDamaged) as e:
+            raise _fail(f"TAMPERED: {e} (no proof given; run `gpuledger audit verify`)", 1) from None
         except (ValueError, au.AuditError) as e:
             raise _fail(str(e)) from None
     typer.echo(json.dumps(doc, indent=2))

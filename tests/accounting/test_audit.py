@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gpuledger.accounting.apply import Change
@@ -96,7 +98,9 @@ def test_job_charges_decay_per_job_and_sum_to_the_association_usage(tmp_path):
     settings = AccountingSettings(policy="blend", floor=0.25, half_life_s=86400.0, calc_period_s=300.0)
     records = [JobRecord(str(i), user=("alice", "bob")[i % 2], account="a", start=1000.0 * i, end=1000.0 * i + 3600)
                for i in range(1, 7)]
-    usages = [_usage(str(i), 3600.0, 360.0 * i, 1e5) for i in range(1, 7)]
+    # each measured while its record says it ran (usage outside it is not charged: accounting.scope)
+    usages = [replace(_usage(str(i), 3600.0, 360.0 * i, 1e5), first_ts=1000.0 * i, last_ts=1000.0 * i + 3600)
+              for i in range(1, 7)]
     entries = join(records, usages)
     now = 200_000.0
     charges = job_charges(entries, settings, now)

@@ -237,9 +237,11 @@ def test_store_edits_are_refused_not_laundered(data_dir):
         assert c.kind == "correction" and c.data["corrects"] == logged.seq
         assert c.data["reason"] == "meter recalibrated (ticket 42)"
         assert c.data["changes"] == [{"field": "energy_joules", "logged": 360.0 * 3600, "stored": 180.0 * 3600}]
+        g = log.latest("usage:1/n1/G0")  # the per-GPU row the charge reads is corrected alike
+        assert g.kind == "correction" and g.data["changes"] == c.data["changes"]
         ex = explain(log, "1")
     meas = next(s for s in ex.steps if s.name == "measurements")
-    assert f"corrected by entry {c.seq}, which corrects entry {logged.seq}" in meas.summary
+    assert f"corrected by entry {g.seq}, which corrects entry {g.data['corrects']}" in meas.summary
     assert run("audit", "verify", "--store", *now_args).exit_code == 0
 
 

@@ -177,6 +177,21 @@ def test_keyed_entries_skip_unchanged_data(place):
         assert log.latest("job:c/7").data == {"end": 99.0}
 
 
+def test_latest_by_prefix_reads_the_newest_entry_of_every_key_at_once(place, monkeypatch):
+    from gpuledger.collector.auditlog import log as log_module
+
+    monkeypatch.setattr(log_module, "_ENTRIES_PAGE", 2)  # entries() pages: every page joins the next
+    with place.log() as log:
+        log.append_many([("usage_record", {"v": 1}, "7", "usage:7"), ("usage_record", {"v": 2}, "7", "usage:7"),
+                         ("usage_record", {"v": 3}, "8", "usage:8/n1/G0"), ("job_record", {"v": 4}, "7", "job:c/7"),
+                         ("usage_record", {"v": 5}, "9", "usage;"), ("fairshare", {"v": 6}, None, None)])
+        got = log.latest_by_prefix("usage:")
+        assert {k: e.data["v"] for k, e in got.items()} == {"usage:7": 2, "usage:8/n1/G0": 3}
+        assert list(log.latest_by_prefix("job:")) == ["job:c/7"] and log.latest_by_prefix("gap:") == {}
+        assert [e.seq for e in log.entries(kind="usage_record", newest_first=True)] == [5, 3, 2, 1]
+        assert [e.seq for e in log.entries()] == [1, 2, 3, 4, 5, 6]
+
+
 # Each tampering is done the way an attacker with write access to the log's tables would do it (plain SQL).
 def _rows(db):
     return db.execute("SELECT seq, kind, job_id, key, body, leaf FROM entries ORDER BY seq").fetchall()

@@ -351,9 +351,9 @@ def test_recorded_fairshare_keeps_two_clusters_with_one_job_id_apart(tmp_path):
     with open_log(tmp_path) as log:
         usage = list(log.entries(kind="usage_record"))
         fs = list(log.entries(kind="fairshare"))
-    # one usage entry per job (final: they ended long ago), none appended by the second run
-    assert sorted((e.data["cluster"], e.data["allocated_gpu_seconds"]) for e in usage) == [("alpha", 20.0),
-                                                                                         ("beta", 40.0)]
+    # one usage entry per job total and one per GPU (final: they ended long ago), none appended by the second run
+    assert sorted((e.data["cluster"], e.data["gpu_uuid"], e.data["allocated_gpu_seconds"]) for e in usage) == [
+        ("alpha", "*", 20.0), ("alpha", "G-a1", 20.0), ("beta", "*", 40.0), ("beta", "G-b1", 40.0)]
     jobs = fs[-1].data["inputs"]["jobs"]
     assert {j: (c["account"], c["allocated_gpu_seconds"]) for j, c in jobs.items()} == {
         "7@alpha": ("proj", 20.0), "7@beta": ("proj", 40.0)}

@@ -7,7 +7,17 @@ logged records: refusing store edits, explicit corrections), ``recorders`` (what
 ``explain`` (how a site factor was derived), ``verify`` (all checks together for `audit verify`).
 """
 
-from gpuledger.accounting.audit.binding import FINAL_AFTER_S, Bound, StoreChange, bind, inputs_root, usage_key
+from gpuledger.accounting.audit.binding import (
+    FINAL_AFTER_S,
+    Bound,
+    StoreChange,
+    StoreDamaged,
+    bind,
+    gap_key,
+    hours_key,
+    inputs_root,
+    usage_key,
+)
 from gpuledger.accounting.audit.checkpoint import (
     CheckpointRejected,
     SignedHead,
@@ -59,9 +69,10 @@ from gpuledger.collector.auditlog import (
 __all__ = [
     "AUDIT_NAME", "FINAL_AFTER_S", "KEY_NAME", "KINDS", "MANIFEST_SUFFIX", "PRIVATE_KEY_NAME", "AuditError", "AuditLog",
     "Bound", "CheckpointRejected", "Entry", "EntryDamaged", "Explanation", "JobCharge", "Problem", "SignedHead",
-    "SigningKey", "Step", "StoreChange", "TrustedKeys", "Verdict", "VerifyResult", "bind", "canonical_json",
-    "check_heads", "code_version",
-    "default_private_key_path", "explain", "inputs_root", "job_charges", "keygen", "keyring_path", "load_public_key",
+    "SigningKey", "Step", "StoreChange", "StoreDamaged", "TrustedKeys", "Verdict", "VerifyResult", "bind",
+    "canonical_json", "check_heads", "code_version",
+    "default_private_key_path", "explain", "gap_key", "hours_key", "inputs_root", "job_charges", "keygen",
+    "keyring_path", "load_public_key",
     "load_signing_key", "make_checkpoint", "open_audit_log", "open_checkpoint", "open_log", "parse_checkpoint", "plain",
     "public_path",
     "record_fairshare", "record_job_records", "record_priority_change", "record_priority_changes", "record_usage",

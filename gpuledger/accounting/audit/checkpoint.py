@@ -97,11 +97,13 @@ def parse_checkpoint(text: str, source: str) -> tuple[SignedHead, note.Note]:
 def open_checkpoint(text: str, source: str, trusted: TrustedKeys) -> SignedHead:
     """A checkpoint whose signature verifies with a trusted key, else AuditError saying why (tampered: exit 1)."""
     head, n = parse_checkpoint(text, source)
+    if note.verified_by(n, [(k.key_id, k.raw, k.key) for k in trusted.keys_at(head.time, head.size)]) is not None:
+        return head
     signer = note.verified_by(n, [(k.key_id, k.raw, k.key) for k in trusted.keys()])
-    if signer is None:
-        raise CheckpointRejected(f"{source}: the signature does not verify with the pinned key or a key the keyring "
-                                 "links to it (forged, altered, or signed by another key)")
-    return head
+    if signer is not None:  # a trusted key, but not for what the checkpoint states (its time, its tree)
+        raise CheckpointRejected(f"{source}: {trusted.term_problem(signer, head.time, head.size)}")
+    raise CheckpointRejected(f"{source}: the signature does not verify with the pinned key or a key the keyring "
+                             "links to it (forged, altered, or signed by another key)")
 
 
 class CheckpointRejected(AuditError):

@@ -1,20 +1,25 @@
 """How a job's site factor was derived, step by step, each step citing the audit entries that prove it.
 
-Measurements come from the job's total usage record, or, when the log has none, from its per-GPU records: never
-both (a job logged per GPU and later as a total would count twice). The charge is recomputed from the logged
-record under the logged policy and shown as a formula; every step without an entry is listed as not proven.
+Measurements come from the per-GPU usage records the fairshare entry names (what the charge read), else the job
+total it names, else the job's latest total, else its latest per-GPU records: never both (a job logged per GPU and
+later as a total would count twice). The measured charge is recomputed from those logged records (and the logged
+job record's allocation) under the logged policy and shown as a formula; every step without an entry is listed as
+not proven, and reassigned gap energy is proven only by the gap records it came from. :func:`charge_problems`
+finds every charge explain would show as DIFFERS (``audit verify`` fails on them).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuledger.accounting.audit.binding import is_final, record_of
+from gpuledger.accounting.audit.binding import is_final, is_removed, record_of
 from gpuledger.accounting.audit.checkpoint import iso_utc
 from gpuledger.collector.auditlog import AuditError, AuditLog, Entry
-from gpuledger.schema.records import JobUsage
+from gpuledger.schema.records import JobRecord, JobUsage
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +51,17 @@ def _assoc(items: list[dict[str, Any]], acct: Any, user: Any) -> dict[str, Any] 
     return next((r for r in items if r.get("account") == acct and r.get("user") == user), None)
 
 
-def _latest_by_key(entries: list[Entry], prefix: str) -> dict[str, Entry]:
+def _latest_entries(entries: list[Entry], prefix: str) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
     for e in entries:  # oldest first: the newest per key wins
         if e.key and e.key.startswith(prefix) and e.kind in ("job_record", "usage_record", "correction"):
             out[e.key] = e
     return out
+
+
+def _latest_by_key(entries: list[Entry], prefix: str) -> dict[str, Entry]:
+    """The newest record per key (a row accepted as gone states none)."""
+    return {k: e for k, e in _latest_entries(entries, prefix).items() if not is_removed(e)}
 
 
 def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
@@ -72,7 +82,9 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
         ex.missing.append("job record: no job_record entry (the scheduler's record was never logged)")
     fs = _fairshare_for(log, job_id)
     src = fs.data["inputs"]["jobs"][job_id] if fs is not None else {}
-    usage = _measurements(log, mine, job_id, src.get("usage_entry"))
+    usage = _measurements(log, lambda: mine, job_id, src)
+    # rows accepted as gone (deleted, or moved to a key the log had not seen): what the measurements lost
+    gone = [e for e in _latest_entries(mine, "usage:").values() if is_removed(e)]
     if usage:
         recs = [record_of(e) for e in usage]
         total = len(usage) == 1 and recs[0].get("gpu_uuid") == "*"
@@ -87,7 +99,7 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
         ex.steps.append(Step("measurements", f"{what} ({'final' if final else 'interim: the job had not ended'}): "
                              f"first sample {_iso(first)}, last sample {_iso(last)}, {samples} samples; "
                              f"{alloc:.6g} allocated GPU-s, {active:.6g} SM-active GPU-s, {energy:.6g} J"
-                             + "".join(_corrected(e) for e in usage), _ref(*usage)))
+                             + "".join(_corrected(e) for e in (*usage, *gone)), _ref(*usage, *gone)))
     else:
         ex.missing.append("measurements: no usage_record entry for this job")
     if fs is None:
@@ -96,7 +108,8 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
                        "fairshare: no fairshare entry charges this job",
                        "site factor: no priority feed charged this job"]
     else:
-        _fairshare_steps(ex, fs, src, usage)
+        charged = _charged_records(log, lambda: usage, job_id, src)
+        _fairshare_steps(ex, log, fs, src, charged, _charged_job_record(log, src, job))
     changes = list(log.entries(job_id=job_id, kind="priority_change"))
     if changes:
         last_c = changes[-1].data
@@ -112,21 +125,51 @@ def _corrected(e: Entry) -> str:
         return ""
     fields = ", ".join(f"{c.get('field')} {c.get('logged')!r} -> {c.get('stored')!r}"
                        for c in e.data.get("changes", []))
-    return (f" [corrected by entry {e.seq}, which corrects entry {e.data.get('corrects')}: {fields}; "
-            f"reason: {e.data.get('reason')}]")
+    reason = e.data.get("reason")
+    if e.data.get("corrects") is None:
+        return f" [entry {e.seq} accepted a final row the log had not seen before: {fields}; reason: {reason}]"
+    if is_removed(e):
+        moved = e.data.get("moved_to")
+        return (f" [entry {e.seq} accepted that the row of entry {e.data.get('corrects')} is gone"
+                + (f" (moved to {moved})" if moved else "") + f": {fields}; reason: {reason}]")
+    return f" [corrected by entry {e.seq}, which corrects entry {e.data.get('corrects')}: {fields}; reason: {reason}]"
 
 
-def _measurements(log: AuditLog, mine: list[Entry], job_id: str, used_seq: Any) -> list[Entry]:
-    """The usage entry the fairshare used, else the latest job total, else the latest per-GPU records."""
-    if isinstance(used_seq, int):
-        e = log.get(used_seq)
-        if e is not None and e.job_id == job_id:
-            return [e]
-    usage = _latest_by_key(mine, "usage:")
+def _cited(log: AuditLog, seqs: Any, job_id: str | None, kinds: tuple[str, ...]) -> list[Entry] | None:
+    """The entries ``seqs`` names, when each is there, of one of ``kinds`` (and of the job); else None."""
+    if not isinstance(seqs, list) or not seqs or not all(type(s) is int for s in seqs):
+        return None
+    es = [log.get(s) for s in seqs]
+    ok = all(e is not None and e.kind in kinds and not is_removed(e)
+             and (job_id is None or e.job_id == job_id.partition("@")[0]) for e in es)
+    return [e for e in es if e is not None] if ok else None
+
+
+def _measurements(log: AuditLog, mine: Callable[[], list[Entry]], job_id: str, src: Mapping[str, Any]
+                  ) -> list[Entry]:
+    """The per-GPU usage entries the fairshare charged, else the job total it names, else the latest job total,
+    else the latest per-GPU records."""
+    cited = _cited(log, src.get("gpu_entries"), job_id, ("usage_record", "correction"))
+    if cited is not None:
+        return cited
+    cited = _cited(log, [src.get("usage_entry")], job_id, ("usage_record", "correction"))
+    if cited is not None:
+        return cited
+    usage = _latest_by_key(mine(), "usage:")
     total = usage.get(f"usage:{job_id}")
     if total is not None:
         return [total]
     return sorted(usage.values(), key=lambda e: e.seq)
+
+
+def _charged_records(log: AuditLog, fallback: Callable[[], list[Entry]], job_id: str, c: Mapping[str, Any]
+                     ) -> list[Entry]:
+    """The usage records a charge was computed from: those its fairshare entry names (none: nothing was measured
+    then, whatever was logged since); ``fallback`` for an entry written before entries named them."""
+    if "usage_entry" not in c and "gpu_entries" not in c:
+        return fallback()
+    return (_cited(log, c.get("gpu_entries"), job_id, ("usage_record", "correction"))
+            or _cited(log, [c.get("usage_entry")], job_id, ("usage_record", "correction")) or [])
 
 
 def _fairshare_for(log: AuditLog, job_id: str) -> Entry | None:
@@ -144,49 +187,103 @@ def _fairshare_for(log: AuditLog, job_id: str) -> Entry | None:
     return fallback
 
 
-def _charge_formula(s: dict[str, Any], rec: dict[str, Any]) -> tuple[str, float | None]:
+def _policy(s: Mapping[str, Any]) -> Any:
     from gpuledger.accounting.charge import ChargePolicy
 
+    return ChargePolicy(kind=s.get("policy", "blend"), floor=float(s.get("floor", 0.25)),
+                        model_weights=dict(s.get("model_weights") or {}),
+                        unmeasured=s.get("unmeasured", "allocated"),
+                        full_power_watts=float(s.get("full_power_watts", 700.0)))
+
+
+def _charged_job_record(log: AuditLog, src: Mapping[str, Any], latest: Entry | None) -> Entry | None:
+    """The job record entry the fairshare charged the job's allocation from (else the job's latest one)."""
+    cited = _cited(log, [src.get("job_entry")], None, ("job_record", "correction"))
+    return cited[0] if cited else latest
+
+
+def _charge_formula(s: Mapping[str, Any], c: Mapping[str, Any], usage: list[Entry], job: Entry | None,
+                    now: Any) -> tuple[str, float | None]:
+    """How the measured charge is made of the logged records, and its value recomputed from them (None when it
+    cannot be: a record missing, a policy that needs the allocation and no job record)."""
+    from gpuledger.accounting.charge import allocation
+    from gpuledger.accounting.scope import in_scope
+
     try:
-        pol = ChargePolicy(kind=s.get("policy", "blend"), floor=float(s.get("floor", 0.25)),
-                           model_weights=dict(s.get("model_weights") or {}))
-        u = JobUsage.from_dict(rec)
-    except (TypeError, ValueError, KeyError):
+        pol = _policy(s)
+        us = [JobUsage.from_dict(record_of(e)) for e in usage]
+        gap = float(c.get("gap_energy_joules") or 0.0)
+        if "measured_charge" not in c:  # before the allocation frame: the charge was the records' alone
+            again = math.fsum(pol.charge(u) for u in us) + float(c.get("gap_charge") or 0.0)
+        else:
+            alloc = None
+            if c.get("seen_by") != "agent":
+                if job is None:
+                    return "", None
+                record = JobRecord.from_dict(record_of(job))
+                alloc = allocation(record, float(now))
+                us = list(in_scope(record, us, float(now))[0])  # as the charge held them to the record
+            again = pol.charge_job(alloc, us, gap, 0.0).measured  # gap GPU-seconds move only the unmeasured part
+    except (TypeError, ValueError, KeyError, AttributeError):
         return "", None
+    if len(us) != 1:
+        return f"the charges of {len(us)} per-GPU records", again
+    u = us[0]
     a, act, en = u.allocated_gpu_seconds, u.sm_active_gpu_seconds, u.energy_joules
     base = {"allocated": f"{a!r} allocated GPU-s", "active": f"{act!r} SM-active GPU-s", "energy": f"{en!r} J",
             "blend": f"{pol.floor!r} x {a!r} + {1 - pol.floor!r} x {act!r}"}[pol.kind]
     w = pol.weight(u.model)
-    return base + (f" x model weight {w!r}" if w != 1.0 else ""), pol.charge(u)
+    return base + (f" x model weight {w!r}" if w != 1.0 else ""), again
 
 
-def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[Entry]) -> None:
+@dataclass(frozen=True, slots=True)
+class _Check:
+    formula: str
+    measured: Any
+    expected: float | None
+    differs: bool  # the logged records do not recompute to the logged measured charge
+    parts_differ: bool  # measured + unmeasured is not the logged total
+
+
+def _check(fs: Entry, c: Mapping[str, Any], usage: list[Entry], job: Entry | None) -> _Check:
+    s = fs.data.get("settings", {})
+    formula, expected = _charge_formula(s, c, usage, job, fs.data.get("now")) if usage else ("", None)
+    # Entries since the allocation frame split the charge: the measured part is what the logged usage records
+    # recompute to (with reassigned gap energy), the unmeasured part is the rule's; older entries have the total.
+    measured = c["measured_charge"] if "measured_charge" in c else c.get("charged")
+    differs = (expected is not None and isinstance(measured, int | float)
+               and not math.isclose(expected, measured, rel_tol=1e-9, abs_tol=1e-9))
+    parts = float(measured or 0.0) + float(c.get("unmeasured_charge") or 0.0) if "measured_charge" in c else None
+    parts_differ = parts is not None and not math.isclose(parts, float(c.get("charged") or 0.0), rel_tol=1e-9,
+                                                          abs_tol=1e-9)
+    return _Check(formula, measured, expected, differs, parts_differ)
+
+
+def _fairshare_steps(ex: Explanation, log: AuditLog, fs: Entry, c: dict[str, Any], usage: list[Entry],
+                     job: Entry | None) -> None:
     ref = _ref(fs)
     s = fs.data.get("settings", {})
-    formula, again = ("", None)
-    if len(usage) == 1:
-        formula, again = _charge_formula(s, record_of(usage[0]))
+    k = _check(fs, c, usage, job)
     charged = c.get("charged")
-    # Entries since the allocation frame split the charge: the measured part is what the logged usage record
-    # recomputes to (plus reassigned gap energy), the unmeasured part is the rule's; older entries have only the total.
-    measured = c["measured_charge"] if "measured_charge" in c else charged
-    expected = None if again is None else again + float(c.get("gap_charge") or 0.0)
-    check = "" if expected is None or not isinstance(measured, int | float) else (
-        " (recomputed from the logged record: same)" if math.isclose(expected, measured, rel_tol=1e-9, abs_tol=1e-9)
-        else f" (recomputed from the logged record: {expected!r}, DIFFERS)")
-    summary = f"policy {c.get('policy')}: {formula + ' = ' if formula else ''}{measured!r}{check}"
+    records = "record" if len(usage) == 1 else "records"
+    check = "" if k.expected is None or not isinstance(k.measured, int | float) else (
+        f" (recomputed from the logged {records}: {k.expected!r}, DIFFERS)" if k.differs
+        else f" (recomputed from the logged {records}: same)")
+    gaps = _cited_gaps(ex, log, fs, c)
+    if gaps is None and c.get("gap_charge"):
+        check += f" (of which {c['gap_charge']!r} charges gap energy that is not proven)"
+    summary = f"policy {c.get('policy')}: {k.formula + ' = ' if k.formula else ''}{k.measured!r}{check}"
     unmeasured_s = c.get("unmeasured_gpu_seconds") or 0.0
-    if "measured_charge" in c and (unmeasured_s or c.get("unmeasured_charge")):
-        parts = float(measured or 0.0) + float(c.get("unmeasured_charge") or 0.0)
-        adds_up = math.isclose(parts, float(charged or 0.0), rel_tol=1e-9, abs_tol=1e-9)
+    if "measured_charge" in c and (unmeasured_s or c.get("unmeasured_charge") or k.parts_differ):
         summary += (f"; + {unmeasured_s!r} allocated GPU-s nobody measured, charged by rule "
                     f"{c.get('unmeasured_rule')!r}: {c.get('unmeasured_charge')!r}; charged {charged!r}"
-                    + ("" if adds_up else " (parts DIFFER)"))
-    ex.steps.append(Step("charged usage", summary, ref))
-    if c.get("gap_energy_joules"):
+                    + (" (parts DIFFER)" if k.parts_differ else ""))
+    ex.steps.append(Step("charged usage", summary, ref + _ref(*usage) if usage else ref))
+    if gaps:
         ex.steps.append(Step("gap energy", f"{c['gap_energy_joules']!r} J of sampling gaps' unattributed energy "
-                             "reassigned to the job from Slurm's record (accounting.gaps); measured under the "
-                             "energy policy", ref))
+                             f"reassigned to the job from Slurm's record (accounting.gaps) out of {len(gaps)} gap "
+                             "record(s); measured under the energy policy"
+                             + "".join(sorted({_corrected(g) for g in gaps})), _ref(*gaps) + ref))
     acct, user = c.get("account"), c.get("user")
     a_total = (_assoc(fs.data["inputs"].get("associations", []), acct, user) or {}).get("decayed_usage")
     ex.steps.append(Step("decayed usage", f"half-life {s.get('half_life_s')} s, "
@@ -210,4 +307,52 @@ def _fairshare_steps(ex: Explanation, fs: Entry, c: dict[str, Any], usage: list[
         ex.missing.append(f"site factor: the fairshare entry {fs.seq} that charged this job carries no priority feed")
 
 
-__all__ = ["AuditError", "Explanation", "Step", "explain"]
+def _cited_gaps(ex: Explanation, log: AuditLog, fs: Entry, c: Mapping[str, Any]) -> list[Entry] | None:
+    """The gap records a job's reassigned energy came from, when the fairshare entry names them all; else the
+    gap energy goes to ``ex.missing`` (it is the fairshare entry's word only) and None."""
+    if not c.get("gap_energy_joules"):
+        return None
+    cited = _cited(log, c.get("gap_entries"), None, ("gap_record", "correction"))
+    if cited is None:
+        ex.missing.append(f"gap energy: {c['gap_energy_joules']!r} J reassigned from sampling gaps that no logged "
+                          f"gap record proves (fairshare entry {fs.seq} names none)")
+    return cited
+
+
+def _entries_of(log: AuditLog, job_id: str) -> list[Entry]:
+    return list(log.entries(job_id=job_id))
+
+
+def charge_problems(log: AuditLog) -> list[tuple[int, str]]:
+    """Every charge `audit explain` would show as DIFFERS: per job, in the fairshare entry explain takes for it
+    (the newest with a priority feed that charged it, else the newest that charged it); (entry, message)."""
+    with_feed: dict[str, Entry] = {}
+    without: dict[str, Entry] = {}
+    for fs in log.entries(kind="fairshare", newest_first=True):
+        try:
+            jobs, feed = fs.data["inputs"]["jobs"], fs.data.get("outputs", {}).get("feed")
+        except (KeyError, TypeError, AttributeError):
+            continue
+        if isinstance(jobs, dict):
+            for j in jobs:
+                (with_feed if feed else without).setdefault(j, fs)
+    out = []
+    for job_id, fs in {**without, **with_feed}.items():
+        c = fs.data["inputs"]["jobs"][job_id]
+        if not isinstance(c, dict):
+            continue
+        usage = _charged_records(log, functools.partial(_measurements, log, functools.partial(_entries_of, log, job_id),
+                                                        job_id, c), job_id, c)
+        jobs = _latest_by_key(list(log.entries(job_id=job_id)), "job:") if not c.get("job_entry") else {}
+        latest = max(jobs.values(), key=lambda e: e.seq) if jobs else None
+        k = _check(fs, c, usage, _charged_job_record(log, c, latest))
+        if k.differs:
+            out.append((fs.seq, f"audit entry {fs.seq}: job {job_id}'s measured charge {k.measured!r} is not what "
+                                f"the logged records it names recompute to ({k.expected!r}): DIFFERS"))
+        if k.parts_differ:
+            out.append((fs.seq, f"audit entry {fs.seq}: job {job_id}'s measured and unmeasured charges do not add up "
+                                f"to its charge {c.get('charged')!r}: parts DIFFER"))
+    return out
+
+
+__all__ = ["AuditError", "Explanation", "Step", "charge_problems", "explain"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -188,6 +189,10 @@ def keygen(path: str | os.PathLike[str] | None = None, *, force: bool = False,
     return KeygenResult(priv, pub, new.key_id, rotation)
 
 
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
 def keyring_path(private_path: Path) -> Path:
     return private_path.with_name(KEYRING_NAME)
 
@@ -226,16 +231,22 @@ def read_keyring(path: Path) -> list[dict[str, Any]]:
 
 
 class TrustedKeys:
-    """The pinned keys and every key a rotation record links to them, signed by the side already trusted."""
+    """The pinned keys and every key a rotation record links to them, signed by the side already trusted.
 
-    def __init__(self, pinned: Iterable[PublicKey], rotations: Iterable[Mapping[str, Any]] = ()) -> None:
+    A key is trusted for what it signed during its term only: from the rotation that made it (when one did) to
+    the rotation that retired it. A retired key may have been kept or leaked (why one rotates), so a signature
+    of it dated after its retirement, or not dated at all, is not taken as its (``term_problem``)."""
+
+    def __init__(self, pinned: Iterable[PublicKey], rotations: Iterable[Mapping[str, Any]] = (),
+                 retired_in: Mapping[str, int] | None = None) -> None:
         self._keys = {k.key_id: k for k in pinned}
+        self._retired_in = dict(retired_in or {})  # key id -> the audit entry that records its retirement
         self.pinned = tuple(self._keys)
         parsed = [r for r in (_parse_rotation(x) for x in rotations) if r is not None]
         changed = True
         while changed:
             changed = False
-            for old, new, msg, sig_old, sig_new in parsed:
+            for old, new, msg, sig_old, sig_new, _ in parsed:
                 if (new.key_id in self._keys and old.key_id not in self._keys
                         and self._keys[new.key_id].verifies(sig_new, msg)):
                     self._keys[old.key_id] = old
@@ -244,6 +255,13 @@ class TrustedKeys:
                         and self._keys[old.key_id].verifies(sig_old, msg)):
                     self._keys[new.key_id] = new
                     changed = True
+        # terms from the records both keys signed (the retired key's own word, and its successor's)
+        self._retired: dict[str, float] = {}
+        self._created: dict[str, float] = {}
+        for old, new, msg, sig_old, sig_new, at in parsed:
+            if old.verifies(sig_old, msg) and new.verifies(sig_new, msg) and old.key_id in self._keys:
+                self._retired[old.key_id] = min(at, self._retired.get(old.key_id, at))
+                self._created[new.key_id] = min(at, self._created.get(new.key_id, at))
 
     def get(self, kid: str) -> PublicKey | None:
         return self._keys.get(kid)
@@ -251,18 +269,45 @@ class TrustedKeys:
     def keys(self) -> list[PublicKey]:
         return list(self._keys.values())
 
+    def term_problem(self, kid: str, signed_at: float | None, size: int | None = None) -> str | None:
+        """Why a signature of key ``kid`` dated ``signed_at`` over a tree of ``size`` entries falls outside the
+        key's term (None: inside). Dates are whole seconds (a checkpoint's time line), so the second the key was
+        made in counts as its term; a tree that holds the entry recording the key's retirement was signed after it,
+        whatever date it states."""
+        retired, created = self._retired.get(kid), self._created.get(kid)
+        if retired is not None and signed_at is None:
+            return f"signed by key {kid}, retired at {_iso(retired)}, and not dated (a retired key's word counts " \
+                   "only for what it signed before)"
+        if retired is not None and signed_at is not None and signed_at > retired:
+            return f"signed by key {kid}, retired at {_iso(retired)}, but dated {_iso(signed_at)} (after its " \
+                   "retirement: forged with a retired key?)"
+        if created is not None and signed_at is not None and signed_at < math.floor(created):
+            return f"signed by key {kid}, made at {_iso(created)}, but dated {_iso(signed_at)} (before the key existed)"
+        at = self._retired_in.get(kid)
+        if retired is not None and at is not None and size is not None and size >= at:
+            return (f"signed by key {kid}, retired at {_iso(retired)}, over {size} entries: audit entry {at} records "
+                    "that retirement (signed after it: forged with a retired key?)")
+        return None
+
+    def keys_at(self, signed_at: float | None, size: int | None = None) -> list[PublicKey]:
+        """The keys whose term covers ``signed_at`` (and a tree of ``size`` entries)."""
+        return [k for k in self._keys.values() if self.term_problem(k.key_id, signed_at, size) is None]
+
     def __bool__(self) -> bool:
         return bool(self._keys)
 
 
-def _parse_rotation(r: Mapping[str, Any]) -> tuple[PublicKey, PublicKey, bytes, bytes, bytes] | None:
+def _parse_rotation(r: Mapping[str, Any]) -> tuple[PublicKey, PublicKey, bytes, bytes, bytes, float] | None:
     try:
         old = PublicKey.from_raw(base64.b64decode(r["retired"]["public_key"], validate=True))
         new = PublicKey.from_raw(base64.b64decode(r["successor"]["public_key"], validate=True))
-        body = _rotation_body(old, new, r["retired_at"])
+        at = r["retired_at"]
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            return None
+        body = _rotation_body(old, new, at)
         sigs = r["signatures"]
         return (old, new, canonical_json(body).encode(), base64.b64decode(sigs["retired"], validate=True),
-                base64.b64decode(sigs["successor"], validate=True))
+                base64.b64decode(sigs["successor"], validate=True), float(at))
     except (KeyError, TypeError, ValueError, AuditError):
         return None  # a malformed record links nothing
 
@@ -275,6 +320,12 @@ def trusted_keys(public_keys: Iterable[str | os.PathLike[str]], log: AuditLog | 
     for k in keyrings:
         if Path(k).exists():
             rotations += read_keyring(Path(k))
+    retired_in: dict[str, int] = {}
     if log is not None:
-        rotations += [e.data for e in log.entries(kind="key_rotation") if isinstance(e.data, dict)]
-    return TrustedKeys(pinned, rotations)
+        for e in log.entries(kind="key_rotation"):
+            if isinstance(e.data, dict):
+                rotations.append(e.data)
+                r = _parse_rotation(e.data)
+                if r is not None and r[0].verifies(r[3], r[2]) and r[1].verifies(r[4], r[2]):  # both keys signed it
+                    retired_in.setdefault(r[0].key_id, e.seq)
+    return TrustedKeys(pinned, rotations, retired_in)

@@ -110,6 +110,13 @@ def verify_report(report_path: str | os.PathLike[str], trusted: TrustedKeys, res
                             "keyring (a replaced key pair, or pass that key's --public-key)")
     elif not key.verifies(sig, canonical_json(manifest).encode()):
         out.problems.append(f"{mpath}: the signature does not match the manifest (manifest altered)")
+    else:
+        at, head = manifest.get("created_at"), manifest.get("audit_head")
+        size = head.get("size") if isinstance(head, dict) else None
+        why = trusted.term_problem(key.key_id, at if isinstance(at, (int, float)) else None,
+                                   size if type(size) is int else None)
+        if why is not None:
+            out.problems.append(f"{mpath}: {why}")
     signed = not out.problems
     try:
         if hashlib.sha256(report_path.read_bytes()).hexdigest() != manifest["report"]["sha256"]:

@@ -78,11 +78,11 @@ def record_fairshare(
     usage: Mapping[tuple[str, str], float],
     rows: Iterable[Any],
     feed: Iterable[Any] = (),
-    sources: Mapping[str, Mapping[str, int | None]] | None = None,
+    sources: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Entry:
-    """Append one ``fairshare`` entry: inputs (settings, per-job charges with the entries of the job and usage
-    records each was computed from, decayed usage per association) and outputs (the fairshare rows and the site
-    factors of the priority feed)."""
+    """Append one ``fairshare`` entry: inputs (settings, per-job charges with the entries of the job, usage,
+    per-GPU usage and gap records each was computed from, decayed usage per association) and outputs (the
+    fairshare rows and the site factors of the priority feed)."""
     cfg = settings.model_dump() if hasattr(settings, "model_dump") else plain(settings)
     sources = sources or {}
     jobs = {c.job_id: {**plain(c), "user": log.alias(c.user), **dict(sources.get(c.job_id, {}))} for c in charges}

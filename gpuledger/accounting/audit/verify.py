@@ -1,5 +1,6 @@
 """`audit verify` as a library call: the log recomputed from its entries, checked against every signed head
-(checkpoints given by the admin, checkpoints kept beside the log, the audit heads of signed reports)."""
+(checkpoints given by the admin, checkpoints kept beside the log, the audit heads of signed reports), and every
+logged charge recomputed from the logged records it names (``explain.charge_problems``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from gpuledger.accounting.audit.checkpoint import (
     check_heads,
     open_checkpoint,
 )
+from gpuledger.accounting.audit.explain import charge_problems
 from gpuledger.accounting.audit.keys import TrustedKeys
 from gpuledger.accounting.audit.manifest import verify_report
 from gpuledger.collector.auditlog import AuditLog, Problem, VerifyResult
@@ -45,6 +47,8 @@ def verify_all(
     ranked: list[tuple[int, str]] = []
     if result.problem is not None:
         ranked.append((result.problem.first, str(result.problem)))
+    else:  # an intact log whose charges its own records do not recompute to (what `audit explain` shows DIFFERS)
+        ranked += charge_problems(log)
     heads: list[SignedHead] = []
     given = list(checkpoints)
     for source, text in given:

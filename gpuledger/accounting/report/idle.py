@@ -45,7 +45,7 @@ def idle_jobs(
         u = e.usage
         if u is None or u.allocated_gpu_seconds <= 0:
             continue
-        gpus = (per_gpu or {}).get(e.job_id) or [u]
+        gpus = e.gpus or (per_gpu or {}).get(e.job_id) or [u]  # the entry's own (its cluster; ``scope``) first
         idle = [g for g in gpus
                 if (g.sm_active_mean if g.sm_active_mean is not None else _efficiency_or_zero(g)) < threshold]
         idle_s = math.fsum(g.allocated_gpu_seconds for g in idle)

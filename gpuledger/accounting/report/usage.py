@@ -158,7 +158,9 @@ def usage_report(
         if missing < 0.0:
             missing = 0.0
         if per_gpu is not None and by == "node":
-            gpu_usages = (per_gpu.get(entry.job_id) or (usage,)) if usage is not None else ()
+            # the entry's own per-GPU records where the ledger joined them (its job, its cluster; held to the
+            # scheduler's record: ``scope``), else those given by job id
+            gpu_usages = (entry.gpus or per_gpu.get(entry.job_id) or (usage,)) if usage is not None else ()
             _add_by_node(groups, entry, gpu_usages, wait, slurm_s, missing, grid, priced, prices, settings)
             continue
         key = group_key(record, usage)

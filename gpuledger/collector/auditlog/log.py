@@ -41,7 +41,10 @@ from gpuledger.collector.db import Database, PostgresDatabase, SqliteDatabase, i
 AUDIT_NAME = "audit.sqlite"
 AUDIT_SCHEMA = "audit"  # the PostgreSQL schema of the log beside a PostgreSQL ledger
 FORMAT = "2"  # 1: a hash chain (prev/hash columns); 2: the Merkle tree
-KINDS: tuple[str, ...] = ("job_record", "usage_record", "correction", "fairshare", "priority_change", "key_rotation")
+# gap_record, hours_record, store_bound: since the log binds every input of a charge (``accounting.audit.binding``);
+# a log without them still verifies (kinds are labels of hashed bodies, never part of the tree's format)
+KINDS: tuple[str, ...] = ("job_record", "usage_record", "correction", "fairshare", "priority_change", "key_rotation",
+                          "gap_record", "hours_record", "store_bound")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -57,6 +60,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (size INTEGER NOT NULL, note TEXT NOT NUL
 _SET_META = upsert("meta", ("key", "value"), ("key",))
 _SET_NODE = upsert("nodes", ("level", "idx", "hash"), ("level", "idx"))
 _VERIFY_PAGE = 50_000  # entries read per statement by verify: memory stays bounded on either engine
+_ENTRIES_PAGE = 1_000  # by ``entries``: a fairshare entry holds every job it charged
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +282,7 @@ class AuditLog:
     # -- reads ----------------------------------------------------------------------------------------------
     def _size(self) -> int:
         row = self._db.execute("SELECT value FROM meta WHERE key='tree_size'").fetchone()
-        return int(row[0]) if row else 0
+        return _tree_size(row[0]) if row else 0
 
     def size(self) -> int:
         with self._lock:
@@ -288,16 +292,18 @@ class AuditLog:
         """(tree size, root hash as hex) as stored; the empty tree's root is SHA-256 of nothing."""
         with self._lock:
             rows = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
-        return int(rows.get("tree_size", 0)), rows.get("root", merkle.EMPTY_ROOT.hex())
+        return _tree_size(rows.get("tree_size", 0)), rows.get("root", merkle.EMPTY_ROOT.hex())
 
     def _node(self, level: int, idx: int) -> bytes:
         if level == 0:
             row = self._db.execute("SELECT leaf FROM entries WHERE seq=?", (idx + 1,)).fetchone()
         else:
             row = self._db.execute("SELECT hash FROM nodes WHERE level=? AND idx=?", (level, idx)).fetchone()
+        first = (idx << level) + 1
         if row is None:
-            first = (idx << level) + 1
             raise LogDamaged(f"the stored hash of entries {first}..{first + (1 << level) - 1} is missing")
+        if not isinstance(row[0], (bytes, bytearray, memoryview)):  # a hash column rewritten as text
+            raise LogDamaged(f"the stored hash of entries {first}..{first + (1 << level) - 1} is not a hash (modified)")
         return bytes(row[0])
 
     def subtree(self, start: int, end: int) -> bytes:
@@ -330,6 +336,37 @@ class AuditLog:
             row = self._db.execute("SELECT body, leaf, seq FROM entries WHERE seq=?", (seq,)).fetchone()
         return _entry(*row) if row else None
 
+    def checked(self, seq: int) -> Entry | None:
+        """Entry ``seq`` after recomputing its leaf from its body and checking its labels: EntryDamaged naming it
+        when the stored leaf (what proofs are built from) no longer states the body."""
+        with self._lock:
+            row = self._db.execute("SELECT seq, kind, job_id, key, body, leaf FROM entries WHERE seq=?",
+                                   (seq,)).fetchone()
+        if row is None:
+            return None
+        bad, _ = _row_problem(*row)
+        if bad is not None:
+            raise EntryDamaged(str(bad))
+        return _entry(row[4], row[5], row[0])
+
+    def latest_by_prefix(self, prefix: str) -> dict[str, Entry]:
+        """The newest entry under each key that starts with ``prefix``: one statement instead of one per key
+        (binding compares every record of a store, and looks for the logged ones the store no longer has)."""
+        where, args = "substr(key, 1, ?) = ?", [len(prefix), prefix]
+        if prefix and isinstance(self._db, SqliteDatabase):  # BINARY collation: the key index holds them in a range
+            where += " AND key >= ? AND key < ?"
+            args += [prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)]
+        sql = (f"SELECT body, leaf, seq FROM entries WHERE seq IN (SELECT max(seq) FROM entries WHERE {where} "
+               "GROUP BY key) ORDER BY seq")
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        out: dict[str, Entry] = {}
+        for row in rows:
+            e = _entry(*row)
+            if e.key is not None:
+                out[e.key] = e
+        return out
+
     def latest(self, key: str) -> Entry | None:
         """The newest entry written under ``key`` (read from its hashed body)."""
         with self._lock:
@@ -348,12 +385,18 @@ class AuditLog:
         if key_prefix is not None:  # not a range on key: text collations differ between engines
             where.append("substr(key, 1, ?) = ?")
             args += [len(key_prefix), key_prefix]
-        sql = "SELECT body, leaf, seq FROM entries" + (" WHERE " + " AND ".join(where) if where else "")
-        sql += " ORDER BY seq" + (" DESC" if newest_first else "")
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        for row in rows:
-            yield _entry(*row)
+        after: int | None = None
+        while True:  # a page per statement: memory stays bounded however many entries match
+            w = [*where, "seq < ?" if newest_first else "seq > ?"] if after is not None else where
+            sql = "SELECT body, leaf, seq FROM entries" + (" WHERE " + " AND ".join(w) if w else "")
+            sql += " ORDER BY seq" + (" DESC" if newest_first else "") + " LIMIT ?"
+            with self._lock:
+                rows = self._db.execute(sql, [*args, *([after] if after is not None else []), _ENTRIES_PAGE]).fetchall()
+            for row in rows:
+                yield _entry(*row)
+            if len(rows) < _ENTRIES_PAGE:
+                return
+            after = rows[-1][2]
 
     # -- verification ---------------------------------------------------------------------------------------
     def verify(self) -> VerifyResult:
@@ -391,13 +434,9 @@ class AuditLog:
                 bad = Problem(seq, "inserted: the log starts at entry 1 (a forged row before it)")
             elif seq != expected:
                 bad = Problem(expected, f"missing (deleted): the next stored entry is {seq}")
-            elif not _labels_match(body, seq, kind, job_id, key):
-                bad = _relabelled(body, seq)
             else:
-                h = sha(b"\x00" + body.encode()).digest()
-                if h != bytes(leaf):
-                    bad = Problem(seq, "content does not match its leaf hash (modified)")
-                else:
+                bad, h = _row_problem(seq, kind, job_id, key, body, leaf)
+                if bad is None:
                     leaves.append(h)
             if bad is not None:
                 problems.append(bad)
@@ -411,8 +450,13 @@ class AuditLog:
             levels.append([sha(one + a + b).digest() for a, b in zip(below, below)])
         if not problems:
             problems += self._check_nodes(levels)
-        size, root_hex = (lambda m: (int(m.get("tree_size", 0)), m.get("root")))(
-            dict(self._db.execute("SELECT key, value FROM meta").fetchall()))
+        meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        root_hex = meta.get("root")
+        try:
+            size = _tree_size(meta.get("tree_size", 0))
+        except EntryDamaged as e:  # the head no longer says what it committed to: nothing is proven against it
+            size = n
+            problems.append(Problem(1, str(e), n))
         root = root_from_levels(levels, n)
         if not problems:
             if size > n:
@@ -474,6 +518,32 @@ def _no_constant(name: str) -> Any:
 _decode = json.JSONDecoder(parse_constant=_no_constant).decode  # built once: verify decodes every body
 
 
+def _tree_size(value: Any) -> int:
+    """The head's tree size as stored (text in ``meta``); EntryDamaged naming it when it is not a count."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise EntryDamaged(f"the audit log head: tree size {value!r} is not a count of entries (modified)")
+    return n
+
+
+def _row_problem(seq: int, kind: Any, job_id: Any, key: Any, body: Any, leaf: Any) -> tuple[Problem | None, bytes]:
+    """What is wrong with one stored row on its own (a body that is not text, a leaf that is not a hash, labels
+    that are not the body's, a leaf hash that does not state the body), and the leaf hash of its body."""
+    if not isinstance(body, str):  # e.g. rewritten as a BLOB: the hashed text is gone
+        return Problem(seq, f"body is stored as {type(body).__name__}, not the hashed text (modified)"), b""
+    if not isinstance(leaf, (bytes, bytearray, memoryview)):
+        return Problem(seq, f"leaf hash is stored as {type(leaf).__name__}, not a hash (modified)"), b""
+    if not _labels_match(body, seq, kind, job_id, key):
+        return _relabelled(body, seq), b""
+    h = hashlib.sha256(b"\x00" + body.encode()).digest()
+    if h != bytes(leaf):
+        return Problem(seq, "content does not match its leaf hash (modified)"), h
+    return None, h
+
+
 def _labels_match(body: str, seq: int, kind: Any, job_id: Any, key: Any) -> bool:
     """The hashed body is a JSON object whose integer seq, kind, job_id and key are the row's (a key it lacks
     matches NULL)."""
@@ -503,6 +573,11 @@ def _relabelled(body: str, seq: int) -> Problem:
 
 def _entry(body: str, leaf: bytes, seq: int) -> Entry:
     """An Entry from a stored row; a body that is not an entry raises EntryDamaged naming it (never a traceback)."""
+    bad = (f"body is stored as {type(body).__name__}, not the hashed text" if not isinstance(body, str) else
+           f"leaf hash is stored as {type(leaf).__name__}, not a hash"
+           if not isinstance(leaf, (bytes, bytearray, memoryview)) else None)
+    if bad is not None:
+        raise EntryDamaged(f"audit entry {seq}: {bad} (modified)")
     try:
         d = json.loads(body)
         return Entry(d["seq"], d["ts"], d["kind"], d["job_id"], d.get("key"), d["data"], bytes(leaf))

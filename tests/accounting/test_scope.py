@@ -1,0 +1,95 @@
+"""Measured usage is charged to a job only where and when Slurm's record says the job ran (accounting.scope)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuledger.accounting.scope import SLACK_S, in_scope
+from gpuledger.schema.records import JobRecord, JobUsage
+
+T0 = 1_790_000_000.0  # 2026-09-22: in the past, so that a feed made now (the real clock) sees the job ended
+SLURM = JobRecord(job_id="500", cluster="c", user="bob", account="B", hosts=("n2",), gpus=1, start=T0, end=T0 + 600,
+                  state="COMPLETED")
+
+
+def usage(host: str, first: float, last: float, energy: float = 420e3, gap_s: float = 0.0) -> JobUsage:
+    return JobUsage(job_id="500", host=host, gpu_uuid=f"GPU-{host}", first_ts=first, last_ts=last, samples=61,
+                    allocated_gpu_seconds=last - first, sm_active_gpu_seconds=(last - first) / 2,
+                    energy_joules=energy, gap_gpu_seconds=gap_s, cluster="c")
+
+
+def test_an_honest_record_is_charged_whole_within_the_slack():
+    honest = usage("n2", T0 + 5, T0 + 600 + SLACK_S / 2)
+    assert in_scope(SLURM, [honest], T0 + 9999) == ((honest,), ())
+
+
+def test_another_hosts_record_is_not_charged_to_the_job():
+    phantom = usage("n1", T0, T0 + 600)
+    kept, cut = in_scope(SLURM, [usage("n2", T0, T0 + 600), phantom], T0 + 9999)
+    assert [u.host for u in kept] == ["n2"]
+    assert [(c.usage, c.charged_fraction, c.reason) for c in cut] == [(phantom, 0.0, "host")]
+
+
+def test_a_record_outside_the_jobs_time_is_not_charged_and_one_across_it_in_proportion():
+    after = usage("n2", T0 + 1200, T0 + 3000)  # samples named after the job, from after it ended
+    kept, cut = in_scope(SLURM, [after], T0 + 9999)
+    assert kept == () and [(c.charged_fraction, c.reason) for c in cut] == [(0.0, "time")]
+    # a first sample dated 1e8 s before the job (a "held gap" of absurd energy): only the part inside counts
+    across = usage("n2", T0 + 600 - 1e8, T0 + 600, energy=1.5e11, gap_s=1e8 - 600)
+    (kept_one,), (c,) = in_scope(SLURM, [across], T0 + 9999)
+    fraction = (600 + SLACK_S) / 1e8
+    assert c.charged_fraction == pytest.approx(fraction) and c.reason == "time"
+    assert kept_one.energy_joules == pytest.approx(1.5e11 * fraction)
+    assert kept_one.gap_gpu_seconds == pytest.approx((1e8 - 600) * fraction)
+    assert (kept_one.first_ts, kept_one.last_ts) == (T0 - SLACK_S, T0 + 600)
+
+
+def test_a_running_job_is_held_to_now_and_a_job_without_a_record_or_start_is_charged_as_measured():
+    running = JobRecord(job_id="500", hosts=("n2",), start=T0, end=None, state="RUNNING")
+    later = usage("n2", T0 + 100, T0 + 200)
+    assert in_scope(running, [later], now=T0 + 150 - SLACK_S)[0][0].last_ts == pytest.approx(T0 + 150)
+    rows = [usage("n1", 0.0, 1.0)]
+    assert in_scope(None, rows, T0) == (tuple(rows), ())
+    assert in_scope(JobRecord(job_id="500", hosts=("n2",)), rows, T0) == (tuple(rows), ())
+    # a record without hosts: only its times are checked; a job-level row ("*") has no host to check
+    assert in_scope(JobRecord(job_id="500", start=T0, end=T0 + 600), [usage("n1", T0, T0 + 600)], T0)[1] == ()
+    assert in_scope(SLURM, [usage("*", T0, T0 + 600)], T0 + 9999)[1] == ()
+
+
+def test_a_node_naming_another_hosts_job_charges_nothing_and_the_audit_agrees(tmp_path, capsys):
+    # n2 runs Slurm's job 500 (bob) for 600 s; n1 names job 500 on a GPU of its own, after the job ended. The
+    # ledger keeps n1's record aside, bob is charged n2's measurement only, and the feed's charge is what the
+    # audit log's records recompute to (verify passes).
+    from gpuledger.accounting.associations import AssocTree
+    from gpuledger.accounting.config import AccountingSettings
+    from gpuledger.accounting.engine import association_usage
+    from gpuledger.accounting.ledger import load
+    from gpuledger.cli import run
+    from gpuledger.collector.store import Store
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample
+
+    def rows(host: str, start: float, n: int) -> tuple[GpuSample, ...]:
+        return tuple(GpuSample(ts=start + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, sm_active_ratio=1.0,
+                               power_watts=700.0, energy_joules=7000.0 * k, job_ids=("500",), model="NVIDIA H100")
+                     for k in range(n))
+
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        store.ingest(Batch("a2", 1, "n2", rows("n2", T0, 61), cluster="c"))
+        store.ingest(Batch("a1", 1, "n1", rows("n1", T0 + 1200, 181), cluster="c"))
+        store.put_jobs([SLURM])
+        (entry,) = [e for e in load(store, now=T0 + 9999) if e.job_id == "500"]
+    finally:
+        store.close()
+    assert [(c.usage.host, c.reason) for c in entry.out_of_scope] == [("n1", "host")]
+    assert [u.host for u in entry.gpus] == ["n2"] and entry.usage.allocated_gpu_seconds == pytest.approx(600.0)
+    tree = AssocTree.from_csv("account,parent,user,shares\nB,,,1\nB,,bob,1\n")
+    used = association_usage([entry], AccountingSettings(policy="active", half_life_s=0), tree, T0 + 9999).usage
+    assert used[("B", "bob")] == pytest.approx(600.0)
+    (tmp_path / "gpuledger.toml").write_text('[accounting]\npolicy = "active"\nhalf_life_s = 0\n'
+                                             '[accounts.B]\nshares = 1\n[accounts.B.users]\nbob = 1\n')
+    assert run(["priority", "feed", "--data-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    code = run(["audit", "verify", "--data-dir", str(tmp_path), "--store"])
+    assert code == 0, capsys.readouterr()
