@@ -168,9 +168,27 @@ class ChargePolicy:
             return u.energy_joules
         return self.floor * u.allocated_gpu_seconds + (1.0 - self.floor) * u.sm_active_gpu_seconds
 
-    def charge(self, u: JobUsage) -> float:
-        """The charged amount of one usage record's measurements (per GPU or per job)."""
-        return self._base(u) * self.weight(u.model)
+    def measured_weight(self, u: JobUsage, alloc: Mapping[str, float] | None = None) -> float:
+        """A usage record's weight: its model's, as the agent named it, unless Slurm's record (``alloc``,
+        :func:`allocation`) gave the job typed GPUs (``gres/gpu:<type>``, a model rather than a MIG profile) and
+        the agent's model weighs as none of them: Slurm's record is the authority on what the job held, and a
+        node may misname its GPU. Then Slurm's type's weight (the allocation's mean weight over several types)."""
+        w = self.weight(u.model)
+        typed = {m: s for m, s in (alloc or {}).items() if m and slice_fraction(m) is None}
+        if not typed:
+            return w
+        allowed = {self.weight(m) for m in typed}
+        if w in allowed:
+            return w
+        if len(allowed) == 1:
+            return next(iter(allowed))
+        total = math.fsum(typed.values())
+        return math.fsum(s * self.weight(m) for m, s in typed.items()) / total if total > 0 else w
+
+    def charge(self, u: JobUsage, alloc: Mapping[str, float] | None = None) -> float:
+        """The charged amount of one usage record's measurements (per GPU or per job); ``alloc``: the job's
+        Slurm allocation per model, which bounds the weight (:meth:`measured_weight`)."""
+        return self._base(u) * self.measured_weight(u, alloc)
 
     def _full_rate(self) -> float:
         return self.full_power_watts if self.kind == "energy" else 1.0
@@ -183,7 +201,7 @@ class ChargePolicy:
         and its GPU-seconds leave the unmeasured part, so a gap is never charged both ways; the other policies
         measure nothing in a gap and record the joules only."""
         observed = math.fsum(u.allocated_gpu_seconds for u in gpus)
-        measured = math.fsum(self.charge(u) for u in gpus)
+        measured = math.fsum(self.charge(u, alloc) for u in gpus)
         fallback_model = next((u.model for u in gpus if u.model), "") or next((m for m in alloc or () if m), "")
         gap_charge = gap_joules * self.weight(fallback_model) if self.kind == "energy" else 0.0
         measured += gap_charge

@@ -347,8 +347,11 @@ def priority_feed_cmd(
 
 # jobs list --format csv: the record and the measurement, one flat row a job (SI units, ratios)
 JOBS_CSV = tuple(Column(k, k) for k in (
-    "job_id", "user", "account", "partition", "gpus", "start", "end", "state", "seen_by", "allocated_gpu_seconds",
-    "sm_active_gpu_seconds", "efficiency", "energy_joules", "sm_active_mean", "dram_bw_mean", "mem_used_peak_bytes"))
+    "job_id", "cluster", "user", "account", "partition", "gpus", "start", "end", "state", "seen_by",
+    "allocated_gpu_seconds", "sm_active_gpu_seconds", "efficiency", "energy_joules", "gap_energy_joules",
+    "sm_active_mean", "dram_bw_mean", "mem_used_peak_bytes"))
+# a job's own fields; its usage's of the same name (its measured GPU count, its job id) never replace them
+_JOB_FIELDS = ("job_id", "cluster", "gpus")
 
 
 @jobs_app.command("list")
@@ -382,6 +385,9 @@ def jobs_list(
             "observed_gpu_seconds": observed,
             "coverage": row.coverage,
             "unmeasured_gpu_seconds": 0.0 if slurm_s is None else max(0.0, slurm_s - observed),
+            # the agents' samples plus the gap energy Slurm's record reassigned (as `report jobs` counts it)
+            "energy_joules": e.energy_joules if (u is not None or e.gap_shares) else None,
+            "gap_energy_joules": e.gap_energy_joules,
             "usage": u.to_dict() if u else None,
         })
     if not objs:
@@ -389,7 +395,8 @@ def jobs_list(
     if fmt is Fmt.json:
         typer.echo(json.dumps(objs, indent=2))
     elif fmt is Fmt.csv:
-        flat = [{**{k: v for k, v in o.items() if k != "usage"}, **(o["usage"] or {})} for o in objs]
+        flat = [{**{k: v for k, v in (o["usage"] or {}).items() if k not in _JOB_FIELDS and k != "energy_joules"},
+                 **{k: v for k, v in o.items() if k != "usage"}} for o in objs]
         typer.echo(to_csv(JOBS_CSV, flat), nl=False)
     else:
         show("Jobs", JOB_COLUMNS, rows)
@@ -441,6 +448,8 @@ def jobs_import(
         raise _fail("give --sacct-json, --sacct-parsable or --slurm")
     if sacct_json == "-" and sacct_parsable == "-":
         raise _fail("only one of --sacct-json and --sacct-parsable can read standard input")
+    if slurm and (sacct_json or sacct_parsable):
+        raise _fail("--slurm runs sacct itself: give it alone, or the files (--sacct-json, --sacct-parsable) alone")
     try:
         if slurm:
             now = time.time()

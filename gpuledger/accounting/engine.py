@@ -170,14 +170,15 @@ def hourly_pieces(u: JobUsage, amount: float, busy: Sequence[tuple[float, float]
     return HourlyPlacer({_gpu_key(u): busy}).place([(u, amount)])[0]
 
 
-def _measured_items(e: LedgerEntry, c: JobCharge, policy: ChargePolicy) -> list[tuple[JobUsage, float]]:
+def _measured_items(e: LedgerEntry, c: JobCharge, policy: ChargePolicy,
+                    alloc: Mapping[str, float] | None = None) -> list[tuple[JobUsage, float]]:
     """A job's measured charge from samples (not reassigned gaps) split over its GPU records, by what each was
-    charged."""
+    charged (``alloc``: its Slurm allocation per model, as the charge weighed them)."""
     sampled = c.measured - c.gap_charge
     if sampled <= 0:
         return []
     gpus = e.measured
-    weights = [policy.charge(u) for u in gpus]
+    weights = [policy.charge(u, alloc) for u in gpus]
     if sum(weights) <= 0:
         weights = [max(u.allocated_gpu_seconds, 0.0) for u in gpus]
     if sum(weights) <= 0:
@@ -207,12 +208,13 @@ def association_usage(
             if e.usage is not None or e.record is not None:
                 unmatched.append(e.label)
             continue
-        c = policy.charge_job(allocation(e.record, now), e.measured, e.gap_energy_joules, e.gap_gpu_seconds)
+        alloc = allocation(e.record, now)
+        c = policy.charge_job(alloc, e.measured, e.gap_energy_joules, e.gap_gpu_seconds)
         if c.total <= 0 and e.usage is None:
             continue
         key = (d.account, d.user)
         key = key if key in known else unalias.get(key, key)
-        mine = _measured_items(e, c, policy)
+        mine = _measured_items(e, c, policy, alloc)
         owner += [len(rows)] * len(mine)
         items += mine
         rows.append((e, key, c))

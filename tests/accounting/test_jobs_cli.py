@@ -79,3 +79,39 @@ def test_reimport_in_another_format_keeps_what_the_richer_one_gave(tmp_path: Pat
     latest = {e.key: e.data for e in logged}
     for job in after.values():
         assert latest[f"job:{job.cluster}/{job.job_id}"]["hosts"] == list(job.hosts)
+
+
+def test_list_as_csv_keeps_slurms_gpu_count_and_the_cluster(tmp_path: Path) -> None:
+    import csv
+    import io
+
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample, JobRecord
+
+    t0 = 1_790_000_000.0
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        for cluster, seq in (("alpha", 1), ("beta", 2)):
+            rows = tuple(GpuSample(ts=t0 + 10 * k, host=f"n-{cluster}", gpu_uuid=f"GPU-{cluster}", gpu_index=0,
+                                   energy_joules=100.0 * k, job_ids=("8",)) for k in range(7))
+            store.ingest(Batch(f"a-{cluster}", seq, f"n-{cluster}", rows, cluster=cluster))
+        store.put_jobs([JobRecord(job_id="8", cluster=c, user=u, account="p", hosts=(f"n-{c}",), gpus=2, start=t0,
+                                  end=t0 + 60, state="COMPLETED") for c, u in (("alpha", "ann"), ("beta", "ben"))])
+    finally:
+        store.close()
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(tmp_path), "--format", "csv"])
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(io.StringIO(r.output)))
+    assert [(x["job_id"], x["cluster"], x["user"], x["gpus"]) for x in rows] == [("8", "alpha", "ann", "2"),
+                                                                                ("8", "beta", "ben", "2")]
+    assert all(float(x["energy_joules"]) == 600.0 and float(x["allocated_gpu_seconds"]) == 60.0 for x in rows)
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(tmp_path), "--format", "json"])
+    listed = json.loads(r.output)
+    assert [(j["cluster"], j["gpus"], j["energy_joules"], j["gap_energy_joules"]) for j in listed] == [
+        ("alpha", 2, 600.0, 0.0), ("beta", 2, 600.0, 0.0)]
+
+
+def test_import_refuses_slurm_together_with_files(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["jobs", "import", "--data-dir", str(tmp_path), "--slurm", "--sacct-json",
+                            str(REAL / "sacct-json-a-S-today.json")])
+    assert r.exit_code == 2 and "--slurm runs sacct itself" in r.output

@@ -93,3 +93,28 @@ def test_a_node_naming_another_hosts_job_charges_nothing_and_the_audit_agrees(tm
     capsys.readouterr()
     code = run(["audit", "verify", "--data-dir", str(tmp_path), "--store"])
     assert code == 0, capsys.readouterr()
+
+
+def test_the_weight_of_a_measured_gpu_is_slurms_typed_gres_not_the_agents_model_name():
+    # carol's job was allocated gres/gpu:h100 (weight 1); her node names its GPU an H200 (weight 4): the
+    # measured part weighs as Slurm's type. A MIG profile (gres/gpu:3g.40gb) names no model: the agent's stands.
+    from gpuledger.accounting.charge import ChargePolicy, allocation
+
+    policy = ChargePolicy(kind="active", model_weights={"H100": 1.0, "H200": 4.0, "A100": 2.0})
+    record = JobRecord(job_id="102", hosts=("n1",), gpus=1, start=T0, end=T0 + 600, state="COMPLETED",
+                       tres=(("gres/gpu", 1.0), ("gres/gpu:h100", 1.0)))
+    alloc = allocation(record, T0 + 9999)
+
+    def gpu(model: str) -> JobUsage:
+        return JobUsage("102", "n1", "GPU-1", T0, T0 + 600, 61, 600.0, 300.0, 1e5, model=model)
+
+    assert policy.charge_job(alloc, [gpu("NVIDIA H200")]).measured == 300.0
+    assert policy.charge_job(alloc, [gpu("NVIDIA H100 80GB HBM3")]).measured == 300.0
+    assert policy.charge_job(None, [gpu("NVIDIA H200")]).measured == 1200.0  # no scheduler record: as named
+    mig = JobRecord(job_id="103", hosts=("n1",), gpus=1, start=T0, end=T0 + 600, state="COMPLETED",
+                    tres=(("gres/gpu", 1.0), ("gres/gpu:3g.40gb", 1.0)))
+    assert policy.measured_weight(gpu("NVIDIA A100-SXM4-40GB MIG 3g.40gb"), allocation(mig, T0 + 9999)) == 2.0
+    two = JobRecord(job_id="104", hosts=("n1",), gpus=2, start=T0, end=T0 + 600, state="COMPLETED",
+                    tres=(("gres/gpu", 2.0), ("gres/gpu:h100", 1.0), ("gres/gpu:a100", 1.0)))
+    assert policy.measured_weight(gpu("NVIDIA A100"), allocation(two, T0 + 9999)) == 2.0  # one of Slurm's types
+    assert policy.measured_weight(gpu("NVIDIA H200"), allocation(two, T0 + 9999)) == 1.5  # neither: their mean

@@ -213,10 +213,10 @@ def _charge_formula(s: Mapping[str, Any], c: Mapping[str, Any], usage: list[Entr
         pol = _policy(s)
         us = [JobUsage.from_dict(record_of(e)) for e in usage]
         gap = float(c.get("gap_energy_joules") or 0.0)
+        alloc = None
         if "measured_charge" not in c:  # before the allocation frame: the charge was the records' alone
             again = math.fsum(pol.charge(u) for u in us) + float(c.get("gap_charge") or 0.0)
         else:
-            alloc = None
             if c.get("seen_by") != "agent":
                 if job is None:
                     return "", None
@@ -232,7 +232,7 @@ def _charge_formula(s: Mapping[str, Any], c: Mapping[str, Any], usage: list[Entr
     a, act, en = u.allocated_gpu_seconds, u.sm_active_gpu_seconds, u.energy_joules
     base = {"allocated": f"{a!r} allocated GPU-s", "active": f"{act!r} SM-active GPU-s", "energy": f"{en!r} J",
             "blend": f"{pol.floor!r} x {a!r} + {1 - pol.floor!r} x {act!r}"}[pol.kind]
-    w = pol.weight(u.model)
+    w = pol.measured_weight(u, alloc)
     return base + (f" x model weight {w!r}" if w != 1.0 else ""), again
 
 

@@ -47,6 +47,8 @@ def job_charges(
     ``entries`` are ledger entries; ``settings`` an AccountingSettings. Decay is linear, so the per-job decayed
     values of an association sum to the association's decayed usage that fairshare uses.
     """
+    from gpuledger.accounting.charge import allocation
+
     if decay is None:
         from gpuledger.accounting.decay import decayed_usage
 
@@ -57,7 +59,7 @@ def job_charges(
         if e.usage is None or e.record is None or not e.record.account or not e.record.user:
             continue
         rows.append((e.job_id, e.record.account, e.record.user, e.usage.first_ts, e.usage.last_ts,
-                     policy.charge(e.usage)))
+                     policy.charge(e.usage, allocation(e.record, now))))
     period = settings.calc_period_s
     # decay wants an integer period (Slurm's PriorityCalcPeriod is whole seconds); settings may carry 300.0
     period = int(period) if float(period).is_integer() else period
