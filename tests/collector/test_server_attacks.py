@@ -226,25 +226,31 @@ def tiny_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
+def fill_disk(mnt, mounted: bool, store: Store):
+    """Take every byte left on the tiny disk (or, where it could not be mounted, every page the ledger may add);
+    returns the file that holds them (remove it to make room)."""
+    filler = mnt / "filler"
+    if mounted:
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    else:
+        store._db.execute(f"PRAGMA max_page_count={store._db.execute('PRAGMA page_count').fetchone()[0]}")
+    return filler
+
+
 def test_disk_full_is_507_reads_go_on_and_ingest_recovers_without_restart(tiny_disk, caplog):
     mnt, mounted = tiny_disk
     store = Store(mnt / "c.sqlite", clock=lambda: NOW)
     s = CollectorServer(store, clock=lambda: NOW).start()
     try:
         assert push(s, honest(0)).status_code == 200
-        filler = mnt / "filler"
-        if mounted:  # take every byte that is left
-            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, b"\0" * 4096):
-                    pass
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        else:
-            pages = store._db.execute("PRAGMA page_count").fetchone()[0]
-            store._db.execute(f"PRAGMA max_page_count={pages}")
+        filler = fill_disk(mnt, mounted, store)
         codes = [push(s, honest(seq)) for seq in range(1, 40)]
         full = [r for r in codes if r.status_code != 200]
         assert full, "the disk never filled"
@@ -325,18 +331,7 @@ def test_job_records_on_a_full_disk_are_507_like_samples_and_go_in_once_there_is
         r = post(jobs)
         assert r.status_code == 507 and r.json()["reason"] == "disk_full" and int(r.headers["Retry-After"]) > 0
         monkeypatch.setattr(server_module, "record_job_records", real)
-        filler = mnt / "filler"
-        if mounted:  # take every byte that is left
-            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, b"\0" * 4096):
-                    pass
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        else:
-            store._db.execute(f"PRAGMA max_page_count={store._db.execute('PRAGMA page_count').fetchone()[0]}")
+        filler = fill_disk(mnt, mounted, store)
         r = post(jobs)
         assert r.status_code == 507, r.text
         assert r.json()["reason"] == "disk_full" and "disk is full" in r.json()["error"]
