@@ -337,7 +337,10 @@ class SqlLedger:
 
         Accepted only for a job whose samples came from the agent's ``host``: in this batch (``batch_job_ids``)
         or already in the ledger. A record names the batch's cluster (filled in when it names none). The first
-        agent description of a job is kept. Returns how many records were refused."""
+        agent description of a job is kept, unless another host's names another owner (user or account): agents that
+        disagree about a job describe nobody (a node's token may be stolen, and the first to describe a job id would
+        otherwise decide who pays for every host's usage of it), so the kept record loses its user and account
+        until the scheduler's record comes. Returns how many records were refused."""
         records = list(records)
         if not records:
             return 0
@@ -355,12 +358,36 @@ class SqlLedger:
             # share: without the lock, two collectors inserting two such jobs in opposite orders would deadlock.
             # Taken after the hosts (the store claims them first), as merge_jobs takes it alone: one order.
             self._db.lock("jobs")
+            disputed = self._disputed(rows, host)
             self._db.executemany("INSERT INTO jobs (cluster, job_id, source, data) VALUES (?,?,?,?) "
                                  "ON CONFLICT (cluster, job_id, source) DO NOTHING", rows)
+            if disputed:
+                self._db.executemany("UPDATE jobs SET data=? WHERE cluster=? AND job_id=? AND source=?", disputed)
         if refused:
             log.warning("host %s: %d job description(s) refused: no sample of those jobs came from the host",
                         host, refused)
         return refused
+
+    def _disputed(self, rows: list[tuple[str, str, str, str]], host: str) -> list[tuple[str, str, str, str]]:
+        """(data, cluster, job_id, source) updates for the stored agent descriptions ``rows`` contradict: the same
+        job, another user or account (both named): the stored one without either."""
+        out = []
+        for cluster, job_id, source, data in rows:
+            stored = self._db.execute("SELECT data FROM jobs WHERE cluster=? AND job_id=? AND source=?",
+                                      (cluster, job_id, source)).fetchone()
+            if stored is None:
+                continue
+            old, new = _record(stored[0]), _record(data)
+            # the same host(s) again (a node's own later word): the first description stands. Not "the host is
+            # among the stored hosts": a node may list others in its description, and would then outrank them
+            if set(old.hosts) == set(new.hosts):
+                continue
+            if any(a and b and a != b for a, b in ((old.user, new.user), (old.account, new.account))):
+                log.warning("job %s%s: host %s describes it as %s/%s, an earlier agent as %s/%s: agents disagree, "
+                            "it stays undescribed until the scheduler's record", job_id, f"@{cluster}" if cluster
+                            else "", host, new.account, new.user, old.account, old.user)
+                out.append((_job_json(replace(old, user=None, account=None, uid=None)), cluster, job_id, source))
+        return out
 
     def _slurm_match(self, cluster: str, job_id: str) -> tuple[str, JobRecord] | None:
         """The stored scheduler record that ``(cluster, job_id)`` names: the same cluster, or one side unnamed

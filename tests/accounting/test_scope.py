@@ -118,3 +118,38 @@ def test_the_weight_of_a_measured_gpu_is_slurms_typed_gres_not_the_agents_model_
                     tres=(("gres/gpu", 2.0), ("gres/gpu:h100", 1.0), ("gres/gpu:a100", 1.0)))
     assert policy.measured_weight(gpu("NVIDIA A100"), allocation(two, T0 + 9999)) == 2.0  # one of Slurm's types
     assert policy.measured_weight(gpu("NVIDIA H200"), allocation(two, T0 + 9999)) == 1.5  # neither: their mean
+
+
+def test_agents_that_disagree_about_a_job_describe_nobody_until_slurm_does(tmp_path):
+    # n1 (a stolen token) describes job 500 first, as carol's, and names it on a GPU of its own; n2 really runs it
+    # for bob. Kept as the first description, carol would pay for n2's usage until Slurm's record came.
+    from gpuledger.accounting.ledger import load
+    from gpuledger.collector.store import Store
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample
+
+    def rows(host: str, job: str) -> tuple[GpuSample, ...]:
+        return tuple(GpuSample(ts=T0 + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, sm_active_ratio=1.0,
+                               job_ids=(job,)) for k in range(7))
+
+    def described(job: str, user: str, account: str, host: str) -> tuple[JobRecord]:
+        return (JobRecord(job_id=job, cluster="c", user=user, account=account, hosts=(host,)),)
+
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        # (listing n2 among the job's hosts does not make n2's own description a repeat of n1's)
+        liar = (JobRecord(job_id="500", cluster="c", user="carol", account="C", hosts=("n1", "n2")),)
+        store.ingest(Batch("a1", 1, "n1", rows("n1", "500"), jobs=liar, cluster="c"))
+        store.ingest(Batch("a2", 1, "n2", rows("n2", "500"), jobs=described("500", "bob", "B", "n2"), cluster="c"))
+        (entry,) = load(store, now=T0 + 9999)
+        assert (entry.seen_by, entry.account, entry.user) == ("agent", "(unknown)", "(unknown)")
+        # agents that agree (a job on two hosts) describe it
+        store.ingest(Batch("a1", 2, "n1", rows("n1", "501"), jobs=described("501", "dan", "D", "n1"), cluster="c"))
+        store.ingest(Batch("a2", 2, "n2", rows("n2", "501"), jobs=described("501", "dan", "D", "n2"), cluster="c"))
+        (other,) = [e for e in load(store, now=T0 + 9999) if e.job_id == "501"]
+        assert (other.account, other.user) == ("D", "dan")
+        store.put_jobs([SLURM])  # Slurm's record: bob's, on n2
+        (entry,) = [e for e in load(store, now=T0 + 9999) if e.job_id == "500"]
+        assert (entry.account, entry.user) == ("B", "bob") and [u.host for u in entry.gpus] == ["n2"]
+    finally:
+        store.close()
