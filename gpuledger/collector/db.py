@@ -39,10 +39,21 @@ from urllib.parse import urlsplit, urlunsplit
 
 SQLITE, POSTGRESQL = "sqlite", "postgresql"
 MAX_LIST_VALUES = 500  # values bound in one statement's IN (...) or VALUES list: well under SQLite's limit
+# PostgreSQL, per session. A collector frozen inside a transaction (a VM stall, SIGSTOP) holds its row locks; without
+# these, every other collector waiting on one of them would wait for ever, and its whole ingest behind it. A lock
+# wait past LOCK_TIMEOUT fails the statement (DatabaseBusy: the agent retries); a transaction idle past
+# IDLE_IN_TRANSACTION_TIMEOUT is ended by the server (rolled back), which releases what it held.
+LOCK_TIMEOUT = "5s"
+IDLE_IN_TRANSACTION_TIMEOUT = "60s"
 
 
 class DatabaseUnavailable(Exception):
     """The database cannot be reached (server down, connection lost): nothing was written; try again later."""
+
+
+class DatabaseBusy(DatabaseUnavailable):
+    """A lock this transaction needs is held past ``LOCK_TIMEOUT`` (another collector stalled inside a transaction):
+    nothing was written; the other statements of a group may well succeed without this one's."""
 
 
 class DatabaseFull(Exception):
@@ -330,6 +341,8 @@ class PostgresDatabase:
 
         def configure(conn: Any) -> None:
             conn.autocommit = True
+            conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+            conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}'")
             if schema:
                 conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 conn.execute(f'SET search_path TO "{schema}"')
@@ -357,6 +370,9 @@ class PostgresDatabase:
         errors = self._psycopg.errors
         if isinstance(exc, errors.DiskFull):
             return DatabaseFull(str(exc).strip())
+        if isinstance(exc, errors.LockNotAvailable):
+            return DatabaseBusy(f"PostgreSQL ledger {self.url}: a lock waited on for {LOCK_TIMEOUT} (another "
+                                "collector stalled in a transaction?)")
         if isinstance(exc, self._psycopg.OperationalError) and not isinstance(exc, errors.QueryCanceled):
             # the first line: the server's CONTEXT lines name our statement, not the reason
             return DatabaseUnavailable(f"PostgreSQL ledger {self.url}: {str(exc).strip().splitlines()[0]}")

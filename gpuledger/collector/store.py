@@ -54,6 +54,7 @@ from gpuledger.collector.auditlog.files import private_file
 from gpuledger.collector.db import (
     SQLITE,
     Database,
+    DatabaseBusy,
     DatabaseFull,
     DatabaseUnavailable,
     is_postgres_url,
@@ -517,7 +518,8 @@ class Store:
             if isinstance(exc, _BatchRaced) and races < _RACE_RETRIES:
                 self._commit_group(group, races + 1)  # the raced batch is now a duplicate
                 return
-            lost = isinstance(exc, (DatabaseFull, DatabaseUnavailable))
+            # a lock held too long is one host's (another collector stalled holding it): the others still commit
+            lost = isinstance(exc, (DatabaseFull, DatabaseUnavailable)) and not isinstance(exc, DatabaseBusy)
             if len(group) > 1 and not lost:
                 for it in group:  # find the one that breaks the transaction; the others still commit
                     self._commit_group([it])

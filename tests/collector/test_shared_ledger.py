@@ -211,6 +211,38 @@ def test_a_key_stored_between_the_dedupe_check_and_the_commit_makes_the_batch_a_
         store.close()
 
 
+def test_a_collector_stalled_in_a_transaction_holds_up_only_its_own_hosts(pg_url):
+    """Another collector frozen inside a transaction (a VM stall) holds host n1's row: this one refuses n1's batch
+    once the lock wait passes LOCK_TIMEOUT (the agent retries, 503) and goes on storing n2's, never waiting for ever;
+    n1's batch goes in once the stall ends."""
+    import time
+
+    import psycopg
+
+    from gpuledger.collector.store import StoreUnavailable
+
+    n1, n2 = host_bodies("n1"), host_bodies("n2", seed=1)
+    store = Store(pg_url, clock=lambda: NOW, window_s=WINDOW_S)
+    stalled = psycopg.connect(pg_url)  # not autocommit: its transaction stays open, holding what it locked
+    try:
+        ingest(store, n1[0])
+        ingest(store, n2[0])
+        stalled.execute("SELECT host FROM hosts WHERE host = 'n1' FOR UPDATE")
+        t0 = time.monotonic()
+        blocked = store.submit(parse_batch(n1[1], "application/msgpack", NOW))
+        time.sleep(0.2)
+        other = store.submit(parse_batch(n2[1], "application/msgpack", NOW))
+        assert other.result(timeout=30).accepted > 0  # after the one lock wait, not after the stall
+        with pytest.raises(StoreUnavailable, match="lock"):
+            blocked.result(timeout=30)
+        assert time.monotonic() - t0 < 20
+        stalled.rollback()  # the stall ends: the agent's retry of n1's batch goes in
+        assert ingest(store, n1[1]).accepted > 0
+    finally:
+        stalled.close()
+        store.close()
+
+
 def test_one_collector_compacts_a_shared_ledger_at_a_time_and_compaction_is_idempotent(ledger):
     a = Store(ledger, clock=lambda: NOW, window_s=WINDOW_S)
     b = Store(ledger, clock=lambda: NOW, window_s=WINDOW_S)
