@@ -18,6 +18,7 @@ A second apply with the same feed changes nothing: the factors already match, so
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,6 +27,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from gpuledger.accounting.slurm import PendingJob, SlurmCommandError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Applied", "Change", "FeedAssoc", "Outcome", "Plan", "Skipped", "apply_changes", "batches",
            "feed_associations", "plan_changes", "run_apply"]
@@ -198,9 +201,10 @@ def apply_changes(
     client: SiteFactorSetter,
     changes: Iterable[Change],
     dry_run: bool,
-    record: Callable[[Sequence[Change]], object] | None = None,
+    record: Callable[[Sequence[Change | dict[str, Any]]], object] | None = None,
     max_arg_bytes: int = MAX_ARG_BYTES,
     parallel: int = PARALLEL,
+    sprio_ids: Mapping[str, str] | None = None,
 ) -> Applied:
     """Set the changes' factors, one scontrol command per (factor, command-line-full of jobs), up to
     ``parallel`` commands at a time.
@@ -208,6 +212,13 @@ def apply_changes(
     ``record`` gets all changes Slurm accepted, in one call, after the last command (not in a dry run). A
     command that fails is bisected: its halves are retried until each failing job is alone, so a job that
     ended meanwhile fails alone (with scontrol's message) and the rest of its batch is applied.
+
+    A failed command may have been carried out all the same (scontrol timed out, or slurmctld answered late: it
+    then still sets the factors), and a later apply finds such jobs at their factor and records nothing. So after
+    any failure the factors are read back (``site_factors``, when the client has it; ``sprio_ids``: a job id ->
+    the id sprio prints for its record, where they differ): a job at its new factor is applied and recorded; when
+    they cannot be read, the failed changes are recorded as ``unconfirmed`` (with the error), so that every change
+    Slurm may have made is in the audit trail.
     """
     changes = list(changes)
     if dry_run:
@@ -246,12 +257,34 @@ def apply_changes(
     else:
         for ids, value in work:
             settle(ids, value)
+    unconfirmed: list[Change] = []
+    if errors:
+        now_at, unread = _read_back(client)
+        for c in changes:
+            if c.job_id in errors and now_at.get((sprio_ids or {}).get(c.job_id, c.job_id)) == c.new_factor:
+                del errors[c.job_id]  # Slurm carried it out despite the error
+            elif c.job_id in errors and unread:
+                unconfirmed.append(c)
     outcomes = tuple(Outcome(c, "failed", errors[c.job_id]) if c.job_id in errors else Outcome(c, "applied")
                      for c in changes)
-    applied = [o.change for o in outcomes if o.status == "applied"]
+    applied: list[Any] = [o.change for o in outcomes if o.status == "applied"]
+    applied += [{**c.to_dict(), "status": "unconfirmed", "error": errors[c.job_id]} for c in unconfirmed]
     if record is not None and applied:
         record(applied)
     return Applied(outcomes, calls)
+
+
+def _read_back(client: SiteFactorSetter) -> tuple[dict[str, int], bool]:
+    """The pending jobs' factors now (after a failed command), and whether they could not be read."""
+    read = getattr(client, "site_factors", None)
+    if read is None:
+        return {}, True
+    try:
+        return read(), False
+    except SlurmCommandError as e:
+        log.warning("factors not read back after a failed scontrol (%s): the failed changes are recorded as "
+                    "unconfirmed", e)
+        return {}, True
 
 
 def _spread(work: list[tuple[list[str], int]], parallel: int) -> list[tuple[list[str], int]]:
@@ -277,7 +310,7 @@ def run_apply(
     client: _ApplyClient,
     feed_entries: Iterable[Any],
     dry_run: bool = False,
-    record: Callable[[Sequence[Change]], object] | None = None,
+    record: Callable[[Sequence[Change | dict[str, Any]]], object] | None = None,
     now: float | None = None,
     max_arg_bytes: int = MAX_ARG_BYTES,
     parallel: int = PARALLEL,
@@ -285,4 +318,5 @@ def run_apply(
     """The whole cycle against a live cluster: squeue, sprio, plan, scontrol."""
     pending = client.pending_jobs()
     plan = plan_changes(pending, feed_entries, client.site_factors(), now=now)
-    return plan, apply_changes(client, plan.changes, dry_run, record, max_arg_bytes, parallel)
+    return plan, apply_changes(client, plan.changes, dry_run, record, max_arg_bytes, parallel,
+                               {job.job_id: job.sprio_id for job in pending})

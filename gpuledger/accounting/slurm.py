@@ -65,6 +65,9 @@ __all__ = [
 ]
 
 
+TIMED_OUT = 124  # SlurmCommandError.returncode of a command that did not finish in time (as timeout(1) exits)
+
+
 class SlurmCommandError(RuntimeError):
     """A Slurm command exited with an error (the message holds the command line and its stderr)."""
 
@@ -458,6 +461,9 @@ class SlurmClient:
         except FileNotFoundError:
             raise SlurmCommandError(argv, 127, f"{argv[0]}: command not found (is Slurm's client installed?)") \
                 from None
+        except subprocess.TimeoutExpired:  # slurmctld stalled or restarting; it may still carry the command out
+            raise SlurmCommandError(argv, TIMED_OUT, f"{argv[0]}: no answer within {self._timeout_s:g} s "
+                                                     "(slurmctld stalled or restarting?)") from None
         if proc.returncode != 0:
             raise SlurmCommandError(argv, proc.returncode, proc.stderr or "")
         return proc.stdout

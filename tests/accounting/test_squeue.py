@@ -259,6 +259,54 @@ def test_a_job_that_ended_meanwhile_fails_alone() -> None:
     assert applied.calls == 4
 
 
+class StallingSlurm(FakeSlurm):
+    """slurmctld stalls: the scontrol update for ``value`` times out, though slurmctld carries it out later (or,
+    with ``applies`` False, never); with ``sprio_stalls`` the read-back times out too."""
+
+    def __init__(self, factors: dict[str, int], value: int, applies: bool, sprio_stalls: bool = False) -> None:
+        super().__init__(factors)
+        self.value, self.applies, self.sprio_stalls, self.planned = value, applies, sprio_stalls, False
+
+    def __call__(self, argv, *, capture_output, text, env, timeout):
+        if argv[0] == "sprio" and self.sprio_stalls and self.planned:
+            raise subprocess.TimeoutExpired(argv, timeout)
+        if argv[:2] == ["scontrol", "update"] and argv[3] == f"SiteFactor={self.value}":
+            self.planned = True
+            if self.applies:
+                super().__call__(argv, capture_output=capture_output, text=text, env=env, timeout=timeout)
+            raise subprocess.TimeoutExpired(argv, timeout)
+        return super().__call__(argv, capture_output=capture_output, text=text, env=env, timeout=timeout)
+
+
+def test_a_timed_out_scontrol_that_slurm_carried_out_is_applied_and_recorded() -> None:
+    # slurmctld restarting: scontrol gives up after its timeout, slurmctld sets the factors all the same. A later
+    # apply finds them set and records nothing: this one must record them.
+    slurm = StallingSlurm({"16": 0, "17": 0, "18": 5}, value=9000, applies=True)
+    recorded: list[list] = []
+    _, applied = run_apply(SlurmClient(run=slurm), REAL_FEED, record=recorded.append, now=5.0)
+    assert [(o.change.job_id, o.status) for o in applied.outcomes] == [
+        ("17_4", "applied"), ("17_[1-3,5-6]", "applied"), ("16", "applied")]
+    assert sorted(c.job_id for c in recorded[0]) == ["16", "17_4", "17_[1-3,5-6]"]
+
+
+def test_a_timed_out_scontrol_that_cannot_be_confirmed_is_recorded_as_unconfirmed() -> None:
+    slurm = StallingSlurm({"16": 0, "17": 0, "18": 5}, value=9000, applies=False, sprio_stalls=True)
+    recorded: list[list] = []
+    _, applied = run_apply(SlurmClient(run=slurm), REAL_FEED, record=recorded.append, now=5.0)
+    status = {o.change.job_id: o.status for o in applied.outcomes}
+    assert status == {"17_4": "failed", "17_[1-3,5-6]": "failed", "16": "applied"}
+    assert all("no answer within" in (o.error or "") for o in applied.outcomes if o.status == "failed")
+    (batch,) = recorded
+    done = [c.job_id for c in batch if isinstance(c, Change)]
+    maybe = {c["job_id"]: (c["status"], c["new_factor"]) for c in batch if isinstance(c, dict)}
+    assert done == ["16"] and maybe == {"17_4": ("unconfirmed", 9000), "17_[1-3,5-6]": ("unconfirmed", 9000)}
+    # and when the read-back works but shows the old factor, the change failed: nothing recorded for it
+    slurm = StallingSlurm({"16": 0, "17": 0, "18": 5}, value=9000, applies=False)
+    recorded = []
+    _, applied = run_apply(SlurmClient(run=slurm), REAL_FEED, record=recorded.append, now=5.0)
+    assert [c.job_id for c in recorded[0]] == ["16"]
+
+
 def test_bisection_finds_each_failing_job_in_a_large_batch() -> None:
     class Setter:
         def __init__(self) -> None:
