@@ -84,7 +84,8 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
     slurm.log_info("gpuledger: no site factor for %s@%s: %s", user, account, tostring(err))
     return slurm.SUCCESS
   end
-  local v = factors[account .. "\0" .. user]
+  -- Slurm lowercases the account only after job_submit has run (`-A PROJ_A` is proj_a's); the feed's are lower case
+  local v = factors[string.lower(account) .. "\0" .. user]
   if v ~= nil then
     job_desc.site_factor = v
     slurm.log_debug("gpuledger: site factor %d for %s@%s", v, user, account)

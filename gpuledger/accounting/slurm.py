@@ -160,6 +160,27 @@ def _not_ended(state: str | None) -> bool:
 
 # ------------------------------------------------------------------------------------------------ sacct JSON
 
+def _task_ranges(mask: Any) -> str:
+    """sacct --json's ``array.task`` of a record that stands for several tasks, a hex bit mask ("0xBE": tasks
+    1-5 and 7), as the ranges sacct -P prints ("1-5,7"); "" for anything else."""
+    if not isinstance(mask, str) or not re.fullmatch(r"0x[0-9A-Fa-f]+", mask):
+        return ""
+    bits = int(mask, 16)
+    tasks = [i for i in range(bits.bit_length()) if bits >> i & 1]
+    runs: list[str] = []
+    start = prev = None
+    for t in tasks:
+        if prev is not None and t == prev + 1:
+            prev = t
+            continue
+        if start is not None:
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = t
+    if start is not None:
+        runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(runs)
+
+
 def _json_job_id(job: Mapping[str, Any], where: str) -> str:
     raw = slurm_number(job.get("job_id"))
     if not isinstance(raw, int) or isinstance(raw, bool):
@@ -168,6 +189,9 @@ def _json_job_id(job: Mapping[str, Any], where: str) -> str:
     array_job, task = slurm_number(array.get("job_id")), slurm_number(array.get("task_id"))
     if array_job and task is not None:
         return f"{array_job}_{task}"
+    tasks = _task_ranges(array.get("task"))
+    if array_job and tasks:  # an array's record of tasks never split off (pending, or cancelled while pending)
+        return f"{array_job}_[{tasks}]"  # as sacct -P names it
     het = job.get("het") or {}
     het_job, offset = slurm_number(het.get("job_id")), slurm_number(het.get("job_offset"))
     if het_job and offset is not None:

@@ -255,3 +255,16 @@ def test_client_errors_carry_command_and_stderr() -> None:
     assert e.value.argv[:2] == ["sacct", "--json"] and e.value.returncode == 1
     with pytest.raises(SlurmCommandError, match="command not found"):
         SlurmClient(run=Replay({})).pending_jobs()
+
+
+def test_an_array_cancelled_while_pending_is_one_record_in_both_forms() -> None:
+    # sacct --json names the never-split record by its job id and a task bit mask, -P as "5_[1-5,7]": one job
+    from datetime import UTC
+
+    from gpuledger.accounting.slurm import merge_sacct, parse_sacct_json, parse_sacct_parsable
+
+    as_json = parse_sacct_json((REAL / "sacct-json-array-cancelled-pending.json").read_text())
+    parsable = parse_sacct_parsable((REAL / "sacct-P-array-cancelled-pending.txt").read_text(), tz=UTC)
+    assert [r.job_id for r in as_json] == [r.job_id for r in parsable] == ["5_[1-5,7]"]
+    (merged,) = merge_sacct(as_json, parsable)
+    assert (merged.job_id, merged.state, merged.exit_code) == ("5_[1-5,7]", "CANCELLED", 0)

@@ -244,3 +244,18 @@ def test_sacct_import_matches_what_was_submitted(slurm_cluster: SlurmCluster, jo
     assert as_json[jobs["carol"]].exit_code is None and parsable[jobs["carol"]].exit_code == 3
     assert {r.job_id: r.start for r in merge_sacct(as_json.values(), parsable.values())} == \
            {j: recs[j].start for j in mine}
+
+
+def test_job_submit_lua_finds_an_account_typed_in_another_case(slurm_cluster: SlurmCluster) -> None:
+    # Slurm lowercases the account only after job_submit has run: `-A PROJ_A` is proj_a's job, and its factor
+    c = slurm_cluster
+    want = factors(feed_for(c, USAGE_NOW))[("proj_a", "bob")]
+    assert want != 0
+    c.cmd("scontrol", "update", f"partitionname={PARTITION}", "state=down")
+    job = c.sbatch_as("bob", "-A", "PROJ_A", "--gres=gpu:1", "--wrap", "true")
+    try:
+        got = c.wait("sprio to list the job", lambda: sprio(c).get(job))
+        assert got == want
+    finally:
+        c.cmd("scancel", job)
+        c.cmd("scontrol", "update", f"partitionname={PARTITION}", "state=up")
