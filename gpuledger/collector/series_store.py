@@ -724,8 +724,11 @@ class ChunkSeriesStore:
 
         Raw samples (``GpuSample``) when the raw tier is picked and no ``step`` is asked; otherwise
         ``RollupPoint`` buckets of ``step`` seconds (at least the tier's resolution, rounded up to a
-        multiple of it). The newest minutes that are not rolled up yet are summarised from the
-        finer tier on the fly, so a rollup query also covers recent data. ``tier`` forces a tier.
+        multiple of it), aligned to multiples of it: every bucket that holds a time in [start, end], each
+        whole (its first and last too, so a bucket says the same whichever tier answers it: a stored rollup is
+        whole, and what is summarised on the fly is read to the bucket's end). The newest minutes that are not
+        rolled up yet are summarised from the finer tier on the fly, so a rollup query also covers recent data.
+        ``tier`` forces a tier.
         """
         gpu_key = (host, gpu_uuid, mig or "")
         tier = self.pick_tier(gpu_key, start, step) if tier is None else tier
@@ -733,7 +736,8 @@ class ChunkSeriesStore:
             return self._read_raw(gpu_key, start, end)
         step = bucket_step(tier, step)
         lo = math.floor(start / step) * step
-        rows = self._tier_rows(tier, gpu_key, lo, end)
+        hi = math.nextafter((math.floor(end / step) + 1) * step, -math.inf)  # the end of end's bucket
+        rows = self._tier_rows(tier, gpu_key, lo, hi)
         return rollup.combine(rows, step).points(step, TIER_NAMES[tier])
 
     def _tier_rows(self, tier: int, gpu_key: GpuKey, start: float, end: float) -> rollup.Rollup:

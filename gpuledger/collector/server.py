@@ -694,7 +694,7 @@ class CollectorServer:
 
         An answer never holds more than ``max_series_points`` points: a range that would (raw samples without a
         step over more than that many seconds, or a step too fine for the range) is answered in buckets of
-        (end - start) / max_series_points seconds (each point says its step)."""
+        (end - start) / (max_series_points - 1) seconds (each point says its step)."""
         _only(req.query, "host", "uuid", "start", "end", "step", "mig")
         host, uuid = _text(req.query, "host"), _text(req.query, "uuid")
         start, end = _time(req.query, "start"), _time(req.query, "end")
@@ -706,7 +706,9 @@ class CollectorServer:
         if step is not None and not 0 < step <= _MAX_TIME:
             raise BatchError(400, f"query parameter 'step' must be positive and at most {_MAX_TIME:g} s, got {step!r}")
         mig = _text(req.query, "mig")
-        coarsest = max((end - start) / self.max_series_points, _MIN_STEP_S)
+        # buckets are aligned to multiples of the step, so [start, end] meets up to (end - start) / step + 2 of them:
+        # at this step no more than max_series_points
+        coarsest = max((end - start) / max(self.max_series_points - 1, 1), _MIN_STEP_S)
         if step is not None:
             step = max(step, coarsest)
         elif end - start > self.max_series_points:  # raw samples (1 Hz or more) would exceed the limit

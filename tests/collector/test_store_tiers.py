@@ -239,3 +239,41 @@ def test_rollup_means_match_numpy_over_random_data(tmp_path):
         inside = [s for s in ss if p.ts <= s.ts < p.ts + 3600]
         assert p.samples == len(inside)
         assert p.mean("power_watts") == pytest.approx(np.mean([s.power_watts for s in inside]), rel=1e-12)
+
+
+def test_a_bucket_says_the_same_whichever_tier_answers_and_an_answer_holds_its_newest_bucket(tmp_path):
+    # A query's last bucket used to stop at `end` when summarised from raw samples but be whole when a stored
+    # rollup answered it: the same request gave other numbers after compaction. Buckets are whole now, first and
+    # last; and an unaligned range at the point cap no longer drops its newest bucket.
+    import httpx
+
+    from gpuledger.collector.server import CollectorServer
+
+    samples = [GpuSample(ts=H + 10 * i, host="n1", gpu_uuid="G0", gpu_index=0, power_watts=float(100 + i),
+                         energy_joules=1000.0 * i) for i in range(3 * 360)]  # 3 h, 10 s apart
+    now = [H + 3 * 3600 + 5]
+    store = Store(tmp_path / "s.sqlite", window_s=600, clock=lambda: now[0])
+    ingest_all(store, samples, size=30)
+    srv = CollectorServer(store, clock=lambda: now[0], max_series_points=50).start()
+    try:
+        def ask(**q):
+            r = httpx.get(srv.url + "/api/v1/series", params={"host": "n1", "uuid": "G0", **q})
+            assert r.status_code == 200, r.text
+            return [(p["ts"], p["samples"], p["mean"]["power_watts"], p["max"]["energy_joules"]) for p in r.json()]
+
+        queries = [dict(start=H, end=H + 25, step=60), dict(start=H, end=H + 600, step=3600),
+                   dict(start=H + 7, end=H + 4000, step=7200)]
+        before = [ask(**q) for q in queries]
+        store.compact(now=now[0])
+        assert [ask(**q) for q in queries] == before
+        assert before[0] == [(H, 6, 102.5, 5000.0)]  # the whole minute: samples 0..5
+        assert before[1] == [(H, 360, 100 + 359 / 2, 359000.0)]  # the whole hour
+        # 50 points at most: an unaligned start over 2 h 30 min, the bucket of the newest sample included
+        start, end = H + 30, H + 30 + 9000
+        points = ask(start=start, end=end)
+        newest = max(s.ts for s in samples if start <= s.ts <= end)
+        step = points[1][0] - points[0][0]
+        assert len(points) <= 50 and points[-1][0] <= newest < points[-1][0] + step
+    finally:
+        srv.stop()
+        store.close()
