@@ -77,10 +77,6 @@ CONFIG_NAME = "gpuledger.toml"
 ENV_PREFIX = "GPULEDGER_COLLECTOR_"
 MIN_TOKEN_CHARS = 16  # a guessable token is no authentication
 # Settings an environment variable may override (the token tables are files' business, not the environment's).
-ENV_SETTINGS = ("host", "port", "window_s", "max_gap_s", "power_cap_w", "max_body_bytes", "max_inflight", "tokens_file",
-                "tls_cert", "tls_key", "priority_feed", "influx_url", "influx_token", "max_per_host",
-                "request_timeout_s", "idle_timeout_s", "metrics_user_labels", "series_url", "series_api",
-                "series_database", "workers")
 MAX_AUTO_WORKERS = 8  # workers = "auto": one per usable CPU, up to this many (each is a whole collector's memory)
 
 
@@ -268,6 +264,12 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 
+# Every scalar setting may come from the environment (the token tables and other tables go in the files)
+ENV_SETTINGS: tuple[str, ...] = tuple(n for n, f in CollectorSettings.model_fields.items()
+                                      if n not in TokenTables.model_fields
+                                      and getattr(f.annotation, "__origin__", None) not in (dict, list))
+
+
 def load_settings(
     data_dir: Path,
     config: Path | None = None,
@@ -291,6 +293,10 @@ def load_settings(
         value = env.get(ENV_PREFIX + name.upper())
         if value is not None and value != "":
             raw[name] = value
+    unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in ENV_SETTINGS)
+    if unknown:  # a misspelt one would otherwise be ignored without a word
+        raise ConfigError(f"environment: {', '.join(unknown)}: no such collector setting (known: "
+                          f"{', '.join(ENV_PREFIX + n.upper() for n in ENV_SETTINGS)})")
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         settings = CollectorSettings.model_validate(raw)

@@ -117,6 +117,9 @@ class RemoteSeriesReader:
         try:
             if tier == RAW and not step:
                 return self._raw(host, gpu_uuid, mig or None, selector, start, end)
+            # whole buckets, the last one too, as the local store answers them (SqlSeriesStore.series)
+            width = bucket_step(tier, step)
+            end = math.nextafter((math.floor(end / width) + 1) * width, -math.inf)
             return self._buckets(selector, tier, start, end, step)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:  # not shaped as documented
             raise SeriesBackendError(f"{self.name} at {self.url}: unreadable answer "

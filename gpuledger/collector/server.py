@@ -708,7 +708,8 @@ class CollectorServer:
         mig = _text(req.query, "mig")
         # buckets are aligned to multiples of the step, so [start, end] meets up to (end - start) / step + 2 of them:
         # at this step no more than max_series_points
-        coarsest = max((end - start) / max(self.max_series_points - 1, 1), _MIN_STEP_S)
+        # (in whole milliseconds, up: the series databases' resolution, so that they answer the same buckets)
+        coarsest = max(math.ceil((end - start) / max(self.max_series_points - 1, 1) * 1000) / 1000, _MIN_STEP_S)
         if step is not None:
             step = max(step, coarsest)
         elif end - start > self.max_series_points:  # raw samples (1 Hz or more) would exceed the limit

@@ -129,9 +129,9 @@ def without_remote_only(d: dict[str, Any]) -> dict[str, Any]:
 def assert_series_api_matches_local(shipped: Collector, local: Collector, host: str) -> None:
     """GET /api/v1/series of ``shipped`` (answering from its series database) gives what ``local`` (the local
     store, compacted: it answers hours and minutes from its rollup tiers) gives for raw samples, raw buckets, the
-    minute and hour tiers, a last bucket cut at ``end``, an automatic step and an empty span: the same samples,
-    buckets, counts, minima and maxima, means within 1e-12 (summed in another order). ``fleet(host)`` must be
-    in both."""
+    minute and hour tiers, a last bucket reaching past ``end`` (whole), an automatic step and an empty span: the
+    same samples, buckets, counts, minima and maxima, means within 1e-12 (summed in another order).
+    ``fleet(host)`` must be in both."""
     end = H + 2.5 * 3600 - 0.001  # an hour's and a minute's last millisecond: rolled-up rows end there too
     queries = [
         {"uuid": "GPU-a", "start": H, "end": H + 1800},  # raw samples
@@ -140,8 +140,8 @@ def assert_series_api_matches_local(shipped: Collector, local: Collector, host: 
         {"uuid": "GPU-a", "start": H, "end": end, "step": 60},  # the minute tier
         {"uuid": "GPU-b", "mig": "1.0", "start": H + 600, "end": NOW - 0.001, "step": 300},  # and its tail
         {"uuid": "GPU-a", "start": H, "end": H + 7200 - 0.001, "step": 3600},  # the hour tier
-        {"uuid": "GPU-a", "start": H + 3600, "end": H + 3600 + 42.5, "step": 10},  # the last bucket cut at end
-        {"uuid": "GPU-a", "start": H, "end": NOW},  # longer than max_series_points seconds: 1.08 s buckets
+        {"uuid": "GPU-a", "start": H + 3600, "end": H + 3600 + 42.5, "step": 10},  # the last bucket whole
+        {"uuid": "GPU-a", "start": H, "end": NOW},  # longer than max_series_points seconds: 1.081 s buckets
         {"uuid": "GPU-a", "start": NOW, "end": NOW + 60},  # nothing there
     ]
     for q in queries:
@@ -161,7 +161,7 @@ def assert_series_api_matches_local(shipped: Collector, local: Collector, host: 
             assert g["mean"] == pytest.approx(w["mean"], rel=1e-12), q
     tiers = {p["tier"] for q in queries[2:6] for p in shipped.series(host=host, **q).json()}
     assert tiers == {"raw", "1m", "1h"}
-    assert {p["step"] for p in shipped.series(host=host, **queries[7]).json()} == {1.08}
+    assert {p["step"] for p in shipped.series(host=host, **queries[7]).json()} == {1.081}  # 10800 s / 9999
     # a step that is no whole number of milliseconds is rounded up to one (the databases' resolution as written)
     odd = shipped.series(host=host, uuid="GPU-a", start=H, end=H + 600, step=1.0004).json()
     assert {p["step"] for p in odd} == {1.001} and sum(p["samples"] for p in odd) == 60

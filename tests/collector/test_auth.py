@@ -198,3 +198,13 @@ def test_a_token_that_is_not_printable_ascii_is_refused_at_start_without_showing
     assert r.exit_code == 2 and "must be printable ASCII" in r.output and token not in r.output, r.output
     config.write_text(f'[collector]\n[collector.tokens]\nn1 = "{N1}"\n')  # an ASCII token is taken
     assert load_settings(tmp_path, env={}).tokens == {"n1": N1}
+
+
+def test_every_scalar_setting_comes_from_the_environment_and_a_misspelt_one_is_refused(tmp_path):
+    from gpuledger.collector.config import ConfigError, load_settings
+
+    s = load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_MAX_SAMPLES": "1", "GPULEDGER_COLLECTOR_COMPACTION": "thread",
+                                     "GPULEDGER_COLLECTOR_RAW_RETENTION_S": "864000"})
+    assert (s.max_samples, s.compaction, s.raw_retention_s) == (1, "thread", 864000.0)
+    with pytest.raises(ConfigError, match="GPULEDGER_COLLECTOR_MAX_SAMPLE: no such collector setting"):
+        load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_MAX_SAMPLE": "1"})
