@@ -348,6 +348,7 @@ def priority_feed_cmd(
 # jobs list --format csv: the record and the measurement, one flat row a job (SI units, ratios)
 JOBS_CSV = tuple(Column(k, k) for k in (
     "job_id", "cluster", "user", "account", "partition", "gpus", "start", "end", "state", "seen_by",
+    "slurm_gpu_seconds", "observed_gpu_seconds", "coverage", "unmeasured_gpu_seconds",
     "allocated_gpu_seconds", "sm_active_gpu_seconds", "efficiency", "energy_joules", "gap_energy_joules",
     "sm_active_mean", "dram_bw_mean", "mem_used_peak_bytes"))
 # a job's own fields; its usage's of the same name (its measured GPU count, its job id) never replace them

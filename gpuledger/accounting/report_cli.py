@@ -288,6 +288,8 @@ def report_reconcile(
     finally:
         store.close()
     rec = reconcile(entries, hours, per, gpu_energy=energy, gaps=gaps)
+    if not hours and not in_period(entries, per):  # nothing measured in it and no job ended in it: say so
+        _note_empty(per, entries)
     if fmt is TableFmt.table and output is None:
         show(f"Reconciliation with Slurm, period {per.label}", RECONCILE_COLUMNS, [*rec.rows, rec.total])
         for n in rec.notes:

@@ -105,6 +105,9 @@ def test_list_as_csv_keeps_slurms_gpu_count_and_the_cluster(tmp_path: Path) -> N
     assert [(x["job_id"], x["cluster"], x["user"], x["gpus"]) for x in rows] == [("8", "alpha", "ann", "2"),
                                                                                 ("8", "beta", "ben", "2")]
     assert all(float(x["energy_joules"]) == 600.0 and float(x["allocated_gpu_seconds"]) == 60.0 for x in rows)
+    # Slurm's allocation against what was observed, as the table and JSON have it
+    assert all((float(x["slurm_gpu_seconds"]), float(x["observed_gpu_seconds"]), float(x["coverage"]),
+                float(x["unmeasured_gpu_seconds"])) == (120.0, 60.0, 0.5, 60.0) for x in rows)
     r = runner.invoke(app, ["jobs", "list", "--data-dir", str(tmp_path), "--format", "json"])
     listed = json.loads(r.output)
     assert [(j["cluster"], j["gpus"], j["energy_joules"], j["gap_energy_joules"]) for j in listed] == [

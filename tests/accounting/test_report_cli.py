@@ -238,3 +238,11 @@ def _columns(text: str) -> int:
     import unicodedata
 
     return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def test_reconcile_notes_an_empty_period_as_the_other_reports_do(data_dir):
+    r = run("report", "reconcile", "--data-dir", data_dir, "--period", "2001-01", "--format", "csv")
+    assert r.exit_code == 0, r.output
+    assert "note: no job ended in period 2001-01" in r.stderr
+    full = run("report", "reconcile", "--data-dir", data_dir, "--format", "csv")  # all time
+    assert full.exit_code == 0 and "no job ended" not in full.stderr
