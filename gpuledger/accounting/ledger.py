@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuledger.accounting.gaps import GapAttribution, GapShare, reassign
-from gpuledger.accounting.scope import OutOfScope, in_scope
+from gpuledger.accounting.scope import OutOfScope, in_scope, mig_bounds, scaled
 from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage
 
@@ -138,8 +138,18 @@ def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[
     for u in usages:
         by_use.setdefault(resolve((u.cluster, u.job_id)), []).append(u)
     by_gpu: dict[JobKey, list[JobUsage]] = {}
-    for u in per_gpu:
-        by_gpu.setdefault(resolve((u.cluster, u.job_id)), []).append(u)
+    bounded: dict[JobKey, list[OutOfScope]] = {}  # records of a GPU counted more than once (scope.mig_bounds)
+    per_gpu = list(per_gpu)
+    bounds = mig_bounds(per_gpu)
+    for i, u in enumerate(per_gpu):
+        key = resolve((u.cluster, u.job_id))
+        share = bounds.get(i)
+        if share is not None:
+            bounded.setdefault(key, []).append(OutOfScope(u, share, "mig"))
+            if share <= 0.0:
+                continue
+            u = scaled(u, share)
+        by_gpu.setdefault(key, []).append(u)
     keys = sorted(set(slurm) | set(by_use) | set(by_agent), key=lambda k: (_job_sort_key(k[1]), k[0]))
     out = []
     for k in keys:
@@ -148,13 +158,16 @@ def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[
         usage = uses[0] if len(uses) == 1 else (sum_usage(uses) if uses else None)
         gpus = tuple(by_gpu.get(k, ()))
         record = slurm.get(k)
-        cut: tuple[OutOfScope, ...] = ()
+        cut: tuple[OutOfScope, ...] = tuple(bounded.get(k, ()))
+        if cut:  # the job-level record sums what is left of its GPUs
+            usage = sum_usage(list(gpus)) if gpus else None
         if record is not None and (gpus or usage is not None):
-            kept, cut = in_scope(record, gpus or (usage,), now)  # type: ignore[arg-type]
-            if cut:
+            kept, outside = in_scope(record, gpus or (usage,), now)  # type: ignore[arg-type]
+            if outside:
                 if gpus:
                     gpus = kept
                 usage = sum_usage(list(kept)) if kept else None
+                cut += outside
         out.append(LedgerEntry(k[1], record, usage, k[0], by_agent.get(k), gpus,
                                (gap_shares or {}).get(k, ()) if k in slurm else (), cut))
     return out

@@ -13,7 +13,8 @@ of a job that has one is charged only as far as it lies within it:
   prolog or epilog, clock skew between a node and slurmctld).
 
 What is not charged is kept, with the reason, so reports and the audit log can show it. Jobs without a scheduler
-record (seen only by agents) are charged as measured: nothing says otherwise.
+record (seen only by agents) are charged as measured: nothing says otherwise, but for one physical GPU counted
+more than once by MIG rows that do not fit it (:func:`mig_bounds`), which holds for every job.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from gpuledger.agent.mig import slice_fraction
 from gpuledger.schema.records import JobRecord, JobUsage
 
 SLACK_S = 120.0
@@ -32,7 +34,7 @@ class OutOfScope:
 
     usage: JobUsage  # as the collector stored it
     charged_fraction: float  # 0: none of it; else the share of it inside the job's record
-    reason: str  # "host" (a host the record does not list) or "time" (outside the record's start..end)
+    reason: str  # "host" (a host the record does not list), "time" (outside its start..end), "mig" (mig_bounds)
 
 
 def in_scope(record: JobRecord | None, rows: Sequence[JobUsage], now: float,
@@ -72,3 +74,64 @@ def _prorated(u: JobUsage, fraction: float, first: float, last: float) -> JobUsa
                    allocated_gpu_seconds=u.allocated_gpu_seconds * fraction,
                    sm_active_gpu_seconds=u.sm_active_gpu_seconds * fraction,
                    energy_joules=u.energy_joules * fraction, gap_gpu_seconds=u.gap_gpu_seconds * fraction)
+
+
+def mig_bounds(rows: Sequence[JobUsage]) -> dict[int, float]:
+    """Per-GPU usage records that would count one physical GPU more than once (positions in ``rows`` -> the share
+    of them to charge): a node's word is all that says a GPU was in MIG mode, and the collector normalises its
+    rows one batch at a time.
+
+    - A whole-GPU record with jobs overlapping (in time) an instance record of the same GPU: the instances hold
+      the GPU then (its whole-GPU rows carry no jobs in MIG mode), so none of it.
+    - Instance records overlapping each other with slice fractions (``agent.mig.slice_fraction``) summing above
+      1 (two "7g" instances): each in proportion, 1 / the sum.
+
+    Honest records never meet either case (MIG mode changes only on an idle GPU; concurrent instances fit the
+    GPU), so they are charged whole."""
+    by_gpu: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+    for i, u in enumerate(rows):
+        uuid, _, mig = u.gpu_uuid.partition("/")
+        whole, inst = by_gpu.setdefault((u.host, uuid), ([], []))
+        (inst if mig else whole).append(i)
+    out: dict[int, float] = {}
+    for whole, inst in by_gpu.values():
+        if not inst:
+            continue
+        spans = _merged([(rows[i].first_ts, rows[i].last_ts) for i in inst])
+        for i in whole:
+            u = rows[i]
+            if any(a <= u.last_ts and u.first_ts <= b for a, b in spans):
+                out[i] = 0.0
+        # a sweep over the instances in time: those overlapping one another, by slice
+        events = sorted(inst, key=lambda i: rows[i].first_ts)
+        active: list[int] = []
+        for i in events:
+            u = rows[i]
+            active = [j for j in active if rows[j].last_ts >= u.first_ts]
+            active.append(i)
+            per_mig: dict[str, float] = {}
+            for j in active:
+                f = slice_fraction(rows[j].model)
+                if f is not None:
+                    mig = rows[j].gpu_uuid.partition("/")[2]
+                    per_mig[mig] = max(per_mig.get(mig, 0.0), f)
+            total = sum(per_mig.values())
+            if total > 1.0 + 1e-9:
+                for j in active:
+                    out[j] = min(out.get(j, 1.0), 1.0 / total)
+    return out
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def scaled(u: JobUsage, fraction: float) -> JobUsage:
+    """``u``'s additive figures (GPU-seconds, energy, gap seconds) times ``fraction``, its span as it was."""
+    return _prorated(u, fraction, u.first_ts, u.last_ts)

@@ -153,3 +153,48 @@ def test_agents_that_disagree_about_a_job_describe_nobody_until_slurm_does(tmp_p
         assert (entry.account, entry.user) == ("B", "bob") and [u.host for u in entry.gpus] == ["n2"]
     finally:
         store.close()
+
+
+def test_mig_rows_that_do_not_fit_one_physical_gpu_count_it_once(tmp_path):
+    # a node reports its one A100 whole (job 100) in one batch and as a 7g instance (job 101) in the next, at the
+    # same instants; or as two 7g instances 1 ms apart: either would count the GPU twice
+    from gpuledger.accounting.ledger import load
+    from gpuledger.collector.store import Store
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample
+
+    a100, mig7 = "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB MIG 7g.80gb"
+
+    def rows(job: str, model: str, mig: str | None, t0: float = T0) -> tuple[GpuSample, ...]:
+        return tuple(GpuSample(ts=t0 + 10 * k, host="n1", gpu_uuid="GPU-m", gpu_index=0, model=model, mig=mig,
+                               power_watts=300.0, energy_joules=3000.0 * k, job_ids=(job,)) for k in range(61))
+
+    def observed(store: Store) -> dict[str, float]:
+        return {e.job_id: (e.usage.allocated_gpu_seconds if e.usage else 0.0) for e in load(store, now=T0 + 9999)}
+
+    store = Store(tmp_path / "a.sqlite")
+    try:
+        store.ingest(Batch("a", 1, "n1", rows("100", a100, None)))
+        store.ingest(Batch("a", 2, "n1", rows("101", mig7, "1.0")))
+        assert observed(store) == {"100": 0.0, "101": pytest.approx(600.0)}
+        (e100,) = [e for e in load(store, now=T0 + 9999) if e.job_id == "100"]
+        assert [(c.reason, c.charged_fraction) for c in e100.out_of_scope] == [("mig", 0.0)]
+    finally:
+        store.close()
+    store = Store(tmp_path / "b.sqlite")
+    try:
+        store.ingest(Batch("a", 1, "n1", rows("100", mig7, "1.0") + rows("101", mig7, "2.0", T0 + 0.001)))
+        got = observed(store)
+        assert got["100"] + got["101"] == pytest.approx(600.0)  # one GPU's 600 s, halved between them
+    finally:
+        store.close()
+    # instances that fit (3g + 4g) are charged whole
+    store = Store(tmp_path / "c.sqlite")
+    try:
+        store.ingest(Batch("a", 1, "n1", rows("100", f"{a100} MIG 3g.40gb", "1.0")
+                           + rows("101", f"{a100} MIG 4g.40gb", "2.0")))
+        got = observed(store)
+        assert got == {"100": pytest.approx(600 * 3 / 7), "101": pytest.approx(600 * 4 / 7)}
+        assert all(not e.out_of_scope for e in load(store, now=T0 + 9999))
+    finally:
+        store.close()
