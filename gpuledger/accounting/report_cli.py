@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from gpuledger.accounting.ledger import LedgerEntry
     from gpuledger.accounting.privacy import Pseudonymizer
     from gpuledger.accounting.report.period import Period
-    from gpuledger.collector.ledger_store import LedgerReader
+    from gpuledger.schema.records import JobUsage
 
 
 Pseudo = Annotated[
@@ -126,11 +126,9 @@ def _alias(url: str | None, data_dir: Path) -> Pseudonymizer:
         raise _fail(str(e)) from None
 
 
-def _per_gpu(store: LedgerReader) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for u in store.job_usage(per_gpu=True):
-        out.setdefault(u.job_id, []).append(u)
-    return out
+def _per_gpu(entries: Sequence[LedgerEntry]) -> dict[str, tuple[JobUsage, ...]]:
+    """Each job's per-GPU usage records, as the ledger joined them (held to Slurm's record), by job id."""
+    return {e.job_id: e.gpus for e in entries if e.gpus}
 
 
 def _emit(text: str, output: Path | None) -> None:
@@ -214,9 +212,9 @@ def report_usage(
     store = _open_store(url, data_dir)
     try:
         entries = load_ledger(store)
-        per_gpu = _per_gpu(store) if by is By.node else None
     finally:
         store.close()
+    per_gpu = _per_gpu(entries) if by is By.node else None
     if pseudonymize:
         entries = pseudonymize_entries(entries, _alias(url, data_dir))
     try:
@@ -380,7 +378,6 @@ def report_idle(
     store = _open_store(url, data_dir)
     try:
         everything = load_ledger(store)
-        per_gpu = _per_gpu(store)
     finally:
         store.close()
     entries = in_period(everything, per)
@@ -388,7 +385,8 @@ def report_idle(
         _note_empty(per, everything)
     if pseudonymize:
         entries = pseudonymize_entries(entries, _alias(url, data_dir))
-    rows = idle_jobs(entries, per_gpu, settings.idle_threshold if threshold is None else threshold, min_share)
+    rows = idle_jobs(entries, _per_gpu(entries), settings.idle_threshold if threshold is None else threshold,
+                     min_share)
     if fmt is TableFmt.json:
         typer.echo(to_json(rows))
     elif fmt is TableFmt.csv:
