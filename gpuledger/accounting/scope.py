@@ -103,17 +103,15 @@ def mig_bounds(rows: Sequence[JobUsage]) -> dict[int, float]:
             if any(a <= u.last_ts and u.first_ts <= b for a, b in spans):
                 out[i] = 0.0
         # a sweep over the instances in time: those overlapping one another, by slice
-        events = sorted(inst, key=lambda i: rows[i].first_ts)
+        slices = {i: (rows[i].gpu_uuid.partition("/")[2], slice_fraction(rows[i].model)) for i in inst}
         active: list[int] = []
-        for i in events:
-            u = rows[i]
-            active = [j for j in active if rows[j].last_ts >= u.first_ts]
+        for i in sorted(inst, key=lambda i: rows[i].first_ts):
+            active = [j for j in active if rows[j].last_ts >= rows[i].first_ts]
             active.append(i)
             per_mig: dict[str, float] = {}
             for j in active:
-                f = slice_fraction(rows[j].model)
+                mig, f = slices[j]
                 if f is not None:
-                    mig = rows[j].gpu_uuid.partition("/")[2]
                     per_mig[mig] = max(per_mig.get(mig, 0.0), f)
             total = sum(per_mig.values())
             if total > 1.0 + 1e-9:
