@@ -371,13 +371,13 @@ class SqlLedger:
     def _disputed(self, rows: list[tuple[str, str, str, str]], host: str) -> list[tuple[str, str, str, str]]:
         """(data, cluster, job_id, source) updates for the stored agent descriptions ``rows`` contradict: the same
         job, another user or account (both named): the stored one without either."""
+        stored = {(c, j, src): d for c, j, src, d in self._stored("jobs", ("cluster", "job_id", "source"), ("data",),
+                                                                   [r[:3] for r in rows])}
         out = []
         for cluster, job_id, source, data in rows:
-            stored = self._db.execute("SELECT data FROM jobs WHERE cluster=? AND job_id=? AND source=?",
-                                      (cluster, job_id, source)).fetchone()
-            if stored is None:
+            if (cluster, job_id, source) not in stored:
                 continue
-            old, new = _record(stored[0]), _record(data)
+            old, new = _record(stored[cluster, job_id, source]), _record(data)
             # the same host(s) again (a node's own later word): the first description stands. Not "the host is
             # among the stored hosts": a node may list others in its description, and would then outrank them
             if set(old.hosts) == set(new.hosts):
