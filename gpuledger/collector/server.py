@@ -601,21 +601,17 @@ class CollectorServer:
         being read have been read (``_commit_waiting``): a hand-off to another thread costs more CPU than the
         commit saves by overlapping, and two threads take turns at the GIL. A PostgreSQL ledger's commit waits on
         the network, so the store's committer thread does it (``Store.submit``)."""
-        try:
-            if not self._commit_inline:
-                return await asyncio.wrap_future(self.store.submit(batch), loop=self._loop)
-            done: asyncio.Future[IngestResult] = self._loop.create_future()
-            self._waiting.append((batch, done))
-            if len(self._waiting) == 1:
-                self._loop.call_soon(self._commit_waiting)
-            return await done
-        except BatchRefused as e:  # 409: its key was stored with other content; 422: too many GPUs
-            raise BatchError(409 if e.reason == "conflict" else 422, str(e), e.reason, batch.n_samples) from None
-        except Exception as e:
-            refusal = _write_refusal(e, batch.n_samples)
-            if refusal is None:
-                raise
-            raise refusal from None
+        with _write_refusals(batch.n_samples):
+            try:
+                if not self._commit_inline:
+                    return await asyncio.wrap_future(self.store.submit(batch), loop=self._loop)
+                done: asyncio.Future[IngestResult] = self._loop.create_future()
+                self._waiting.append((batch, done))
+                if len(self._waiting) == 1:
+                    self._loop.call_soon(self._commit_waiting)
+                return await done
+            except BatchRefused as e:  # 409: its key was stored with other content; 422: too many GPUs
+                raise BatchError(409 if e.reason == "conflict" else 422, str(e), e.reason, batch.n_samples) from None
 
     def _commit_waiting(self) -> None:
         """One group commit (on the loop) of every batch waiting; settles their futures. While another process
@@ -636,7 +632,7 @@ class CollectorServer:
     def post_jobs(self, req: Request) -> Reply:
         records = parse_jobs(req.read_body(), req.headers.get("Content-Type", "application/json"),
                              self.limits.max_body_bytes, req.headers.get("Content-Encoding", ""))
-        try:
+        with _write_refusals():  # the ledger's or the audit log's disk full, the ledger away: as for samples
             with self._audit_lock:
                 if self._audit is None:
                     # the embedded store's directory; a PostgreSQL ledger has none: its server is given audit_log
@@ -645,11 +641,6 @@ class CollectorServer:
                 audit = self._audit
             # in the audit log before it is stored, so before it is charged; as stored (merged with what was there)
             changed = self.store.put_jobs(records, before_store=lambda merged: record_job_records(audit, merged))
-        except Exception as e:  # the ledger's or the audit log's disk full, the ledger away: as for samples
-            refusal = _write_refusal(e)
-            if refusal is None:
-                raise
-            raise refusal from None
         return Reply(200, {"received": len(records), "changed": changed})
 
     def get_jobs(self, req: Request) -> Reply:
@@ -1194,6 +1185,18 @@ class _Connection(asyncio.Protocol):
         """Closes now (the server is stopping)."""
         self.closing = True
         self.transport.abort()
+
+
+@contextlib.contextmanager
+def _write_refusals(samples: int = 0) -> Iterator[None]:
+    """A write (a batch's, job records') whose failure :func:`_write_refusal` answers; anything else goes on up."""
+    try:
+        yield
+    except Exception as e:
+        refusal = _write_refusal(e, samples)
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 def _write_refusal(e: Exception, samples: int = 0) -> BatchError | None:
