@@ -166,19 +166,7 @@ def _task_ranges(mask: Any) -> str:
     if not isinstance(mask, str) or not re.fullmatch(r"0x[0-9A-Fa-f]+", mask):
         return ""
     bits = int(mask, 16)
-    tasks = [i for i in range(bits.bit_length()) if bits >> i & 1]
-    runs: list[str] = []
-    start = prev = None
-    for t in tasks:
-        if prev is not None and t == prev + 1:
-            prev = t
-            continue
-        if start is not None:
-            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
-        start = prev = t
-    if start is not None:
-        runs.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(runs)
+    return int_ranges(i for i in range(bits.bit_length()) if bits >> i & 1)
 
 
 def _json_job_id(job: Mapping[str, Any], where: str) -> str:
