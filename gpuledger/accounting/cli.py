@@ -96,10 +96,16 @@ def _config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
         raise _fail(str(e)) from None
 
 
+def _optional_config(data_dir: Path, config: Path | None) -> tuple[dict, Path]:
+    """The configuration and its path: an explicit --config must exist; the data dir's is optional (defaults then,
+    when files give the tree)."""
+    path = config or data_dir / CONFIG_NAME
+    return (_config(data_dir, config)[0] if (config is not None or path.exists()) else {}), path
+
+
 def _settings(data_dir: Path, config: Path | None) -> AccountingSettings:
     """The ``[accounting]`` settings (defaults without a configuration file); a bad one exits 2 naming the file."""
-    path = config or data_dir / CONFIG_NAME
-    cfg = _config(data_dir, config)[0] if (config is not None or path.exists()) else {}
+    cfg, path = _optional_config(data_dir, config)
     try:
         return accounting_settings(cfg, path)
     except ConfigError as e:
@@ -121,9 +127,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
     """
     from gpuledger.accounting.fairshare_render import parse_usage_csv
 
-    cfg_path = config or data_dir / CONFIG_NAME
-    # An explicit --config must exist; the default one is optional when files give the tree (defaults then).
-    cfg = _config(data_dir, config)[0] if (config is not None or cfg_path.exists()) else {}
+    cfg, cfg_path = _optional_config(data_dir, config)
     now = time.time() if now is None else now
     try:
         settings = accounting_settings(cfg, cfg_path)
