@@ -261,6 +261,18 @@ def _unzstd_bounded(body: bytes, limit: int) -> bytes:
             break
         parts.append(chunk)
         n += len(chunk)
+    if n < limit:
+        # the stream reader ends quietly inside a frame cut short; each frame must be whole (what it inflates to is
+        # known by now to be under the limit, so this second pass is bounded too)
+        rest, frames = body, 0
+        while rest or not frames:  # an empty body is a frame cut short too
+            d = zstandard.ZstdDecompressor().decompressobj()
+            d.decompress(rest)
+            frames += 1
+            if not d.eof:
+                raise BatchError(400, f"body is not valid zstd (Content-Encoding: zstd): it ends inside frame {frames}",
+                                 "malformed")
+            rest = d.unused_data
     return b"".join(parts)
 
 

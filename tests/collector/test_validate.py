@@ -307,8 +307,14 @@ def test_every_member_of_a_gzip_body_is_read_and_anything_else_after_them_is_ref
            max_bytes=1_000_000, **enc)
     # zstd's frames likewise (RFC 8878 3.1)
     z = zstandard.ZstdCompressor()
-    assert parse_batch(z.compress(b[:40]) + z.compress(b[40:]), "application/json", NOW,
-                       content_encoding="zstd").seq == 3
+    two = z.compress(b[:40]) + z.compress(b[40:])
+    assert parse_batch(two, "application/json", NOW, content_encoding="zstd").seq == 3
+    # a frame cut short is named as such (the stream reader alone ends quietly, and the JSON was called malformed)
+    zenc = {"content_encoding": "zstd"}
+    reject(z.compress(b)[:-3], "body is not valid zstd (Content-Encoding: zstd): it ends inside frame 1", **zenc)
+    reject(two[:-2], "it ends inside frame 2", **zenc)
+    reject(b"", "it ends inside frame 1", **zenc)
+    reject(z.compress(b) + b"GARBAGE", "body is not valid zstd", **zenc)
 
 
 def _many(n: int, fmt: str = "msgpack", **fields) -> bytes:
