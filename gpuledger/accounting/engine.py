@@ -39,7 +39,7 @@ from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.decay import decayed_usage
 from gpuledger.accounting.fairshare import Usage, classic, fair_tree
 from gpuledger.accounting.ledger import LedgerEntry
-from gpuledger.schema.records import JobUsage
+from gpuledger.schema.records import JobUsage, split_gpu_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +80,7 @@ Busy = Mapping[tuple[str, str, str], Sequence[tuple[float, float]]]
 
 
 def _gpu_key(u: JobUsage) -> tuple[str, str, str]:
-    uuid, _, mig = u.gpu_uuid.partition("/")
-    return (u.host, uuid, mig)
+    return (u.host, *split_gpu_id(u.gpu_uuid))
 
 
 class HourlyPlacer:

@@ -28,7 +28,7 @@ from typing import Any, Protocol, cast
 
 from gpuledger.collector.ledger_store import LedgerReader
 from gpuledger.collector.series_store import RAW, SeriesReader
-from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
+from gpuledger.schema.records import GpuSample, JobRecord, JobUsage, split_gpu_id
 
 GIB = float(1 << 30)
 
@@ -205,7 +205,7 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
                         0.0 if slurm_s is None else max(0.0, slurm_s - observed), e.gap_energy_joules)
     views = []
     for u in per_gpu:
-        uuid, _, mig = u.gpu_uuid.partition("/")
+        uuid, mig = split_gpu_id(u.gpu_uuid)
         # the raw tier: events need every sample (none left once raw retention dropped them)
         samples = cast(list[GpuSample], store.series(u.host, uuid, u.first_ts, u.last_ts, mig=mig or None, tier=RAW))
         ev = gpu_events(samples, job_id)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from gpuledger.agent.mig import slice_fraction
-from gpuledger.schema.records import JobRecord, JobUsage
+from gpuledger.schema.records import JobRecord, JobUsage, split_gpu_id
 
 SLACK_S = 120.0
 
@@ -90,7 +90,7 @@ def mig_bounds(rows: Sequence[JobUsage]) -> dict[int, float]:
     GPU), so they are charged whole."""
     by_gpu: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
     for i, u in enumerate(rows):
-        uuid, _, mig = u.gpu_uuid.partition("/")
+        uuid, mig = split_gpu_id(u.gpu_uuid)
         whole, inst = by_gpu.setdefault((u.host, uuid), ([], []))
         (inst if mig else whole).append(i)
     out: dict[int, float] = {}
@@ -103,7 +103,7 @@ def mig_bounds(rows: Sequence[JobUsage]) -> dict[int, float]:
             if any(a <= u.last_ts and u.first_ts <= b for a, b in spans):
                 out[i] = 0.0
         # a sweep over the instances in time: those overlapping one another, by slice
-        slices = {i: (rows[i].gpu_uuid.partition("/")[2], slice_fraction(rows[i].model)) for i in inst}
+        slices = {i: (split_gpu_id(rows[i].gpu_uuid)[1], slice_fraction(rows[i].model)) for i in inst}
         active: list[int] = []
         for i in sorted(inst, key=lambda i: rows[i].first_ts):
             active = [j for j in active if rows[j].last_ts >= rows[i].first_ts]

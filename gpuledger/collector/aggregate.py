@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypedDict, cast
 import numpy as np
 
 from gpuledger.agent.mig import slice_fraction as _slice_fraction
-from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobUsage
+from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobUsage, gpu_id
 
 if TYPE_CHECKING:
     from gpuledger.collector.series import Series
@@ -96,11 +96,6 @@ TOO_LATE = "too_late"
 
 def gpu_key(s: GpuSample) -> GpuKey:
     return (s.host, s.gpu_uuid, s.mig or "")
-
-
-def gpu_id(uuid: str, mig: str) -> str:
-    """The GPU name in usage records: the UUID, or ``uuid/mig`` for a MIG instance."""
-    return f"{uuid}/{mig}" if mig else uuid
 
 
 class UsageAcc:

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from gpuledger.collector.aggregate import GapKey, GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
 from gpuledger.collector.db import MAX_LIST_VALUES, Database, upsert
-from gpuledger.schema.records import JobRecord, JobUsage
+from gpuledger.schema.records import JobRecord, JobUsage, split_gpu_id
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ class SqlLedger:
                                  (cluster, host, uuid, uuid + "/%"))
 
     def _cluster_of(self, host: str, gpu: str) -> str:
-        return self._gpu_cluster.get(host, {}).get(gpu.partition("/")[0], "")
+        return self._gpu_cluster.get(host, {}).get(split_gpu_id(gpu)[0], "")
 
     # -- jobs ---------------------------------------------------------------------------------
     def add_agent_jobs(self, records: Iterable[JobRecord], host: str, cluster: str,

@@ -171,6 +171,17 @@ class JobRecord:
         return cls(**kw)
 
 
+def gpu_id(uuid: str, mig: str) -> str:
+    """The GPU name in usage records (``JobUsage.gpu_uuid``): the UUID, or ``uuid/mig`` for a MIG instance."""
+    return f"{uuid}/{mig}" if mig else uuid
+
+
+def split_gpu_id(gpu: str) -> tuple[str, str]:
+    """(physical GPU UUID, MIG instance or "") of a usage record's GPU name: :func:`gpu_id` undone."""
+    uuid, _, mig = gpu.partition("/")
+    return uuid, mig
+
+
 @dataclass(frozen=True, slots=True)
 class JobUsage:
     """Measured usage of one job on one GPU (or summed over GPUs when ``gpu_uuid`` is "*").
