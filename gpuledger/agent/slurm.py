@@ -61,8 +61,12 @@ def _empty_meta() -> JobMeta:
     }
 
 
+MAX_GPU_INDEX = 4095  # far above any node's GPUs: a range beyond is no node's, and would be built whole
+
+
 def parse_index_list(text: str) -> tuple[int, ...]:
-    """"0,2-3" -> (0, 2, 3). Empty, "N/A" or "(null)" -> ()."""
+    """"0,2-3" -> (0, 2, 3). Empty, "N/A" or "(null)" -> (). ValueError for anything else, or an index above
+    ``MAX_GPU_INDEX``."""
     out: list[int] = []
     text = text.strip()
     if not text or text in ("N/A", "(null)"):
@@ -72,6 +76,9 @@ def parse_index_list(text: str) -> tuple[int, ...]:
         if not part:
             continue
         lo, sep, hi = part.partition("-")
+        bounds = (lo, hi) if sep else (part,)
+        if not all(b.strip().isascii() and b.strip().isdigit() and int(b) <= MAX_GPU_INDEX for b in bounds):
+            raise ValueError(f"not a GPU index list: {text!r}")
         if sep:
             out.extend(range(int(lo), int(hi) + 1))
         else:
@@ -376,7 +383,7 @@ def parse_job_environ(data: bytes) -> JobMeta | None:
     meta["cluster"] = env.get("SLURM_CLUSTER_NAME") or None
     meta["user"] = env.get("SLURM_JOB_USER") or None
     uid = env.get("SLURM_JOB_UID", "")
-    meta["uid"] = int(uid) if uid.isdigit() else None
+    meta["uid"] = int(uid) if uid.isascii() and uid.isdigit() else None
     meta["account"] = env.get("SLURM_JOB_ACCOUNT") or None
     meta["partition"] = env.get("SLURM_JOB_PARTITION") or None
     meta["hosts"] = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
@@ -389,7 +396,7 @@ def parse_job_environ(data: bytes) -> JobMeta | None:
             meta["gpu_indexes"] = idx
             break
     on_node = env.get("SLURM_GPUS_ON_NODE", "")
-    meta["gpus"] = int(on_node) if on_node.isdigit() else (len(meta["gpu_indexes"]) or None)
+    meta["gpus"] = int(on_node) if on_node.isascii() and on_node.isdigit() else (len(meta["gpu_indexes"]) or None)
     return meta
 
 

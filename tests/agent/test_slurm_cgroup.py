@@ -119,7 +119,7 @@ def test_mapper_is_a_jobmapper_and_registered(tmp_path: Path) -> None:
 def test_real_v1_capture_maps_job_and_metadata_from_environ(tmp_path: Path) -> None:
     make_proc(tmp_path, 30914, V1_BATCH, env_bytes("inside-job-cgroupv1-env.txt"))
     make_proc(tmp_path, 30934, V1_STEP0, env_bytes("inside-step0-cgroupv1-env.txt"))
-    m = SlurmCgroupMapper(proc_root=tmp_path)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None, trust_environ=True)
     # Job 16 holds node GPUs 1 and 2 (SLURM_JOB_GPUS=1,2; CUDA_VISIBLE_DEVICES=0,1 inside the job).
     out = m.map([sample(0), sample(1, (30914, 2**30)), sample(2, (30934, 2**30), (30914, None))])
     assert [s.job_ids for s in out] == [(), ("16",), ("16",)]
@@ -137,7 +137,7 @@ def test_shared_gpu_shares_by_memory(tmp_path: Path) -> None:
     make_proc(tmp_path, 100, V1_PLAIN)  # job 77
     make_proc(tmp_path, 200, V2)  # job 4242
     make_proc(tmp_path, 201, V2)
-    m = SlurmCgroupMapper(proc_root=tmp_path, read_environ=False)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None)
     (s,) = m.map([sample(3, (200, 2 * 2**30), (100, 1 * 2**30), (201, 1 * 2**30))])
     assert s.job_ids == ("77", "4242")
     assert s.job_shares == (0.25, 0.75)
@@ -148,7 +148,7 @@ def test_shared_gpu_equal_when_a_memory_is_unknown(tmp_path: Path) -> None:
     make_proc(tmp_path, 100, V1_PLAIN)
     make_proc(tmp_path, 200, V2)
     make_proc(tmp_path, 300, "0::/system.slice/slurmstepd.scope/job_5/step_0\n")
-    m = SlurmCgroupMapper(proc_root=tmp_path, read_environ=False)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None)
     (s,) = m.map([sample(0, (300, 5), (200, None), (100, 7))])
     assert s.job_ids == ("5", "77", "4242")
     assert math.fsum(s.job_shares) == 1.0
@@ -161,7 +161,7 @@ def test_vanished_unreadable_and_foreign_pids_are_skipped_and_counted(tmp_path: 
     make_proc(tmp_path, 102, LINUXPROC)
     make_proc(tmp_path, 103, None)
     (tmp_path / "103" / "cgroup").mkdir()  # reading a directory raises IsADirectoryError (an OSError)
-    m = SlurmCgroupMapper(proc_root=tmp_path, read_environ=False)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None)
     (s,) = m.map([sample(0, (999999, 1), (100, 1), (101, 1), (102, 1), (103, 1))])
     assert s.job_ids == ("77",)
     assert m.skipped == {"vanished": 1, "unreadable": 1, "not_in_job": 2}
@@ -169,13 +169,13 @@ def test_vanished_unreadable_and_foreign_pids_are_skipped_and_counted(tmp_path: 
 
 def test_no_job_processes_leave_the_sample_unchanged(tmp_path: Path) -> None:
     original = replace(sample(0, (424242, 1)), job_ids=("from-source",))
-    m = SlurmCgroupMapper(proc_root=tmp_path)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None)
     assert m.map([original]) == [original]
 
 
 def test_pid_cgroup_read_once_per_cycle_across_mig_instances(tmp_path: Path) -> None:
     make_proc(tmp_path, 100, V1_PLAIN)
-    m = SlurmCgroupMapper(proc_root=tmp_path, read_environ=False)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None)
     out = m.map([sample(0, (100, 1), mig="1.0"), sample(0, (100, 1), mig="2.0")])
     assert [s.job_ids for s in out] == [("77",), ("77",)]
     (tmp_path / "100" / "cgroup").unlink()
@@ -186,16 +186,16 @@ def test_pid_cgroup_read_once_per_cycle_across_mig_instances(tmp_path: Path) -> 
 
 def test_linuxproc_env_fallback_is_opt_in(tmp_path: Path) -> None:
     make_proc(tmp_path, 29131, LINUXPROC, env_bytes("inside-job-linuxproc-env.txt"))
-    assert SlurmCgroupMapper(proc_root=tmp_path).map([sample(1, (29131, 1))])[0].job_ids == ()
-    m = SlurmCgroupMapper(proc_root=tmp_path, env_fallback=True)
+    assert SlurmCgroupMapper(proc_root=tmp_path, resolver=None).map([sample(1, (29131, 1))])[0].job_ids == ()
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None, env_fallback=True)
     assert m.map([sample(1, (29131, 1))])[0].job_ids == ("9",)
     assert m.job_metadata()["9"].user == "bob"
 
 
-def test_array_task_gets_array_id_from_environ(tmp_path: Path) -> None:
+def test_array_task_gets_array_id_from_trusted_environ(tmp_path: Path) -> None:
     env = env_bytes("inside-job-cgroupv1-env.txt", SLURM_ARRAY_JOB_ID="12", SLURM_ARRAY_TASK_ID="4")
     make_proc(tmp_path, 1, V1_BATCH, env)
-    m = SlurmCgroupMapper(proc_root=tmp_path)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None, trust_environ=True)
     assert m.map([sample(1, (1, 1))])[0].job_ids == ("12_4",)
     assert m.job_metadata()["12_4"].account == "proj_a"
 
@@ -253,7 +253,76 @@ def test_unresolvable_sluid_is_skipped_and_counted(tmp_path: Path) -> None:
 
 def test_no_resolver_and_no_environ_gives_bare_metadata(tmp_path: Path) -> None:
     make_proc(tmp_path, 5, V2)
-    m = SlurmCgroupMapper(proc_root=tmp_path)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None)
     m.map([sample(0, (5, 1))])
     rec = m.job_metadata()["4242"]
     assert rec.job_id == "4242" and rec.user is None and rec.gpu_uuids == (sample(0).gpu_uuid,)
+
+
+# -- what a job's user controls (its processes' environment) decides nothing ------------------------
+
+# The real record of job 11, as Slurm would print it for the job in the V1 captures (job 16): its id changed, and as
+# array task 12_4 (ArrayJobId/ArrayTaskId are the fields scontrol prints for an array's task).
+SCONTROL_16 = SCONTROL_11.replace("JobId=11 ", "JobId=16 ", 1)
+SCONTROL_16_TASK = SCONTROL_11.replace("JobId=11 ", "JobId=16 ArrayJobId=12 ArrayTaskId=4 ", 1)
+FORGED = {"SLURM_ARRAY_JOB_ID": "777", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ACCOUNT": "physics",
+          "SLURM_JOB_USER": "mallory"}
+
+
+def test_a_forged_environment_neither_renames_the_job_nor_chooses_its_owner(tmp_path: Path) -> None:
+    make_proc(tmp_path, 1, V1_BATCH, env_bytes("inside-job-cgroupv1-env.txt", **FORGED))
+    for answer, job in ((SCONTROL_16, "16"), (SCONTROL_16_TASK, "12_4")):
+        run = RecordingRun({("scontrol", "show", "job", "-d", "16"): answer})
+        m = SlurmCgroupMapper(proc_root=tmp_path, resolver=JobResolver(run=run, clock=lambda: 0.0))
+        assert m.map([sample(1, (1, 1))])[0].job_ids == (job,)
+        rec = m.job_metadata()[job]
+        assert (rec.user, rec.account) == ("bob", "proj_a")  # Slurm's, not the environment's mallory/physics
+    # the registered mapper asks the real scontrol, and reads no environment
+    made = make_mapper("slurm-cgroup", proc_root=str(tmp_path))
+    assert isinstance(made, SlurmCgroupMapper) and isinstance(made.resolver, JobResolver)
+    assert not made.trust_environ
+
+
+def test_a_job_slurm_does_not_answer_for_goes_by_its_cgroup_id_and_is_asked_again(tmp_path: Path) -> None:
+    make_proc(tmp_path, 1, V1_BATCH, env_bytes("inside-job-cgroupv1-env.txt", **FORGED))
+    answers: dict[tuple[str, ...], str] = {}
+    run = RecordingRun(answers)
+    clock = [0.0]
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=JobResolver(run=run, ttl_s=60, clock=lambda: clock[0]))
+    for _ in range(3):
+        assert m.map([sample(1, (1, 1))])[0].job_ids == ("16",)  # never the environment's 777_3
+    assert m.job_metadata()["16"].account is None
+    assert len(run.calls) == 1  # the miss is cached for the resolver's TTL
+    answers[("scontrol", "show", "job", "-d", "16")] = SCONTROL_16_TASK
+    clock[0] = 61.0
+    assert m.map([sample(1, (1, 1))])[0].job_ids == ("12_4",)
+    assert m.job_metadata()["12_4"].account == "proj_a"
+
+
+def test_one_process_that_fails_to_map_costs_no_other_job_its_gpu(tmp_path: Path) -> None:
+    make_proc(tmp_path, 1, V1_PLAIN)  # job 77
+    make_proc(tmp_path, 2, V2)  # job 4242: Slurm's command fails in a way the resolver does not expect
+
+    def run(argv: Sequence[str]) -> str:
+        if argv[-1] == "4242":
+            raise RuntimeError("boom")
+        raise FileNotFoundError(argv[0])
+
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=JobResolver(run=run, clock=lambda: 0.0))
+    out = m.map([sample(0, (1, 1)), sample(1, (2, 1)), sample(2, (1, 1), (2, 1))])
+    assert [s.job_ids for s in out] == [("77",), (), ("77",)]
+    assert m.skipped["error"] == 1
+
+
+def test_other_scripts_digits_in_a_trusted_environment_are_not_numbers(tmp_path: Path) -> None:
+    # '²'.isdigit() is True and int('²') raises: the job is still mapped, its GPU count and uid left unknown
+    env = env_bytes("inside-job-cgroupv1-env.txt", SLURM_GPUS_ON_NODE="\u00b2", SLURM_JOB_UID="\u0661",
+                    SLURM_JOB_GPUS="0-99999999")
+    env = env.replace(b"SLURM_GPUS_ON_NODE=2\0", b"").replace(b"SLURM_JOB_UID=1002\0", b"")
+    env = env.replace(b"SLURM_JOB_GPUS=1,2\0", b"")
+    make_proc(tmp_path, 1, V1_BATCH, env)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None, trust_environ=True)
+    assert m.map([sample(1, (1, 1))])[0].job_ids == ("16",)
+    rec = m.job_metadata()["16"]
+    assert (rec.uid, rec.user) == (None, "bob")
+    assert m.skipped == {}

@@ -8,9 +8,16 @@ Layouts (a path component ``job_J`` under a Slurm cgroup root):
 - Slurm >= 26.05 names v2 job directories by SLUID (``.../slurmstepd.scope/sEKNKTV3WPV500/...``)
   unless ``CgroupJobIdPaths=yes``; a ``JobResolver`` maps the SLUID back to the job id.
 
+The cgroup is Slurm's, the process environment its user's: a user can start a process with any
+``SLURM_ARRAY_JOB_ID``, ``SLURM_JOB_ACCOUNT`` or ``SLURM_JOB_ID`` (``env SLURM_ARRAY_JOB_ID=777 ./train``), not move
+it to another job's cgroup. So the job id comes from the cgroup, and what the cgroup does not say (an array task's
+name ``1234_7``, the job's user and account, a SLUID's job id) from Slurm itself: the ``JobResolver``
+(``scontrol show job``, once per job). ``/proc/PID/environ`` is read only with ``trust_environ=True`` (a site whose
+users cannot run code there), as a fallback after the resolver.
+
 With proctrack/linuxproc no cgroup names the job (captured: every line is ``/`` or the
-host's own cgroup). ``env_fallback=True`` then reads ``SLURM_JOB_ID`` from ``/proc/PID/environ``;
-it is off by default because a user can set their own environment, not their cgroup.
+host's own cgroup). ``env_fallback=True`` then takes ``SLURM_JOB_ID`` from ``/proc/PID/environ`` (so it trusts the
+environment); it is off by default.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpuledger.agent.sharing import split_shares
 from gpuledger.agent.slurm import SLUID_RE, JobMeta, JobResolver, job_record, parse_job_environ
@@ -32,8 +39,8 @@ log = logging.getLogger(__name__)
 # v1: slurm or slurm_<node> (MULTIPLE_SLURMD); v2: system.slice/slurmstepd.scope, or <node>_slurmstepd.scope
 # (cgroup_v2.c with MULTIPLE_SLURMD)
 _ROOT_RE = re.compile(r"slurm(_[^/]*)?|([^/]+_)?slurmstepd(_[^/]*)?\.scope")
-_JOB_RE = re.compile(r"job_(\d+)")
-_UID_RE = re.compile(r"uid_(\d+)")
+_JOB_RE = re.compile(r"job_([0-9]+)")  # [0-9], not \d: \d takes other scripts' digits, which int() refuses
+_UID_RE = re.compile(r"uid_([0-9]+)")
 _STEP_RE = re.compile(r"step_(\w+)")
 
 
@@ -86,7 +93,7 @@ def parse_cgroup(text: str) -> JobRef | None:
 
 def _job_sort_key(job_id: str) -> tuple[Any, ...]:
     # Numeric order ("9" before "10", "12_2" before "12_10"), text ids after.
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in job_id.split("_"))
+    return tuple((0, int(p), "") if p.isascii() and p.isdigit() else (1, 0, p) for p in job_id.split("_"))
 
 
 def sorted_job_ids(job_ids: Iterable[str]) -> tuple[str, ...]:
@@ -97,23 +104,24 @@ class SlurmCgroupMapper:
     """JobMapper: GPU process pids -> ``<proc_root>/<pid>/cgroup`` -> Slurm job ids.
 
     Jobs on a shared GPU get ``job_shares`` by their processes' GPU memory (all known) or
-    equal. ``skipped`` counts pids that vanished, were unreadable, were not in a job, or had a
-    SLUID nobody could resolve. ``job_metadata()`` gives a JobRecord per job seen in the last
-    ``map`` call, from the process environment (no Slurm call) or else the resolver.
+    equal. ``skipped`` counts pids that vanished, were unreadable, were not in a job, had a
+    SLUID nobody could resolve, or failed otherwise (``error``: one process never costs the others their jobs).
+    ``job_metadata()`` gives a JobRecord per job seen in the last ``map`` call, from the resolver (the real
+    ``scontrol`` by default; None: no Slurm calls), or the process environment with ``trust_environ``.
     """
 
     def __init__(
         self,
         proc_root: str | Path = "/proc",
-        resolver: JobResolver | None = None,
+        resolver: JobResolver | None | Literal["scontrol"] = "scontrol",
         *,
         env_fallback: bool = False,
-        read_environ: bool = True,
+        trust_environ: bool = False,
     ) -> None:
         self.proc_root = Path(proc_root)
-        self.resolver = resolver
+        self.resolver = JobResolver() if resolver == "scontrol" else resolver
         self.env_fallback = env_fallback
-        self.read_environ = read_environ
+        self.trust_environ = trust_environ or env_fallback
         self.skipped: Counter[str] = Counter()
         self._meta: dict[str, JobMeta] = {}
         self._uuids: dict[str, set[str]] = {}
@@ -150,7 +158,7 @@ class SlurmCgroupMapper:
             raw = ref.job_id
         elif ref is not None and ref.sluid is not None:
             raw = self.resolver.job_id_for_sluid(ref.sluid) if self.resolver else None
-            if raw is None and self.read_environ:
+            if raw is None and self.trust_environ:
                 env_meta = self._environ_meta(pid)
                 raw = env_meta["raw_job_id"] if env_meta else None
             if raw is None:
@@ -166,22 +174,20 @@ class SlurmCgroupMapper:
         return cache[pid]
 
     def _job_id(self, raw: str, pid: int, env_meta: JobMeta | None) -> str:
-        """The job's id as accounting names it ("1234_7" for array tasks), plus its metadata.
-
-        The environment is read once per job (not per pid per cycle): it is cheap and needs no
-        Slurm call; the resolver is the fallback when the agent may not read it.
-        """
+        """The job's id as accounting names it ("1234_7" for array tasks), plus its metadata: Slurm's (the
+        resolver), else (``trust_environ``) the environment's. Asked once per job, not per pid per cycle; a job
+        Slurm did not answer for goes by its cgroup's id and is asked again later (the resolver's cache bounds how
+        often)."""
         if raw in self._raw_to_id:
             return self._raw_to_id[raw]
-        meta = env_meta
-        if meta is None and self.read_environ:
-            meta = self._environ_meta(pid)
-        if meta is not None and meta.get("raw_job_id") != raw:
-            meta = None  # a process can carry a stale SLURM_JOB_ID (e.g. nested sbatch)
-        if meta is None and self.resolver is not None:
-            meta = self.resolver.meta(raw)
+        meta = self.resolver.meta(raw) if self.resolver is not None else None
+        if meta is None and self.trust_environ:
+            meta = env_meta or self._environ_meta(pid)
+            if meta is not None and meta.get("raw_job_id") != raw:
+                meta = None  # a process can carry a stale SLURM_JOB_ID (e.g. nested sbatch)
         job_id = str(meta["job_id"]) if meta and meta.get("job_id") else raw
-        self._raw_to_id[raw] = job_id
+        if meta is not None or self.resolver is None:
+            self._raw_to_id[raw] = job_id
         if meta is not None:
             self._meta[job_id] = meta
         return job_id
@@ -195,7 +201,13 @@ class SlurmCgroupMapper:
         for s in samples:
             mem: dict[str, int | None] = {}
             for proc in s.processes:
-                job = self._job_of_pid(proc.pid, pid_cache)
+                try:
+                    job = self._job_of_pid(proc.pid, pid_cache)
+                except Exception:  # noqa: BLE001 - whatever one process holds, the GPU's other jobs stay mapped
+                    log.warning("mapping pid %d failed", proc.pid, exc_info=True)
+                    self.skipped["error"] += 1
+                    pid_cache[proc.pid] = None
+                    continue
                 if job is None:
                     continue
                 prev = mem.get(job, 0)
