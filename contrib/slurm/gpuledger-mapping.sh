@@ -35,8 +35,18 @@ gl_gpu_indexes() {
     done
 }
 
+# The job's name as sacct, the ledger and the slurm-cgroup mapper give it: an array task is
+# <array job>_<task> (1234_7), not its own raw SLURM_JOB_ID (1236). slurmd sets both variables
+# for a prolog and epilog of an array task.
+gl_job_name() {
+    case "${SLURM_ARRAY_JOB_ID:-}${SLURM_ARRAY_TASK_ID:-x}" in
+        *[!0-9]*) echo "$SLURM_JOB_ID" ;;
+        *) echo "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" ;;
+    esac
+}
+
 # gl_update DIR FILE MODE LINE: MODE "add" appends LINE unless present, "remove" drops every
-# line whose first word is the job id. Shared GPUs: several jobs' prologs and epilogs run at
+# line whose first word is the job's name or raw id. Shared GPUs: several jobs' prologs and epilogs run at
 # once on a node, so updates are serialised by a lock and written through a rename, so that
 # a reader never sees half a file. A file left empty is removed.
 gl_update() {
@@ -46,7 +56,7 @@ gl_update() {
     (
         flock -w 10 9 || { gl_log "lock timeout on $dir"; exit 1; }
         if [ -f "$file" ]; then
-            awk -v job="${SLURM_JOB_ID}" '$1 != job' "$file" > "$tmp" || exit 1
+            awk -v job="$(gl_job_name)" -v raw="${SLURM_JOB_ID}" '$1 != job && $1 != raw' "$file" > "$tmp" || exit 1
         else
             : > "$tmp" || exit 1
         fi
@@ -84,7 +94,7 @@ gl_apply() {
     umask 022
     if [ -n "$GPULEDGER_DCGM_DIR" ] && mkdir -p "$GPULEDGER_DCGM_DIR" 2>/dev/null; then
         for name in $(gl_names "$GPULEDGER_DCGM_DIR" "$mode"); do
-            gl_update "$GPULEDGER_DCGM_DIR" "$name" "$mode" "$SLURM_JOB_ID" || rc=1
+            gl_update "$GPULEDGER_DCGM_DIR" "$name" "$mode" "$(gl_job_name)" || rc=1
         done
     elif [ -n "$GPULEDGER_DCGM_DIR" ]; then
         gl_log "cannot create $GPULEDGER_DCGM_DIR"; rc=1
@@ -93,7 +103,7 @@ gl_apply() {
         gl_log "job $SLURM_JOB_ID: SLURM_JOB_UID unset, jobstats format skipped"; rc=1
     elif [ -n "$GPULEDGER_JOBSTATS_DIR" ] && mkdir -p "$GPULEDGER_JOBSTATS_DIR" 2>/dev/null; then
         for name in $(gl_names "$GPULEDGER_JOBSTATS_DIR" "$mode"); do
-            gl_update "$GPULEDGER_JOBSTATS_DIR" "$name" "$mode" "$SLURM_JOB_ID ${SLURM_JOB_UID:-}" || rc=1
+            gl_update "$GPULEDGER_JOBSTATS_DIR" "$name" "$mode" "$(gl_job_name) ${SLURM_JOB_UID:-}" || rc=1
         done
     elif [ -n "$GPULEDGER_JOBSTATS_DIR" ]; then
         gl_log "cannot create $GPULEDGER_JOBSTATS_DIR"; rc=1

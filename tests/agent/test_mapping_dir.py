@@ -171,8 +171,8 @@ def test_unreadable_file_is_skipped(tmp_path: Path) -> None:
 
 
 def run_script(name: str, tmp_path: Path, job: str, uid: str | None,
-               gpus: str | None) -> subprocess.CompletedProcess[str]:
-    env = {
+               gpus: str | None, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**extra,
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "GPULEDGER_MAPPING_CONF": str(tmp_path / "no-such.conf"),
         "GPULEDGER_DCGM_DIR": str(tmp_path / "dcgm"),
@@ -208,6 +208,20 @@ def test_prolog_epilog_write_and_remove_both_formats(tmp_path: Path) -> None:
     # An epilog without SLURM_JOB_GPUS still finds its job's lines.
     assert run_script("epilog.sh", tmp_path, "17", "1003", None).returncode == 0
     assert listing(tmp_path / "dcgm") == {} and listing(tmp_path / "jobstats") == {}
+
+
+def test_an_array_task_is_written_by_its_array_name_and_removed_by_it(tmp_path: Path) -> None:
+    # task 7 of array 1234 is raw job 1236: sacct, the ledger and slurm-cgroup name it 1234_7
+    task = {"SLURM_ARRAY_JOB_ID": "1234", "SLURM_ARRAY_TASK_ID": "7"}
+    assert run_script("prolog.sh", tmp_path, "1236", "1002", "0", **task).returncode == 0
+    assert run_script("prolog.sh", tmp_path, "1240", "1002", "0").returncode == 0
+    assert listing(tmp_path / "dcgm") == {"0": "1234_7\n1240\n"}
+    assert listing(tmp_path / "jobstats") == {"0": "1234_7 1002\n1240 1002\n"}
+    assert [s.job_ids for s in MappingDirMapper(tmp_path / "dcgm").map([sample(0)])] == [("1234_7", "1240")]
+    # a raw id line left by an earlier prolog goes too
+    (tmp_path / "dcgm" / "1").write_text("1236\n")
+    assert run_script("epilog.sh", tmp_path, "1236", "1002", None, **task).returncode == 0
+    assert listing(tmp_path / "dcgm") == {"0": "1240\n"} and listing(tmp_path / "jobstats") == {"0": "1240 1002\n"}
 
 
 def test_epilog_does_not_remove_a_job_whose_id_is_a_prefix(tmp_path: Path) -> None:
