@@ -106,6 +106,7 @@ class FakeGpu:
     mem_used: int = 0  # bytes used by allocations (v2 ``used``); v1 ``used`` adds ``mem_reserved``
     mem_reserved: int = 0  # driver/firmware reserve (NVML v2 ``reserved``)
     power_w: float = 70.0
+    power_limit_w: float = 700.0  # enforced
     energy_mj: float = 1.0e8  # counter value at the scenario's start
     gpu_util: int = 0
     mem_util: int = 0
@@ -458,6 +459,10 @@ class FakeNvml:
     @_api
     def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
         return int(round(self._state(handle).spec.power_w * 1000))  # mW
+
+    @_api
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: _Handle) -> int:
+        return int(round(self._state(handle).spec.power_limit_w * 1000))  # mW
 
     @_api
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:

@@ -21,8 +21,12 @@ counters' deltas sum to the GPU's counter delta; the whole-GPU sample of a MIG G
   dynamic part is split by slice fraction too. Slice fractions come from the profile name ("3g.40gb" = 3/7;
   an A30 has 4 slices); unknown profiles count as equal slices.
 
-So a job on an instance is charged its share, the sum over instances equals the GPU exactly, and nothing
-downstream can count the GPU twice. (Per-GPU power on a dashboard is the sum over the GPU's instances.)
+So the sum over instances equals the GPU exactly, and nothing downstream can count the GPU twice. (Per-GPU
+power on a dashboard is the sum over the GPU's instances.) These activity-weighted shares are what the agent's
+/metrics and the stored series show per instance; they are **not** what a job is charged. The ledger's rule is
+the collector's (``collector.aggregate.normalize_mig``, the reference): it sums the instances' counters back into
+the GPU's and shares it among the instances by slice size, so a node cannot move energy between the jobs on its
+instances, and a source that sends only the GPU's counter is charged the same way.
 
 The virtual counters live in this stage: after an agent restart they start again from the GPU's counter split
 by slice, so an instance's counter can step back or forward by the difference between its activity-weighted

@@ -64,7 +64,7 @@ class GpuSample:
     gpu_uuid: str
     gpu_index: int
     model: str = ""
-    mig: str | None = None  # "<gi>.<ci>" (or a MIG profile id) for a MIG instance, else None
+    mig: str | None = None  # the MIG GPU instance id ("3", as NVML and dcgm-exporter's GPU_I_ID), else None
     sm_active_ratio: float | None = None
     sm_occupancy_ratio: float | None = None
     dram_bw_ratio: float | None = None  # HBM/DRAM bandwidth utilisation

@@ -38,7 +38,7 @@ def test_field_table_is_consistent() -> None:
 def test_values_to_samples_converts_units() -> None:
     values = {
         0: {54: "GPU-aaaa", 50: "NVIDIA A100-SXM4-80GB", 52: 0, 1002: 0.91, 1003: 0.42, 1004: 0.33, 1005: 0.61,
-            155: 312.5, 156: 179_000_000, 203: 97, 204: 40, 250: 81920, 252: 40960, 150: 61, 100: 1410,
+            155: 312.5, 164: 400.0, 156: 179_000_000, 203: 97, 204: 40, 250: 81920, 252: 40960, 150: 61, 100: 1410,
             101: 1593, 112: 4, 230: 0, 311: 1, 393: 2, 394: 5, 1009: 5_000_000, 200: 999},
         1: {54: b"GPU-bbbb", 52: 1, 155: 61.2, 150: DCGM_INT64_BLANK + 2, 1002: 1.0000003, 230: 48},
         2: {155: 70.0},  # no UUID field: the reader's gpuId -> UUID map names it
@@ -48,7 +48,8 @@ def test_values_to_samples_converts_units() -> None:
     assert (a.gpu_uuid, a.gpu_index, a.model, a.host, a.ts, a.source) == (
         "GPU-aaaa", 0, "NVIDIA A100-SXM4-80GB", "n1", 10.0, "dcgm")
     assert (a.sm_active_ratio, a.sm_occupancy_ratio, a.tensor_active_ratio, a.dram_bw_ratio) == (0.91, 0.42, 0.33, 0.61)
-    assert a.power_watts == 312.5 and a.energy_joules == 179_000.0
+    assert a.power_watts == 312.5 and a.energy_joules == 179_000.0 and a.power_limit_watts == 400.0
+    assert b.power_limit_watts is None
     assert a.gpu_util_ratio == 0.97 and a.mem_copy_util_ratio == 0.40
     assert (a.mem_total_bytes, a.mem_used_bytes) == (81920 * MIB, 40960 * MIB)
     assert (a.temp_celsius, a.sm_clock_hz, a.mem_clock_hz) == (61.0, 1410e6, 1593e6)

@@ -38,7 +38,8 @@ def _open(lib: FakeNvml, clock: Clock, **kw) -> NvmlSource:
 
 def test_converts_every_field_to_si_units() -> None:
     clock = Clock()
-    gpu = FakeGpu("GPU-x", mem_total=81559 * MIB, mem_used=74166 * MIB, power_w=113.611, energy_mj=4742776,
+    gpu = FakeGpu("GPU-x", mem_total=81559 * MIB, mem_used=74166 * MIB, power_w=113.611, power_limit_w=72.0,
+                  energy_mj=4742776,
                   gpu_util=87, mem_util=35, temp_c=31, sm_clock_mhz=1980, mem_clock_mhz=2619, clock_reasons=0x4,
                   ecc_uncorrected=2, remapped_rows=(3, 1, 0, 0), pcie_tx_kbps=1000, pcie_rx_kbps=2,
                   gpm=busy_gpm(sm=80, occ=30, dram=60, tensor=50, fp64=1, fp32=20, fp16=3),
@@ -56,6 +57,7 @@ def test_converts_every_field_to_si_units() -> None:
     assert s.gpu_util_ratio == pytest.approx(0.87) and s.mem_copy_util_ratio == pytest.approx(0.35)
     assert (s.mem_used_bytes, s.mem_total_bytes) == (74166 * MIB, 81559 * MIB)
     assert s.power_watts == pytest.approx(113.611)
+    assert s.power_limit_watts == 72.0  # mW -> W: the collector's bound on each energy-counter step
     assert s.energy_joules == pytest.approx(4742.776 + 2 * 113.611, abs=1e-3)  # mJ -> J, grown over 2 s
     assert s.temp_celsius == 31.0
     assert (s.sm_clock_hz, s.mem_clock_hz) == (1.98e9, 2.619e9)

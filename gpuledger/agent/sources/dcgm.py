@@ -91,6 +91,8 @@ DCGM_FIELDS: tuple[DcgmField, ...] = (
     DcgmField(155, "DCGM_FI_DEV_POWER_USAGE", "power_watts", 1.0, True, double=True,  # W
               new_name="DCGM_FI_DEV_BOARD_POWER_WATTS"),
     DcgmField(156, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "energy_joules", 1e-3, True),  # mJ
+    # the limit after every limiter (dcgm_fields.h); the collector bounds energy-counter steps by it
+    DcgmField(164, "DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "power_limit_watts", 1.0, True, double=True),  # W
     DcgmField(200, "DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "pcie_tx_bytes_per_second", 1024.0, True),  # KB/s
     DcgmField(201, "DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "pcie_rx_bytes_per_second", 1024.0, True),
     # Field 203 stays an int64 percentage under its 4.6 name (dcgm_fields.h: DCGM_FT_INT64).

@@ -333,6 +333,9 @@ class NvmlSource:
         mem = self._versioned(gpu, "memory", _MEMORY, h, field="mem_used_bytes")
         util = None if mig else call(gpu, "nvmlDeviceGetUtilizationRates", h, field="gpu_util_ratio")
         power = call(gpu, "nvmlDeviceGetPowerUsage", h, field="power_watts")
+        # the collector bounds each energy-counter step by it (a step above limit x elapsed is not trusted); read
+        # every cycle: `nvidia-smi -pl` changes it while jobs run
+        limit = call(gpu, "nvmlDeviceGetEnforcedPowerLimit", h, field="power_limit_watts")
         energy = call(gpu, "nvmlDeviceGetTotalEnergyConsumption", h, field="energy_joules")
         temp = self._versioned(gpu, "temperature", _TEMPERATURE, h, _TEMPERATURE_GPU, field="temp_celsius")
         sm_clock = call(gpu, "nvmlDeviceGetClockInfo", h, _CLOCK_SM, key="nvmlDeviceGetClockInfo(SM)",
@@ -365,6 +368,7 @@ class NvmlSource:
             mem_used_bytes=None if mem is None else int(mem.used),
             mem_total_bytes=None if mem is None else int(mem.total),
             power_watts=None if power is None else power / 1000.0,  # mW -> W
+            power_limit_watts=None if limit is None else limit / 1000.0,  # mW -> W
             energy_joules=None if energy is None else energy / 1000.0,  # mJ -> J
             temp_celsius=None if temp is None else float(temp),
             sm_clock_hz=None if sm_clock is None else sm_clock * 1e6,  # MHz -> Hz
