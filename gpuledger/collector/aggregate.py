@@ -14,8 +14,9 @@ statement of them):
   of its end.
 * **Energy of an interval**: the counter delta ``ce - pe`` when both samples carry the counter and
   ``0 <= ce - pe <= cap * dt``, where ``cap`` is the GPU's power limit: the sample's ``power_limit_watts``
-  when reported (never above the configured cap), else the configured cap for the model (``power_caps``:
-  the exact model name, else the longest pattern contained in it) or ``power_cap_w``. A counter that went
+  times ``LIMIT_HEADROOM`` (1.1) when reported (never above the configured cap), else the configured cap for
+  the model (``power_caps``: the exact model name, else the longest pattern contained in it) or
+  ``power_cap_w``. A counter that went
   backwards (reset, driver reload, another source, a replaced GPU) or jumped by more than that is not
   trusted: the interval takes the power integral ``min(power, cap) * dt`` (0 J without a power reading)
   and counts one **counter anomaly** (per GPU and hour). Without a counter the power integral is used. So
@@ -96,6 +97,18 @@ TOO_LATE = "too_late"
 
 def gpu_key(s: GpuSample) -> GpuKey:
     return (s.host, s.gpu_uuid, s.mig or "")
+
+
+# A GPU at its enforced power limit (where training jobs run) averages a little above it over a second or two (the
+# driver caps a longer average; its energy counter and our sample times are read a few ms apart): a counter step
+# is trusted up to this much beyond limit x elapsed, so honest intervals at the limit are not counter anomalies.
+LIMIT_HEADROOM = 1.1
+
+
+def _limit_caps(limits: np.ndarray, conf: np.ndarray) -> np.ndarray:
+    """:meth:`Aggregator.cap_w` of many rows: each row's reported limit (with the headroom) where it has one, never
+    above its configured cap."""
+    return np.where(limits > 0, np.minimum(limits * LIMIT_HEADROOM, conf), conf)
 
 
 class UsageAcc:
@@ -585,7 +598,8 @@ class Aggregator:
         self.small_series_rows = _SMALL_ROWS
 
     def cap_w(self, model: str, limit: float | None = None) -> float:
-        """The most a GPU of ``model`` can draw (W): its reported limit, never above the configured cap."""
+        """The most a GPU of ``model`` can draw (W): its reported limit (with ``LIMIT_HEADROOM``), never above the
+        configured cap."""
         conf = self._model_caps.get(model)
         if conf is None:
             conf = self.power_caps.get(model)
@@ -593,7 +607,7 @@ class Aggregator:
                 hits = [p for p in self.power_caps if p and p in model]
                 conf = self.power_caps[max(hits, key=len)] if hits else self.power_cap_w
             self._model_caps[model] = conf
-        return conf if limit is None or not limit > 0 else min(limit, conf)
+        return conf if limit is None or not limit > 0 else min(limit * LIMIT_HEADROOM, conf)
 
     # -- accumulators -------------------------------------------------------------------------
     def _usage(self, key: UsageKey) -> UsageAcc:
@@ -996,7 +1010,7 @@ class Aggregator:
         caps = np.empty_like(ts)
         caps[:, 0] = [cap_w(m) for m in before]
         caps[:, 1:] = np.array([cap_w(x.model or m) for x, m in zip(xs, before)])[:, None]
-        caps = np.where(limit > 0, np.minimum(limit, caps), caps)
+        caps = _limit_caps(limit, caps)
         counter = ~np.isnan(energy) & ~np.isnan(prev_e)
         delta = energy - prev_e
         watermarks = np.array([-math.inf if g is None else g.watermark for g in states])
@@ -1157,12 +1171,12 @@ class Aggregator:
             conf[k] = self.cap_w(model)
             if m:
                 model = m
-        return np.where(limits > 0, np.minimum(limits, conf), conf)
+        return _limit_caps(limits, conf)
 
     def _series_caps(self, g_model: str, model: str, n: int, limits: np.ndarray) -> np.ndarray:
         conf = np.full(n, self.cap_w(model or g_model))
         conf[0] = self.cap_w(g_model)
-        return np.where(limits > 0, np.minimum(limits, conf), conf)
+        return _limit_caps(limits, conf)
 
     def _clean(self, anchor: tuple[float, float] | None, ts: np.ndarray, energy: np.ndarray, caps: np.ndarray) -> bool:
         """Whether every interval ending at these rows is observed (no gap) and every counter delta trusted:

@@ -99,7 +99,8 @@ def test_reset_to_zero_without_power_charges_nothing_for_that_interval():
 
 
 def test_reported_power_limit_bounds_the_counter_but_never_raises_the_cap():
-    # limit 200 W: +3000 J in 10 s is more than 2000 J -> untrusted, power 250 W clipped to 200 W -> 2000 J.
+    # limit 200 W (x 1.1 headroom: 220 W): +3000 J in 10 s is more than 2200 J -> untrusted, power 250 W clipped
+    # to 220 W -> 2200 J.
     # limit 5000 W reported but cap 1500 W (default): +16000 J in 10 s > 15000 J -> untrusted, no power -> 0.
     agg = feed(
         [
@@ -108,8 +109,18 @@ def test_reported_power_limit_bounds_the_counter_but_never_raises_the_cap():
             S(20, energy_joules=19000.0, power_limit_watts=5000.0, job_ids=("j",)),
         ]
     )
-    assert usage(agg)[("j", "h1", "G0")].energy_joules == pytest.approx(2000.0)
+    assert usage(agg)[("j", "h1", "G0")].energy_joules == pytest.approx(2200.0)
     assert agg.gpus[("h1", "G0", "")].anomalies == 2
+
+
+def test_an_honest_gpu_at_its_power_limit_is_no_counter_anomaly():
+    # 700 W enforced; the counter shows 720 W over these 10 s (sample-time jitter, the driver's averaging window)
+    agg = feed([S(0, energy_joules=0.0, power_limit_watts=700.0, job_ids=("j",)),
+                S(10, energy_joules=7200.0, power_watts=700.0, power_limit_watts=700.0, job_ids=("j",)),
+                S(20, energy_joules=7200.0 + 7800.0, power_watts=700.0, power_limit_watts=700.0, job_ids=("j",))])
+    # the first step is trusted; the second (780 W) is past 770 W and is not: 700 W x 10 s
+    assert usage(agg)[("j", "h1", "G0")].energy_joules == pytest.approx(7200.0 + 7000.0)
+    assert agg.gpus[("h1", "G0", "")].anomalies == 1
 
 
 def test_cap_lookup_exact_then_longest_pattern():
@@ -117,7 +128,8 @@ def test_cap_lookup_exact_then_longest_pattern():
     assert agg.cap_w("NVIDIA A100-SXM4-80GB") == 500.0
     assert agg.cap_w("NVIDIA A100-PCIE-40GB") == 400.0
     assert agg.cap_w("NVIDIA A10") == 150.0
-    assert agg.cap_w("H200") == 1500.0 and agg.cap_w("H200", 700.0) == 700.0 and agg.cap_w("H200", 0.0) == 1500.0
+    assert agg.cap_w("H200") == 1500.0 and agg.cap_w("H200", 700.0) == pytest.approx(770.0)
+    assert agg.cap_w("H200", 0.0) == 1500.0 and agg.cap_w("H200", 1400.0) == 1500.0
 
 
 def test_gap_held_by_the_same_jobs_is_theirs_spread_over_hours():
@@ -387,7 +399,7 @@ def reference(samples: list[GpuSample], max_gap_s: float = 60.0, cap_w: float = 
         for prev, cur in zip(seq, seq[1:]):
             dt = cur.ts - prev.ts
             observed = dt <= max_gap_s
-            cap = min(cap_w, cur.power_limit_watts) if cur.power_limit_watts else cap_w
+            cap = min(cap_w, cur.power_limit_watts * 1.1) if cur.power_limit_watts else cap_w
             power = cur.power_watts * dt if cur.power_watts is not None and observed else 0.0
             if cur.power_watts is not None and cur.power_watts > cap:
                 power = cap * dt if observed else 0.0
