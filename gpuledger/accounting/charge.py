@@ -29,7 +29,7 @@ instance's GPU-seconds as its compute-slice fraction (3g = 3/7), and a Slurm all
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -95,6 +95,39 @@ def allocation(record: JobRecord | None, now: float) -> dict[str, float] | None:
     if rest > 0:
         out[record.gpu_model if record.gpu_model and not typed else ""] = rest * elapsed  # type: ignore[union-attr]
     return out
+
+
+def bounded_weight(model: str, alloc: Mapping[str, float] | None, weight: Callable[[str], float]) -> float:
+    """A measured GPU's weight (a fairshare model weight, a report's price): ``weight(model)``, the model as the
+    agent named it, unless Slurm's record (``alloc``, :func:`allocation`) gave the job typed GPUs
+    (``gres/gpu:<type>``, a model rather than a MIG profile) and the agent's model weighs as none of them: Slurm's
+    record is the authority on what the job held, and a node may misname its GPU. Then Slurm's type's weight (the
+    allocation's mean weight over several types)."""
+    w = weight(model)
+    typed = {m: s for m, s in (alloc or {}).items() if m and slice_fraction(m) is None}
+    if not typed:
+        return w
+    allowed = {weight(m) for m in typed}
+    if w in allowed:
+        return w
+    if len(allowed) == 1:
+        return next(iter(allowed))
+    total = math.fsum(typed.values())
+    return math.fsum(s * weight(m) for m, s in typed.items()) / total if total > 0 else w
+
+
+def _model_words(name: str) -> list[str]:
+    """A GPU model's name as words: lowercase, ``_`` and ``-`` as spaces, without a leading ``nvidia``."""
+    words = name.lower().replace("_", " ").replace("-", " ").split()
+    return words[1:] if words[:1] == ["nvidia"] else words
+
+
+def gres_names(gres: str, model: str) -> bool:
+    """Whether a Slurm gres type (``nvidia_h200``, ``h100``, ``a100-sxm4-80gb``) names a measured model
+    (``NVIDIA H200``, ``NVIDIA H100 80GB HBM3``): each of its words is one of the model's, so ``a10`` is not an
+    ``A100``."""
+    want, have = _model_words(gres), set(_model_words(model))
+    return bool(want) and all(w in have for w in want)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,21 +202,9 @@ class ChargePolicy:
         return self.floor * u.allocated_gpu_seconds + (1.0 - self.floor) * u.sm_active_gpu_seconds
 
     def measured_weight(self, u: JobUsage, alloc: Mapping[str, float] | None = None) -> float:
-        """A usage record's weight: its model's, as the agent named it, unless Slurm's record (``alloc``,
-        :func:`allocation`) gave the job typed GPUs (``gres/gpu:<type>``, a model rather than a MIG profile) and
-        the agent's model weighs as none of them: Slurm's record is the authority on what the job held, and a
-        node may misname its GPU. Then Slurm's type's weight (the allocation's mean weight over several types)."""
-        w = self.weight(u.model)
-        typed = {m: s for m, s in (alloc or {}).items() if m and slice_fraction(m) is None}
-        if not typed:
-            return w
-        allowed = {self.weight(m) for m in typed}
-        if w in allowed:
-            return w
-        if len(allowed) == 1:
-            return next(iter(allowed))
-        total = math.fsum(typed.values())
-        return math.fsum(s * self.weight(m) for m, s in typed.items()) / total if total > 0 else w
+        """A usage record's weight: :func:`bounded_weight` of its model, the job's allocation and the model
+        weights."""
+        return bounded_weight(u.model, alloc, self.weight)
 
     def charge(self, u: JobUsage, alloc: Mapping[str, float] | None = None) -> float:
         """The charged amount of one usage record's measurements (per GPU or per job); ``alloc``: the job's

@@ -3,10 +3,11 @@
 Per account, node and GPU model, over a period:
 
 - ``slurm_gpu_hours``: Slurm-allocated GPU-hours (elapsed x GPUs) of the jobs that ended in the period (the
-  period rule of ``report.period``); a multi-node job's allocation is split evenly over its nodes (sacct's
-  AllocTRES is the job's total, not per node),
+  period rule of ``report.period``), split over nodes and GPU models as ``report usage`` splits them
+  (``report.allocation``: sacct's AllocTRES is the job's total, not per node),
 - ``observed_gpu_hours``: GPU-hours in which an agent saw the job on that node's GPUs,
-- ``coverage`` = observed / Slurm-allocated, ``unmeasured_gpu_hours`` = allocated - observed (never below 0),
+- ``coverage`` = observed / Slurm-allocated, ``unmeasured_gpu_hours``: a row's share of its jobs' allocated -
+  observed (never below 0), so the totals are the jobs' own (``jobs list``, ``report usage``),
 - on rows of account ``(no job)``: ``unattributed_gpu_hours``, GPU-time the collector observed with no job on the
   GPU, and ``unattributed_energy_kwh``, the energy the collector charged to no job (``gpu_energy``: its hourly
   buckets' energy minus their jobs' energy, exact, not estimated) less the gap energy that Slurm's records
@@ -20,8 +21,9 @@ Per account, node and GPU model, over a period:
 - ``counter_anomalies``: energy-counter intervals not trusted (steps back, implausible jumps), per physical GPU
   from the collector's hourly buckets; None only when the collector's per-GPU energy was not given.
 
-A GPU model is the measured one; a Slurm GRES type (``h200``) joins the measured model that contains it
-(``NVIDIA H200``), else stands as it is.
+A GPU model is the measured one; a Slurm GRES type joins the measured model it names (``charge.gres_names``:
+``nvidia_h200`` names ``NVIDIA H200``), else, on a node, the measured model no type of the job names (a node that
+misnames its GPU), else stands as it is; an untyped allocation joins the node's measured models.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from gpuledger.accounting.charge import allocation
 from gpuledger.accounting.gaps import GapAttribution
 from gpuledger.accounting.ledger import LedgerEntry
+from gpuledger.accounting.report.allocation import allocation_cells
 from gpuledger.accounting.report.period import ALL_TIME, Period, job_end
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
@@ -86,14 +89,6 @@ class _Acc:
         self.anomalies: list[int] | None = None
 
 
-def _model_for(gres: str, measured: Iterable[str]) -> str:
-    low = gres.lower()
-    for m in measured:
-        if m and low and low in m.lower():
-            return m
-    return gres or next((m for m in measured if m), "") or "(unknown)"
-
-
 def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, Any]], period: Period = ALL_TIME,
               now: float | None = None, gpu_energy: Iterable[Mapping[str, Any]] | None = None,
               gaps: GapAttribution | None = None) -> Reconciliation:
@@ -114,31 +109,29 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
         if t is None or not period.start <= t < period.end:
             continue
         account = e.account
-        measured_models = [u.model for u in e.measured]
+        gpus = e.measured
         # observed, per node and model
         observed: dict[tuple[str, str], float] = {}
-        if e.usage is not None:
-            for u in e.measured:
-                key = (u.host, u.model or "(unknown)")
-                observed[key] = observed.get(key, 0.0) + u.allocated_gpu_seconds
-        # Slurm's allocation, per node and model
-        allocated: dict[tuple[str, str], float] = {}
+        for u in gpus:
+            key = (u.host, u.model or "(unknown)")
+            observed[key] = observed.get(key, 0.0) + u.allocated_gpu_seconds
+        # Slurm's allocation per node and model, as `report usage` splits it; its unmeasured part adds up to the
+        # job's (allocated - observed, as `jobs list` counts it)
+        allocated: dict[tuple[str, str], tuple[float, float]] = {}
         alloc = allocation(e.record, min(now, period.end))
-        if alloc is not None:
-            hosts = (e.record.hosts if e.record is not None else ()) or ("(unknown)",)
-            for gres, seconds in alloc.items():
-                model = _model_for(gres, measured_models)
-                for h in hosts:
-                    allocated[(h, model)] = allocated.get((h, model), 0.0) + seconds / len(hosts)
+        if alloc:
+            seen = e.usage.allocated_gpu_seconds if e.usage is not None else 0.0
+            missing = max(0.0, math.fsum(alloc.values()) - seen)
+            for (h, m), cell_s in allocation_cells(e.record, alloc, gpus, missing).items():
+                allocated[(h, m or "(unknown)")] = cell_s
         for node, model in set(observed) | set(allocated):
             a = cell(account, node, model)
             a.jobs.add(e.key)
-            o = observed.get((node, model), 0.0)
-            a.observed.append(o)
+            a.observed.append(observed.get((node, model), 0.0))
             if (node, model) in allocated:
-                s = allocated[(node, model)]
+                s, short = allocated[(node, model)]
                 a.slurm.append(s)
-                a.unmeasured.append(max(0.0, s - o))
+                a.unmeasured.append(short)
     # per physical GPU (host, uuid): a MIG GPU's instance keys and its whole-GPU key are one GPU
     physical: dict[tuple[str, str], list[float]] = {}  # -> [observed s, job-carrying s]
     models: dict[tuple[str, str], str] = {}  # the whole-GPU key's model, else an instance's
@@ -176,7 +169,8 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
     rows = [_row(k, [a]) for k, a in sorted(acc.items())]
     total = _row((TOTAL, "", ""), list(acc.values()))
     notes: tuple[str, ...] = (
-        "multi-node allocations are split evenly over their nodes",
+        "multi-node allocations are split evenly over their nodes (by GPU count where every GPU was measured), "
+        "then over the GPU models measured there",
         "unattributed energy: the collector's energy charged to no job, less gap energy reassigned to the jobs "
         "Slurm says held the node's GPUs (reassigned kWh, on the job's account)")
     if gpu_energy is None:

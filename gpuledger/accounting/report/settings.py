@@ -24,7 +24,10 @@ idle_threshold = 0.05            # a GPU whose mean SM activity is below this is
 retention_days = 365             # job records that ended longer ago get pseudonymous user names
 [report.price_per_gpu_hour]      # price per allocated GPU-hour by model: exact name, else the longest
 default = 1.0                    # case-insensitive substring of the model ("H200" matches "NVIDIA H200"; ties
-"H200" = 3.2                     # by name, as accounting.charge's model_weights), else `default`
+"H200" = 3.2                     # by name, as accounting.charge's model_weights), else `default`. A measured
+                                 # GPU's model as fairshare weighs it (Slurm's typed gres over a node's name for
+                                 # it); allocated GPU-hours no agent observed at the price of Slurm's model
+                                 # (`default` when Slurm names none): never free
 [report.rules]                   # efficiency notes of `report job` (see accounting.jobreport.Rules)
 """
 

@@ -1,7 +1,9 @@
 """The usage report over a period, grouped by account, user, partition, GPU model or node (issue 6).
 
-Jobs are selected by the period rule (``report.period``). Every sum is ``math.fsum`` over the job (or per-GPU)
-records, so the totals row is exactly the sum of the records.
+Jobs are selected by the period rule (``report.period``). Every grouping reads a job's per-GPU usage records and
+its Slurm allocation per node and model (``report.allocation``), so every grouping has the same totals; the cost
+covers every allocated GPU-hour, measured or not. Every sum is ``math.fsum`` over those records, so the totals row
+is exactly the sum of the records.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from dataclasses import asdict, dataclass
 from itertools import chain
 from typing import Any
 
-from gpuledger.accounting.charge import allocated_gpu_seconds, physical_gpus
+from gpuledger.accounting.charge import allocation, bounded_weight
 from gpuledger.accounting.ledger import LedgerEntry
+from gpuledger.accounting.report.allocation import allocation_cells
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
 from gpuledger.accounting.report.period import ALL_TIME, Period
 from gpuledger.accounting.report.settings import ReportSettings
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
-from gpuledger.schema.records import JobRecord, JobUsage
+from gpuledger.schema.records import JobUsage
 
 GROUP_BY: tuple[str, ...] = ("account", "user", "partition", "model", "node")
 TOTAL = "TOTAL"
@@ -70,34 +73,32 @@ class _GroupColumns:
     one group lie scattered in memory.
     """
 
-    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured", "job_keys")
+    __slots__ = ("values", "co2e_kg", "waits", "jobs", "unmeasured")
 
     def __init__(self) -> None:
         self.values = array("d")
         self.co2e_kg, self.waits = array("d"), array("d")
         self.jobs = self.unmeasured = 0
-        self.job_keys: set[tuple[str, str]] = set()  # by node only: a job on several GPUs of a node is one job there
 
 
 # Column order in _GroupColumns.values. HBM_WEIGHTED and HBM_SECONDS are 0 where HBM is not reported (adding 0
-# leaves an fsum exact).
-# SLURM_S and UNMEASURED_S: Slurm-allocated GPU-seconds of the job and the part no agent observed (0 for a job
-# without a scheduler record). By node they are the node's share of the job's allocation, on a record of their own
-# (0 on the per-GPU usage records), so that the node rows add up to the totals row (see _node_allocation).
+# leaves an fsum exact). A job's per-GPU usage records carry the measured columns; its Slurm allocation goes on
+# records of its own (``report.allocation``: per node and model), with SLURM_S and UNMEASURED_S, the allocated
+# GPU-seconds and the part no agent observed, and PRICED_S's share for that unmeasured part, so that the rows of
+# every grouping add up to the same totals row.
 ALLOCATED_S, ACTIVE_S, ENERGY_J, HBM_WEIGHTED, HBM_SECONDS, PRICED_S, SLURM_S, UNMEASURED_S, N_COLUMNS = range(9)
 
 
-# Group key of a (record, usage) unit; usage is the per-GPU record when grouping by node. Inline conditionals:
-# this runs once per record.
-GROUP_KEY: dict[str, Callable[[Any, JobUsage | None], str]] = {
-    "account": lambda r, u: r.account if r is not None and r.account else "(unknown)",
-    "user": lambda r, u: r.user if r is not None and r.user else "(unknown)",
-    "partition": lambda r, u: r.partition if r is not None and r.partition else "(unknown)",
-    "model": lambda r, u: (u.model if u is not None and u.model
-                           else r.gpu_model if r is not None and r.gpu_model else "(unknown)"),
-    "node": lambda r, u: (u.host if u is not None
-                          else r.hosts[0] if r is not None and len(r.hosts) == 1 else "(unknown)"),
+# Group key of a measured GPU record or an allocation cell of a job: its scheduler (or agent) record, the host and
+# the GPU model ("" unknown). Inline conditionals: this runs once per record.
+GROUP_KEY: dict[str, Callable[[Any, str, str], str]] = {
+    "account": lambda r, h, m: r.account if r is not None and r.account else "(unknown)",
+    "user": lambda r, h, m: r.user if r is not None and r.user else "(unknown)",
+    "partition": lambda r, h, m: r.partition if r is not None and r.partition else "(unknown)",
+    "model": lambda r, h, m: m or (r.gpu_model if r is not None and r.gpu_model else "(unknown)"),
+    "node": lambda r, h, m: h,
 }
+_SPLIT = ("model", "node")  # the groupings whose key follows a job's GPUs rather than its record
 
 
 def usage_report(
@@ -109,11 +110,14 @@ def usage_report(
 ) -> UsageReport:
     """Per-group usage of the jobs that ended in ``period`` (the period rule of ``report.period``).
 
-    ``by="node"`` needs ``per_gpu`` (job id -> its per-GPU usage records) so that a job spanning nodes is split
-    by where its GPU-seconds were spent, and its Slurm allocation over the nodes Slurm lists (``_node_allocation``);
-    a job then counts once in each node's job count (so the job counts of the node rows may add up to more than
-    the totals row's; every GPU-hour, energy and cost column adds up). Every sum is ``math.fsum`` over the job (or
-    per-GPU) records, so the totals row is exactly the sum of the records.
+    Every grouping reads a job's per-GPU usage records (the entry's, else ``per_gpu``'s by job id, else its
+    job-level record) and its Slurm allocation split per node and model (``report.allocation``), so a job on
+    several nodes or GPU models is split by where and on what its GPU-seconds were spent; it then counts once in
+    each group it touched (the job counts of the rows may add up to more than the totals row's; every GPU-hour,
+    energy and cost column adds up, to the same totals in every grouping). ``by="node"`` needs ``per_gpu``.
+    A GPU-hour costs its model's price as fairshare weighs it (``charge.bounded_weight``: Slurm's typed gres over
+    a name the node gives), allocated GPU-hours no agent observed included. Every sum is ``math.fsum`` over the
+    records, so the totals row is exactly the sum of the records.
     Emissions: kWh x the constant factor, or per record kWh x the grid intensity's mean over its interval.
     """
     if by not in GROUP_BY:
@@ -122,9 +126,17 @@ def usage_report(
         raise ReportError("a report by node needs the per-GPU usage records (per_gpu)")
     settings = settings or ReportSettings()
     group_key = GROUP_KEY[by]
+    split = by in _SPLIT
     grid = settings.grid
     priced = settings.priced
     prices: dict[str, float] = {}
+
+    def price_of(model: str) -> float:
+        known = prices.get(model)
+        if known is None:
+            known = prices[model] = settings.gpu_hour_price(model)
+        return known
+
     groups: dict[str, _GroupColumns] = {}
     everything = _GroupColumns()
     n_jobs = 0
@@ -138,32 +150,33 @@ def usage_report(
         if ended is None or ended < start or ended >= end:
             continue
         n_jobs += 1
-        if entry.gap_shares:
-            _add_gap_energy(groups, entry, group_key(record, usage), by == "node", grid)
         wait = (record.start - record.submit
                 if record is not None and record.start is not None and record.submit is not None else None)
         if wait is not None:
             everything.waits.append(wait)
         if usage is None:
             everything.unmeasured += 1
-        # charge.allocated_gpu_seconds(), inlined for a finished job (this runs once per job record)
+        # charge.allocation(), inlined for a finished job without TRES (this runs once per job record)
         slurm_rec = entry.record
-        if slurm_rec is None or slurm_rec.start is None:
-            slurm_s = 0.0
-        elif slurm_rec.end is not None and not slurm_rec.tres:
+        if slurm_rec is not None and slurm_rec.start is not None and slurm_rec.end is not None and not slurm_rec.tres:
             slurm_s = max(0.0, min(slurm_rec.end, alloc_now) - slurm_rec.start) * (slurm_rec.gpus or 0)
+            alloc: dict[str, float] | None = {slurm_rec.gpu_model or "": slurm_s} if (slurm_rec.gpus or 0) > 0 else {}
         else:
-            slurm_s = allocated_gpu_seconds(slurm_rec, alloc_now) or 0.0
-        missing = slurm_s - usage.allocated_gpu_seconds if usage is not None else slurm_s
-        if missing < 0.0:
-            missing = 0.0
-        if per_gpu is not None and by == "node":
-            # the entry's own per-GPU records where the ledger joined them (its job, its cluster; held to the
-            # scheduler's record: ``scope``), else those given by job id
-            gpu_usages = (entry.gpus or per_gpu.get(entry.job_id) or (usage,)) if usage is not None else ()
-            _add_by_node(groups, entry, gpu_usages, wait, slurm_s, missing, grid, priced, prices, settings)
+            alloc = allocation(slurm_rec, alloc_now)
+            slurm_s = math.fsum(alloc.values()) if alloc else 0.0
+        missing = max(0.0, slurm_s - usage.allocated_gpu_seconds) if usage is not None else slurm_s
+        # the entry's own per-GPU records where the ledger joined them (its job, its cluster; held to the
+        # scheduler's record: ``scope``), else those given by job id
+        gpu_usages = ((entry.gpus or (per_gpu.get(entry.job_id) if per_gpu is not None else None) or (usage,))
+                      if usage is not None else ())
+        if entry.gap_shares:
+            _add_gap_energy(groups, entry, gpu_usages, group_key, grid)
+        if split:
+            _add_split(groups, entry, gpu_usages, alloc, slurm_s, missing, wait, group_key, price_of, settings)
             continue
-        key = group_key(record, usage)
+        typed = alloc is not None and any(alloc)  # Slurm named the job's GPU model: the price rule reads it
+        # the job's one group (inlined: this runs once per job record)
+        key = group_key(record, "", "")
         cols = groups.get(key)
         if cols is None:
             cols = groups[key] = _GroupColumns()
@@ -172,23 +185,28 @@ def usage_report(
             cols.waits.append(wait)
         if usage is None:
             cols.unmeasured += 1
-            if slurm_s:
-                cols.values.extend((0.0, 0.0, 0.0, 0.0, 0.0, 0.0, slurm_s, missing))
-            continue
-        # _add_usage(), inlined for the common path: this runs once per job record
-        alloc, energy, dram = usage.allocated_gpu_seconds, usage.energy_joules, usage.dram_bw_mean
-        price = 0.0
-        if priced:
-            model = usage.model or (record.gpu_model if record is not None and record.gpu_model else "")
-            known = prices.get(model)
-            if known is None:
-                known = prices[model] = settings.gpu_hour_price(model)
-            price = known
-        cols.values.extend((alloc, usage.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc,
-                            0.0 if dram is None else alloc, alloc * price if priced else 0.0,
-                            slurm_s, missing))
-        if grid is not None:
-            cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(usage.first_ts, usage.last_ts) / 1000.0)
+        # the job's allocation (and the price of what nobody measured there: its model's, per node and model where
+        # that could differ) rides on its last usage record, or on a record of its own: one record per job mostly
+        tail = (0.0, 0.0, 0.0)
+        if slurm_s > 0.0 or not gpu_usages:
+            unmeasured_cost = math.fsum(
+                short * _price(model, alloc, typed, price_of)
+                for (_, model), (_, short) in allocation_cells(entry.record, alloc, gpu_usages, missing).items()
+            ) if priced and missing > 0.0 else 0.0
+            tail = (unmeasured_cost, slurm_s, missing)
+            if not gpu_usages:
+                cols.values.extend((0.0, 0.0, 0.0, 0.0, 0.0, *tail))
+        last = len(gpu_usages) - 1
+        for i, u in enumerate(gpu_usages):  # _add_usage() and _price(), inlined for the common path
+            alloc_s, energy, dram = u.allocated_gpu_seconds, u.energy_joules, u.dram_bw_mean
+            price = 0.0
+            if priced:
+                price = bounded_weight(u.model, alloc, price_of) if typed else prices.get(u.model) or price_of(u.model)
+            cost, job_s, job_missing = tail if i == last else (0.0, 0.0, 0.0)
+            cols.values.extend((alloc_s, u.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc_s,
+                                0.0 if dram is None else alloc_s, alloc_s * price + cost, job_s, job_missing))
+            if grid is not None:
+                cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
     rows = [_usage_row(k, [cols], cols.jobs, cols.waits, cols.unmeasured, settings)
             for k, cols in sorted(groups.items())]
     # The totals: one fsum over every record (not a sum of rounded group sums), so they reconcile exactly.
@@ -196,20 +214,39 @@ def usage_report(
     return UsageReport(by, period, rows, total, settings.currency)
 
 
-def _add_by_node(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages: Sequence[JobUsage],
-                 wait: float | None, slurm_s: float, missing: float, grid: GridIntensity | None, priced: bool,
-                 prices: dict[str, float], settings: ReportSettings) -> None:
-    """One job into the node groups: its per-GPU usage records where they were measured, and its Slurm allocation
-    (``slurm_s``, of it ``missing`` unmeasured) as ``_node_allocation`` splits it. The job counts once on every node
-    it touched, measured or only allocated there."""
-    record = entry.described
+def _price(model: str, alloc: Mapping[str, float] | None, typed: bool, price_of: Callable[[str], float]) -> float:
+    """A GPU-hour's price on ``model``: fairshare's weight rule (``charge.bounded_weight``) over the prices; without
+    a Slurm model to read, the model's own (cached) price, which is what the rule gives."""
+    return bounded_weight(model, alloc, price_of) if typed else price_of(model)
 
-    def node(host: str) -> _GroupColumns:
-        cols = groups.get(host)
+
+def _add_usage(cols: _GroupColumns, u: JobUsage, price: float, grid: GridIntensity | None) -> None:
+    """One measured GPU (or job-level) usage record into a group's columns, at ``price`` per GPU-hour."""
+    alloc_s, energy, dram = u.allocated_gpu_seconds, u.energy_joules, u.dram_bw_mean
+    cols.values.extend((alloc_s, u.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc_s,
+                        0.0 if dram is None else alloc_s, alloc_s * price, 0.0, 0.0))
+    if grid is not None:
+        cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
+
+
+def _add_split(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages: Sequence[JobUsage],
+               alloc: Mapping[str, float] | None, slurm_s: float, missing: float, wait: float | None,
+               group_key: Callable[[Any, str, str], str], price_of: Callable[[str], float],
+               settings: ReportSettings) -> None:
+    """One job into the groups of its GPUs' nodes or models: each usage record where it was measured, and its
+    Slurm allocation (``slurm_s``, of it ``missing`` unmeasured) per node and model (``allocation_cells``), the
+    unmeasured part at its model's price. The job counts once in every group it touched, measured or only
+    allocated there."""
+    record, priced, typed = entry.described, settings.priced, alloc is not None and any(alloc)
+    touched: set[str] = set()
+
+    def group(host: str, model: str) -> _GroupColumns:
+        key = group_key(record, host, model)
+        cols = groups.get(key)
         if cols is None:
-            cols = groups[host] = _GroupColumns()
-        if entry.key not in cols.job_keys:
-            cols.job_keys.add(entry.key)
+            cols = groups[key] = _GroupColumns()
+        if key not in touched:
+            touched.add(key)
             cols.jobs += 1
             if wait is not None:
                 cols.waits.append(wait)
@@ -217,71 +254,28 @@ def _add_by_node(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usage
                 cols.unmeasured += 1
         return cols
 
-    for gpu_usage in gpu_usages:
-        _add_usage(node(gpu_usage.host), record, gpu_usage, grid, priced, prices, settings)
-    if slurm_s > 0.0 or (not gpu_usages and entry.record is not None):
-        for host, (share, short) in _node_allocation(entry.record, gpu_usages, slurm_s, missing).items():
-            node(host).values.extend((0.0, 0.0, 0.0, 0.0, 0.0, 0.0, share, short))
-
-
-def _node_allocation(record: JobRecord | None, gpu_usages: Sequence[JobUsage], slurm_s: float,
-                     missing: float) -> dict[str, tuple[float, float]]:
-    """A job's Slurm allocation per node: host -> (allocated, unmeasured) GPU-seconds; they add up to ``slurm_s``
-    and ``missing``, the job's own figures, as in every other grouping.
-
-    sacct's AllocTRES is the job's total, so it is split over the nodes its record lists (else the nodes the agents
-    measured it on, else "(unknown)") evenly, as ``report reconcile`` splits it, unless the agents saw every one of
-    those nodes' GPUs: then by their GPU count (``--gpus=3`` over 2 nodes is 2 + 1). A node's unmeasured part is its
-    shortfall (its share less what the agents observed there), scaled so that they add up to the job's unmeasured
-    GPU-seconds: a node observed beyond its even share does not make another node's shortfall count twice."""
-    hosts = tuple(dict.fromkeys(record.hosts if record is not None else ())) or tuple(
-        dict.fromkeys(u.host for u in gpu_usages)) or ("(unknown)",)
-    observed: dict[str, float] = {}
-    gpus: dict[str, set[str]] = {}
     for u in gpu_usages:
-        observed[u.host] = observed.get(u.host, 0.0) + u.allocated_gpu_seconds
-        gpus.setdefault(u.host, set()).add(u.gpu_uuid)
-    n_seen = sum(len(g) for g in gpus.values())
-    # "*": a job-level record (no per-GPU records loaded) says nothing of the GPUs per node
-    if (len(hosts) > 1 and record is not None and set(gpus) == set(hosts) and all("*" not in g for g in gpus.values())
-            and n_seen == physical_gpus(record)):
-        shares = {h: slurm_s * len(gpus[h]) / n_seen for h in hosts}
-    else:
-        shares = {h: slurm_s / len(hosts) for h in hosts}
-    short = {h: max(0.0, s - observed.get(h, 0.0)) for h, s in shares.items()}
-    total_short = math.fsum(short.values())
-    if total_short != missing:
-        scale = missing / total_short if total_short > 0.0 else 0.0
-        short = {h: v * scale for h, v in short.items()}
-    return {h: (shares[h], short[h]) for h in hosts}
+        _add_usage(group(u.host, u.model), u, _price(u.model, alloc, typed, price_of) if priced else 0.0,
+                   settings.grid)
+    if slurm_s > 0.0 or not gpu_usages:
+        for (host, model), (share, short) in allocation_cells(entry.record, alloc, gpu_usages, missing).items():
+            price = _price(model, alloc, typed, price_of) if priced else 0.0
+            group(host, model).values.extend((0.0, 0.0, 0.0, 0.0, 0.0, short * price, share, short))
 
 
-def _add_gap_energy(groups: dict[str, _GroupColumns], entry: LedgerEntry, key: str, by_node: bool,
-                    grid: GridIntensity | None) -> None:
-    """A job's reassigned gap energy (``gaps``) into its group (by node: the gap's host), as an energy-only
-    record (no GPU-seconds: nothing observed the gap); the totals row sums the groups."""
+def _add_gap_energy(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages: Sequence[JobUsage],
+                    group_key: Callable[[Any, str, str], str], grid: GridIntensity | None) -> None:
+    """A job's reassigned gap energy (``gaps``) into the group of the gap's host and GPU (its model as measured,
+    else the job's), as an energy-only record (no GPU-seconds: nothing observed the gap); the totals row sums the
+    groups."""
+    models = {(u.host, u.gpu_uuid): u.model for u in gpu_usages}
+    fallback = entry.usage.model if entry.usage is not None else ""
     for share in entry.gap_shares:
-        cols = groups.setdefault(share.host if by_node else key, _GroupColumns())
+        key = group_key(entry.described, share.host, models.get((share.host, share.gpu_uuid), fallback))
+        cols = groups.setdefault(key, _GroupColumns())
         cols.values.extend((0.0, 0.0, share.energy_joules, 0.0, 0.0, 0.0, 0.0, 0.0))
         if grid is not None:
             cols.co2e_kg.append(share.energy_joules / JOULES_PER_KWH * grid.mean(share.start, share.end) / 1000.0)
-
-
-def _add_usage(cols: _GroupColumns, record: Any, usage: JobUsage, grid: GridIntensity | None, priced: bool,
-               prices: dict[str, float], settings: ReportSettings) -> None:
-    """Copy one usage record's numbers into the group's columns (inlined in usage_report's common path)."""
-    alloc, energy, dram = usage.allocated_gpu_seconds, usage.energy_joules, usage.dram_bw_mean
-    price = 0.0
-    if priced:
-        model = usage.model or (record.gpu_model if record is not None and record.gpu_model else "")
-        known = prices.get(model)
-        if known is None:
-            known = prices[model] = settings.gpu_hour_price(model)
-        price = known
-    cols.values.extend((alloc, usage.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc,
-                        0.0 if dram is None else alloc, alloc * price, 0.0, 0.0))
-    if grid is not None:
-        cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(usage.first_ts, usage.last_ts) / 1000.0)
 
 
 def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence[float], unmeasured: int,
@@ -311,7 +305,7 @@ def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence
         queue_wait_mean_h=math.fsum(waits) / len(waits) / SECONDS_PER_HOUR if waits else None,
         queue_wait_jobs=len(waits),
         unmeasured_jobs=unmeasured,
-        # by node each node holds its share of a job's allocation (_node_allocation), so the rows add up here too
+        # each node or model holds its share of a job's allocation (report.allocation), so the rows add up here too
         slurm_gpu_hours=fsum(SLURM_S) / SECONDS_PER_HOUR,
         unmeasured_gpu_hours=fsum(UNMEASURED_S) / SECONDS_PER_HOUR,
     )

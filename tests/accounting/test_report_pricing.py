@@ -1,0 +1,191 @@
+"""Prices and models in `report usage` and `report reconcile`: a job on several GPU models, Slurm's typed gres
+against the node's name for its GPU, the allocated GPU-time no agent observed."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+
+import pytest
+
+from gpuledger.accounting.charge import ChargePolicy, allocation, bounded_weight, gres_names
+from gpuledger.accounting.ledger import LedgerEntry, join
+from gpuledger.accounting.report.jobs import job_rows
+from gpuledger.accounting.report.period import parse_period
+from gpuledger.accounting.report.reconcile import reconcile
+from gpuledger.accounting.report.settings import ReportSettings
+from gpuledger.accounting.report.usage import GROUP_BY, usage_report
+from gpuledger.schema.records import JobRecord, JobUsage
+
+H = 3600.0
+T1 = datetime(2026, 10, 10, tzinfo=UTC).timestamp()
+T0 = T1 - H
+OCT = parse_period("2026-10")
+H200, A100 = "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
+PRICES = ReportSettings(price_per_gpu_hour={"default": 1.0, "H200": 4.0, "A100": 1.0})
+COLUMNS = ("allocated_gpu_hours", "sm_active_gpu_hours", "energy_kwh", "cost", "slurm_gpu_hours",
+           "unmeasured_gpu_hours")
+
+
+def gpu(job: str, host: str, uuid: str, model: str, seconds: float = H) -> JobUsage:
+    """A GPU's usage over the job's hour: ``seconds`` observed (more than the hour: clock skew)."""
+    return JobUsage(job, host, uuid, T0, T1, 360, seconds, seconds / 2, 360.0 * seconds,
+                    sm_active_mean=0.5, model=model)
+
+
+def ledger(records: list[JobRecord], gpus: list[JobUsage]) -> list[LedgerEntry]:
+    """Entries as the store joins them: a job-level record per job (the collector's: one model) and its GPUs."""
+    jobs: dict[str, list[JobUsage]] = {}
+    for u in gpus:
+        jobs.setdefault(u.job_id, []).append(u)
+    usages = [JobUsage(j, gs[0].host if len({g.host for g in gs}) == 1 else "*", "*", T0, T1, 360 * len(gs),
+                       math.fsum(g.allocated_gpu_seconds for g in gs), math.fsum(g.sm_active_gpu_seconds for g in gs),
+                       math.fsum(g.energy_joules for g in gs), model=gs[-1].model, gpus=len(gs))
+              for j, gs in jobs.items()]
+    return join(records, usages, gpus, now=T1 + H)
+
+
+def record(job: str, hosts: tuple[str, ...], gpus: int, gres: str | None = None, account: str = "a") -> JobRecord:
+    tres = (("gres/gpu", float(gpus)), (f"gres/gpu:{gres}", float(gpus))) if gres else ()
+    return JobRecord(job, user="u", account=account, partition="gpu", gpus=gpus, start=T0, end=T1, hosts=hosts,
+                     state="COMPLETED", tres=tres)
+
+
+def reports(entries: list[LedgerEntry], settings: ReportSettings = PRICES) -> dict[str, object]:
+    return {by: usage_report(entries, by, OCT, settings, per_gpu={}) for by in GROUP_BY}
+
+
+def assert_rows_add_up(rep) -> None:
+    for col in COLUMNS:
+        assert math.fsum(getattr(r, col) for r in rep.rows) == pytest.approx(getattr(rep.total, col)), (rep.by, col)
+
+
+def test_a_job_on_two_models_costs_the_same_in_every_grouping():
+    # an untyped --gpus=2 job: an H200 on n1, an A100 on n2; the collector's job-level record names one model
+    entries = ledger([record("7", ("n1", "n2"), 2)], [gpu("7", "n1", "G0", H200), gpu("7", "n2", "G1", A100)])
+    for by, rep in reports(entries).items():
+        assert rep.total.cost == 5.0, by  # 1 GPU-h x 4 + 1 GPU-h x 1, whatever the grouping
+        assert (rep.total.allocated_gpu_hours, rep.total.slurm_gpu_hours, rep.total.unmeasured_gpu_hours) == (
+            2.0, 2.0, 0.0), by
+        assert_rows_add_up(rep)
+    by_model = {r.group: r for r in reports(entries)["model"].rows}
+    assert {m: (r.allocated_gpu_hours, r.slurm_gpu_hours, r.cost, r.jobs) for m, r in by_model.items()} == {
+        H200: (1.0, 1.0, 4.0, 1), A100: (1.0, 1.0, 1.0, 1)}
+
+
+def test_the_price_follows_slurms_typed_gres_as_the_fairshare_weight_does():
+    # job 1: Slurm's AutoDetect name for the node's H200; job 2: Slurm says h200, the node calls its GPU an A100
+    entries = ledger([record("1", ("n1",), 1, "nvidia_h200"), record("2", ("n2",), 1, "h200", account="b")],
+                     [gpu("1", "n1", "G0", H200), gpu("2", "n2", "G1", A100)])
+    for by, rep in reports(entries).items():
+        assert rep.total.cost == 8.0, by  # both at the H200 price
+    assert {r.group: r.cost for r in reports(entries)["account"].rows} == {"a": 4.0, "b": 4.0}
+    # one rule: the price is what fairshare's model weight would be with the prices as weights
+    weights = ChargePolicy(model_weights={"H200": 4.0, "A100": 1.0})
+    for e in entries:
+        u, alloc = e.gpus[0], allocation(e.record, T1)
+        assert bounded_weight(u.model, alloc, PRICES.gpu_hour_price) == weights.measured_weight(u, alloc) == 4.0
+
+
+def test_allocated_gpu_time_nobody_measured_costs_the_price_of_slurms_model():
+    entries = ledger([record("1", ("n1",), 2, "h200"),  # Slurm only: 2 GPU-h of H200
+                      # untyped, only n1's H200 measured: n2's GPU-h unmeasured, of a model Slurm does not name
+                      record("2", ("n1", "n2"), 2),
+                      record("3", ("n3",), 1)],  # Slurm only, untyped
+                     [gpu("2", "n1", "G0", H200)])
+    reps = reports(entries)
+    for by, rep in reps.items():
+        # job 1: 2 GPU-h x 4; job 2: 1 measured GPU-h x 4 and 1 unmeasured x the default 1; job 3: 1 x 1
+        assert rep.total.cost == 2 * 4.0 + (4.0 + 1.0) + 1.0, by
+        assert (rep.total.slurm_gpu_hours, rep.total.unmeasured_gpu_hours) == (5.0, 4.0), by
+        assert_rows_add_up(rep)
+    nodes = {r.group: (r.cost, r.unmeasured_gpu_hours) for r in reps["node"].rows}
+    assert nodes == {"n1": (12.0, 2.0), "n2": (1.0, 1.0), "n3": (1.0, 1.0)}
+    assert {r.group: r.cost for r in reps["model"].rows} == {"h200": 8.0, H200: 4.0, "(unknown)": 2.0}
+    # without prices nothing is made up
+    assert usage_report(entries, "account", OCT).total.cost is None
+
+
+def test_gres_type_names_a_measured_model_word_for_word():
+    assert gres_names("nvidia_h200", H200) and gres_names("h200", H200) and gres_names("H200", "h200")
+    assert gres_names("h100", "NVIDIA H100 80GB HBM3") and gres_names("a100-sxm4-80gb", A100)
+    assert not gres_names("a10", "NVIDIA A100") and not gres_names("h200", A100) and not gres_names("", H200)
+
+
+def test_reconcile_pairs_slurm_types_with_measured_models_and_agrees_with_the_jobs():
+    entries = ledger([record("1", ("n1",), 1, "nvidia_h200"),  # Slurm's AutoDetect name
+                      record("2", ("n2",), 1, "h200", account="b"),  # a node that misnames its GPU
+                      record("7", ("n3", "n4"), 2, account="c")],  # untyped, an H200 and an A100
+                     [gpu("1", "n1", "G0", H200), gpu("2", "n2", "G1", A100),
+                      gpu("7", "n3", "G2", H200), gpu("7", "n4", "G3", A100)])
+    rec = reconcile(entries, [], OCT, now=T1 + H)
+    rows = {(r.account, r.node, r.model): (r.slurm_gpu_hours, r.observed_gpu_hours, r.unmeasured_gpu_hours)
+            for r in rec.rows}
+    assert rows == {("a", "n1", H200): (1.0, 1.0, 0.0), ("b", "n2", A100): (1.0, 1.0, 0.0),
+                    ("c", "n3", H200): (1.0, 1.0, 0.0), ("c", "n4", A100): (1.0, 1.0, 0.0)}
+    assert (rec.total.slurm_gpu_hours, rec.total.observed_gpu_hours, rec.total.unmeasured_gpu_hours) == (
+        4.0, 4.0, 0.0)
+
+
+def test_reconcile_unmeasured_total_is_the_jobs_own():
+    # 4 GPUs of h200 over n1, n2: n1 measured 1.5 GPU-h on one GPU (beyond its share per GPU), n2 nothing; a
+    # Slurm-only job; an untyped job on two models with one of them short
+    entries = ledger([record("1", ("n1", "n2"), 4, "h200"), record("2", ("n5",), 2),
+                      record("3", ("n3", "n4"), 2)],
+                     [gpu("1", "n1", "G0", H200, 1.5 * H), gpu("3", "n3", "G1", H200),
+                      gpu("3", "n4", "G2", A100, 0.5 * H)])
+    rec = reconcile(entries, [], OCT, now=T1 + H)
+    jobs = job_rows(entries, T1 + H)
+    usage = usage_report(entries, "account", OCT, PRICES)
+    assert rec.total.unmeasured_gpu_hours == pytest.approx(math.fsum(j.unmeasured_gpu_hours for j in jobs))
+    assert rec.total.unmeasured_gpu_hours == pytest.approx(usage.total.unmeasured_gpu_hours) == 2.5 + 2.0 + 0.5
+    cells = {(r.node, r.model): (r.slurm_gpu_hours, r.unmeasured_gpu_hours) for r in rec.rows}
+    assert cells[("n2", "h200")] == (2.0, 2.0) and cells[("n1", H200)] == (2.0, 0.5)
+    assert cells[("n4", A100)] == (1.0, 0.5) and cells[("n3", H200)] == (1.0, 0.0)
+    assert cells[("n5", "(unknown)")] == (2.0, 2.0)
+
+
+def test_cli_on_a_real_store_prices_and_reconciles_every_model(tmp_path):
+    import csv
+    import io
+
+    import typer
+    from typer.testing import CliRunner
+
+    from gpuledger.accounting.report_cli import report_app
+    from gpuledger.collector.store import Store
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample
+
+    def samples(host: str, uuid: str, job: str, model: str) -> tuple[GpuSample, ...]:
+        return tuple(GpuSample(ts=T0 + 10 * k, host=host, gpu_uuid=uuid, gpu_index=0, model=model, sm_active_ratio=0.5,
+                               energy_joules=360.0 * 10 * k, job_ids=(job,)) for k in range(361))
+
+    (tmp_path / "gpuledger.toml").write_text('[report.price_per_gpu_hour]\ndefault = 1.0\n"H200" = 4.0\n"A100" = 1.0\n')
+    store = Store(tmp_path / "gpuledger.sqlite", clock=lambda: T1 + 10_000)
+    try:
+        for host, uuid, job, model in (("n1", "G0", "7", H200), ("n2", "G1", "7", A100), ("n3", "G2", "8", A100)):
+            store.ingest(Batch(f"agent-{host}", 0, host, samples(host, uuid, job, model)))
+        store.put_jobs([record("7", ("n1", "n2"), 2),  # untyped, an H200 and an A100
+                        record("8", ("n3",), 1, "nvidia_h200", account="b"),  # Slurm says H200, the node A100
+                        record("9", ("n4",), 1, "h200", account="b")])  # never measured
+    finally:
+        store.close()
+    app = typer.Typer()
+    app.add_typer(report_app, name="report")
+
+    def rows(*args: str) -> list[dict[str, str]]:
+        r = CliRunner().invoke(app, ["report", *args, "--data-dir", str(tmp_path), "--format", "csv",
+                                     "--period", "2026-10"])
+        assert r.exit_code == 0, r.output
+        return list(csv.DictReader(io.StringIO(r.stdout)))
+
+    for by in GROUP_BY:
+        # 7: 4 + 1; 8: 1 GPU-h at the H200 price; 9: 1 unmeasured GPU-h of h200
+        assert float(rows("usage", "--by", by)[-1]["cost"]) == 5.0 + 4.0 + 4.0, by
+    assert {r["model"]: float(r["cost"]) for r in rows("usage", "--by", "model")} == {
+        H200: 4.0, A100: 5.0, "h200": 4.0, "TOTAL": 13.0}
+    assert {(r["account"], r["node"], r["model"]): (float(r["slurm_gpu_hours"]), float(r["unmeasured_gpu_hours"]))
+            for r in rows("reconcile")} == {
+        ("a", "n1", H200): (1.0, 0.0), ("a", "n2", A100): (1.0, 0.0), ("b", "n3", A100): (1.0, 0.0),
+        ("b", "n4", "h200"): (1.0, 1.0), ("TOTAL", "", ""): (4.0, 1.0)}
