@@ -148,6 +148,10 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             # what the charge reads is what is bound to the audit log: records, per-GPU rows, gaps, hour buckets
             stored, gaps = store.job_records(), gap_inputs(store)
             entries = join(stored, usages, per_gpu, gap_attribution(store, now, inputs=gaps).by_job(), now)
+            if cfg.get("cluster"):
+                # the tree is this cluster's (sacctmgr's rows for it): so are the jobs charged to it, as Slurm
+                # keeps usage per cluster; a job no agent or record named a cluster for is this one's
+                entries = [e for e in entries if e.cluster in (cfg["cluster"], "")]
             horizon = decay_horizon_start(now, settings.half_life_s, settings.usage_reset, settings.timezone or None)
             # from the first hour of every GPU record that reaches the horizon: a charge placed over only the hours
             # after it (a reset, or decayed away) would put the whole of it where it survives
@@ -408,8 +412,11 @@ def jobs_list(
 
 
 def _read_arg(path: str) -> str:
-
-    return sys.stdin.read() if path == "-" else Path(path).read_text()
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except UnicodeDecodeError as e:
+        where = "standard input" if path == "-" else path
+        raise _fail(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _import_jobs(ledger_url: str | None, data_dir: Path, records: Sequence[JobRecord]) -> int:

@@ -281,7 +281,8 @@ LIVE_SLURM = "slurm"
 
 def load_tree(source: Path | str | None, config: Mapping[str, Any], slurm: Any = None) -> AssocTree:
     """From a file (sacctmgr -P output or CSV, told apart by the CSV header), from the local Slurm when the source
-    is ``"slurm"`` (``slurm`` is a SlurmClient, the real one by default), else the config's [accounts]."""
+    is ``"slurm"`` (``slurm`` is a SlurmClient, the real one by default), else the config's [accounts]. sacctmgr's
+    rows are the config's ``cluster``'s, where it names one."""
     if source is None:
         return AssocTree.from_toml({"accounts": config.get("accounts", {})})
     if str(source) == LIVE_SLURM:
@@ -292,4 +293,4 @@ def load_tree(source: Path | str | None, config: Mapping[str, Any], slurm: Any =
     first = text.lstrip().splitlines()[0].strip().lower() if text.strip() else ""
     if first.replace(" ", "") == "account,parent,user,shares":
         return AssocTree.from_csv(text)
-    return AssocTree.from_sacctmgr(text)
+    return AssocTree.from_sacctmgr(text, cluster=config.get("cluster"))

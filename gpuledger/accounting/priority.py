@@ -19,12 +19,14 @@ with every write, so a reader may cache the parsed table until the first line ch
 from __future__ import annotations
 
 import json
+import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from gpuledger.output import write_atomically
 
 DEFAULT_WEIGHT = 10_000
 FLAT_MAGIC = "# gpuledger-priority-feed v1"
@@ -42,9 +44,11 @@ class PriorityEntry:
 
 
 def site_factor(fairshare: float, weight: int = DEFAULT_WEIGHT) -> int:
+    """``weight x fairshare`` rounded half up: Python's round() takes halves to the even neighbour, so Fair Tree's
+    k/32 ranks at weight 10000 went 312.5 -> 312 but 937.5 -> 938."""
     if not 0.0 <= fairshare <= 1.0:
         raise ValueError(f"fairshare {fairshare!r} outside 0..1")
-    return int(round(weight * fairshare))
+    return math.floor(weight * fairshare + 0.5)
 
 
 def priority_feed(rows: Iterable[Any], weight: int = DEFAULT_WEIGHT) -> list[PriorityEntry]:
@@ -90,24 +94,6 @@ def flat_feed(document: Mapping[str, Any]) -> str:
 def flat_path(json_path: str | os.PathLike[str]) -> Path:
     """Where the flat feed goes beside a JSON feed: the same name with ``.txt``."""
     return Path(json_path).with_suffix(".txt")
-
-
-def write_atomically(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to a temp file in the same directory, fsync, rename: a reader sees the old or the new file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; slurmctld may run as another user than the writer
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_feed(path: str | os.PathLike[str], document: Mapping[str, Any]) -> Path:

@@ -52,7 +52,7 @@ from gpuledger.accounting.report.usage import (
 from gpuledger.collector.auditlog import LogDamaged
 from gpuledger.collector.db import DatabaseUnavailable, is_postgres_url
 from gpuledger.collector.ledger_url import ledger_exists, ledger_label
-from gpuledger.output import Format, note
+from gpuledger.output import Format, note, os_error, write_atomically
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -134,9 +134,11 @@ def _per_gpu(entries: Sequence[LedgerEntry]) -> dict[str, tuple[JobUsage, ...]]:
 def _emit(text: str, output: Path | None) -> None:
     if output is None:
         typer.echo(text, nl=not text.endswith("\n"))
-    else:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text)
+        return
+    try:
+        write_atomically(output, text)  # a report already there is replaced whole or kept
+    except OSError as e:
+        raise _fail(os_error(e)) from None
 
 
 def _sign(output: Path | None, ledger_url: str | None, data_dir: Path, config: Path | None, inputs: dict[str, Any],

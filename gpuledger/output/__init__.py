@@ -16,10 +16,12 @@ import io
 import json
 import os
 import sys
+import tempfile
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, NoReturn
 
 FORMAT_HELP = "table for people; json or csv for machines (SI units, ratios 0..1)"
@@ -190,6 +192,24 @@ def os_error(exc: OSError) -> str:
     if exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
     return exc.strerror or str(exc)
+
+
+def write_atomically(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to a temp file in the same directory, fsync, rename: a reader sees the old or the new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; slurmctld may run as another user than the writer
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def note(message: str) -> None:

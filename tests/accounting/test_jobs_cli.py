@@ -118,3 +118,11 @@ def test_import_refuses_slurm_together_with_files(tmp_path: Path) -> None:
     r = runner.invoke(app, ["jobs", "import", "--data-dir", str(tmp_path), "--slurm", "--sacct-json",
                             str(REAL / "sacct-json-a-S-today.json")])
     assert r.exit_code == 2 and "--slurm runs sacct itself" in r.output
+
+
+def test_an_import_file_that_is_not_utf8_is_one_line_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "sacct.json"
+    bad.write_bytes(b'{"jobs": [{"name": "\xff"}]}')
+    r = CliRunner().invoke(app, ["jobs", "import", "--data-dir", str(tmp_path), "--sacct-json", str(bad)])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == f"error: {bad}: not UTF-8 text (invalid start byte at byte 20)", r.output

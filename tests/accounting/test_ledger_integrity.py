@@ -357,3 +357,28 @@ def test_recorded_fairshare_keeps_two_clusters_with_one_job_id_apart(tmp_path):
     jobs = fs[-1].data["inputs"]["jobs"]
     assert {j: (c["account"], c["allocated_gpu_seconds"]) for j, c in jobs.items()} == {
         "7@alpha": ("proj", 20.0), "7@beta": ("proj", 40.0)}
+
+
+def test_fairshare_of_one_cluster_charges_that_clusters_jobs_only(tmp_path):
+    """One ledger for two clusters; `cluster = "alpha"` picks alpha's rows of a two-cluster sacctmgr file and charges
+    alpha's jobs only (Slurm keeps usage per cluster): alice's 8 GPU-hours on beta would have put her behind bob."""
+    (tmp_path / "gpuledger.toml").write_text(
+        'cluster = "alpha"\n[accounting]\npolicy = "allocated"\nhalf_life_s = 0\ncalc_period_s = 1\n')
+    rows = "".join(f"{c}|root|||1\n{c}|a||root|1\n{c}|a|alice||1\n{c}|b||root|1\n{c}|b|bob||1\n"
+                   for c in ("alpha", "beta"))
+    (tmp_path / "assoc.txt").write_text("Cluster|Account|User|ParentName|Share\n" + rows)
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        store.put_jobs([JobRecord(j, cluster=c, user=u, account=a, gpus=g, start=T0, end=T0 + 3600, hosts=(h,),
+                                  state="COMPLETED")
+                        for j, c, u, a, g, h in (("1", "alpha", "alice", "a", 1, "n1"),
+                                                 ("1", "beta", "alice", "a", 8, "m1"),
+                                                 ("2", "alpha", "bob", "b", 2, "n2"), ("3", "", "bob", "b", 1, "n3"))])
+    finally:
+        store.close()
+    r = runner.invoke(fairshare_app, ["--data-dir", str(tmp_path), "--associations", str(tmp_path / "assoc.txt"),
+                                      "--format", "json"])
+    assert r.exit_code == 0, r.output
+    got = {(x["account"], x["user"]): (x["raw_usage"], x["fairshare"]) for x in json.loads(r.output) if x["user"]}
+    # bob: job 2 (2 GPU-h) and job 3, named for no cluster (1 GPU-h): this cluster's
+    assert got == {("a", "alice"): (3600.0, 1.0), ("b", "bob"): (3 * 3600.0, 0.5)}

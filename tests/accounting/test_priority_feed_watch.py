@@ -8,7 +8,7 @@ import json
 import pytest
 from prometheus_client import generate_latest
 
-from gpuledger.accounting.priority import flat_feed, flat_path, write_feed
+from gpuledger.accounting.priority import flat_feed, flat_path, site_factor, write_feed
 from gpuledger.accounting.priority_watch import CycleResult, PriorityWatch
 
 
@@ -107,3 +107,10 @@ def test_a_name_the_flat_format_cannot_carry_leaves_both_files_alone(tmp_path) -
     assert flat_feed({"associations": []}) == "# gpuledger-priority-feed v1 generated_at=0.000 entries=0\n"
     with pytest.raises(ValueError, match="must not end in .txt"):
         write_feed(tmp_path / "feed.txt", good)
+
+
+def test_site_factor_rounds_halves_up_whatever_the_neighbour():
+    # Fair Tree's ranks are k/n: at weight 10000, 1/32 and 3/32 are both exact halves
+    assert (site_factor(1 / 32, 10000), site_factor(3 / 32, 10000)) == (313, 938)
+    assert (site_factor(0.5, 1), site_factor(0.25, 2), site_factor(0.0, 10000), site_factor(1.0, 10000)) == (
+        1, 1, 0, 10000)

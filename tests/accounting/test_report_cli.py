@@ -246,3 +246,18 @@ def test_reconcile_notes_an_empty_period_as_the_other_reports_do(data_dir):
     assert "note: no job ended in period 2001-01" in r.stderr
     full = run("report", "reconcile", "--data-dir", data_dir, "--format", "csv")  # all time
     assert full.exit_code == 0 and "no job ended" not in full.stderr
+
+
+def test_a_report_that_cannot_be_written_is_one_line_exit_2_and_an_old_one_is_kept(data_dir):
+    (data_dir / "afile").write_text("")
+    r = run("report", "usage", "--data-dir", data_dir, "--period", "2026-10", "--format", "csv",
+            "-o", data_dir / "afile" / "oct.csv")
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == f"error: {data_dir / 'afile'}: File exists", r.output
+    # a report written again replaces the old one whole, through a rename: no temp file is left beside it
+    out = data_dir / "oct.csv"
+    out.write_text("an older report\n")
+    assert run("report", "usage", "--data-dir", data_dir, "--period", "2026-10", "--format", "csv",
+               "-o", out).exit_code == 0
+    assert out.read_text().startswith("account,")
+    assert sorted(p.name for p in data_dir.iterdir() if p.name.startswith("oct.csv")) == ["oct.csv"]
