@@ -289,19 +289,25 @@ def load_settings(
         for key in ("tokens_file", "tls_cert", "tls_key", "priority_feed"):
             if isinstance(raw.get(key), str):
                 raw[key] = path.parent / raw[key]
+    origin: dict[str, str] = {}  # a setting not from the file -> where it came from, for the error that names it
     for name in ENV_SETTINGS:
         value = env.get(ENV_PREFIX + name.upper())
         if value is not None and value != "":
             raw[name] = value
+            origin[name] = f"environment {ENV_PREFIX + name.upper()}"
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in ENV_SETTINGS)
     if unknown:  # a misspelt one would otherwise be ignored without a word
         raise ConfigError(f"environment: {', '.join(unknown)}: no such collector setting (known: "
                           f"{', '.join(ENV_PREFIX + n.upper() for n in ENV_SETTINGS)})")
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    raw.update(given)
+    origin.update({k: f"command line ({k})" for k in given})
     try:
         settings = CollectorSettings.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}: {_errors(e, 'collector.')}") from None
+        raise ConfigError("; ".join(
+            f"{origin.get(str(err['loc'][0]) if err['loc'] else '', path)}: collector."
+            f"{'.'.join(map(str, err['loc'])) or '(table)'}: {err['msg']}" for err in e.errors())) from None
     if settings.tokens_file is not None:
         settings = _merge_tokens_file(settings, settings.tokens_file)
     return settings

@@ -208,3 +208,18 @@ def test_every_scalar_setting_comes_from_the_environment_and_a_misspelt_one_is_r
     assert (s.max_samples, s.compaction, s.raw_retention_s) == (1, "thread", 864000.0)
     with pytest.raises(ConfigError, match="GPULEDGER_COLLECTOR_MAX_SAMPLE: no such collector setting"):
         load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_MAX_SAMPLE": "1"})
+
+
+def test_a_bad_value_names_where_it_came_from(tmp_path):
+    from gpuledger.collector.config import ConfigError, load_settings
+
+    config = tmp_path / "gpuledger.toml"
+    with pytest.raises(ConfigError) as e:  # no file at all: the error is the environment's
+        load_settings(tmp_path, env={"GPULEDGER_COLLECTOR_PORT": "abc"})
+    assert str(e.value) == "environment GPULEDGER_COLLECTOR_PORT: collector.port: Input should be a valid integer, " \
+                           "unable to parse string as an integer"
+    config.write_text("[collector]\nport = 8470\nwindow_s = -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(tmp_path, env={}, overrides={"max_samples": 0})
+    assert str(e.value).startswith(f"{config}: collector.window_s: ") and "command line (max_samples): " \
+        "collector.max_samples: " in str(e.value), str(e.value)
