@@ -14,11 +14,11 @@ from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.compactor import CompactorProcess
 from gpuledger.collector.config import CollectorSettings, ConfigError, load_settings
 from gpuledger.collector.db import redact
-from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
+from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label
 from gpuledger.collector.server import tls_context
-from gpuledger.collector.store_cli import ConfigFile, DataDir
+from gpuledger.collector.store_cli import ConfigFile, DataDir, open_configured
 from gpuledger.collector.supervisor import METRICS_DIR, Supervisor, WorkerFailed
-from gpuledger.collector.worker import Collector
+from gpuledger.collector.worker import Collector, compaction_options
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, error, fail, fixed, gib, note, percent
 
 app = typer.Typer(help="The central collector: ingest agents' batches, aggregate per job, store series.",
@@ -107,9 +107,8 @@ def _serve_here(settings: CollectorSettings, data_dir: Path, url: str | None, tl
 def _supervise(settings: CollectorSettings, data_dir: Path, url: str | None) -> None:
     """``serve`` as ``settings.workers`` worker processes and a compactor (``collector.supervisor``); exits with the
     status of a worker that cannot start."""
-    compactor = CompactorProcess(
-        str(url or store_path(data_dir)), interval_s=settings.compact_interval_s, window_s=settings.window_s,
-        max_gap_s=settings.max_gap_s, retention=settings.retention(), dedupe_horizon_s=settings.dedupe_horizon_s)
+    compactor = CompactorProcess(str(url or store_path(data_dir)), interval_s=settings.compact_interval_s,
+                                 **compaction_options(settings))
     # what the workers need, on their standard input: the settings as validated here (tokens included), not re-read
     worker = {"settings": settings.model_dump(mode="json", exclude_unset=True), "data_dir": str(data_dir),
               "ledger_url": url}
@@ -163,7 +162,7 @@ def usage(
     """Print measured job usage from the ledger."""
     url = cli_ledger_url(ledger_url, data_dir, config)
     path = ledger_label(url, data_dir)
-    store = open_ledger(url, data_dir)
+    store = open_configured(url, data_dir, config)
     try:
         rows = store.job_usage(job, per_gpu=per_gpu)
     finally:

@@ -5,12 +5,13 @@ pending ones when it opens the ledger (:func:`migrate`), in one transaction unde
 lock, so two collectors starting together apply each migration once; ``gpuledger ledger migrate`` does the
 same by hand and ``gpuledger ledger status`` shows where a ledger stands (:func:`status`).
 
-SQLite stores written before migrations were versioned carry a format number in ``meta`` (``schema``: 1, 2 or 3).
+SQLite stores written before migrations were versioned carry a format number in ``meta`` (``schema``: 1, 2 or 3;
+migration 3 makes it 4, which those releases refuse).
 They are brought to today's tables without losing data: a v2 ledger is converted (``ledger_store.migrate_v2``,
 found by its layout, before the versioned migrations), then migration 1 creates what was added since (CREATE
 IF NOT EXISTS: what a store has is kept). (A v1 store's raw ``samples`` table
 is the series store's: the store repacks it into chunks after the ledger migrations.) A ledger with a migration
-this code does not know, or a ``meta`` format above 3, was written by a newer gpuledger: refused
+this code does not know, or a ``meta`` format above 4, was written by a newer gpuledger: refused
 (:class:`LedgerTooNew`), before anything is written.
 
 Accumulator fields added to the aggregation become columns on every open (``ledger_store.add_columns``): they
@@ -31,8 +32,11 @@ from gpuledger.collector.ledger_store import HOSTS_TABLE, SCHEMA, add_columns, m
 log = logging.getLogger(__name__)
 
 META_TABLE = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
-META_FORMAT = 3  # the ``meta`` format number this code writes (and the last one before versioned migrations)
-LEGACY_FORMATS = (1, 2, META_FORMAT)  # what it reads and migrates
+# The ``meta`` format number this code writes: 4 from migration 3 on. Releases before versioned migrations read
+# formats 1-3 and would open a ledger with migrations they do not know (a rollback after an upgrade) without a word;
+# they refuse 4.
+META_FORMAT = 4
+LEGACY_FORMATS = (1, 2, 3, META_FORMAT)  # what it reads (and migrates)
 _TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
   version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"""
 LOCK = "migrations"
@@ -71,10 +75,16 @@ def _hosts(db: Database) -> None:
     db.script(HOSTS_TABLE)
 
 
+def _versioned_format(db: Database) -> None:
+    # a v1 store keeps "1" until the store has repacked its samples (it writes META_FORMAT then)
+    db.execute("UPDATE meta SET value=? WHERE key='schema' AND value='3'", (str(META_FORMAT),))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "ledger tables: jobs by (cluster, job id), usage per GPU, hourly buckets, gaps, batch keys",
               _ledger_tables),
     Migration(2, "hosts: each host's write generation (several collectors on one ledger)", _hosts),
+    Migration(3, "meta format 4: releases before versioned migrations refuse the ledger", _versioned_format),
 )
 LATEST = MIGRATIONS[-1].version
 
@@ -123,7 +133,7 @@ def check_known(db: Database, st: Status) -> None:
                            f"migrations up to {LATEST}: upgrade gpuledger to open it")
     if st.meta_format is not None and st.meta_format not in LEGACY_FORMATS:
         raise LedgerTooNew(f"ledger {db.url}: store schema {st.meta_format}, this gpuledger reads {META_FORMAT} "
-                           f"(and migrates 1 and 2); use a gpuledger release that knows schema {st.meta_format}")
+                           f"(and migrates 1 to 3); use a gpuledger release that knows schema {st.meta_format}")
 
 
 def migrate(db: Database, clock: Callable[[], float] = time.time) -> list[Migration]:

@@ -3,8 +3,12 @@
 A rollup row is ``ts`` (bucket start), ``samples`` (raw samples in the bucket) and, per field ``f``,
 ``f:n`` (samples that reported it), ``f:sum``, ``f:min``, ``f:max``. Counts and sums add and
 extremes combine, so 1-hour rows are built from 1-minute rows exactly as from the raw samples, and
-a coarser query step re-buckets any tier the same way. Means are plain sample means (``sum / n``);
-for the energy counter, ``max`` is the counter at the bucket's end.
+a coarser query step re-buckets any tier the same way. Means are plain sample means (``sum / n``).
+For the energy counter (``energy_joules``) ``max`` is the highest reading in the bucket, nothing more: the
+counter at the bucket's end only while it grew throughout, not across a counter reset (a driver reload; the
+aggregation handles it as a normal event), where it is the reading before the reset. So differences of ``max``
+are not a bucket's energy: that comes from the ledger's hour buckets (``Store.gpu_hours``, ``Store.gpu_energy``),
+which the aggregation builds from consecutive samples, across resets and gaps.
 """
 
 from __future__ import annotations

@@ -708,12 +708,19 @@ class ChunkSeriesStore:
 
     # -- reads --------------------------------------------------------------------------------
     def pick_tier(self, gpu_key: GpuKey, start: float, step: float | None = None) -> int:
-        """The tier a query from ``start`` reads: among tiers still complete from ``start`` on (none of
-        that GPU's data after ``start`` expired), the coarsest whose resolution is at most ``step``,
-        else the finest complete one; when none reaches back that far, the hour tier."""
+        """The tier a query from ``start`` reads: among tiers still complete from the query's first bucket on
+        (from ``start`` itself for raw samples; none of that GPU's data after it expired), the coarsest whose
+        resolution is at most ``step``, else the finest complete one; when none reaches back that far, the hour
+        tier. (By the bucket, not ``start``: the first bucket begins before ``start``, and a tier expired in
+        between would answer it partial.)"""
         gone = dict(self._db.execute(
             "SELECT tier, until FROM expired WHERE host=? AND gpu_uuid=? AND mig=?", gpu_key).fetchall())
-        complete = [t for t in TIERS if start >= gone.get(t, -math.inf)]
+
+        def first(tier: int) -> float:  # where the query reads this tier from (series: its first bucket's start)
+            width = bucket_step(tier, step)
+            return math.floor(start / width) * width if width else start
+
+        complete = [t for t in TIERS if first(t) >= gone.get(t, -math.inf)]
         return tier_for_step(complete, step) if complete else HOUR
 
     def series(
@@ -729,15 +736,21 @@ class ChunkSeriesStore:
         whole, and what is summarised on the fly is read to the bucket's end). The newest minutes that are not
         rolled up yet are summarised from the finer tier on the fly, so a rollup query also covers recent data.
         ``tier`` forces a tier.
+
+        One read snapshot (``Database.snapshot``): a query reads several tables (what expired, the rollups and
+        how far they go, the GPU's raw chunks, its host's host chunks), and a compaction committed between two
+        of those reads (another process: its split of host chunks, a roll-up, an expiry) would lose or double
+        samples in the answer.
         """
         gpu_key = (host, gpu_uuid, mig or "")
-        tier = self.pick_tier(gpu_key, start, step) if tier is None else tier
-        if tier == RAW and not step:
-            return self._read_raw(gpu_key, start, end)
-        step = bucket_step(tier, step)
-        lo = math.floor(start / step) * step
-        hi = math.nextafter((math.floor(end / step) + 1) * step, -math.inf)  # the end of end's bucket
-        rows = self._tier_rows(tier, gpu_key, lo, hi)
+        with self._db.snapshot():
+            tier = self.pick_tier(gpu_key, start, step) if tier is None else tier
+            if tier == RAW and not step:
+                return self._read_raw(gpu_key, start, end)
+            step = bucket_step(tier, step)
+            lo = math.floor(start / step) * step
+            hi = math.nextafter((math.floor(end / step) + 1) * step, -math.inf)  # the end of end's bucket
+            rows = self._tier_rows(tier, gpu_key, lo, hi)
         return rollup.combine(rows, step).points(step, TIER_NAMES[tier])
 
     def _tier_rows(self, tier: int, gpu_key: GpuKey, start: float, end: float) -> rollup.Rollup:
@@ -755,15 +768,17 @@ class ChunkSeriesStore:
         return rollup.concat([stored, tail])
 
     def tiers(self) -> list[dict]:
-        """Per tier: chunks, rows and bytes stored, oldest and newest time (for the CLI and metrics)."""
-        rows = self._db.execute(
-            "SELECT tier, COUNT(*), COALESCE(SUM(n), 0), COALESCE(SUM(LENGTH(data)), 0), MIN(t_min), MAX(t_max) "
-            "FROM chunks GROUP BY tier"
-        ).fetchall()
+        """Per tier: chunks, rows and bytes stored, oldest and newest time (for the CLI and metrics); one snapshot,
+        so a split of host chunks committed meanwhile is counted once."""
+        with self._db.snapshot():
+            rows = self._db.execute(
+                "SELECT tier, COUNT(*), COALESCE(SUM(n), 0), COALESCE(SUM(LENGTH(data)), 0), MIN(t_min), MAX(t_max) "
+                "FROM chunks GROUP BY tier"
+            ).fetchall()
+            count, n, size, oldest, newest = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(n), 0), COALESCE(SUM(LENGTH(data)), 0), MIN(t_min), MAX(t_max) "
+                "FROM host_chunks").fetchone()
         have = {r[0]: r for r in rows}
-        count, n, size, oldest, newest = self._db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(n), 0), COALESCE(SUM(LENGTH(data)), 0), MIN(t_min), MAX(t_max) "
-            "FROM host_chunks").fetchone()
         if count:  # batches not split yet are raw samples too
             _, c0, n0, s0, o0, w0 = have.get(RAW, (RAW, 0, 0, 0, None, None))
             have[RAW] = (RAW, c0 + count, n0 + n, s0 + size, oldest if o0 is None else min(o0, oldest),

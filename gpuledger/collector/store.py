@@ -62,7 +62,7 @@ from gpuledger.collector.db import (
     upsert,
 )
 from gpuledger.collector.ledger_store import GPU_TOTAL_FIELDS, SqlLedger, gpu_totals
-from gpuledger.collector.migrations import migrate
+from gpuledger.collector.migrations import META_FORMAT, migrate
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.collector.series_outbox import OutboxSeriesStore
@@ -359,7 +359,7 @@ class Store:
                                    "not a prefix of today's")
             if db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "1":
                 chunk_store.repack_v1_samples(stored)  # a v1 store's raw samples table, into chunks
-                db.execute("UPDATE meta SET value='3' WHERE key='schema'")
+                db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(META_FORMAT),))
             db.execute(upsert("meta", ("key", "value"), ("key",)), ("sample_fields", json.dumps(SAMPLE_FIELDS)))
             if series_outbox:  # series_url: each batch's samples also queued for VictoriaMetrics, in its transaction
                 self.series_store = OutboxSeriesStore(chunk_store, db, self._lock)

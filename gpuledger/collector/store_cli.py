@@ -9,9 +9,11 @@ from pathlib import Path
 
 import typer
 
+from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.series_store import TIER_NAMES
 from gpuledger.collector.store import Store
+from gpuledger.collector.worker import store_options
 from gpuledger.output import fail, note
 
 app = typer.Typer(help="Maintain and query the store's tiers.", no_args_is_help=True)
@@ -24,9 +26,20 @@ ConfigFile = typer.Option(None, "--config", help="TOML file whose [ledger] table
                           "(default: <data-dir>/gpuledger.toml if present).")
 
 
+def open_configured(url: str | None, data_dir: Path, config: Path | None) -> Store:
+    """The existing ledger at ``url`` (exit 2 without one: a query never creates it), opened with the
+    ``[collector]`` settings (file < GPULEDGER_COLLECTOR_*) that ``collector serve`` opens it with: under the
+    built-in defaults a compaction would expire samples the configured retention keeps and roll up minutes the
+    configured late window may still change."""
+    try:
+        settings = load_settings(data_dir, config)
+    except (ConfigError, OSError) as e:
+        fail(str(e))
+    return open_ledger(url, data_dir, **store_options(settings))
+
+
 def _open(data_dir: Path, config: Path | None, ledger_url: str | None) -> Store:
-    """The existing ledger (exit 2 without one: a query never creates it)."""
-    return open_ledger(cli_ledger_url(ledger_url, data_dir, config), data_dir)
+    return open_configured(cli_ledger_url(ledger_url, data_dir, config), data_dir, config)
 
 
 @app.command()
@@ -72,7 +85,7 @@ def series(
             raise typer.BadParameter(f"tier must be one of {sorted(names)}", param_hint="--tier")
         forced = names[tier]
     url = cli_ledger_url(ledger_url, data_dir, config)
-    store = open_ledger(url, data_dir)
+    store = open_configured(url, data_dir, config)
     try:
         if (host, gpu_uuid, mig or "") not in set(store.gpus()):
             known = sorted(u for h, u, _ in store.gpus() if h == host)

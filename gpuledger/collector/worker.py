@@ -52,6 +52,21 @@ log = logging.getLogger(__name__)
 REFRESH_S = 5.0  # a worker's figures that change in other threads reach the shared metrics this often
 
 
+def compaction_options(settings: CollectorSettings) -> dict[str, Any]:
+    """What compaction reads of the collector's settings, as :class:`Store` (and ``CompactorProcess``) keyword
+    arguments: the late window and gap (which minutes are final), the tiers' retention, the dedupe horizon."""
+    return {"window_s": settings.window_s, "max_gap_s": settings.max_gap_s, "retention": settings.retention(),
+            "dedupe_horizon_s": settings.dedupe_horizon_s}
+
+
+def store_options(settings: CollectorSettings) -> dict[str, Any]:
+    """:class:`Store`'s keyword arguments from the collector's settings (all but ``sinks``): what ``collector serve``
+    opens the ledger with, and so every command that opens it (a compaction under other settings would expire or
+    roll up what the collector still needs)."""
+    return {**compaction_options(settings), "power_cap_w": settings.power_cap_w, "power_caps": settings.power_caps,
+            "max_gpus_per_host": settings.max_gpus_per_host, "series_outbox": bool(settings.series_url)}
+
+
 @dataclass
 class Collector:
     """What one collector process serves with; :meth:`close` stops and closes it all."""
@@ -75,11 +90,7 @@ class Collector:
             audit_log = open_log(data_dir, ledger_url=ledger_url)
         except ValueError as e:  # a pseudonymization key that contradicts the shared ledger's
             fail(str(e))
-        store = open_ledger(ledger_url, data_dir, create=True, window_s=settings.window_s,
-                            max_gap_s=settings.max_gap_s, retention=settings.retention(), sinks=sinks,
-                            power_cap_w=settings.power_cap_w, power_caps=settings.power_caps,
-                            dedupe_horizon_s=settings.dedupe_horizon_s, max_gpus_per_host=settings.max_gpus_per_host,
-                            series_outbox=bool(settings.series_url))
+        store = open_ledger(ledger_url, data_dir, create=True, sinks=sinks, **store_options(settings))
         store.start_background(settings.compact_interval_s, compact=compact)
         freezer = GcFreezer().start()
         # series in VictoriaMetrics or InfluxDB: the store's outbox is shipped there, and series are answered from there

@@ -224,7 +224,7 @@ def test_schema_1_rows_are_migrated_into_chunks(tmp_path):
     db.close()
     store = Store(path)
     assert store.series("n1", "G0", 0, 2e9) == ss
-    assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
+    assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "4"  # META_FORMAT
     assert not store._db.execute("SELECT 1 FROM sqlite_master WHERE name='samples'").fetchone()
     store.close()
 
