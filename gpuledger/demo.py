@@ -132,18 +132,20 @@ DEMO_OUTPUTS = (STORE_NAME, STORE_NAME + "-wal", STORE_NAME + "-shm", "audit.sql
 
 
 class DemoDirError(RuntimeError):
-    """The data directory holds a store that a demo did not write: the demo never touches it."""
+    """The data directory holds files that a demo did not write: the demo never touches it."""
 
 
 def check_demo_dir(data_dir: Path) -> None:
-    """Refuse a --data-dir the demo may not use (a file, another store, a place it cannot create), before anything
-    in it is written."""
+    """Refuse a --data-dir the demo may not use (a file, a directory it did not make, a place it cannot create),
+    before anything in it is written or deleted."""
     if data_dir.exists() and not data_dir.is_dir():
         raise DemoDirError(f"--data-dir {data_dir} is not a directory")
-    if (data_dir / STORE_NAME).exists() and not (data_dir / MARKER).exists():
-        raise DemoDirError(f"{data_dir} holds a gpuledger store the demo did not write; "
-                           f"give the demo another --data-dir")
+    # Only the marker says a demo made the directory. Without it, anything there may be a site's: its ledger lives
+    # elsewhere ([ledger] url) yet its audit log, feed and signed reports have the names a demo rerun replaces.
     try:
+        if data_dir.is_dir() and not (data_dir / MARKER).exists() and any(data_dir.iterdir()):
+            raise DemoDirError(f"{data_dir} holds files the demo did not write (no {MARKER}); "
+                               f"give the demo an empty or new --data-dir")
         private_dir(data_dir)
     except OSError as e:
         raise DemoDirError(f"--data-dir {data_dir}: {e.strerror or e}") from None
@@ -151,11 +153,13 @@ def check_demo_dir(data_dir: Path) -> None:
 
 def _fresh_demo_dir(data_dir: Path) -> None:
     """A rerun starts from an empty ledger (job ids repeat), but only in a directory a demo made."""
-    check_demo_dir(data_dir)
+    check_demo_dir(data_dir)  # without the marker: a new or empty directory
     marker = data_dir / MARKER
-    for name in DEMO_OUTPUTS:
-        (data_dir / name).unlink(missing_ok=True)
-    marker.write_text("written by `gpuledger demo`: a rerun replaces this directory's ledger\n")
+    if marker.exists():
+        for name in DEMO_OUTPUTS:
+            (data_dir / name).unlink(missing_ok=True)
+    else:  # first, so that a run that fails half way leaves a directory its rerun may clear
+        marker.write_text("written by `gpuledger demo`: a rerun replaces this directory's ledger\n")
 
 
 def _plan(seed: int, t0: float, span_s: float) -> list[DemoJob]:

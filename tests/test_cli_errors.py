@@ -120,6 +120,55 @@ def test_missing_files_and_dirs_are_one_line_and_create_nothing(capsys, tmp_path
     assert not (tmp_path / "gpuledger.sqlite").exists()
 
 
+# A site's data dir whose ledger is elsewhere ([ledger] url): no gpuledger.sqlite, but the names a demo writes.
+SITE_FILES = {"audit.sqlite": b"the site's audit log", "priority-feed.json": b'{"site": "live feed"}',
+              "usage-report.txt": b"signed Q3 report", "usage-report.txt.manifest.json": b'{"sig": "..."}',
+              "gpuledger.toml": b'[ledger]\nurl = "postgresql://gpuledger@db.example.org/gpuledger"\n'}
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("files", [SITE_FILES, {"gpuledger.toml": b'cluster = "prod"\n'},
+                                   {"audit.sqlite": b"a log"}, {"notes.txt": b"mine"}],
+                         ids=["site data dir", "a config", "an audit log", "any file"])
+def test_demo_refuses_a_dir_it_did_not_make_and_touches_nothing(capsys, tmp_path: Path, files) -> None:
+    d = tmp_path / "prod"
+    d.mkdir()
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    before = _tree(d)
+    for _ in range(2):  # a second try finds the directory as it was, not half a demo's
+        code, out, err = call(capsys, "demo", "--data-dir", d, "--nodes", "1", "--gpus", "1", "--hours", "0.05")
+        assert (code, out) == (2, "")
+        assert f"{d} holds files the demo did not write" in one_error_line(err)
+        assert _tree(d) == before
+
+
+def test_demo_takes_an_empty_dir(capsys, tmp_path: Path) -> None:
+    code, out, err = call(capsys, "demo", "--data-dir", tmp_path, "--nodes", "1", "--gpus", "1", "--hours", "0.05")
+    assert code == 0, err
+    assert (tmp_path / ".gpuledger-demo").exists() and (tmp_path / "priority-feed.json").exists()
+
+
+def test_agent_flags_are_checked_at_startup_naming_the_flag(capsys, tmp_path: Path) -> None:
+    not_pem, empty, blank = tmp_path / "ca.pem", tmp_path / "empty.token", tmp_path / "blank.token"
+    not_pem.write_text("not a certificate\n")
+    empty.write_text("")
+    blank.write_text(" \n\t\n")
+    base = ("agent", "run", "--source", "simulated", "--duration", "1", "--spool-dir", tmp_path / "spool",
+            "--collector", "https://127.0.0.1:1")
+    for extra, flag in [(("--ca-cert", not_pem), "--ca-cert"), (("--metrics-port", "18999999"), "--metrics-port"),
+                        (("--metrics-port", "-1"), "--metrics-port"), (("--token-file", empty), "--token-file"),
+                        (("--token-file", blank), "--token-file")]:
+        argv = [*base, "--metrics-port", "0", *extra]
+        code, out, err = call(capsys, *argv)
+        assert (code, out) == (2, ""), (extra, err)
+        assert flag in one_error_line(err), (extra, err)
+        assert not (tmp_path / "spool").exists(), extra  # refused before the spool is made
+
+
 def test_unknown_ids_say_so_and_exit_2(capsys, demo_dir: Path) -> None:
     d = ("--data-dir", demo_dir)
     for argv, needle in [

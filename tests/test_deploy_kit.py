@@ -23,6 +23,9 @@ from systemd_units import EXE, UNITS, environment, exec_start, unit
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "node-token-for-the-deploy-test-0123456789"
+WATCH = ROOT / "contrib" / "slurm" / "gpuledger-priority-watch.service"  # installed beside slurmctld
+SACCT = ROOT / "tests" / "data" / "slurm" / "sacct-json-23.02.6.json"
+SITE_CONFIG = "--config /etc/gpuledger/gpuledger.toml"
 
 
 def _get(url: str, ca: Path | None = None) -> tuple[int, str]:
@@ -51,9 +54,10 @@ def _stop(proc: subprocess.Popen, timeout_s: float) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpuledger-collector.service", "gpuledger-agent.service",
-                                  "gpuledger-jobs-import.service", "gpuledger-jobs-import.timer"])
+                                  "gpuledger-jobs-import.service", "gpuledger-jobs-import.timer", str(WATCH)],
+                         ids=lambda name: Path(name).name)
 def test_units_verify_and_keep_their_hardening(name: str, tmp_path: Path) -> None:
-    u = unit(name)
+    u = unit(name)  # (UNITS / an absolute path is that path: the watch unit from contrib/slurm)
     if name.endswith(".timer"):
         assert (UNITS / name.replace(".timer", ".service")).exists() and u["OnUnitActiveSec"]
     else:
@@ -61,9 +65,10 @@ def test_units_verify_and_keep_their_hardening(name: str, tmp_path: Path) -> Non
     verify = shutil.which("systemd-analyze")
     assert verify, "systemd-analyze is needed to check the units (Debian package systemd)"
     # verify needs the binary to exist: the same units with the venv's gpuledger
-    for f in UNITS.iterdir():
+    for f in [*UNITS.iterdir(), WATCH]:
         (tmp_path / f.name).write_text(f.read_text().replace("/usr/local/bin/gpuledger", EXE))
-    r = subprocess.run([verify, "verify", str(tmp_path / name)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([verify, "verify", str(tmp_path / Path(name).name)], capture_output=True, text=True,
+                       timeout=60)
     problems = [ln for ln in (r.stdout + r.stderr).splitlines() if "gpuledger" in ln]
     assert r.returncode == 0 and problems == [], r.stdout + r.stderr
 
@@ -71,8 +76,33 @@ def test_units_verify_and_keep_their_hardening(name: str, tmp_path: Path) -> Non
 def _check_hardening(u: dict[str, list[str]]) -> None:
     assert u["ProtectSystem"] == ["strict"] and u["ProtectHome"] == ["yes"] and u["NoNewPrivileges"] == ["yes"]
     assert u.get("DynamicUser") == ["yes"] or u.get("User") == ["gpuledger"]
-    assert u["StateDirectory"] and "${STATE_DIRECTORY}" in u["ExecStart"][0]
+    # what it may write: its StateDirectory, or (the watch: slurmctld reads the feed there) the data dir it names
+    assert (u.get("StateDirectory") and "${STATE_DIRECTORY}" in u["ExecStart"][0]
+            or u.get("ReadWritePaths") == ["/var/lib/gpuledger"])
     assert u["ExecStart"][0].startswith("/usr/local/bin/gpuledger ")
+    # exit 2 is bad configuration: a unit restarted on it would fail every RestartSec for ever
+    assert "Restart" not in u or u.get("RestartPreventExitStatus") == ["2"]
+    # every unit on the ledger's side reads the site's [ledger] table (the agent has no configuration file)
+    assert u.get("DynamicUser") == ["yes"] or SITE_CONFIG in u["ExecStart"][0]
+
+
+def test_jobs_import_unit_fills_the_ledger_the_config_names(tmp_path: Path) -> None:
+    """The import unit's ExecStart on a site whose ledger is named in /etc/gpuledger/gpuledger.toml ([ledger] url,
+    here a SQLite file outside the data dir; PostgreSQL alike): the jobs go there, not to a store of their own."""
+    etc, state, ledger = tmp_path / "etc", tmp_path / "var-lib-gpuledger", tmp_path / "ledger" / "shared.sqlite"
+    for d in (etc, state, ledger.parent):
+        d.mkdir()
+    (etc / "gpuledger.toml").write_text(f'cluster = "example"\n[ledger]\nurl = "{ledger}"\n')
+    u = unit("gpuledger-jobs-import.service")
+    sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(state), "/var/lib/gpuledger": str(state),
+           "/etc/gpuledger/": f"{etc}/", "--slurm --since 2": f"--sacct-json {SACCT}"}  # sacct's output, as a file
+    r = subprocess.run(exec_start(u, sub), capture_output=True, text=True, timeout=120, env=environment(u, sub),
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert not (state / "gpuledger.sqlite").exists(), "the import filled a stray store in the data dir"
+    r = subprocess.run([EXE, "jobs", "list", "--ledger-url", str(ledger), "--format", "json"], capture_output=True,
+                       text=True, timeout=60, env=environment(u, sub))
+    assert r.returncode == 0 and json.loads(r.stdout), r.stderr
 
 
 def test_units_boot_talk_tls_are_scraped_and_stop(tmp_path: Path) -> None:

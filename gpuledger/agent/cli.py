@@ -185,7 +185,8 @@ def run(
     url: str | None = typer.Option(None, help="dcgm-exporter /metrics URL (for --source dcgm-exporter)"),
     collector: list[str] = typer.Option([], help="collector base URL (http://host:8470 or host:8470) to push each "
                                         "batch to; repeat for fail-over collectors, tried in order"),
-    metrics_port: int | None = typer.Option(9445, help="serve /metrics on this port (0: any free port)"),
+    metrics_port: int | None = typer.Option(9445, min=0, max=65535, help="serve /metrics on this port (0: any free "
+                                            "port)"),
     metrics_addr: str = typer.Option("0.0.0.0", help=METRICS_ADDR_HELP),
     interval: float = typer.Option(10.0, help="seconds between sampling cycles"),
     host: str | None = typer.Option(None, help="host name to record (default: this host's name)"),
@@ -232,6 +233,9 @@ def run(
                 token = open(token_file).read().strip()
             except OSError as exc:
                 raise typer.BadParameter(f"--token-file: {exc}") from exc
+            if not token:  # else every batch would go without an Authorization header, refused for ever
+                raise typer.BadParameter(f"{token_file} holds no token (empty or only whitespace)",
+                                         param_hint="--token-file")
         if wire not in ("msgpack", "json"):
             raise typer.BadParameter(f"--wire must be msgpack or json, got {wire!r}")
         from gpuledger.agent.slurm import local_cluster_name  # noqa: PLC0415
@@ -241,6 +245,11 @@ def run(
                                 cluster=local_cluster_name() if cluster is None else cluster)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--collector") from None
+        except OSError as exc:  # the pusher loads --ca-cert now, at startup, not at its first push (SSLError: OSError)
+            if not ca_cert:
+                raise
+            raise typer.BadParameter(f"{ca_cert}: not a readable PEM CA bundle ({exc.strerror or exc})",
+                                     param_hint="--ca-cert") from None
         sink: Any = DirectSink(pusher)
         if spool_dir:
             from gpuledger.agent.spool import Spool, SpoolingPusher  # noqa: PLC0415

@@ -5,12 +5,16 @@ the ``[ledger]`` table of ``--config``), else the embedded store of ``--data-dir
 store (a mistyped directory is exit 2); a PostgreSQL database must exist (its DBA creates it), ``migrate`` creates
 the tables in it. A collector applies pending migrations itself when it opens the ledger; ``migrate`` does it ahead,
 e.g. before collectors of a new release start. Errors are one line: exit 2 for bad input (a bad ledger URL, no
-store), 1 when the server cannot be reached or the ledger was written by a newer gpuledger.
+store, a SQLite file that is not a database or that this user cannot open or write), 1 when the server cannot be
+reached or the ledger was written by a newer gpuledger. ``status`` reads only, but opens the file as every command
+does (in WAL mode, whose ``-shm`` file SQLite must be able to create beside it): where this user cannot write the
+file or its directory, it says so in one line (exit 2).
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -20,7 +24,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from gpuledger.collector.db import POSTGRESQL, Database, DatabaseUnavailable, open_database
-from gpuledger.collector.ledger_url import LedgerUrlOpt, cli_ledger_url, sqlite_path
+from gpuledger.collector.ledger_url import LedgerUrlOpt, cli_ledger_url, sqlite_path, sqlite_problem
 from gpuledger.collector.migrations import LATEST, LedgerTooNew, Status, migrate, status
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail
 
@@ -39,7 +43,8 @@ T = TypeVar("T")
 def _on_ledger(ledger_url: str | None, data_dir: Path, config: Path | None, action: Callable[[Database], T]
                ) -> tuple[T, Database]:
     """``action`` on the ledger's database (``--ledger-url`` resolved), which is closed again; never a new SQLite
-    file. Exit 2 for no ledger, 1 when it cannot be reached or was written by a newer gpuledger."""
+    file. Exit 2 for no ledger or one written by a newer gpuledger (as every other command), 1 when it cannot be
+    reached."""
     url = cli_ledger_url(ledger_url, data_dir, config)
     path = sqlite_path(url, data_dir)
     if path is not None and not path.is_file():
@@ -49,10 +54,16 @@ def _on_ledger(ledger_url: str | None, data_dir: Path, config: Path | None, acti
         db = open_database(str(url) if path is None else path)
     except DatabaseUnavailable as e:
         fail(str(e), code=1)
+    except sqlite3.Error as e:  # (path is the SQLite file: PostgreSQL raises its own errors)
+        fail(*sqlite_problem(e, str(path), "a gpuledger ledger"))
     try:
         return action(db), db
-    except (DatabaseUnavailable, LedgerTooNew) as e:
+    except DatabaseUnavailable as e:
         fail(str(e), code=1)
+    except LedgerTooNew as e:
+        fail(str(e))
+    except sqlite3.Error as e:
+        fail(*sqlite_problem(e, str(path), "a gpuledger ledger"))
     finally:
         db.close()
 

@@ -18,12 +18,15 @@ A bad URL (empty, an unknown scheme, a malformed one) is refused in one line nam
 (reports, feeds, keys) stay in the data directory whatever the ledger.
 
 A query never creates a ledger: :func:`open_ledger` without ``create`` exits 2 when there is no SQLite file, or
-when the PostgreSQL database holds no gpuledger tables, and 1 when the server cannot be reached.
+when the PostgreSQL database holds no gpuledger tables, and 1 when the server cannot be reached. A SQLite file that
+cannot be opened (not a database, read-only to this user, written by a newer gpuledger) is one line naming the file
+and why, exit 2: restarting a unit cannot fix it (:func:`sqlite_problem`).
 """
 
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -33,6 +36,7 @@ import typer
 
 from gpuledger.collector.config import ConfigError, read_toml
 from gpuledger.collector.db import DatabaseUnavailable, is_postgres_url, open_database, redact
+from gpuledger.collector.migrations import LedgerTooNew
 from gpuledger.output import fail
 
 if TYPE_CHECKING:
@@ -145,10 +149,28 @@ def ledger_exists(ledger_url: str | None, data_dir: Path) -> bool:
         db.close()
 
 
+def sqlite_problem(exc: sqlite3.Error, path: str | os.PathLike[str], what: str) -> tuple[str, int]:
+    """Why the SQLite file ``path`` (``what``: "a gpuledger ledger", "an audit log") could not be opened, in one
+    line, and the exit status: 1 while another process holds it (trying again helps), else 2 (a file or a
+    permission to fix, which a restart cannot)."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code (SQLITE_READONLY_* are SQLITE_READONLY)
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return f"{path}: {exc} (another process holds it; try again)", 1
+    if code == sqlite3.SQLITE_READONLY:
+        return (f"cannot write {path}: permission denied to this user on it or its directory, or a read-only file "
+                f"system ({exc}); run as the user that owns it"), 2
+    if code in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM):
+        return f"cannot open {path}: {exc} (check that it is a file and the permissions on it and its directory)", 2
+    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return f"{path}: not {what} ({exc})", 2
+    return f"{path}: {exc}", 1
+
+
 def open_ledger(ledger_url: str | None, data_dir: Path, *, create: bool = False, **settings: Any) -> Store:
     """The store for a command (``collector.store.open_store``; ``settings`` are its keyword arguments). Without
     ``create`` (a query) there must be a ledger already: none is one line and exit 2, never a new empty store. An
-    unreachable PostgreSQL is one line and exit 1."""
+    unreachable PostgreSQL is one line and exit 1; a SQLite file that cannot be opened, or a ledger of a newer
+    gpuledger, one line and exit 2 (:func:`sqlite_problem`)."""
     from gpuledger.collector.store import open_store
 
     label = ledger_label(ledger_url, data_dir)
@@ -164,6 +186,10 @@ def open_ledger(ledger_url: str | None, data_dir: Path, *, create: bool = False,
         return open_store(ledger_url, data_dir, **settings)
     except DatabaseUnavailable as e:
         fail(str(e), code=1)
+    except LedgerTooNew as e:  # the message names the ledger; only a newer gpuledger opens it
+        fail(str(e))
+    except sqlite3.Error as e:  # (only a SQLite ledger raises these: label is its file)
+        fail(*sqlite_problem(e, label, "a gpuledger ledger"))
 
 
 def ledger_fingerprint(ledger_url: str | None, data_dir: Path) -> tuple[object, ...]:

@@ -100,7 +100,7 @@ def test_a_ledger_of_a_newer_gpuledger_is_shown_and_refused(capsys, tmp_path, en
     code, out, err = call(capsys, "ledger", "status", "--ledger-url", url)
     assert code == 0 and "written by a newer gpuledger" in out
     code, out, err = call(capsys, "ledger", "migrate", "--ledger-url", url)
-    assert code == 1 and out == "" and f"has migration {LATEST + 1}" in one_error_line(err)
+    assert code == 2 and out == "" and f"has migration {LATEST + 1}" in one_error_line(err)
 
 
 def test_errors_are_one_line_exit_2_for_bad_input_and_1_for_an_unreachable_server(capsys, tmp_path):

@@ -138,6 +138,15 @@ class EntryDamaged(AuditError):
     """A stored entry's body is not an entry (the log was edited); the message names the entry."""
 
 
+def _open_error(exc: sqlite3.Error, location: str | os.PathLike[str]) -> AuditError:
+    """Why the log's SQLite file could not be opened: a file this user may not write is not "not an audit log" (an
+    operator told so might delete a good log)."""
+    # ledger_url reads the configuration, which imports the store and, through it, this package: imported here
+    from gpuledger.collector.ledger_url import sqlite_problem
+
+    return AuditError(sqlite_problem(exc, location, "an audit log")[0])
+
+
 class LogDamaged(Exception):
     """A stored hash a proof needs is missing (rows deleted); ``verify`` says which entries."""
 
@@ -165,7 +174,7 @@ class AuditLog:
             try:
                 db = SqliteDatabase(self.path)
             except sqlite3.DatabaseError as e:
-                raise AuditError(f"{self.path}: not an audit log ({e})") from None
+                raise _open_error(e, self.path) from None
         elif isinstance(db, SqliteDatabase):
             self.path = db.path
         self.location = str(self.path) if self.path is not None else f"{db.url} (schema {AUDIT_SCHEMA})"
@@ -185,7 +194,7 @@ class AuditLog:
                            (FORMAT,))
         except sqlite3.DatabaseError as e:
             db.close()
-            raise AuditError(f"{self.location}: not an audit log ({e})") from None
+            raise _open_error(e, self.location) from None
         except BaseException:
             db.close()
             raise
