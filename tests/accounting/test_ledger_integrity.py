@@ -191,7 +191,7 @@ def test_a_v2_store_is_migrated(tmp_path):
     db.close()
     store = Store(path)
     try:
-        assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
+        assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "4"  # META_FORMAT
         (e,) = load(store)
         assert (e.key, e.seen_by, e.account, e.usage.allocated_gpu_seconds) == (("c", "1"), "both", "a", 10.0)
         assert e.usage.gap_gpu_seconds == 0.0  # a field the v2 store had no column for starts at 0

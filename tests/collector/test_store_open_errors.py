@@ -83,16 +83,22 @@ def test_a_ledger_of_a_newer_gpuledger(capsys, tmp_path: Path, argv) -> None:
     assert "upgrade gpuledger" in line
 
 
+def _read_only_journal(path: Path, read_only) -> bytes:
+    """``path`` as a rollback-journal file, then read-only to this user; its bytes. Switching it to WAL, as every
+    command does first, is a write, refused where the user may not write (a WAL file fails the same way when its
+    -shm file cannot be created beside it)."""
+    with sqlite3.connect(path) as c:
+        c.execute("PRAGMA journal_mode=DELETE")
+    before = path.read_bytes()
+    read_only(path)
+    return before
+
+
 @pytest.mark.parametrize("argv", OPENERS, ids=" ".join)
 def test_a_ledger_this_user_may_not_write(capsys, tmp_path: Path, read_only, argv) -> None:
     data = imported(capsys, tmp_path / "data")
     store = data / "gpuledger.sqlite"
-    # A rollback-journal file: switching it to WAL, as every command does first, is a write, refused where the user
-    # may not write (a WAL file fails the same way when its -shm file cannot be created beside it).
-    with sqlite3.connect(store) as c:
-        c.execute("PRAGMA journal_mode=DELETE")
-    before = store.read_bytes()
-    read_only(store)
+    before = _read_only_journal(store, read_only)
     code, out, err = call(capsys, *argv, "--data-dir", data)
     assert (code, out) == (2, "")
     line = one_error_line(err)
@@ -103,10 +109,7 @@ def test_a_ledger_this_user_may_not_write(capsys, tmp_path: Path, read_only, arg
 def test_an_audit_log_this_user_may_not_write_is_not_called_damaged(capsys, tmp_path: Path, read_only) -> None:
     data = imported(capsys, tmp_path / "data")
     audit = data / "audit.sqlite"
-    with sqlite3.connect(audit) as c:
-        c.execute("PRAGMA journal_mode=DELETE")
-    before = audit.read_bytes()
-    read_only(audit)
+    before = _read_only_journal(audit, read_only)
     for argv in (("jobs", "import", "--sacct-json", SACCT), ("audit", "verify"), ("collector", "serve", "--port", "0")):
         code, out, err = call(capsys, *argv, "--data-dir", data)
         assert (code, out) == (2, ""), argv

@@ -67,7 +67,9 @@ def test_the_jobs_import_unit_imports_from_a_real_slurm(slurm_cluster: SlurmClus
     slurm_cluster.wait(f"job {job} to complete", lambda: f"{job}|COMPLETED" in slurm_cluster.cmd(
         "sacct", "-a", "-n", "-X", "-P", "-S", "now-2hours", "-o", "JobID,State"), timeout_s=60, every_s=0.3)
     u = unit("gpuledger-jobs-import.service")
-    sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(tmp_path), "/var/lib/gpuledger": str(tmp_path)}
+    (tmp_path / "gpuledger.toml").write_text("")  # the site's file (the unit passes --config): nothing set in it
+    sub = {"/usr/local/bin/gpuledger": EXE, "${STATE_DIRECTORY}": str(tmp_path), "/var/lib/gpuledger": str(tmp_path),
+           "/etc/gpuledger/gpuledger.toml": str(tmp_path / "gpuledger.toml")}
     env = {**environment(u, sub), "SLURM_CONF": str(slurm_cluster.conf)}
     p = subprocess.run(exec_start(u, sub), capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0 and p.stderr == "", p.stderr
