@@ -20,6 +20,7 @@ from gpuledger.accounting.gaps import GapAttribution, GapShare, reassign
 from gpuledger.accounting.scope import OutOfScope, in_scope, mig_bounds, scaled
 from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
 from gpuledger.schema.records import JobRecord, JobUsage
+from gpuledger.schema.text import ascii_int
 
 JobKey = tuple[str, str]  # (cluster, job_id)
 
@@ -250,5 +251,5 @@ def load(store: LedgerReader, now: float | None = None, gaps: GapAttribution | N
 
 
 def _job_sort_key(job_id: str) -> tuple[int, str]:
-    head = job_id.split("_", 1)[0]
-    return (int(head), job_id) if head.isdigit() else (1 << 62, job_id)
+    head = ascii_int(job_id.split("_", 1)[0])
+    return (head, job_id) if head is not None else (1 << 62, job_id)

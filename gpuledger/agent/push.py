@@ -31,6 +31,7 @@ import msgpack
 import zstandard
 
 from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.schema.text import ascii_int
 from gpuledger.schema.wire import to_series
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,8 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     if not value:
         return None
     value = value.strip()
-    if value.isascii() and value.isdigit():
-        return float(value)
+    if (seconds := ascii_int(value)) is not None:
+        return float(seconds)
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):

@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from gpuledger.schema.records import JobRecord
+from gpuledger.schema.text import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,11 @@ def parse_index_list(text: str) -> tuple[int, ...]:
         if not part:
             continue
         lo, sep, hi = part.partition("-")
-        bounds = (lo, hi) if sep else (part,)
-        if not all(b.strip().isascii() and b.strip().isdigit() and int(b) <= MAX_GPU_INDEX for b in bounds):
+        values = [ascii_int(b.strip()) for b in ((lo, hi) if sep else (part,))]
+        bounds = [b for b in values if b is not None and b <= MAX_GPU_INDEX]
+        if len(bounds) != len(values):
             raise ValueError(f"not a GPU index list: {text!r}")
-        if sep:
-            out.extend(range(int(lo), int(hi) + 1))
-        else:
-            out.append(int(part))
+        out.extend(range(bounds[0], bounds[-1] + 1))
     return tuple(out)
 
 
@@ -383,7 +382,7 @@ def parse_job_environ(data: bytes) -> JobMeta | None:
     meta["cluster"] = env.get("SLURM_CLUSTER_NAME") or None
     meta["user"] = env.get("SLURM_JOB_USER") or None
     uid = env.get("SLURM_JOB_UID", "")
-    meta["uid"] = int(uid) if uid.isascii() and uid.isdigit() else None
+    meta["uid"] = ascii_int(uid)
     meta["account"] = env.get("SLURM_JOB_ACCOUNT") or None
     meta["partition"] = env.get("SLURM_JOB_PARTITION") or None
     meta["hosts"] = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
@@ -396,7 +395,8 @@ def parse_job_environ(data: bytes) -> JobMeta | None:
             meta["gpu_indexes"] = idx
             break
     on_node = env.get("SLURM_GPUS_ON_NODE", "")
-    meta["gpus"] = int(on_node) if on_node.isascii() and on_node.isdigit() else (len(meta["gpu_indexes"]) or None)
+    gpus = ascii_int(on_node)
+    meta["gpus"] = gpus if gpus is not None else (len(meta["gpu_indexes"]) or None)
     return meta
 
 

@@ -72,6 +72,7 @@ from gpuledger.collector.series_outbox import local_retention
 from gpuledger.collector.series_store import Retention
 from gpuledger.collector.store import DEDUPE_HORIZON_S, MAX_GPUS_PER_HOST
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, Limits
+from gpuledger.schema.text import ascii_int
 
 CONFIG_NAME = "gpuledger.toml"
 ENV_PREFIX = "GPULEDGER_COLLECTOR_"
@@ -191,8 +192,8 @@ class CollectorSettings(TokenTables):
     def _workers(cls, v: Any) -> int:
         if v == "auto":
             return auto_workers()
-        if isinstance(v, str) and v.strip().isdigit():  # from the environment or --workers
-            v = int(v)
+        if isinstance(v, str) and (n := ascii_int(v.strip())) is not None:  # from the environment or --workers
+            v = n
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f'must be a whole number of processes, at least 1, or "auto", got {v!r}')
         return v

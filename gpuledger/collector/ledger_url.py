@@ -38,6 +38,7 @@ from gpuledger.collector.config import ConfigError, read_toml
 from gpuledger.collector.db import DatabaseUnavailable, is_postgres_url, open_database, redact
 from gpuledger.collector.migrations import LedgerTooNew
 from gpuledger.output import fail
+from gpuledger.schema.text import ascii_int
 
 if TYPE_CHECKING:
     from gpuledger.collector.store import Store
@@ -64,7 +65,7 @@ def _port_ok(host: str) -> bool:
     """One host of a libpq URL's host list (``h1:5432,h2:5433``: libpq tries them in turn, how a site names a
     primary and its standbys) has no port, or a valid one."""
     _, colon, port = host.rpartition("]")[2].rpartition(":")  # an IPv6 address is bracketed: [::1]:5432
-    return not colon or not port or (port.isdigit() and 0 < int(port) < 65536)
+    return not colon or not port or (0 < (ascii_int(port) or 0) < 65536)
 
 
 def check_ledger_url(value: str, source: str, base: Path | None = None) -> str:

@@ -77,6 +77,7 @@ from gpuledger.collector.validate import (
     parse_batch,
     parse_jobs,
 )
+from gpuledger.schema.text import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -1252,9 +1253,10 @@ def _int(q: Mapping[str, list[str]], name: str, default: int) -> int:
     if name not in q:
         return default
     v = q[name][0]
-    if not (v.isascii() and v.isdigit()) or len(v) > 12:  # isdigit alone takes '²', which int() does not
+    n = ascii_int(v) if len(v) <= 12 else None
+    if n is None:
         raise BatchError(400, f"query parameter {name!r} must be a non-negative integer, got {v[:40]!r}")
-    return int(v)
+    return n
 
 
 def _time(q: Mapping[str, list[str]], name: str) -> float | None:

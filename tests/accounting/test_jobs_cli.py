@@ -126,3 +126,23 @@ def test_an_import_file_that_is_not_utf8_is_one_line_exit_2(tmp_path: Path) -> N
     r = CliRunner().invoke(app, ["jobs", "import", "--data-dir", str(tmp_path), "--sacct-json", str(bad)])
     assert r.exit_code == 2, r.output
     assert r.output.strip() == f"error: {bad}: not UTF-8 text (invalid start byte at byte 20)", r.output
+
+
+def test_a_job_id_of_other_scripts_digits_stops_no_listing(tmp_path: Path) -> None:
+    # an agent may name any printable job id: '²' passed isdigit() and then made int() raise in the ledger's sort,
+    # so every listing, report and fairshare of the ledger failed
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample
+
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        store.ingest(Batch("a", 1, "n1", tuple(GpuSample(ts=1.7e9 + 10 * k, host="n1", gpu_uuid=f"G{i}", gpu_index=i,
+                                                         job_ids=(job,))
+                                               for k in range(3) for i, job in enumerate(("\u00b2", "10")))))
+    finally:
+        store.close()
+    r = CliRunner().invoke(app, ["jobs", "list", "--data-dir", str(tmp_path), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert [j["job_id"] for j in json.loads(r.output)] == ["10", "\u00b2"]
+    r = CliRunner().invoke(app, ["report", "usage", "--data-dir", str(tmp_path), "--format", "json"])
+    assert r.exit_code == 0, r.output

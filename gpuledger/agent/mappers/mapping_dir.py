@@ -32,6 +32,7 @@ from typing import Literal
 from gpuledger.agent.mappers.slurm_cgroup import sorted_job_ids
 from gpuledger.agent.sharing import split_shares
 from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.schema.text import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,10 @@ def parse_jobstats_mapping(text: str) -> tuple[JobEntry, ...]:
     seen: dict[str, JobEntry] = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) != 2 or not parts[1].isdigit() or parts[0].startswith("#"):
+        uid = ascii_int(parts[1]) if len(parts) == 2 else None
+        if uid is None or parts[0].startswith("#"):
             continue
-        seen.setdefault(parts[0], JobEntry(parts[0], int(parts[1])))
+        seen.setdefault(parts[0], JobEntry(parts[0], uid))
     return tuple(seen.values())
 
 
@@ -96,7 +98,7 @@ def parse_auto_mapping(text: str) -> tuple[JobEntry, ...]:
         parts = line.split()
         if not parts or parts[0].startswith("#") or len(parts) > 2:
             continue
-        uid = int(parts[1]) if len(parts) == 2 and parts[1].isdigit() else None
+        uid = ascii_int(parts[1]) if len(parts) == 2 else None
         if len(parts) == 2 and uid is None:
             continue
         prev = seen.get(parts[0])
@@ -138,8 +140,7 @@ def read_mapping_dir(path: str | Path, format: Format = "auto") -> dict[GpuKey, 
 def _gpu_instance(mig: str | None) -> int | None:
     if mig is None:
         return None
-    head = mig.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    return ascii_int(mig.split(".", 1)[0])
 
 
 def jobs_for_sample(table: Mapping[GpuKey, Sequence[JobEntry]], s: GpuSample,

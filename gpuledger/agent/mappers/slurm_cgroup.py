@@ -33,6 +33,7 @@ from typing import Any, Literal
 from gpuledger.agent.sharing import split_shares
 from gpuledger.agent.slurm import SLUID_RE, JobMeta, JobResolver, job_record, parse_job_environ
 from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.schema.text import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def parse_cgroup(text: str) -> JobRef | None:
 
 def _job_sort_key(job_id: str) -> tuple[Any, ...]:
     # Numeric order ("9" before "10", "12_2" before "12_10"), text ids after.
-    return tuple((0, int(p), "") if p.isascii() and p.isdigit() else (1, 0, p) for p in job_id.split("_"))
+    return tuple((0, n, "") if (n := ascii_int(p)) is not None else (1, 0, p) for p in job_id.split("_"))
 
 
 def sorted_job_ids(job_ids: Iterable[str]) -> tuple[str, ...]:

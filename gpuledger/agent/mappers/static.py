@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from gpuledger.schema.records import GpuSample
+from gpuledger.schema.text import ascii_int
 
 GpuKey = str | int
 
@@ -27,7 +28,8 @@ def _normalise_key(gpu: GpuKey) -> GpuKey:
         key = gpu.strip()
         if not key:
             raise ValueError("static mapper: empty GPU key")
-        return int(key) if key.isdigit() else key
+        index = ascii_int(key)
+        return key if index is None else index
     raise TypeError(f"static mapper: GPU key must be a UUID or an index, got {type(gpu).__name__} {gpu!r}")
 
 

@@ -49,6 +49,7 @@ from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.dcgm import FIELDS_BY_ID, FIELDS_BY_NAME, XidLatch, convert_fields, dcgm_number
 from gpuledger.agent.sources.health import FieldHealth
 from gpuledger.schema.records import GpuSample
+from gpuledger.schema.text import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def missing_sm_activity(text: str) -> tuple[str, ...]:
 def _mig_order(mig: str | None) -> tuple[int, str]:
     if mig is None:
         return (-1, "")
-    return (int(mig), mig) if mig.isdigit() else (1 << 30, mig)
+    return (n, mig) if (n := ascii_int(mig)) is not None else (1 << 30, mig)
 
 
 class DcgmExporterSource:
