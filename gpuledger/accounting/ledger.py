@@ -19,8 +19,7 @@ from typing import Any
 from gpuledger.accounting.gaps import GapAttribution, GapShare, reassign
 from gpuledger.accounting.scope import OutOfScope, in_scope, mig_bounds, scaled
 from gpuledger.collector.ledger_store import AGENT, SLURM, LedgerReader
-from gpuledger.schema.records import JobRecord, JobUsage
-from gpuledger.schema.text import ascii_int
+from gpuledger.schema.records import JobRecord, JobUsage, job_sort_key
 
 JobKey = tuple[str, str]  # (cluster, job_id)
 
@@ -151,7 +150,7 @@ def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[
                 continue
             u = scaled(u, share)
         by_gpu.setdefault(key, []).append(u)
-    keys = sorted(set(slurm) | set(by_use) | set(by_agent), key=lambda k: (_job_sort_key(k[1]), k[0]))
+    keys = sorted(set(slurm) | set(by_use) | set(by_agent), key=lambda k: (job_sort_key(k[1]), k[0]))
     out = []
     for k in keys:
         uses = by_use.get(k, [])
@@ -250,6 +249,3 @@ def load(store: LedgerReader, now: float | None = None, gaps: GapAttribution | N
     return join(store.job_records(), store.job_usage(), store.job_usage(per_gpu=True), gaps.by_job(), now)
 
 
-def _job_sort_key(job_id: str) -> tuple[int, str]:
-    head = ascii_int(job_id.split("_", 1)[0])
-    return (head, job_id) if head is not None else (1 << 62, job_id)

@@ -2,13 +2,16 @@
 
 Ratios are 0..1, memory in bytes, power in watts, energy in joules, clocks in hertz, times in unix
 seconds. ``None`` means the device (or source) did not report the value; it is never a silent zero.
-This module imports only the standard library so that every layer may import it.
+This module imports only the standard library (and ``schema.text``) so that every layer may import it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
+
+from gpuledger.schema.text import ascii_int
 
 # The float fields of GpuSample that are ratios in 0..1 (validated by the collector).
 RATIO_FIELDS: tuple[str, ...] = (
@@ -180,6 +183,17 @@ def split_gpu_id(gpu: str) -> tuple[str, str]:
     """(physical GPU UUID, MIG instance or "") of a usage record's GPU name: :func:`gpu_id` undone."""
     uuid, _, mig = gpu.partition("/")
     return uuid, mig
+
+
+def job_sort_key(job_id: str) -> tuple[tuple[int, int, str], ...]:
+    """The order of Slurm job ids everywhere we list them: numeric part by part ("9" before "10", "12_2" before
+    "12_10", a job before its array tasks), ids that are not digits after the numbers of their position."""
+    return tuple((0, n, "") if (n := ascii_int(p)) is not None else (1, 0, p) for p in job_id.split("_"))
+
+
+def sorted_job_ids(job_ids: Iterable[str]) -> tuple[str, ...]:
+    """``job_ids`` once each, in :func:`job_sort_key` order."""
+    return tuple(sorted(set(job_ids), key=job_sort_key))
 
 
 @dataclass(frozen=True, slots=True)

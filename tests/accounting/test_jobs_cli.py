@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from gpuledger.accounting.audit import open_log
 from gpuledger.cli import app
 from gpuledger.collector.store import Store
+from gpuledger.schema.records import JobRecord
 
 REAL = DATA_ROOT / "slurm" / "real-22.05"
 runner = CliRunner()
@@ -86,7 +87,7 @@ def test_list_as_csv_keeps_slurms_gpu_count_and_the_cluster(tmp_path: Path) -> N
     import io
 
     from gpuledger.collector.validate import Batch
-    from gpuledger.schema.records import GpuSample, JobRecord
+    from gpuledger.schema.records import GpuSample
 
     t0 = 1_790_000_000.0
     store = Store(tmp_path / "gpuledger.sqlite")
@@ -146,3 +147,18 @@ def test_a_job_id_of_other_scripts_digits_stops_no_listing(tmp_path: Path) -> No
     assert [j["job_id"] for j in json.loads(r.output)] == ["10", "\u00b2"]
     r = CliRunner().invoke(app, ["report", "usage", "--data-dir", str(tmp_path), "--format", "json"])
     assert r.exit_code == 0, r.output
+
+
+def test_jobs_are_listed_in_slurms_numeric_order_array_tasks_by_their_number(tmp_path: Path) -> None:
+    # The order the agent's mappers give a GPU's jobs (schema.records.job_sort_key); the ledger listed
+    # "12_10" before "12_2" (its own rule: the head's number, then the text).
+    ids = ["12_10", "x1", "10", "12_2", "9", "12", "100_1"]
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        store.put_jobs([JobRecord(job_id=j, user="ann", account="p", hosts=("n1",), gpus=1, start=1_790_000_000.0,
+                                  end=1_790_000_060.0, state="COMPLETED") for j in ids])
+    finally:
+        store.close()
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(tmp_path), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert [j["job_id"] for j in json.loads(r.output)] == ["9", "10", "12", "12_2", "12_10", "100_1", "x1"]

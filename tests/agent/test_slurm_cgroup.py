@@ -14,9 +14,9 @@ from testdata import DATA_ROOT, capture  # noqa: F401
 
 from gpuledger.agent.mappers import make_mapper
 from gpuledger.agent.mappers.base import JobMapper
-from gpuledger.agent.mappers.slurm_cgroup import JobRef, SlurmCgroupMapper, parse_cgroup, sorted_job_ids
+from gpuledger.agent.mappers.slurm_cgroup import JobRef, SlurmCgroupMapper, parse_cgroup
 from gpuledger.agent.slurm import JobResolver
-from gpuledger.schema.records import GpuProcess, GpuSample
+from gpuledger.schema.records import GpuProcess, GpuSample, sorted_job_ids
 
 REAL = DATA_ROOT / "slurm" / "real-22.05"
 

@@ -29,9 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from gpuledger.agent.mappers.slurm_cgroup import sorted_job_ids
 from gpuledger.agent.sharing import split_shares
-from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.schema.records import GpuSample, JobRecord, sorted_job_ids
 from gpuledger.schema.text import ascii_int
 
 log = logging.getLogger(__name__)

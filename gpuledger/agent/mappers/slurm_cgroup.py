@@ -25,15 +25,14 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from gpuledger.agent.sharing import split_shares
 from gpuledger.agent.slurm import SLUID_RE, JobMeta, JobResolver, job_record, parse_job_environ
-from gpuledger.schema.records import GpuSample, JobRecord
-from gpuledger.schema.text import ascii_int
+from gpuledger.schema.records import GpuSample, JobRecord, sorted_job_ids
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +89,6 @@ def parse_cgroup(text: str) -> JobRef | None:
         if ref is not None:
             return ref
     return None
-
-
-def _job_sort_key(job_id: str) -> tuple[Any, ...]:
-    # Numeric order ("9" before "10", "12_2" before "12_10"), text ids after.
-    return tuple((0, n, "") if (n := ascii_int(p)) is not None else (1, 0, p) for p in job_id.split("_"))
-
-
-def sorted_job_ids(job_ids: Iterable[str]) -> tuple[str, ...]:
-    return tuple(sorted(set(job_ids), key=_job_sort_key))
 
 
 class SlurmCgroupMapper:
@@ -239,4 +229,4 @@ class SlurmCgroupMapper:
         return out
 
 
-__all__ = ["JobRef", "SlurmCgroupMapper", "parse_cgroup", "sorted_job_ids"]
+__all__ = ["JobRef", "SlurmCgroupMapper", "parse_cgroup"]
