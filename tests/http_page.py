@@ -1,4 +1,5 @@
-"""A real loopback HTTP server for agent tests: GET answers a fixed body (a /metrics page), POST bodies are kept."""
+"""A real loopback HTTP server for agent tests: GET answers a fixed body (a /metrics page), POST bodies are kept and
+answered as the collector acknowledges a batch (the agent counts nothing else as delivered)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ def serve(body: bytes, received: list[bytes] | None = None) -> http.server.Threa
 
         def do_POST(self) -> None:  # noqa: N802
             n = int(self.headers.get("Content-Length", "0"))
+            data = self.rfile.read(n)
             if received is not None:
-                received.append(self.rfile.read(n))
-            self.send_response(204)
+                received.append(data)
+            ack = b'{"accepted": 0, "duplicate": false, "duplicate_samples": 0, "too_late": 0}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(ack)))
             self.end_headers()
+            self.wfile.write(ack)
 
         def log_message(self, *a) -> None:
             pass

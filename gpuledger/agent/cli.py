@@ -18,6 +18,7 @@ from gpuledger.agent.sources import SOURCES, make_source
 from gpuledger.agent.sources.base import SourceUnavailable
 from gpuledger.agent.sources.simulated import LOADS
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, percent, to_csv
+from gpuledger.schema import limits as collector_limits
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 
 app = typer.Typer(help="GPU node agent: read GPUs (nvml, dcgm, dcgm-exporter, simulated), expose and push samples.",
@@ -206,6 +207,12 @@ def run(
     spool_max_bytes: int = typer.Option(256 * 2**20, help="spool bound in bytes; beyond it the oldest are dropped"),
     ca_cert: str | None = typer.Option(None, help="CA bundle (PEM) to verify an https collector with"),
     push_every: int = typer.Option(1, min=1, help="push every N sampling cycles (fewer, larger batches)"),
+    max_batch_samples: int = typer.Option(collector_limits.MAX_SAMPLES, min=1, help="samples in one batch at most "
+                                          "(larger pushes go as several, of whole cycles): the collector's "
+                                          "max_samples; lower it to match a collector set lower"),
+    max_batch_bytes: int = typer.Option(collector_limits.MAX_BODY_BYTES, min=1, help="bytes of one batch's body "
+                                        "before compression at most: the collector's max_body_bytes; lower it to "
+                                        "match a collector set lower"),
     wire: str = typer.Option("msgpack", help="body encoding: msgpack (columns as raw bytes) or json"),
     cluster: str | None = typer.Option(None, help="Slurm cluster this host is in, sent with every batch so that "
                                        "jobs are told apart by (cluster, job id) (default: ClusterName from "
@@ -226,7 +233,7 @@ def run(
     sinks: list[Any] = []
     delivery: Any = None  # the sink that says what reached the collector
     if collector:
-        from gpuledger.agent.push import DirectSink, HttpPusher  # noqa: PLC0415
+        from gpuledger.agent.push import BatchLimits, DirectSink, HttpPusher  # noqa: PLC0415
 
         if token_file:
             try:
@@ -240,9 +247,10 @@ def run(
             raise typer.BadParameter(f"--wire must be msgpack or json, got {wire!r}")
         from gpuledger.agent.slurm import local_cluster_name  # noqa: PLC0415
 
+        limits = BatchLimits(samples=max_batch_samples, body_bytes=max_batch_bytes)
         try:
             pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True, fmt=wire,
-                                cluster=local_cluster_name() if cluster is None else cluster)
+                                cluster=local_cluster_name() if cluster is None else cluster, limits=limits)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--collector") from None
         except OSError as exc:  # the pusher loads --ca-cert now, at startup, not at its first push (SSLError: OSError)
@@ -262,7 +270,7 @@ def run(
         if push_every > 1:
             from gpuledger.agent.push import Batcher  # noqa: PLC0415
 
-            sink = Batcher(sink, push_every)
+            sink = Batcher(sink, push_every, limits)
         sinks.append(sink)
     agent = Agent(src, stages, sinks=sinks)
     stop = threading.Event()

@@ -8,6 +8,14 @@ number unless it is re-sent with :meth:`HttpPusher.send`).
 
 ``--collector`` is the collector's base URL (``http://host:8470``, or ``host:8470``: http is assumed); the
 samples path is the agent's business. Several URLs fail over in order.
+
+A batch counts as delivered only on the collector's acknowledgement: a JSON object with its counts
+(:class:`Ack`), in a 2xx, or in a 422 ``too_late`` that stored some (the rest were behind their GPU's window). A 2xx
+with any other body (a proxy's page) says nothing about the batch: a retryable :class:`PushError`.
+
+Batches fit the collector's limits (:class:`BatchLimits`, ``schema.limits``): the sinks split what they are handed
+into batches of whole ticks within them (:func:`split_ticks`), halve a batch whose body is over the size limit, and
+halve one the collector refuses as ``too_large`` (413), rather than drop it (:func:`halve`).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from email.utils import parsedate_to_datetime
 from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -30,9 +38,10 @@ import httpx
 import msgpack
 import zstandard
 
+from gpuledger.schema import limits as collector_limits
 from gpuledger.schema.records import GpuSample, JobRecord
 from gpuledger.schema.text import ascii_int
-from gpuledger.schema.wire import to_series
+from gpuledger.schema.wire import from_series, series_key, to_series
 
 log = logging.getLogger(__name__)
 
@@ -83,27 +92,151 @@ def _verify(verify: str | bool) -> ssl.SSLContext | bool:
 
 class PushError(RuntimeError):
     """A batch did not reach the collector: ``status`` is the HTTP status (None when no response came),
-    ``reason`` the collector's machine-readable reason (``future``, ``invalid``, ...) when it gave one."""
+    ``reason`` the collector's machine-readable reason (``future``, ``invalid``, ...) when it gave one;
+    ``not_ack``: a 2xx whose body is no collector's acknowledgement (something else answered: retryable)."""
 
     def __init__(self, message: str, status: int | None = None, body: str = "", cause: str = "",
-                 reason: str = "", retry_after_s: float | None = None) -> None:
+                 reason: str = "", retry_after_s: float | None = None, not_ack: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
         self.cause = cause
         self.reason = reason
         self.retry_after_s = retry_after_s  # the answer's Retry-After, in seconds from now (None: not given)
+        self.not_ack = not_ack
 
     @property
     def failover(self) -> bool:
         """Might another collector, or a later attempt, take the batch?"""
-        return self.status is None or self.status in FAILOVER_STATUSES
+        return self.status is None or self.status in FAILOVER_STATUSES or self.not_ack
+
+    @property
+    def too_large(self) -> bool:
+        """Refused for its size (413 too_large): the same samples in smaller batches are taken."""
+        return self.status == 413 and self.reason == "too_large"
 
     def describe(self) -> str:
         """Why the push failed, in a few words (for one log line)."""
         if self.status is None:
             return f"unreachable ({self.cause})"
+        if self.not_ack:
+            return (f"answered HTTP {self.status} with no collector's acknowledgement ({self.cause}; is the URL a "
+                    "collector's?)")
         return f"answered HTTP {self.status}: {self.body.strip()[:200] or '(no body)'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """A collector's acknowledgement of a batch (its IngestResult): stored but for ``too_late`` samples (behind
+    their GPU's window: lost) and ``duplicate_samples`` (stored before); ``duplicate``: the batch was seen before."""
+
+    accepted: int
+    duplicate: bool
+    duplicate_samples: int
+    too_late: int
+
+
+def read_ack(response: httpx.Response) -> Ack | None:
+    """The acknowledgement an answer's body holds; None when it holds none (not JSON, not the collector's object)."""
+    try:
+        d = response.json()
+    except ValueError:  # not JSON, not UTF-8
+        return None
+    if not isinstance(d, dict) or type(d.get("duplicate")) is not bool:
+        return None
+    counts = [d.get(k) for k in ("accepted", "duplicate_samples", "too_late")]
+    if not all(type(v) is int and v >= 0 for v in counts):
+        return None
+    return Ack(int(d["accepted"]), d["duplicate"], int(d["duplicate_samples"]), int(d["too_late"]))
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """What one batch the agent sends may hold: the collector's limits (``schema.limits``) unless told lower ones
+    (a collector configured below its defaults). ``body_bytes`` bounds the encoded body before compression."""
+
+    samples: int = collector_limits.MAX_SAMPLES
+    series: int = collector_limits.MAX_SERIES
+    job_ids: int = collector_limits.MAX_BATCH_JOB_IDS
+    row_lists: int = collector_limits.MAX_BATCH_LIST  # processes, and Xid errors, each over the whole batch
+    jobs: int = collector_limits.MAX_JOBS
+    body_bytes: int = collector_limits.MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"batch limit {f.name} must be positive, got {getattr(self, f.name)!r}")
+
+
+class _Tally:
+    """What the collector counts of a batch against its limits (``collector.validate._check_totals``)."""
+
+    __slots__ = ("job_ids", "processes", "samples", "series", "xids")
+
+    def __init__(self, samples: Sequence[GpuSample] = ()) -> None:
+        self.samples = len(samples)
+        self.series = {series_key(s) for s in samples}
+        self.job_ids = {j for s in samples for j in s.job_ids}
+        self.processes = sum(len(s.processes) for s in samples)
+        self.xids = sum(len(s.xid_errors) for s in samples)
+
+    def fits_with(self, other: _Tally, lim: BatchLimits) -> bool:
+        return (self.samples + other.samples <= lim.samples and len(self.series | other.series) <= lim.series
+                and len(self.job_ids | other.job_ids) <= lim.job_ids
+                and self.processes + other.processes <= lim.row_lists and self.xids + other.xids <= lim.row_lists)
+
+    def add(self, other: _Tally) -> None:
+        self.samples += other.samples
+        self.series |= other.series
+        self.job_ids |= other.job_ids
+        self.processes += other.processes
+        self.xids += other.xids
+
+
+def split_ticks(ticks: Sequence[Sequence[GpuSample]], lim: BatchLimits) -> list[list[GpuSample]]:
+    """Consecutive ticks' samples grouped into as few batches as ``lim``'s counts allow, each of whole ticks; a tick
+    over them alone is split between its GPUs. (The body's size is known only once encoded: see :func:`halve`.)"""
+    out: list[list[GpuSample]] = []
+    batch: list[GpuSample] = []
+    tally = _Tally()
+    for tick in ticks:
+        t = _Tally(tick)
+        if not tally.fits_with(t, lim):
+            if batch:
+                out.append(batch)
+            batch, tally = [], _Tally()
+        if tally.fits_with(t, lim):
+            batch.extend(tick)
+            tally.add(t)
+            continue
+        for s in tick:  # over the limits alone: its samples one by one (a sample alone over them goes alone)
+            one = _Tally((s,))
+            if batch and not tally.fits_with(one, lim):
+                out.append(batch)
+                batch, tally = [], _Tally()
+            batch.append(s)
+            tally.add(one)
+    if batch:
+        out.append(batch)
+    return out
+
+
+def halve(samples: Sequence[GpuSample]) -> tuple[list[GpuSample], list[GpuSample]]:
+    """A batch too large for the collector as two, the first before the second in time, so that each GPU's samples
+    stay in order; the cut is at the change of time nearest the middle (between ticks), or between GPUs when every
+    sample has one time."""
+    rows = sorted(samples, key=lambda s: s.ts)  # stable: a tick keeps its order
+    mid = len(rows) // 2
+    lo = mid
+    while 0 < lo and rows[lo - 1].ts == rows[lo].ts:
+        lo -= 1
+    hi = mid
+    while hi < len(rows) and rows[hi - 1].ts == rows[hi].ts:
+        hi += 1
+    cut = lo if lo > 0 and (hi == len(rows) or mid - lo <= hi - mid) else hi
+    if cut in (0, len(rows)):
+        cut = mid
+    return rows[:cut], rows[cut:]
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
@@ -127,11 +260,17 @@ class EncodeError(ValueError):
     """A batch that cannot be encoded (NaN, a sample of another host): the collector would reject it."""
 
 
+class BodyTooLarge(Exception):
+    """A batch whose body (before compression) is over the size it must fit: to be sent as smaller batches."""
+
+
 def encode_batch(agent_id: str, host: str, seq: int, samples: Sequence[GpuSample], jobs: Sequence[JobRecord] = (),
-                 fmt: str = "json", compress: str | None = None, layout: str = "series", cluster: str = "") -> bytes:
+                 fmt: str = "json", compress: str | None = None, layout: str = "series", cluster: str = "",
+                 max_bytes: int | None = None) -> bytes:
     """A batch's request body: ``fmt`` json or msgpack, ``compress`` None, gzip or zstd; ``layout`` series
     (columns per GPU, ``agent.wire``: what agents send; complete columns as raw bytes in msgpack) or samples
-    (one object a sample). Raises EncodeError for what the collector would refuse, ValueError for bad options."""
+    (one object a sample). Raises EncodeError for what the collector would refuse, ValueError for bad options,
+    BodyTooLarge when the body before compression (what the collector bounds) is over ``max_bytes``."""
     if layout not in ("series", "samples"):
         raise ValueError(f"unknown layout {layout!r} (series or samples)")
     if fmt not in CONTENT_TYPES:
@@ -158,11 +297,30 @@ def encode_batch(agent_id: str, host: str, seq: int, samples: Sequence[GpuSample
             body = msgpack.packb(payload, use_bin_type=True)
     except (TypeError, ValueError) as exc:
         raise EncodeError(str(exc)) from exc
+    if max_bytes is not None and len(body) > max_bytes:
+        raise BodyTooLarge(f"batch {seq}: {len(body)} bytes, over {max_bytes}")
     if compress == "gzip":
         body = gzip.compress(body, compresslevel=5)
     elif compress == "zstd":
         body = zstandard.ZstdCompressor(level=3).compress(body)
     return body
+
+
+def decode_batch(body: bytes, fmt: str, compress: str | None) -> tuple[dict[str, Any], list[GpuSample],
+                                                                       list[JobRecord]]:
+    """A body :func:`encode_batch` made (series layout): its header fields (agent_id, seq, host, cluster), samples
+    and job records. ValueError for anything else."""
+    try:
+        if compress == "gzip":
+            body = gzip.decompress(body)
+        elif compress == "zstd":
+            body = zstandard.ZstdDecompressor().decompress(body)
+        payload = json.loads(body) if fmt == "json" else msgpack.unpackb(body, raw=False)
+        samples = from_series(payload["series"], payload["host"])
+        jobs = [JobRecord.from_dict(d) for d in payload.get("jobs", ())]
+        return {k: payload[k] for k in ("agent_id", "seq", "host", "cluster") if k in payload}, samples, jobs
+    except Exception as exc:  # noqa: BLE001 - whatever the decoders raise for what is not such a body
+        raise ValueError(f"not a {fmt} batch body of the series layout: {type(exc).__name__}: {exc}") from exc
 
 
 class HttpPusher:
@@ -183,6 +341,7 @@ class HttpPusher:
         verify: str | bool = True,
         fmt: str = "json",
         cluster: str = "",
+        limits: BatchLimits | None = None,
     ) -> None:
         if fmt not in CONTENT_TYPES:
             raise ValueError(f"pusher: fmt must be json or msgpack, got {fmt!r}")
@@ -197,6 +356,7 @@ class HttpPusher:
         self.agent_id = agent_id
         self.host = host
         self.cluster = cluster  # the Slurm cluster this host is in, sent with every batch ("" = not named)
+        self.limits = limits or BatchLimits()  # what one batch may hold (the sinks split to fit)
         self._jobs: dict[str, JobRecord] = {}  # job metadata waiting for the next batch
         self._jobs_lock = threading.Lock()
         self._headers: dict[str, str] = dict(headers or {})
@@ -240,10 +400,14 @@ class HttpPusher:
             self._jobs.update((r.job_id, r) for r in records)
 
     def take_jobs(self) -> list[JobRecord]:
-        """The job metadata waiting for a batch, now that one will carry it."""
+        """The job metadata waiting for a batch (as many records as one batch may carry, the rest wait for the
+        next), now that one will carry it."""
         with self._jobs_lock:
-            jobs, self._jobs = self._jobs, {}
-        return list(jobs.values())
+            if len(self._jobs) <= self.limits.jobs:
+                jobs, self._jobs = list(self._jobs.values()), {}
+                return jobs
+            ids = list(self._jobs)[:self.limits.jobs]
+            return [self._jobs.pop(j) for j in ids]
 
     def return_jobs(self, records: Sequence[JobRecord]) -> None:
         """Records a batch took but did not deliver (not spooled, not acknowledged): the next batch carries them,
@@ -259,47 +423,58 @@ class HttpPusher:
             self._next_seq = max(self._next_seq, at_least)
 
     def encode(self, seq: int, samples: Sequence[GpuSample], fmt: str = "json", compress: str | None = None,
-               layout: str = "series", jobs: Sequence[JobRecord] | None = None) -> bytes:
+               layout: str = "series", jobs: Sequence[JobRecord] | None = None, fit: bool = False) -> bytes:
         """The request body of a batch (see :func:`encode_batch`) with ``jobs``, or else the job metadata waiting
-        for it (given back if the batch cannot be encoded)."""
+        for it (given back if the batch cannot be encoded). ``fit``: BodyTooLarge for a body over
+        ``limits.body_bytes`` that can be split (more than one sample)."""
         taken = self.take_jobs() if jobs is None else []
+        max_bytes = self.limits.body_bytes if fit and len(samples) > 1 else None
         try:
             return encode_batch(self.agent_id, self.host, seq, samples, taken if jobs is None else jobs, fmt,
-                                compress, layout, self.cluster)
+                                compress, layout, self.cluster, max_bytes)
         except EncodeError as exc:
             if taken:
                 self.return_jobs(taken)
             raise PushError(f"batch {seq} for {self.url} cannot be encoded as {fmt.upper()}: {exc}") from exc
+        except BodyTooLarge:
+            if taken:
+                self.return_jobs(taken)
+            raise
 
-    def send(self, seq: int, samples: Sequence[GpuSample]) -> None:
+    def send(self, seq: int, samples: Sequence[GpuSample]) -> Ack:
         """Send a batch under a given sequence number (in ``fmt``). The job metadata it carries goes back in the
         queue when no collector answered or the batch could not be encoded (a refusal of the batch itself drops
         it: it may be the cause)."""
         jobs = self.take_jobs()
         try:
-            self.post(seq, self.encode(seq, samples, self.fmt, jobs=jobs), self.fmt, samples=len(samples))
+            return self.post(seq, self.encode(seq, samples, self.fmt, jobs=jobs), self.fmt, samples=len(samples))
         except PushError as exc:
             if exc.failover:
                 self.return_jobs(jobs)
             raise
 
-    def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None, samples: int = 0) -> None:
-        """POST an encoded batch to the collectors in order until one acknowledges it (a 2xx); raises the last
-        PushError (``status`` None: no response) when none does. An answer that refuses the batch itself (a
-        4xx other than ``FAILOVER_STATUSES``) is final: another collector would say the same."""
+    def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None, samples: int = 0) -> Ack:
+        """POST an encoded batch to the collectors in order until one acknowledges it (see :meth:`_post_one`) and
+        return the acknowledgement; raises the last PushError (``status`` None: no response) when none does. An
+        answer that refuses the batch itself (a 4xx other than ``FAILOVER_STATUSES``) is final: another collector
+        would say the same."""
         headers = {"Content-Type": CONTENT_TYPES[fmt], **self._headers}
         if compress:
             headers["Content-Encoding"] = compress
-        for i, url in enumerate(self.urls):
+        for i, url in enumerate(self.urls[:-1]):
             try:
-                self._post_one(url, seq, body, headers, samples)
-                return
+                return self._post_one(url, seq, body, headers, samples)
             except PushError as exc:
-                if not exc.failover or i == len(self.urls) - 1:
+                if not exc.failover:
                     raise
                 log.warning("collector %s %s for batch %d: trying %s", url, exc.describe(), seq, self.urls[i + 1])
+        return self._post_one(self.urls[-1], seq, body, headers, samples)
 
-    def _post_one(self, url: str, seq: int, body: bytes, headers: dict[str, str], samples: int) -> None:
+    def _post_one(self, url: str, seq: int, body: bytes, headers: dict[str, str], samples: int) -> Ack:
+        """One attempt. Acknowledged: a 2xx with the collector's acknowledgement, or a 422 too_late with it when some
+        samples were stored (the rest, behind their GPU's window, are counted and said; the batch is not sent again:
+        a 422 of which none was stored refuses the batch). A 2xx without one came from something else (a proxy's
+        page): a PushError to try again, never delivered."""
         try:
             response = self._request(url, body, headers)
         except httpx.HTTPError as exc:
@@ -307,18 +482,32 @@ class HttpPusher:
             raise PushError(f"push of batch {seq} to {url} failed: {cause}", cause=cause) from exc
         except TimeoutError as exc:
             raise PushError(f"push of batch {seq} to {url} failed: {exc}", cause=str(exc)) from exc
-        if not 200 <= response.status_code < 300:
-            text = response.text[:_BODY_EXCERPT]
-            try:
-                reason = response.json().get("reason", "")
-            except (ValueError, AttributeError):
-                reason = ""
-            raise PushError(f"push of batch {seq} to {url} rejected: HTTP {response.status_code}: {text}",
-                            status=response.status_code, body=text, reason=reason if isinstance(reason, str) else "",
-                            retry_after_s=retry_after_seconds(response.headers.get("Retry-After")))
-        self.batches_sent += 1
-        self.samples_sent += samples
-        self._read_ack(url, seq, response)
+        status = response.status_code
+        text = response.text[:_BODY_EXCERPT]
+        try:
+            reason = response.json().get("reason", "")
+        except (ValueError, AttributeError):
+            reason = ""
+        reason = reason if isinstance(reason, str) else ""
+        ack = read_ack(response) if 200 <= status < 300 or (status == 422 and reason == "too_late") else None
+        if 200 <= status < 300 and ack is None:
+            cause = f"{response.headers.get('Content-Type') or 'no Content-Type'}: {text.strip()[:100]!r}"
+            raise PushError(f"push of batch {seq} to {url}: HTTP {status} is no collector's acknowledgement ({cause})",
+                            status=status, body=text, cause=cause, not_ack=True)
+        if ack is None or (status == 422 and not ack.accepted):  # none of it stored: refused
+            raise PushError(f"push of batch {seq} to {url} rejected: HTTP {status}: {text}", status=status, body=text,
+                            reason=reason, retry_after_s=retry_after_seconds(response.headers.get("Retry-After")))
+        with self._lock:  # the spool's sender and a batch it could not store may be posted at once
+            self.batches_sent += 1
+            self.samples_sent += samples
+            self.samples_refused += ack.too_late + ack.duplicate_samples
+        if ack.too_late:
+            log.warning("collector %s stored batch %d without %d of its %d samples, too late for their GPU's window "
+                        "(is this node's clock behind?): those are lost", url, seq, ack.too_late, samples)
+        elif ack.duplicate_samples:  # an overlapping resend: stored before, benign
+            log.info("collector %s stored batch %d without %d of its samples, stored before", url, seq,
+                     ack.duplicate_samples)
+        return ack
 
     def _new_client(self) -> httpx.Client:
         return httpx.Client(timeout=self._timeout, verify=self._verify)
@@ -362,22 +551,6 @@ class HttpPusher:
             raise result
         return cast(httpx.Response, result)
 
-    def _read_ack(self, url: str, seq: int, response: httpx.Response) -> None:
-        """Every answer is read: samples the collector acknowledged but did not store are counted and said."""
-        try:
-            ack = response.json()
-        except ValueError:
-            return
-        if not isinstance(ack, dict):
-            return
-        late = ack.get("too_late", 0)
-        dup = ack.get("duplicate_samples", 0)
-        refused = (late if isinstance(late, int) else 0) + (dup if isinstance(dup, int) else 0)
-        if refused:  # samples already stored (an overlapping resend) are benign; late ones come as a 422
-            self.samples_refused += refused
-            log.info("collector %s stored batch %d without %d of its samples (%s too late for their GPU's "
-                     "window, %s already stored)", url, seq, refused, late, dup)
-
     def close(self) -> None:
         if self._own_client:
             with self._client_lock:
@@ -385,49 +558,99 @@ class HttpPusher:
 
 
 class DirectSink:
-    """An Agent sink without a spool: each batch is posted at once; one no collector takes is dropped, with
-    one warning line saying why. ``stats()`` and ``summary()`` say what was delivered and what was lost."""
+    """An Agent sink without a spool: each batch is posted at once (split to fit the pusher's limits, and halved
+    when the collector refuses it as too large); one no collector takes is dropped, with one warning line saying
+    why (``unkept``: why nothing keeps it). ``stats()`` and ``summary()`` say what was delivered and what was lost.
+    A spool posts what it cannot store through one (``agent.spool``)."""
 
-    def __init__(self, pusher: HttpPusher) -> None:
+    def __init__(self, pusher: HttpPusher, unkept: str = "no --spool-dir to keep it") -> None:
         self.pusher = pusher
-        self.dropped_batches = 0
-        self.dropped_samples = 0
-        self.rejected_batches = 0  # of the dropped: refused for good by the collector (a 4xx about the batch)
+        self.unkept = unkept
+        self.sent_batches = 0
+        self.unsent_batches = 0  # no collector took them: dropped, nothing keeps them
+        self.unsent_samples = 0
+        self.rejected_batches = 0  # refused for good by the collector (a 4xx about the batch): dropped
         self.rejected_samples = 0
+        self.late_samples = 0  # of batches stored, the samples refused as too late for their GPU's window
 
     def write(self, samples: Sequence[GpuSample]) -> None:
-        seq = self.pusher.next_seq()
+        """Post one tick's samples (see :meth:`write_ticks`)."""
+        self.write_ticks([samples])
+
+    def write_ticks(self, ticks: Sequence[Sequence[GpuSample]]) -> None:
+        """Post ticks' samples as one batch or, over the limits, several of whole ticks (the last carries the job
+        records waiting: the collector keeps a record only for a job it has samples of, from this batch or before).
+        Raises PushError for an unencodable batch (after the others went)."""
+        pending = split_ticks(ticks, self.pusher.limits)
+        unencodable: PushError | None = None
+        while pending:
+            part = pending.pop(0)
+            seq = self.pusher.next_seq()
+            jobs = [] if pending else self.pusher.take_jobs()
+            try:
+                body = self.pusher.encode(seq, part, self.pusher.fmt, jobs=jobs, fit=True)
+            except BodyTooLarge:  # its number is burnt: numbers may have gaps
+                self.pusher.return_jobs(jobs)
+                pending[:0] = halve(part)
+                continue
+            except PushError as exc:  # not encodable (a NaN): the next batch carries the records
+                self.pusher.return_jobs(jobs)
+                unencodable = unencodable or exc
+                continue
+            pending[:0] = self.post(seq, body, part, jobs, self.pusher.fmt)
+        if unencodable is not None:
+            raise unencodable
+
+    def post(self, seq: int, body: bytes, part: Sequence[GpuSample], jobs: Sequence[JobRecord], fmt: str,
+             compress: str | None = None) -> list[list[GpuSample]]:
+        """Post one encoded batch (``part``'s samples, carrying ``jobs``) and count what came of it; returns its
+        halves, to be posted instead, when the collector refused it as too large. The records go back to the queue
+        when no collector took the batch; a refusal of the batch itself drops them (they may be the cause)."""
         try:
-            self.pusher.send(seq, samples)
+            ack = self.pusher.post(seq, body, fmt, compress, samples=len(part))
         except PushError as exc:
-            self.dropped_batches += 1
-            self.dropped_samples += len(samples)
+            if exc.too_large and len(part) > 1:
+                self.pusher.return_jobs(jobs)
+                log.warning("collector %s for batch %d (%d samples): sent again as two", exc.describe(), seq,
+                            len(part))
+                return list(halve(part))
             if exc.failover:
-                log.warning("collector %s for batch %d (%d samples): dropped (no --spool-dir to keep it)",
-                            exc.describe(), seq, len(samples))
+                self.pusher.return_jobs(jobs)
+                self.drop(seq, len(part), f"collector {exc.describe()}")
             else:
                 self.rejected_batches += 1
-                self.rejected_samples += len(samples)
-                log.warning("collector refused batch %d (%d samples) for good, %s: dropped", seq, len(samples),
+                self.rejected_samples += len(part)
+                log.warning("collector refused batch %d (%d samples) for good, %s: dropped", seq, len(part),
                             exc.describe())
+            return []
+        self.sent_batches += 1
+        self.late_samples += ack.too_late
+        return []
+
+    def drop(self, seq: int, samples: int, why: str) -> None:
+        """A batch no collector took (``why``): dropped, counted, one line."""
+        self.unsent_batches += 1
+        self.unsent_samples += samples
+        log.warning("%s for batch %d (%d samples): dropped (%s)", why, seq, samples, self.unkept)
 
     def write_jobs(self, records: Sequence[JobRecord]) -> None:
         self.pusher.write_jobs(records)
 
     def stats(self) -> dict[str, float]:
         """For the agent's /metrics (``agent.exposition``: the keys both sinks share, and no spool's)."""
-        return {"sent_batches": self.pusher.batches_sent,
-                "unsent_batches": self.dropped_batches - self.rejected_batches,
-                "unsent_samples": self.dropped_samples - self.rejected_samples,
-                "rejected_batches": self.rejected_batches, "rejected_samples": self.rejected_samples}
+        return {"sent_batches": self.sent_batches,
+                "unsent_batches": self.unsent_batches, "unsent_samples": self.unsent_samples,
+                "rejected_batches": self.rejected_batches,
+                "rejected_samples": self.rejected_samples + self.late_samples}
 
     def delivered(self) -> int:
-        return self.pusher.batches_sent
+        return self.sent_batches
 
     def summary(self) -> str:
         p = self.pusher
-        return (f"delivered {p.batches_sent} batch(es) ({p.samples_sent} samples, {p.samples_refused} of them not "
-                f"stored by the collector); dropped {self.dropped_batches} batch(es) ({self.dropped_samples} samples)")
+        return (f"delivered {self.sent_batches} batch(es) ({p.samples_sent} samples, {p.samples_refused} of them not "
+                f"stored by the collector); dropped {self.unsent_batches + self.rejected_batches} batch(es) "
+                f"({self.unsent_samples + self.rejected_samples} samples)")
 
     def close(self) -> None:
         self.pusher.close()
@@ -436,28 +659,43 @@ class DirectSink:
 class Batcher:
     """A sink that hands ``every`` ticks' samples to ``sink`` at once: sample every 10 s, push every minute.
 
-    Fewer, larger batches cost the collector one durable commit each instead of one per tick. ``flush()`` (and
-    ``close()``) push what is held; a failed push leaves the samples with the inner sink's own error handling.
+    Fewer, larger batches cost the collector one durable commit each instead of one per tick. What is held goes as
+    batches of whole ticks: the inner sink's ``write_ticks`` splits them within its pusher's limits; for a sink
+    without it, ``limits`` (:func:`split_ticks`). ``flush()`` (and ``close()``) push what is held; a failed push
+    leaves the samples with the inner sink's own error handling.
     """
 
-    def __init__(self, sink: Any, every: int) -> None:
+    def __init__(self, sink: Any, every: int, limits: BatchLimits | None = None) -> None:
         if every < 1:
             raise ValueError(f"push every {every!r} ticks: must be >= 1")
         self.sink = sink
         self.every = every
-        self._held: list[GpuSample] = []
+        self.limits = limits or BatchLimits()
+        self._held: list[list[GpuSample]] = []  # one list a tick
         self._ticks = 0
 
     def write(self, samples: Sequence[GpuSample]) -> None:
-        self._held.extend(samples)
+        self._held.append(list(samples))
         self._ticks += 1
         if self._ticks >= self.every:
             self.flush()
 
     def flush(self) -> None:
         held, self._held, self._ticks = self._held, [], 0
-        if held:
-            self.sink.write(held)
+        if not held:
+            return
+        write_ticks = getattr(self.sink, "write_ticks", None)
+        if write_ticks is not None:
+            write_ticks(held)
+            return
+        failed: Exception | None = None
+        for batch in split_ticks(held, self.limits):
+            try:
+                self.sink.write(batch)
+            except Exception as exc:  # noqa: BLE001 - one batch's failure must not cost the others; raised after
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def write_jobs(self, records: Sequence[JobRecord]) -> None:
         write_jobs = getattr(self.sink, "write_jobs", None)

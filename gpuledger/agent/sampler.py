@@ -45,13 +45,17 @@ class Agent:
         self._monotonic = monotonic
         # Replaced wholesale each tick (never mutated), so readers on other threads see a whole batch.
         self.snapshot: list[GpuSample] = []
+        self.sampled: list[GpuSample] = []  # the source's readings of the snapshot, before the mappers (MIG: device's)
         self.xid_errors_total: dict[tuple[str, int, str, str], int] = {}
         self.ticks_total = 0
         self.errors_total: dict[str, int] = {k: 0 for k in ERROR_KINDS}
         self.last_tick_seconds: float | None = None  # duration of the last tick
         self.last_tick_ts: float | None = None  # clock() when the last tick started
         self._seen_errors: set[tuple[str, str, str]] = set()
-        self.jobs: dict[str, JobRecord] = {}  # job metadata the mappers know (user, account, GPUs, ...)
+        # Job metadata of the jobs the mappers see now (user, account, GPUs, ...), and what was handed to the sinks of
+        # those: a job gone is forgotten, so memory and each tick's cost follow the jobs on the node, not its history
+        # (the sinks keep a record until a batch carries it).
+        self.jobs: dict[str, JobRecord] = {}
         self._jobs_sent: dict[str, JobRecord] = {}
 
     def open(self) -> None:
@@ -79,11 +83,14 @@ class Agent:
             # No data is honest: a stale snapshot would export old values as current.
             samples = []
         else:
+            self.sampled = samples
             for mapper in self.mappers:
                 try:
                     samples = list(mapper.map(samples))
                 except Exception as exc:  # noqa: BLE001 - skip this mapper, keep the samples
                     self._record_error("mapper", type(mapper).__name__, exc)
+        if not samples:
+            self.sampled = []
         self.snapshot = samples
         self._collect_jobs()
         for s in samples:  # cumulative per GPU, so /metrics can export Xids as a counter
@@ -103,15 +110,19 @@ class Agent:
     def _collect_jobs(self) -> None:
         """Job metadata from the mappers that know it; new or changed records go to sinks that carry them,
         so samples can be accounted without a later join with Slurm."""
+        jobs: dict[str, JobRecord] = {}
         for mapper in self.mappers:
             meta = getattr(mapper, "job_metadata", None)
             if meta is None:
                 continue
             try:
-                self.jobs.update(meta())
+                jobs.update(meta())
             except Exception as exc:  # noqa: BLE001 - metadata is a bonus; the samples still go out
                 self._record_error("mapper", f"{type(mapper).__name__}.job_metadata", exc)
-        changed = [r for j, r in self.jobs.items() if self._jobs_sent.get(j) != r]
+                jobs = {**self.jobs, **jobs}  # that mapper's jobs are not known to be gone: kept this tick
+        self.jobs = jobs
+        self._jobs_sent = {j: r for j, r in self._jobs_sent.items() if j in jobs}
+        changed = [r for j, r in jobs.items() if self._jobs_sent.get(j) != r]
         if not changed:
             return
         for sink in self.sinks:

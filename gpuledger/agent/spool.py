@@ -7,14 +7,21 @@ so the collector acknowledges a re-sent batch without storing it twice. When the
 (bytes or batches) the oldest batches are dropped and counted: recent data is worth more to a fairshare
 that decays, and the newest batch always fits.
 
-:class:`SpoolingPusher` is an Agent sink: ``write`` only spools (never blocks on the network); a sender
-thread posts the oldest batch first. A connection failure, no whole answer within the pusher's deadline, a 5xx,
-a redirect or 401/403/404/405/415 (configuration, not the batch), 408 or 429 stops the pass, and the spool is
+:class:`SpoolingPusher` is an Agent sink: ``write`` only spools (never blocks on the network, unless the spool
+cannot store a batch); a sender thread posts the oldest batch first. A connection failure, no whole answer within
+the pusher's deadline, a 5xx, a 2xx that is no collector's acknowledgement, a redirect or 401/403/404/405/415
+(configuration, not the batch), 408 or 429 stops the pass, and the spool is
 tried again after an exponential, jittered delay, or the answer's Retry-After when that is longer (capped at
 ``backoff_max_s``). A 400 for times in the collector's future (this node's clock was ahead when it sampled) is
 about that batch alone: it waits in the spool on a backoff of its own, the batches after it go ahead, and it is
-taken once its times are no longer in the future. Any other 4xx means the collector will never take the batch:
-it is dropped, counted and logged. Each failed attempt is one warning line.
+taken once its times are no longer in the future. A 413 too_large is about the batch's size: it is replaced in
+the spool by two halves (the first under its seq), sent next. A 422 too_late that stored some samples is an
+acknowledgement: the batch is delivered, the samples behind their GPU's window are counted as refused. Any other
+4xx (a too_late that stored none too) means the collector will never take the batch: it is dropped, counted and
+logged. Each failed attempt is one warning line.
+
+A batch the spool cannot store (a full disk) is posted at once if the collector was reachable; one that is then
+not delivered either is dropped and counted (``unsent``), as is one whose sequence number cannot be persisted.
 
 Sequence numbers persist in the spool directory (``SeqFile``), so a restarted agent continues after the
 numbers it used, whatever its clock says.
@@ -33,7 +40,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuledger.agent.push import HttpPusher, PushError
+from gpuledger.agent.push import (
+    BodyTooLarge,
+    DirectSink,
+    HttpPusher,
+    PushError,
+    decode_batch,
+    encode_batch,
+    halve,
+    split_ticks,
+)
 from gpuledger.schema.records import GpuSample, JobRecord
 
 log = logging.getLogger(__name__)
@@ -58,11 +74,14 @@ def retryable(exc: PushError) -> bool:
 class SeqFile:
     """Sequence numbers that survive restarts without the clock: the file holds the first number not yet
     reserved; numbers are reserved ``block`` at a time (one fsync per block), so a crash skips at most a
-    block and never reuses a number."""
+    block and a half and never reuses a number. ``reserved`` is what the file holds (never more): a number below
+    it is one a restart will not hand out again."""
 
     def __init__(self, path: str | os.PathLike[str], block: int = 1024) -> None:
         self.path = Path(path)
         self.block = block
+        self._extend_failed = False
+        self._lock = threading.Lock()  # the sampling thread and the sender's re-split both reserve
         try:
             self.reserved = int(self.path.read_text().strip())
         except FileNotFoundError:
@@ -72,17 +91,27 @@ class SeqFile:
                              "the spool, or the collector may take new batches for old ones") from None
 
     def reserve(self, seq: int) -> None:
-        """Make sure ``seq`` is below the persisted reservation before it is used."""
-        if seq < self.reserved:
+        """Make sure ``seq`` is below the persisted reservation before it is used; OSError when it is not and the
+        file cannot be written (a full disk): then ``seq`` must not be used. The reservation is extended once less
+        than half a block is left, so a disk that fills leaves numbers that are reserved already."""
+        with self._lock:
+            self._reserve(seq)
+
+    def _reserve(self, seq: int) -> None:
+        if seq < self.reserved - self.block // 2:
+            return
+        try:
+            _write_durably(self.path, f"{seq + self.block}\n".encode())
+        except OSError as exc:
+            if seq >= self.reserved:
+                raise
+            if not self._extend_failed:  # once, not once a batch while the disk stays full
+                log.warning("cannot extend the reservation of sequence numbers in %s (%s): %d reserved numbers are "
+                            "left", self.path, exc, self.reserved - seq)
+                self._extend_failed = True
             return
         self.reserved = seq + self.block
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{self.reserved}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        self._extend_failed = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,15 +174,10 @@ class Spool:
 
     # -- operations ---------------------------------------------------------------------------
     def put(self, seq: int, body: builtins.bytes, samples: int, fmt: str = "json", compress: str | None = None) -> None:
-        """Store one batch durably (replacing one of the same seq), then drop the oldest while over the bound."""
+        """Store one batch durably (replacing one of the same seq), then drop the oldest while over the bound.
+        OSError (a full disk) when it cannot: then nothing of it is left behind."""
         name = f"{seq:020d}-{samples}.{fmt}{_COMPRESS_SUFFIX[compress]}"
-        tmp = self.path / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / name)
-        _fsync_dir(self.path)  # the rename itself must survive a power loss
+        _write_durably(self.path / name, body)
         with self._lock:
             old = self._index.pop(seq, None)
             if old is not None:
@@ -171,12 +195,22 @@ class Spool:
                 seq = min((s for s in self._index if s not in skip), default=None)
                 if seq is None:
                     return None
-                b = self._index[seq]
-            try:
-                return b, (self.path / b.name).read_bytes()
-            except OSError as exc:
-                log.error("spool: cannot read %s, dropping it: %s", b.name, exc)
-                self.remove(b.seq, dropped=True)
+            if (item := self.get(seq)) is not None:
+                return item
+
+    def get(self, seq: int) -> tuple[SpooledBatch, builtins.bytes] | None:
+        """The batch of ``seq`` and its body; None when there is none, or its file is unreadable (then it is
+        dropped and counted)."""
+        with self._lock:
+            b = self._index.get(seq)
+        if b is None:
+            return None
+        try:
+            return b, (self.path / b.name).read_bytes()
+        except OSError as exc:
+            log.error("spool: cannot read %s, dropping it: %s", b.name, exc)
+            self.remove(b.seq, dropped=True)
+            return None
 
     def remove(self, seq: int, dropped: bool = False) -> None:
         with self._lock:
@@ -206,6 +240,22 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_durably(path: Path, data: builtins.bytes) -> None:
+    """``path`` holds ``data`` whole, or (OSError) is as it was: a temporary file, fsync, rename, fsync of the
+    directory (the rename itself must survive a power loss). The temporary file never outlives a failure."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class SpoolingPusher:
@@ -248,26 +298,82 @@ class SpoolingPusher:
         self._skewed: dict[int, tuple[int, float]] = {}
         self.rejected_batches = 0  # 4xx: dropped, the collector will never take them
         self.rejected_samples = 0
+        self.late_samples = 0  # of batches stored, the samples refused as too late for their GPU's window (422)
         self.sent_batches = 0
         self.last_error: str | None = None
+        # what the spool cannot store goes this way (write's thread only; the sender counts the spool's own)
+        self.direct = DirectSink(pusher, unkept="the spool cannot store it")
+        self._cannot_spool = False  # the last batch could not be stored: said once until one can
         self.seq_file = SeqFile(spool.path / SEQ_FILE)
         # after a restart: new batches go after every number used before (spooled or already delivered)
         pusher.bump_seq(max(self.seq_file.reserved, (spool.max_seq() or -1) + 1))
 
     # -- the sink side --------------------------------------------------------------------------
-    def write(self, samples: Sequence[GpuSample]) -> int:
-        """Spool one batch under a new seq and wake the sender; returns the seq. Raises PushError if unencodable."""
-        seq = self.pusher.next_seq()
-        self.seq_file.reserve(seq)
-        jobs = self.pusher.take_jobs()
-        try:
-            body = self.pusher.encode(seq, samples, self.fmt, self.compress, jobs=jobs)
-            self.spool.put(seq, body, len(samples), self.fmt, self.compress)
-        except BaseException:  # not spooled (a full disk, an unencodable batch): the next batch carries the jobs
+    def write(self, samples: Sequence[GpuSample]) -> int | None:
+        """Spool one tick's samples (see :meth:`write_ticks`)."""
+        return self.write_ticks([samples])
+
+    def write_ticks(self, ticks: Sequence[Sequence[GpuSample]]) -> int | None:
+        """Spool ticks' samples as one batch or, over the pusher's limits, several of whole ticks
+        (``agent.push.split_ticks``; the last carries the job records waiting: the collector keeps a record only for
+        a job it has samples of, from this batch or before), each under a new seq, and wake the sender; returns the
+        first seq (None: none could be reserved). A batch the spool cannot store is posted at once
+        (:meth:`_post_unspooled`). Raises PushError for an unencodable batch, after the others are spooled (its
+        job records ride with the next batch)."""
+        pending = split_ticks(ticks, self.pusher.limits)
+        first: int | None = None
+        unencodable: PushError | None = None
+        while pending:
+            part = pending.pop(0)
+            seq = self.pusher.next_seq()
+            try:
+                self.seq_file.reserve(seq)
+            except OSError as exc:
+                # Not persisted: a restart would hand seq out again, to other samples, which the collector would
+                # refuse as stored before with other content. So the batch is neither spooled nor sent.
+                self.direct.drop(seq, len(part), f"sequence number {seq} cannot be persisted in "
+                                                 f"{self.seq_file.path} ({exc.strerror or exc})")
+                continue
+            first = seq if first is None else first
+            jobs = [] if pending else self.pusher.take_jobs()
+            try:
+                body = self.pusher.encode(seq, part, self.fmt, self.compress, jobs=jobs, fit=True)
+            except BodyTooLarge:  # its number is burnt: numbers may have gaps
+                self.pusher.return_jobs(jobs)
+                pending[:0] = halve(part)
+                continue
+            except PushError as exc:
+                self.pusher.return_jobs(jobs)
+                unencodable = unencodable or exc
+                continue
+            try:
+                self.spool.put(seq, body, len(part), self.fmt, self.compress)
+            except OSError as exc:
+                pending[:0] = self._post_unspooled(seq, body, part, jobs, exc)
+                continue
+            self._cannot_spool = False
+            self._wake.set()
+        if unencodable is not None:
+            raise unencodable
+        return first
+
+    def _post_unspooled(self, seq: int, body: bytes, part: list[GpuSample], jobs: list[JobRecord],
+                        cause: OSError) -> list[list[GpuSample]]:
+        """A batch the spool could not store (a full disk), posted now (``direct``) rather than lost; returns its
+        halves when the collector refused it as too large, to go the same way. Not tried while the sender's last
+        attempt failed: the collector is down, and waiting on it here would hold up sampling.
+
+        Its seq may go out without a spool file: ``SeqFile.reserve`` persisted a reservation above it before it was
+        used, and a restart starts at or above that, so the number is never handed out again."""
+        if not self._cannot_spool:
+            log.warning("spool %s cannot store batch %d (%s): batches go to the collector directly until it can",
+                        self.spool.path, seq, cause)
+            self._cannot_spool = True
+        if self.failures:
             self.pusher.return_jobs(jobs)
-            raise
-        self._wake.set()
-        return seq
+            self.direct.drop(seq, len(part), "the collector was unreachable at the last attempt")
+            return []
+        return self.direct.post(seq, body, part, jobs, self.fmt, self.compress)
 
     def write_jobs(self, records: Sequence[JobRecord]) -> None:
         """Job metadata rides with the next spooled batch (the pusher puts it in the body it encodes)."""
@@ -281,13 +387,19 @@ class SpoolingPusher:
             now = self._clock()
             self._skewed = {seq: v for seq, v in self._skewed.items() if seq in self.spool}  # not dropped meanwhile
             waiting = {seq for seq, (_, due) in self._skewed.items() if due > now}
+            ahead: list[int] = []  # the halves of a batch refused as too large: sent next, before the later ones
             while True:
-                item = self.spool.oldest(skip=waiting)
-                if item is None:
-                    return True
+                if ahead:
+                    item = self.spool.get(ahead.pop(0))
+                    if item is None:  # dropped meanwhile (the spool's bound)
+                        continue
+                else:
+                    item = self.spool.oldest(skip=waiting)
+                    if item is None:
+                        return True
                 b, body = item
                 try:
-                    self.pusher.post(b.seq, body, b.fmt, b.compress, samples=b.samples)
+                    ack = self.pusher.post(b.seq, body, b.fmt, b.compress, samples=b.samples)
                 except PushError as exc:
                     self.last_error = str(exc)
                     if clock_skewed(exc):
@@ -297,6 +409,20 @@ class SpoolingPusher:
                         log.warning("collector %s for batch %d (%d samples): kept in the spool, retried later; "
                                     "the batches after it go first", exc.describe(), b.seq, b.samples)
                         continue
+                    if exc.too_large:
+                        try:
+                            halves = self._split_spooled(b, body)
+                        except OSError as err:  # the halves cannot be stored: the batch is kept as it is
+                            self.failures += 1
+                            log.warning("collector %s for batch %d (%d samples): its halves cannot be spooled (%s): "
+                                        "kept, retried later", exc.describe(), b.seq, b.samples, err)
+                            return False
+                        if halves:
+                            log.warning("collector %s for batch %d (%d samples): replaced in the spool by two "
+                                        "halves, sent next", exc.describe(), b.seq, b.samples)
+                            self._skewed.pop(b.seq, None)
+                            ahead[:0] = halves
+                            continue
                     if not retryable(exc):
                         log.warning("collector refused batch %d (%d samples) for good, %s: dropped",
                                     b.seq, b.samples, exc.describe())
@@ -313,11 +439,36 @@ class SpoolingPusher:
                 self.spool.remove(b.seq)
                 self._skewed.pop(b.seq, None)
                 self.sent_batches += 1
+                self.late_samples += ack.too_late
                 if self.failures:
                     log.info("collector reachable again after %d failed attempts", self.failures)
                 self.failures = 0
                 self._retry_after_s = None
                 self.last_error = None
+
+    def _split_spooled(self, b: SpooledBatch, body: bytes) -> list[int]:
+        """A spooled batch the collector refused as too large, replaced in the spool by two halves (``halve``): the
+        first under its seq (never stored: the collector takes a batch whole or not at all), the second under a new
+        one; returns their seqs, to be sent next, before the later batches, so that each GPU's samples arrive in
+        order (should the agent stop before, they go in seq order). [] when it cannot be split (one sample, or not a
+        body this agent made). OSError when the halves cannot be stored: the batch is left as it is."""
+        try:
+            head, samples, jobs = decode_batch(body, b.fmt, b.compress)
+        except ValueError as exc:
+            log.warning("spooled batch %d cannot be split: %s", b.seq, exc)
+            return []
+        if len(samples) < 2:
+            return []
+        halves = halve(samples)
+        second = self.pusher.next_seq()
+        self.seq_file.reserve(second)
+        # the job records with the second half, which goes after the first (the collector keeps a record only for a
+        # job it has samples of); the second half is spooled first: should the agent stop between, the whole batch
+        # is still there (sent again)
+        for seq, part, recs in ((second, halves[1], jobs), (b.seq, halves[0], [])):
+            self.spool.put(seq, encode_batch(head["agent_id"], head["host"], seq, part, recs, b.fmt, b.compress,
+                                             cluster=head.get("cluster", "")), len(part), b.fmt, b.compress)
+        return [b.seq, second]
 
     def _backoff(self, n: int) -> float:
         """The jittered delay before attempt n + 1 after n failed ones."""
@@ -384,13 +535,15 @@ class SpoolingPusher:
         self.pusher.close()
 
     def delivered(self) -> int:
-        return self.sent_batches
+        return self.sent_batches + self.direct.sent_batches
 
     def summary(self) -> str:
-        p = self.pusher
-        return (f"delivered {self.sent_batches} batch(es) ({p.samples_sent} samples, {p.samples_refused} of them not "
+        p, d = self.pusher, self.direct
+        return (f"delivered {self.delivered()} batch(es) ({p.samples_sent} samples, {p.samples_refused} of them not "
                 f"stored by the collector); {self.spool.depth} batch(es) left in the spool for the next start; "
-                f"dropped {self.rejected_batches} refused and {self.spool.dropped_batches} over the spool's bound")
+                f"dropped {self.rejected_batches + d.rejected_batches} refused and {self.spool.dropped_batches} over "
+                f"the spool's bound; {d.unsent_batches} batch(es) ({d.unsent_samples} samples) neither spooled nor "
+                "delivered")
 
     def stats(self) -> dict[str, float]:
         """For the agent's /metrics."""
@@ -399,7 +552,10 @@ class SpoolingPusher:
             "bytes": self.spool.bytes,
             "dropped_batches": self.spool.dropped_batches,
             "dropped_samples": self.spool.dropped_samples,
-            "rejected_batches": self.rejected_batches,
-            "rejected_samples": self.rejected_samples,
-            "sent_batches": self.sent_batches,
+            "rejected_batches": self.rejected_batches + self.direct.rejected_batches,
+            "rejected_samples": self.rejected_samples + self.late_samples + self.direct.rejected_samples
+            + self.direct.late_samples,
+            "unsent_batches": self.direct.unsent_batches,
+            "unsent_samples": self.direct.unsent_samples,
+            "sent_batches": self.delivered(),
         }

@@ -33,6 +33,7 @@ import numpy as np
 import zstandard
 
 from gpuledger.collector.series import Series, row_list
+from gpuledger.schema import limits as wire_limits
 from gpuledger.schema.records import (
     INT_FIELDS,
     NONNEG_FIELDS,
@@ -44,7 +45,8 @@ from gpuledger.schema.records import (
 )
 from gpuledger.schema.wire import COLUMNS, INT_COLUMNS, ROW_LISTS, SERIES_CONSTANTS
 
-MAX_BODY_BYTES = 16 * 1024 * 1024  # decoded size; a 5,000-sample JSON batch is about 5 MB, in msgpack 0.4 MB
+# The batch limits' defaults are the agent's too (it splits its batches to fit): one set of numbers, in schema.limits
+MAX_BODY_BYTES = wire_limits.MAX_BODY_BYTES
 FUTURE_SLACK_S = 300.0
 # Bounds that keep every accepted value storable and summable: SQLite integers are signed 64-bit (a
 # larger one would fail inside the store's transaction, a 500), and a float near 1e308 would turn
@@ -86,16 +88,16 @@ class Limits:
     Measured: ru_maxrss growth of one parse_batch in a fresh process, bodies with every list at its limit: 92 MiB."""
 
     max_body_bytes: int = MAX_BODY_BYTES
-    max_samples: int = 20_000  # per batch (all series together); a default agent batch has 80
-    max_series: int = 1_024  # series (or GPUs and MIG instances) per batch
+    max_samples: int = wire_limits.MAX_SAMPLES  # per batch (all series together); a default agent batch has 80
+    max_series: int = wire_limits.MAX_SERIES  # series (or GPUs and MIG instances) per batch
     max_job_ids: int = 64  # per sample or series (jobs sharing one GPU at once)
-    max_batch_job_ids: int = 1_024  # distinct job ids in one batch
-    max_jobs: int = 1_024  # job records riding with one batch
+    max_batch_job_ids: int = wire_limits.MAX_BATCH_JOB_IDS  # distinct job ids in one batch
+    max_jobs: int = wire_limits.MAX_JOBS  # job records riding with one batch
     max_str: int = 256  # host, GPU uuid, job id, model, user, ... (characters)
     max_list: int = 256  # per sample: processes, Xid errors; per job record: hosts, GPUs, TRES
     # per batch, all samples together: processes, and Xid errors (each; 1,000 samples of max_list). A process
     # is 3 bytes of msgpack but ~100 of memory: max_samples x max_list of them would be 500 MiB.
-    max_batch_list: int = 256_000
+    max_batch_list: int = wire_limits.MAX_BATCH_LIST
 
     def __post_init__(self) -> None:
         for f in fields(self):

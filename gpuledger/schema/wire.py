@@ -53,6 +53,11 @@ def _column(values: list[Any], is_int: bool, binary: bool) -> Any:
     return values
 
 
+def series_key(s: GpuSample) -> tuple[Any, ...]:
+    """What puts a sample in a series: its values of SERIES_CONSTANTS (one series per GPU and job set)."""
+    return (s.gpu_uuid, s.gpu_index, s.model, s.mig, s.source, s.job_ids, s.job_shares)
+
+
 def to_series(samples: Sequence[GpuSample], host: str, binary: bool = False) -> list[dict[str, Any]]:
     """Samples (one host's) -> series maps, in order of each series' first sample; rows keep their order.
 
@@ -63,7 +68,7 @@ def to_series(samples: Sequence[GpuSample], host: str, binary: bool = False) -> 
     for s in samples:
         if s.host != host:
             raise ValueError(f"sample of host {s.host!r} in a batch of host {host!r}")
-        key = (s.gpu_uuid, s.gpu_index, s.model, s.mig, s.source, s.job_ids, s.job_shares)
+        key = series_key(s)
         g = groups.get(key)
         if g is None:
             groups[key] = [s]

@@ -76,3 +76,14 @@ def test_bad_collector_url_is_one_line_exit_2():
     r = agent("--collector", "ftp://x")
     words = " ".join(r.stderr.replace("\u2502", " ").split())  # however the usage error is framed and wrapped
     assert r.returncode == 2 and "Traceback" not in r.stderr and "scheme must be http or https" in words
+
+
+def test_pushes_of_many_cycles_go_as_batches_of_whole_cycles_within_max_batch_samples(collector):
+    # 5 cycles of 4 GPUs pushed at once, 8 samples a batch at most: 2 + 2 + 1 cycles
+    r = agent("--collector", collector.url, "--gpus", "4", "--push-every", "5", "--max-batch-samples", "8",
+              "--duration", "1.0")
+    assert r.returncode == 0, r.stderr
+    assert "collector: delivered 3 batch(es) (20 samples, 0 of them not stored" in r.stdout
+    assert collector.store.batches_seen() == 3 and collector.store.totals()["samples"] == 20
+    r = agent("--collector", collector.url, "--max-batch-samples", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--max-batch-samples" in r.stderr

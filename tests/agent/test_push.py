@@ -17,6 +17,8 @@ from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.schema.records import GpuSample
 from gpuledger.schema.wire import from_series
 
+ACK = b'{"accepted": 1, "duplicate": false, "duplicate_samples": 0, "too_late": 0}'  # a collector's 200 body
+
 
 class Collector:
     """Records each POST; answers with ``status`` (settable by the test)."""
@@ -37,7 +39,7 @@ class Collector:
                 outer.requests.append(
                     {"path": self.path, "headers": dict(self.headers), "json": json.loads(body)}
                 )
-                reply = b'{"ok": true}' if outer.status < 300 else b'{"detail": "bad batch"}'
+                reply = ACK if outer.status < 300 else b'{"detail": "bad batch"}'
                 self.send_response(outer.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
@@ -319,7 +321,8 @@ def test_job_records_of_a_batch_no_collector_took_ride_with_the_next(collector: 
     assert "jobs" not in collector.requests[-1]["json"] and direct.stats()["rejected_batches"] == 1
     direct.close()
 
-    # spooled: a batch that could not be written to the spool (its directory gone) gives its records back
+    # spooled: a batch the spool cannot store (its directory gone) is posted at once; one no collector takes then
+    # is dropped and counted, and gives its records back
     collector.requests.clear()
     spool_dir = tmp_path / "spool"
     sp = SpoolingPusher(HttpPusher(collector.url, agent_id="a", host="n7"), Spool(spool_dir), fmt="json",
@@ -328,12 +331,17 @@ def test_job_records_of_a_batch_no_collector_took_ride_with_the_next(collector: 
     sp.write_jobs([rec])
     moved = tmp_path / "moved"
     spool_dir.rename(moved)
-    with pytest.raises(FileNotFoundError):
-        sp.write(samples(1))
+    collector.status = 503
+    sp.write(samples(1))
+    assert (sp.stats()["unsent_batches"], sp.stats()["unsent_samples"]) == (1, 1)
+    assert "1 batch(es) (1 samples) neither spooled nor delivered" in sp.summary()
+    collector.status = 200
+    sp.write(samples(1))  # still no spool: delivered directly, with the records
     moved.rename(spool_dir)
     sp.write(samples(1))
-    assert sp.drain() is True
-    assert [[j["job_id"] for j in r["json"].get("jobs", [])] for r in collector.requests] == [[], ["4242"]]
+    assert sp.drain() is True and sp.delivered() == 3
+    assert [[j["job_id"] for j in r["json"].get("jobs", [])] for r in collector.requests] == [
+        ["4242"], ["4242"], [], []]
     sp.close()
 
 
@@ -363,3 +371,16 @@ def test_metrics_of_a_pusher_without_a_spool_are_exported(collector: Collector) 
         assert values["gpuledger_agent_push_rejected_samples_total"] == 2
         assert "gpuledger_agent_spool_batches" not in values  # no spool, no spool figures
         agent.close()
+
+
+def test_a_batch_carries_no_more_job_records_than_the_collector_takes(collector: Collector) -> None:
+    from gpuledger.agent.push import BatchLimits, DirectSink
+    from gpuledger.schema.records import JobRecord
+
+    direct = DirectSink(HttpPusher(collector.url, agent_id="a", host="n7", seq_start=1, limits=BatchLimits(jobs=2)))
+    direct.write_jobs([JobRecord(job_id=str(j)) for j in range(5)])
+    for _ in range(4):
+        direct.write(samples(1))
+    carried = [[j["job_id"] for j in r["json"].get("jobs", [])] for r in collector.requests]
+    assert carried == [["0", "1"], ["2", "3"], ["4"], []]  # the rest wait for the next batch, none is lost
+    direct.close()

@@ -139,3 +139,41 @@ def test_close_closes_sinks_even_if_one_fails() -> None:
     ok = ListSink()
     Agent(SimulatedSource(gpus=1), sinks=[BadClose(), ok]).close()
     assert ok.closed
+
+
+def test_jobs_that_ended_are_forgotten_and_one_back_is_described_again() -> None:
+    # A node runs job after job (the mapper knows the jobs of its last map() call, as slurm-cgroup and mapping-dir
+    # do): the agent holds the jobs running now, not every job the node ever ran, and each tick looks at those only.
+    from gpuledger.schema.records import JobRecord
+
+    class OneJobATick:
+        def __init__(self) -> None:
+            self.job = 0
+            self.hold = False  # the same job goes on
+
+        def map(self, samples: Sequence[GpuSample]) -> Sequence[GpuSample]:
+            self.job += 0 if self.hold else 1
+            return samples
+
+        def job_metadata(self) -> dict[str, JobRecord]:
+            return {str(self.job): JobRecord(job_id=str(self.job), uid=1000)}
+
+    class JobSink(ListSink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.described: list[str] = []
+
+        def write_jobs(self, records: Sequence[JobRecord]) -> None:
+            self.described += [r.job_id for r in records]
+
+    mapper, sink = OneJobATick(), JobSink()
+    agent = Agent(SimulatedSource(gpus=1), [mapper], sinks=[sink])
+    for _ in range(500):
+        agent.tick()
+    assert list(agent.jobs) == ["500"] and list(agent._jobs_sent) == ["500"]
+    assert sink.described == [str(j) for j in range(1, 501)]  # each described once, when it came
+    mapper.hold = True
+    agent.tick()  # job 500 goes on: not described again
+    mapper.hold, mapper.job = False, 6  # job 7, seen long ago, back (a requeue): described again
+    agent.tick()
+    assert sink.described[-2:] == ["500", "7"] and len(sink.described) == 501

@@ -19,18 +19,20 @@ from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.agent.spool import Spool, SpoolingPusher
 from gpuledger.schema.records import GpuSample
 
+ACK = b'{"accepted": 2, "duplicate": false, "duplicate_samples": 0, "too_late": 0}'  # a collector's 200 body
+
 
 def samples(n: int = 2, ts: float = 1_700_000_000.0) -> list[GpuSample]:
     return [GpuSample(ts=ts, host="n1", gpu_uuid=f"GPU-{i}", gpu_index=i, power_watts=100.0) for i in range(n)]
 
 
 class Scripted:
-    """Answers POSTs with the next status of ``script`` (then ``default``), with ``headers``; records each decoded
-    batch. A script entry may be a function of the decoded batch giving the status."""
+    """Answers POSTs with the next status of ``script`` (then ``default``), with ``headers`` and ``body`` (a 2xx:
+    ``ack``); records each decoded batch. A script entry may be a function of the decoded batch giving the status."""
 
     def __init__(self, script: list | None = None, default: int = 200, body: bytes = b"{}",
-                 headers: dict[str, str] | None = None) -> None:
-        self.script, self.default, self.body = list(script or []), default, body
+                 headers: dict[str, str] | None = None, ack: bytes = ACK) -> None:
+        self.script, self.default, self.body, self.ack = list(script or []), default, body, ack
         self.headers = dict(headers or {})
         self.received: list[dict] = []  # every request, whatever was answered
         self.statuses: list[int] = []
@@ -49,12 +51,13 @@ class Scripted:
                 if callable(status):
                     status = status(batch)
                 outer.statuses.append(status)
+                reply = outer.ack if 200 <= status < 300 else outer.body
                 self.send_response(status)
                 for name, value in outer.headers.items():
                     self.send_header(name, value)
-                self.send_header("Content-Length", str(len(outer.body)))
+                self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
-                self.wfile.write(outer.body)
+                self.wfile.write(reply)
 
             def log_message(self, *a: object) -> None:
                 pass
@@ -157,9 +160,10 @@ def test_seq_file_reserves_blocks_and_survives_without_the_clock(tmp_path):
     assert f.reserved == 0
     f.reserve(0)
     assert (tmp_path / "next-seq").read_text() == "10\n"
-    f.reserve(9)  # within the block: no write
-    f.reserve(10)
-    assert SeqFile(tmp_path / "next-seq").reserved == 20  # what a restart (or a crash) continues after
+    f.reserve(4)  # within the block, more than half of it left: no write
+    assert (tmp_path / "next-seq").read_text() == "10\n"
+    f.reserve(5)  # half a block left: extended ahead of need
+    assert SeqFile(tmp_path / "next-seq").reserved == 15 == f.reserved  # what a restart (or a crash) continues after
     (tmp_path / "next-seq").write_text("garbage")
     with pytest.raises(ValueError, match="corrupt"):
         SeqFile(tmp_path / "next-seq")
@@ -315,6 +319,60 @@ def test_background_sender_with_the_real_collector_and_agent_metrics(tmp_path):
         assert pusher.spool.depth == 0 and pusher.sent_batches == 5
         assert store.totals()["samples"] == 10 and store.batches_seen() == 5
         agent.close()  # closes the pusher
+    finally:
+        srv.stop()
+        store.close()
+
+
+@pytest.mark.parametrize("ack,ctype", [(b"<html><body>Service under maintenance</body></html>", "text/html"),
+                                       (b"{}", "application/json"), (b'{"accepted": 2}', "application/json")])
+def test_a_2xx_that_is_no_collectors_acknowledgement_delivers_nothing(tmp_path, scripted, caplog, ack, ctype):
+    # --collector pointing at a proxy's maintenance page (or any server answering 200 to everything)
+    from gpuledger.agent.push import DirectSink
+
+    srv = scripted(ack=ack, headers={"Content-Type": ctype})
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path), sleep=lambda s: None)
+    for _ in range(3):
+        p.write(samples())
+    assert p.send_pending() is False and p.spool.depth == 3 and p.sent_batches == 0 and p.failures == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "gpuledger.agent.spool"]
+    assert "HTTP 200 with no collector's acknowledgement" in line and ctype in line and "kept in the spool" in line
+    direct = DirectSink(HttpPusher(srv.url, "a", "n1", seq_start=10))
+    direct.write(samples())
+    assert direct.delivered() == 0 and direct.stats()["unsent_batches"] == 1
+    srv.ack = ACK  # the collector itself
+    assert p.drain() is True and p.sent_batches == 3 and srv.acked()[-3:] == [1, 2, 3]
+    p.close()
+
+
+@pytest.mark.parametrize("kind", ["direct", "spool"])
+def test_a_batch_partly_too_late_counts_its_stored_samples_as_sent(tmp_path, kind):
+    # The node's clock stepped back mid-batch: the collector stores the samples in its window, answers 422 too_late
+    # with the counts; those behind are lost (refused), the batch is not (it was stored, and is not sent again).
+    from gpuledger.agent.push import DirectSink
+    from gpuledger.collector.server import CollectorServer
+    from gpuledger.collector.store import Store
+
+    store = Store(tmp_path / "c.sqlite", window_s=60)
+    srv = CollectorServer(store).start()
+    try:
+        pusher = HttpPusher(srv.url, "n1", "n1", fmt="msgpack")
+        sink = DirectSink(pusher) if kind == "direct" else SpoolingPusher(pusher, Spool(tmp_path / "s"),
+                                                                          fmt="msgpack", sleep=lambda s: None)
+        now = time.time()
+        sink.write([GpuSample(ts=now - 3 + i, host="n1", gpu_uuid="GPU-1", gpu_index=0, power_watts=100.0)
+                    for i in range(3)])
+        sink.write([GpuSample(ts=ts, host="n1", gpu_uuid="GPU-1", gpu_index=0, power_watts=100.0)
+                    for ts in (now, now - 600, now - 599)])
+        sink.write([GpuSample(ts=ts, host="n1", gpu_uuid="GPU-1", gpu_index=0, power_watts=100.0)
+                    for ts in (now - 700, now - 699)])  # none of it stored: the batch is refused
+        if kind == "spool":
+            assert sink.drain() is True and sink.spool.depth == 0
+        stats = sink.stats()
+        assert (stats["sent_batches"], stats["rejected_batches"], stats["rejected_samples"]) == (2, 1, 2 + 2)
+        assert store.totals()["samples"] == 4
+        assert "delivered 2 batch(es) (6 samples, 2 of them not stored by the collector)" in sink.summary()
+        sink.close()
     finally:
         srv.stop()
         store.close()

@@ -1,0 +1,155 @@
+"""Batches fit the collector's limits (the real collector, set lower than its defaults so that the batches stay
+small): pushes of many ticks go as several batches of whole ticks, a body over the size limit is halved before it
+is sent, and a batch the collector refuses as too large is sent again in halves, never dropped."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields, replace
+
+import pytest
+
+from gpuledger.agent.push import Batcher, BatchLimits, DirectSink, HttpPusher, halve, split_ticks
+from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.agent.spool import Spool, SpoolingPusher
+from gpuledger.collector.server import CollectorServer
+from gpuledger.collector.store import Store
+from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, Limits
+from gpuledger.schema import limits as schema_limits
+from gpuledger.schema.records import GpuSample, JobRecord
+
+GPUS = 8
+NOW = time.time()
+
+
+def serve(tmp_path, **limits: int) -> CollectorServer:
+    return CollectorServer(Store(tmp_path / "c.sqlite"), limits=Limits(**limits)).start()
+
+
+def node(sink) -> Agent:
+    return Agent(SimulatedSource(host="n1", gpus=GPUS, clock=iter(NOW - 300 + i for i in range(10_000)).__next__),
+                 sinks=[sink])
+
+
+def sinks(url: str, tmp_path, limits: BatchLimits | None = None, fmt: str = "msgpack") -> dict:
+    return {"direct": lambda: DirectSink(HttpPusher(url, "a", "n1", fmt=fmt, limits=limits)),
+            "spool": lambda: SpoolingPusher(HttpPusher(url, "a", "n1", fmt=fmt, limits=limits), Spool(tmp_path / "s"),
+                                            fmt=fmt, sleep=lambda s: None)}
+
+
+def finish(sink) -> None:
+    if isinstance(sink, SpoolingPusher):
+        assert sink.drain(max_attempts=1) is True
+    sink.close()
+
+
+@pytest.mark.parametrize("kind", ["direct", "spool"])
+def test_a_push_of_many_ticks_goes_as_batches_of_whole_ticks_within_the_limit(tmp_path, kind):
+    srv = serve(tmp_path, max_samples=100)
+    try:
+        limits = BatchLimits(samples=100)  # the agent told the collector's limit (--max-batch-samples)
+        inner = sinks(srv.url, tmp_path, limits)[kind]()
+        agent = node(Batcher(inner, 25, limits))
+        for _ in range(25):
+            agent.tick()
+        finish(inner)
+        # 25 ticks of 8 samples: 12 + 12 + 1 ticks (whole ticks: not 100 + 100 samples in two batches)
+        assert srv.store.totals()["samples"] == 200 and srv.store.batches_seen() == 3
+        assert inner.stats()["rejected_batches"] == 0
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+@pytest.mark.parametrize("kind", ["direct", "spool"])
+def test_a_batch_refused_as_too_large_is_sent_again_in_halves(tmp_path, kind, caplog):
+    srv = serve(tmp_path, max_samples=50)  # set lower than the agent knows
+    try:
+        inner = sinks(srv.url, tmp_path)[kind]()
+        agent = node(Batcher(inner, 15))
+        for _ in range(15):
+            agent.tick()
+        finish(inner)
+        assert srv.store.totals()["samples"] == 120 and inner.stats()["rejected_batches"] == 0
+        assert any("HTTP 413" in r.getMessage() for r in caplog.records)
+        if kind == "spool":
+            assert inner.spool.depth == 0
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+@pytest.mark.parametrize("kind", ["direct", "spool"])
+def test_a_body_over_the_size_limit_is_halved_before_it_is_sent(tmp_path, kind, caplog):
+    srv = CollectorServer(Store(tmp_path / "c.sqlite"), max_body_bytes=4096).start()
+    try:
+        inner = sinks(srv.url, tmp_path, BatchLimits(body_bytes=4096), fmt="json")[kind]()
+        agent = node(Batcher(inner, 10))
+        for _ in range(10):
+            agent.tick()
+        finish(inner)
+        assert srv.store.totals()["samples"] == 80 and srv.store.batches_seen() > 1
+        assert not any("413" in r.getMessage() for r in caplog.records)  # none was refused: each fit
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+class LateJob:
+    """A job on GPU 0 from tick ``start`` on (as the Slurm mappers see one), described from then on."""
+
+    def __init__(self, start: int) -> None:
+        self.tick, self.start = 0, start
+
+    def map(self, samples):
+        self.tick += 1
+        return [replace(x, job_ids=("77",)) if self.tick > self.start and x.gpu_index == 0 else x for x in samples]
+
+    def job_metadata(self) -> dict[str, JobRecord]:
+        return {"77": JobRecord(job_id="77", uid=1001)} if self.tick > self.start else {}
+
+
+@pytest.mark.parametrize("kind", ["direct", "spool"])
+def test_job_records_ride_with_the_batch_that_holds_their_jobs_samples(tmp_path, kind):
+    # the collector keeps an agent's record only for a job it has samples of (in that batch, or before)
+    srv = serve(tmp_path, max_samples=100)
+    try:
+        limits = BatchLimits(samples=100)
+        inner = sinks(srv.url, tmp_path, limits)[kind]()
+        agent = Agent(SimulatedSource(host="n1", gpus=GPUS, clock=iter(NOW - 300 + i for i in range(99)).__next__),
+                      [LateJob(20)], sinks=[Batcher(inner, 25, limits)])
+        for _ in range(25):  # batches of ticks 1-12, 13-24, 25; the job from tick 21 on
+            agent.tick()
+        finish(inner)
+        assert srv.store.batches_seen() == 3 and [(j.job_id, j.uid) for j in srv.store.jobs()] == [("77", 1001)]
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+def s(ts: float, g: int, jobs: tuple[str, ...] = ()) -> GpuSample:
+    return GpuSample(ts=ts, host="n1", gpu_uuid=f"GPU-{g}", gpu_index=g, job_ids=jobs)
+
+
+def test_split_ticks_counts_what_the_collector_counts():
+    ticks = [[s(t, g, (f"j{t}",)) for g in range(4)] for t in range(6)]
+    assert [len(b) for b in split_ticks(ticks, BatchLimits(samples=10))] == [8, 8, 8]
+    assert [len(b) for b in split_ticks(ticks, BatchLimits(job_ids=3))] == [12, 12]  # a job a tick
+    # each job set is a series of its own: 4 GPUs x 2 job sets fit 8 series
+    assert [len(b) for b in split_ticks(ticks, BatchLimits(series=8))] == [8, 8, 8]
+    # one tick over the limit alone is split between its GPUs
+    assert [len(b) for b in split_ticks([ticks[0]], BatchLimits(samples=3))] == [3, 1]
+    first, second = halve([x for t in ticks for x in t])
+    assert (len(first), len(second)) == (12, 12) and max(x.ts for x in first) < min(x.ts for x in second)
+
+
+def test_the_agent_knows_the_collectors_default_limits():
+    # schema.limits holds them for the agent (which cannot import the collector): the collector's defaults agree
+    assert BatchLimits() == BatchLimits(DEFAULT_LIMITS.max_samples, DEFAULT_LIMITS.max_series,
+                                        DEFAULT_LIMITS.max_batch_job_ids, DEFAULT_LIMITS.max_batch_list,
+                                        DEFAULT_LIMITS.max_jobs, DEFAULT_LIMITS.max_body_bytes)
+    assert schema_limits.MAX_BODY_BYTES == MAX_BODY_BYTES
+    for f in fields(BatchLimits):
+        with pytest.raises(ValueError, match=f.name):
+            BatchLimits(**{f.name: 0})
