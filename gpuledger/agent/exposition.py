@@ -4,6 +4,11 @@ Metric families are built anew on every scrape from ``agent.snapshot``, so a GPU
 away leaves no series behind. GPU series carry only GPU labels; which job holds a GPU is a separate
 ``gpuledger_gpu_job_info{jobid=...} 1`` series to join on in PromQL, which keeps job ids (unbounded
 over time) off every GPU metric. A value the device did not report is omitted, never exported as 0.
+
+The snapshot is exported as series show a GPU (``agent.mig.as_series``): a MIG GPU's power, power limit and energy
+counter once, on its whole-GPU series (never one counter per instance: after an agent restart an instance's share
+of the counter steps, which Prometheus would take for a reset), and its jobs, with their shares of the physical
+GPU, on its instances' series.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
+from gpuledger.agent.mig import as_series
 from gpuledger.agent.sampler import ERROR_KINDS
 from gpuledger.schema.records import GpuSample
 
@@ -56,11 +62,13 @@ GPU_METRICS: tuple[tuple[str, str, str, bool], ...] = (
 
 # What each GPU sample is stored as in a Prometheus-style database: GPU_METRICS under their stored names (a counter
 # gains "_total"), the jobs holding the GPU (JOBS, one series per GPU and JOB_INFO, one per GPU and job: always 1)
-# and, where the sample says how the GPU is split, each job's share (JOB_SHARE). The agent exports them on /metrics
-# and the collector ships the same series to VictoriaMetrics (collector.victoriametrics), so dashboards read either.
+# and, where the sample says how the GPU is split, each job's share of the physical GPU (JOB_SHARE), a MIG GPU as
+# agent.mig.as_series shows it. The agent exports them on /metrics and the collector ships the same series to
+# VictoriaMetrics (collector.victoriametrics), so dashboards read either.
 JOBS = "gpuledger_gpu_jobs"
 JOB_INFO = "gpuledger_gpu_job_info"
 JOB_SHARE = "gpuledger_gpu_job_share_ratio"
+XID_ERRORS = "gpuledger_gpu_xid_errors"  # a counter (stored with "_total"), /metrics only: the agent's since it started
 
 
 def stored_name(name: str, counter: bool) -> str:
@@ -84,7 +92,8 @@ class SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         # One read of the attribute: the agent replaces the list wholesale, so this batch is consistent.
-        snapshot: list[GpuSample] = list(self.agent.snapshot)
+        agent = self.agent
+        snapshot: list[GpuSample] = as_series(agent.snapshot, getattr(agent, "sampled", ()))
         yield from self._gpu_metrics(snapshot)
         yield from self._self_metrics()
 
@@ -102,7 +111,7 @@ class SnapshotCollector:
                     family.add_metric(_gpu_labels(s), float(v))
             if family.samples:
                 yield family
-        xids = CounterMetricFamily("gpuledger_gpu_xid_errors",
+        xids = CounterMetricFamily(XID_ERRORS,
                                    "Xid errors the driver reported since the agent started.", labels=GPU_LABELS)
         models = {(s.host, s.gpu_index, s.gpu_uuid, s.mig or ""): s.model for s in snapshot}
         for (host, index, uuid, mig), n in sorted(getattr(self.agent, "xid_errors_total", {}).items()):
@@ -110,7 +119,8 @@ class SnapshotCollector:
         yield xids
         jobs = GaugeMetricFamily(JOBS, "Jobs holding the GPU.", labels=GPU_LABELS)
         info = GaugeMetricFamily(JOB_INFO, "Job holding the GPU (1 per GPU and job).", labels=JOB_LABELS)
-        share = GaugeMetricFamily(JOB_SHARE, "The job's share of the GPU, where the GPU is split unequally.",
+        share = GaugeMetricFamily(JOB_SHARE, "The job's share of the physical GPU, where the sample says how it is "
+                                  "split (on a MIG instance always: its slice fraction times the job's share of it).",
                                   labels=JOB_LABELS)
         for s in snapshot:
             jobs.add_metric(_gpu_labels(s), float(len(s.job_ids)))
@@ -198,12 +208,14 @@ _SINK_METRICS: dict[str, tuple[str, str, bool]] = {
     "rejected_batches": ("gpuledger_agent_push_rejected_batches",
                          "Batches the collector refused (4xx) and the agent dropped.", True),
     "rejected_samples": ("gpuledger_agent_push_rejected_samples",
-                         "Samples in batches the collector refused (4xx) and the agent dropped.", True),
+                         "Samples the collector refused (4xx) and the agent dropped: whole batches, and the "
+                         "samples behind their GPU's window (too late) of batches it stored.", True),
     "unsent_batches": ("gpuledger_agent_push_unsent_batches",
-                       "Batches no collector took, dropped because there is no spool (--spool-dir) to keep them.",
+                       "Batches no collector took and no spool kept (no --spool-dir, or its disk full), dropped.",
                        True),
     "unsent_samples": ("gpuledger_agent_push_unsent_samples",
-                       "Samples in batches no collector took, dropped for want of a spool (--spool-dir).", True),
+                       "Samples in batches no collector took and no spool kept (no --spool-dir, or its disk full).",
+                       True),
 }
 
 

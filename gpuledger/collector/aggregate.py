@@ -69,11 +69,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from itertools import repeat
 from operator import attrgetter
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import numpy as np
 
-from gpuledger.agent.mig import slice_fraction as _slice_fraction
+from gpuledger.agent.mig import gpu_readings, instance_shares
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample, JobUsage, gpu_id
 
 if TYPE_CHECKING:
@@ -478,18 +478,6 @@ def _sample(r: object) -> GpuSample:
     return r if isinstance(r, GpuSample) else GpuSample(*(getattr(r, f) for f in SAMPLE_FIELDS))
 
 
-_MigCounter = Literal["energy_joules", "power_watts", "power_limit_watts"]
-_MIG_COUNTERS: tuple[_MigCounter, ...] = ("energy_joules", "power_watts", "power_limit_watts")
-
-
-class _MigCounters(TypedDict, total=False):
-    """Keyword arguments to GpuSample: the GPU's counters normalize_mig puts on a MIG GPU's rows."""
-
-    energy_joules: float | None
-    power_watts: float | None
-    power_limit_watts: float | None
-
-
 def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
     """Put each MIG GPU's power and energy on its whole-GPU row, once, whatever shape the source sent.
 
@@ -517,25 +505,8 @@ def normalize_mig(samples: Iterable[GpuSample]) -> list[GpuSample]:
             continue
         parent = None if parent_i is None else _sample(rows[parent_i])
         inst = [_sample(rows[i]) for i in insts]
-        values: _MigCounters = {}
-        for f in _MIG_COUNTERS:
-            own = None if parent is None else getattr(parent, f)
-            vals = [v for v in (getattr(x, f) for x in inst) if v is not None]
-            if own is not None or not vals:
-                values[f] = own
-            elif parent is not None and f != "power_limit_watts":
-                values[f] = math.fsum(vals)  # virtual per-instance shares of the GPU's
-            else:
-                values[f] = max(vals)  # the GPU's value repeated on each instance
-        sliced = [_slice_fraction(x.model) for x in inst]
-        fractions = [f for f in sliced if f is not None]
-        if len(fractions) < len(sliced):  # a profile not known: equal slices
-            fractions = [1.0 / len(inst)] * len(inst)
-        total = sum(fractions)
-        if total > 1.0:  # profiles claiming more than the GPU: scale down
-            fractions = [f / total for f in fractions]
-        for i, x, frac in zip(insts, inst, fractions):
-            shares = tuple(sh * frac for sh in _shares(x))
+        values = gpu_readings(parent, inst)
+        for i, x, shares in zip(insts, inst, instance_shares(inst)):
             rows[i] = replace(x, job_shares=shares, **values)
         if parent is None:
             x = inst[0]

@@ -19,6 +19,9 @@ Example::
     max_inflight = 256             # ingest requests validating or storing at once (per worker); more get 503
     max_per_host = 4               # concurrent ingest requests of one node token (per worker); more get 429
     request_timeout_s = 30         # headers and body of one request, however slowly they arrive
+    ledger_timeout_s = 8           # a batch's wait for its commit (and a read's behind a stalled one); then 503,
+                                   # and /healthz says 503 until that commit ends (a commit may still finish: the
+                                   # agent's resend is then a duplicate); keep it under the agents' timeout (10 s)
     idle_timeout_s = 120           # a keep-alive connection idle this long is closed
     max_samples = 20000            # per batch; further limits: max_series, max_job_ids (per series),
     max_job_ids = 64               # max_batch_job_ids, max_jobs, max_str (characters), max_list
@@ -67,7 +70,14 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W
-from gpuledger.collector.limits import IDLE_TIMEOUT_S, MAX_PAGE, MAX_PER_HOST, MAX_SERIES_POINTS, REQUEST_TIMEOUT_S
+from gpuledger.collector.limits import (
+    IDLE_TIMEOUT_S,
+    LEDGER_TIMEOUT_S,
+    MAX_PAGE,
+    MAX_PER_HOST,
+    MAX_SERIES_POINTS,
+    REQUEST_TIMEOUT_S,
+)
 from gpuledger.collector.series_outbox import local_retention
 from gpuledger.collector.series_store import Retention
 from gpuledger.collector.store import DEDUPE_HORIZON_S, MAX_GPUS_PER_HOST
@@ -138,6 +148,7 @@ class CollectorSettings(TokenTables):
     max_inflight: int = Field(256, gt=0)
     max_per_host: int = Field(MAX_PER_HOST, gt=0)
     request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0)
+    ledger_timeout_s: float = Field(LEDGER_TIMEOUT_S, gt=0)
     idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0)
     max_samples: int = Field(DEFAULT_LIMITS.max_samples, gt=0)
     max_series: int = Field(DEFAULT_LIMITS.max_series, gt=0)

@@ -45,6 +45,19 @@ MAX_LIST_VALUES = 500  # values bound in one statement's IN (...) or VALUES list
 # IDLE_IN_TRANSACTION_TIMEOUT is ended by the server (rolled back), which releases what it held.
 LOCK_TIMEOUT = "5s"
 IDLE_IN_TRANSACTION_TIMEOUT = "60s"
+# PostgreSQL, client side (libpq), on every connection: a link that goes silent (a partition, a failover that leaves
+# the old primary's address dead) is otherwise noticed only when the kernel stops retransmitting (net.ipv4.tcp_retries2:
+# about 15 minutes), and the store's committer, every batch behind it, waits that long. A connection waiting for an
+# answer probes its peer after TCP_KEEPALIVE_IDLE_S of silence, every TCP_KEEPALIVE_INTERVAL_S; one whose probes or
+# data stay unacknowledged TCP_USER_TIMEOUT_S is dropped (on Linux the user timeout decides for the probes too,
+# elsewhere TCP_KEEPALIVE_COUNT of them), and its statement fails (DatabaseUnavailable: 503, the agent resends, and a
+# batch whose COMMIT did reach the server is then a duplicate). A live server that is slow to answer (a COMMIT waiting
+# for a synchronous standby) acknowledges both, so these never cut a wait for it: the collector's ledger_timeout_s
+# answers that request 503 instead (collector.server). A URL that sets one of these keeps its own.
+TCP_KEEPALIVE_IDLE_S = 10
+TCP_KEEPALIVE_INTERVAL_S = 5
+TCP_KEEPALIVE_COUNT = 3
+TCP_USER_TIMEOUT_S = 30
 
 
 class DatabaseUnavailable(Exception):
@@ -54,6 +67,12 @@ class DatabaseUnavailable(Exception):
 class DatabaseBusy(DatabaseUnavailable):
     """A lock this transaction needs is held past ``LOCK_TIMEOUT`` (another collector stalled inside a transaction):
     nothing was written; the other statements of a group may well succeed without this one's."""
+
+
+class DatabaseConfigError(ValueError):
+    """The database server answered and refuses this configuration: no such database, an unknown role, credentials
+    it does not accept, a connection its pg_hba.conf does not allow. Nothing can succeed until the configuration
+    changes (a restart cannot help): a command exits 2 (``collector.ledger_url.database_failures``)."""
 
 
 class DatabaseFull(Exception):
@@ -296,6 +315,44 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
 
 
+# A connection's start-up refused for a reason only a change of configuration fixes (DatabaseConfigError), and what to
+# say. psycopg gives a failed connection no SQLSTATE (libpq keeps the server's FATAL as text), so these are the
+# server's and libpq's English messages (the SQLSTATE each one is in brackets). A server whose lc_messages translates
+# them is not recognised: its refusal stays DatabaseUnavailable (exit 1), as a server that is down.
+_CONFIG_ERRORS = [(re.compile(pattern), problem) for pattern, problem in (
+    (r'database ".*" does not exist', "no such database [3D000]: create it, or fix the URL"),
+    (r'role ".*" does not exist', "no such role [28000]: create it, or fix the user in the URL"),
+    (r"authentication failed for user", "the server refused the credentials [28P01]: fix the user or its "
+                                        "password (a libpq password file, PGPASSFILE)"),
+    (r"no password supplied|password is required", "the server asks for a password and none is given: put it in a "
+                                                    "libpq password file (PGPASSFILE)"),
+    (r"pg_hba\.conf", "the server's pg_hba.conf does not let this user connect from here [28000]"),
+    (r"is not permitted to log in", "the role may not log in [28000]"),
+    (r'permission denied for database|does not have CONNECT privilege',
+     "the role may not connect to this database [42501]: GRANT CONNECT"),
+    (r"SSL was required|server does not support SSL",
+     "the URL's sslmode asks for SSL, which the server does not offer"),
+    (r"invalid (\w+ )?value|invalid connection option|invalid URI", "the URL is invalid"),
+)]
+
+
+def _config_problem(exc: Exception, reason: str) -> str | None:
+    """What to fix when a connection's start-up failed for good (see _CONFIG_ERRORS); None when it may pass."""
+    if type(exc).__name__ == "ProgrammingError":  # psycopg: the URL's parameters do not parse
+        return "the URL is invalid"
+    return next((problem for pattern, problem in _CONFIG_ERRORS if pattern.search(reason)), None)
+
+
+def _tcp_bounds(url: str) -> dict[str, int]:
+    """libpq's keepalive and TCP user timeout parameters (see TCP_USER_TIMEOUT_S), but for those ``url`` sets."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    bounds = {"keepalives": 1, "keepalives_idle": TCP_KEEPALIVE_IDLE_S, "keepalives_interval": TCP_KEEPALIVE_INTERVAL_S,
+              "keepalives_count": TCP_KEEPALIVE_COUNT, "tcp_user_timeout": TCP_USER_TIMEOUT_S * 1000}  # (libpq: ms)
+    given = conninfo_to_dict(url)
+    return {k: v for k, v in bounds.items() if k not in given}
+
+
 class _Fetched:
     """Rows read whole (the connection went back to the pool): a cursor's reading side."""
 
@@ -347,13 +404,19 @@ class PostgresDatabase:
                 conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 conn.execute(f'SET search_path TO "{schema}"')
 
-        try:  # one connection first: an unreachable server fails now, with the server's reason, not the pool's
-            psycopg.connect(url, connect_timeout=int(connect_timeout_s)).close()
+        # one connection first: an unreachable server fails now, with the server's reason, not the pool's; a refusal
+        # only a change of configuration can fix (no such database, bad credentials) as DatabaseConfigError
+        try:
+            options: dict[str, Any] = {"connect_timeout": int(connect_timeout_s), **_tcp_bounds(url)}
+            psycopg.connect(url, **options).close()
         except psycopg.Error as exc:
-            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect: {' '.join(str(exc).split())}"
-                                      ) from exc
+            reason = " ".join(str(exc).split())
+            problem = _config_problem(exc, reason)
+            if problem is not None:
+                raise DatabaseConfigError(f"PostgreSQL ledger {self.url}: {problem} ({reason})") from exc
+            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect: {reason}") from exc
         self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, configure=configure, open=False,
-                                    timeout=connect_timeout_s, kwargs={"connect_timeout": int(connect_timeout_s)})
+                                    timeout=connect_timeout_s, kwargs=options)
         try:
             self._pool.open(wait=True, timeout=connect_timeout_s)
         except Exception as exc:

@@ -205,7 +205,7 @@ class InfluxSeriesReader(RemoteSeriesReader):
         stats = ", ".join(f'{fn}({ident(f)}) AS {ident(f"{stat}:{f}")}' for f in _FIELDS
                           for stat, fn in zip(_STATS, ("count", "sum", "min", "max")))
         res = self.db.query(
-            f'SELECT count("jobs") AS "samples", {stats} FROM {ident(GPU)} WHERE {where} AND time >= {lo_ms}ms '
+            f'SELECT count("xid_errors") AS "samples", {stats} FROM {ident(GPU)} WHERE {where} AND time >= {lo_ms}ms '
             f"AND time < {stop_ms}ms GROUP BY time({step_ms}ms) fill(none)")
         out = []
         for _, row in _rows(res):

@@ -4,9 +4,10 @@ The ledger is the one every command uses (``collector.ledger_url``: ``--ledger-u
 the ``[ledger]`` table of ``--config``), else the embedded store of ``--data-dir``. Neither command creates a SQLite
 store (a mistyped directory is exit 2); a PostgreSQL database must exist (its DBA creates it), ``migrate`` creates
 the tables in it. A collector applies pending migrations itself when it opens the ledger; ``migrate`` does it ahead,
-e.g. before collectors of a new release start. Errors are one line: exit 2 for bad input (a bad ledger URL, no
-store, a SQLite file that is not a database or that this user cannot open or write), 1 when the server cannot be
-reached or the ledger was written by a newer gpuledger. ``status`` reads only, but opens the file as every command
+e.g. before collectors of a new release start. Errors are one line (``collector.ledger_url.database_failures``):
+exit 2 for bad input (a bad ledger URL, no store, a SQLite file that is not a database or that this user cannot open
+or write, a PostgreSQL server that refuses the URL: no such database or role, credentials refused; a ledger written
+by a newer gpuledger), 1 when the server cannot be reached. ``status`` reads only, but opens the file as every command
 does (in WAL mode, whose ``-shm`` file SQLite must be able to create beside it): where this user cannot write the
 file or its directory, it says so in one line (exit 2).
 """
@@ -23,9 +24,9 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from gpuledger.collector.db import POSTGRESQL, Database, DatabaseUnavailable, open_database
-from gpuledger.collector.ledger_url import LedgerUrlOpt, cli_ledger_url, sqlite_path, sqlite_problem
-from gpuledger.collector.migrations import LATEST, LedgerTooNew, Status, migrate, status
+from gpuledger.collector.db import POSTGRESQL, Database, open_database
+from gpuledger.collector.ledger_url import LedgerUrlOpt, cli_ledger_url, database_failures, sqlite_path, sqlite_problem
+from gpuledger.collector.migrations import LATEST, Status, migrate, status
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail
 
 app = typer.Typer(help="The ledger's schema: status and migrations (SQLite or PostgreSQL).", no_args_is_help=True)
@@ -43,29 +44,22 @@ T = TypeVar("T")
 def _on_ledger(ledger_url: str | None, data_dir: Path, config: Path | None, action: Callable[[Database], T]
                ) -> tuple[T, Database]:
     """``action`` on the ledger's database (``--ledger-url`` resolved), which is closed again; never a new SQLite
-    file. Exit 2 for no ledger or one written by a newer gpuledger (as every other command), 1 when it cannot be
-    reached."""
+    file. Exit 2 for no ledger, one written by a newer gpuledger or a server that refuses the URL, 1 when it cannot
+    be reached (``database_failures``, as every other command)."""
     url = cli_ledger_url(ledger_url, data_dir, config)
     path = sqlite_path(url, data_dir)
     if path is not None and not path.is_file():
         fail(f"no gpuledger store at {path} (run a collector or `gpuledger demo` first, or pass --data-dir or "
              "--ledger-url)")
     try:
-        db = open_database(str(url) if path is None else path)
-    except DatabaseUnavailable as e:
-        fail(str(e), code=1)
+        with database_failures():
+            db = open_database(str(url) if path is None else path)
+            try:
+                return action(db), db
+            finally:
+                db.close()
     except sqlite3.Error as e:  # (path is the SQLite file: PostgreSQL raises its own errors)
         fail(*sqlite_problem(e, str(path), "a gpuledger ledger"))
-    try:
-        return action(db), db
-    except DatabaseUnavailable as e:
-        fail(str(e), code=1)
-    except LedgerTooNew as e:
-        fail(str(e))
-    except sqlite3.Error as e:
-        fail(*sqlite_problem(e, str(path), "a gpuledger ledger"))
-    finally:
-        db.close()
 
 
 def _state(st: Status) -> list[dict]:

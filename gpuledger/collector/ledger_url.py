@@ -18,16 +18,19 @@ A bad URL (empty, an unknown scheme, a malformed one) is refused in one line nam
 (reports, feeds, keys) stay in the data directory whatever the ledger.
 
 A query never creates a ledger: :func:`open_ledger` without ``create`` exits 2 when there is no SQLite file, or
-when the PostgreSQL database holds no gpuledger tables, and 1 when the server cannot be reached. A SQLite file that
-cannot be opened (not a database, read-only to this user, written by a newer gpuledger) is one line naming the file
-and why, exit 2: restarting a unit cannot fix it (:func:`sqlite_problem`).
+when the PostgreSQL database holds no gpuledger tables, and 1 when the server cannot be reached. A PostgreSQL server
+that refuses the URL (no such database or role, credentials refused, a pg_hba.conf that does not let the user in)
+and a SQLite file that cannot be opened (not a database, read-only to this user, written by a newer gpuledger) are
+one line naming the ledger and why, exit 2: restarting a unit cannot fix them (:func:`database_failures`,
+:func:`sqlite_problem`); the systemd units do not restart on 2 (``RestartPreventExitStatus=2``).
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
@@ -35,7 +38,7 @@ from urllib.parse import urlsplit
 import typer
 
 from gpuledger.collector.config import ConfigError, read_toml
-from gpuledger.collector.db import DatabaseUnavailable, is_postgres_url, open_database, redact
+from gpuledger.collector.db import DatabaseConfigError, DatabaseUnavailable, is_postgres_url, open_database, redact
 from gpuledger.collector.migrations import LedgerTooNew
 from gpuledger.output import fail
 from gpuledger.schema.text import ascii_int
@@ -139,7 +142,8 @@ def ledger_label(ledger_url: str | None, data_dir: Path) -> str:
 
 def ledger_exists(ledger_url: str | None, data_dir: Path) -> bool:
     """Whether there is a ledger to read: the SQLite file exists, or the PostgreSQL database has gpuledger's tables
-    (connecting creates nothing). Raises DatabaseUnavailable when the server cannot be reached."""
+    (connecting creates nothing). Raises DatabaseUnavailable when the server cannot be reached, DatabaseConfigError
+    when it refuses the URL."""
     path = sqlite_path(ledger_url, data_dir)
     if path is not None:
         return path.exists()
@@ -148,6 +152,22 @@ def ledger_exists(ledger_url: str | None, data_dir: Path) -> bool:
         return db.has_table(LEDGER_TABLE)
     finally:
         db.close()
+
+
+@contextmanager
+def database_failures() -> Iterator[None]:
+    """A command's block that opens or uses the ledger's database (or the audit log in it): the one rule for how it
+    ends when that fails, in one line. Exit 2 for what only a change of configuration fixes (the server refuses
+    the URL: DatabaseConfigError; a ledger written by a newer gpuledger), 1 for what may pass (the server down or
+    unreachable: DatabaseUnavailable): a service manager restarts after 1, not after 2."""
+    try:
+        yield
+    except DatabaseConfigError as e:
+        fail(str(e))
+    except DatabaseUnavailable as e:
+        fail(str(e), code=1)
+    except LedgerTooNew as e:  # the message names the ledger; only a newer gpuledger opens it
+        fail(str(e))
 
 
 def sqlite_problem(exc: sqlite3.Error, path: str | os.PathLike[str], what: str) -> tuple[str, int]:
@@ -170,25 +190,22 @@ def sqlite_problem(exc: sqlite3.Error, path: str | os.PathLike[str], what: str) 
 def open_ledger(ledger_url: str | None, data_dir: Path, *, create: bool = False, **settings: Any) -> Store:
     """The store for a command (``collector.store.open_store``; ``settings`` are its keyword arguments). Without
     ``create`` (a query) there must be a ledger already: none is one line and exit 2, never a new empty store. An
-    unreachable PostgreSQL is one line and exit 1; a SQLite file that cannot be opened, or a ledger of a newer
-    gpuledger, one line and exit 2 (:func:`sqlite_problem`)."""
+    unreachable PostgreSQL is one line and exit 1; one that refuses the URL, a SQLite file that cannot be opened, or a
+    ledger of a newer gpuledger, one line and exit 2 (:func:`database_failures`, :func:`sqlite_problem`)."""
     from gpuledger.collector.store import open_store
 
     label = ledger_label(ledger_url, data_dir)
     try:
-        if not create and not ledger_exists(ledger_url, data_dir):
-            if is_postgres_url(ledger_url):
-                fail(f"{label}: not a gpuledger ledger (run `gpuledger ledger migrate` or a collector first)")
-            fail(f"no gpuledger store at {label} (run `gpuledger demo` or a collector first, or pass --data-dir "
-                 f"or {FLAG})")
-        path = sqlite_path(ledger_url, data_dir)
-        if create and path is not None and not path.parent.is_dir():
-            fail(f"ledger {label}: no directory {path.parent}")
-        return open_store(ledger_url, data_dir, **settings)
-    except DatabaseUnavailable as e:
-        fail(str(e), code=1)
-    except LedgerTooNew as e:  # the message names the ledger; only a newer gpuledger opens it
-        fail(str(e))
+        with database_failures():
+            if not create and not ledger_exists(ledger_url, data_dir):
+                if is_postgres_url(ledger_url):
+                    fail(f"{label}: not a gpuledger ledger (run `gpuledger ledger migrate` or a collector first)")
+                fail(f"no gpuledger store at {label} (run `gpuledger demo` or a collector first, or pass --data-dir "
+                     f"or {FLAG})")
+            path = sqlite_path(ledger_url, data_dir)
+            if create and path is not None and not path.parent.is_dir():
+                fail(f"ledger {label}: no directory {path.parent}")
+            return open_store(ledger_url, data_dir, **settings)
     except sqlite3.Error as e:  # (only a SQLite ledger raises these: label is its file)
         fail(*sqlite_problem(e, label, "a gpuledger ledger"))
 
@@ -197,7 +214,8 @@ def ledger_fingerprint(ledger_url: str | None, data_dir: Path) -> tuple[object, 
     """A value that changes when job records or usage are written (what ``priority watch`` polls). SQLite: (mtime,
     size) of the file and its WAL. PostgreSQL, which has no file to look at: the newest batch's arrival (indexed)
     and the number of job records, so a new batch or job shows; a job record changed in place without either shows
-    at the watcher's next resync. Raises DatabaseUnavailable when the server cannot be reached."""
+    at the watcher's next resync. Raises DatabaseUnavailable when the server cannot be reached, DatabaseConfigError
+    when it refuses the URL."""
     path = sqlite_path(ledger_url, data_dir)
     if path is not None:
         out: list[tuple[int, int] | None] = []

@@ -3,6 +3,11 @@
 What one batch may hold is ``collector.validate.Limits`` (checked while decoding)."""
 
 REQUEST_TIMEOUT_S = 30.0  # from a request's first byte to its last: headers and body, however they trickle
+# A request waits this long at most for the ledger: an ingest request for its batch's commit, a read for the store
+# behind a commit that stalls (a synchronous standby gone, a link gone silent); then 503, and the agent keeps the batch
+# in its spool. Over db.LOCK_TIMEOUT (5 s: a lock another collector holds, which the store answers itself), under the
+# agent's 10 s read timeout (agent.push), so that the agent hears the 503 rather than timing out.
+LEDGER_TIMEOUT_S = 8.0
 IDLE_TIMEOUT_S = 120.0  # a keep-alive connection silent this long between requests is closed (agents push every 10 s)
 LISTEN_BACKLOG = 4096  # a fleet reconnecting at once after a restart; the kernel caps it at net.core.somaxconn
 # Open connections; beyond, new ones are closed at once (the agent retries). An idle connection costs the event

@@ -120,6 +120,9 @@ _BODY_TYPES = ("application/json", "application/msgpack")
 _AUTH_ERRORS = {"401": _error("No valid bearer token (auth on)."),
                 "403": _error("The token lacks the right (role, or another host's samples).")}
 _SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
+# what an endpoint that waits on the store answers while a commit stalls (collector.server: ledger_timeout_s)
+_STALLED = "the ledger has not committed for longer than ledger_timeout_s (ledger_stalled)"
+_STALLED_ERROR = {"503": _error(f"Waiting on the store: {_STALLED}; retry later.")}
 # GET /api/v1/jobs and /usage: the collector reads just the page asked for (in SQL)
 _PAGE_PARAMS: list[dict[str, Any]] = [
     {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1},
@@ -235,8 +238,11 @@ def openapi_document() -> dict[str, Any]:
                                             "GPUs for its host (gpu_limit), a value the ledger cannot hold "
                                             "(unstorable)."),
                               "429": _error("This node has too many ingest requests in flight; retry later."),
-                              "503": _error("Too many ingest requests in flight, or the ledger cannot be "
-                                            "reached; retry with backoff."),
+                              "503": _error("Too many ingest requests in flight (overloaded), the ledger cannot be "
+                                            "reached (ledger_unavailable), or did not commit the batch within "
+                                            "ledger_timeout_s (ledger_timeout: it may still, and the resend is then "
+                                            "a duplicate) or has not committed for longer (ledger_stalled); retry "
+                                            "with backoff."),
                               "507": _error("The collector's disk is full; retry after Retry-After.")},
             }},
             "/api/v1/jobs": {
@@ -246,7 +252,8 @@ def openapi_document() -> dict[str, Any]:
                         ],
                         "responses": {"200": _json("Job records.",
                                                    {"type": "array", "items": {"$ref": _REF + "JobRecord"}}),
-                                      "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS}},
+                                      "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS,
+                                      **_STALLED_ERROR}},
                 "post": {"operationId": "postJobs", "summary": "Insert or update job records (admin).",
                          "security": _SECURED, "requestBody": _body("JobRecordList"),
                          "responses": {"200": _json("Received and changed counts.", {
@@ -254,7 +261,7 @@ def openapi_document() -> dict[str, Any]:
                              "properties": {"received": {"type": "integer"}, "changed": {"type": "integer"}}}),
                              **rejected, **_AUTH_ERRORS,
                              "422": _error("A value the ledger cannot hold (unstorable); nothing was stored."),
-                             "503": _error("The ledger cannot be reached; retry later."),
+                             "503": _error(f"The ledger cannot be reached, or {_STALLED}; retry later."),
                              "507": _error("The collector's disk is full; retry after Retry-After.")}},
             },
             "/api/v1/usage": {"get": {
@@ -267,7 +274,7 @@ def openapi_document() -> dict[str, Any]:
                     *_PAGE_PARAMS,
                 ],
                 "responses": {"200": _json("Usage records.", {"type": "array", "items": {"$ref": _REF + "JobUsage"}}),
-                              "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS},
+                              "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS, **_STALLED_ERROR},
             }},
             "/api/v1/totals": {"get": {
                 "operationId": "getTotals", "summary": "Cluster totals over whole hours in [start, end).",
@@ -275,7 +282,7 @@ def openapi_document() -> dict[str, Any]:
                 "parameters": [{"name": n, "in": "query", "required": False, "schema": {"type": "number"},
                                 "description": "unix seconds"} for n in ("start", "end")],
                 "responses": {"200": _json("Totals.", {"$ref": _REF + "Totals"}),
-                              "400": _error("A parameter is not a number."), **_AUTH_ERRORS},
+                              "400": _error("A parameter is not a number."), **_AUTH_ERRORS, **_STALLED_ERROR},
             }},
             "/api/v1/series": {"get": {
                 "operationId": "getSeries",
@@ -296,7 +303,8 @@ def openapi_document() -> dict[str, Any]:
                                            {"type": "array", "items": {"type": "object"}}),
                               "400": _error("A parameter is missing or not a number."),
                               "502": _error("VictoriaMetrics (series_url) answered with an error."),
-                              "503": _error("VictoriaMetrics (series_url) is unreachable or overloaded; retry later."),
+                              "503": _error("VictoriaMetrics (series_url) is unreachable or overloaded, or (the "
+                                            f"local store) {_STALLED}; retry later."),
                               **_AUTH_ERRORS},
             }},
             "/api/v1/priority": {"get": {
@@ -314,12 +322,19 @@ def openapi_document() -> dict[str, Any]:
                 "operationId": "getMetrics", "summary": "Prometheus metrics (self-metrics, fairshare gauges).",
                 "security": [],
                 "responses": {"200": {"description": "Prometheus text format.",
-                                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}},
+                              **_STALLED_ERROR},
             }},
             "/healthz": {"get": {
-                "operationId": "getHealth", "summary": "Liveness.", "security": [],
+                "operationId": "getHealth", "summary": "Liveness, and whether the ledger commits.", "security": [],
                 "responses": {"200": _json("Alive.", {"type": "object", "required": ["status"],
-                                                      "properties": {"status": {"const": "ok"}}})},
+                                                      "properties": {"status": {"const": "ok"}}}),
+                              "503": _json("A batch has waited for its commit longer than ledger_timeout_s (the "
+                                           "ledger stalls); 200 again once that commit ends.", {
+                                               "type": "object", "required": ["status", "reason", "error"],
+                                               "properties": {"status": {"const": "unavailable"},
+                                                              "reason": {"const": "ledger_stalled"},
+                                                              "error": {"type": "string"}}})},
             }},
         },
         "security": _SECURED,

@@ -24,13 +24,14 @@ import copy
 import math
 import operator
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any, Protocol
 
 import msgpack
 import numpy as np
 
+from gpuledger.agent.mig import GPU_READINGS, NO_READINGS
 from gpuledger.collector import rollup
 from gpuledger.collector.aggregate import PAIR_FLOATS, GpuKey, WindowSegment
 from gpuledger.collector.chunks import (
@@ -737,6 +738,11 @@ class ChunkSeriesStore:
         rolled up yet are summarised from the finer tier on the fly, so a rollup query also covers recent data.
         ``tier`` forces a tier.
 
+        A MIG instance's series holds none of its GPU's readings (``agent.mig.as_series``): the aggregation stores
+        each of its rows with copies of them (``aggregate.normalize_mig``; its window reads them back) beside the
+        GPU's own row, whose series shows them, once. (Rows written here with no whole-GPU series beside them
+        read back as written.)
+
         One read snapshot (``Database.snapshot``): a query reads several tables (what expired, the rollups and
         how far they go, the GPU's raw chunks, its host's host chunks), and a compaction committed between two
         of those reads (another process: its split of host chunks, a roll-up, an expiry) would lose or double
@@ -744,14 +750,24 @@ class ChunkSeriesStore:
         """
         gpu_key = (host, gpu_uuid, mig or "")
         with self._db.snapshot():
+            copies = bool(mig) and self._has_own_series(host, gpu_uuid)
             tier = self.pick_tier(gpu_key, start, step) if tier is None else tier
             if tier == RAW and not step:
-                return self._read_raw(gpu_key, start, end)
+                raw = self._read_raw(gpu_key, start, end)
+                return [replace(s, **NO_READINGS) for s in raw] if copies else raw
             step = bucket_step(tier, step)
             lo = math.floor(start / step) * step
             hi = math.nextafter((math.floor(end / step) + 1) * step, -math.inf)  # the end of end's bucket
             rows = self._tier_rows(tier, gpu_key, lo, hi)
+        if copies:
+            rows = rollup.Rollup(rows.ts, rows.samples, {f: v for f, v in rows.stats.items() if f not in GPU_READINGS})
         return rollup.combine(rows, step).points(step, TIER_NAMES[tier])
+
+    def _has_own_series(self, host: str, gpu_uuid: str) -> bool:
+        """Whether a MIG GPU's whole-GPU series is stored (the aggregation stores one with every MIG GPU's rows)."""
+        return self._db.execute(
+            "SELECT 1 FROM chunks WHERE tier IN (0, 1, 2) AND host=? AND gpu_uuid=? AND mig='' LIMIT 1",
+            (host, gpu_uuid)).fetchone() is not None
 
     def _tier_rows(self, tier: int, gpu_key: GpuKey, start: float, end: float) -> rollup.Rollup:
         """Rows of ``tier``'s resolution (raw: one row per sample) for start <= ts <= end, filled in

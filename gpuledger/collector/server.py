@@ -53,6 +53,7 @@ from gpuledger.collector.auth import Access, Authenticator, AuthError, Principal
 from gpuledger.collector.db import SQLITE, DatabaseFull, DatabaseUnavailable
 from gpuledger.collector.limits import (
     IDLE_TIMEOUT_S,
+    LEDGER_TIMEOUT_S,
     LISTEN_BACKLOG,
     MAX_CONNECTIONS,
     MAX_HEAD_BYTES,
@@ -317,10 +318,12 @@ class CollectorServer:
     has arrived), ``max_per_host`` (concurrent ingest requests of one node token, or one client address when
     auth is off, before 429, counted from the headers on: slow bodies of one node cannot starve the
     others), ``request_timeout_s`` (headers and body of one request; also a TLS handshake),
-    ``idle_timeout_s`` (keep-alive), ``max_connections`` (open at once; beyond, new ones are closed),
-    ``limits`` (what one batch may hold, checked while decoding), ``metrics_user_labels`` (publish user
-    names in the fairshare gauges of the open /metrics), ``series`` (where GET /api/v1/series reads: the store, or
-    ``collector.victoriametrics.VmSeriesReader``, whose failures are answered 502/503).
+    ``idle_timeout_s`` (keep-alive), ``ledger_timeout_s`` (how long a batch waits for its commit, and a read behind
+    a commit that stalls, before 503; /healthz answers 503 meanwhile: ``_committed``), ``max_connections`` (open at
+    once; beyond, new ones are closed), ``limits`` (what one batch may hold, checked while decoding),
+    ``metrics_user_labels`` (publish user names in the fairshare gauges of the open /metrics), ``series`` (where
+    GET /api/v1/series reads: the store, or ``collector.victoriametrics.VmSeriesReader``, whose failures are answered
+    502/503).
 
     One of several workers on one port (``collector.worker``): ``reuse_port`` binds with SO_REUSEPORT, so each
     worker has a listening socket of its own on the port and the kernel spreads new connections over them;
@@ -341,6 +344,7 @@ class CollectorServer:
         max_inflight: int = 256,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         audit_log: AuditLog | None = None,
+        ledger_timeout_s: float = LEDGER_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_per_host: int = MAX_PER_HOST,
         max_connections: int = MAX_CONNECTIONS,
@@ -364,6 +368,7 @@ class CollectorServer:
         self.max_per_host = max_per_host
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
+        self.ledger_timeout_s = ledger_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_series_points = max_series_points
         self.max_page = max_page
@@ -386,6 +391,11 @@ class CollectorServer:
         self._parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="collector-parse")
         self._commit_inline = store.db.dialect == SQLITE  # see _ingest
         self._waiting: list[tuple[Batch, asyncio.Future[IngestResult]]] = []  # batches for the next inline commit
+        # batches handed to a commit, until it settles (on the loop; in arrival order): commit -> (loop time handed
+        # in, the request's answer, the batch); and the timer that answers those past ledger_timeout_s
+        self._committing: dict[asyncio.Future[IngestResult],
+                               tuple[float, asyncio.Future[IngestResult], Batch]] = {}
+        self._commit_timer: asyncio.TimerHandle | None = None
         self._loop = _new_loop()
         self._loop.set_exception_handler(_loop_error)
         self._stop_requested = self._loop.create_future()
@@ -527,7 +537,22 @@ class CollectorServer:
         endpoint = getattr(self, name)
         if inspect.iscoroutinefunction(endpoint):
             return _encode(await endpoint(req), name)
-        return await self._loop.run_in_executor(self._handlers, lambda: _encode(endpoint(req), name))
+        answer = self._loop.run_in_executor(self._handlers, lambda: _encode(endpoint(req), name))
+        wait = self.ledger_timeout_s
+        while True:  # an endpoint waits on the store's lock: behind a commit that stalls, ledger_timeout_s at most
+            try:
+                return await asyncio.wait_for(asyncio.shield(answer), wait)
+            except TimeoutError:
+                if answer.done():  # done in the turn the wait ran out (or the endpoint's own TimeoutError)
+                    return answer.result()
+                stalled = self._ledger_stall()
+                if stalled is not None:
+                    answer.cancel()  # (one still queued never runs; a running one finishes unheard)
+                    raise BatchError(503, stalled, "ledger_stalled") from None
+                # a slow read, or a commit not yet overdue: look again when the oldest commit would be
+                oldest = next(iter(self._committing.values()), None)
+                wait = (max(oldest[0] + self.ledger_timeout_s - self._loop.time(), 0.01) if oldest is not None
+                        else self.ledger_timeout_s)
 
     def _refusal(self, e: AuthError | BatchError) -> Reply:
         """The answer to a refused request, counted by status and reason."""
@@ -550,6 +575,9 @@ class CollectorServer:
         host = req.principal.name if req.principal is not None else None
         body = req.read_body()  # arrived in full under the request deadline; no ingest slot was held meanwhile
         t0 = time.perf_counter()
+        stalled = self._ledger_stall()
+        if stalled is not None:  # refused before it is parsed or queued: a stall does not fill memory with batches
+            raise BatchError(503, stalled, "ledger_stalled")
         if self._ingesting >= self.max_inflight:
             raise BatchError(503, f"{self._ingesting} ingest requests in flight (limit {self.max_inflight}); "
                              "retry later", "overloaded")
@@ -601,18 +629,80 @@ class CollectorServer:
         (SQLite) ledger the loop itself commits the batches that arrived since its last commit, once the requests
         being read have been read (``_commit_waiting``): a hand-off to another thread costs more CPU than the
         commit saves by overlapping, and two threads take turns at the GIL. A PostgreSQL ledger's commit waits on
-        the network, so the store's committer thread does it (``Store.submit``)."""
+        the network, so the store's committer thread does it (``Store.submit``). The request waits for it
+        ``ledger_timeout_s`` at most (``_committed``)."""
         with _write_refusals(batch.n_samples):
             try:
                 if not self._commit_inline:
-                    return await asyncio.wrap_future(self.store.submit(batch), loop=self._loop)
+                    return await self._committed(asyncio.wrap_future(self.store.submit(batch), loop=self._loop),
+                                                 batch)
                 done: asyncio.Future[IngestResult] = self._loop.create_future()
                 self._waiting.append((batch, done))
                 if len(self._waiting) == 1:
                     self._loop.call_soon(self._commit_waiting)
-                return await done
+                return await self._committed(done, batch)
             except BatchRefused as e:  # 409: its key was stored with other content; 422: too many GPUs
                 raise BatchError(409 if e.reason == "conflict" else 422, str(e), e.reason, batch.n_samples) from None
+
+    def _committed(self, commit: asyncio.Future[IngestResult], batch: Batch) -> asyncio.Future[IngestResult]:
+        """The request's answer for ``batch``: ``commit``'s outcome, or once the batch has waited ledger_timeout_s for
+        it a 503 (``_commits_overdue``); one timer for every request, not one each (ingest's hot path).
+
+        The commit goes on after that 503. It may still store the batch: its key is stored with it, so the agent's
+        resend (the same body) is answered as a duplicate, and counted once. Or it fails, and the resend stores it.
+        Nothing is answered 2xx before its commit is durable. Not PostgreSQL's statement_timeout: cancelling a COMMIT
+        that waits for a synchronous standby leaves it committed on the primary, not replicated, and reports success
+        (a warning only), so the batch would be acknowledged without the copy on the standby that HA relies on."""
+        answer: asyncio.Future[IngestResult] = self._loop.create_future()
+        self._committing[commit] = (self._loop.time(), answer, batch)
+        commit.add_done_callback(self._commit_settled)
+        if self._commit_timer is None:
+            self._commit_timer = self._loop.call_later(self.ledger_timeout_s, self._commits_overdue)
+        return answer
+
+    def _commit_settled(self, commit: asyncio.Future[IngestResult]) -> None:
+        """``commit`` is durable, or failed: its request gets the outcome, unless it was answered 503 meanwhile."""
+        _, answer, _ = self._committing.pop(commit)
+        if answer.done():  # answered 503 already, or its request is gone (the server stops): no one waits for it
+            if not commit.cancelled():
+                commit.exception()  # (retrieved: asyncio would log an outcome no one read)
+        elif commit.cancelled():
+            answer.cancel()
+        elif (exc := commit.exception()) is not None:
+            answer.set_exception(exc)
+        else:
+            answer.set_result(commit.result())
+
+    def _commits_overdue(self) -> None:
+        """Answers 503 every request whose batch has waited ledger_timeout_s for its commit; runs again when the next
+        one's time is up."""
+        self._commit_timer = None
+        now, late = self._loop.time(), 0
+        for since, answer, batch in self._committing.values():  # in arrival order
+            if answer.done():  # answered before (its commit is still on)
+                continue
+            if since + self.ledger_timeout_s > now + 0.001:  # (a timer may fire within the loop clock's millisecond)
+                self._commit_timer = self._loop.call_at(since + self.ledger_timeout_s, self._commits_overdue)
+                break
+            late += 1
+            answer.set_exception(BatchError(  # (no samples counted as refused: the commit may yet store them)
+                503, f"the ledger did not commit batch agent_id={batch.agent_id!r} seq={batch.seq} within "
+                f"ledger_timeout_s = {self.ledger_timeout_s:g} s; retry later (if it commits meanwhile, the resend is "
+                "answered as a duplicate)", "ledger_timeout"))
+        if late:
+            log.error("%d batch(es) waited %g s for their commit (the ledger stalls?): answered 503", late,
+                      self.ledger_timeout_s)
+
+    def _ledger_stall(self) -> str | None:
+        """Why requests are refused while the oldest batch still waiting for its commit has waited past
+        ledger_timeout_s (the ledger stalls: a synchronous standby gone, a link gone silent); None otherwise."""
+        for since, _, _ in self._committing.values():  # the first is the oldest
+            waited = self._loop.time() - since
+            if waited <= self.ledger_timeout_s:
+                return None
+            return (f"the ledger has not committed a batch for {waited:.0f} s (ledger_timeout_s = "
+                    f"{self.ledger_timeout_s:g} s); retry later")
+        return None
 
     def _commit_waiting(self) -> None:
         """One group commit (on the loop) of every batch waiting; settles their futures. While another process
@@ -623,7 +713,7 @@ class CollectorServer:
         waiting, self._waiting = self._waiting, []
         outcomes = self.store.ingest_group([batch for batch, _ in waiting])
         for (_, done), outcome in zip(waiting, outcomes):
-            if done.done():  # its request was cancelled (the server stops): its batch is committed all the same
+            if done.done():  # (settled only here; its request waits on an answer of its own: _committed)
                 continue
             if isinstance(outcome, Exception):
                 done.set_exception(outcome)
@@ -732,7 +822,13 @@ class CollectorServer:
     def get_metrics(self, req: Request) -> Reply:
         return Reply(200, self.metrics.render(), CONTENT_TYPE_LATEST)
 
-    def get_health(self, req: Request) -> Reply:
+    async def get_health(self, req: Request) -> Reply:
+        """200; 503 while a batch has waited for its commit past ledger_timeout_s (``_ledger_stall``), until that
+        commit ends. On the loop: it waits for neither the store nor a handler thread."""
+        stalled = self._ledger_stall()
+        if stalled is not None:
+            return Reply(503, {"status": "unavailable", "reason": "ledger_stalled", "error": stalled},
+                         headers={"Retry-After": "1"})
         return Reply(200, {"status": "ok"})
 
 

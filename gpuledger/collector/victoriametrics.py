@@ -5,8 +5,11 @@ per sample: each reported numeric field under its ``GPU_SERIES`` name with the G
 index), ``uuid``, ``model``, ``mig`` (empty ones omitted, as Prometheus does); ``gpuledger_gpu_jobs``, the number
 of jobs holding the GPU, which every sample has; ``gpuledger_gpu_job_info`` = 1 for each job holding it and, where
 the sample gives shares, ``gpuledger_gpu_job_share_ratio``, both labelled ``host``, ``gpu``, ``uuid``, ``mig`` and
-``jobid``. The Prometheus dashboards therefore read VictoriaMetrics as they read Prometheus. A sample's
-``xid_errors``, ``processes`` and ``source`` are not stored there (the local store keeps them for its raw retention).
+``jobid``. A MIG GPU is shipped as ``agent.mig.as_series`` shows it (the agent's /metrics too): its power, power
+limit and energy counter once, on its whole-GPU series (which holds no job), none of them on its instances' series,
+whose jobs' shares are of the physical GPU (the instance's slice fraction times the job's share of it). The
+Prometheus dashboards therefore read VictoriaMetrics as they read Prometheus. A sample's ``xid_errors``,
+``processes`` and ``source`` are not stored there (the local store keeps them for its raw retention).
 
 **Precision**: timestamps are milliseconds. VictoriaMetrics (1.79) keeps about 12 significant decimal digits of a
 value: values of up to 11 (NVML's readings: integer milliwatts, millijoules, bytes, percentages) come back bit for
@@ -35,6 +38,7 @@ import httpx
 import numpy as np
 
 from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
+from gpuledger.agent.mig import GPU_READINGS
 from gpuledger.collector.chunks import OBJ, column_floats, column_list, decode_columns
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series_remote import (
@@ -53,6 +57,7 @@ _FIELD_NAMES = "|".join(name for name, _ in GPU_SERIES)
 _ALL_NAMES = "|".join((*FIELD_OF, JOBS, JOB_INFO, JOB_SHARE))
 _STATS = ("n", "sum", "min", "max")
 _INTS = frozenset(INT_FIELDS)
+_INSTANCE_SERIES = tuple((name, attr) for name, attr in GPU_SERIES if attr not in GPU_READINGS)
 
 
 class VictoriaMetrics(SeriesHttpClient):
@@ -166,10 +171,12 @@ def import_body(chunks: Iterable[Chunk]) -> tuple[bytes, int]:
         runs: dict[tuple[str, str], list[int]] = {}
         for i, (gpu, mdl) in enumerate(zip(index, model)):
             runs.setdefault((str(gpu), mdl or ""), []).append(i)
+        # a MIG instance's chunk holds its GPU's readings as the aggregation counted them: they are the GPU's series'
+        series = _INSTANCE_SERIES if mig else GPU_SERIES
         for (gpu, mdl), rows in runs.items():
             labels = ("host", host, "gpu", gpu, "uuid", uuid, "model", mdl, "mig", mig)
             in_run = None if len(rows) == n else np.isin(np.arange(n), rows)
-            for name, attr in GPU_SERIES:
+            for name, attr in series:
                 col = cols.get(attr)
                 if col is None:
                     continue

@@ -15,7 +15,7 @@ connection stays with one worker, and a host whose agent reconnects to another i
 multiprocess directory (``server._Metrics``): any worker's /metrics describes them all. It stops on SIGTERM or
 SIGINT, and when its standard input ends: its supervisor is gone, however it went (SIGKILL included). A worker that
 cannot start says why in one line on standard error and exits with the status ``serve`` would (2: bad
-configuration, 1: a failure such as an unreachable ledger).
+configuration, a PostgreSQL server that refuses the ledger's URL; 1: a failure such as an unreachable ledger).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from prometheus_client.core import Metric
 from gpuledger.collector.auditlog import open_log
 from gpuledger.collector.auth import Authenticator
 from gpuledger.collector.config import CollectorSettings
+from gpuledger.collector.db import DatabaseConfigError
 from gpuledger.collector.gcfreeze import GcFreezer
-from gpuledger.collector.ledger_url import open_ledger
+from gpuledger.collector.ledger_url import database_failures, open_ledger
 from gpuledger.collector.series_outbox import RemoteSeries, ShipperMetrics
 from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
 from gpuledger.collector.store import Store
@@ -86,10 +87,14 @@ class Collector:
         process does), the GC freezer, RemoteSeries and the server on ``port`` (default: the settings'), bound with
         ``reuse_port``, metrics shared through ``metrics_dir`` (one worker of several). Ends like a command
         (``output.fail``) when the audit log, the ledger or the address cannot be opened."""
-        try:  # the ledger's audit log (beside a PostgreSQL ledger, in its database): posted job records go there first
-            audit_log = open_log(data_dir, ledger_url=ledger_url)
-        except ValueError as e:  # a pseudonymization key that contradicts the shared ledger's
-            fail(str(e))
+        # the ledger's audit log (beside a PostgreSQL ledger, in its database): posted job records go there first
+        with database_failures():  # the first to connect to a PostgreSQL ledger: refused for good 2, away 1
+            try:
+                audit_log = open_log(data_dir, ledger_url=ledger_url)
+            except DatabaseConfigError:
+                raise
+            except ValueError as e:  # a pseudonymization key that contradicts the shared ledger's
+                fail(str(e))
         store = open_ledger(ledger_url, data_dir, create=True, sinks=sinks, **store_options(settings))
         store.start_background(settings.compact_interval_s, compact=compact)
         freezer = GcFreezer().start()
@@ -103,6 +108,7 @@ class Collector:
                 auth=Authenticator(settings.tokens, settings.admin_tokens, settings.read_tokens), tls=tls,
                 priority_feed=settings.priority_feed or data_dir / FEED_NAME, max_inflight=settings.max_inflight,
                 max_per_host=settings.max_per_host, request_timeout_s=settings.request_timeout_s,
+                ledger_timeout_s=settings.ledger_timeout_s,
                 idle_timeout_s=settings.idle_timeout_s, limits=settings.limits(),
                 max_series_points=settings.max_series_points, max_page=settings.max_page,
                 metrics_user_labels=settings.metrics_user_labels, series=remote.reader if remote else None,

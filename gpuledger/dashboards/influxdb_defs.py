@@ -3,7 +3,12 @@
 
 InfluxQL is answered by InfluxDB 1.x, 2.x (v1 compatibility API) and 3.x. Every identifier is double-quoted
 (:mod:`dashboards.lint` relies on it). ``job_usage`` holds a job's running totals, so queries take the latest
-point per job (``last(...) GROUP BY "jobid"``) before summing: re-written totals are never counted twice.
+point per job (``last(...) GROUP BY "jobid"``) before summing: re-written totals are never counted twice; over
+time, each job's total is one point, at its latest one in the range.
+
+A device is a point series with ``jobs``: a MIG instance, or a whole GPU not in MIG mode. A MIG GPU's own points
+(tag ``mig`` absent) carry its power and energy counter, once, and no ``jobs`` (docs/schema.md), so the device
+counts skip them, as the Prometheus flavour's ``DEVICES`` does.
 """
 
 from __future__ import annotations
@@ -38,11 +43,11 @@ _LATEST = (f'SELECT last("sm_active_ratio") AS "sm", last("jobs") AS "jobs" FROM
 BUSY_NOW = f'SELECT count("sm") FROM ({_LATEST}) WHERE "jobs" > 0 AND "sm" >= $idle'
 IDLE_NOW = f'SELECT count("sm") FROM ({_LATEST}) WHERE "jobs" > 0 AND "sm" < $idle'
 FREE_NOW = f'SELECT count("jobs") FROM ({_LATEST}) WHERE "jobs" = 0'
-# Lost: reported in the time range, but no sample in the last ~3 minutes (a moving count of samples per minute;
-# InfluxQL pushes an outer time condition into subqueries, so "not recently" cannot be a plain time filter).
+# Lost: a device reported in the time range, but no sample in the last ~3 minutes (a moving count of samples per
+# minute; InfluxQL pushes an outer time condition into subqueries, so "not recently" cannot be a plain time filter).
 LOST_NOW = (
     'SELECT count("n") FROM (SELECT last("n") AS "n" FROM (SELECT moving_average("n", 3) AS "n" FROM '
-    f'(SELECT count("power_watts") AS "n" FROM "gpu" WHERE {TF} GROUP BY time(1m), "host", "uuid", "mig" fill(0)) '
+    f'(SELECT count("jobs") AS "n" FROM "gpu" WHERE {TF} GROUP BY time(1m), "host", "uuid", "mig" fill(0)) '
     'GROUP BY "host", "uuid", "mig") GROUP BY "host", "uuid", "mig") WHERE "n" = 0'
 )
 _PER_INTERVAL = (f'SELECT mean("sm_active_ratio") AS "sm", max("jobs") AS "jobs" FROM "gpu" WHERE {TF} '
@@ -52,18 +57,22 @@ IDLE = f'SELECT count("sm") FROM ({_PER_INTERVAL}) WHERE "jobs" > 0 AND "sm" < $
 FREE = f'SELECT count("jobs") FROM ({_PER_INTERVAL}) WHERE "jobs" = 0 AND {TF} {EVERY}'
 
 
-def _job_totals(fields: dict[str, str], where: str, by: str, every: bool = False) -> str:
-    """Per job, the latest total of each ``job_usage`` field (alias -> field), grouped by ``by`` tags."""
+def _job_totals(fields: dict[str, str], where: str, by: str) -> str:
+    """Per job, the latest total of each ``job_usage`` field (alias -> field) in the range, grouped by ``by`` tags."""
     sel = ", ".join(f'last("{f}") AS "{a}"' for a, f in fields.items())
-    group = f'GROUP BY {"time($__interval), " if every else ""}"jobid", {by}'
-    return f'SELECT {sel} FROM "job_usage" WHERE {where}{TF} {group}'
+    return f'SELECT {sel} FROM "job_usage" WHERE {where}{TF} GROUP BY "jobid", {by}'
 
 
-def _by_account(expr: str, fields: dict[str, str], by: str = '"account"', where: str = "", every: bool = False) -> str:
-    inner = _job_totals(fields, where, by, every)
-    if every:
-        return f"SELECT {expr} FROM ({inner}) WHERE {TF} GROUP BY time($__interval), {by} fill(0)"
-    return f"SELECT {expr} FROM ({inner}) GROUP BY {by}"
+def _by_account(expr: str, fields: dict[str, str], by: str = '"account"', where: str = "") -> str:
+    return f"SELECT {expr} FROM ({_job_totals(fields, where, by)}) GROUP BY {by}"
+
+
+def _by_account_over_time(expr: str, alias: str, field: str, by: str = '"account"', where: str = "") -> str:
+    """``expr`` of each job's latest total of ``field`` (as ``alias``) in the range, at the time of that point: each
+    job once, so the bars add up to the usage table's totals. (Summed per interval, InfluxQL would hand the
+    subquery the interval, and a job's running total would count in every interval it reported; one selector only:
+    InfluxQL stamps a selector's row with its point's time only when it is the sole one.)"""
+    return f"SELECT {expr} FROM ({_job_totals({alias: field}, where, by)}) WHERE {TF} GROUP BY {by}"
 
 
 def _cluster() -> Dashboard:
@@ -236,6 +245,11 @@ def _job() -> Dashboard:
     )
 
 
+_OVER_TIME = ("One bar per job: its total, at its latest usage record in the range (the bars add up to the usage "
+              "table's totals).")
+_BY_TIME = ({"id": "sortBy", "options": {"sort": [{"field": "Time"}]}},)  # a job's point per job, in job order
+
+
 def _accounting() -> Dashboard:
     acct = "\"account\" =~ /^$account$/ AND \"user\" =~ /^$user$/ AND "
     totals = {"a": "allocated_gpu_seconds", "s": "sm_active_gpu_seconds", "e": "energy_joules"}
@@ -243,16 +257,16 @@ def _accounting() -> Dashboard:
     return dashboard(
         "gpuledger-influx-accounting", "gpuledger / Accounting (InfluxDB)", "influxdb", "accounting",
         row(
-            "Usage over time (jobs by when their usage was recorded)",
+            "Usage over time (each job at its latest usage record)",
             timeseries("GPU-hours by account", target(
-                _by_account('sum("a") / 3600', totals, where=acct, every=True), "$tag_account"), unit="h", bars=True,
-                stack=True),
+                _by_account_over_time('"a" / 3600', "a", totals["a"], where=acct), "$tag_account"), unit="h",
+                bars=True, stack=True, description=_OVER_TIME, transformations=_BY_TIME),
             timeseries("Energy by account", target(
-                _by_account('sum("e") / 3600000', totals, where=acct, every=True), "$tag_account"), unit="kwatth",
-                bars=True, stack=True),
+                _by_account_over_time('"e" / 3600000', "e", totals["e"], where=acct), "$tag_account"),
+                unit="kwatth", bars=True, stack=True, description=_OVER_TIME, transformations=_BY_TIME),
             timeseries("GPU-hours by user", target(
-                _by_account('sum("a") / 3600', totals, by='"user"', where=acct, every=True), "$tag_user"), unit="h",
-                bars=True, stack=True),
+                _by_account_over_time('"a" / 3600', "a", totals["a"], by='"user"', where=acct), "$tag_user"),
+                unit="h", bars=True, stack=True, description=_OVER_TIME, transformations=_BY_TIME),
             bar("Efficiency by account", target(
                 _by_account('sum("s") / sum("a")', totals, where=acct), "$tag_account"), **RATIO,
                 thresholds=(("red", None), ("orange", 0.3), ("green", 0.6))),

@@ -3,6 +3,10 @@
 Job ids live only on ``gpuledger_gpu_job_info`` (joined on host, uuid, mig); accounts and users are not in the
 agents' metrics at all, so per-account usage is the InfluxDB flavour's (``job_usage``) and only the fairshare
 gauges (collector) are shown per account here.
+
+A MIG GPU (``agent.mig.as_series``) has its power and energy counter on its whole-GPU series (``mig=""``) only,
+and its jobs on its instances' series, whose ``gpuledger_gpu_job_share_ratio`` is of the physical GPU: a job's
+share of a GPU's power is therefore joined on (host, uuid), its share of GPU-time read per device.
 """
 
 from __future__ import annotations
@@ -25,11 +29,21 @@ from gpuledger.dashboards.grafana import (
 
 ON = "on(host, uuid, mig)"
 INFO = "gpuledger_gpu_job_info"
+SHARE = "gpuledger_gpu_job_share_ratio"
+POWER = "gpuledger_gpu_power_watts"
 TOTAL = "gpuledger_gpu_memory_total_bytes"  # every device reports its memory size: the "device present" series
 # SM activity where the device reports it (profiling), else the coarse "a kernel was running".
 ACTIVE = "(gpuledger_gpu_sm_active_ratio or gpuledger_gpu_utilization_ratio)"
-# One series per schedulable device: MIG instances, and whole GPUs that are not split into instances.
-DEVICES = f'({TOTAL}{{mig!=""}} or ({TOTAL}{{mig=""}} unless on(host, uuid) {TOTAL}{{mig!=""}}))'
+
+
+def _devices(series: str) -> str:
+    """One series per schedulable device of ``series`` (a selector's tail is appended to ``{mig...}``): MIG
+    instances, and whole GPUs that are not split into instances (a MIG GPU's own series is no device a job holds)."""
+    inst, whole = series.replace("{}", '{mig!=""}'), series.replace("{}", '{mig=""}')
+    return f"({inst} or ({whole} unless on(host, uuid) {inst}))"
+
+
+DEVICES = _devices(f"{TOTAL}{{}}")
 IDLE_VAR = custom_var("idle", "0.05,0.01,0.1,0.2", "Idle below (SM active)",
                       "An allocated GPU whose SM activity is below this counts as allocated-idle (waste).")
 GPU_LEGEND = "{{host}} gpu{{gpu}} {{mig}}"
@@ -43,7 +57,7 @@ def _count(expr: str) -> str:
 BUSY = _count(f"({ACTIVE} >= $idle) and {ON} {INFO}")
 ALLOC_IDLE = _count(f"({ACTIVE} < $idle) and {ON} {INFO}")
 FREE = _count(f"{DEVICES} unless {ON} {INFO}")
-LOST = _count(f"max_over_time({TOTAL}[$__range]) unless {ON} {TOTAL}")
+LOST = _count(f"{_devices(f'max_over_time({TOTAL}{{}}[$__range])')} unless {ON} {TOTAL}")
 
 
 def _cluster() -> Dashboard:
@@ -161,6 +175,11 @@ def _node() -> Dashboard:
             "Health",
             _per_gpu("Throttle reasons (NVML bit mask)", "gpuledger_gpu_throttle_reasons", "none",
                      description="0 = not throttled; see nvmlClocksEventReasons for the bits."),
+            timeseries("Xid errors (increase)",
+                       target(f"increase(gpuledger_gpu_xid_errors_total{sel}[$__rate_interval])", GPU_LEGEND),
+                       unit="short", bars=True,
+                       description="Xid events the driver reported (the agents' counter; the collector does not "
+                                   "ship it)."),
             timeseries("ECC errors and remapped rows (increase)",
                        target(f"increase(gpuledger_gpu_ecc_errors_total{sel}[$__rate_interval])", "ECC " + GPU_LEGEND),
                        target(f"increase(gpuledger_gpu_remapped_rows_total{sel}[$__rate_interval])",
@@ -193,22 +212,25 @@ def _job() -> Dashboard:
         # One value for the whole range: an instant query at its end over [$__range].
         return stat(title, target(expr, instant=True), **kw)
 
-    # A shared GPU's power is split equally among the jobs on it (what the collector does without shares).
-    power_share = f"(gpuledger_gpu_power_watts / {ON} count by (host, uuid, mig) ({INFO}))"
+    # The job's share of each device it holds, as the collector charges it: the reported share (of the physical
+    # GPU: on a MIG instance it includes the slice fraction), else the equal split among the device's jobs.
+    share = f'({SHARE}{{jobid="$jobid"}} or ({j} / {ON} group_left count by (host, uuid, mig) ({INFO})))'
+    sm_share = f"({share} * {ON} group_left gpuledger_gpu_sm_active_ratio)"
+    # a GPU's power: on its whole-GPU series (a MIG instance's series carry none), so joined on (host, uuid)
+    power_share = f"({share} * on(host, uuid) group_left max by (host, uuid) ({POWER}))"
     return dashboard(
         "gpuledger-prom-job", "gpuledger / Job (Prometheus)", "prometheus", "job",
         row(
             "Summary over the time range (estimates; the ledger's figures are in `gpuledger report`)",
             summary("GPUs", f"max_over_time(count({j}){window})", description="Most GPUs held at once."),
-            summary("GPU-hours allocated", f"sum(sum_over_time({j}{window})) * {step_h}", decimals=2),
-            summary("SM-active GPU-hours",
-                    f"sum(sum_over_time((gpuledger_gpu_sm_active_ratio {held}){window})) * {step_h}", decimals=2),
-            summary("Efficiency", f"sum(sum_over_time((gpuledger_gpu_sm_active_ratio {held}){window})) / "
-                                  f"sum(sum_over_time({j}{window}))",
+            summary("GPU-hours allocated", f"sum(sum_over_time({share}{window})) * {step_h}", decimals=2,
+                    description="A shared GPU counts with the job's share of it (a MIG instance with its slice)."),
+            summary("SM-active GPU-hours", f"sum(sum_over_time({sm_share}{window})) * {step_h}", decimals=2),
+            summary("Efficiency", f"sum(sum_over_time({sm_share}{window})) / sum(sum_over_time({share}{window}))",
                     unit="percentunit", decimals=1, thresholds=(("red", None), ("orange", 0.3), ("green", 0.6)),
                     description="SM-active GPU-seconds over allocated GPU-seconds."),
-            summary("Energy", f"sum(sum_over_time(({power_share} {held}){window})) * {step_h} / 1000", unit="kwatth",
-                    decimals=2),
+            summary("Energy", f"sum(sum_over_time({power_share}{window})) * {step_h} / 1000", unit="kwatth",
+                    decimals=2, description="The GPUs' power times the job's share of them."),
             summary("Mean HBM bandwidth", f"avg(avg_over_time((gpuledger_gpu_dram_bandwidth_ratio {held}){window}))",
                     unit="percentunit", decimals=1),
         ),
@@ -218,7 +240,10 @@ def _job() -> Dashboard:
             per_gpu("HBM bandwidth", "gpuledger_gpu_dram_bandwidth_ratio", **ratio),
             per_gpu("Tensor pipes", "gpuledger_gpu_tensor_active_ratio", **ratio),
             per_gpu("SM occupancy", "gpuledger_gpu_sm_occupancy_ratio", **ratio),
-            per_gpu("Power", "gpuledger_gpu_power_watts", "watt"),
+            timeseries("Power (the job's share)", target(power_share, "{{host}} gpu{{gpu}} {{mig}}"), unit="watt",
+                       description="The GPU's power times the job's share of it."),
+            timeseries("Share of the GPU", target(share, "{{host}} gpu{{gpu}} {{mig}}"), **ratio,
+                       description="Below 1 when the GPU is shared with other jobs or is a MIG instance."),
             per_gpu("Memory used", "gpuledger_gpu_memory_used_bytes", "bytes"),
             table("GPUs the job held in the range", target(f"max_over_time({j}[$__range])", fmt="table", instant=True),
                   transformations=({"id": "organize", "options": {

@@ -6,7 +6,7 @@ collector's /metrics. :func:`dashboards.lint.check` holds every panel's query ag
 
 from __future__ import annotations
 
-from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
+from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS, XID_ERRORS, stored_name
 from gpuledger.schema.records import RATIO_FIELDS
 
 # measurement -> (tags, fields)
@@ -40,7 +40,9 @@ INFLUX_SCHEMA: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 # collector ships to VictoriaMetrics (series_url).
 AGENT_GPU_METRICS: frozenset[str] = frozenset(name for name, _ in GPU_SERIES)
 SHIPPED_METRICS: frozenset[str] = AGENT_GPU_METRICS | {JOBS, JOB_INFO, JOB_SHARE}
-AGENT_METRICS: frozenset[str] = SHIPPED_METRICS | {
+# GPU series only the agents export (their Xid counter since the agent started): the collector does not ship them.
+AGENT_ONLY_GPU_METRICS: frozenset[str] = frozenset({stored_name(XID_ERRORS, counter=True)})
+AGENT_METRICS: frozenset[str] = SHIPPED_METRICS | AGENT_ONLY_GPU_METRICS | {
     "gpuledger_agent_ticks_total", "gpuledger_agent_errors_total",
     "gpuledger_agent_tick_seconds", "gpuledger_agent_last_tick_timestamp_seconds", "gpuledger_agent_gpus",
 }

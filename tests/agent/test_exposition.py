@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuledger.agent.exposition import make_registry, serve_metrics
 from gpuledger.agent.mappers.static import StaticMapper
+from gpuledger.agent.mig import MigEnergySplitter
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.schema.records import GpuSample
@@ -208,3 +210,95 @@ def test_source_health_connection_and_lost_gpus_are_exported() -> None:
     fam = families(scrape(Agent(Disconnected([]))))
     assert [(s.labels["source"], s.value) for s in fam["gpuledger_agent_source_connected"]] == [("dcgm", 0.0)]
     assert [s.value for s in fam["gpuledger_agent_source_disconnects"]] == [1.0]
+
+
+# -- a MIG GPU on /metrics: its power and energy counter once, on the whole GPU ------------------------------------
+M = "NVIDIA H200"
+
+
+def _mig_tick(t: float, counter_j: float, instances: tuple[str, ...] = ("1", "2")) -> list[GpuSample]:
+    """A MIG GPU as a source reads it: 400 W, the driver's counter; instance "1" busy (job j1), the others idle."""
+    gpu = GpuSample(ts=t, host="n1", gpu_uuid="GPU-A", gpu_index=0, model=M, power_watts=400.0,
+                    energy_joules=counter_j, power_limit_watts=700.0, mem_total_bytes=141 << 30)
+    return [gpu] + [GpuSample(ts=t, host="n1", gpu_uuid="GPU-A", gpu_index=0, model=f"{M} MIG 3g.71gb", mig=m,
+                              sm_active_ratio=0.95 if m == "1" else 0.05, mem_total_bytes=70 << 30,
+                              job_ids=("j1",) if m == "1" else (f"j{m}",)) for m in instances]
+
+
+def _prometheus_increase(values: list[float]) -> float:
+    """What Prometheus' increase() makes of a counter's samples: a value below the one before is a reset (from 0)."""
+    return sum(b - a if b >= a else b for a, b in zip(values, values[1:]))
+
+
+def _exported(registry: object, name: str) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):  # type: ignore[arg-type]
+        for s in fam.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_an_agent_restart_on_a_mig_gpu_is_no_counter_reset() -> None:
+    """400 W for 20 minutes on a GPU whose driver counter read 1 GJ; the agent restarts at minute 10 (its MIG stage
+    and its /metrics anew). Per exported series, Prometheus counts the GPU's 476 kJ over the samples, not its
+    lifetime energy again (an instance's share of the counter steps back or forward at a restart)."""
+    class Snapshot:
+        snapshot: list[GpuSample] = []
+
+    series: dict[tuple, list[float]] = {}
+    power: list[float] = []
+    split, registry = MigEnergySplitter(), make_registry(Snapshot)
+    for i in range(120):  # 10 s ticks
+        if i == 60:
+            split, registry = MigEnergySplitter(), make_registry(Snapshot)
+        Snapshot.snapshot = split.map(_mig_tick(1e9 + 10.0 * i, 1e9 + 4000.0 * i))
+        for labels, v in _exported(registry, "gpuledger_gpu_energy_joules_total").items():
+            series.setdefault(labels, []).append(v)
+        power.append(sum(_exported(registry, "gpuledger_gpu_power_watts").values()))
+    assert sum(_prometheus_increase(v) for v in series.values()) == pytest.approx(119 * 4000.0, rel=1e-9)
+    assert [dict(labels)["mig"] for labels in series] == [""]  # the whole GPU's counter, once
+    assert power == [400.0] * 120  # power once too
+    shares = _exported(registry, "gpuledger_gpu_job_share_ratio")
+    assert {dict(k)["mig"]: v for k, v in shares.items()} == {"1": 3 / 7, "2": 3 / 7}  # of the GPU: the slices
+
+
+def test_a_mig_reconfiguration_never_steps_the_exported_counter_back() -> None:
+    """Instance "2" is destroyed and "3" made at minute 5 (no job on them, as a reconfiguration needs): the whole
+    GPU's counter on /metrics keeps counting the GPU's energy."""
+    class Snapshot:
+        snapshot: list[GpuSample] = []
+
+    split, registry = MigEnergySplitter(), make_registry(Snapshot)
+    values = []
+    for i in range(60):
+        layout = ("1", "2") if i < 30 else ("1", "3")
+        Snapshot.snapshot = split.map(_mig_tick(1e9 + 10.0 * i, 1e9 + 4000.0 * i, layout))
+        (v,) = _exported(registry, "gpuledger_gpu_energy_joules_total").values()
+        values.append(v)
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    assert _prometheus_increase(values) == pytest.approx(59 * 4000.0, rel=1e-9)
+
+
+def test_a_mig_gpus_exported_counter_is_the_devices_own_across_restarts() -> None:
+    """The agent hands /metrics the source's readings too (``Agent.sampled``): the whole GPU's counter is the
+    driver's, exactly, whatever the instances' virtual counters sum to. Their sum restarts from the driver's at an
+    agent restart: after a driver reload (counter from 0 again, while the virtual ones count on) it would step back
+    there by the GPU's lifetime, which Prometheus counts again (as it would a rounding step of 1e-6 J)."""
+    class Snapshot:
+        snapshot: list[GpuSample] = []
+        sampled: list[GpuSample] = []
+
+    split, registry = MigEnergySplitter(), make_registry(Snapshot)
+    exported, device = [], []
+    for i in range(200):
+        if i % 20 == 0:  # an agent restart every 20 ticks
+            split, registry = MigEnergySplitter(), make_registry(Snapshot)
+        # the driver reloaded at tick 110: its counter starts again from 0
+        raw = _mig_tick(1e9 + 10.0 * i, 3.6e9 + 4000.123456789 * i if i < 110 else 4000.0 * (i - 110))
+        Snapshot.sampled, Snapshot.snapshot = raw, split.map(raw)
+        (v,) = _exported(registry, "gpuledger_gpu_energy_joules_total").values()
+        exported.append(v)
+        device.append(next(s.energy_joules for s in raw if not s.mig))
+    assert exported == device
+    assert _prometheus_increase(exported) == pytest.approx(_prometheus_increase(device), rel=1e-12)

@@ -5,12 +5,14 @@ on free loopback ports and stopped by PID."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from servers import InfluxServer, VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
 
 from gpuledger.collector.sinks.influx import (
+    GpuPrefixes,
     InfluxSink,
     escape_measurement,
     escape_tag,
@@ -39,8 +41,8 @@ def vm(tmp_path_factory):
         yield server.url
 
 
-def influxql(url: str, q: str) -> list[dict]:
-    r = httpx.get(f"{url}/query", params={"db": "gl", "q": q, "epoch": "ms"})
+def influxql(url: str, q: str, db: str = "gl") -> list[dict]:
+    r = httpx.get(f"{url}/query", params={"db": db, "q": q, "epoch": "ms"})
     r.raise_for_status()
     res = r.json()["results"][0]
     assert "error" not in res, res
@@ -72,18 +74,76 @@ def test_sample_lines_schema():
     assert gpu.startswith("gpu,gpu=0,host=n1,mig=1.0,model=NVIDIA\\ H200,uuid=GPU-1 ")
     assert gpu.endswith(f" {round((T0 + 0.25) * 1000)}")
     fs = dict(kv.split("=") for kv in gpu.split(" ")[2].split(","))
-    assert fs["power_watts"] == "350.5" and fs["mem_used_bytes"] == "123456789012i"
+    assert fs["mem_used_bytes"] == "123456789012i"
+    assert "power_watts" not in fs and "energy_joules" not in fs  # a MIG instance: its GPU's are on the GPU's point
     assert fs["xid_errors"] == "2i" and fs["jobs"] == "2i" and "sm_occupancy_ratio" not in fs
     assert "jobid" not in gpu  # no job ids on the per-GPU series
     assert j7.startswith("gpu_job,host=n1,jobid=7,mig=1.0,uuid=GPU-1 share=0.75,sm_active_ratio=0.5,")
+    assert ",power_watts=350.5," in j7  # the GPU's power, which the share splits
     assert j8.split(" ")[1].startswith("share=0.25") and ",share_reported=true " in j8
     (_, equal) = sample_lines([sample(T0, job_ids=("9",))])  # no shares reported: the equal split, marked so
     assert " share=1.0," in equal and ",share_reported=false " in equal
     (plain,) = sample_lines([sample(T0, job_ids=())])
-    assert ",mig=" not in plain
+    assert ",mig=" not in plain and "power_watts=350.5" in plain and ",jobs=0i " in plain
 
 
-def test_fairshare_lines():
+def test_a_mig_gpus_own_point_is_no_device() -> None:
+    """A MIG GPU's whole-GPU point has its readings and no ``jobs`` (its instances are the devices), told by its
+    instances in the same call or rendered before it with the same prefixes (a shipment: a chunk a GPU, instances
+    first); a whole GPU's point keeps ``jobs``."""
+    gpu = sample(T0, job_ids=())
+    inst = sample(T0, mig="1", model="NVIDIA H200 MIG 3g.71gb")
+    fs = lambda ln: dict(kv.split("=") for kv in ln.split(" ")[-2].split(","))  # noqa: E731
+    own, point, _ = sample_lines([gpu, inst])
+    assert "jobs" not in fs(own) and fs(own)["power_watts"] == "350.5"
+    assert fs(point)["jobs"] == "1i" and "power_watts" not in fs(point)
+    px = GpuPrefixes()
+    sample_lines([inst], px)
+    (own,) = sample_lines([gpu], px)
+    assert "jobs" not in fs(own)
+    (whole,) = sample_lines([gpu])  # no instance: a whole GPU, free
+    assert fs(whole)["jobs"] == "0i"
+    (later,) = sample_lines([sample(T0 + 10, job_ids=())], px)  # out of MIG mode since (its instances are older)
+    assert fs(later)["jobs"] == "0i"
+
+
+def test_cluster_overview_counts_a_mig_gpu_as_its_instances(influx1, tmp_path):
+    """One node as the agent sends it: a MIG GPU (two 3g instances, a job each, SM 0.5) and a whole GPU no job holds,
+    400 W each; collector -> InfluxDB sink -> InfluxDB 1.x; the Cluster overview's state and power panels: 2 busy,
+    1 free, 800 W."""
+    import json
+
+    from gpuledger.agent.mig import MigEnergySplitter
+    from gpuledger.dashboards.influxdb_defs import STATE_QUERIES
+
+    t0 = time.time() - 70
+
+    def tick(t: float, e: float) -> list[GpuSample]:
+        mig = sample(t, host="mig01", uuid="GPU-A", energy_joules=e, power_watts=400.0, job_ids=(),
+                     sm_active_ratio=None, dram_bw_ratio=None, mem_used_bytes=None)
+        insts = [sample(t, host="mig01", uuid="GPU-A", mig=m, model="NVIDIA H200 MIG 3g.71gb", power_watts=None,
+                        energy_joules=None, job_ids=(j,)) for m, j in (("1", "j1"), ("2", "j2"))]
+        free = sample(t, host="mig01", uuid="GPU-B", gpu_index=1, energy_joules=e, power_watts=400.0, job_ids=())
+        return [mig, *insts, free]
+
+    split = MigEnergySplitter()
+    httpx.post(f"{influx1}/query", params={"q": 'CREATE DATABASE "mig"'}).raise_for_status()
+    sink = InfluxSink(influx1, api="v1", database="mig", batch_lines=50)
+    store = Store(tmp_path / "s.sqlite", sinks=[sink], summary_interval_s=3600)
+    for i in range(7):
+        store.ingest(Batch("a", i, "mig01", tuple(split.map(tick(t0 + 10 * i, 1e6 + 4000.0 * i)))))
+    assert sink.flush(30)
+    store.close()
+    sink.close()
+    doc = json.loads((Path(__file__).parents[2] / "gpuledger/dashboards/influxdb/cluster-overview.json").read_text())
+    queries = {k: v for k, v in STATE_QUERIES.items() if k != "lost"}
+    queries["power"] = next(p["targets"][0]["query"] for p in doc["panels"] if p["title"] == "Power now")
+    got = {}
+    for name, q in queries.items():
+        rows = influxql(influx1, q.replace("$idle", "0.05").replace("$timeFilter", "time > now() - 10m"), "mig")
+        got[name] = rows[0]["values"][0][1] if rows else 0
+    assert got == {"busy": 2, "allocated-idle": 0, "free": 1, "power": 800.0}
+
     (acct, user) = fairshare_lines([
         {"account": "phys", "user": None, "fairshare": 0.5, "site_factor": 500, "effective_usage": 0.1, "raw_usage": 3},
         {"account": "phys", "user": "ann b", "fairshare": 0.25, "site_factor": 250.0, "effective_usage": 0.2,

@@ -114,3 +114,45 @@ def test_errors_are_one_line_exit_2_for_bad_input_and_1_for_an_unreachable_serve
             assert (code, out) == (want, ""), (argv, err)
             assert needle in one_error_line(err), err
     assert not (tmp_path / "nowhere").exists()  # neither command makes a store
+
+
+@pytest.fixture
+def password_role(postgres_server):
+    """A role the session's PostgreSQL authenticates by password (SCRAM; the cluster trusts every other role):
+    its URL with the wrong password. pg_hba.conf gets one line for it, removed again."""
+    hba = postgres_server.workdir / "pg" / "pg_hba.conf"
+    before = hba.read_text()
+    hba.write_text("host all gl_pw 127.0.0.1/32 scram-sha-256\n" + before)
+    postgres_server.psql("CREATE ROLE gl_pw LOGIN PASSWORD 'right-one'")
+    postgres_server.psql("SELECT pg_reload_conf()")
+    try:
+        yield postgres_server.url_for("postgres").replace("//gl@", "//gl_pw:wrong-one@")
+    finally:
+        hba.write_text(before)
+        postgres_server.psql("SELECT pg_reload_conf()")
+        postgres_server.psql("DROP ROLE gl_pw")
+
+
+def test_a_server_that_refuses_the_url_is_a_configuration_error_exit_2_for_every_command(capsys, tmp_path,
+                                                                                         postgres_server,
+                                                                                         password_role):
+    """No such database, no such role, a wrong password: one line naming the ledger (never its password) and the
+    problem, exit 2, whichever command opens the ledger; a restart cannot fix it, and the collector's systemd unit
+    does not restart on 2 (RestartPreventExitStatus=2). A server that is down stays exit 1."""
+    unit = Path(__file__).parents[2] / "contrib" / "systemd" / "gpuledger-collector.service"
+    assert "RestartPreventExitStatus=2" in unit.read_text().split()
+    cases = [(postgres_server.url_for("nosuchdb"), "no such database"),
+             (postgres_server.url_for("postgres").replace("//gl@", "//nobody@"), "no such role"),
+             (password_role, "refused the credentials")]
+    commands = [("ledger", "status"), ("ledger", "migrate"), ("collector", "usage", "--data-dir", tmp_path),
+                ("collector", "serve", "--data-dir", tmp_path, "--port", "0")]
+    for url, problem in cases:
+        for command in commands:
+            code, out, err = call(capsys, *command, "--ledger-url", url)
+            line = one_error_line(err)
+            assert (code, out) == (2, ""), (command, url, err)
+            assert problem in line and url.replace(":wrong-one@", ":***@") in line, line
+            assert "wrong-one" not in line
+    code, out, err = call(capsys, "collector", "serve", "--data-dir", tmp_path, "--port", "0",
+                          "--ledger-url", f"postgresql://gl@127.0.0.1:{free_port()}/ledger")
+    assert code == 1 and "cannot connect" in one_error_line(err)

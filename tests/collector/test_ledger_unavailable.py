@@ -10,7 +10,14 @@ import pytest
 from servers import free_port
 
 from gpuledger.agent.push import encode_batch
-from gpuledger.collector.db import DatabaseUnavailable
+from gpuledger.collector.db import (
+    TCP_KEEPALIVE_COUNT,
+    TCP_KEEPALIVE_IDLE_S,
+    TCP_KEEPALIVE_INTERVAL_S,
+    TCP_USER_TIMEOUT_S,
+    DatabaseUnavailable,
+    PostgresDatabase,
+)
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store, StoreUnavailable
 from gpuledger.collector.validate import parse_batch
@@ -67,6 +74,34 @@ def test_a_ledger_nothing_listens_on_is_unavailable_at_once():
     with pytest.raises(StoreUnavailable, match="cannot connect") as e:
         Store(f"postgresql://gl@127.0.0.1:{free_port()}/ledger")
     assert isinstance(e.value, DatabaseUnavailable)  # what every command already answers with exit 1
+
+
+def test_pooled_connections_notice_a_dead_link_in_tens_of_seconds_not_minutes(pg_url):
+    """A link gone silent (a partition, a failover leaving the old primary's address dead) is noticed by the kernel's
+    TCP timers, not after tcp_retries2's 15 minutes: every pooled connection's socket has keepalive probes and a TCP
+    user timeout (collector.db.TCP_*), and a URL that sets one of them keeps its own. (The commit then fails, the
+    batch is answered 503 and resent.)"""
+    import socket
+
+    def options(db: PostgresDatabase) -> tuple[int, ...]:
+        with db._pool.connection() as conn:
+            sock = socket.socket(fileno=conn.pgconn.socket)
+            try:
+                return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                        *(sock.getsockopt(socket.IPPROTO_TCP, o) for o in (
+                            socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT, socket.TCP_USER_TIMEOUT)))
+            finally:
+                sock.detach()  # the connection's socket, not ours to close
+
+    assert TCP_KEEPALIVE_IDLE_S + TCP_KEEPALIVE_INTERVAL_S * TCP_KEEPALIVE_COUNT <= 60 and TCP_USER_TIMEOUT_S <= 60
+    ours, tuned = PostgresDatabase(pg_url, max_size=2), PostgresDatabase(pg_url + "?keepalives_idle=42")
+    try:
+        assert options(ours) == (1, TCP_KEEPALIVE_IDLE_S, TCP_KEEPALIVE_INTERVAL_S, TCP_KEEPALIVE_COUNT,
+                                 TCP_USER_TIMEOUT_S * 1000)
+        assert options(tuned)[:2] == (1, 42)
+    finally:
+        ours.close()
+        tuned.close()
 
 
 def test_a_sqlite_ledger_locked_by_another_process_too_long_is_unavailable_not_an_error(tmp_path):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from series_cases import (
 )
 from servers import InfluxServer, free_port  # tests/servers.py: the shared harness
 
+from gpuledger.agent.mig import GPU_READINGS
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.influxdb import InfluxDB, write_body
 from gpuledger.collector.series_outbox import OutboxSeriesStore, RemoteSeries, local_retention
@@ -76,13 +78,20 @@ def influx_points(server: InfluxServer, host: str, db: str | None = None) -> Poi
 
 
 def expected_points(samples: list[GpuSample]) -> Points:
-    """What docs/schema.md says InfluxDB must hold for ``samples`` (measurements gpu and gpu_job)."""
+    """What docs/schema.md says InfluxDB must hold for ``samples`` (measurements gpu and gpu_job): a MIG GPU's
+    readings and no ``jobs`` on its whole-GPU point, none of its readings on its instances' (whose ``gpu_job``
+    points hold its power: a MIG instance as series show it has none, so the whole GPU's at that time)."""
     out: Points = {}
+    mig_gpus = {(s.host, s.gpu_uuid) for s in samples if s.mig}
+    gpu_power = {(s.host, s.gpu_uuid, s.ts): s.power_watts for s in samples if not s.mig}
     for s in samples:
         t = round(s.ts * 1000)
         gpu = {"host": s.host, "gpu": str(s.gpu_index), "uuid": s.gpu_uuid, "model": s.model, "mig": s.mig or ""}
-        fields: dict[str, Any] = {f: getattr(s, f) for f in (*FLOAT_FIELDS, *INT_FIELDS) if getattr(s, f) is not None}
-        fields |= {"xid_errors": len(s.xid_errors), "jobs": len(s.job_ids)}
+        fields: dict[str, Any] = {f: getattr(s, f) for f in (*FLOAT_FIELDS, *INT_FIELDS)
+                                  if getattr(s, f) is not None and not (s.mig and f in GPU_READINGS)}
+        fields["xid_errors"] = len(s.xid_errors)
+        if s.mig or (s.host, s.gpu_uuid) not in mig_gpus:
+            fields["jobs"] = len(s.job_ids)
         out.setdefault(("gpu", tuple(sorted((k, v) for k, v in gpu.items() if v))), {})[t] = fields
         shares = s.job_shares or (1.0 / max(1, len(s.job_ids)),) * len(s.job_ids)
         for job, share in zip(s.job_ids, shares):
@@ -90,8 +99,18 @@ def expected_points(samples: list[GpuSample]) -> Points:
             per_job = {"share": share, "share_reported": bool(s.job_shares)}
             per_job |= {f: getattr(s, f) for f in ("sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio",
                                                    "power_watts", "mem_used_bytes") if getattr(s, f) is not None}
+            if s.mig and s.power_watts is None and gpu_power.get((s.host, s.gpu_uuid, s.ts)) is not None:
+                per_job["power_watts"] = gpu_power[(s.host, s.gpu_uuid, s.ts)]
             out.setdefault(("gpu_job", tuple(sorted((k, v) for k, v in tags.items() if v))), {})[t] = per_job
     return out
+
+
+def as_counted(samples: list[GpuSample]) -> list[GpuSample]:
+    """Series rows as the store hands them to its sinks (``aggregate.normalize_mig``): a MIG instance's with its
+    GPU's readings."""
+    gpu = {(s.host, s.gpu_uuid, s.ts): s for s in samples if not s.mig}
+    return [replace(s, **{f: getattr(gpu[(s.host, s.gpu_uuid, s.ts)], f) for f in GPU_READINGS}) if s.mig else s
+            for s in samples]
 
 
 def shipped(c: Collector) -> None:
@@ -119,7 +138,7 @@ def test_ingested_samples_land_in_influxdb_exactly_as_the_sink_writes_them(influ
         # the InfluxDB sink writes the same points: the InfluxDB dashboards read the shipped series as the sink's
         influx.query('CREATE DATABASE "sink"', post=True)
         sink = InfluxSink(influx.url, api="v1", database="sink")
-        sink.write(everything)
+        sink.write(as_counted(everything))
         sink.close()
         assert influx_points(influx, host, db="sink") == got
     finally:
@@ -165,7 +184,7 @@ def test_names_with_quotes_and_backslashes_are_read_back(influx: InfluxServer) -
     from gpuledger.collector.chunks import encode_samples
     from gpuledger.collector.influxdb import InfluxSeriesReader
 
-    odd = GpuSample(ts=H + 0.5, host="n'1\\x", gpu_uuid='GPU-"q",=', gpu_index=1, mig="1 '0\\a", power_watts=1.5,
+    odd = GpuSample(ts=H + 0.5, host="n'1\\x", gpu_uuid='GPU-"q",=', gpu_index=1, mig="1 '0\\a", temp_celsius=1.5,
                     model="\\M\\\\a", job_ids=("j'1", "j\\2"), job_shares=(0.25, 0.75))
     db = InfluxDB(influx.url, influx.db)
     try:
@@ -198,7 +217,7 @@ def test_a_shipment_that_reached_influxdb_unacknowledged_is_stored_once(influx: 
         remote.close()
         got = influx_points(influx, host)  # one point per measurement, tags and time (influx_points checks)
         assert got == expected_points(stored(store))
-        (res,) = influx.query(f"SELECT count(\"jobs\") FROM \"gpu\" WHERE \"host\" = '{host}'")
+        (res,) = influx.query(f"SELECT count(\"xid_errors\") FROM \"gpu\" WHERE \"host\" = '{host}'")
         assert res["series"][0]["values"][0][1] == n
     finally:
         store.close()

@@ -32,6 +32,8 @@ from series_cases import (
 from servers import VictoriaMetricsServer, free_port  # tests/servers.py: the shared harness
 
 from gpuledger.agent.exposition import GPU_SERIES, JOB_INFO, JOB_SHARE, JOBS
+from gpuledger.agent.mig import GPU_READINGS, MigEnergySplitter
+from gpuledger.collector.aggregate import Aggregator
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.db import open_database
 from gpuledger.collector.series_outbox import (
@@ -74,7 +76,8 @@ def vm_points(vm: VictoriaMetricsServer, host: str) -> dict[tuple[str, tuple[tup
 
 
 def expected_points(samples: list[GpuSample]) -> dict[tuple[str, tuple[tuple[str, str], ...]], dict[int, Any]]:
-    """What the module's vocabulary says VictoriaMetrics must hold for ``samples``."""
+    """What the module's vocabulary says VictoriaMetrics must hold for ``samples`` (a MIG instance's rows: none of
+    its GPU's readings)."""
     out: dict[tuple[str, tuple[tuple[str, str], ...]], dict[int, Any]] = {}
     for s in samples:
         t = round(s.ts * 1000)
@@ -82,7 +85,7 @@ def expected_points(samples: list[GpuSample]) -> dict[tuple[str, tuple[tuple[str
         labels = tuple(sorted((k, v) for k, v in gpu.items() if v))
         for name, attr in GPU_SERIES:
             v = getattr(s, attr)
-            if v is not None:
+            if v is not None and not (s.mig and attr in GPU_READINGS):
                 out.setdefault((name, labels), {})[t] = v
         out.setdefault((JOBS, labels), {})[t] = len(s.job_ids)
         for k, job in enumerate(s.job_ids):
@@ -350,27 +353,71 @@ def test_the_short_local_retention_leaves_the_ledger_as_the_default_one(tmp_path
         default.close()
 
 
+def test_a_mig_gpu_is_shipped_with_its_power_and_energy_once(vm: VictoriaMetricsServer, tmp_path: Path) -> None:
+    """A MIG GPU (two 3g instances, a job each, 400 W) as the agent sends it, a minute of it, a batch of it late (its
+    window is read back from the local chunks): VictoriaMetrics holds its power and energy counter once, on the
+    whole GPU, the jobs' shares of the GPU are their slices, and the ledger is the one an aggregation that keeps
+    every window in memory computes, bit for bit (what the store keeps folds back to what it counted)."""
+    host = "mig01"
+
+    def tick(t: float, e: float) -> list[GpuSample]:
+        gpu = GpuSample(ts=t, host=host, gpu_uuid="GPU-m", gpu_index=0, model="NVIDIA H200", power_watts=400.0,
+                        energy_joules=e, power_limit_watts=700.0, mem_total_bytes=141 << 30)
+        return [gpu] + [GpuSample(ts=t, host=host, gpu_uuid="GPU-m", gpu_index=0, model="NVIDIA H200 MIG 3g.71gb",
+                                  mig=m, sm_active_ratio=a, mem_total_bytes=70 << 30, job_ids=(j,))
+                        for m, j, a in (("1", "j1", 0.9), ("2", "j2", 0.1))]
+
+    split = MigEnergySplitter()
+    rows = [split.map(tick(H + 10.0 * i, 1e6 + 4000.0 * i)) for i in range(7)]
+    batches_in = [rows[0] + rows[1] + rows[3], rows[4] + rows[5] + rows[6], rows[2]]  # the last one late
+    c = Collector(tmp_path / "c.sqlite", vm.url)
+    in_memory = Aggregator()
+    try:
+        for seq, b in enumerate(batches_in):
+            assert c.post({"agent_id": "a", "seq": seq, "host": host, "samples": [s.to_dict() for s in b]}
+                          )["accepted"] == len(b)
+            in_memory.add_many(b)
+        assert [u.to_dict() for u in c.store.job_usage(per_gpu=True)] == [u.to_dict() for u in
+                                                                           in_memory.job_usage(per_gpu=True)]
+        assert c.remote is not None and c.remote.shipper.flush(30)
+        vm.flush()
+        at, sel = str(H + 60.0), f'{{host="{host}"}}'
+        for expr, want in ((f"sum(gpuledger_gpu_power_watts{sel})", 400.0),
+                           (f"sum(gpuledger_gpu_energy_joules_total{sel})", 1e6 + 24000.0),  # the GPU's counter
+                           (f"count(gpuledger_gpu_power_limit_watts{sel})", 1.0)):
+            (got,) = vm.api("/api/v1/query", query=expr, time=at)["result"]
+            assert float(got["value"][1]) == want, expr
+        shares = vm.api("/api/v1/query", query=f'gpuledger_gpu_job_share_ratio{{host="{host}"}}', time=at)["result"]
+        assert sorted((s["metric"]["jobid"], float(s["value"][1])) for s in shares) == [
+            ("j1", pytest.approx(3 / 7, rel=1e-11)), ("j2", pytest.approx(3 / 7, rel=1e-11))]  # VM: 12 digits
+    finally:
+        c.close()
+
+
 # -- the vocabulary and the settings ---------------------------------------------------------------------------
 def test_import_lines_carry_labels_jobs_and_shares() -> None:
     s = [GpuSample(ts=H + i, host="n1", gpu_uuid="GPU-m", gpu_index=2, mig="3.0", model="", power_watts=100.0 + i,
                    mem_used_bytes=2**40 + i, job_ids=("j1", "j2"), job_shares=(0.5, 0.5)) for i in range(3)]
     from gpuledger.collector.chunks import encode_samples
 
-    body, n = import_body([("n1", "GPU-m", "3.0", encode_samples(s))])
+    gpu = [replace(x, mig=None, job_ids=(), job_shares=()) for x in s]  # the MIG GPU's own rows
+    body, n = import_body([("n1", "GPU-m", "3.0", encode_samples(s)), ("n1", "GPU-m", "", encode_samples(gpu))])
     lines = [json.loads(line) for line in body.decode().splitlines()]
-    assert n == 3
-    by_name = {line["metric"]["__name__"]: line for line in lines if line["metric"].get("jobid") in (None, "j1")}
-    power = by_name["gpuledger_gpu_power_watts"]
-    assert power["metric"] == {"__name__": "gpuledger_gpu_power_watts", "host": "n1", "gpu": "2", "uuid": "GPU-m",
-                               "mig": "3.0"}  # an empty model is no label, as in Prometheus
-    assert power["values"] == [100.0, 101.0, 102.0] and power["timestamps"] == [round(H * 1000) + k * 1000
-                                                                                for k in range(3)]
-    assert by_name["gpuledger_gpu_memory_used_bytes"]["values"] == [2**40, 2**40 + 1, 2**40 + 2]  # integers
+    assert n == 6
+    by_name = {line["metric"]["__name__"]: line for line in lines
+               if line["metric"].get("mig") == "3.0" and line["metric"].get("jobid") in (None, "j1")}
+    mem = by_name["gpuledger_gpu_memory_used_bytes"]
+    assert mem["metric"] == {"__name__": "gpuledger_gpu_memory_used_bytes", "host": "n1", "gpu": "2", "uuid": "GPU-m",
+                             "mig": "3.0"}  # an empty model is no label, as in Prometheus
+    assert mem["values"] == [2**40, 2**40 + 1, 2**40 + 2]  # integers
+    assert mem["timestamps"] == [round(H * 1000) + k * 1000 for k in range(3)]
     assert by_name[JOBS]["values"] == [2, 2, 2]
     assert by_name[JOB_INFO]["metric"]["jobid"] == "j1" and by_name[JOB_INFO]["values"] == [1, 1, 1]
     assert by_name[JOB_SHARE]["values"] == [0.5, 0.5, 0.5]
-    assert {line["metric"]["__name__"] for line in lines} == {
-        "gpuledger_gpu_power_watts", "gpuledger_gpu_memory_used_bytes", JOBS, JOB_INFO, JOB_SHARE}
+    assert set(by_name) == {"gpuledger_gpu_memory_used_bytes", JOBS, JOB_INFO, JOB_SHARE}  # its GPU's power: not here
+    (power,) = [line for line in lines if line["metric"]["__name__"] == "gpuledger_gpu_power_watts"]
+    assert power["metric"] == {"__name__": "gpuledger_gpu_power_watts", "host": "n1", "gpu": "2", "uuid": "GPU-m"}
+    assert power["values"] == [100.0, 101.0, 102.0]  # once, on the whole GPU
 
 
 def test_series_url_setting(tmp_path: Path) -> None:

@@ -202,3 +202,48 @@ def test_stop_is_prompt(tmp_path):
     s.stop()
     store.close()
     assert time.monotonic() - t < 5
+
+
+def test_a_sqlite_ledger_another_process_holds_is_503_within_the_deadline_and_reads_go_on(tmp_path):
+    """Workers and the compactor take turns at a SQLite ledger through its writers' lock file: one that holds it
+    (stuck on a stalled disk) makes this collector's batches wait. Each is answered 503 within ledger_timeout_s, the
+    next one at once, /healthz 503, while reads go on (they wait for no writer); once the lock is let go the waiting
+    batch is committed, /healthz is 200 and the agent's resend a duplicate."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.sqlite"
+    store = Store(path, clock=lambda: NOW)
+    s = CollectorServer(store, clock=lambda: NOW, ledger_timeout_s=0.5).start()
+    holder = None
+    try:
+        with httpx.Client(base_url=s.url, timeout=10) as c:
+            assert c.post("/api/v1/samples", json=batch(0, samples(NOW - 100, 3))).status_code == 200
+            hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+                    "print(flush=True); sys.stdin.read()")
+            holder = subprocess.Popen([sys.executable, "-c", hold, f"{path}-writer.lock"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+            assert holder.stdout is not None and holder.stdout.readline() == b"\n"  # it holds the lock
+            late = batch(1, samples(NOW - 50, 4))
+            t0 = time.monotonic()
+            r = c.post("/api/v1/samples", json=late)
+            assert (r.status_code, r.json()["reason"]) == (503, "ledger_timeout") and "Retry-After" in r.headers
+            assert 0.5 <= time.monotonic() - t0 < 2.5
+            r = c.post("/api/v1/samples", json=batch(2, samples(NOW - 20, 2)))
+            assert (r.status_code, r.json()["reason"]) == (503, "ledger_stalled")
+            health = c.get("/healthz")
+            assert health.status_code == 503 and health.json()["reason"] == "ledger_stalled"
+            assert c.get("/api/v1/totals").json()["samples"] == 3  # reads answer all along
+            holder.communicate(b"", timeout=10)  # the other process lets go
+            deadline = time.monotonic() + 10
+            while c.get("/healthz").status_code != 200:
+                assert time.monotonic() < deadline, "the waiting batch was never committed"
+                time.sleep(0.02)
+            assert c.post("/api/v1/samples", json=late).json()["duplicate"]  # committed after its 503
+            assert c.get("/api/v1/totals").json()["samples"] == 7
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        s.stop()
+        store.close()

@@ -266,3 +266,74 @@ def test_one_collector_compacts_a_shared_ledger_at_a_time_and_compaction_is_idem
     finally:
         a.close()
         b.close()
+
+
+def test_a_stalled_ledger_is_answered_503_within_the_deadline_and_the_resend_is_a_duplicate(postgres_server,
+                                                                                             reference):
+    """docs/scale.md's HA advice, synchronous_standby_names, with the standby gone: every COMMIT waits for it. The
+    collector answers each host's batch 503 (Retry-After) within ledger_timeout_s, refuses the next at once, a read
+    waiting on the store 503 too, /healthz 503; once the standby setting is cleared the stuck commit goes in,
+    /healthz is 200 again, the agents' resends are duplicates, and the ledger is exactly one run's."""
+    import time
+
+    import httpx
+
+    from gpuledger.collector.server import CollectorServer
+
+    timeout_s = 1.0
+    url = postgres_server.new_database()
+    n1, n2 = host_bodies("n1"), host_bodies("n2", seed=1)
+    want, _ = reference({"n1": n1[:2], "n2": n2[:1]})
+    store = Store(url, clock=lambda: NOW, window_s=WINDOW_S)
+    server = CollectorServer(store, clock=lambda: NOW, ledger_timeout_s=timeout_s).start()
+    client = httpx.Client(base_url=server.url, timeout=30)
+
+    def post(body: bytes) -> tuple[httpx.Response, float]:
+        t0 = time.monotonic()
+        r = client.post("/api/v1/samples", content=body, headers={"Content-Type": "application/msgpack"})
+        return r, time.monotonic() - t0
+
+    def standby(names: str) -> None:
+        postgres_server.psql(f"ALTER SYSTEM SET synchronous_standby_names = '{names}'")
+        postgres_server.psql("SELECT pg_reload_conf()")
+
+    try:
+        assert post(n1[0])[0].status_code == 200
+        standby("gpuledger_test_standby")  # nowhere: every commit now waits for it
+        try:
+            answers: dict[str, tuple[httpx.Response, float]] = {}
+            first = threading.Thread(target=lambda: answers.__setitem__("n1", post(n1[1])))
+            first.start()
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+            while postgres_server.psql(waiting) != "1":  # n1's COMMIT waits for the standby
+                assert first.is_alive(), answers
+                time.sleep(0.02)
+            answers["n2"] = post(n2[0])  # another host's batch, behind the stuck commit
+            first.join()
+            for host, (r, took) in answers.items():
+                assert r.status_code == 503 and r.json()["reason"] == "ledger_timeout", (host, r.text)
+                assert int(r.headers["Retry-After"]) > 0 and timeout_s <= took < timeout_s + 2, (host, took)
+            r, took = post(n1[1])  # the agent's resend, while the commit is still stuck: refused at once
+            assert (r.status_code, r.json()["reason"]) == (503, "ledger_stalled") and took < 0.5
+            health = client.get("/healthz")
+            assert health.status_code == 503 and health.json()["reason"] == "ledger_stalled", health.text
+            t0 = time.monotonic()
+            read = client.get("/api/v1/totals")  # the store is held by the stuck commit: bounded, never a hang
+            assert (read.status_code, read.json()["reason"]) == (503, "ledger_stalled")
+            assert time.monotonic() - t0 < 2 * timeout_s + 1
+        finally:
+            standby("")
+        deadline = time.monotonic() + 30
+        while client.get("/healthz").status_code != 200:  # the stuck commit goes in
+            assert time.monotonic() < deadline, "the stuck commit never finished"
+            time.sleep(0.05)
+        for body in (n1[1], n2[0]):  # committed after their 503: the resends are duplicates, counted once
+            r, _ = post(body)
+            assert r.status_code == 200 and r.json()["duplicate"], r.text
+        assert_same_ledger(store, want, ["n1", "n2"])
+        metrics = client.get("/metrics").text
+        assert 'gpuledger_collector_batches_rejected_total{reason="ledger_timeout",status="503"} 2.0' in metrics
+    finally:
+        client.close()
+        server.stop()
+        store.close()

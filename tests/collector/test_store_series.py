@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuledger.agent.mig import NO_READINGS
 from gpuledger.agent.push import encode_batch
 from gpuledger.collector.aggregate import normalize_mig
 from gpuledger.collector.store import Store
@@ -196,11 +198,13 @@ def test_raw_chunks_of_a_series_read_back_exactly(tmp_path, binary):
     store = Store(tmp_path / "s.sqlite")
     store.ingest(parse_batch(body("a", 0, samples, "series", fmt),
                              "application/msgpack" if binary else "application/json", time.time()))
-    stored = normalize_mig(samples)  # a MIG instance is stored as counted: with its GPU's values (aggregate)
+    # a MIG GPU as counted (aggregate.normalize_mig), its readings on its whole-GPU series only (mig.as_series)
+    stored = [replace(s, **NO_READINGS) if s.mig else s for s in normalize_mig(samples)]
     for g in range(4):
         mig = "1.0" if g == 3 else None
         want = sorted((s for s in stored if s.gpu_uuid == f"G{g}" and s.mig == mig), key=lambda s: s.ts)
         assert store.series("n1", f"G{g}", 0, 2e9, mig=mig) == want
+    assert store.series("n1", "G3", 0, 2e9)[0].power_watts is not None  # the GPU's, once
     store.close()
 
 

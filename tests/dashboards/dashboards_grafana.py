@@ -10,10 +10,13 @@ import json
 import math
 import re
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the repository root, for the test harness modules
@@ -218,12 +221,17 @@ def midnight(now: float) -> float:
     return d.replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
 
 
-def empty_prom_targets(server: Any, doc: dict[str, Any], ctx: Context, jobid: str) -> list[str]:
+def empty_prom_targets(server: Any, doc: dict[str, Any], ctx: Context, jobid: str,
+                       absent: frozenset[str] = frozenset()) -> list[str]:
     """Every target of a Prometheus-flavour dashboard, interpolated as Grafana would, that ``server`` answers
-    with no data ("where: query")."""
+    with no data ("where: query"), but those over a metric in ``absent`` (what ``server`` is not fed)."""
+    from gpuledger.dashboards import lint
+
     prom_variable_values(server, doc, ctx, jobid)
     empty = []
     for q in targets(doc):
+        if lint.prom_metrics(q.text) & absent:
+            continue
         c = ctx.for_panel(q.time_from, midnight(ctx.end))
         expr = interpolate(q.text, "prometheus", c)
         data = server.query(expr, at=c.end) if q.instant else server.query_range(expr, c.start, c.end, c.interval_s)
@@ -243,3 +251,54 @@ def prom_state_counts(server: Any, ctx: Context, idle_ratio: str = "0.05") -> di
         result = server.query(interpolate(q, "prometheus", ctx), at=ctx.end)["result"]
         got[state] = int(float(result[0]["value"][1]))
     return got
+
+
+# the Job dashboard's summary stats and the ledger's figure each estimates (JobUsage -> the stat's unit)
+JOB_STATS: dict[str, Callable[[Any], float]] = {
+    "GPU-hours allocated": lambda u: u.allocated_gpu_seconds / 3600,
+    "SM-active GPU-hours": lambda u: u.sm_active_gpu_seconds / 3600,
+    "Energy": lambda u: u.energy_joules / 3.6e6,
+}
+
+
+def prom_job_stats(server: Any, job: str, start: float, end: float) -> dict[str, float]:
+    """The Prometheus-flavour Job dashboard's summary stats (``JOB_STATS``) of ``job`` over [start, end] on
+    ``server``, as Grafana asks for them (instant queries at the end of the range, 1 s interval)."""
+    doc = load(ROOT / "gpuledger" / "dashboards" / "prometheus" / "job.json")
+    ctx = Context(start=start, end=end, interval_s=1, values={"jobid": [job]})
+    got = {}
+    for q in targets(doc):
+        title = q.where.split(" / ")[1]
+        if title in JOB_STATS:
+            (series,) = server.query(interpolate(q.text, "prometheus", ctx), at=end)["result"]
+            got[title] = float(series["value"][1])
+    return got
+
+
+def job_stats_off_the_ledger(server: Any, store: Any, jobs: dict[str, float], span_s: float,
+                             rel: float = 0.2) -> dict[str, dict[str, tuple[float, float]]]:
+    """For each of ``jobs`` (job id -> the share of a GPU-second it is charged: its share, or its MIG slice): the Job
+    dashboard's stats (:func:`prom_job_stats`) over a span of at least ``span_s`` between two readings of the
+    ledger (``store``; ``server`` holds data of it from the first on), against what the ledger counted in it, more
+    than ``rel`` off, as {job: {stat: (dashboard, ledger)}} (empty: all within). The ledger's allocated GPU-seconds
+    in the span must be the share of it, too."""
+
+    def reading() -> dict[str, Any]:
+        return {u.job_id: u for u in store.job_usage() if u.gpu_uuid == "*" and u.job_id in jobs}
+
+    first = reading()
+    assert set(first) == set(jobs), sorted(first)
+    time.sleep(span_s)
+    last = reading()
+    off: dict[str, dict[str, tuple[float, float]]] = {}
+    for job in jobs:
+        u0, u1 = first[job], last[job]
+        span = u1.last_ts - u0.last_ts
+        assert span >= span_s * 0.5, (job, u0.last_ts, u1.last_ts)
+        assert u1.allocated_gpu_seconds - u0.allocated_gpu_seconds == pytest.approx(jobs[job] * span, rel=0.05), job
+        got = prom_job_stats(server, job, u0.last_ts, u1.last_ts)
+        for title, of in JOB_STATS.items():
+            want = of(u1) - of(u0)
+            if not abs(got[title] - want) <= rel * abs(want):
+                off.setdefault(job, {})[title] = (got[title], want)
+    return off

@@ -1,6 +1,8 @@
 """Every panel's query, interpolated as Grafana would, against a real InfluxDB 1.x and a real Prometheus
 (Debian packages on free loopback ports) filled by a short demo run and a small live fleet: each returns data,
-the GPU-state panels count correctly, and every measurement, field, tag and metric named exists in the server.
+the GPU-state panels count correctly (a MIG GPU as its instances), every measurement, field, tag and metric named
+exists in the server, a MIG GPU's power is one series, the Job dashboard's estimates follow the ledger for a job
+with a share of a GPU and for one on a MIG slice, and the usage bars add up to the usage table.
 """
 
 from __future__ import annotations
@@ -13,7 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboards_fleet import EXPECTED_STATES, LOST_HOST, SHARED_JOB, EnrichingSink, LiveFleet
+from dashboards_fleet import (
+    DEVICES,
+    EXPECTED_STATES,
+    FLEET_JOBS,
+    LOST_HOST,
+    MIG_HOST,
+    MIG_INDEX,
+    MIG_JOB,
+    SHARED_JOB,
+    SHARES,
+    EnrichingSink,
+    LiveFleet,
+)
 from dashboards_grafana import (  # first: sys.path
     ROOT,
     Context,
@@ -21,6 +35,7 @@ from dashboards_grafana import (  # first: sys.path
     custom_variables,
     empty_prom_targets,
     interpolate,
+    job_stats_off_the_ledger,
     load,
     midnight,
     prom_state_counts,
@@ -31,6 +46,7 @@ from servers import InfluxServer, PrometheusServer
 from typer.testing import CliRunner
 
 from gpuledger.agent.push import HttpPusher
+from gpuledger.agent.sources.simulated import gpu_uuid_for
 from gpuledger.cli import app
 from gpuledger.collector.server import FEED_NAME, CollectorServer
 from gpuledger.collector.sinks.influx import InfluxSink
@@ -38,12 +54,12 @@ from gpuledger.collector.store import Store
 from gpuledger.dashboards import influxdb_defs, lint
 from gpuledger.dashboards.schema import INFLUX_SCHEMA
 from gpuledger.demo import CONFIG_NAME, STORE_NAME, run_demo
+from gpuledger.schema.records import JobRecord
 
 pytestmark = [pytest.mark.influx, pytest.mark.timeout(180)]
 
 INFLUX_FILES = sorted((ROOT / "gpuledger" / "dashboards" / "influxdb").glob("*.json"))
 PROM_FILES = sorted((ROOT / "gpuledger" / "dashboards" / "prometheus").glob("*.json"))
-OPTIONAL_TAGS = {"mig"}  # written only for MIG instances; the test fleet has none
 
 
 @dataclass
@@ -51,7 +67,8 @@ class Stack:
     influx: InfluxServer
     prom: PrometheusServer
     fleet_started: float
-    demo_jobs: set[str]
+    jobs: set[str]  # the demo's and the fleet's
+    store: Store
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +87,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for argv in (["report", "usage", "--influx"], ["priority", "feed"]):
             r = CliRunner().invoke(app, [*argv, "--data-dir", str(data)])
             assert r.exit_code == 0 and "written to InfluxDB" in r.stderr, r.output
-        store = Store(data / STORE_NAME)
+        # the fleet's samples reach InfluxDB as a site's do: the collector hands its sink what it accepted, and its
+        # jobs' running totals every second (so a job has several in the Accounting panels' range)
+        store = Store(data / STORE_NAME, sinks=[sink], summary_interval_s=1.0)
+        store.put_jobs([JobRecord(j, cluster="live", user="carol", account="chemistry") for j in sorted(FLEET_JOBS)])
         es.callback(store.close)
 
         # the accounting dashboard's per-user panels: a site that publishes user names on /metrics
         collector = CollectorServer(store, priority_feed=data / FEED_NAME, metrics_user_labels=True).start()
         es.callback(collector.stop)
-        fleet = LiveFleet(collector.url, extra_sinks=[sink]).start()
+        fleet = LiveFleet(collector.url).start()
         es.callback(fleet.close)
         started = time.time()
         prom = es.enter_context(PrometheusServer(tmp / "prom", {
@@ -92,7 +112,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         prom.wait_for("count_over_time(gpuledger_collector_samples_rejected_total[1m]) >= 3")
         assert fleet.errors() == {}
         assert sink.flush() and sink.stats.rejected_lines == sink.stats.dropped_lines == 0, sink.stats
-        yield Stack(influx, prom, started, set(demo.usage))
+        yield Stack(influx, prom, started, set(demo.usage) | FLEET_JOBS, store)
 
 
 # -- Prometheus ---------------------------------------------------------------------------------------------
@@ -108,6 +128,20 @@ def test_prometheus_panels_return_data(stack: Stack, path: Path) -> None:
 
 def test_prometheus_state_panels_count_each_state(stack: Stack) -> None:
     assert prom_state_counts(stack.prom, _prom_context(stack)) == EXPECTED_STATES
+
+
+def test_prometheus_a_mig_gpu_has_one_power_series(stack: Stack) -> None:
+    uuid = gpu_uuid_for(MIG_HOST, MIG_INDEX)
+    for metric in ("gpuledger_gpu_power_watts", "gpuledger_gpu_energy_joules_total"):
+        series = stack.prom.query(f'{metric}{{uuid="{uuid}"}}')["result"]
+        assert [s["metric"].get("mig", "") for s in series] == [""], metric  # the whole GPU's (agent /metrics)
+    shares = stack.prom.query(f'gpuledger_gpu_job_share_ratio{{jobid="{MIG_JOB}"}}')["result"]
+    assert [(s["metric"]["mig"], float(s["value"][1])) for s in shares] == [("1", pytest.approx(3 / 7))]
+
+
+def test_prometheus_job_estimates_follow_the_ledger_for_shares_and_mig_slices(stack: Stack) -> None:
+    charged = {SHARED_JOB: 1.0 + SHARES[SHARED_JOB], "3004": SHARES["3004"], MIG_JOB: 3 / 7}
+    assert job_stats_off_the_ledger(stack.prom, stack.store, charged, span_s=10.0) == {}
 
 
 def test_prometheus_metrics_named_exist(stack: Stack) -> None:
@@ -134,7 +168,7 @@ def _influx_variable_values(stack: Stack, doc: dict[str, Any], ctx: Context) -> 
         values = sorted({row[1] for row in _influx_rows(stack.influx.query(q))})
         assert values, f"variable ${v['name']}: {q} found nothing"
         if v["name"] == "jobid":
-            assert set(values) <= stack.demo_jobs
+            assert set(values) <= stack.jobs
         choose(ctx, v, values)
     custom_variables(doc, ctx)
 
@@ -164,7 +198,32 @@ def test_influx_state_panels_count_each_state(stack: Stack) -> None:
     assert got["lost"] == EXPECTED_STATES["lost"]
     for state in ("busy", "allocated-idle", "free"):
         assert got[state] >= EXPECTED_STATES[state], got
-    assert sum(got.values()) == 2 * 4 + 10  # the demo's 8 GPUs and the fleet's 10: each in exactly one state
+    assert sum(got.values()) == 2 * 4 + DEVICES  # the demo's 8 GPUs and the fleet's devices: each in one state
+
+
+def test_influx_a_mig_gpu_has_its_readings_once_and_is_no_device(stack: Stack) -> None:
+    uuid = gpu_uuid_for(MIG_HOST, MIG_INDEX)
+    (res,) = stack.influx.query(f'SELECT count("power_watts") AS "power", count("energy_joules") AS "energy", '
+                                f'count("jobs") AS "jobs" FROM "gpu" WHERE "uuid" = \'{uuid}\' GROUP BY "mig"')
+    got = {s["tags"]["mig"]: dict(zip(s["columns"][1:], s["values"][0][1:])) for s in res["series"]}
+    assert set(got) == {"", "1", "2"}
+    # (a count of no point is null)
+    assert got[""]["power"] > 0 and got[""]["energy"] > 0 and not got[""]["jobs"]  # no device: its instances are
+    assert all(not got[m]["power"] and not got[m]["energy"] and got[m]["jobs"] > 0 for m in ("1", "2"))
+
+
+def test_influx_usage_bars_add_up_to_the_usage_table(stack: Stack) -> None:
+    doc = load(ROOT / "gpuledger" / "dashboards" / "influxdb" / "accounting.json")
+    ctx = _influx_context()
+    _influx_variable_values(stack, doc, ctx)
+    queries = {q.where.split(" / ")[1]: interpolate(q.text, "influxdb", ctx) for q in targets(doc)}
+    table = stack.influx.query(queries["Usage by account and user"])[0]["series"]
+    total = {c: sum(dict(zip(s["columns"], s["values"][0]))[c] for s in table) for c in ("gpu_hours", "energy_kwh")}
+    assert total["gpu_hours"] > 0
+    for title, column in (("GPU-hours by account", "gpu_hours"), ("GPU-hours by user", "gpu_hours"),
+                          ("Energy by account", "energy_kwh")):
+        bars = sum(row[1] or 0.0 for row in _influx_rows(stack.influx.query(queries[title])))
+        assert bars == pytest.approx(total[column], rel=1e-9), title
 
 
 def _missing_influx_names(stack: Stack, queries: list[str]) -> list[str]:
@@ -174,7 +233,7 @@ def _missing_influx_names(stack: Stack, queries: list[str]) -> list[str]:
     for text in queries:
         named = lint.influx_measurements(text)
         missing += [f"measurement {m!r}" for m in sorted(named - measurements)]
-        known = set(OPTIONAL_TAGS)
+        known: set[str] = set()
         for m in named & measurements:
             known |= {row[0] for row in _influx_rows(stack.influx.query(f'SHOW FIELD KEYS FROM "{m}"'))}
             known |= {row[0] for row in _influx_rows(stack.influx.query(f'SHOW TAG KEYS FROM "{m}"'))}

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from dashboards_grafana import ROOT, load, targets, validate  # first: puts the repository root on sys.path
@@ -131,6 +132,31 @@ def test_schema_constants_match_the_code(tmp_path: Path) -> None:
     assert COLLECTOR_METRICS <= names, COLLECTOR_METRICS - names
 
 
+def test_schema_lists_every_gpu_series_the_agent_exports() -> None:
+    """Every gpuledger_gpu_* series on an agent's /metrics (a sample with every field, jobs with shares, Xid errors)
+    is in the schema the dashboards are held to; the Xid counter is the agents' alone."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuledger.agent.exposition import make_registry
+    from gpuledger.dashboards.schema import AGENT_ONLY_GPU_METRICS, PROMETHEUS_METRICS, SHIPPED_METRICS
+    from gpuledger.schema.records import RATIO_FIELDS, GpuSample
+
+    class Agent:
+        snapshot = [GpuSample(ts=1.0, host="n1", gpu_uuid="GPU-1", gpu_index=0, model="m", job_ids=("7", "8"),
+                              job_shares=(0.5, 0.5), mem_used_bytes=1, mem_total_bytes=2, power_watts=1.0,
+                              power_limit_watts=2.0, energy_joules=3.0, temp_celsius=4.0, sm_clock_hz=5.0,
+                              mem_clock_hz=6.0, pcie_tx_bytes_per_second=7.0, pcie_rx_bytes_per_second=8.0,
+                              throttle_reasons=0, ecc_errors_total=0, remapped_rows_total=0,
+                              **dict.fromkeys(RATIO_FIELDS, 0.5))]
+        xid_errors_total = {("n1", 0, "GPU-1", ""): 3}
+
+    exported = {s.name for fam in text_string_to_metric_families(generate_latest(make_registry(Agent())).decode())
+                for s in fam.samples if s.name.startswith("gpuledger_gpu_")}
+    assert exported == SHIPPED_METRICS | AGENT_ONLY_GPU_METRICS
+    assert exported <= PROMETHEUS_METRICS and AGENT_ONLY_GPU_METRICS == {"gpuledger_gpu_xid_errors_total"}
+
+
 def test_provisioning_files() -> None:
     ds = build.PROVISIONING["datasources/gpuledger.yaml"]["datasources"]
     assert {d["type"] for d in ds} == set(build.FLAVOURS)  # Prometheus' flavour: Prometheus or VictoriaMetrics
@@ -162,7 +188,7 @@ def test_schema_constants_match_what_the_influx_sink_writes() -> None:
     ints = dict(mem_used_bytes=1, mem_total_bytes=2, throttle_reasons=0, ecc_errors_total=0, remapped_rows_total=0)
     mig = GpuSample(ts=1.0, host="h", gpu_uuid="GPU-1", gpu_index=0, model="m", mig="1", job_ids=("7",),
                     xid_errors=(13,), **full, **ints)
-    lines = sample_lines([mig])
+    lines = sample_lines([replace(mig, mig=None, job_ids=()), mig])  # a MIG GPU's own row holds its readings
     lines += job_usage_lines([JobUsage("7", "h", "*", 0.0, 1.0, 2, 10.0, 5.0, 100.0, 0.5, 0.4)],
                              {"7": JobRecord("7", cluster="c", user="u", account="a", partition="p")})
     lines += fairshare_lines([{"account": "a", "user": "u", "fairshare": 0.5, "site_factor": 5000,
@@ -170,5 +196,7 @@ def test_schema_constants_match_what_the_influx_sink_writes() -> None:
     written: dict[str, tuple[set[str], set[str]]] = {}
     for ln in lines:
         m, t, f = _parse_line(ln)
-        written[m] = t, f
+        tags, fields = written.setdefault(m, (set(), set()))
+        tags |= t
+        fields |= f
     assert {m: (frozenset(t), frozenset(f)) for m, (t, f) in written.items()} == INFLUX_SCHEMA

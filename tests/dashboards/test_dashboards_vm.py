@@ -1,7 +1,9 @@
 """The Prometheus-flavour dashboards read VictoriaMetrics directly: a live fleet pushes to a collector whose
 ``series_url`` ships every sample to a real VictoriaMetrics, which scrapes the collector's and the agents' own
 metrics with contrib/victoriametrics/scrape.yml. Every panel's query, interpolated as Grafana would, returns data
-there, and the GPU-state panels count the fleet exactly (no GPU series twice)."""
+there (but the agents' Xid counter, which the collector does not ship), the GPU-state panels count the fleet
+exactly (no GPU series twice, a MIG GPU as its instances), a MIG GPU's power and energy are one series each, and
+the Job dashboard's estimates follow the ledger for a job with a share of a GPU and for one on a MIG slice."""
 
 from __future__ import annotations
 
@@ -13,14 +15,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dashboards_fleet import EXPECTED_STATES, LOST_HOST, LOST_LAG_S, SHARED_JOB, LiveFleet
-from dashboards_grafana import ROOT, Context, empty_prom_targets, load, prom_state_counts  # first: sys.path
+from dashboards_fleet import (
+    EXPECTED_STATES,
+    LOST_HOST,
+    LOST_LAG_S,
+    MIG_HOST,
+    MIG_INDEX,
+    MIG_JOB,
+    SHARED_JOB,
+    SHARES,
+    LiveFleet,
+)
+from dashboards_grafana import (  # first: sys.path
+    ROOT,
+    Context,
+    empty_prom_targets,
+    job_stats_off_the_ledger,
+    load,
+    prom_state_counts,
+)
 from servers import VictoriaMetricsServer, free_port
 
 from gpuledger.agent.push import HttpPusher
+from gpuledger.agent.sources.simulated import gpu_uuid_for
 from gpuledger.collector.series_outbox import RemoteSeries, local_retention
 from gpuledger.collector.server import FEED_NAME, CollectorServer
 from gpuledger.collector.store import Store
+from gpuledger.dashboards.schema import AGENT_ONLY_GPU_METRICS
 
 pytestmark = [pytest.mark.influx, pytest.mark.timeout(180)]
 
@@ -32,6 +53,7 @@ SCRAPE = ROOT / "contrib" / "victoriametrics" / "scrape.yml"
 class Stack:
     vm: VictoriaMetricsServer
     fleet_started: float
+    store: Store
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +103,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         vm.wait_for("count_over_time(gpuledger_collector_samples_rejected_total[1m]) >= 3", timeout=30)
         assert fleet.errors() == {}
         assert remote.shipper.stats.failures == 0 or remote.shipper.stats.failing_since is None
-        yield Stack(vm, started)
+        yield Stack(vm, started, store)
 
 
 def _context(stack: Stack) -> Context:
@@ -92,7 +114,22 @@ def _context(stack: Stack) -> Context:
 
 @pytest.mark.parametrize("path", PROM_FILES, ids=lambda p: p.stem)
 def test_prometheus_panels_return_data_from_victoriametrics(stack: Stack, path: Path) -> None:
+    # the Xid panel reads the agents' counter, which the collector does not ship: scrape.yml keeps it
     assert empty_prom_targets(stack.vm, load(path), _context(stack), SHARED_JOB) == []
+
+
+def test_a_mig_gpu_has_one_power_and_one_energy_series(stack: Stack) -> None:
+    uuid = gpu_uuid_for(MIG_HOST, MIG_INDEX)
+    for metric in ("gpuledger_gpu_power_watts", "gpuledger_gpu_energy_joules_total", "gpuledger_gpu_power_limit_watts"):
+        series = stack.vm.api("/api/v1/series", **{"match[]": f'{metric}{{uuid="{uuid}"}}'})
+        assert [s.get("mig", "") for s in series] == [""], metric  # the whole GPU's, none on its instances
+    shares = stack.vm.query(f'gpuledger_gpu_job_share_ratio{{jobid="{MIG_JOB}"}}')["result"]
+    assert [(s["metric"]["mig"], float(s["value"][1])) for s in shares] == [("1", pytest.approx(3 / 7))]
+
+
+def test_job_estimates_follow_the_ledger_for_shares_and_mig_slices(stack: Stack) -> None:
+    charged = {SHARED_JOB: 1.0 + SHARES[SHARED_JOB], "3004": SHARES["3004"], MIG_JOB: 3 / 7}
+    assert job_stats_off_the_ledger(stack.vm, stack.store, charged, span_s=10.0) == {}
 
 
 def test_state_panels_count_each_state_once(stack: Stack) -> None:
@@ -101,3 +138,7 @@ def test_state_panels_count_each_state_once(stack: Stack) -> None:
     assert {s["job"] for s in stack.vm.api("/api/v1/series", **{"match[]": "up"})} == {
         "gpuledger-agent", "gpuledger-collector"}
     assert not stack.vm.api("/api/v1/series", **{"match[]": 'gpuledger_gpu_power_watts{job!=""}'})
+    # but for the agents' own Xid counters (the collector ships none), without the mark that kept them
+    xid = stack.vm.api("/api/v1/series", **{"match[]": "gpuledger_gpu_xid_errors_total"})
+    assert xid and {s["job"] for s in xid} == {"gpuledger-agent"} and not any("__tmp_keep" in s for s in xid)
+    assert {tuple(sorted(AGENT_ONLY_GPU_METRICS))} == {("gpuledger_gpu_xid_errors_total",)}

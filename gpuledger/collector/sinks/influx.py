@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from gpuledger.agent.mig import GPU_READINGS
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,10 @@ FLOAT_FIELDS: tuple[str, ...] = (
 INT_FIELDS: tuple[str, ...] = ("mem_used_bytes", "mem_total_bytes", "throttle_reasons", "ecc_errors_total",
                                "remapped_rows_total")
 JOB_FIELDS: tuple[str, ...] = ("sm_active_ratio", "dram_bw_ratio", "tensor_active_ratio", "power_watts")
+# A MIG instance's gpu point holds no reading of its GPU's: those are on the GPU's own point (agent.mig.as_series).
+INSTANCE_FLOAT_FIELDS: tuple[str, ...] = tuple(f for f in FLOAT_FIELDS if f not in GPU_READINGS)
 _FLOATS = operator.attrgetter(*FLOAT_FIELDS)
+_INSTANCE_FLOATS = operator.attrgetter(*INSTANCE_FLOAT_FIELDS)
 _INTS = operator.attrgetter(*INT_FIELDS)
 _JOB = operator.attrgetter(*JOB_FIELDS)
 _I64 = 2**63
@@ -107,11 +111,15 @@ def line(measurement: str, tag_str: str, field_str: str, ts_ms: int) -> str | No
 
 
 class GpuPrefixes:
-    """Tag sets per GPU are built once (the hot path only formats fields)."""
+    """Tag sets per GPU are built once (the hot path only formats fields); and the MIG GPUs among the rows rendered
+    with them (``mig_until``: (host, uuid) -> the newest time one of its instances was rendered at), so that a MIG
+    GPU's whole-GPU point can be told from a whole GPU's when its instances came in an earlier call (a series
+    shipment renders a chunk a GPU, its instances' first: ``collector.series_outbox``)."""
 
     def __init__(self) -> None:
         self.gpu: dict[tuple, str] = {}
         self.job: dict[tuple, str] = {}
+        self.mig_until: dict[tuple[str, str], float] = {}
 
     def gpu_prefix(self, s: GpuSample) -> str:
         key = (s.host, s.gpu_index, s.gpu_uuid, s.model, s.mig)
@@ -137,15 +145,34 @@ class GpuPrefixes:
 def sample_lines(samples: Iterable[GpuSample], prefixes: GpuPrefixes | None = None) -> list[str]:
     """Measurements ``gpu`` (one point per sample, no job ids) and ``gpu_job`` (one per sample and job; its
     ``share_reported`` says whether ``share`` is the agent's or the equal split of a sample without shares).
-    ``series_url`` ships these same lines to InfluxDB (``collector.influxdb``)."""
+    ``series_url`` ships these same lines to InfluxDB (``collector.influxdb``).
+
+    A MIG GPU is counted once (``samples`` as the store keeps them: ``aggregate.normalize_mig``): its power, power
+    limit and energy counter only on its whole-GPU point, which has no ``jobs`` either (it is no device a job
+    holds: its instances are); its instances' points hold none of its readings (their ``gpu_job`` points keep its
+    power, which ``share`` splits). A whole-GPU row is a MIG GPU's when one of its instances is rendered at that
+    time or later, among ``samples`` or before them with the same ``prefixes`` (a GPU enters MIG mode only after a
+    reset, with no job on it)."""
     px = prefixes or GpuPrefixes()
+    rows = samples if isinstance(samples, (list, tuple)) else list(samples)
+    mig_until = px.mig_until
+    if len(mig_until) > 100_000:
+        mig_until.clear()
+    for s in rows:
+        if s.mig and s.ts > mig_until.get(key := (s.host, s.gpu_uuid), -math.inf):
+            mig_until[key] = s.ts
     out: list[str] = []
     append = out.append
-    for s in samples:
-        parts = [f"{k}={v!r}" for k, v in zip(FLOAT_FIELDS, _FLOATS(s)) if v is not None and math.isfinite(v)]
+    for s in rows:
+        if s.mig:
+            parts = [f"{k}={v!r}" for k, v in zip(INSTANCE_FLOAT_FIELDS, _INSTANCE_FLOATS(s))
+                     if v is not None and math.isfinite(v)]
+        else:
+            parts = [f"{k}={v!r}" for k, v in zip(FLOAT_FIELDS, _FLOATS(s)) if v is not None and math.isfinite(v)]
         parts += [f"{k}={v}i" for k, v in zip(INT_FIELDS, _INTS(s)) if v is not None and v < _I64]
         parts.append(f"xid_errors={len(s.xid_errors)}i")
-        parts.append(f"jobs={len(s.job_ids)}i")
+        if s.mig or not (mig_until and s.ts <= mig_until.get((s.host, s.gpu_uuid), -math.inf)):
+            parts.append(f"jobs={len(s.job_ids)}i")
         ts = round(s.ts * 1000.0)
         append(f"{px.gpu_prefix(s)} {','.join(parts)} {ts}")
         if s.job_ids:
