@@ -177,6 +177,11 @@ def test_unknown_ids_say_so_and_exit_2(capsys, demo_dir: Path) -> None:
          "no GPU GPU-00000000-0000-0000-0000-000000000000 on host 'node01'"),
         (("collector", "series", "node09", "GPU-x", "--start", "-600", *d), "no GPU GPU-x on host 'node09'"),
         (("report", "job", "99999", *d), "job 99999"),
+        (("audit", "explain", "99999", *d), "job 99999: no audit entry names it"),
+        # sizes the log never had are a wrong question: not "TAMPERED" (exit 1) of an intact log
+        (("audit", "proof", "--since", "999999", *d), "--since 999999: the log has"),
+        (("audit", "proof", "--since", "-3", *d), "--since -3: the log has"),
+        (("audit", "proof", "--entry", "0", *d), "--entry 0: no such entry"),
     ]:
         code, out, err = call(capsys, *argv)
         assert code == 2 and out == "" and needle in one_error_line(err), (argv, err)

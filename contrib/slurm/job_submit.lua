@@ -4,9 +4,12 @@ job_submit.lua for gpuledger: set a new job's site factor from the flat priority
 gpuledger writes the flat feed beside its JSON feed (`gpuledger priority feed` / `priority watch`; atomically:
 temp file + rename, so this script sees the old file or the new one, never half of one):
 
-  # gpuledger-priority-feed v1 generated_at=1795969360.000 entries=2
+  # gpuledger-priority-feed v1 generated_at=1795969360.000 audit_entry=118 audit_leaf=6bb0...d2 entries=2
   proj_a alice 5000
   proj_b carol 10000
+
+The header starts with the magic and ends with entries=N; what lies between (the generation time, the audit
+log's fairshare entry the feed was computed from, for `gpuledger audit verify`) is not read here.
 
 At submit time this script looks up the job's (account, user) and sets job_desc.site_factor. It reads the file
 with plain string functions: no JSON parser runs inside slurmctld. The parsed table is cached and re-read only

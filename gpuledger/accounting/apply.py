@@ -9,8 +9,9 @@ Two steps, so that the decision can be tested and shown without a cluster:
 - :func:`apply_changes` groups the changes by new factor and sets each group with as few
   ``scontrol update jobid=A,B,C SiteFactor=M`` commands as one command line holds, a few at a time (unless
   ``dry_run``). A command that fails (a job ended meanwhile) is split in halves and retried until the failing
-  jobs stand alone, so only they are reported failed. Every applied change, with its inputs, goes to ``record``
-  in one call (the ledger's audit trail writes them in one transaction).
+  jobs stand alone, so only they are reported failed. Each batch goes to ``record`` (the audit trail, one
+  transaction a call) before its command, as intended, and after it with each change's outcome, so that a run
+  stopped at any point (SIGTERM, a full disk) leaves in the log every change Slurm may have made.
 
 An array's pending tasks that still share one job record are one change (one record, ``tasks`` jobs).
 A second apply with the same feed changes nothing: the factors already match, so the plan is empty.
@@ -19,10 +20,12 @@ A second apply with the same feed changes nothing: the factors already match, so
 from __future__ import annotations
 
 import logging
+import queue
+import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -30,8 +33,8 @@ from gpuledger.accounting.slurm import PendingJob, SlurmCommandError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Applied", "Change", "FeedAssoc", "Outcome", "Plan", "Skipped", "apply_changes", "batches",
-           "feed_associations", "plan_changes", "run_apply"]
+__all__ = ["Applied", "AuditNotWritten", "Change", "FeedAssoc", "Outcome", "Plan", "Skipped", "apply_changes",
+           "batches", "feed_associations", "plan_changes", "run_apply"]
 
 # Linux caps one argument at 128 KiB (MAX_ARG_STRLEN); "jobid=A,B,..." is one argument. Kept well below.
 MAX_ARG_BYTES = 100_000
@@ -106,6 +109,12 @@ class Applied:
 
     def count(self, status: str) -> int:
         return sum(1 for o in self.outcomes if o.status == status)
+
+
+class AuditNotWritten(OSError):
+    """The audit log did not take the record apply writes before a command (or after it): that command and every
+    later one are not sent. An OSError, so that commands end with the one line they give for a file that cannot
+    be written."""
 
 
 class SiteFactorSetter(Protocol):
@@ -201,7 +210,7 @@ def apply_changes(
     client: SiteFactorSetter,
     changes: Iterable[Change],
     dry_run: bool,
-    record: Callable[[Sequence[Change | dict[str, Any]]], object] | None = None,
+    record: Callable[[Sequence[dict[str, Any]]], object] | None = None,
     max_arg_bytes: int = MAX_ARG_BYTES,
     parallel: int = PARALLEL,
     sprio_ids: Mapping[str, str] | None = None,
@@ -209,69 +218,238 @@ def apply_changes(
     """Set the changes' factors, one scontrol command per (factor, command-line-full of jobs), up to
     ``parallel`` commands at a time.
 
-    ``record`` gets all changes Slurm accepted, in one call, after the last command (not in a dry run). A
-    command that fails is bisected: its halves are retried until each failing job is alone, so a job that
-    ended meanwhile fails alone (with scontrol's message) and the rest of its batch is applied.
+    ``record`` (the audit trail; not called in a dry run) gets each batch twice, each time in one call (one
+    transaction): before its command, each change with ``status`` ``intended`` (from then on Slurm may set it); after
+    it, each change's outcome: ``applied``, ``failed`` (with ``error``: Slurm shows the old factor, or the command was
+    not sent) or ``unconfirmed`` (with ``error``: the command failed or was abandoned and the factor could not be read
+    back, so Slurm may have set it). A batch whose intent the log does not take is not sent, and no batch after it
+    (:class:`AuditNotWritten`).
 
-    A failed command may have been carried out all the same (scontrol timed out, or slurmctld answered late: it
-    then still sets the factors), and a later apply finds such jobs at their factor and records nothing. So after
-    any failure the factors are read back (``site_factors``, when the client has it; ``sprio_ids``: a job id ->
-    the id sprio prints for its record, where they differ): a job at its new factor is applied and recorded; when
-    they cannot be read, the failed changes are recorded as ``unconfirmed`` (with the error), so that every change
-    Slurm may have made is in the audit trail.
+    A command that fails is bisected: its halves are retried until each failing job is alone, so a job that ended
+    meanwhile fails alone (with scontrol's message) and the rest of its batch is applied. A failed command may have
+    been carried out all the same (scontrol timed out, or slurmctld answered late: it then still sets the factors),
+    so a batch's failed jobs are read back (``site_factors``, when the client has it; ``sprio_ids``: a job id -> the
+    id sprio prints for its record, where they differ): a job at its new factor is applied.
+
+    SIGTERM or SIGINT (taken in the main thread) stops the run between batches: no command starts after it, a
+    command still running is abandoned and its changes recorded as ``unconfirmed``, the batches not sent fail;
+    then the signal goes on to the handler it interrupted (``priority watch`` stops after the cycle; a command
+    ends as the signal asks, after one line saying what was left).
     """
     changes = list(changes)
     if dry_run:
         return Applied(tuple(Outcome(c, "dry-run") for c in changes), 0)
+    by_id = {c.job_id: c for c in changes}
     by_factor: dict[int, list[str]] = {}
     for c in changes:
         by_factor.setdefault(c.new_factor, []).append(c.job_id)
     work = [(ids, value) for value, job_ids in by_factor.items() for ids in batches(job_ids, max_arg_bytes)]
     work = _spread(work, parallel)
-    errors: dict[str, str] = {}
-    calls = 0
-    lock = threading.Lock()
+    results: queue.SimpleQueue[tuple[int, _Done] | None] = queue.SimpleQueue()
+    sender = _Sender(client, sprio_ids or {}, results)
+    failed: dict[str, str] = {}  # job id -> why its change is not known to be applied
+    started: list[int] = []  # batches whose command was started
 
-    def settle(ids: list[str], value: int) -> None:
-        nonlocal calls
-        with lock:
-            calls += 1
+    def note(what: str, rows: Sequence[tuple[str, str, str | None]]) -> None:
+        """One ``record`` call: a batch's changes as (job id, status, error)."""
+        if record is None:
+            return
+        items = [{**by_id[j].to_dict(), "status": status, **({"error": err} if err is not None else {})}
+                 for j, status, err in rows]
         try:
-            client.set_site_factors(ids, value)
+            record(items)
+        except Exception as e:  # the log's own error (disk full, database down): named in the one line
+            sent = sum(len(work[i][0]) for i in started)
+            before = (f"nothing more was sent to Slurm; the {sent} change(s) sent before are in the log as intended"
+                      if sent else "nothing was sent to Slurm")
+            raise AuditNotWritten(f"priority apply stopped: the audit log did not take {what} of {len(rows)} job "
+                                  f"record(s) ({type(e).__name__}: {e}); {before}") from e
+
+    def confirm(i: int, done: _Done) -> None:
+        ids = work[i][0]
+        failed.update((j, done.failed[j]) for j in ids if j in done.failed)
+        note("the outcome", [(j, "applied", None) if j not in done.failed else
+                             (j, "unconfirmed" if j in done.unread else "failed", done.failed[j]) for j in ids])
+
+    todo = deque(range(len(work)))
+    running: set[int] = set()
+    with _StopOnSignal(results, sender) as stop:
+        try:
+            while todo or running:
+                while todo and len(running) < max(parallel, 1) and stop.signal is None:
+                    i = todo[0]
+                    note("the planned changes", [(j, "intended", None) for j in work[i][0]])
+                    if stop.signal is not None:  # it came while the intent was written: not sent after all
+                        unsent = f"not sent: stopped by {stop.name}"
+                        failed.update((j, unsent) for j in work[i][0])
+                        todo.popleft()
+                        note("the outcome", [(j, "failed", unsent) for j in work[i][0]])
+                        break
+                    todo.popleft()
+                    running.add(i)
+                    started.append(i)
+                    sender.start(i, *work[i])
+                if stop.signal is not None or not running:
+                    break
+                got = results.get()  # a signal wakes it too, with None
+                if got is not None:
+                    running.discard(got[0])
+                    confirm(*got)
+                    if got[1].error is not None:
+                        raise got[1].error  # the batch could not be sent (a job id scontrol cannot take)
+            if stop.signal is not None:
+                while (got := _ready(results)) is not None:  # batches that ended before the signal
+                    if got[0] in running:
+                        running.discard(got[0])
+                        confirm(*got)
+                why = f"stopped by {stop.name}"
+                abandoned = f"{why} while scontrol ran: Slurm may have set it"
+                for i in sorted(running):
+                    failed.update((j, abandoned) for j in work[i][0])
+                    note("the outcome", [(j, "unconfirmed", abandoned) for j in work[i][0]])
+                failed.update((j, f"not sent: {why}") for i in todo for j in work[i][0])
+                log.warning("priority apply %s: %d of %d change(s) sent; %d still running, recorded as unconfirmed "
+                            "(Slurm may have set them); %d not sent", why, sum(len(work[i][0]) for i in started),
+                            len(changes), sum(len(work[i][0]) for i in running),
+                            sum(len(work[i][0]) for i in todo))
+        finally:
+            sender.halted = True  # a command abandoned here starts nothing more (no bisection, no read-back)
+    outcomes = tuple(Outcome(c, "failed", failed[c.job_id]) if c.job_id in failed else Outcome(c, "applied")
+                     for c in changes)
+    return Applied(outcomes, sender.calls)
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    """What one batch's commands did: the jobs whose change failed (job id -> error), those of them whose factor
+    could not be read back (Slurm may have set it), or the error that kept the batch from being sent."""
+
+    failed: dict[str, str]
+    unread: frozenset[str] = frozenset()
+    error: Exception | None = None
+
+
+def _ready(results: queue.SimpleQueue[tuple[int, _Done] | None]) -> tuple[int, _Done] | None:
+    """The next finished batch already waiting (signal wake-ups skipped), else None."""
+    while True:
+        try:
+            got = results.get_nowait()
+        except queue.Empty:
+            return None
+        if got is not None:
+            return got
+
+
+class _Sender:
+    """Runs each batch in a thread of its own: its command, the bisection of a failed one, the read-back of its
+    failed jobs. The main thread stays free to write the audit log (one connection, one thread) and to take a
+    signal while a command hangs."""
+
+    def __init__(self, client: SiteFactorSetter, sprio_ids: Mapping[str, str],
+                 results: queue.SimpleQueue[tuple[int, _Done] | None]) -> None:
+        self.client, self.sprio_ids, self.results = client, sprio_ids, results
+        self.halted = False  # set once the run stops: no command starts after it
+        self.calls = 0  # scontrol commands run
+        self._failures = 0  # jobs reported failed by commands so far, in every batch
+        self._lock = threading.Lock()
+
+    def start(self, i: int, ids: list[str], value: int) -> None:
+        threading.Thread(target=self._run, args=(i, ids, value), name=f"scontrol-batch-{i}", daemon=True).start()
+
+    def _run(self, i: int, ids: list[str], value: int) -> None:
+        try:
+            done = self._batch(ids, value)
+        except Exception as e:  # not a command's failure (those are in _Done.failed): the caller raises it
+            done = _Done({j: f"not sent: {e}" for j in ids}, error=e)
+        self.results.put((i, done))
+
+    def _batch(self, ids: list[str], value: int) -> _Done:
+        failed: dict[str, str] = {}
+        sent = not self.halted
+        self._settle(ids, value, failed)
+        if not failed:
+            return _Done(failed)
+        if self.halted:  # no read-back after a stop: the batch's first command held every job, and may yet be done
+            return _Done(failed, frozenset(failed) if sent else frozenset())
+        now_at, unread = _read_back(self.client)
+        for j in list(failed):
+            if now_at.get(self.sprio_ids.get(j, j)) == value:
+                del failed[j]  # Slurm carried it out despite the error
+        return _Done(failed, frozenset(failed) if unread else frozenset())
+
+    def _settle(self, ids: list[str], value: int, failed: dict[str, str]) -> None:
+        if self.halted:
+            failed.update((j, "not sent: the run stopped") for j in ids)
+            return
+        with self._lock:
+            self.calls += 1
+        try:
+            self.client.set_site_factors(ids, value)
         except SlurmCommandError as e:
-            with lock:
+            with self._lock:
                 if len(ids) == 1:
-                    errors[ids[0]] = str(e)
+                    failed[ids[0]] = str(e)
+                    self._failures += 1
                     return
-                if len(errors) >= MAX_BISECTED_FAILURES:
-                    note = f" (one command for {len(ids)} jobs; not retried one by one after {len(errors)} failures)"
-                    errors.update((j, f"scontrol exited with {e.returncode}: {e.stderr.strip()}{note}") for j in ids)
+                if self._failures >= MAX_BISECTED_FAILURES:
+                    note = f" (one command for {len(ids)} jobs; not retried one by one after {self._failures} failures)"
+                    failed.update((j, f"scontrol exited with {e.returncode}: {e.stderr.strip()}{note}") for j in ids)
+                    self._failures += len(ids)
                     return
             half = len(ids) // 2
-            settle(ids[:half], value)
-            settle(ids[half:], value)
+            self._settle(ids[:half], value, failed)
+            self._settle(ids[half:], value, failed)
 
-    if parallel > 1 and len(work) > 1:
-        with ThreadPoolExecutor(min(parallel, len(work))) as pool:
-            list(pool.map(lambda w: settle(*w), work))
-    else:
-        for ids, value in work:
-            settle(ids, value)
-    unconfirmed: list[Change] = []
-    if errors:
-        now_at, unread = _read_back(client)
-        for c in changes:
-            if c.job_id in errors and now_at.get((sprio_ids or {}).get(c.job_id, c.job_id)) == c.new_factor:
-                del errors[c.job_id]  # Slurm carried it out despite the error
-            elif c.job_id in errors and unread:
-                unconfirmed.append(c)
-    outcomes = tuple(Outcome(c, "failed", errors[c.job_id]) if c.job_id in errors else Outcome(c, "applied")
-                     for c in changes)
-    applied: list[Any] = [o.change for o in outcomes if o.status == "applied"]
-    applied += [{**c.to_dict(), "status": "unconfirmed", "error": errors[c.job_id]} for c in unconfirmed]
-    if record is not None and applied:
-        record(applied)
-    return Applied(outcomes, calls)
+
+class _StopOnSignal:
+    """SIGTERM and SIGINT while apply runs: the run stops between batches (``signal`` set, ``sender`` halted, the
+    main thread woken). On leaving, the signal goes on to the handler it interrupted: a callable one is called (the
+    watch daemon's stop); the default one ends the process as the signal asks, unless an error is on its way out.
+    A second signal acts at once. Only the main thread takes signals: elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, wake: queue.SimpleQueue[Any], sender: _Sender) -> None:
+        self.signal: int | None = None
+        self._wake, self._sender = wake, sender
+        self._previous: dict[int, Any] = {}
+        self._installed = False
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else ""
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._caught) for s in self.SIGNALS}
+            self._installed = True
+        return self
+
+    def _restore(self) -> None:
+        if self._installed:
+            for s, h in self._previous.items():
+                signal.signal(s, signal.SIG_DFL if h is None else h)
+            self._installed = False
+
+    def _caught(self, signum: int, frame: object) -> None:
+        # plain assignments and SimpleQueue.put only: this may run in the middle of any line of the main thread
+        if self.signal is None:
+            self.signal = signum
+            self._sender.halted = True
+            self._restore()
+        self._wake.put(None)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._restore()
+        if self.signal is None:
+            return
+        previous = self._previous.get(self.signal)
+        if previous is signal.default_int_handler and exc_type is not None:
+            return  # its KeyboardInterrupt would replace the error on its way out (and its one line)
+        if callable(previous):
+            previous(self.signal, None)
+        elif previous in (signal.SIG_DFL, None) and exc_type is None:
+            signal.raise_signal(self.signal)
 
 
 def _read_back(client: SiteFactorSetter) -> tuple[dict[str, int], bool]:
@@ -310,7 +488,7 @@ def run_apply(
     client: _ApplyClient,
     feed_entries: Iterable[Any],
     dry_run: bool = False,
-    record: Callable[[Sequence[Change | dict[str, Any]]], object] | None = None,
+    record: Callable[[Sequence[dict[str, Any]]], object] | None = None,
     now: float | None = None,
     max_arg_bytes: int = MAX_ARG_BYTES,
     parallel: int = PARALLEL,

@@ -65,6 +65,9 @@ class ChargedJob:
     measured_charge: float = 0.0  # the part of ``charged`` for what was observed (gap charge included)
     unmeasured_charge: float = 0.0  # the part for the allocated time nobody observed (``unmeasured_rule``)
     gap_charge: float = 0.0  # the part of ``measured_charge`` that charges reassigned gap energy
+    # how the charge was placed in time, as decay took it: (start, end, amount) pieces, each accruing evenly (what
+    # `audit verify` recomputes the decay from); None: not known (a record built from an older entry)
+    pieces: tuple[tuple[float, float, float], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +227,7 @@ def association_usage(
             spans[k][(a, b)] = spans[k].get((a, b), 0.0) + x
     charges: list[tuple[Any, float, float, float]] = []
     ranges = []
+    placements: list[tuple[tuple[float, float, float], ...]] = []
     for (e, key, c), own in zip(rows, spans):
         r = e.record
         pieces = [(a, b, x) for (a, b), x in own.items()]
@@ -235,6 +239,7 @@ def association_usage(
             pieces.append((r.start, max(r.start, min(r.end if r.end is not None else now, now)), c.unmeasured))
         if r is not None and (r.end is None or r.end > now):
             pieces = _until_tick(pieces, math.floor(now / settings.calc_period_s) * settings.calc_period_s)
+        placements.append(tuple(pieces))
         charges += [((key, e.key), a, b, x) for a, b, x in pieces]
         ranges.append((min((p[0] for p in pieces), default=now), max((p[1] for p in pieces), default=now)))
     decayed = decayed_usage(
@@ -254,8 +259,8 @@ def association_usage(
         ChargedJob(e.job_id, e.cluster, key[0], key[1], settings.policy, e.seen_by, c.allocated_gpu_seconds,
                    c.observed_gpu_seconds, c.coverage, c.unmeasured_gpu_seconds, settings.unmeasured, c.total,
                    per_job.get(e.key, 0.0), first, last,
-                   c.gap_energy_joules, c.measured, c.unmeasured, c.gap_charge)
-        for (e, key, c), (first, last) in zip(rows, ranges))
+                   c.gap_energy_joules, c.measured, c.unmeasured, c.gap_charge, pieces)
+        for (e, key, c), (first, last), pieces in zip(rows, ranges, placements))
     return UsageResult(usage, unknown, tuple(unmatched), jobs)
 
 

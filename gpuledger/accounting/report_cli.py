@@ -21,6 +21,7 @@ import typer
 
 from gpuledger.accounting import audit as au
 from gpuledger.accounting import jobreport as jr
+from gpuledger.accounting.audit.manifest import open_manifest
 from gpuledger.accounting.audit.verify import read_checkpoints
 from gpuledger.accounting.cli_common import (
     CONFIG_NAME,
@@ -35,6 +36,7 @@ from gpuledger.accounting.cli_common import fail_exit as _fail
 from gpuledger.accounting.cli_common import open_store as _open_store
 from gpuledger.accounting.ledger import gap_attribution, gap_inputs
 from gpuledger.accounting.ledger import load as load_ledger
+from gpuledger.accounting.priority import FEED_NAME, flat_path
 from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.idle import IDLE_COLUMNS, idle_jobs
@@ -141,10 +143,37 @@ def _emit(text: str, output: Path | None) -> None:
         raise _fail(os_error(e)) from None
 
 
+def bound_settings(settings: ReportSettings) -> dict[str, Any]:
+    """The report settings a usage report's figures are computed with, resolved: the prices, the constant CO2e
+    factor, the grid intensity series as its points' digest (not the file's: its name and layout change no
+    figure), the idle threshold. What a signed manifest binds and `audit verify --config` compares."""
+    grid = settings.grid
+    series = None
+    if grid is not None:
+        points = au.canonical_json([[t, v] for t, v in zip(grid.times, grid.values)])
+        series = {"points": len(grid.times), "sha256": hashlib.sha256(points.encode()).hexdigest()}
+    return {"currency": settings.currency, "price_per_kwh": settings.price_per_kwh,
+            "price_per_gpu_hour": dict(sorted(settings.price_per_gpu_hour.items())),
+            "co2e_kg_per_kwh": settings.co2e_kg_per_kwh, "grid_intensity": series,
+            "idle_threshold": settings.idle_threshold}
+
+
+def _settings_text(bound: Any) -> str:
+    if not isinstance(bound, dict):
+        return "binds no report settings"
+    grid = bound.get("grid_intensity")
+    series = (f"{grid.get('points')} point(s), sha256 {str(grid.get('sha256'))[:16]}" if isinstance(grid, dict)
+              else "none")
+    shown = ", ".join(f"{k} {json.dumps(bound.get(k))}" for k in ("currency", "price_per_kwh", "price_per_gpu_hour",
+                                                                   "co2e_kg_per_kwh"))
+    return f"{shown}, grid intensity series {series}, idle_threshold {json.dumps(bound.get('idle_threshold'))}"
+
+
 def _sign(output: Path | None, ledger_url: str | None, data_dir: Path, config: Path | None, inputs: dict[str, Any],
-          period: dict[str, Any]) -> None:
+          period: dict[str, Any], settings: ReportSettings | None = None) -> None:
     """Sign a written report when a key exists; say so either way (an unsigned report is not an error). The
-    manifest binds the job and usage records used, which must match the audit log (else exit 1, unsigned)."""
+    manifest binds the job and usage records used, which must match the audit log (else exit 1, unsigned), and the
+    report ``settings`` its figures were computed with (:func:`bound_settings`)."""
     if output is None:
         return
     key_path = au.default_private_key_path()
@@ -154,6 +183,8 @@ def _sign(output: Path | None, ledger_url: str | None, data_dir: Path, config: P
     cfg = config or data_dir / CONFIG_NAME
     digest = hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.exists() else None
     inputs = {**inputs, "config": {"name": cfg.name, "sha256": digest}}
+    if settings is not None:
+        inputs["settings"] = bound_settings(settings)
     try:
         key = au.load_signing_key(key_path)
         with open_audit(data_dir, ledger_url) as log:
@@ -247,7 +278,8 @@ def report_usage(
         text = usage_report_text(rep)
     _emit(text, output)
     _sign(output, url, data_dir, config, {"report": "usage", "by": by.value, "format": fmt.value,
-                                          "jobs": rep.total.jobs, "pseudonymized": pseudonymize}, per.to_dict())
+                                          "jobs": rep.total.jobs, "pseudonymized": pseudonymize}, per.to_dict(),
+          settings)
 
 
 @report_app.command("reconcile")
@@ -530,11 +562,16 @@ def audit_verify(
                                                     "pinned one (default: beside the default private key)")] = None,
     store: Annotated[bool, typer.Option("--store", help="also list store rows that disagree with their logged "
                                         "record")] = False,
+    feed: Annotated[list[Path] | None, typer.Option("--feed", help="priority feeds (JSON, the flat one beside it) "
+                                                    "to compare with the fairshare entry they name (default: the data "
+                                                    "dir's, where there is one)")] = None,
     config: ConfigOpt = None,
     ledger_url: LedgerUrl = None,
 ) -> None:
-    """Recompute the Merkle log, prove it extends every checkpoint and signed report; exit 1 naming the first
-    changed entry or range, 0 when everything verifies, 2 on bad input."""
+    """Recompute the Merkle log and every fairshare computation it holds, prove it extends every checkpoint and
+    signed report, compare the priority feeds with their entries; exit 1 naming the first changed entry or range,
+    0 when everything verifies, 2 on bad input. Shows the report settings each signed usage report binds; with
+    --config, exit 1 when they are not that file's."""
     url = cli_ledger_url(ledger_url, data_dir, config)
     path = _audit_path(url, data_dir)
     try:
@@ -544,7 +581,13 @@ def audit_verify(
     with _open(path, data_dir, url) as log:
         trusted = _trusted(public_key, keyring, log, required=bool(cps or reports))
         try:
-            v = au.verify_all(log, trusted, cps, reports or [])
+            # the data dir's feed whatever the ledger is (a PostgreSQL log has no directory of its own)
+            feeds = feed or [p for p in (data_dir / FEED_NAME,) if p.exists() or flat_path(p).exists()]
+            missing = [p for p in feed or () if not (p.exists() or flat_path(p).exists())]
+            if missing:
+                raise au.AuditError(f"--feed {missing[0]}: no such file (nor {flat_path(missing[0]).name} beside it)")
+            v = au.verify_all(log, trusted, cps, reports or [], feeds)
+            signed = [(rp, open_manifest(rp, trusted)[0]) for rp in reports or [] if trusted is not None]
         except au.AuditError as e:
             raise _fail(str(e)) from None
         changes = _bind_store(url, data_dir, log, write=False).changes if store else []
@@ -560,14 +603,42 @@ def audit_verify(
         _note(f"TAMPERED: {p}")
     if reports and v.ok:
         typer.echo(f"report(s) {', '.join(map(str, reports))}: signature, content, input records and audit head verify")
+    settings_differ = _report_settings(signed, data_dir, config)
     if store:
         if changes:
             typer.echo(f"TAMPERED: {len(changes)} store field(s) disagree with their logged record:\n"
                        + _store_changes(changes), err=True)  # tab-separated: rich would expand the tabs
         else:
             typer.echo("store: every job and usage record matches its logged record")
-    if not v.ok or changes:
+    if not v.ok or changes or settings_differ:
         raise typer.Exit(code=1)
+
+
+def _report_settings(signed: Sequence[tuple[Path, dict[str, Any] | None]], data_dir: Path, config: Path | None
+                     ) -> bool:
+    """One line per signed usage report: the settings its manifest binds; with ``config``, the settings that differ
+    from that file's (their figures would differ). Returns whether any differ."""
+    want = bound_settings(_settings(data_dir, config)) if config is not None and signed else None
+    differ = False
+    for rp, manifest in signed:
+        inputs = manifest.get("inputs") if manifest is not None else None
+        if not isinstance(inputs, dict) or inputs.get("report") != "usage":
+            continue  # unsigned (its problem is reported), or a report computed without report settings
+        bound = inputs.get("settings")
+        typer.echo(f"report {rp}: {_settings_text(bound)}")
+        if want is None:
+            continue
+        if not isinstance(bound, dict):
+            _note(f"DIFFERS: report {rp} binds no report settings (signed before manifests bound them): its prices "
+                  f"and CO2e factors cannot be compared with {config}")
+            differ = True
+            continue
+        for k in sorted(set(want) | set(bound)):
+            if bound.get(k) != want.get(k):
+                _note(f"DIFFERS: report {rp} was computed with {k} {json.dumps(bound.get(k))}, {config} gives "
+                      f"{json.dumps(want.get(k))}")
+                differ = True
+    return differ
 
 
 def _bind_store(ledger_url: str | None, data_dir: Path, log: au.AuditLog, write: bool,
@@ -615,6 +686,8 @@ def audit_proof(
                 doc = {"leaf_index": entry - 1, "tree_size": n, "leaf_hash": e.leaf.hex(), "root": log.root(n).hex(),
                        "inclusion_path": [h.hex() for h in log.inclusion_proof(entry, n)]}
             elif since is not None:
+                if not 0 <= since <= n:  # a size the log never had is a wrong question, not a damaged log
+                    raise ValueError(f"--since {since}: the log has {n} entries (give 0..{n})")
                 res = log.verify()  # every entry the proof covers, rehashed from its body, against the stored tree
                 if res.problem is not None and res.problem.first <= n:
                     raise au.EntryDamaged(str(res.problem))
@@ -644,8 +717,11 @@ def audit_explain(
     with _open(path, data_dir, url) as log:
         try:
             ex = au.explain(log, job_id)
+            named = bool(ex.steps) or next(iter(log.entries(job_id=job_id)), None) is not None
         except au.AuditError as e:
             raise _fail(f"TAMPERED: {e}", 1) from None
+    if not named and ex.chain_ok:  # a mistyped job id is a wrong question, not an explanation of nothing
+        raise _fail(f"job {job_id}: no audit entry names it (not a job of this ledger, or not charged yet)")
     if fmt is TextFmt.json:
         typer.echo(json.dumps(au.plain(ex), indent=2))
     else:

@@ -11,7 +11,6 @@ from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.audit import (
     AuditError,
     AuditLog,
-    JobCharge,
     explain,
     job_charges,
     open_log,
@@ -51,22 +50,18 @@ def test_explain_walks_from_measurement_to_applied_factor(tmp_path):
     records = [JobRecord("1", cluster="c", user="alice", account="a", gpus=1, start=1000.0, end=4600.0),
                JobRecord("2", cluster="c", user="bob", account="a", gpus=1, start=1000.0, end=4600.0)]
     usages = [_usage("1", 3600.0, 3000.0, 1e6), _usage("2", 3600.0, 360.0, 3e5)]
-    # Hand-made inputs: charge = blend with floor 0.25; decayed values as given (decay has its own tests).
-    charges = [JobCharge("1", "a", "alice", "blend", 0.25 * 3600 + 0.75 * 3000, 2900.0, 1000.0, 4600.0),
-               JobCharge("2", "a", "bob", "blend", 0.25 * 3600 + 0.75 * 360, 1100.0, 1000.0, 4600.0)]
-    usage = {("a", "alice"): 2900.0, ("a", "bob"): 1100.0}
+    # charge = blend with floor 0.25, decayed evenly over each job's hour (every output follows from its inputs)
+    settings = AccountingSettings(algorithm="classic", policy="blend", floor=0.25, priority_weight=10000)
+    charges = job_charges(join(records, usages), settings, now=5000.0)
+    assert [c.charged for c in charges] == [0.25 * 3600 + 0.75 * 3000, 0.25 * 3600 + 0.75 * 360]
+    usage = {(c.account, c.user): c.decayed for c in charges}
     rows = classic(tree, usage)
     feed = priority_feed(rows, weight=10000)
-
-    class Settings:  # the fields record_fairshare reads from AccountingSettings
-        def model_dump(self):
-            return {"algorithm": "classic", "policy": "blend", "floor": 0.25, "half_life_s": 604800.0,
-                    "priority_weight": 10000}
 
     with open_log(tmp_path) as log:
         record_job_records(log, records)
         record_usage(log, usages)
-        fs = record_fairshare(log, now=5000.0, settings=Settings(), charges=charges, usage=usage, rows=rows, feed=feed)
+        fs = record_fairshare(log, now=5000.0, settings=settings, charges=charges, usage=usage, rows=rows, feed=feed)
         alice = next(f for f in feed if f.user == "alice")
         rec = record_priority_change(log)
         rec(Change("1", "a", "alice", 2900.0, alice.effective_usage, alice.fairshare, 0, alice.site_factor, 5001.0))

@@ -252,6 +252,13 @@ def _not_json(db):
     db.execute("UPDATE entries SET body='{not json' WHERE seq=10")
 
 
+def _nested_too_deeply(db):
+    """Entry 5's data replaced by valid JSON nested deeper than the decoder goes (labels intact)."""
+    seq, *_, body, leaf = _rows(db)[4]
+    pre, post = body[:body.index('"data":') + 7], body[body.index(',"job_id"'):]
+    db.execute("UPDATE entries SET body=? WHERE seq=?", (pre + "[" * 200_000 + "]" * 200_000 + post, seq))
+
+
 def _append_outside(db):
     body = canonical_json({"seq": 11, "ts": 1.0, "kind": "usage_record", "job_id": "1", "key": None, "data": {}})
     db.execute("INSERT INTO entries VALUES (11,'usage_record','1',NULL,?,?)", (body, _h(b"\x00" + body.encode())))
@@ -271,6 +278,7 @@ def _append_outside(db):
         (_retarget_job, 5, 5, "job_id"),
         (_delete_node, 5, 8, "missing"),
         (_not_json, 10, 10, "not a canonical audit entry"),
+        (_nested_too_deeply, 5, 5, "not a canonical audit entry"),
         (_append_outside, 11, 11, "appended outside"),
     ],
 )
@@ -396,3 +404,26 @@ def test_a_rewritten_log_fails_against_earlier_checkpoints(place, tmp_path):
     assert not v.ok
     assert v.problems[0].startswith("audit entries 11..20: changed: the log no longer extends cp20"), v.problems
     assert [h.ok for h in v.heads] == [True, False]  # entries 1..10 still verify against cp10
+
+
+def test_a_body_nested_too_deeply_is_named_as_tampering_by_every_command(tmp_path):
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app
+    from gpuledger.collector.auditlog import EntryDamaged
+
+    d = tmp_path / "d"
+    with open_audit_log(None, d) as log:
+        _fill(log, 10)
+    db = open_database(d / AUDIT_NAME)
+    _nested_too_deeply(db)
+    db.close()
+    with open_audit_log(None, d) as log:
+        for read in (lambda: log.get(5), lambda: log.checked(5), lambda: list(log.entries(job_id="1005"))):
+            with pytest.raises(EntryDamaged, match="^audit entry 5: body is not a canonical audit entry"):
+                read()
+    for args in (("verify",), ("explain", "1005"), ("proof", "--entry", "5")):
+        r = CliRunner().invoke(app, ["audit", *args, "--data-dir", str(d)])
+        assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+        assert "TAMPERED: audit entry 5: body is not a canonical audit entry (modified)" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output

@@ -210,10 +210,15 @@ REAL_FEED = [PriorityEntry("proj_a", "alice", 0.2, 2000, 9.0, 0.6, 0.3),
              PriorityEntry("proj_b", "carol", 0.9, 9000, 1.0, 0.1, 0.4)]  # bob missing
 
 
-def test_apply_batches_by_factor_records_once_and_is_idempotent() -> None:
+def logged(recorded: list[list[dict]], intended: bool = False) -> dict[str, str]:
+    """Job id -> status of the ``record`` calls' outcomes (or, with ``intended``, of their intents)."""
+    return {c["job_id"]: c["status"] for batch in recorded for c in batch if (c["status"] == "intended") == intended}
+
+
+def test_apply_batches_by_factor_records_each_batch_before_and_after_and_is_idempotent() -> None:
     slurm = FakeSlurm({"16": 0, "17": 0, "18": 5})
     client = SlurmClient(run=slurm)
-    recorded: list[list[Change]] = []
+    recorded: list[list[dict]] = []
     plan, applied = run_apply(client, REAL_FEED, record=recorded.append, now=5.0)
     assert [(o.change.job_id, o.change.tasks, o.status) for o in applied.outcomes] == [
         ("17_4", 1, "applied"), ("17_[1-3,5-6]", 5, "applied"), ("16", 1, "applied")]
@@ -222,15 +227,18 @@ def test_apply_batches_by_factor_records_once_and_is_idempotent() -> None:
                                      ["scontrol", "update", "jobid=17_4,17_[1-3,5-6]", "SiteFactor=9000"]]
     assert applied.calls == 2 and plan.jobs == 8
     assert slurm.factors == {"16": 2000, "17": 9000, "18": 9000}
-    (batch,) = recorded  # one call: one transaction in the audit trail
-    assert [(c.job_id, c.user, c.old_factor, c.new_factor, c.raw_usage, c.time) for c in batch] == [
-        ("17_4", "carol", 5, 9000, 1.0, 5.0), ("17_[1-3,5-6]", "carol", 0, 9000, 1.0, 5.0),
-        ("16", "alice", 0, 2000, 9.0, 5.0)]
+    # per batch one call (one transaction in the audit trail) before its command, one after: both intents first
+    assert len(recorded) == 4 and all(c["status"] == "intended" for batch in recorded[:2] for c in batch)
+    assert [[(c["job_id"], c["user"], c["old_factor"], c["new_factor"], c["raw_usage"], c["time"]) for c in batch]
+            for batch in recorded[:2]] == [
+        [("17_4", "carol", 5, 9000, 1.0, 5.0), ("17_[1-3,5-6]", "carol", 0, 9000, 1.0, 5.0)],
+        [("16", "alice", 0, 2000, 9.0, 5.0)]]
+    assert logged(recorded) == {"17_4": "applied", "17_[1-3,5-6]": "applied", "16": "applied"}
     assert [(s.job_id, s.reason) for s in plan.skipped] == [
         ("19", "association bob@proj_a is not in the priority feed")]
     # same inputs again: nothing to change, nothing recorded, no scontrol
     plan2, applied2 = run_apply(client, REAL_FEED, record=recorded.append)
-    assert plan2.changes == () and applied2.outcomes == () and applied2.calls == 0 and len(recorded) == 1
+    assert plan2.changes == () and applied2.outcomes == () and applied2.calls == 0 and len(recorded) == 4
     assert plan2.unchanged == ("17_4", "17_[1-3,5-6]", "16") and len(slurm.updates) == 2
 
 
@@ -247,12 +255,13 @@ def test_a_job_that_ended_meanwhile_fails_alone() -> None:
     client = SlurmClient(run=slurm)
     plan = plan_changes(client.pending_jobs(), REAL_FEED, client.site_factors(), now=0.0)
     slurm.ended.add("17_4")  # ends between the plan and the update
-    recorded: list[list[Change]] = []
+    recorded: list[list[dict]] = []
     applied = apply_changes(client, plan.changes, dry_run=False, record=recorded.append)
     assert [(o.change.job_id, o.status) for o in applied.outcomes] == [
         ("17_4", "failed"), ("17_[1-3,5-6]", "applied"), ("16", "applied")]
     assert "already finished" in (applied.outcomes[0].error or "")
-    assert [c.job_id for c in recorded[0]] == ["17_[1-3,5-6]", "16"]
+    assert logged(recorded) == {"17_4": "failed", "17_[1-3,5-6]": "applied", "16": "applied"}
+    assert [c["error"] for batch in recorded for c in batch if c["status"] == "failed"] == [applied.outcomes[0].error]
     # the failed batch was split in halves until the ended job stood alone
     assert sorted(u[2] for u in slurm.updates) == ["jobid=16", "jobid=17_4", "jobid=17_4,17_[1-3,5-6]",
                                                    "jobid=17_[1-3,5-6]"]
@@ -282,29 +291,27 @@ def test_a_timed_out_scontrol_that_slurm_carried_out_is_applied_and_recorded() -
     # slurmctld restarting: scontrol gives up after its timeout, slurmctld sets the factors all the same. A later
     # apply finds them set and records nothing: this one must record them.
     slurm = StallingSlurm({"16": 0, "17": 0, "18": 5}, value=9000, applies=True)
-    recorded: list[list] = []
+    recorded: list[list[dict]] = []
     _, applied = run_apply(SlurmClient(run=slurm), REAL_FEED, record=recorded.append, now=5.0)
     assert [(o.change.job_id, o.status) for o in applied.outcomes] == [
         ("17_4", "applied"), ("17_[1-3,5-6]", "applied"), ("16", "applied")]
-    assert sorted(c.job_id for c in recorded[0]) == ["16", "17_4", "17_[1-3,5-6]"]
+    assert logged(recorded) == {"16": "applied", "17_4": "applied", "17_[1-3,5-6]": "applied"}
 
 
 def test_a_timed_out_scontrol_that_cannot_be_confirmed_is_recorded_as_unconfirmed() -> None:
     slurm = StallingSlurm({"16": 0, "17": 0, "18": 5}, value=9000, applies=False, sprio_stalls=True)
-    recorded: list[list] = []
+    recorded: list[list[dict]] = []
     _, applied = run_apply(SlurmClient(run=slurm), REAL_FEED, record=recorded.append, now=5.0)
     status = {o.change.job_id: o.status for o in applied.outcomes}
     assert status == {"17_4": "failed", "17_[1-3,5-6]": "failed", "16": "applied"}
     assert all("no answer within" in (o.error or "") for o in applied.outcomes if o.status == "failed")
-    (batch,) = recorded
-    done = [c.job_id for c in batch if isinstance(c, Change)]
-    maybe = {c["job_id"]: (c["status"], c["new_factor"]) for c in batch if isinstance(c, dict)}
-    assert done == ["16"] and maybe == {"17_4": ("unconfirmed", 9000), "17_[1-3,5-6]": ("unconfirmed", 9000)}
-    # and when the read-back works but shows the old factor, the change failed: nothing recorded for it
+    assert logged(recorded) == {"16": "applied", "17_4": "unconfirmed", "17_[1-3,5-6]": "unconfirmed"}
+    assert {c["new_factor"] for batch in recorded for c in batch if c["status"] == "unconfirmed"} == {9000}
+    # and when the read-back works but shows the old factor, the change failed: recorded so, with the error
     slurm = StallingSlurm({"16": 0, "17": 0, "18": 5}, value=9000, applies=False)
     recorded = []
     _, applied = run_apply(SlurmClient(run=slurm), REAL_FEED, record=recorded.append, now=5.0)
-    assert [c.job_id for c in recorded[0]] == ["16"]
+    assert logged(recorded) == {"16": "applied", "17_4": "failed", "17_[1-3,5-6]": "failed"}
 
 
 def test_bisection_finds_each_failing_job_in_a_large_batch() -> None:

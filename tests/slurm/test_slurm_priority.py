@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from slurm_cluster import PARTITION, SlurmCluster  # tests/slurm is on sys.path (rootdir imports)
 
-from gpuledger.accounting.apply import Change, run_apply
+from gpuledger.accounting.apply import run_apply
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.fairshare import fair_tree
-from gpuledger.accounting.priority import PriorityEntry, feed_document, priority_feed, write_feed
+from gpuledger.accounting.priority import FeedSource, PriorityEntry, feed_document, priority_feed, write_feed
 from gpuledger.accounting.slurm import merge_sacct, parse_sacct_json, parse_sacct_parsable
 
 pytestmark = pytest.mark.slurm
@@ -35,7 +35,9 @@ def feed_for(cluster: SlurmCluster, usage: dict[tuple[str, str], float]) -> list
     """Fair Tree over the cluster's own association tree (sacctmgr), usage as given; written where the lua reads."""
     text = cluster.cmd("sacctmgr", "-P", "show", "associations", "format=Cluster,Account,User,ParentName,Share")
     entries = priority_feed(fair_tree(AssocTree.from_sacctmgr(text), usage), weight=WEIGHT)
-    write_feed(cluster.feed, feed_document(entries, {"generated_at": time.time(), "priority_weight": WEIGHT}))
+    # the header names the audit entry the feed came from: job_submit.lua reads past it (magic ... entries=N)
+    write_feed(cluster.feed, feed_document(entries, {"generated_at": time.time(), "priority_weight": WEIGHT},
+                                           FeedSource(118, "6bb074fc" * 8)))
     return entries
 
 
@@ -94,7 +96,7 @@ def test_priority_apply_sets_measured_fairshare_once(slurm_cluster: SlurmCluster
     plan, applied = run_apply(client, feed, dry_run=True)
     assert {o.status for o in applied.outcomes} == {"dry-run"} and sprio(c) == before
 
-    recorded: list[Change] = []
+    recorded: list[dict] = []
     plan, applied = run_apply(client, feed, record=recorded.extend)
     outcomes = applied.outcomes
     expect = {jobs[k]: want[a] for k, a in (("alice", ("proj_a", "alice")), ("bob", ("proj_a", "bob")),
@@ -104,14 +106,17 @@ def test_priority_apply_sets_measured_fairshare_once(slurm_cluster: SlurmCluster
     assert [s.job_id for s in plan.skipped] == [jobs["held"]]
     after = sprio(c)
     assert {j: after[j] for j in expect} == expect  # sprio's SITE column
-    by_job = {r.job_id: r for r in recorded}
+    # each change twice: intended before its scontrol, applied after it
+    assert sorted((r["job_id"], r["status"]) for r in recorded) == sorted(
+        (j, s) for j in expect for s in ("applied", "intended"))
+    by_job = {r["job_id"]: r for r in recorded if r["status"] == "applied"}
     carol = by_job[jobs["carol"]]
-    assert (carol.account, carol.user, carol.raw_usage, carol.old_factor, carol.new_factor) == \
+    assert (carol["account"], carol["user"], carol["raw_usage"], carol["old_factor"], carol["new_factor"]) == \
            ("proj_b", "carol", 0.0, factors(state["feed_at_submit"])[("proj_b", "carol")], want[("proj_b", "carol")])
-    assert by_job[jobs["alice_default"]].old_factor == 0
+    assert by_job[jobs["alice_default"]]["old_factor"] == 0
     # same inputs again: nothing changes
     plan2, applied2 = run_apply(client, feed, record=recorded.extend)
-    assert plan2.changes == () and applied2.outcomes == () and len(recorded) == len(expect)
+    assert plan2.changes == () and applied2.outcomes == () and len(recorded) == 2 * len(expect)
     assert sprio(c) == after
     state["feed_now"] = feed
 

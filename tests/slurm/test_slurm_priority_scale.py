@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from slurm_cluster import PARTITION, USERS, SlurmCluster, free_ports  # tests/slurm is on sys.path (rootdir imports)
 
-from gpuledger.accounting.apply import Change, apply_changes, plan_changes, run_apply
+from gpuledger.accounting.apply import apply_changes, plan_changes, run_apply
 from gpuledger.accounting.priority import PriorityEntry, feed_document, flat_path, write_atomically, write_feed
 
 pytestmark = pytest.mark.slurm
@@ -108,7 +108,7 @@ def test_batch_apply_sets_exactly_the_feed_factors(slurm_cluster: SlurmCluster, 
     c.cmd("scontrol", "update", f"jobid={arrays['bob']}_3", "SiteFactor=7")
     second = {"alice": 4000, "bob": 500, "carol": 9000}
     entries = feed(second)
-    recorded: list[list[Change]] = []
+    recorded: list[list[dict]] = []
     t0 = time.monotonic()
     plan, applied = run_apply(c.client(), entries, record=recorded.append)
     took = time.monotonic() - t0
@@ -118,7 +118,9 @@ def test_batch_apply_sets_exactly_the_feed_factors(slurm_cluster: SlurmCluster, 
     assert applied.calls == 3  # one scontrol per factor
     targets = {o.change.job_id for o in applied.outcomes}
     assert f"{arrays['bob']}_3" in targets and f"{arrays['bob']}_[1-2,4-{ARRAY_TASKS}]" in targets
-    assert len(recorded) == 1 and len(recorded[0]) == n_records  # one transaction
+    # per command one transaction before it (intended) and one after (applied)
+    assert len(recorded) == 2 * applied.calls and sum(map(len, recorded)) == 2 * n_records
+    assert sorted(c["status"] for b in recorded for c in b) == ["applied"] * n_records + ["intended"] * n_records
     got = sprio(c)
     want = {j: second[u] for u, js in ids.items() for j in js} | {a: second[u] for u, a in arrays.items()}
     assert {j: got[j] for j in want} == want
@@ -127,7 +129,7 @@ def test_batch_apply_sets_exactly_the_feed_factors(slurm_cluster: SlurmCluster, 
     assert sum(1 for j in got if got[j] == second["bob"]) == JOBS_PER_USER + 2
     # same feed again: nothing to do, no scontrol
     plan2, applied2 = run_apply(c.client(), entries, record=recorded.append)
-    assert plan2.changes == () and applied2.calls == 0 and len(recorded) == 1
+    assert plan2.changes == () and applied2.calls == 0 and len(recorded) == 2 * applied.calls
     print(f"apply of {n_records} records ({plan.jobs} jobs): {took:.2f} s")
 
 

@@ -3,16 +3,21 @@
 Measurements come from the per-GPU usage records the fairshare entry names (what the charge read), else the job
 total it names, else the job's latest total, else its latest per-GPU records: never both (a job logged per GPU and
 later as a total would count twice). The measured charge is recomputed from those logged records (and the logged
-job record's allocation) under the logged policy and shown as a formula; every step without an entry is listed as
-not proven, and reassigned gap energy is proven only by the gap records it came from. :func:`charge_problems`
-finds every charge explain would show as DIFFERS (``audit verify`` fails on them).
+job record's allocation) under the logged policy and shown as a formula; reassigned gap energy is proven only by
+the gap records it came from. The fairshare entry's own outputs are recomputed from its inputs with accounting's
+own code (:func:`derive`: decay, each association's usage as the sum of its jobs', the fairshare rows over the tree
+they state, each site factor), and a newer entry that drops a job still weighing in fairshare is named
+(:func:`dropped`). Every step without an entry, that does not follow, or that the entry lacks the data to
+recompute is listed as not proven; :func:`fairshare_problems` finds everything that does not follow (``audit
+verify`` fails on it). The factor applied is proven only by the job's newest ``applied`` priority change; a newer
+one (sent with no outcome logged, unconfirmed, failed) is listed as not proven (:func:`unsettled`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +85,7 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
                              + _corrected(job), _ref(job)))
     else:
         ex.missing.append("job record: no job_record entry (the scheduler's record was never logged)")
-    fs = _fairshare_for(log, job_id)
+    fs, newest = _fairshare_for(log, job_id)
     src = fs.data["inputs"]["jobs"][job_id] if fs is not None else {}
     usage = _measurements(log, lambda: mine, job_id, src)
     # rows accepted as gone (deleted, or moved to a key the log had not seen): what the measurements lost
@@ -109,15 +114,76 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
                        "site factor: no priority feed charged this job"]
     else:
         charged = _charged_records(log, lambda: usage, job_id, src)
-        _fairshare_steps(ex, log, fs, src, charged, _charged_job_record(log, src, job))
-    changes = list(log.entries(job_id=job_id, kind="priority_change"))
-    if changes:
-        last_c = changes[-1].data
-        ex.steps.append(Step("applied", f"site factor {last_c.get('old_factor')} -> {last_c.get('new_factor')} "
-                             f"(fairshare {last_c.get('fairshare')!r})", _ref(*changes)))
-    else:
-        ex.missing.append("applied: no priority_change entry (the factor was not applied to this job yet)")
+        _fairshare_steps(ex, log, fs, src, charged, _charged_job_record(log, src, job), derive(fs))
+        if newest is not None and newest.seq != fs.seq and isinstance(src, dict) and _still_weighs(newest, src):
+            keys = {_charge_key(j, c) for j, c in newest.data["inputs"]["jobs"].items()}
+            if _charge_key(job_id, src) not in keys and not _job_gone(log, src, job_id):
+                ex.missing.append(f"charged usage: the newest fairshare entry {newest.seq} does not charge this job, "
+                                  f"though it still weighs in fairshare (dropped); the steps shown are entry "
+                                  f"{fs.seq}'s")
+    _applied_step(ex, log.entries(job_id=job_id, kind="priority_change"))
     return ex
+
+
+# -- priority changes -------------------------------------------------------------------------------------------
+# `priority apply` logs each change twice: before its scontrol command ("intended": from then on Slurm may hold
+# it) and after it with the outcome. An entry without a status was written before that, once Slurm had taken it.
+CHANGE_STATUSES = ("intended", "applied", "failed", "unconfirmed")
+
+
+def change_status(e: Entry) -> Any:
+    """A ``priority_change`` entry's status ("applied" for one written before changes were logged twice)."""
+    return e.data.get("status", "applied") if isinstance(e.data, dict) else None
+
+
+def latest_changes(changes: Iterable[Entry]) -> dict[str, tuple[Entry | None, Entry]]:
+    """Per job of ``changes`` (``priority_change`` entries, oldest first): its newest ``applied`` entry (None:
+    none) and its newest entry of all, which says what Slurm may hold now."""
+    out: dict[str, tuple[Entry | None, Entry]] = {}
+    for e in changes:
+        job = str(e.job_id)
+        applied = e if change_status(e) == "applied" else out[job][0] if job in out else None
+        out[job] = (applied, e)
+    return out
+
+
+def _factors(e: Entry) -> str:
+    d = e.data if isinstance(e.data, dict) else {}
+    return f"{d.get('old_factor')} -> {d.get('new_factor')}"
+
+
+def unsettled(e: Entry) -> str | None:
+    """Why the newest ``priority_change`` entry ``e`` of a job does not prove what Slurm holds (None: it does, as
+    ``applied``)."""
+    status = change_status(e)
+    error = e.data.get("error") if isinstance(e.data, dict) else None
+    if status == "applied":
+        return None
+    if status == "intended":
+        return (f"sent to Slurm, outcome not recorded (the run stopped); Slurm may hold {_factors(e)} "
+                f"(entry {e.seq}, intended)")
+    if status == "unconfirmed":
+        return f"site factor {_factors(e)} may have been set (entry {e.seq}, unconfirmed: {error})"
+    if status == "failed":
+        return f"site factor {_factors(e)} not applied (entry {e.seq}, failed: {error})"
+    return f"entry {e.seq}'s status {status!r} is not one of {', '.join(CHANGE_STATUSES)}"
+
+
+def _applied_step(ex: Explanation, changes: Iterable[Entry]) -> None:
+    """The factor Slurm was set to: proven by the job's newest ``applied`` entry only; a newer entry that is not one
+    (a change sent whose outcome is not logged, unconfirmed, failed) is listed as not proven."""
+    latest = latest_changes(changes).get(ex.job_id)
+    if latest is None:
+        ex.missing.append("applied: no priority_change entry (the factor was not applied to this job yet)")
+        return
+    applied, newest = latest
+    if applied is not None:
+        d = applied.data
+        ex.steps.append(Step("applied", f"site factor {_factors(applied)} (fairshare {d.get('fairshare')!r})",
+                             _ref(applied)))
+    why = unsettled(newest)
+    if why is not None:
+        ex.missing.append("applied: " + ("" if applied is None else f"a change after entry {applied.seq}'s: ") + why)
 
 
 def _corrected(e: Entry) -> str:
@@ -172,19 +238,24 @@ def _charged_records(log: AuditLog, fallback: Callable[[], list[Entry]], job_id:
             or _cited(log, [c.get("usage_entry")], job_id, ("usage_record", "correction")) or [])
 
 
-def _fairshare_for(log: AuditLog, job_id: str) -> Entry | None:
-    """The newest fairshare entry that charged the job with a priority feed, else the newest that charged it."""
-    fallback = None
+def _fairshare_for(log: AuditLog, job_id: str) -> tuple[Entry | None, Entry | None]:
+    """The newest fairshare entry that charged the job with a priority feed, else the newest that charged it; and
+    the newest fairshare entry of all (readable as one)."""
+    fallback = newest = None
     for e in log.entries(kind="fairshare", newest_first=True):
         try:
-            if job_id not in e.data["inputs"]["jobs"]:
+            jobs = e.data["inputs"]["jobs"]
+            if not isinstance(jobs, dict):
                 continue
         except (KeyError, TypeError):
             continue
+        newest = newest or e
+        if job_id not in jobs:
+            continue
         if e.data.get("outputs", {}).get("feed"):
-            return e
+            return e, newest
         fallback = fallback or e
-    return fallback
+    return fallback, newest
 
 
 def _policy(s: Mapping[str, Any]) -> Any:
@@ -259,8 +330,17 @@ def _check(fs: Entry, c: Mapping[str, Any], usage: list[Entry], job: Entry | Non
     return _Check(formula, measured, expected, differs, parts_differ)
 
 
+def _step(ex: Explanation, name: str, summary: str, entries: tuple[tuple[int, str], ...], why_not: str | None
+          ) -> None:
+    """A step the entries prove, or, with ``why_not``, one they do not (what the entry says, and why)."""
+    if why_not is None:
+        ex.steps.append(Step(name, summary, entries))
+    else:
+        ex.missing.append(f"{name}: {summary}; {why_not}")
+
+
 def _fairshare_steps(ex: Explanation, log: AuditLog, fs: Entry, c: dict[str, Any], usage: list[Entry],
-                     job: Entry | None) -> None:
+                     job: Entry | None, dv: Derivation) -> None:
     ref = _ref(fs)
     s = fs.data.get("settings", {})
     k = _check(fs, c, usage, job)
@@ -278,33 +358,412 @@ def _fairshare_steps(ex: Explanation, log: AuditLog, fs: Entry, c: dict[str, Any
         summary += (f"; + {unmeasured_s!r} allocated GPU-s nobody measured, charged by rule "
                     f"{c.get('unmeasured_rule')!r}: {c.get('unmeasured_charge')!r}; charged {charged!r}"
                     + (" (parts DIFFER)" if k.parts_differ else ""))
-    ex.steps.append(Step("charged usage", summary, ref + _ref(*usage) if usage else ref))
+    _step(ex, "charged usage", summary, ref + _ref(*usage) if usage else ref,
+          "its logged records do not recompute to it" if k.differs or k.parts_differ else None)
     if gaps:
         ex.steps.append(Step("gap energy", f"{c['gap_energy_joules']!r} J of sampling gaps' unattributed energy "
                              f"reassigned to the job from Slurm's record (accounting.gaps) out of {len(gaps)} gap "
                              "record(s); measured under the energy policy"
                              + "".join(sorted({_corrected(g) for g in gaps})), _ref(*gaps) + ref))
     acct, user = c.get("account"), c.get("user")
+    key = (acct, user)
     a_total = (_assoc(fs.data["inputs"].get("associations", []), acct, user) or {}).get("decayed_usage")
-    ex.steps.append(Step("decayed usage", f"half-life {s.get('half_life_s')} s, "
-                         f"calc period {s.get('calc_period_s')} s, "
-                         f"usage from {_iso(c.get('first_ts'))} to {_iso(c.get('last_ts'))} decayed to "
-                         f"{_iso(fs.data.get('now'))}: {c.get('decayed')!r} of association {user}@{acct}'s {a_total!r}",
-                         ref))
+    how = [f"{what} {dv.recomputed[('decayed usage', k)]}" for what, k in (("recomputed", ex.job_id),
+                                                                           ("the association's is", key))
+           if ("decayed usage", k) in dv.recomputed]
+    _step(ex, "decayed usage", f"half-life {s.get('half_life_s')} s, calc period {s.get('calc_period_s')} s, "
+          f"usage from {_iso(c.get('first_ts'))} to {_iso(c.get('last_ts'))} decayed to {_iso(fs.data.get('now'))}: "
+          f"{c.get('decayed')!r} of association {user}@{acct}'s {a_total!r}" + (f" ({'; '.join(how)})" if how else ""),
+          ref, dv.why_not("decayed usage", ex.job_id, key))
     outputs = fs.data.get("outputs", {})
     row = _assoc(outputs.get("rows", []), acct, user)
+    fair_not = dv.why_not("fairshare", key)
     if row is not None:
-        ex.steps.append(Step("fairshare", f"{s.get('algorithm')}: norm shares {row.get('norm_shares')!r}, "
-                             f"effective usage {row.get('effective_usage')!r} -> "
-                             f"fairshare {row.get('fairshare')!r}", ref))
+        again = dv.recomputed.get(("fairshare", key))
+        _step(ex, "fairshare", f"{s.get('algorithm')}: norm shares {row.get('norm_shares')!r}, effective usage "
+              f"{row.get('effective_usage')!r} -> fairshare {row.get('fairshare')!r}"
+              + (f" (recomputed {again}: same)" if again else ""), ref, fair_not)
     else:
         ex.missing.append(f"fairshare: the fairshare entry {fs.seq} has no row for {user}@{acct}")
     feed = _assoc(outputs.get("feed", []), acct, user)
     if feed is not None:
-        ex.steps.append(Step("site factor", f"round({s.get('priority_weight')} x {feed.get('fairshare')!r}) = "
-                             f"{feed.get('site_factor')}", ref))
+        factor_not = dv.why_not("site factor", key) or (
+            None if fair_not is None and row is not None else "the fairshare it is made of is not proven")
+        again = dv.recomputed.get(("site factor", key))
+        _step(ex, "site factor", f"round({s.get('priority_weight')} x {feed.get('fairshare')!r}) = "
+              f"{feed.get('site_factor')}" + (f" (recomputed, {again})" if again else ""), ref, factor_not)
     else:
         ex.missing.append(f"site factor: the fairshare entry {fs.seq} that charged this job carries no priority feed")
+
+
+# -- what a fairshare entry's outputs follow from --------------------------------------------------------------
+# Logged numbers are compared to 1e-9 relative: a sum recomputed in another order (the tree's users sort by their
+# pseudonyms here, by their names when the entry was written) differs in the last bits, a forged number does not.
+_TOLERANCE = 1e-9
+_ROW_NUMBERS = ("norm_shares", "raw_usage", "norm_usage", "effective_usage", "fairshare", "level_fs")
+_FEED_NUMBERS = ("fairshare", "raw_usage", "effective_usage", "norm_shares")
+_LISTED = 10  # problems of one kind named per entry; the rest are counted
+
+
+def _number(v: Any) -> float | None:
+    """A logged number (non-finite floats are logged as text: 'inf'); None for anything else (a bool too)."""
+    t = type(v)
+    if t is float or t is int:
+        return float(v)
+    if t is str and v in ("inf", "-inf", "nan"):
+        return float(v)
+    return None
+
+
+def _finite(v: Any) -> float | None:
+    t = type(v)  # called per job and value of every fairshare entry: the plain types first
+    return float(v) if (t is float or t is int) and math.isfinite(v) else None
+
+
+def _agree(logged: Any, again: Any) -> bool:
+    x, y = _number(logged), _number(again)
+    if x is None or y is None:
+        return logged is None and again is None
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) and math.isnan(y)
+    return x == y or math.isclose(x, y, rel_tol=_TOLERANCE, abs_tol=_TOLERANCE)
+
+
+def _label(key: tuple[Any, Any]) -> str:
+    """An association as the messages name it: user@account, or the account."""
+    return f"account {key[0]}" if key[1] is None else f"{key[1]}@{key[0]}"
+
+
+@dataclass
+class Derivation:
+    """What of one fairshare entry's outputs follows from its inputs, recomputed with accounting's own code: each
+    job's decayed charge (``decay``), each association's usage (the sum of its jobs'), every fairshare row
+    (``engine.compute`` over the tree the rows state), every site factor (``priority.site_factor``).
+
+    ``problems``: what does not follow, one sentence each naming the entry (``audit verify`` fails on them);
+    ``unproven``: per (step, job id or association, or None for the whole entry), why `audit explain` cannot call
+    that step proven (it does not follow, or the entry lacks what recomputing it needs); ``recomputed``: per
+    (step, job id or association), how a step that follows was recomputed."""
+
+    seq: int
+    problems: list[str] = field(default_factory=list)
+    unproven: dict[tuple[str, Any], str] = field(default_factory=dict)
+    recomputed: dict[tuple[str, Any], str] = field(default_factory=dict)
+    _counts: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, step: str, key: Any, why: str) -> None:
+        n = self._counts[step] = self._counts.get(step, 0) + 1
+        if n <= _LISTED:
+            self.problems.append(f"audit entry {self.seq}: {why}")
+        self.unproven.setdefault((step, key), f"{why} (does not follow)")
+
+    def lack(self, step: str, key: Any, why: str) -> None:
+        self.unproven.setdefault((step, key), why)
+
+    def why_not(self, step: str, *keys: Any) -> str | None:
+        return next((self.unproven[(step, k)] for k in (*keys, None) if (step, k) in self.unproven), None)
+
+    def close(self) -> None:
+        for step, n in self._counts.items():
+            if n > _LISTED:
+                self.problems.append(f"audit entry {self.seq}: and {n - _LISTED} more {step} value(s) that do not "
+                                     "follow")
+
+
+def _tree(rows: list[Any]) -> Any:
+    """The association tree the fairshare rows state (sshare order: each row's depth and raw shares name its place
+    and shares); None when the rows do not carry them (``AssociationError`` when they do not form a tree)."""
+    from gpuledger.accounting.associations import ROOT, Assoc, AssociationError, AssocTree
+
+    assocs, where = [], []
+    accounts: list[Any] = []  # accounts[d]: the account at depth d on the way down to this row
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or "depth" not in r or "raw_shares" not in r:
+            return None
+        depth, shares = r["depth"], r["raw_shares"]
+        account: Any = r.get("account")
+        user: Any = r.get("user")
+        if type(depth) is not int or not 0 <= depth <= len(accounts) or (depth == 0) != (i == 0):
+            raise AssociationError(f"fairshare row {i}: depth {depth!r} is not below an account row")
+        if depth == 0:
+            if account != ROOT or user is not None:
+                raise AssociationError(f"fairshare row 0: {account!r} is not the root account")
+            accounts = [ROOT]
+            continue
+        parent = accounts[depth - 1]
+        if user is None:
+            del accounts[depth:]
+            accounts.append(account)
+        assocs.append(Assoc(account, user, parent, shares))
+        where.append(f"fairshare row {i}")
+    return AssocTree(assocs, where)
+
+
+def _decay_args(s: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The settings the entry's decay ran with, as ``decay.decayed_usage`` takes them (None: the entry lacks them)."""
+    half_life, period = _finite(s.get("half_life_s")), _finite(s.get("calc_period_s"))
+    if half_life is None or period is None or not isinstance(s.get("usage_reset", "NONE"), str):
+        return None
+    tz = s.get("timezone") or None
+    return {"half_life_s": half_life, "calc_period_s": int(period) if period.is_integer() else period,
+            "reset": s.get("usage_reset", "NONE"), "tz": tz if isinstance(tz, str) else None}
+
+
+def _pieces(c: Mapping[str, Any], charged: float) -> list[tuple[float, float, float]] | str | None:
+    """The (start, end, amount) pieces the entry says a job's charge was placed in time as (None: it does not say;
+    text: why they are not pieces of this charge)."""
+    raw = c.get("pieces")
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        return "its pieces are not a list"
+    out = []
+    for p in raw:
+        a, b, x = (_finite(v) for v in p) if isinstance(p, list) and len(p) == 3 else (None, None, None)
+        if a is None or b is None or x is None or a > b or x < 0:
+            return f"its piece {p!r} is not (start, end, amount) with start <= end and amount >= 0"
+        out.append((a, b, x))
+    total = math.fsum(x for _, _, x in out)
+    if total > charged and not _agree(total, charged):
+        return f"its pieces add up to {total!r}, more than its charge {charged!r}"
+    return out
+
+
+def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float, s: Mapping[str, Any]
+                  ) -> dict[str, tuple[Any, float]]:
+    """Each job's decayed charge recomputed (``decay.decayed_usage``) from the pieces of it the entry logs, else
+    from its charge spread evenly over first..last; returns the jobs whose numbers can be read:
+    job id -> (association, logged decayed charge)."""
+    from gpuledger.accounting.decay import decayed_usage
+
+    args = _decay_args(s)
+    if args is None:
+        dv.lack("decayed usage", None, f"entry {fs.seq} does not log the decay settings (half-life, calc period)")
+    read: dict[str, tuple[Any, float]] = {}
+    placed: dict[str, list[tuple[float, float, float]]] = {}
+    logged_pieces: set[str] = set()
+    for job_id, c in jobs.items():
+        if not isinstance(c, dict):
+            dv.fail("decayed usage", job_id, f"job {job_id}'s charge is not a record")
+            continue
+        charged, decayed = _finite(c.get("charged")), _finite(c.get("decayed"))
+        first, last = _finite(c.get("first_ts")), _finite(c.get("last_ts"))
+        if charged is None or decayed is None or first is None or last is None or first > last or decayed < 0:
+            dv.fail("decayed usage", job_id, f"job {job_id}'s charge {c.get('charged')!r}, decayed charge "
+                                             f"{c.get('decayed')!r} and times are not a charge decayed")
+            continue
+        read[job_id] = ((c.get("account"), c.get("user")), decayed)
+        pieces = _pieces(c, charged)
+        if isinstance(pieces, str):
+            dv.fail("decayed usage", job_id, f"job {job_id}: {pieces}")
+            continue
+        if pieces is not None:
+            logged_pieces.add(job_id)
+        placed[job_id] = pieces if pieces is not None else [(first, last, charged)]
+    if logged_pieces:  # a job without them beside jobs with them: its decay taken out of what can be recomputed
+        for job_id in [j for j in placed if j not in logged_pieces]:
+            dv.fail("decayed usage", job_id, f"job {job_id} logs no pieces, though the entry's other jobs do")
+            del placed[job_id]
+    if args is None or not placed:
+        return read
+    try:
+        again = decayed_usage([(j, a, b, x) for j, ps in placed.items() for a, b, x in ps], now=now, **args)
+        # decay never grows usage, and usage used later decays less: the most a charge can have decayed to is all
+        # of it used at its last time (before now); for the jobs whose decay does not recompute
+        most = decayed_usage([(j, min(float(jobs[j]["last_ts"]), now), min(float(jobs[j]["last_ts"]), now),
+                               float(jobs[j]["charged"])) for j in placed
+                              if j not in logged_pieces and not _agree(read[j][1], again.get(j, 0.0))],
+                             now=now, **args)
+    except ValueError as e:
+        dv.lack("decayed usage", None, f"entry {fs.seq}'s decay cannot be recomputed: {e}")
+        return read
+    for job_id in placed:
+        decayed, want = read[job_id][1], again.get(job_id, 0.0)  # no pieces: nothing to decay
+        if _agree(decayed, want):
+            dv.recomputed[("decayed usage", job_id)] = ("from its logged pieces: same" if job_id in logged_pieces
+                                                        else "from its charge spread evenly over first..last: same")
+            continue
+        if job_id in logged_pieces:
+            dv.fail("decayed usage", job_id, f"job {job_id}'s decayed charge {decayed!r} is not what its logged "
+                                             f"pieces decay to ({want!r})")
+        elif decayed > most.get(job_id, 0.0) and not _agree(decayed, most.get(job_id, 0.0)):
+            dv.fail("decayed usage", job_id, f"job {job_id}'s decayed charge {decayed!r} is more than its charge "
+                                             f"decays to even if all of it was used at its last time "
+                                             f"({most.get(job_id, 0.0)!r})")
+        else:
+            dv.lack("decayed usage", job_id, f"entry {fs.seq} does not log where in time job {job_id}'s charge was "
+                                             f"placed (hour by hour), so its decay cannot be recomputed (spread "
+                                             f"evenly over first..last it decays to {want!r})")
+    return read
+
+
+def derive(fs: Entry, trees: dict[Any, Any] | None = None) -> Derivation:
+    """Recompute what fairshare entry ``fs``'s outputs follow from (:class:`Derivation`); ``trees`` caches the
+    association trees of the rows between calls (consecutive entries mostly share one). Linear in the entry's
+    size (the tree's index is built once per tree)."""
+    from gpuledger.accounting.associations import AssociationError
+    from gpuledger.accounting.engine import compute
+    from gpuledger.accounting.priority import site_factor
+
+    dv = Derivation(fs.seq)
+    d = fs.data
+    try:
+        s, now = d["settings"], float(d["now"])
+        jobs, assocs = d["inputs"]["jobs"], d["inputs"]["associations"]
+        rows, feed = d["outputs"]["rows"], d["outputs"].get("feed") or []
+        if not (isinstance(s, dict) and isinstance(jobs, dict) and isinstance(assocs, list)
+                and isinstance(rows, list) and isinstance(feed, list) and math.isfinite(now)):
+            raise TypeError
+    except (KeyError, TypeError, ValueError, AttributeError):
+        dv.fail("fairshare", None, "its data is not a fairshare computation (now, settings, inputs.jobs, "
+                                   "inputs.associations, outputs.rows)")
+        dv.close()
+        return dv
+    read = _derive_decay(dv, fs, jobs, now, s)
+
+    # each association's usage: the sum of its jobs' decayed charges
+    by_assoc: dict[Any, list[float]] = {}
+    for key, decayed in read.values():
+        by_assoc.setdefault(key, []).append(decayed)
+    row_of = {(r.get("account"), r.get("user")): r for r in rows if isinstance(r, dict)}
+    usage: dict[Any, float] = {}
+    for a in assocs:
+        key = (a.get("account"), a.get("user")) if isinstance(a, dict) else (None, None)
+        v = _finite(a.get("decayed_usage")) if isinstance(a, dict) else None
+        if v is None or key in usage:
+            dv.fail("decayed usage", key, f"the usage of {_label(key)} is not one number ({a!r})")
+            continue
+        usage[key] = v
+        mine = by_assoc.get(key, [])
+        want = math.fsum(mine)
+        if not _agree(v, want):
+            dv.fail("decayed usage", key, f"{_label(key)}'s decayed usage {v!r} is not the sum of its {len(mine)} "
+                                          f"job(s)' decayed charges ({want!r})")
+        else:
+            dv.recomputed[("decayed usage", key)] = f"the sum of its {len(mine)} job(s)' decayed charges"
+    for key, mine in by_assoc.items():
+        if key not in usage and key in row_of:
+            dv.fail("decayed usage", key, f"{_label(key)} has {len(mine)} charged job(s) (decayed "
+                                          f"{math.fsum(mine)!r}) but no usage in the entry (dropped)")
+    forged = sorted(_label(k) for (step, k) in dv.unproven if step == "decayed usage" and isinstance(k, tuple))
+    if forged:
+        dv.lack("fairshare", None, f"it is computed from usage that does not follow ({', '.join(forged[:3])}"
+                                   + (", ..." if len(forged) > 3 else "") + ")")
+
+    # every row: the logged shares and usage through the project's fairshare
+    again: dict[Any, Any] = {}
+    try:
+        shape = tuple((r.get("account"), r.get("user"), r.get("raw_shares"), r.get("depth")) if isinstance(r, dict)
+                      else None for r in rows)
+        tree = trees.get(shape) if trees is not None else None
+        if tree is None:
+            tree = _tree(rows)
+            if trees is not None and tree is not None:
+                trees.clear()  # one tree kept: the next entry's is mostly the same
+                trees[shape] = tree
+        if tree is None:
+            dv.lack("fairshare", None, f"entry {fs.seq}'s rows do not state the tree (depth and shares), so its "
+                                       "fairshare cannot be recomputed")
+        else:
+            for key in [k for k in usage if k not in tree]:
+                dv.fail("fairshare", key, f"usage for {_label(key)}, which the tree of the rows does not have")
+            algorithm = s.get("algorithm")
+            recomputed = compute(tree, {k: v for k, v in usage.items() if k in tree}, str(algorithm),
+                                 float(s.get("dampening", 1.0)))
+            again = {(r.account, r.user): r for r in recomputed}
+            for key, r in row_of.items():
+                r2 = again.get(key)
+                differ = [f"{f} {r.get(f)!r} (recomputed {getattr(r2, f)!r})" for f in _ROW_NUMBERS
+                          if r2 is not None and not _agree(r.get(f), getattr(r2, f))]
+                if differ:
+                    dv.fail("fairshare", key, f"{_label(key)}'s fairshare row does not follow from the logged shares "
+                                              f"and usage ({algorithm}): {', '.join(differ)}")
+                elif r2 is not None:
+                    dv.recomputed[("fairshare", key)] = "from the logged tree, shares and usage"
+    except (AssociationError, ValueError, TypeError) as e:
+        dv.fail("fairshare", None, f"its rows are not a fairshare computation: {e}")
+
+    # every site factor: round-half-up(weight x the association's fairshare), the fairshare its row's
+    weight = s.get("priority_weight")
+    in_feed = set()
+    for f in feed:
+        key = (f.get("account"), f.get("user")) if isinstance(f, dict) else (None, None)
+        in_feed.add(key)
+        fair = _finite(f.get("fairshare")) if isinstance(f, dict) else None
+        factor = f.get("site_factor") if isinstance(f, dict) else None
+        try:
+            want_factor = site_factor(fair, weight) if fair is not None and type(weight) is int else None
+        except ValueError:
+            want_factor = None
+        if want_factor is None or type(factor) is not int:
+            dv.fail("site factor", key, f"{_label(key)}'s feed entry is not a fairshare in 0..1 and a site factor "
+                                        f"(weight {weight!r}): {f!r}")
+            continue
+        if factor != want_factor:
+            dv.fail("site factor", key, f"{_label(key)}'s site factor {factor} does not follow from its fairshare "
+                                        f"{fair!r}: round-half-up({weight} x {fair!r}) = {want_factor}")
+        else:
+            dv.recomputed[("site factor", key)] = "halves up: same"
+        row = row_of.get(key)
+        differ = [f"{k} {f.get(k)!r} (row {row.get(k)!r})" for k in _FEED_NUMBERS
+                  if row is not None and not _agree(f.get(k), row.get(k))]
+        if row is None or differ:
+            dv.fail("site factor", key, f"{_label(key)}'s feed entry is not its fairshare row's: "
+                                        + (", ".join(differ) if differ else "no row"))
+    if feed:
+        for key, r in row_of.items():
+            if key[1] is not None and r.get("fairshare") is not None and key not in in_feed:
+                dv.fail("site factor", key, f"{_label(key)} has a fairshare row but no site factor in the feed")
+    dv.close()
+    return dv
+
+
+def _still_weighs(fs: Entry, c: Mapping[str, Any]) -> bool:
+    """Whether a job charged with ``c`` (by an earlier entry) still weighs in fairshare at ``fs``'s time: it was
+    last used inside ``fs``'s decay horizon (``privacy.decay_horizon_start``)."""
+    from gpuledger.accounting.privacy import decay_horizon_start
+
+    s, last = fs.data.get("settings", {}), _finite(c.get("last_ts"))
+    args = _decay_args(s) if isinstance(s, dict) else None
+    now = _finite(fs.data.get("now"))
+    if args is None or last is None or now is None:
+        return False
+    try:
+        return last >= decay_horizon_start(now, args["half_life_s"], args["reset"], args["tz"])
+    except ValueError:
+        return False
+
+
+def _job_gone(log: AuditLog, c: Mapping[str, Any], job_id: str) -> bool:
+    """What the log says since explains a drop: the job's record accepted as gone or naming nobody to charge, or,
+    for a job only agents described, every usage record of it accepted as gone."""
+    job = job_id.partition("@")[0]
+    latest = log.latest(f"job:{c.get('cluster', '')}/{job}")
+    if latest is None:
+        return not _latest_by_key(list(log.entries(job_id=job)), "usage:")
+    d = record_of(latest)
+    return is_removed(latest) or not d.get("account") or not d.get("user")
+
+
+def _charge_key(job_id: str, c: Any) -> tuple[Any, str]:
+    """A charge's job: (cluster, job id); an entry writes ``<id>@<cluster>`` where two clusters share an id."""
+    return (c.get("cluster") if isinstance(c, dict) else None, job_id.partition("@")[0])
+
+
+def dropped(log: AuditLog, before: Entry, fs: Entry) -> list[str]:
+    """The jobs fairshare entry ``before`` charged that the next one, ``fs``, does not, though they still weigh in
+    fairshare at its time and their record still names whom to charge: one sentence each."""
+    jobs, earlier = fs.data.get("inputs", {}).get("jobs", {}), before.data.get("inputs", {}).get("jobs", {})
+    if not isinstance(jobs, dict) or not isinstance(earlier, dict):
+        return []
+    now = {_charge_key(j, c) for j, c in jobs.items()}
+    gone = [j for j, c in earlier.items() if isinstance(c, dict) and _charge_key(j, c) not in now
+            and _still_weighs(fs, c) and not _job_gone(log, c, j)]
+    out = [f"audit entry {fs.seq}: job {j}, charged by entry {before.seq} and still inside the decay horizon (last "
+           f"used {_iso(earlier[j].get('last_ts'))}), is not charged (dropped)" for j in gone[:_LISTED]]
+    if len(gone) > _LISTED:
+        out.append(f"audit entry {fs.seq}: and {len(gone) - _LISTED} more job(s) of entry {before.seq} dropped")
+    return out
 
 
 def _cited_gaps(ex: Explanation, log: AuditLog, fs: Entry, c: Mapping[str, Any]) -> list[Entry] | None:
@@ -323,20 +782,31 @@ def _entries_of(log: AuditLog, job_id: str) -> list[Entry]:
     return list(log.entries(job_id=job_id))
 
 
-def charge_problems(log: AuditLog) -> list[tuple[int, str]]:
-    """Every charge `audit explain` would show as DIFFERS: per job, in the fairshare entry explain takes for it
-    (the newest with a priority feed that charged it, else the newest that charged it); (entry, message)."""
+def fairshare_problems(log: AuditLog) -> list[tuple[int, str]]:
+    """What of the logged fairshare computations does not follow, as (entry, message): in every fairshare entry,
+    each output recomputed from its inputs (:func:`derive`) and each job the entry before charged that it drops
+    while it still weighs (:func:`dropped`); and per job, in the entry `audit explain` takes for it (the newest
+    with a priority feed that charged it, else the newest that charged it), a charge explain shows as DIFFERS.
+    One pass over the fairshare entries, each recomputed in time linear in its size."""
     with_feed: dict[str, Entry] = {}
     without: dict[str, Entry] = {}
-    for fs in log.entries(kind="fairshare", newest_first=True):
+    out = []
+    trees: dict[Any, Any] = {}
+    before: Entry | None = None
+    for fs in log.entries(kind="fairshare"):
+        dv = derive(fs, trees)
+        out += [(fs.seq, p) for p in dv.problems]
         try:
             jobs, feed = fs.data["inputs"]["jobs"], fs.data.get("outputs", {}).get("feed")
         except (KeyError, TypeError, AttributeError):
             continue
-        if isinstance(jobs, dict):
-            for j in jobs:
-                (with_feed if feed else without).setdefault(j, fs)
-    out = []
+        if not isinstance(jobs, dict):
+            continue
+        if before is not None:
+            out += [(fs.seq, p) for p in dropped(log, before, fs)]
+        before = fs
+        for j in jobs:
+            (with_feed if feed else without)[j] = fs
     for job_id, fs in {**without, **with_feed}.items():
         c = fs.data["inputs"]["jobs"][job_id]
         if not isinstance(c, dict):
@@ -355,4 +825,5 @@ def charge_problems(log: AuditLog) -> list[tuple[int, str]]:
     return out
 
 
-__all__ = ["AuditError", "Explanation", "Step", "charge_problems", "explain"]
+__all__ = ["CHANGE_STATUSES", "AuditError", "Derivation", "Explanation", "Step", "change_status", "derive", "dropped",
+           "explain", "fairshare_problems", "latest_changes", "unsettled"]

@@ -27,7 +27,9 @@ def record_usage(log: AuditLog, usages: Iterable[JobUsage], final: bool = False)
 
 @dataclass(frozen=True, slots=True)
 class JobCharge:
-    """One job's way into fairshare: charged under the policy, then decayed to ``now``."""
+    """One job's way into fairshare: charged under the policy, placed in time as ``pieces`` (start, end, amount),
+    then decayed to ``now``. A fairshare entry that logs a job's pieces lets `audit verify` recompute its decay
+    exactly (``explain.derive``); without them it is recomputed as spread evenly over first..last."""
 
     job_id: str
     account: str
@@ -37,6 +39,7 @@ class JobCharge:
     decayed: float
     first_ts: float
     last_ts: float
+    pieces: tuple[tuple[float, float, float], ...] | None = None  # None: not logged
 
 
 def job_charges(
@@ -67,7 +70,7 @@ def job_charges(
         [(j, first, last, amount) for j, _, _, first, last, amount in rows],
         now=now, half_life_s=settings.half_life_s, calc_period_s=period, reset=settings.usage_reset,
     )
-    return [JobCharge(j, a, u, policy.kind, amount, float(decayed.get(j, 0.0)), first, last)
+    return [JobCharge(j, a, u, policy.kind, amount, float(decayed.get(j, 0.0)), first, last, ((first, last, amount),))
             for j, a, u, first, last, amount in rows]
 
 
@@ -82,9 +85,9 @@ def record_fairshare(
     feed: Iterable[Any] = (),
     sources: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Entry:
-    """Append one ``fairshare`` entry: inputs (settings, per-job charges with the entries of the job, usage,
-    per-GPU usage and gap records each was computed from, decayed usage per association) and outputs (the
-    fairshare rows and the site factors of the priority feed)."""
+    """Append one ``fairshare`` entry: inputs (settings, per-job charges with how each was placed in time, its
+    ``pieces``, and the entries of the job, usage, per-GPU usage and gap records each was computed from, decayed
+    usage per association) and outputs (the fairshare rows and the site factors of the priority feed)."""
     cfg = settings.model_dump() if hasattr(settings, "model_dump") else plain(settings)
     sources = sources or {}
     jobs = {c.job_id: {**plain(c), "user": log.alias(c.user), **dict(sources.get(c.job_id, {}))} for c in charges}

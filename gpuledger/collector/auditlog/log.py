@@ -558,7 +558,7 @@ def _labels_match(body: str, seq: int, kind: Any, job_id: Any, key: Any) -> bool
     matches NULL)."""
     try:
         d = _decode(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: valid JSON nested deeper than the decoder goes
         return False
     if type(d) is not dict:
         return False
@@ -570,7 +570,7 @@ def _labels_match(body: str, seq: int, kind: Any, job_id: Any, key: Any) -> bool
 def _relabelled(body: str, seq: int) -> Problem:
     try:
         real = json.loads(body)["seq"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return Problem(seq, "body is not a canonical audit entry (modified)")
     if isinstance(real, int) and not isinstance(real, bool) and real > seq:
         return Problem(seq, f"missing or out of order (deleted or reordered): row {seq} holds entry {real}")
@@ -590,6 +590,9 @@ def _entry(body: str, leaf: bytes, seq: int) -> Entry:
     try:
         d = json.loads(body)
         return Entry(d["seq"], d["ts"], d["kind"], d["job_id"], d.get("key"), d["data"], bytes(leaf))
+    except RecursionError:  # valid JSON nested deeper than the decoder goes: no entry gpuledger writes
+        raise EntryDamaged(f"audit entry {seq}: body is not a canonical audit entry (modified): nested too deeply"
+                           ) from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise EntryDamaged(f"audit entry {seq}: body is not a canonical audit entry (modified): "
                            f"{type(e).__name__}: {e}") from None
