@@ -30,6 +30,7 @@ from gpuledger.collector.ledger_url import STORE_NAME
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
 from gpuledger.output import console as output_console
+from gpuledger.output import is_terminal
 from gpuledger.schema.records import JobRecord, JobUsage
 
 CONFIG_NAME = "gpuledger.toml"
@@ -312,13 +313,13 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gpuledger.accounting.audit import PRIVATE_KEY_NAME, bind, keygen, load_signing_key, open_log, sign_report
-    from gpuledger.accounting.cli import FEED_NAME, fairshare_rows, feed_from_rows
+    from gpuledger.accounting.cli import FEED_NAME, build_feed
     from gpuledger.accounting.config import accounting_settings, load_config
     from gpuledger.accounting.fairshare_render import render_table
     from gpuledger.accounting.ledger import load as load_ledger
     from gpuledger.accounting.priority import write_feed
     from gpuledger.accounting.report.jobs import GROUP_COLUMNS, JOB_COLUMNS, by_account_user, job_rows
-    from gpuledger.accounting.report.tables import plain_table, rich_table, to_json
+    from gpuledger.accounting.report.tables import plain_table, show, to_json
 
     check_demo_dir(data_dir)  # before the banner: a refused directory prints one line and nothing else
     console = output_console()
@@ -326,11 +327,14 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
         f"[bold]gpuledger demo[/bold]: {nodes} nodes x {gpus} simulated H200 GPUs, {len(JOB_PLAN)} jobs, "
         f"{hours:g} simulated hour(s) at {step:g} s steps -> {data_dir}"
     )
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
-        task = bar.add_task("agents -> collector", total=None)
-        res = run_demo(data_dir, nodes=nodes, gpus_per_node=gpus, hours=hours, step_s=step, seed=seed,
-                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if is_terminal():  # a progress bar is for people: a pipe or a file gets the result lines only
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as bar:
+            task = bar.add_task("agents -> collector", total=None)
+            res = run_demo(data_dir, nodes=nodes, gpus_per_node=gpus, hours=hours, step_s=step, seed=seed,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    else:
+        res = run_demo(data_dir, nodes=nodes, gpus_per_node=gpus, hours=hours, step_s=step, seed=seed)
     console.print(f"collector at {res.collector_url} ingested {res.samples_pushed} samples "
                   f"in {res.wall_seconds:.1f} s wall time")
 
@@ -344,14 +348,14 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
     # run of a seed
     now = res.end
     jobs_table = job_rows(entries, now=now)
-    console.print(rich_table("Jobs (measured)", JOB_COLUMNS, jobs_table))
+    show("Jobs (measured)", JOB_COLUMNS, jobs_table)  # rich on a terminal, plain text in a pipe
 
-    weight = accounting_settings(load_config(data_dir / CONFIG_NAME)).priority_weight
-    # audited with its inputs
-    rows, settings = fairshare_rows(data_dir, None, None, now=now, feed_weight=weight, record=True)
+    settings = accounting_settings(load_config(data_dir / CONFIG_NAME))
+    # audited with its inputs; the feed names the fairshare entry it came from, as `priority feed` writes it
+    rows, feed = build_feed(data_dir, None, now=now)
     console.print(f"[bold]Fairshare[/bold] ({settings.algorithm}, charge policy {settings.policy}):")
     console.print(render_table(rows), markup=False, highlight=False)
-    feed_path = write_feed(data_dir / FEED_NAME, feed_from_rows(rows, settings, now))
+    feed_path = write_feed(data_dir / FEED_NAME, feed)
     groups = by_account_user(jobs_table)
     report_path = data_dir / "usage-report.txt"
     report_path.write_text(
@@ -370,7 +374,7 @@ def main(data_dir: Path, *, nodes: int, gpus: int, hours: float, step: float, se
         manifest = sign_report(report_path, load_signing_key(key_path), log, now=now, used=bound.used(),
                                inputs={"config": CONFIG_NAME, "jobs": len(jobs_table)},
                                period={"from": min(j.submit for j in res.jobs), "to": now})
-    console.print(rich_table("Usage by account and user", GROUP_COLUMNS, groups))
+    show("Usage by account and user", GROUP_COLUMNS, groups)
     console.print(f"priority feed: {feed_path}")
     console.print(f"usage report:  {report_path} (and {report_path.with_suffix('.json')}), signed: {manifest}")
     cmd, d = command_name(), shlex.quote(str(data_dir))

@@ -19,8 +19,10 @@ So an allocation nobody measured is never free. Gap energy reassigned from Slurm
 energy under ``energy``, and the GPU-seconds it covers are not unmeasured (a gap is never charged twice). A job
 without a scheduler record is charged from its measurements alone (and flagged by the ledger).
 
-Per-GPU-model weights multiply the charge, like Slurm's TRESBillingWeights for typed GRES: the exact model name,
-else the longest pattern contained in it (case-insensitive; ties by name). MIG GPU-seconds are physical-GPU
+Per-GPU-model weights multiply the charge, like Slurm's TRESBillingWeights for typed GRES, found by the one rule
+of :func:`model_value` (which also finds a report's prices): the exact model name, else the longest pattern
+contained in it (case-insensitive; ties by name), else, for Slurm's gres type (``h200``), the model it names
+(:func:`gres_names`: "NVIDIA H200"). MIG GPU-seconds are physical-GPU
 fractions on both sides of the frame, so a slice is never weighted twice: the aggregation already counts a MIG
 instance's GPU-seconds as its compute-slice fraction (3g = 3/7), and a Slurm allocation of a typed MIG gres
 (``gres/gpu:3g.40gb``, ``a100_3g.40gb``) is counted here the same way.
@@ -97,23 +99,24 @@ def allocation(record: JobRecord | None, now: float) -> dict[str, float] | None:
     return out
 
 
-def bounded_weight(model: str, alloc: Mapping[str, float] | None, weight: Callable[[str], float]) -> float:
-    """A measured GPU's weight (a fairshare model weight, a report's price): ``weight(model)``, the model as the
-    agent named it, unless Slurm's record (``alloc``, :func:`allocation`) gave the job typed GPUs
-    (``gres/gpu:<type>``, a model rather than a MIG profile) and the agent's model weighs as none of them: Slurm's
-    record is the authority on what the job held, and a node may misname its GPU. Then Slurm's type's weight (the
-    allocation's mean weight over several types)."""
-    w = weight(model)
+def bounded_weight(model: str, alloc: Mapping[str, float] | None, weight: Callable[[str, bool], float]) -> float:
+    """A measured GPU's weight (a fairshare model weight, a report's price): ``weight(model, False)``, the model as
+    the agent named it, unless Slurm's record (``alloc``, :func:`allocation`) gave the job typed GPUs
+    (``gres/gpu:<type>``, a model rather than a MIG profile) none of which names the agent's model
+    (:func:`gres_names`) or weighs as it: Slurm's record is the authority on what the job held, and a node may
+    misname its GPU. Then Slurm's type's weight (``weight(type, True)``; the allocation's mean weight over
+    several types)."""
+    w = weight(model, False)
     typed = {m: s for m, s in (alloc or {}).items() if m and slice_fraction(m) is None}
-    if not typed:
+    if not typed or any(gres_names(t, model) for t in typed):
         return w
-    allowed = {weight(m) for m in typed}
+    allowed = {weight(m, True) for m in typed}
     if w in allowed:
         return w
     if len(allowed) == 1:
         return next(iter(allowed))
     total = math.fsum(typed.values())
-    return math.fsum(s * weight(m) for m, s in typed.items()) / total if total > 0 else w
+    return math.fsum(s * weight(m, True) for m, s in typed.items()) / total if total > 0 else w
 
 
 def _model_words(name: str) -> list[str]:
@@ -128,6 +131,26 @@ def gres_names(gres: str, model: str) -> bool:
     ``A100``."""
     want, have = _model_words(gres), set(_model_words(model))
     return bool(want) and all(w in have for w in want)
+
+
+def model_value(table: Mapping[str, float], name: str, gres: bool = False) -> float | None:
+    """What a table keyed by GPU model (``model_weights``, ``[report.price_per_gpu_hour]``) gives a GPU: the one
+    lookup rule of weights and prices. The exact key; else the longest key contained in ``name`` (case-insensitive,
+    ties by name: "H200" matches "NVIDIA H200"), so a result never depends on the order of the keys; else, when
+    ``name`` is Slurm's name for the GPU (``gres``: a gres type such as ``h200`` or ``nvidia_h200``), a key it
+    names (:func:`gres_names`, the rule ``report reconcile`` pairs them by: ``h200`` names "NVIDIA H200"), of
+    several the one with the fewest words, ties by name. None: no key matches."""
+    if name in table:
+        return table[name]
+    low = name.lower()
+    hits = [(len(k), k) for k in table if k.lower() in low]
+    if hits:
+        return table[max(hits)[1]]
+    if gres:
+        named = [(len(_model_words(k)), k) for k in table if gres_names(name, k)]
+        if named:
+            return table[min(named)[1]]
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,15 +205,25 @@ class ChargePolicy:
             full_power_watts=float(cfg.get("full_power_watts", 700.0)),
         )
 
-    def weight(self, model: str) -> float:
-        """The model's weight: the exact name, else the longest contained pattern, else 1."""
-        if model in self.model_weights:
-            return self.model_weights[model]
-        low = model.lower()
-        hits = [(len(name), name, w) for name, w in self.model_weights.items() if name.lower() in low]
-        if not hits:
-            return 1.0
-        return max(hits, key=lambda h: (h[0], h[1]))[2]
+    def weight(self, model: str, gres: bool = False) -> float:
+        """The weight of a GPU model (``gres``: of Slurm's gres type) by :func:`model_value`, else 1."""
+        w = model_value(self.model_weights, model, gres)
+        return 1.0 if w is None else w
+
+    def allocation_weight(self, slurm_model: str, alloc: Mapping[str, float], gpus: Sequence[JobUsage]) -> float:
+        """The weight of a job's GPUs that Slurm allocated as ``slurm_model`` (a key of ``alloc``, the job's
+        :func:`allocation`: a gres type, an agent's description, "" untyped): the job's measured model that it
+        names (:func:`gres_names`; as :func:`bounded_weight` weighs those GPUs), else Slurm's name's. Untyped: the
+        job's first measured model's, else as its typed GPUs."""
+        if not slurm_model:
+            first = next((u.model for u in gpus if u.model), "")
+            if first:
+                return self.weight(first)
+            slurm_model = next((m for m in alloc if m), "")
+            if not slurm_model:
+                return self.weight("")
+        measured = next((u.model for u in gpus if u.model and gres_names(slurm_model, u.model)), None)
+        return self.weight(measured) if measured is not None else self.weight(slurm_model, True)
 
     def _base(self, u: JobUsage) -> float:
         if self.kind == "allocated":
@@ -223,13 +256,12 @@ class ChargePolicy:
         measure nothing in a gap and record the joules only."""
         observed = math.fsum(u.allocated_gpu_seconds for u in gpus)
         measured = math.fsum(self.charge(u, alloc) for u in gpus)
-        fallback_model = next((u.model for u in gpus if u.model), "") or next((m for m in alloc or () if m), "")
-        gap_charge = gap_joules * self.weight(fallback_model) if self.kind == "energy" else 0.0
+        gap_charge = gap_joules * self.allocation_weight("", alloc or {}, gpus) if self.kind == "energy" else 0.0
         measured += gap_charge
         if alloc is None:
             return JobCharge(None, observed, 0.0, measured, 0.0, measured, gap_joules, gap_charge)
         allocated = math.fsum(alloc.values())
-        weighted_alloc = math.fsum(s * self.weight(m or fallback_model) for m, s in alloc.items())
+        weighted_alloc = math.fsum(s * self.allocation_weight(m, alloc, gpus) for m, s in alloc.items())
         unmeasured_s = max(0.0, allocated - observed)
         if self.kind == "allocated":
             # Slurm's allocation is the charge; the measured part is the observed share of it

@@ -39,7 +39,14 @@ from gpuledger.accounting.config import ConfigError, accounting_settings, load_c
 from gpuledger.accounting.engine import LIVE_SLURM, association_usage, audit_charges, compute, load_tree
 from gpuledger.accounting.ledger import GapInputs, LedgerEntry, gap_attribution, gap_inputs, join
 from gpuledger.accounting.ledger import load as load_ledger
-from gpuledger.accounting.priority import feed_document, flat_path, priority_feed, write_feed
+from gpuledger.accounting.priority import (
+    FEED_NAME,
+    FeedSource,
+    feed_document,
+    flat_path,
+    priority_feed,
+    write_feed,
+)
 from gpuledger.accounting.privacy import decay_horizon_start
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
 from gpuledger.accounting.report.tables import show
@@ -56,7 +63,6 @@ if TYPE_CHECKING:
     from gpuledger.accounting.fairshare import Row
     from gpuledger.schema.records import JobRecord
 
-FEED_NAME = "priority-feed.json"
 SACCT_OVERLAP_S = 300.0  # `priority watch`: how far each sacct poll reaches back before the previous one
 
 ASSOC_HELP = ("the association tree: `slurm` (ask sacctmgr), a file of `sacctmgr -P show associations "
@@ -117,7 +123,17 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
                    record: bool = False, accept_store_changes: str | None = None, ledger_url: str | None = None,
                    ) -> tuple[list[Row], AccountingSettings]:
     """Rows of the fairshare computation and the settings used (shared by `fairshare`, `priority feed`, the demo),
-    on the ledger at ``ledger_url`` (resolved; None: the data dir's embedded store).
+    on the ledger at ``ledger_url`` (resolved; None: the data dir's embedded store); see :func:`_fairshare`."""
+    rows, settings, _ = _fairshare(data_dir, config, algorithm, associations, usage_file, now, feed_weight, record,
+                                   accept_store_changes, ledger_url)
+    return rows, settings
+
+
+def _fairshare(data_dir: Path, config: Path | None, algorithm: str | None, associations: Path | None,
+               usage_file: Path | None, now: float | None, feed_weight: int | None, record: bool,
+               accept_store_changes: str | None, ledger_url: str | None,
+               ) -> tuple[list[Row], AccountingSettings, FeedSource | None]:
+    """The fairshare rows, the settings, and the ``fairshare`` entry that recorded them (None: not recorded).
 
     With ``record`` (feeds, `priority apply`, `fairshare --record`) the store's job and usage records are first
     bound to the audit log (a record that differs from its final logged one is refused, exit 1, unless
@@ -141,7 +157,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         if usage_file is not None:
             rows = compute(tree, parse_usage_csv(usage_file.read_text()), algorithm or settings.algorithm,
                            settings.dampening)
-            return rows, settings
+            return rows, settings, None
         store = _open_store(ledger_url, data_dir)
         try:
             jobs, usages, per_gpu = store.jobs(), store.job_usage(), store.job_usage(per_gpu=True)
@@ -163,7 +179,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         if not record:
             result = association_usage(entries, settings, tree, now, alias=alias, busy=busy)
             _warn(result)
-            return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings
+            return compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening), settings, None
         with open_audit(data_dir, ledger_url) as log:
             bound = bind(log, jobs, usages, now, per_gpu=per_gpu, gaps=gaps.records(), busy=busy, busy_since=since,
                          stored_jobs=[r for r, _ in stored], accept_reason=accept_store_changes)
@@ -179,8 +195,11 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
             rows = compute(tree, result.usage, algorithm or settings.algorithm, settings.dampening)
             charges = audit_charges(result.jobs)
             sources = _sources(entries, result.jobs, charges, bound, gaps)
-            record_fairshare(
-                log, now=now, settings=settings, charges=charges, usage=result.usage,
+            # the entry names the algorithm the rows were computed with (`fairshare --algorithm` overrides the
+            # configured one): `audit verify` recomputes them with it
+            used = settings.model_copy(update={"algorithm": algorithm or settings.algorithm})
+            entry = record_fairshare(
+                log, now=now, settings=used, charges=charges, usage=result.usage,
                 rows=rows, feed=priority_feed(rows, feed_weight) if feed_weight is not None else (), sources=sources,
             )
     except EntryDamaged as e:
@@ -190,7 +209,7 @@ def fairshare_rows(data_dir: Path, config: Path | None, algorithm: str | None, a
         raise _fail(os_error(e)) from None
     except (ValueError, SlurmCommandError) as e:
         raise _fail(str(e)) from None
-    return rows, settings
+    return rows, settings, FeedSource(entry.seq, entry.leaf.hex())
 
 
 def _sources(entries: list[LedgerEntry], jobs: Sequence[ChargedJob], charges: Sequence[ChargedJob],
@@ -269,15 +288,14 @@ def fairshare(
 
 def build_feed(data_dir: Path, config: Path | None, now: float | None = None,
                associations: Path | None = None, accept_store_changes: str | None = None,
-               with_rows: bool = False, ledger_url: str | None = None) -> Any:
-    """The feed document (and, ``with_rows``, the fairshare rows it came from, as a pair) of the ledger at
-    ``ledger_url`` (resolved; None: the data dir's embedded store)."""
+               ledger_url: str | None = None) -> tuple[list[Row], dict]:
+    """The fairshare rows and the feed document made of them, which names the ``fairshare`` entry that recorded
+    both (as the feed files do), of the ledger at ``ledger_url`` (resolved; None: the data dir's embedded store)."""
     now = time.time() if now is None else now
     weight = _settings(data_dir, config).priority_weight
-    rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now, feed_weight=weight,
-                                    record=True, accept_store_changes=accept_store_changes, ledger_url=ledger_url)
-    doc = feed_from_rows(rows, settings, now)
-    return (rows, doc) if with_rows else doc
+    rows, settings, source = _fairshare(data_dir, config, None, associations, None, now, weight, True,
+                                        accept_store_changes, ledger_url)
+    return rows, feed_from_rows(rows, settings, now, source)
 
 
 def _influx_configured(data_dir: Path, config: Path | None) -> bool:
@@ -302,7 +320,8 @@ def _to_influx(data_dir: Path, config: Path | None, rows: list[Row], doc: dict) 
     err.print(f"fairshare written to InfluxDB {where}", markup=False, highlight=False, soft_wrap=True)
 
 
-def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) -> dict:
+def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float, source: FeedSource | None = None
+                   ) -> dict:
     entries = priority_feed(rows, weight=settings.priority_weight)
     meta = {
         "generated_at": now,
@@ -312,7 +331,7 @@ def feed_from_rows(rows: list[Row], settings: AccountingSettings, now: float) ->
         "priority_weight": settings.priority_weight,
         "half_life_s": settings.half_life_s,
     }
-    return feed_document(entries, meta)
+    return feed_document(entries, meta, source)
 
 
 FEED_COLUMNS = (Column("Account", "account", left=True), Column("User", "user", left=True),
@@ -341,7 +360,7 @@ def priority_feed_cmd(
     first."""
     url = cli_ledger_url(ledger_url, data_dir, config)
     rows, doc = build_feed(data_dir, config, associations=associations, accept_store_changes=accept_store_changes,
-                           with_rows=True, ledger_url=url)
+                           ledger_url=url)
     try:
         path = write_feed(output or data_dir / FEED_NAME, doc)
     except OSError as e:
@@ -358,7 +377,8 @@ JOBS_CSV = tuple(Column(k, k) for k in (
     "job_id", "cluster", "user", "account", "partition", "gpus", "start", "end", "state", "seen_by",
     "slurm_gpu_seconds", "observed_gpu_seconds", "coverage", "unmeasured_gpu_seconds",
     "allocated_gpu_seconds", "sm_active_gpu_seconds", "efficiency", "energy_joules", "gap_energy_joules",
-    "sm_active_mean", "dram_bw_mean", "mem_used_peak_bytes"))
+    "sm_active_mean", "dram_bw_mean", "mem_used_peak_bytes",
+    "out_of_scope_gpu_seconds", "out_of_scope_energy_joules", "out_of_scope_reasons"))
 # a job's own fields; its usage's of the same name (its measured GPU count, its job id) never replace them
 _JOB_FIELDS = ("job_id", "cluster", "gpus")
 
@@ -397,6 +417,10 @@ def jobs_list(
             # the agents' samples plus the gap energy Slurm's record reassigned (as `report jobs` counts it)
             "energy_joules": e.energy_joules if (u is not None or e.gap_shares) else None,
             "gap_energy_joules": e.gap_energy_joules,
+            # measured outside Slurm's record of the job (scope): not in `usage`, never charged
+            "out_of_scope_gpu_seconds": e.out_of_scope_gpu_seconds,
+            "out_of_scope_energy_joules": e.out_of_scope_energy_joules,
+            "out_of_scope": [c.to_dict() for c in e.out_of_scope],
             "usage": u.to_dict() if u else None,
         })
     if not objs:
@@ -405,7 +429,8 @@ def jobs_list(
         typer.echo(json.dumps(objs, indent=2))
     elif fmt is Fmt.csv:
         flat = [{**{k: v for k, v in (o["usage"] or {}).items() if k not in _JOB_FIELDS and k != "energy_joules"},
-                 **{k: v for k, v in o.items() if k != "usage"}} for o in objs]
+                 **{k: v for k, v in o.items() if k not in ("usage", "out_of_scope")},
+                 "out_of_scope_reasons": ",".join(e.out_of_scope_reasons)} for o, e in zip(objs, entries)]
         typer.echo(to_csv(JOBS_CSV, flat), nl=False)
     else:
         show("Jobs", JOB_COLUMNS, rows)
@@ -462,15 +487,23 @@ def jobs_import(
         raise _fail("only one of --sacct-json and --sacct-parsable can read standard input")
     if slurm and (sacct_json or sacct_parsable):
         raise _fail("--slurm runs sacct itself: give it alone, or the files (--sacct-json, --sacct-parsable) alone")
+
+    def parsed(path: str | None, parse: Callable[[str], list[JobRecord]]) -> list[JobRecord]:
+        """The file's records; a record no job can have refuses the whole import (nothing is stored), naming the
+        file, and the line or record and job (the parser's message)."""
+        if path is None:
+            return []
+        try:
+            return parse(_read_arg(path))
+        except SlurmParseError as e:
+            raise _fail(f"{'standard input' if path == '-' else path}: {e}") from None
+
     try:
         if slurm:
             now = time.time()
             records = SlurmClient().sacct_jobs(now - since * 3600, now)
         else:
-            records = merge_sacct(
-                parse_sacct_json(_read_arg(sacct_json)) if sacct_json else [],
-                parse_sacct_parsable(_read_arg(sacct_parsable)) if sacct_parsable else [],
-            )
+            records = merge_sacct(parsed(sacct_json, parse_sacct_json), parsed(sacct_parsable, parse_sacct_parsable))
     except OSError as e:
         raise _fail(os_error(e)) from None
     except (SlurmParseError, SlurmCommandError) as e:
@@ -520,19 +553,32 @@ def priority_apply(
     ledger_url: LedgerUrl = None,
 ) -> None:
     """Set every pending job's SiteFactor from its association's measured fairshare, only where it changed
-    (one scontrol command per factor and command line of jobs)."""
+    (one scontrol command per factor and command line of jobs); then write both feed files, which job_submit.lua
+    reads, so that new jobs get the factors Slurm's pending jobs now hold. With --dry-run: the plan only, nothing
+    logged or written."""
     from gpuledger.accounting.apply import run_apply
+    from gpuledger.accounting.priority import flat_feed
     from gpuledger.accounting.slurm import SlurmClient, SlurmCommandError, SlurmParseError
 
     url = cli_ledger_url(ledger_url, data_dir, config)
     if not slurm:
         raise _fail("priority apply needs a target: --slurm")
-    doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
+    if dry_run:  # the feed as a query computes it: no fairshare entry in the audit log, no feed file
+        now = time.time()
+        rows, settings = fairshare_rows(data_dir, config, None, associations=associations, now=now,
+                                        ledger_url=url)
+        doc = feed_from_rows(rows, settings, now)
+    else:  # logged before Slurm is asked to change anything, as every change names it
+        _, doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
     try:
-        write_feed(data_dir / FEED_NAME, doc)
-        with open_audit(data_dir, url) as log:
-            plan, applied = run_apply(SlurmClient(), doc["associations"], dry_run,
-                                      record=record_priority_changes(log))
+        if dry_run:
+            plan, applied = run_apply(SlurmClient(), doc["associations"], dry_run=True)
+        else:
+            flat_feed(doc)  # a feed its flat file cannot hold (a name with whitespace) stops before any change
+            with open_audit(data_dir, url) as log:
+                plan, applied = run_apply(SlurmClient(), doc["associations"], record=record_priority_changes(log))
+            # only once the apply ran (squeue and sprio answered): a failed one leaves the feed files as they were
+            write_feed(data_dir / FEED_NAME, doc)
     except OSError as e:
         raise _fail(os_error(e)) from None
     except (SlurmParseError, SlurmCommandError, ValueError) as e:
@@ -613,7 +659,7 @@ def priority_watch(
 
     def cycle() -> CycleResult:
         try:
-            doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
+            _, doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
         except typer.Exit as e:  # build_feed printed what is wrong
             raise RuntimeError(f"the feed could not be computed (exit {e.exit_code})") from None
         write_feed(feed_path, doc)

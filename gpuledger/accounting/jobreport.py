@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, cast
 
+from gpuledger.accounting.scope import OUT_OF_SCOPE_REASONS, OutOfScope
 from gpuledger.collector.ledger_store import LedgerReader
 from gpuledger.collector.series_store import RAW, SeriesReader
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage, split_gpu_id
@@ -129,6 +130,9 @@ class Coverage:
     coverage: float | None
     unmeasured_gpu_seconds: float
     gap_energy_joules: float = 0.0  # unattributed gap energy Slurm's record reassigned to the job (``gaps``)
+    # measured outside Slurm's record of the job (``accounting.scope``): not observed above, never charged
+    out_of_scope_gpu_seconds: float = 0.0
+    out_of_scope_energy_joules: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +144,14 @@ class JobReport:
     notes: list[Note]
     cluster: str = ""
     allocation: Coverage | None = None
+    out_of_scope: tuple[OutOfScope, ...] = ()  # what was cut, per GPU record, and why (``LedgerEntry``)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
             "cluster": self.cluster,
             "allocation": asdict(self.allocation) if self.allocation else None,
+            "out_of_scope": [c.to_dict() for c in self.out_of_scope],
             "record": self.record.to_dict() if self.record else None,
             "total": self.total.to_dict() if self.total else None,
             "gpus": [{"usage": g.usage.to_dict(),
@@ -202,7 +208,8 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
     slurm_s = allocated_gpu_seconds(e.record, time.time() if now is None else now)
     observed = total.allocated_gpu_seconds if total is not None else 0.0
     coverage = Coverage(e.seen_by, slurm_s, observed, observed / slurm_s if slurm_s else None,
-                        0.0 if slurm_s is None else max(0.0, slurm_s - observed), e.gap_energy_joules)
+                        0.0 if slurm_s is None else max(0.0, slurm_s - observed), e.gap_energy_joules,
+                        e.out_of_scope_gpu_seconds, e.out_of_scope_energy_joules)
     views = []
     for u in per_gpu:
         uuid, mig = split_gpu_id(u.gpu_uuid)
@@ -210,14 +217,15 @@ def load_job_report(store: JobReportSource, job_id: str, rules: Rules | None = N
         samples = cast(list[GpuSample], store.series(u.host, uuid, u.first_ts, u.last_ts, mig=mig or None, tier=RAW))
         ev = gpu_events(samples, job_id)
         views.append(GpuView(u, ev))
-    return build_job_report(job_id, record, total, views, rules or Rules(), e.cluster, coverage)
+    return build_job_report(job_id, record, total, views, rules or Rules(), e.cluster, coverage, e.out_of_scope)
 
 
 def build_job_report(
     job_id: str, record: JobRecord | None, total: JobUsage | None, gpus: Sequence[GpuView], rules: Rules,
-    cluster: str = "", coverage: Coverage | None = None,
+    cluster: str = "", coverage: Coverage | None = None, out_of_scope: Sequence[OutOfScope] = (),
 ) -> JobReport:
-    return JobReport(job_id, record, total, list(gpus), efficiency_notes(total, gpus, rules), cluster, coverage)
+    return JobReport(job_id, record, total, list(gpus), efficiency_notes(total, gpus, rules), cluster, coverage,
+                     tuple(out_of_scope))
 
 
 def _pct(x: float | None) -> str:
@@ -328,6 +336,10 @@ def to_text(rep: JobReport) -> str:
         lines.append(f"  Slurm allocated {a.slurm_gpu_seconds / 3600:.2f} GPU-h, "
                      f"observed {a.observed_gpu_seconds / 3600:.2f} GPU-h, coverage {_pct(a.coverage)}, "
                      f"unmeasured {a.unmeasured_gpu_seconds / 3600:.2f} GPU-h")
+    for c in rep.out_of_scope:
+        u = c.usage
+        lines.append(f"  out of scope, not charged: {c.gpu_seconds / 3600:.2f} GPU-h, {c.energy_joules / 3.6e6:.3f} "
+                     f"kWh on {u.host}/{u.gpu_uuid} ({c.reason}: {OUT_OF_SCOPE_REASONS.get(c.reason, c.reason)})")
     if a is not None and a.gap_energy_joules > 0:
         lines.append(f"  gap energy {a.gap_energy_joules / 3.6e6:.3f} kWh: unattributed counter delta across "
                      "sampling gaps while Slurm says the job held the node's GPUs (not in the total below)")
@@ -344,7 +356,8 @@ def to_text(rep: JobReport) -> str:
                      f"SM-active {t.sm_active_gpu_seconds / 3600:.2f} GPU-h, efficiency {_pct(t.efficiency)}, "
                      f"energy {t.energy_joules / 3.6e6:.3f} kWh")
     else:
-        lines.append("  (no measurement)")
+        lines.append("  (no measurement within Slurm's record of the job)" if rep.out_of_scope
+                     else "  (no measurement)")
     if rep.gpus:
         head = ["GPU", "SM active", "SM occ.", "HBM bw", "Tensor", "Mem peak GiB", "Power peak W", "Energy kWh",
                 "GPU-h", "Xid", "Throttle"]

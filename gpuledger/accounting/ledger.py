@@ -51,6 +51,20 @@ class LedgerEntry:
         return (self.usage.energy_joules if self.usage is not None else 0.0) + self.gap_energy_joules
 
     @property
+    def out_of_scope_gpu_seconds(self) -> float:
+        """Observed GPU-seconds outside the scheduler's record of the job (``out_of_scope``): measured, not charged."""
+        return math.fsum(c.gpu_seconds for c in self.out_of_scope)
+
+    @property
+    def out_of_scope_energy_joules(self) -> float:
+        return math.fsum(c.energy_joules for c in self.out_of_scope)
+
+    @property
+    def out_of_scope_reasons(self) -> tuple[str, ...]:
+        """Why (``scope.OutOfScope.reason``), each once, sorted."""
+        return tuple(sorted({c.reason for c in self.out_of_scope}))
+
+    @property
     def key(self) -> JobKey:
         return (self.cluster, self.job_id)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gpuledger.agent.mig import slice_fraction
 from gpuledger.schema.records import JobRecord, JobUsage, split_gpu_id
@@ -35,6 +36,29 @@ class OutOfScope:
     usage: JobUsage  # as the collector stored it
     charged_fraction: float  # 0: none of it; else the share of it inside the job's record
     reason: str  # "host" (a host the record does not list), "time" (outside its start..end), "mig" (mig_bounds)
+
+    @property
+    def gpu_seconds(self) -> float:
+        """The observed GPU-seconds not charged."""
+        return self.usage.allocated_gpu_seconds * (1.0 - self.charged_fraction)
+
+    @property
+    def energy_joules(self) -> float:
+        """The measured energy not charged."""
+        return self.usage.energy_joules * (1.0 - self.charged_fraction)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``jobs list`` and ``report job`` show of it (SI units)."""
+        u = self.usage
+        return {"reason": self.reason, "host": u.host, "gpu_uuid": u.gpu_uuid, "model": u.model,
+                "first_ts": u.first_ts, "last_ts": u.last_ts, "charged_fraction": self.charged_fraction,
+                "gpu_seconds": self.gpu_seconds, "energy_joules": self.energy_joules}
+
+
+# what each reason says, for people
+OUT_OF_SCOPE_REASONS = {"host": "on a host Slurm's record of the job does not list",
+                        "time": f"outside the job's start..end in Slurm's record (with {SLACK_S:g} s of slack)",
+                        "mig": "MIG records that would count one physical GPU twice"}
 
 
 def in_scope(record: JobRecord | None, rows: Sequence[JobUsage], now: float,

@@ -19,10 +19,16 @@ Formats read here:
 Conventions of the records: times are unix seconds; ``exit_code`` is the job's return code, or minus the signal
 number when a signal ended it (Python's ``returncode`` convention), None when unknown or the job has not ended;
 TRES memory is in bytes (Slurm's M = MiB), like the agent's records.
+
+A record no job can have is refused (SlurmParseError naming the line or record and the job), so that an import is
+whole or nothing: a TRES value that is not a finite number, a GPU count that is not a whole number in
+0..``MAX_JOB_GPUS``, a node list that is no hostlist (``agent.slurm.expand_hostlist``: at most
+``MAX_HOSTLIST_HOSTS`` hosts), a time outside the calendar, an end before the start.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -33,6 +39,7 @@ from typing import Any
 
 from gpuledger.accounting.associations import SACCTMGR_FORMAT
 from gpuledger.agent.slurm import (
+    MAX_HOSTLIST_HOSTS,
     SlurmParseError,
     expand_hostlist,
     first_flag,
@@ -47,6 +54,8 @@ from gpuledger.output import int_ranges
 from gpuledger.schema.records import JobRecord
 
 __all__ = [
+    "MAX_HOSTLIST_HOSTS",
+    "MAX_JOB_GPUS",
     "PendingJob",
     "SlurmClient",
     "SlurmCommandError",
@@ -108,13 +117,54 @@ class PendingJob:
 # ------------------------------------------------------------------------------------------------ small pieces
 
 _UNKNOWN_TIMES = frozenset({"", "Unknown", "None", "N/A", "(null)"})
+MAX_JOB_GPUS = 1 << 20  # far above any cluster's GPUs: a count beyond is no job's, and would bill without bound
+_CALENDAR_END = 253402300800.0  # 10000-01-01T00:00:00Z: a time beyond is no job's (and no datetime's)
 
 
 def parse_tres_text(text: str, where: str = "TRES") -> tuple[tuple[str, float], ...]:
     """``billing=11,cpu=1,gres/gpu:h200=1,gres/gpu=1,mem=1000M,node=1`` -> ((name, value), ...), strictly: an item
-    that is not ``name=number`` raises SlurmParseError naming ``where`` (``agent.slurm.parse_tres`` is the one
-    parser; memory suffixes are Slurm's binary units and become bytes; empty text -> ())."""
-    return parse_tres(text, where=where)
+    that is not ``name=number``, or a value a job cannot have (:func:`checked_tres`), raises SlurmParseError naming
+    ``where`` (``agent.slurm.parse_tres`` is the one parser; memory suffixes are Slurm's binary units and become
+    bytes; empty text -> ())."""
+    return checked_tres(parse_tres(text, where=where), where)
+
+
+def checked_tres(tres: tuple[tuple[str, float], ...], where: str) -> tuple[tuple[str, float], ...]:
+    """``tres`` as they are, or SlurmParseError naming ``where`` for a value that is not a finite number or a GPU
+    count (``gres/gpu``, ``gres/gpu:<type>``, as :func:`gpu_tres` reads them) that is not a whole number in
+    0..MAX_JOB_GPUS."""
+    for name, value in tres:
+        if not math.isfinite(value):
+            raise SlurmParseError(f"{where}: {name}={value!r} is not a finite number")
+        if (name == "gres/gpu" or name.startswith("gres/gpu:")) and not (
+                0 <= value <= MAX_JOB_GPUS and value == int(value)):
+            raise SlurmParseError(f"{where}: {name}={value:g} is not a whole number of GPUs in 0..{MAX_JOB_GPUS}")
+    return tres
+
+
+def _hosts(nodes: str, where: str) -> tuple[str, ...]:
+    """A record's node list, expanded; SlurmParseError naming ``where`` when it is no hostlist."""
+    if nodes in ("", "None assigned"):
+        return ()
+    try:
+        return expand_hostlist(nodes)
+    except SlurmParseError as e:
+        raise SlurmParseError(f"{where} NodeList: {e}") from None
+
+
+def _checked_times(record: JobRecord, where: str) -> JobRecord:
+    """``record``, or SlurmParseError naming ``where`` for a time outside the calendar or an end before the start."""
+    for name in ("submit", "start", "end"):
+        t = getattr(record, name)
+        if t is not None and not 0.0 <= t < _CALENDAR_END:
+            raise SlurmParseError(f"{where}: {name.capitalize()} {t!r} is not a time (unix seconds, years 1970-9999)")
+    if record.start is not None and record.end is not None and record.end < record.start:
+        raise SlurmParseError(f"{where}: End {_iso(record.end)} is before Start {_iso(record.start)}")
+    return record
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def gpu_tres(tres: Iterable[tuple[str, float]]) -> tuple[float | None, dict[str, float]]:
@@ -238,17 +288,16 @@ def parse_sacct_json(text: str) -> list[JobRecord]:
             raise SlurmParseError(f"{where} (jobs[{i}]): no {', '.join(repr(k) for k in missing)}; "
                                   "expected `sacct --json` output")
         state = state_word(first_flag((job.get("state") or {}).get("current")))
-        tres = _json_tres((job.get("tres") or {}).get("allocated"), where)
+        tres = checked_tres(_json_tres((job.get("tres") or {}).get("allocated"), where), where)
         gpus, model = gpus_from_tres(tres)
         times = job.get("time") or {}
-        nodes = job.get("nodes") or ""
-        out.append(JobRecord(
+        out.append(_checked_times(JobRecord(
             job_id=job_id,
             cluster=job.get("cluster") or "",
             user=job.get("user") or None,
             account=job.get("account") or (job.get("association") or {}).get("account") or None,
             partition=job.get("partition") or None,
-            hosts=() if nodes == "None assigned" else expand_hostlist(nodes),
+            hosts=_hosts(str(job.get("nodes") or ""), where),
             gpus=gpus,
             gpu_model=model,
             submit=slurm_epoch(times.get("submission")),
@@ -257,7 +306,7 @@ def parse_sacct_json(text: str) -> list[JobRecord]:
             state=state,
             exit_code=_json_exit_code(job.get("exit_code"), state, trusted),
             tres=tres,
-        ))
+        ), where))
     return out
 
 
@@ -322,15 +371,14 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
             uid = int(uid_text) if uid_text else None
         except ValueError:
             raise SlurmParseError(f"{where}: UID {uid_text!r} is not a number") from None
-        nodes = get("nodelist")
-        out.append(JobRecord(
+        out.append(_checked_times(JobRecord(
             job_id=job_id,
             cluster=get("cluster"),
             user=get("user") or None,
             uid=uid,
             account=get("account") or None,
             partition=get("partition") or None,
-            hosts=() if nodes in ("", "None assigned") else expand_hostlist(nodes),
+            hosts=_hosts(get("nodelist"), where),
             gpus=gpus,
             gpu_model=model,
             submit=_parsable_time(get("submit"), tz, f"{where} Submit"),
@@ -339,7 +387,7 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
             state=state,
             exit_code=None if _not_ended(state) else exit_code_from_text(get("exitcode"), f"{where} ExitCode"),
             tres=tres,
-        ))
+        ), where))
     return out
 
 
@@ -358,7 +406,9 @@ def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[Jo
             continue
         fill = {f: getattr(p, f) for f in ("cluster", "user", "uid", "account", "partition", "hosts", "gpu_model",
                                            "submit", "start", "end", "state") if not getattr(r, f)}
-        out.append(replace(r, exit_code=p.exit_code if p.exit_code is not None else r.exit_code, **fill))
+        # each form's times were checked; together they must still be a job's (a start from one, an end from the other)
+        out.append(_checked_times(replace(r, exit_code=p.exit_code if p.exit_code is not None else r.exit_code,
+                                          **fill), f"job {r.job_id} (sacct JSON and -P together)"))
     out.extend(p for job_id, p in by_id.items() if job_id not in seen)
     return out
 

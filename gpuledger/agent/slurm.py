@@ -96,27 +96,55 @@ def parse_gres_idx(gres: str) -> tuple[int | None, tuple[int, ...]]:
     return count, tuple(idx)
 
 
+# Slurm's own bound on a host range (src/common/hostlist.c, MAX_RANGE: "anything larger will be assumed to be an
+# error"), here on a whole list: counted before any name is built, so no text can make a list of millions
+MAX_HOSTLIST_HOSTS = 64 * 1024
+_HOSTLIST_RE = re.compile(r"([^,\[]+)(?:\[([^\]]*)\]([^,]*))?(?:,|$)")
+
+
 def expand_hostlist(text: str) -> tuple[str, ...]:
     """Expand a Slurm hostlist: "gpu[01-03,07],login1" -> gpu01, gpu02, gpu03, gpu07, login1.
 
-    Handles one bracket group per name (the common form); anything else is returned as is.
+    Handles one bracket group per name (the common form); anything else is returned as is. SlurmParseError (a
+    ValueError) for what no hostlist is: a bracket left open, a range part that is not ``N`` or ``LO-HI`` (ASCII
+    digits, LO <= HI), more than ``MAX_HOSTLIST_HOSTS`` hosts.
     """
     text = text.strip()
     if not text or text == "(null)":
         return ()
-    names: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\]([^,]*))?(?:,|$)", text):
+    groups: list[tuple[str, list[tuple[int, int, int]] | None, str]] = []  # prefix, (lo, hi, width)s, suffix
+    count, at = 0, 0
+    shown = repr(text if len(text) <= 80 else text[:77] + "...")
+    for m in _HOSTLIST_RE.finditer(text):
+        if text[at:m.start()].strip(","):  # what no name matched: an open bracket
+            raise SlurmParseError(f"hostlist {shown}: unbalanced brackets")
+        at = m.end()
         prefix, ranges, suffix = m.group(1), m.group(2), m.group(3) or ""
+        parts: list[tuple[int, int, int]] | None = None
         if ranges is None:
+            count += 1
+        else:
+            parts = []
+            for part in ranges.split(","):
+                lo, sep, hi = part.partition("-")
+                # (a host number of 40 digits is no host's, and int() refuses more than 4300)
+                first, last = (ascii_int(lo), ascii_int(hi if sep else lo)) if len(part) < 40 else (None, None)
+                if first is None or last is None or last < first:
+                    raise SlurmParseError(f"hostlist {shown}: {part[:40]!r} is not a number or a range LO-HI")
+                parts.append((first, last, len(lo)))
+                count += last - first + 1
+        if count > MAX_HOSTLIST_HOSTS:
+            raise SlurmParseError(f"hostlist {shown}: more than {MAX_HOSTLIST_HOSTS} hosts")
+        groups.append((prefix, parts, suffix))
+    if text[at:].strip(","):
+        raise SlurmParseError(f"hostlist {shown}: unbalanced brackets")
+    names: list[str] = []
+    for prefix, parts, suffix in groups:
+        if parts is None:
             names.append(prefix)
             continue
-        for part in ranges.split(","):
-            lo, sep, hi = part.partition("-")
-            if not sep:
-                names.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo)
-            names.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+        for first, last, width in parts:
+            names.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(first, last + 1))
     return tuple(names)
 
 
@@ -385,7 +413,10 @@ def parse_job_environ(data: bytes) -> JobMeta | None:
     meta["uid"] = ascii_int(uid)
     meta["account"] = env.get("SLURM_JOB_ACCOUNT") or None
     meta["partition"] = env.get("SLURM_JOB_PARTITION") or None
-    meta["hosts"] = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
+    try:
+        meta["hosts"] = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
+    except SlurmParseError:  # the job's user writes this environment: a bad node list costs the hosts, not the job
+        meta["hosts"] = ()
     for var in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
         try:
             idx = parse_index_list(env.get(var, ""))

@@ -162,3 +162,39 @@ def test_jobs_are_listed_in_slurms_numeric_order_array_tasks_by_their_number(tmp
     r = runner.invoke(app, ["jobs", "list", "--data-dir", str(tmp_path), "--format", "json"])
     assert r.exit_code == 0, r.output
     assert [j["job_id"] for j in json.loads(r.output)] == ["9", "10", "12", "12_2", "12_10", "100_1", "x1"]
+
+
+def test_an_import_with_one_impossible_record_stores_nothing_and_says_where(tmp_path: Path) -> None:
+    # gres/gpu=1e308 was stored (Infinity in `jobs list`, a feed refused for the whole cluster); gres/gpu=nan and
+    # node[a-b] ended the import with "unexpected ValueError", exit 1
+    import sqlite3
+
+    d = str(tmp_path)
+    head = "JobID|Cluster|User|Account|Start|End|State|AllocTRES|NodeList\n"
+    good = "8|c|dave|proj_b|2026-12-01T19:10:00|2026-12-01T19:40:00|COMPLETED|gres/gpu=1|n1\n"
+    first = tmp_path / "first.sacct"
+    first.write_text(head + good)
+    assert runner.invoke(app, ["jobs", "import", "--data-dir", d, "--sacct-parsable", str(first)]).exit_code == 0
+
+    def audit_entries() -> int:
+        db = sqlite3.connect(tmp_path / "audit.sqlite")
+        try:
+            return db.execute("SELECT count(*) FROM entries").fetchone()[0]
+        finally:
+            db.close()
+
+    def stored() -> list[dict]:
+        return json.loads(runner.invoke(app, ["jobs", "list", "--data-dir", d, "--format", "json"]).stdout)
+
+    before, logged = stored(), audit_entries()
+    for tres, nodes, start, end in (
+            ("gres/gpu=1e308", "n1", "19:10", "19:40"), ("gres/gpu=nan", "n1", "19:10", "19:40"),
+            ("gres/gpu=-2", "n1", "19:10", "19:40"), ("gres/gpu=2", "node[a-b]", "19:10", "19:40"),
+            ("gres/gpu=2", "node[1-3000000]", "19:10", "19:40"), ("gres/gpu=2", "n1", "19:40", "19:10")):
+        bad = tmp_path / "bad.sacct"
+        bad.write_text(head + good.replace("8|", "10|") + f"9001|c|dave|proj_b|2026-12-01T{start}:00|"
+                       f"2026-12-01T{end}:00|COMPLETED|{tres}|{nodes}\n")
+        r = runner.invoke(app, ["jobs", "import", "--data-dir", d, "--sacct-parsable", str(bad)])
+        assert r.exit_code == 2, (tres, nodes, r.output)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {bad}: sacct -P line 3 (job 9001)"), r.stderr
+        assert stored() == before and audit_entries() == logged, (tres, nodes)  # job 10 was not stored either

@@ -8,7 +8,18 @@ import json
 import pytest
 from prometheus_client import generate_latest
 
-from gpuledger.accounting.priority import flat_feed, flat_path, site_factor, write_feed
+from gpuledger.accounting.priority import (
+    FLAT_MAGIC,
+    FeedFormatError,
+    FeedSource,
+    PriorityEntry,
+    feed_document,
+    flat_feed,
+    flat_path,
+    parse_flat_feed,
+    site_factor,
+    write_feed,
+)
 from gpuledger.accounting.priority_watch import CycleResult, PriorityWatch
 
 
@@ -94,6 +105,28 @@ def test_flat_feed_beside_the_json_one(tmp_path) -> None:
                                            "proj_a alice 5000\nproj_b carol 10000\n")
     assert oct(flat_path(path).stat().st_mode & 0o777) == "0o644"  # slurmctld may run as another user
     assert sorted(p.name for p in tmp_path.iterdir()) == ["priority-feed.json", "priority-feed.txt"]  # no temp left
+
+
+def test_both_feed_files_name_the_fairshare_entry_they_were_made_from(tmp_path) -> None:
+    entries = [PriorityEntry("proj_a", "alice", 0.5, 5000, 10.0, 0.25, 0.5)]
+    doc = feed_document(entries, {"generated_at": 12.5}, FeedSource(118, "6b" * 32))
+    assert (doc["audit_entry"], doc["audit_leaf"]) == (118, "6b" * 32)
+    path = write_feed(tmp_path / "priority-feed.json", doc)
+    assert json.loads(path.read_text()) == doc
+    text = flat_path(path).read_text()
+    # job_submit.lua reads the magic first and entries=N last, and ignores what lies between
+    assert text == (f"{FLAT_MAGIC} generated_at=12.500 audit_entry=118 audit_leaf={'6b' * 32} entries=1\n"
+                    "proj_a alice 5000\n")
+    flat = parse_flat_feed(text)
+    assert flat.header == {"generated_at": "12.500", "audit_entry": "118", "audit_leaf": "6b" * 32, "entries": "1"}
+    assert flat.lines == [(2, "proj_a", "alice", 5000)]
+    for bad, why in ((text.replace(" entries=1", " entries=2"), "1 entries, the header says 2"),
+                     (text.replace(" entries=1", " entries=1 x=2"), "line 1 does not end in entries=N"),
+                     (text.replace("alice 5000", "alice\t5000"), "line 2 is not 'account user factor'"),
+                     (text.replace("entries=1", "entries=\u00b9"), "line 1 does not end in entries=N"),
+                     ("# gpuledger-priority-feed v2 entries=0\n", "line 1 is not")):
+        with pytest.raises(FeedFormatError, match=why):
+            parse_flat_feed(bad)
 
 
 def test_a_name_the_flat_format_cannot_carry_leaves_both_files_alone(tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import csv
 import io
 import json
@@ -261,3 +262,109 @@ def test_a_report_that_cannot_be_written_is_one_line_exit_2_and_an_old_one_is_ke
                "-o", out).exit_code == 0
     assert out.read_text().startswith("account,")
     assert sorted(p.name for p in data_dir.iterdir() if p.name.startswith("oct.csv")) == ["oct.csv"]
+
+
+def _signed_report(data_dir, name="oct.csv"):
+    out = data_dir / name
+    r = run("report", "usage", "--data-dir", data_dir, "--period", "2026-10", "--format", "csv", "-o", out)
+    assert r.exit_code == 0 and "signed manifest" in r.output, r.output
+    return out
+
+
+def test_a_signed_report_binds_its_co2_series_and_prices_and_verify_compares_them(data_dir, tmp_path):
+    # two reports of one period, the grid intensity series edited between them: 10x the CO2e, same records
+    assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0
+    config = data_dir / "gpuledger.toml"
+    config.write_text(CONFIG.replace("[report]\n", '[report]\ngrid_intensity_csv = "grid.csv"\n'))
+    (data_dir / "grid.csv").write_text("time,g_co2e_per_kwh\n2026-10-01T00:00:00Z,300\n2026-11-01T00:00:00Z,300\n")
+    r1 = _signed_report(data_dir, "r1.csv")
+    (data_dir / "grid.csv").write_text("time,g_co2e_per_kwh\n2026-10-01T00:00:00Z,30\n2026-11-01T00:00:00Z,30\n")
+    r2 = _signed_report(data_dir, "r2.csv")
+    co2 = [next(row for row in csv.DictReader(io.StringIO(p.read_text())) if row["account"] == "TOTAL")["co2e_kg"]
+           for p in (r1, r2)]
+    assert float(co2[0]) == pytest.approx(10 * float(co2[1]))
+    bound = [json.loads((data_dir / f"{p.name}.manifest.json").read_text())["manifest"]["inputs"]["settings"]
+             for p in (r1, r2)]
+    assert {k: v for k, v in bound[0].items() if k != "grid_intensity"} == {
+        "currency": "EUR", "price_per_kwh": 0.5, "price_per_gpu_hour": {"default": 2.0}, "co2e_kg_per_kwh": 0.4,
+        "idle_threshold": 0.05}
+    assert bound[0]["grid_intensity"]["points"] == 2 and bound[0]["grid_intensity"] != bound[1]["grid_intensity"]
+    r = run("audit", "verify", r1, r2, "--data-dir", data_dir)  # both signed, and each says what it was made with
+    assert r.exit_code == 0, r.output
+    sha = [b["grid_intensity"]["sha256"][:16] for b in bound]
+    assert f"report {r1}: " in r.output and f"grid intensity series 2 point(s), sha256 {sha[0]}" in r.output
+    assert f"sha256 {sha[1]}" in r.output
+    # against the settings the auditor was given: the series of now is r2's, not r1's
+    r = run("audit", "verify", r2, "--data-dir", data_dir, "--config", config)
+    assert r.exit_code == 0 and "DIFFERS" not in r.output, r.output
+    r = run("audit", "verify", r1, "--data-dir", data_dir, "--config", config)
+    assert r.exit_code == 1, r.output
+    (line,) = [ln for ln in r.stderr.splitlines() if "DIFFERS" in ln]
+    assert line.startswith(f"DIFFERS: report {r1} was computed with grid_intensity ") and f"{config} gives" in line
+    priced = tmp_path / "auditor.toml"  # a price the auditor was told, not the one used
+    priced.write_text(config.read_text().replace("price_per_kwh = 0.5", "price_per_kwh = 0.25"))
+    (tmp_path / "grid.csv").write_text((data_dir / "grid.csv").read_text())
+    r = run("audit", "verify", r2, "--data-dir", data_dir, "--config", priced)
+    assert r.exit_code == 1 and f"DIFFERS: report {r2} was computed with price_per_kwh 0.5, {priced} gives 0.25" \
+        in r.stderr, r.output
+
+
+def _manifest(report):
+    path = report.with_name(report.name + ".manifest.json")
+    return path, json.loads(path.read_text())
+
+
+def test_an_altered_manifest_costs_no_memory_for_the_ranges_it_names(data_dir):
+    # "1-9999999," x 50 names half a billion entries: refused by its signature before any range is read
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0
+    out = _signed_report(data_dir)
+    path, doc = _manifest(out)
+    doc["manifest"]["input_records"]["entries"] = "1-9999999," * 50
+    path.write_text(json.dumps(doc))
+
+    def one_gib() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    p = subprocess.run([sys.executable, "-c", "from gpuledger.cli import main; main()", "audit", "verify", str(out),
+                        "--data-dir", str(data_dir)], capture_output=True, text=True, env=dict(os.environ),
+                       preexec_fn=one_gib, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.splitlines() == [f"TAMPERED: {path}: the signature does not match the manifest (manifest altered)"]
+
+
+def test_a_manifest_that_is_not_one_is_bad_input_in_one_line(data_dir):
+    assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0
+    out = _signed_report(data_dir)
+    path, doc = _manifest(out)
+    for text, why in (("{", "JSONDecodeError"), (json.dumps({**doc, "signature": "!!"}), "Error"),
+                      (json.dumps({"manifest": [1]}), "KeyError"), ("[" * 100_000 + "]" * 100_000, "nested")):
+        path.write_text(text)
+        r = run("audit", "verify", out, "--data-dir", data_dir)
+        assert r.exit_code == 2, (text[:40], r.output)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {path}: not a report manifest ("), r.stderr
+        assert why in r.stderr and "unexpected" not in r.stderr
+
+
+def test_a_signed_manifest_naming_entries_past_its_head_is_refused(data_dir):
+    # a signer that names entries its signed head does not hold (an older release's bug, a stolen key): refused,
+    # one line, whatever the log holds
+    from gpuledger.accounting.audit import canonical_json, default_private_key_path, load_signing_key
+
+    assert run("audit", "keygen", "--data-dir", data_dir).exit_code == 0
+    out = _signed_report(data_dir)
+    path, doc = _manifest(out)
+    m = doc["manifest"]
+    size = m["audit_head"]["size"]
+    m["input_records"]["entries"] = f"1-{size + 9_000_000}"
+    key = load_signing_key(default_private_key_path())
+    doc["signature"] = base64.b64encode(key.private.sign(canonical_json(m).encode())).decode()
+    path.write_text(json.dumps(doc))
+    r = run("audit", "verify", out, "--data-dir", data_dir)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip() == (f"error: {path}: the signed manifest's input records: entry range "
+                                f"'1-{size + 9_000_000}' is not ascending within the signed head's 1..{size}")

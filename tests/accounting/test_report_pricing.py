@@ -10,6 +10,7 @@ import pytest
 
 from gpuledger.accounting.charge import ChargePolicy, allocation, bounded_weight, gres_names
 from gpuledger.accounting.ledger import LedgerEntry, join
+from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.jobs import job_rows
 from gpuledger.accounting.report.period import parse_period
 from gpuledger.accounting.report.reconcile import reconcile
@@ -24,7 +25,7 @@ OCT = parse_period("2026-10")
 H200, A100 = "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
 PRICES = ReportSettings(price_per_gpu_hour={"default": 1.0, "H200": 4.0, "A100": 1.0})
 COLUMNS = ("allocated_gpu_hours", "sm_active_gpu_hours", "energy_kwh", "cost", "slurm_gpu_hours",
-           "unmeasured_gpu_hours")
+           "unmeasured_gpu_hours", "billed_gpu_hours")
 
 
 def gpu(job: str, host: str, uuid: str, model: str, seconds: float = H) -> JobUsage:
@@ -189,3 +190,72 @@ def test_cli_on_a_real_store_prices_and_reconciles_every_model(tmp_path):
             for r in rows("reconcile")} == {
         ("a", "n1", H200): (1.0, 0.0), ("a", "n2", A100): (1.0, 0.0), ("b", "n3", A100): (1.0, 0.0),
         ("b", "n4", "h200"): (1.0, 1.0), ("TOTAL", "", ""): (4.0, 1.0)}
+
+
+FULL_NAMES = ReportSettings(price_per_gpu_hour={"NVIDIA H200": 3.0, "NVIDIA A100-SXM4-80GB": 1.0})
+
+
+def test_a_typed_gres_takes_the_weight_and_price_keyed_by_the_model_it_names():
+    # weights and prices keyed by the measured model's full name; Slurm says gres/gpu:h200 (gres_names: it names
+    # "NVIDIA H200"). Job 1 was measured on its H200; job 2, typed h200, was never measured.
+    entries = ledger([record("1", ("n1",), 2, "h200"), record("2", ("n2",), 1, "h200")],
+                     [gpu("1", "n1", "G0", H200), gpu("1", "n1", "G1", H200)])
+    policy = ChargePolicy(kind="allocated", model_weights={H200: 2.0})
+    measured = ChargePolicy(kind="active", model_weights={H200: 2.0})
+    one, two = entries
+    alloc = allocation(one.record, T1)
+    assert policy.charge_job(alloc, one.gpus).total == 2 * H * 2.0  # not 2 GPU-h weighing 1
+    assert measured.measured_weight(one.gpus[0], alloc) == 2.0
+    assert measured.charge_job(alloc, one.gpus).measured == 2 * H / 2 * 2.0
+    assert policy.charge_job(allocation(two.record, T1), two.gpus).total == H * 2.0  # unmeasured: never weight 1
+    for by, rep in reports(entries, FULL_NAMES).items():
+        assert rep.total.cost == 3 * 3.0, by  # 3 GPU-h of H200, measured or not: none free
+        assert_rows_add_up(rep)
+
+
+def test_unmeasured_gpu_time_is_priced_at_the_nodes_measured_model():
+    # job 9 ran on n2 (measured there: an A100); job 8 (untyped, n1 and n2) was measured only on n1; job 7 (untyped)
+    # never. Their unmeasured GPU-hours on n2 cost the A100's price, not `default`'s.
+    prices = ReportSettings(price_per_gpu_hour={"default": 10.0, "H200": 4.0, "A100": 1.0})
+    entries = ledger([record("9", ("n2",), 1), record("8", ("n1", "n2"), 2), record("7", ("n2",), 1)],
+                     [gpu("9", "n2", "G9", A100), gpu("8", "n1", "G0", H200)])
+    for by, rep in reports(entries, prices).items():
+        assert rep.total.cost == 1.0 + (4.0 + 1.0) + 1.0, by
+        assert_rows_add_up(rep)
+    # a node nothing measured stays at Slurm's model: untyped, `default`
+    alone = ledger([record("7", ("n5",), 1)], [])
+    assert usage_report(alone, "account", OCT, prices).total.cost == 10.0
+
+
+def test_a_price_table_without_default_refuses_to_bill_a_model_it_does_not_price():
+    # an A100 GPU-hour used to cost 0 without a word; the report now names the model and a job
+    entries = ledger([record("1", ("n1",), 1), record("2", ("n2",), 1, "a100", account="b")],
+                     [gpu("1", "n1", "G0", H200), gpu("2", "n2", "G1", A100)])
+    for by in GROUP_BY:
+        with pytest.raises(ReportError, match=rf"no price for GPU model '{A100}' \(job 2\).* no `default`"):
+            usage_report(entries, by, OCT, ReportSettings(price_per_gpu_hour={"H200": 3.0}), per_gpu={})
+    fine = ReportSettings(price_per_gpu_hour={"H200": 3.0, "default": 0.0})  # free, on purpose
+    assert usage_report(entries, "account", OCT, fine).total.cost == 3.0
+    # no GPU-hour prices at all: the cost is the energy's, as configured
+    energy_only = ReportSettings(price_per_kwh=0.5)
+    assert usage_report(entries, "account", OCT, energy_only).total.cost == pytest.approx(2 * 0.36 * 0.5)
+
+
+def test_the_cost_never_bills_more_gpu_hours_than_slurm_allocated():
+    # job 1: its samples run 6 minutes past Slurm's hour (within the scope's slack, or a skewed clock): billed its
+    # Slurm hour. Job 2 (2 GPUs over n1, n2): n1 observed 1.5 h, n2 0.5 h: billed its 2 Slurm hours, at the
+    # models where they were measured. Job 3: short of its hour, the rest unmeasured: its Slurm hour.
+    entries = ledger([record("1", ("n1",), 1, "h200"), record("2", ("n2", "n3"), 2), record("3", ("n4",), 1)],
+                     [gpu("1", "n1", "G0", H200, 1.1 * H), gpu("2", "n2", "G1", H200, 1.5 * H),
+                      gpu("2", "n3", "G2", A100, 0.5 * H), gpu("3", "n4", "G3", A100, 0.25 * H)])
+    for by, rep in reports(entries).items():
+        t = rep.total
+        assert t.cost == pytest.approx(4.0 + (1.5 * 4.0 + 0.5 * 1.0) + 1.0), by
+        assert t.slurm_gpu_hours == 4.0 and t.billed_gpu_hours == pytest.approx(4.0), by
+        assert t.allocated_gpu_hours == pytest.approx(1.1 + 2.0 + 0.25), by  # what was measured, as measured
+        assert_rows_add_up(rep)
+    by_node = {r.group: (r.billed_gpu_hours, r.cost) for r in reports(entries)["node"].rows}
+    assert by_node["n1"] == (pytest.approx(1.0), pytest.approx(4.0))
+    # a job without a scheduler record is billed as measured
+    agent_only = ledger([], [gpu("5", "n1", "G0", H200, 1.1 * H)])
+    assert usage_report(agent_only, "account", OCT, PRICES).total.cost == pytest.approx(1.1 * 4.0)

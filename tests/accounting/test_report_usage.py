@@ -206,7 +206,8 @@ def test_grid_intensity_series_weights_emissions_by_time(tmp_path):
         GridIntensity.from_csv(f"time,g\n{t0},1\n{t0 + 1},x\n")
     (tmp_path / "grid.csv").write_text(csv_text)
     s = report_settings({"report": {"grid_intensity_csv": "grid.csv", "price_per_gpu_hour": {"H200": 2}}}, tmp_path)
-    assert s.grid == grid and s.gpu_hour_price("NVIDIA H200") == 2.0 and s.gpu_hour_price("A100") == 0.0
+    # no `default`: an A100 has no price (a report meeting one is refused), not a price of 0
+    assert s.grid == grid and s.gpu_hour_price("NVIDIA H200") == 2.0 and s.gpu_hour_price("A100") is None
     with pytest.raises(ReportError, match=r"cfg.toml: report.price_per_kwh: expected a number"):
         report_settings({"report": {"price_per_kwh": "cheap"}}, tmp_path, "cfg.toml")
     with pytest.raises(ReportError, match="report.colour: unknown setting"):

@@ -213,6 +213,49 @@ def test_bad_json_input_names_position_and_job() -> None:
     assert [r.user for r in parse_sacct_json(f'{{"jobs": [{ok}]}}')] == ["a"]
 
 
+HEADER = "JobID|Start|End|AllocTRES|NodeList"
+
+
+@pytest.mark.parametrize("line, message", [
+    # each used to be stored (-2 GPUs, 1e308 GPUs: Infinity in every listing, a feed refused for the whole cluster;
+    # an end before the start) or to end the import with "unexpected ValueError" (nan, node[a-b])
+    ("9|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=nan|n1", r"line 3 \(job 9\) AllocTRES: gres/gpu=nan is not"),
+    ("9|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=-2|n1", r"gres/gpu=-2 is not a whole number of GPUs"),
+    ("9|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=1e308|n1", r"gres/gpu=1e\+308 is not a whole number"),
+    ("9|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu:h200=1.5|n1", r"gres/gpu:h200=1.5 is not a whole number"),
+    ("9|2026-12-01T19:10:00|2026-12-01T19:40:00|cpu=inf|n1", r"AllocTRES: cpu=inf is not a finite number"),
+    ("9|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=2|node[a-b]",
+     r"line 3 \(job 9\) NodeList: hostlist 'node\[a-b\]': 'a-b' is not a number"),
+    ("9|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=2|node[1-3000000]", r"NodeList: .* more than 65536 hosts"),
+    ("9|2026-12-01T19:40:00|2026-12-01T19:10:00|gres/gpu=2|n1",
+     r"line 3 \(job 9\): End 2026-12-01T19:10:00Z is before Start 2026-12-01T19:40:00Z"),
+])
+def test_a_record_no_job_can_have_is_refused_naming_line_and_job(line: str, message: str) -> None:
+    with pytest.raises(SlurmParseError, match=message):
+        parse_sacct_parsable(f"{HEADER}\n1|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=1|n1\n{line}\n",
+                             tz=UTC)
+
+
+def test_a_json_record_no_job_can_have_is_refused_naming_the_job() -> None:
+    def doc(tres: str, nodes: str = "n1", start: str = "1796151000", end: str = "1796152800") -> str:
+        return ('{"jobs": [{"job_id": 4, "user": "a", "state": {"current": "COMPLETED"}, "nodes": "' + nodes
+                + f'", "time": {{"start": {start}, "end": {end}}}, "tres": {{"allocated": [{tres}]}}}}]}}')
+
+    def gpu(count: str) -> str:
+        return f'{{"type": "gres", "name": "gpu", "count": {count}}}'
+
+    assert parse_sacct_json(doc(gpu("2")))[0].gpus == 2
+    assert parse_sacct_json(doc(gpu("-2")))[0].gpus == 0  # Slurm's "not set" sentinel, as before
+    for tres, nodes, start, end, message in (
+            (gpu("NaN"), "n1", "1796151000", "1796152800", r"job 4: gres/gpu=nan is not a finite number"),
+            (gpu("1e308"), "n1", "1796151000", "1796152800", r"job 4: gres/gpu=1e\+308 is not a whole number"),
+            (gpu("2"), "n[x]", "1796151000", "1796152800", r"job 4 NodeList: hostlist 'n\[x\]'"),
+            (gpu("2"), "n1", "1796152800", "1796151000", r"job 4: End .* is before Start"),
+            (gpu("2"), "n1", "1796151000", "1e308", r"job 4: End 1e\+308 is not a time")):
+        with pytest.raises(SlurmParseError, match=message):
+            parse_sacct_json(doc(tres, nodes, start, end))
+
+
 # ------------------------------------------------------------------------------ live mode through the run seam
 
 class Replay:

@@ -198,3 +198,64 @@ def test_mig_rows_that_do_not_fit_one_physical_gpu_count_it_once(tmp_path):
         assert all(not e.out_of_scope for e in load(store, now=T0 + 9999))
     finally:
         store.close()
+
+
+def test_what_the_scope_cuts_is_shown_and_reconcile_balances_with_the_collectors_totals(tmp_path):
+    # n2 runs Slurm's job 500 for 600 s and samples it 300 s past its end (180 s beyond the slack); n1 names job
+    # 500 on a GPU of its own for 1800 s. Neither cut was shown anywhere, so `report reconcile` no longer added up
+    # to `collector totals`.
+    import csv
+    import io
+    import json
+
+    from typer.testing import CliRunner
+
+    from gpuledger.cli import app
+    from gpuledger.collector.store import Store
+    from gpuledger.collector.validate import Batch
+    from gpuledger.schema.records import GpuSample
+
+    def rows(host: str, start: float, n: int) -> tuple[GpuSample, ...]:
+        return tuple(GpuSample(ts=start + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, sm_active_ratio=1.0,
+                               power_watts=700.0, energy_joules=7000.0 * k, job_ids=("500",), model="NVIDIA H100")
+                     for k in range(n))
+
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        store.ingest(Batch("a2", 1, "n2", rows("n2", T0, 91), cluster="c"))
+        store.ingest(Batch("a1", 1, "n1", rows("n1", T0 + 1200, 181), cluster="c"))
+        store.put_jobs([SLURM])
+    finally:
+        store.close()
+    d = str(tmp_path)
+
+    def cli(*args: str) -> str:
+        r = CliRunner().invoke(app, [*args, "--data-dir", d])
+        assert r.exit_code == 0, r.output
+        return r.stdout
+
+    cut_s = 180.0 + 1800.0
+    (job,) = [j for j in json.loads(cli("jobs", "list", "--format", "json")) if j["job_id"] == "500"]
+    assert job["observed_gpu_seconds"] == pytest.approx(720.0)
+    assert job["out_of_scope_gpu_seconds"] == pytest.approx(cut_s)
+    assert job["out_of_scope_energy_joules"] == pytest.approx(180 * 700.0 + 1800 * 700.0)
+    assert sorted((c["host"], c["reason"], round(c["gpu_seconds"])) for c in job["out_of_scope"]) == [
+        ("n1", "host", 1800), ("n2", "time", 180)]
+    (row,) = [r for r in csv.DictReader(io.StringIO(cli("jobs", "list", "--format", "csv"))) if r["job_id"] == "500"]
+    assert float(row["out_of_scope_gpu_seconds"]) == pytest.approx(cut_s) and row["out_of_scope_reasons"] == "host,time"
+    assert "0.55 (host,time)" in cli("jobs", "list")  # the table: GPU-hours and why
+
+    rep = json.loads(cli("report", "job", "500", "--format", "json"))
+    assert rep["allocation"]["out_of_scope_gpu_seconds"] == pytest.approx(cut_s)
+    assert sorted(c["reason"] for c in rep["out_of_scope"]) == ["host", "time"]
+    text = cli("report", "job", "500")
+    assert "out of scope, not charged: 0.50 GPU-h" in text and "on n1/GPU-n1 (host: on a host Slurm's" in text
+
+    totals = json.loads(cli("collector", "totals"))
+    rec = json.loads(cli("report", "reconcile", "--format", "json"))
+    t = rec["total"]
+    assert t["out_of_scope_gpu_hours"] == pytest.approx(cut_s / 3600)
+    assert (t["observed_gpu_hours"] + t["out_of_scope_gpu_hours"] + t["unattributed_gpu_hours"]) * 3600 == (
+        pytest.approx(totals["observed_gpu_seconds"]))
+    cells = {(r["node"], r["account"]): r["out_of_scope_gpu_hours"] * 3600 for r in rec["rows"]}
+    assert cells == {("n1", "B"): pytest.approx(1800.0), ("n2", "B"): pytest.approx(180.0)}

@@ -144,6 +144,9 @@ def test_job_environ_outside_a_job_and_odd_values() -> None:
     assert meta["gpus"] == 1 and meta["uid"] is None
     meta = parse_job_environ(b"SLURM_JOB_ID=6\0SLURM_JOB_GPUS=GPU-1234\0")
     assert meta is not None and meta["gpu_indexes"] == () and meta["gpus"] is None
+    # the user writes the environment: a node list that is none costs its hosts, never the job
+    meta = parse_job_environ(b"SLURM_JOB_ID=7\0SLURM_JOB_NODELIST=n[\0SLURM_STEP_GPUS=1\0")
+    assert meta is not None and meta["job_id"] == "7" and meta["hosts"] == () and meta["gpu_indexes"] == (1,)
 
 
 def test_small_parsers() -> None:
@@ -249,3 +252,18 @@ def test_parse_tres_strict_when_told_where() -> None:
         parse_tres("cpu=1,,gpu=2", where="AllocTRES")
     with pytest.raises(SlurmParseError, match=r"AllocTRES: value of 'gpu' in 'gpu=x' is not a number"):
         parse_tres("gpu=x", where="AllocTRES")
+
+
+def test_expand_hostlist_refuses_what_no_hostlist_is_before_building_it():
+    # valid lists as before: zero padding by the low bound's width, a suffix, empty items skipped
+    assert expand_hostlist("n[1-2],m[01-02]x,,login1") == ("n1", "n2", "m01x", "m02x", "login1")
+    assert expand_hostlist("x[09-11,7]") == ("x09", "x10", "x11", "x7")
+    assert len(expand_hostlist("n[1-65536]")) == 65536
+    # int("a") used to escape as a bare ValueError; node[3-1] was no host; node[1-3000000] built 3 million names
+    for text, message in (("node[a-b]", r"'a-b' is not a number or a range LO-HI"),
+                          ("node[3-1]", r"'3-1' is not"), ("node[]", r"'' is not"), ("node[1,,2]", r"'' is not"),
+                          ("n[²]", r"'²' is not"), ("n[" + "9" * 5000 + "]", r"is not a number"),
+                          ("node[1-3", r"unbalanced brackets"),
+                          ("node[1-3000000]", r"more than 65536 hosts"), ("n[1-60000],m[1-6000]", r"more than 65536")):
+        with pytest.raises(SlurmParseError, match=message):
+            expand_hostlist(text)

@@ -29,6 +29,11 @@ class JobRow:
     slurm_gpu_hours: float | None = None  # Slurm-allocated (elapsed x GPUs); None without a scheduler record
     coverage: float | None = None  # observed / Slurm-allocated GPU-time
     unmeasured_gpu_hours: float = 0.0  # Slurm-allocated GPU-time no agent observed
+    # observed outside Slurm's record of the job (another host, other times, a MIG GPU counted twice: ``scope``),
+    # measured but not charged; its reasons comma-separated
+    out_of_scope_gpu_hours: float = 0.0
+    out_of_scope_kwh: float = 0.0
+    out_of_scope_reasons: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,9 @@ def job_rows(entries: Iterable[LedgerEntry], now: float | None = None) -> Rows[J
                 slurm_gpu_hours=None if slurm_s is None else slurm_s / SECONDS_PER_HOUR,
                 coverage=observed / slurm_s if slurm_s else None,
                 unmeasured_gpu_hours=0.0 if slurm_s is None else max(0.0, slurm_s - observed) / SECONDS_PER_HOUR,
+                out_of_scope_gpu_hours=e.out_of_scope_gpu_seconds / SECONDS_PER_HOUR,
+                out_of_scope_kwh=e.out_of_scope_energy_joules / JOULES_PER_KWH,
+                out_of_scope_reasons=",".join(e.out_of_scope_reasons),
             )
         )
     return rows
@@ -103,6 +111,8 @@ JOB_COLUMNS: list[tuple[str, Callable[[JobRow], str]]] = [
     ("Mean HBM", lambda r: fmt_optional(r.hbm_mean, ".0%")),
     ("Energy kWh", lambda r: fmt_optional(r.energy_kwh, ".2f")),
     ("Efficiency", lambda r: fmt_optional(r.efficiency, ".0%")),
+    ("Out of scope GPU-h", lambda r: f"{r.out_of_scope_gpu_hours:.2f}"
+     + (f" ({r.out_of_scope_reasons})" if r.out_of_scope_reasons else "")),
 ]
 
 GROUP_COLUMNS: list[tuple[str, Callable[[GroupRow], str]]] = [

@@ -8,6 +8,10 @@ Per account, node and GPU model, over a period:
 - ``observed_gpu_hours``: GPU-hours in which an agent saw the job on that node's GPUs,
 - ``coverage`` = observed / Slurm-allocated, ``unmeasured_gpu_hours``: a row's share of its jobs' allocated -
   observed (never below 0), so the totals are the jobs' own (``jobs list``, ``report usage``),
+- ``out_of_scope_gpu_hours``: GPU-hours an agent observed for the job on that node's GPUs outside Slurm's record
+  of it (``accounting.scope``: a host the record does not list, times outside it, a MIG GPU counted twice):
+  measured, never charged, so observed + out of scope + unattributed = the collector's observed GPU-hours
+  (``collector totals``) over the jobs and hours of the period,
 - on rows of account ``(no job)``: ``unattributed_gpu_hours``, GPU-time the collector observed with no job on the
   GPU, and ``unattributed_energy_kwh``, the energy the collector charged to no job (``gpu_energy``: its hourly
   buckets' energy minus their jobs' energy, exact, not estimated) less the gap energy that Slurm's records
@@ -57,6 +61,7 @@ class ReconcileRow:
     observed_gpu_hours: float
     coverage: float | None
     unmeasured_gpu_hours: float
+    out_of_scope_gpu_hours: float
     unattributed_gpu_hours: float
     unattributed_energy_kwh: float | None  # None without the collector's per-GPU energy
     reassigned_energy_kwh: float = 0.0
@@ -76,13 +81,14 @@ class Reconciliation:
 
 
 class _Acc:
-    __slots__ = ("jobs", "slurm", "observed", "unmeasured", "idle", "idle_j", "gap_j", "anomalies")
+    __slots__ = ("jobs", "slurm", "observed", "unmeasured", "cut", "idle", "idle_j", "gap_j", "anomalies")
 
     def __init__(self) -> None:
         self.jobs: set[tuple[str, str]] = set()
         self.slurm: list[float] = []
         self.observed: list[float] = []
         self.unmeasured: list[float] = []
+        self.cut: list[float] = []  # out of scope
         self.idle: list[float] = []
         self.idle_j: list[float] = []
         self.gap_j: list[float] = []
@@ -132,6 +138,10 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
                 s, short = allocated[(node, model)]
                 a.slurm.append(s)
                 a.unmeasured.append(short)
+        for c in e.out_of_scope:  # measured for the job where Slurm's record does not put it: kept in view
+            a = cell(account, c.usage.host, c.usage.model or "(unknown)")
+            a.jobs.add(e.key)
+            a.cut.append(c.gpu_seconds)
     # per physical GPU (host, uuid): a MIG GPU's instance keys and its whole-GPU key are one GPU
     physical: dict[tuple[str, str], list[float]] = {}  # -> [observed s, job-carrying s]
     models: dict[tuple[str, str], str] = {}  # the whole-GPU key's model, else an instance's
@@ -203,7 +213,8 @@ def _row(key: tuple[str, str, str], accs: list[_Acc]) -> ReconcileRow:
     return ReconcileRow(
         account=key[0], node=key[1], model=key[2], jobs=len(set().union(*(a.jobs for a in accs))) if accs else 0,
         slurm_gpu_hours=slurm, observed_gpu_hours=observed, coverage=observed / slurm if slurm > 0 else None,
-        unmeasured_gpu_hours=hours("unmeasured"), unattributed_gpu_hours=hours("idle"),
+        unmeasured_gpu_hours=hours("unmeasured"), out_of_scope_gpu_hours=hours("cut"),
+        unattributed_gpu_hours=hours("idle"),
         unattributed_energy_kwh=math.fsum(v for a in accs for v in a.idle_j) / JOULES_PER_KWH if known else None,
         reassigned_energy_kwh=math.fsum(v for a in accs for v in a.gap_j) / JOULES_PER_KWH,
         counter_anomalies=sum(sum(x or ()) for x in anomalies) if known else None,
@@ -219,6 +230,7 @@ RECONCILE_COLUMNS: list[tuple[str, Callable[[ReconcileRow], str]]] = [
     ("Observed GPU-h", lambda r: fmt_optional(r.observed_gpu_hours, ".3f")),
     ("Coverage", lambda r: fmt_optional(r.coverage, ".1%")),
     ("Unmeasured GPU-h", lambda r: fmt_optional(r.unmeasured_gpu_hours, ".3f")),
+    ("Out of scope GPU-h", lambda r: fmt_optional(r.out_of_scope_gpu_hours, ".3f")),
     ("Unattributed GPU-h", lambda r: fmt_optional(r.unattributed_gpu_hours, ".3f")),
     ("Unattributed kWh", lambda r: fmt_optional(r.unattributed_energy_kwh, ".3f")),
     ("Gap kWh to jobs", lambda r: fmt_optional(r.reassigned_energy_kwh, ".3f")),

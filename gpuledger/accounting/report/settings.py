@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuledger.accounting.charge import ChargePolicy
+from gpuledger.accounting.charge import model_value
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
 
@@ -22,12 +22,16 @@ grid_intensity_csv = "grid.csv"  # or a time series (relative to the data dir): 
                                  # time as unix seconds or ISO 8601; overrides the constant factor
 idle_threshold = 0.05            # a GPU whose mean SM activity is below this is idle (report idle, job notes)
 retention_days = 365             # job records that ended longer ago get pseudonymous user names
-[report.price_per_gpu_hour]      # price per allocated GPU-hour by model: exact name, else the longest
-default = 1.0                    # case-insensitive substring of the model ("H200" matches "NVIDIA H200"; ties
-"H200" = 3.2                     # by name, as accounting.charge's model_weights), else `default`. A measured
-                                 # GPU's model as fairshare weighs it (Slurm's typed gres over a node's name for
-                                 # it); allocated GPU-hours no agent observed at the price of Slurm's model
-                                 # (`default` when Slurm names none): never free
+[report.price_per_gpu_hour]      # price per allocated GPU-hour by model, by the rule of accounting.charge's
+default = 1.0                    # model_weights (charge.model_value): the exact name, else the longest
+"H200" = 3.2                     # case-insensitive substring of the model ("H200" matches "NVIDIA H200"; ties by
+                                 # name), else for Slurm's gres type the model it names ("h200" names
+                                 # "NVIDIA H200"), else `default`. A measured GPU's model as fairshare weighs it
+                                 # (Slurm's typed gres over a node's name for it); allocated GPU-hours no agent
+                                 # observed at the price of the node's measured model where known, else of
+                                 # Slurm's model (`default` when Slurm names none): never free. A report that
+                                 # meets a model this table does not price, without a `default`, is refused
+                                 # (exit 2, naming the model and a job): `default = 0` makes the rest free
 [report.rules]                   # efficiency notes of `report job` (see accounting.jobreport.Rules)
 """
 
@@ -47,16 +51,14 @@ class ReportSettings:
     def priced(self) -> bool:
         return bool(self.price_per_gpu_hour) or self.price_per_kwh > 0
 
-    def gpu_hour_price(self, model: str) -> float:
-        """The model's price: the rule of the charge's model weights (``ChargePolicy.weight``: the exact name, else
-        the longest pattern contained in it, ties by name), so it never depends on the order of the TOML's keys;
-        else ``default``."""
-        patterns = {k: v for k, v in self.price_per_gpu_hour.items() if k != "default"}
-        low = model.lower()
-        # weight() falls back to 1, which can be a price too: ask it only when some pattern matches
-        if model in patterns or any(k.lower() in low for k in patterns):
-            return ChargePolicy(model_weights=patterns).weight(model)
-        return self.price_per_gpu_hour.get("default", 0.0)
+    def gpu_hour_price(self, model: str, gres: bool = False) -> float | None:
+        """The price of a GPU-hour on ``model`` (``gres``: on Slurm's gres type): the charge's model-weight rule
+        (``charge.model_value``) over the priced models, else ``default``; None when a table without ``default``
+        prices no such model (0.0 without a table: GPU-hours unpriced by design, the cost is energy only)."""
+        if not self.price_per_gpu_hour:
+            return 0.0
+        price = model_value({k: v for k, v in self.price_per_gpu_hour.items() if k != "default"}, model, gres)
+        return self.price_per_gpu_hour.get("default") if price is None else price
 
 
 _REPORT_KEYS = {"currency", "price_per_kwh", "price_per_gpu_hour", "co2e_kg_per_kwh", "grid_intensity_csv",

@@ -1,5 +1,6 @@
 """Rendering shared by the reports: columns are (header, cell function) pairs; rich tables for a terminal,
-fixed-width text for files and pipes (never truncated), JSON and CSV of dataclass rows for machines."""
+fixed-width text for files and pipes (never truncated; ``show`` picks), JSON and CSV of dataclass rows for
+machines."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ import io
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from rich.table import Table
+from typing import Any, Generic, TypeVar
 
 Columns = Sequence[tuple[str, Callable[[Any], str]]]
 R = TypeVar("R")
@@ -69,20 +67,6 @@ def fmt_optional(v: float | None, spec: str) -> str:
 
 
 LEFT = ("Job", "User", "Account")  # text columns; the rest are numbers, right-aligned
-
-
-def rich_table(title: str, columns: Columns, rows: Sequence[Any]) -> Table:
-    from rich.table import Table
-    from rich.text import Text
-
-    from gpuledger.output import display_text
-
-    t = Table(title=title)
-    for name, _ in columns:
-        t.add_column(name, justify="left" if name in LEFT else "right")
-    for r in rows:
-        t.add_row(*(Text(display_text(f(r))) for _, f in columns))  # Text: a "[b]" in a name is no markup
-    return t
 
 
 def show(title: str, columns: Columns, rows: Sequence[Any]) -> None:

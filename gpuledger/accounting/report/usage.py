@@ -2,8 +2,8 @@
 
 Jobs are selected by the period rule (``report.period``). Every grouping reads a job's per-GPU usage records and
 its Slurm allocation per node and model (``report.allocation``), so every grouping has the same totals; the cost
-covers every allocated GPU-hour, measured or not. Every sum is ``math.fsum`` over those records, so the totals row
-is exactly the sum of the records.
+covers every allocated GPU-hour, measured or not, and never more than Slurm allocated (``billed_gpu_hours``).
+Every sum is ``math.fsum`` over those records, so the totals row is exactly the sum of the records.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class UsageRow:
     unmeasured_jobs: int  # jobs Slurm knows that have no measurement (counted, zero usage)
     slurm_gpu_hours: float = 0.0  # Slurm-allocated GPU-hours (elapsed x GPUs) of the jobs Slurm knows
     unmeasured_gpu_hours: float = 0.0  # of those, allocated GPU-hours no agent observed (charged by the rule)
+    # the GPU-hours the cost prices: observed, at most Slurm's allocation of the job, plus the unmeasured ones
+    billed_gpu_hours: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +86,11 @@ class _GroupColumns:
 # Column order in _GroupColumns.values. HBM_WEIGHTED and HBM_SECONDS are 0 where HBM is not reported (adding 0
 # leaves an fsum exact). A job's per-GPU usage records carry the measured columns; its Slurm allocation goes on
 # records of its own (``report.allocation``: per node and model), with SLURM_S and UNMEASURED_S, the allocated
-# GPU-seconds and the part no agent observed, and PRICED_S's share for that unmeasured part, so that the rows of
-# every grouping add up to the same totals row.
-ALLOCATED_S, ACTIVE_S, ENERGY_J, HBM_WEIGHTED, HBM_SECONDS, PRICED_S, SLURM_S, UNMEASURED_S, N_COLUMNS = range(9)
+# GPU-seconds and the part no agent observed, and PRICED_S's and BILLED_S's shares for that unmeasured part, so
+# that the rows of every grouping add up to the same totals row. PRICED_S is GPU-seconds x price per GPU-hour;
+# BILLED_S the GPU-seconds it prices.
+(ALLOCATED_S, ACTIVE_S, ENERGY_J, HBM_WEIGHTED, HBM_SECONDS, PRICED_S, BILLED_S, SLURM_S, UNMEASURED_S,
+ N_COLUMNS) = range(10)
 
 
 # Group key of a measured GPU record or an allocation cell of a job: its scheduler (or agent) record, the host and
@@ -116,8 +120,12 @@ def usage_report(
     each group it touched (the job counts of the rows may add up to more than the totals row's; every GPU-hour,
     energy and cost column adds up, to the same totals in every grouping). ``by="node"`` needs ``per_gpu``.
     A GPU-hour costs its model's price as fairshare weighs it (``charge.bounded_weight``: Slurm's typed gres over
-    a name the node gives), allocated GPU-hours no agent observed included. Every sum is ``math.fsum`` over the
-    records, so the totals row is exactly the sum of the records.
+    a name the node gives), allocated GPU-hours no agent observed included (:func:`_unmeasured_price`). A job
+    Slurm allocated GPUs to is billed its observed GPU-hours up to that allocation (observed beyond it, within the
+    scope's slack or by clock skew, is scaled down across its GPUs), plus the unmeasured ones: its Slurm
+    GPU-hours exactly. Every sum is ``math.fsum`` over the records, so the totals row is exactly the sum of the
+    records. A price table without ``default`` that prices none of the models met is refused (ReportError
+    naming the model and a job): a bill that leaves GPU-hours out is never made silently.
     Emissions: kWh x the constant factor, or per record kWh x the grid intensity's mean over its interval.
     """
     if by not in GROUP_BY:
@@ -125,17 +133,32 @@ def usage_report(
     if by == "node" and per_gpu is None:
         raise ReportError("a report by node needs the per-GPU usage records (per_gpu)")
     settings = settings or ReportSettings()
+    entries = entries if isinstance(entries, Sequence) else list(entries)
     group_key = GROUP_KEY[by]
     split = by in _SPLIT
     grid = settings.grid
     priced = settings.priced
-    prices: dict[str, float] = {}
+    prices: dict[str, float] = {}  # by measured model
+    slurm_prices: dict[str, float] = {}  # by Slurm's name for the GPU (a gres type)
+    unpriced: dict[str, str] = {}  # a model no price covers -> the first job it was met on
+    node_models: dict[str, str] | None = None
 
-    def price_of(model: str) -> float:
-        known = prices.get(model)
+    def price_of(model: str, gres: bool = False) -> float:
+        cache = slurm_prices if gres else prices
+        known = cache.get(model)
         if known is None:
-            known = prices[model] = settings.gpu_hour_price(model)
+            price = settings.gpu_hour_price(model, gres)
+            if price is None:
+                unpriced.setdefault(model, entry.label)
+                price = 0.0  # refused below
+            known = cache[model] = price
         return known
+
+    def node_model(host: str) -> str | None:
+        nonlocal node_models
+        if node_models is None:  # only for unmeasured GPU-time: one pass over the report's GPU records
+            node_models = _node_models(entries, per_gpu)
+        return node_models.get(host)
 
     groups: dict[str, _GroupColumns] = {}
     everything = _GroupColumns()
@@ -164,7 +187,10 @@ def usage_report(
         else:
             alloc = allocation(slurm_rec, alloc_now)
             slurm_s = math.fsum(alloc.values()) if alloc else 0.0
-        missing = max(0.0, slurm_s - usage.allocated_gpu_seconds) if usage is not None else slurm_s
+        observed = usage.allocated_gpu_seconds if usage is not None else 0.0
+        missing = max(0.0, slurm_s - observed)
+        # never more GPU-time than Slurm allocated the job (a job it gave no GPUs is billed as measured)
+        scale = slurm_s / observed if 0.0 < slurm_s < observed else 1.0
         # the entry's own per-GPU records where the ledger joined them (its job, its cluster; held to the
         # scheduler's record: ``scope``), else those given by job id
         gpu_usages = ((entry.gpus or (per_gpu.get(entry.job_id) if per_gpu is not None else None) or (usage,))
@@ -172,7 +198,8 @@ def usage_report(
         if entry.gap_shares:
             _add_gap_energy(groups, entry, gpu_usages, group_key, grid)
         if split:
-            _add_split(groups, entry, gpu_usages, alloc, slurm_s, missing, wait, group_key, price_of, settings)
+            _add_split(groups, entry, gpu_usages, alloc, slurm_s, missing, scale, wait, group_key, price_of,
+                       node_model, settings)
             continue
         typed = alloc is not None and any(alloc)  # Slurm named the job's GPU model: the price rule reads it
         # the job's one group (inlined: this runs once per job record)
@@ -185,15 +212,18 @@ def usage_report(
             cols.waits.append(wait)
         if usage is None:
             cols.unmeasured += 1
-        # the job's allocation (and the price of what nobody measured there: its model's, per node and model where
-        # that could differ) rides on its last usage record, or on a record of its own: one record per job mostly
-        tail = (0.0, 0.0, 0.0)
+        # the job's allocation (and the price of what nobody measured there: per node and model where that could
+        # differ) and the GPU-time the cost prices (``scale`` above) ride on its last usage record, or on a record
+        # of its own: one record per job mostly
+        tail = (0.0, observed, 0.0, 0.0)  # a job Slurm allocated no GPUs: billed as measured
         if slurm_s > 0.0 or not gpu_usages:
-            unmeasured_cost = math.fsum(
-                short * _price(model, alloc, typed, price_of)
-                for (_, model), (_, short) in allocation_cells(entry.record, alloc, gpu_usages, missing).items()
-            ) if priced and missing > 0.0 else 0.0
-            tail = (unmeasured_cost, slurm_s, missing)
+            unmeasured_cost = 0.0
+            if priced and missing > 0.0:
+                unmeasured_cost = math.fsum(
+                    short * _unmeasured_price(host, model, gpu_usages, alloc, typed, price_of, node_model)
+                    for (host, model), (_, short) in allocation_cells(entry.record, alloc, gpu_usages, missing).items()
+                    if short > 0.0)
+            tail = (unmeasured_cost, slurm_s if slurm_s > 0.0 else observed, slurm_s, missing)
             if not gpu_usages:
                 cols.values.extend((0.0, 0.0, 0.0, 0.0, 0.0, *tail))
         last = len(gpu_usages) - 1
@@ -202,11 +232,16 @@ def usage_report(
             price = 0.0
             if priced:
                 price = bounded_weight(u.model, alloc, price_of) if typed else prices.get(u.model) or price_of(u.model)
-            cost, job_s, job_missing = tail if i == last else (0.0, 0.0, 0.0)
+            cost, billed, job_s, job_missing = tail if i == last else (0.0, 0.0, 0.0, 0.0)
             cols.values.extend((alloc_s, u.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc_s,
-                                0.0 if dram is None else alloc_s, alloc_s * price + cost, job_s, job_missing))
+                                0.0 if dram is None else alloc_s, alloc_s * scale * price + cost, billed, job_s,
+                                job_missing))
             if grid is not None:
                 cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
+    if unpriced:
+        raise ReportError("report.price_per_gpu_hour has no price for GPU model "
+                          + ", ".join(f"{m or '(unknown)'!r} (job {job})" for m, job in sorted(unpriced.items()))
+                          + " and no `default`: add its price, or a `default` (0 bills the unlisted models at 0)")
     rows = [_usage_row(k, [cols], cols.jobs, cols.waits, cols.unmeasured, settings)
             for k, cols in sorted(groups.items())]
     # The totals: one fsum over every record (not a sum of rounded group sums), so they reconcile exactly.
@@ -214,29 +249,67 @@ def usage_report(
     return UsageReport(by, period, rows, total, settings.currency)
 
 
-def _price(model: str, alloc: Mapping[str, float] | None, typed: bool, price_of: Callable[[str], float]) -> float:
-    """A GPU-hour's price on ``model``: fairshare's weight rule (``charge.bounded_weight``) over the prices; without
-    a Slurm model to read, the model's own (cached) price, which is what the rule gives."""
-    return bounded_weight(model, alloc, price_of) if typed else price_of(model)
+PriceOf = Callable[[str, bool], float]  # (model, Slurm's gres type?) -> price per GPU-hour
 
 
-def _add_usage(cols: _GroupColumns, u: JobUsage, price: float, grid: GridIntensity | None) -> None:
-    """One measured GPU (or job-level) usage record into a group's columns, at ``price`` per GPU-hour."""
+def _price(model: str, alloc: Mapping[str, float] | None, typed: bool, price_of: PriceOf) -> float:
+    """A measured GPU-hour's price on ``model``: fairshare's weight rule (``charge.bounded_weight``) over the
+    prices; without a Slurm model to read, the model's own (cached) price, which is what the rule gives."""
+    return bounded_weight(model, alloc, price_of) if typed else price_of(model, False)
+
+
+def _unmeasured_price(host: str, model: str, gpu_usages: Sequence[JobUsage], alloc: Mapping[str, float] | None,
+                      typed: bool, price_of: PriceOf, node_model: Callable[[str], str | None]) -> float:
+    """The price of GPU-time Slurm allocated on ``host`` that no agent observed (an allocation cell of
+    ``report.allocation``, ``model`` as it names it): where the job's GPUs measured that model there, as those
+    GPUs; else at the node's measured model where the report's GPU records know it (other jobs measured there),
+    held to Slurm's typed gres as a measured GPU (``charge.bounded_weight``); else at Slurm's name for it (its gres
+    type; ``default`` when untyped)."""
+    for u in gpu_usages:
+        if u.model == model and u.host == host:
+            return bounded_weight(model, alloc, price_of) if typed else price_of(model, False)
+    node = node_model(host)
+    if node is not None:
+        return bounded_weight(node, alloc, price_of)
+    return price_of(model, bool(model))
+
+
+def _node_models(entries: Iterable[LedgerEntry], per_gpu: Mapping[str, Sequence[JobUsage]] | None
+                 ) -> dict[str, str]:
+    """Each node's GPU model as the entries' usage records (as :func:`usage_report` reads them) measured it: the
+    model with the most observed GPU-seconds there (ties by name)."""
+    seconds: dict[tuple[str, str], float] = {}
+    for e in entries:
+        job_level = (e.usage,) if e.usage is not None else ()
+        for u in e.gpus or (per_gpu.get(e.job_id) if per_gpu is not None else None) or job_level:
+            if u.model and u.host != "*":
+                seconds[(u.host, u.model)] = seconds.get((u.host, u.model), 0.0) + u.allocated_gpu_seconds
+    best: dict[str, tuple[float, str]] = {}
+    for (host, model), s in seconds.items():
+        if (s, model) > best.get(host, (-1.0, "")):
+            best[host] = (s, model)
+    return {host: model for host, (_, model) in best.items()}
+
+
+def _add_usage(cols: _GroupColumns, u: JobUsage, price: float, scale: float, grid: GridIntensity | None) -> None:
+    """One measured GPU (or job-level) usage record into a group's columns, its GPU-seconds billed x ``scale``
+    (at most the job's Slurm allocation) at ``price`` per GPU-hour."""
     alloc_s, energy, dram = u.allocated_gpu_seconds, u.energy_joules, u.dram_bw_mean
+    billed = alloc_s * scale
     cols.values.extend((alloc_s, u.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc_s,
-                        0.0 if dram is None else alloc_s, alloc_s * price, 0.0, 0.0))
+                        0.0 if dram is None else alloc_s, billed * price, billed, 0.0, 0.0))
     if grid is not None:
         cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
 
 
 def _add_split(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages: Sequence[JobUsage],
-               alloc: Mapping[str, float] | None, slurm_s: float, missing: float, wait: float | None,
-               group_key: Callable[[Any, str, str], str], price_of: Callable[[str], float],
-               settings: ReportSettings) -> None:
-    """One job into the groups of its GPUs' nodes or models: each usage record where it was measured, and its
-    Slurm allocation (``slurm_s``, of it ``missing`` unmeasured) per node and model (``allocation_cells``), the
-    unmeasured part at its model's price. The job counts once in every group it touched, measured or only
-    allocated there."""
+               alloc: Mapping[str, float] | None, slurm_s: float, missing: float, scale: float, wait: float | None,
+               group_key: Callable[[Any, str, str], str], price_of: PriceOf,
+               node_model: Callable[[str], str | None], settings: ReportSettings) -> None:
+    """One job into the groups of its GPUs' nodes or models: each usage record where it was measured (billed x
+    ``scale``), and its Slurm allocation (``slurm_s``, of it ``missing`` unmeasured) per node and model
+    (``allocation_cells``), the unmeasured part at its price (:func:`_unmeasured_price`). The job counts once in
+    every group it touched, measured or only allocated there."""
     record, priced, typed = entry.described, settings.priced, alloc is not None and any(alloc)
     touched: set[str] = set()
 
@@ -255,12 +328,13 @@ def _add_split(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages:
         return cols
 
     for u in gpu_usages:
-        _add_usage(group(u.host, u.model), u, _price(u.model, alloc, typed, price_of) if priced else 0.0,
+        _add_usage(group(u.host, u.model), u, _price(u.model, alloc, typed, price_of) if priced else 0.0, scale,
                    settings.grid)
     if slurm_s > 0.0 or not gpu_usages:
         for (host, model), (share, short) in allocation_cells(entry.record, alloc, gpu_usages, missing).items():
-            price = _price(model, alloc, typed, price_of) if priced else 0.0
-            group(host, model).values.extend((0.0, 0.0, 0.0, 0.0, 0.0, short * price, share, short))
+            price = (_unmeasured_price(host, model, gpu_usages, alloc, typed, price_of, node_model)
+                     if priced and short > 0.0 else 0.0)
+            group(host, model).values.extend((0.0, 0.0, 0.0, 0.0, 0.0, short * price, short, share, short))
 
 
 def _add_gap_energy(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages: Sequence[JobUsage],
@@ -273,7 +347,7 @@ def _add_gap_energy(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_us
     for share in entry.gap_shares:
         key = group_key(entry.described, share.host, models.get((share.host, share.gpu_uuid), fallback))
         cols = groups.setdefault(key, _GroupColumns())
-        cols.values.extend((0.0, 0.0, share.energy_joules, 0.0, 0.0, 0.0, 0.0, 0.0))
+        cols.values.extend((0.0, 0.0, share.energy_joules, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
         if grid is not None:
             cols.co2e_kg.append(share.energy_joules / JOULES_PER_KWH * grid.mean(share.start, share.end) / 1000.0)
 
@@ -308,6 +382,7 @@ def _usage_row(key: str, groups: list[_GroupColumns], jobs: int, waits: Sequence
         # each node or model holds its share of a job's allocation (report.allocation), so the rows add up here too
         slurm_gpu_hours=fsum(SLURM_S) / SECONDS_PER_HOUR,
         unmeasured_gpu_hours=fsum(UNMEASURED_S) / SECONDS_PER_HOUR,
+        billed_gpu_hours=fsum(BILLED_S) / SECONDS_PER_HOUR,
     )
 
 
@@ -326,6 +401,7 @@ def usage_columns(by: str, currency: str = "") -> list[tuple[str, Callable[[Usag
         ("Idle GPU-h", lambda r: fmt_optional(r.idle_gpu_hours, ".2f")),
         ("Slurm GPU-h", lambda r: fmt_optional(r.slurm_gpu_hours, ".2f")),
         ("Unmeasured GPU-h", lambda r: fmt_optional(r.unmeasured_gpu_hours, ".2f")),
+        ("Billed GPU-h", lambda r: fmt_optional(r.billed_gpu_hours, ".2f")),
         ("Mean wait h", lambda r: fmt_optional(r.queue_wait_mean_h, ".2f")),
     ]
 
