@@ -14,11 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from typer.testing import CliRunner
+from audit_cli import CONFIG, run
 
 from gpuledger.accounting.audit import AuditLog, keygen, load_signing_key, open_log, record_usage, sign_report
 from gpuledger.accounting.audit.explain import explain
-from gpuledger.cli import app
 from gpuledger.collector.auditlog import canonical_json
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
@@ -26,23 +25,7 @@ from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
 T0 = datetime(2026, 10, 5, tzinfo=UTC).timestamp()
-runner = CliRunner()
 
-CONFIG = """
-[accounting]
-algorithm = "classic"
-policy = "allocated"
-priority_weight = 1000
-[accounts.a]
-shares = 1
-users = { alice = 1, bob = 1 }
-"""
-
-
-def run(*args):
-    r = runner.invoke(app, [str(a) for a in args])
-    assert r.exception is None or isinstance(r.exception, SystemExit), r.output  # never a traceback
-    return r
 
 
 def _s(ts, gpu, job):

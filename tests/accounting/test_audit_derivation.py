@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from audit_cli import CONFIG, run
 
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.audit import (
@@ -35,29 +35,12 @@ from gpuledger.accounting.engine import ChargedJob
 from gpuledger.accounting.fairshare import classic
 from gpuledger.accounting.ledger import join
 from gpuledger.accounting.priority import FLAT_MAGIC, parse_flat_feed, priority_feed
-from gpuledger.cli import app
 from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
-runner = CliRunner()
 # two days ago, on the hour: inside the decay horizon (10 half-lives of 7 days) whenever the suite runs
 T0 = (time.time() // 3600 - 48) * 3600
-CONFIG = """
-[accounting]
-algorithm = "classic"
-policy = "allocated"
-priority_weight = 1000
-[accounts.a]
-shares = 1
-users = { alice = 1, bob = 1 }
-"""
-
-
-def run(*args):
-    r = runner.invoke(app, [str(a) for a in args])
-    assert r.exception is None or isinstance(r.exception, SystemExit), r.output  # never a traceback
-    return r
 
 
 def _iso(t: float) -> str:

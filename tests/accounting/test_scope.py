@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuledger.accounting.scope import SLACK_S, in_scope
-from gpuledger.schema.records import JobRecord, JobUsage
+from gpuledger.schema.records import GpuSample, JobRecord, JobUsage
 
 T0 = 1_790_000_000.0  # 2026-09-22: in the past, so that a feed made now (the real clock) sees the job ended
 SLURM = JobRecord(job_id="500", cluster="c", user="bob", account="B", hosts=("n2",), gpus=1, start=T0, end=T0 + 600,
@@ -16,6 +16,13 @@ def usage(host: str, first: float, last: float, energy: float = 420e3, gap_s: fl
     return JobUsage(job_id="500", host=host, gpu_uuid=f"GPU-{host}", first_ts=first, last_ts=last, samples=61,
                     allocated_gpu_seconds=last - first, sm_active_gpu_seconds=(last - first) / 2,
                     energy_joules=energy, gap_gpu_seconds=gap_s, cluster="c")
+
+
+def h100_rows(host: str, start: float, n: int) -> tuple[GpuSample, ...]:
+    """Job 500 on one H100 of ``host`` at 700 W, a sample every 10 s from ``start``."""
+    return tuple(GpuSample(ts=start + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, sm_active_ratio=1.0,
+                           power_watts=700.0, energy_joules=7000.0 * k, job_ids=("500",), model="NVIDIA H100")
+                 for k in range(n))
 
 
 def test_an_honest_record_is_charged_whole_within_the_slack():
@@ -67,17 +74,11 @@ def test_a_node_naming_another_hosts_job_charges_nothing_and_the_audit_agrees(tm
     from gpuledger.cli import run
     from gpuledger.collector.store import Store
     from gpuledger.collector.validate import Batch
-    from gpuledger.schema.records import GpuSample
-
-    def rows(host: str, start: float, n: int) -> tuple[GpuSample, ...]:
-        return tuple(GpuSample(ts=start + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, sm_active_ratio=1.0,
-                               power_watts=700.0, energy_joules=7000.0 * k, job_ids=("500",), model="NVIDIA H100")
-                     for k in range(n))
 
     store = Store(tmp_path / "gpuledger.sqlite")
     try:
-        store.ingest(Batch("a2", 1, "n2", rows("n2", T0, 61), cluster="c"))
-        store.ingest(Batch("a1", 1, "n1", rows("n1", T0 + 1200, 181), cluster="c"))
+        store.ingest(Batch("a2", 1, "n2", h100_rows("n2", T0, 61), cluster="c"))
+        store.ingest(Batch("a1", 1, "n1", h100_rows("n1", T0 + 1200, 181), cluster="c"))
         store.put_jobs([SLURM])
         (entry,) = [e for e in load(store, now=T0 + 9999) if e.job_id == "500"]
     finally:
@@ -213,17 +214,11 @@ def test_what_the_scope_cuts_is_shown_and_reconcile_balances_with_the_collectors
     from gpuledger.cli import app
     from gpuledger.collector.store import Store
     from gpuledger.collector.validate import Batch
-    from gpuledger.schema.records import GpuSample
-
-    def rows(host: str, start: float, n: int) -> tuple[GpuSample, ...]:
-        return tuple(GpuSample(ts=start + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, sm_active_ratio=1.0,
-                               power_watts=700.0, energy_joules=7000.0 * k, job_ids=("500",), model="NVIDIA H100")
-                     for k in range(n))
 
     store = Store(tmp_path / "gpuledger.sqlite")
     try:
-        store.ingest(Batch("a2", 1, "n2", rows("n2", T0, 91), cluster="c"))
-        store.ingest(Batch("a1", 1, "n1", rows("n1", T0 + 1200, 181), cluster="c"))
+        store.ingest(Batch("a2", 1, "n2", h100_rows("n2", T0, 91), cluster="c"))
+        store.ingest(Batch("a1", 1, "n1", h100_rows("n1", T0 + 1200, 181), cluster="c"))
         store.put_jobs([SLURM])
     finally:
         store.close()
