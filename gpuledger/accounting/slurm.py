@@ -28,6 +28,7 @@ whole or nothing: a TRES value that is not a finite number, a GPU count that is 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -52,6 +53,8 @@ from gpuledger.agent.slurm import (
 from gpuledger.agent.slurm import parse_squeue_json as parse_squeue_meta
 from gpuledger.output import int_ranges
 from gpuledger.schema.records import JobRecord
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_HOSTLIST_HOSTS",
@@ -270,8 +273,12 @@ def _json_exit_code(ec: Any, state: str | None, trusted: bool) -> int | None:
 _JSON_JOB_KEYS = ("user", "state", "time")
 
 
-def parse_sacct_json(text: str) -> list[JobRecord]:
-    """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records."""
+def parse_sacct_json(text: str, skip: list[tuple[str, str]] | None = None) -> list[JobRecord]:
+    """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records.
+
+    A record no job can have (its counts, node list or times) raises SlurmParseError naming it; with ``skip``, it
+    is left out and (its job id, the message) appended there instead (sacct run live: one bad record must not stop
+    the import of every other job, run after run)."""
     doc = load_jobs_json(text, "sacct JSON")
     plugin = (doc.get("meta") or {}).get("plugin") or {}
     # openapi/dbv0.0.38 (22.05) and older have the exit-code bug; data_parser >= v0.0.39 report codes right.
@@ -287,26 +294,31 @@ def parse_sacct_json(text: str) -> list[JobRecord]:
         if missing:  # e.g. {"job_id": 1}: a record with no owner and no times would be a blank job in the ledger
             raise SlurmParseError(f"{where} (jobs[{i}]): no {', '.join(repr(k) for k in missing)}; "
                                   "expected `sacct --json` output")
-        state = state_word(first_flag((job.get("state") or {}).get("current")))
-        tres = checked_tres(_json_tres((job.get("tres") or {}).get("allocated"), where), where)
-        gpus, model = gpus_from_tres(tres)
-        times = job.get("time") or {}
-        out.append(_checked_times(JobRecord(
-            job_id=job_id,
-            cluster=job.get("cluster") or "",
-            user=job.get("user") or None,
-            account=job.get("account") or (job.get("association") or {}).get("account") or None,
-            partition=job.get("partition") or None,
-            hosts=_hosts(str(job.get("nodes") or ""), where),
-            gpus=gpus,
-            gpu_model=model,
-            submit=slurm_epoch(times.get("submission")),
-            start=slurm_epoch(times.get("start")),
-            end=slurm_epoch(times.get("end")),
-            state=state,
-            exit_code=_json_exit_code(job.get("exit_code"), state, trusted),
-            tres=tres,
-        ), where))
+        try:
+            state = state_word(first_flag((job.get("state") or {}).get("current")))
+            tres = checked_tres(_json_tres((job.get("tres") or {}).get("allocated"), where), where)
+            gpus, model = gpus_from_tres(tres)
+            times = job.get("time") or {}
+            out.append(_checked_times(JobRecord(
+                job_id=job_id,
+                cluster=job.get("cluster") or "",
+                user=job.get("user") or None,
+                account=job.get("account") or (job.get("association") or {}).get("account") or None,
+                partition=job.get("partition") or None,
+                hosts=_hosts(str(job.get("nodes") or ""), where),
+                gpus=gpus,
+                gpu_model=model,
+                submit=slurm_epoch(times.get("submission")),
+                start=slurm_epoch(times.get("start")),
+                end=slurm_epoch(times.get("end")),
+                state=state,
+                exit_code=_json_exit_code(job.get("exit_code"), state, trusted),
+                tres=tres,
+            ), where))
+        except SlurmParseError as e:
+            if skip is None:
+                raise
+            skip.append((job_id, str(e)))  # Slurm's own record: named, and the others are still imported
     return out
 
 
@@ -328,8 +340,10 @@ def _parsable_time(text: str, tz: tzinfo | None, where: str) -> float | None:
     return (dt.replace(tzinfo=tz) if tz is not None else dt).timestamp()
 
 
-def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[str] | None = None) -> list[JobRecord]:
-    """``sacct -P`` (``--parsable2``) output with its header line -> one record per job; step lines skipped.
+def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[str] | None = None,
+                         skip: list[tuple[str, str]] | None = None) -> list[JobRecord]:
+    """``sacct -P`` (``--parsable2``) output with its header line -> one record per job; step lines skipped; a bad
+    record as :func:`parse_sacct_json` (``skip``).
 
     ``tz`` is the zone sacct printed times in (its TZ); None = this machine's local zone. ``header`` names the
     columns of output printed without a header line (``sacct -n``); then every line is data.
@@ -363,31 +377,36 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
         if "." in job_id:  # "1234.batch", "1234_7.0", "1234+0.extern": steps of a job already listed
             continue
         where = f"sacct -P line {n} (job {job_id})"
-        state = state_word(get("state"))
-        tres = parse_tres_text(get("alloctres"), f"{where} AllocTRES")
-        gpus, model = gpus_from_tres(tres)
-        uid_text = get("uid")
         try:
-            uid = int(uid_text) if uid_text else None
-        except ValueError:
-            raise SlurmParseError(f"{where}: UID {uid_text!r} is not a number") from None
-        out.append(_checked_times(JobRecord(
-            job_id=job_id,
-            cluster=get("cluster"),
-            user=get("user") or None,
-            uid=uid,
-            account=get("account") or None,
-            partition=get("partition") or None,
-            hosts=_hosts(get("nodelist"), where),
-            gpus=gpus,
-            gpu_model=model,
-            submit=_parsable_time(get("submit"), tz, f"{where} Submit"),
-            start=_parsable_time(get("start"), tz, f"{where} Start"),
-            end=_parsable_time(get("end"), tz, f"{where} End"),
-            state=state,
-            exit_code=None if _not_ended(state) else exit_code_from_text(get("exitcode"), f"{where} ExitCode"),
-            tres=tres,
-        ), where))
+            state = state_word(get("state"))
+            tres = parse_tres_text(get("alloctres"), f"{where} AllocTRES")
+            gpus, model = gpus_from_tres(tres)
+            uid_text = get("uid")
+            try:
+                uid = int(uid_text) if uid_text else None
+            except ValueError:
+                raise SlurmParseError(f"{where}: UID {uid_text!r} is not a number") from None
+            out.append(_checked_times(JobRecord(
+                job_id=job_id,
+                cluster=get("cluster"),
+                user=get("user") or None,
+                uid=uid,
+                account=get("account") or None,
+                partition=get("partition") or None,
+                hosts=_hosts(get("nodelist"), where),
+                gpus=gpus,
+                gpu_model=model,
+                submit=_parsable_time(get("submit"), tz, f"{where} Submit"),
+                start=_parsable_time(get("start"), tz, f"{where} Start"),
+                end=_parsable_time(get("end"), tz, f"{where} End"),
+                state=state,
+                exit_code=None if _not_ended(state) else exit_code_from_text(get("exitcode"), f"{where} ExitCode"),
+                tres=tres,
+            ), where))
+        except SlurmParseError as e:
+            if skip is None:
+                raise
+            skip.append((job_id, str(e)))  # Slurm's own record: named, and the others are still imported
     return out
 
 
@@ -539,10 +558,17 @@ class SlurmClient:
         if states:
             window.append(f"--state={','.join(states)}")
         utc = {"TZ": "UTC"}
-        as_json = parse_sacct_json(self._call(["sacct", "--json", *window], utc))
+        skipped: list[tuple[str, str]] = []
+        as_json = parse_sacct_json(self._call(["sacct", "--json", *window], utc), skip=skipped)
         parsable = parse_sacct_parsable(
-            self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC)
-        return merge_sacct(as_json, parsable)
+            self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC,
+            skip=skipped)
+        for _, why in skipped[:10]:
+            log.warning("sacct record left out: %s", why)
+        if len(skipped) > 10:
+            log.warning("and %d more sacct records left out", len(skipped) - 10)
+        bad = {job_id for job_id, _ in skipped}  # left out of both forms: the other alone would stand for the job
+        return merge_sacct([r for r in as_json if r.job_id not in bad], [r for r in parsable if r.job_id not in bad])
 
     def associations(self) -> str:
         """``sacctmgr -P show associations`` with the columns a tree needs (the default columns lack

@@ -15,7 +15,8 @@ with any other body (a proxy's page) says nothing about the batch: a retryable :
 
 Batches fit the collector's limits (:class:`BatchLimits`, ``schema.limits``): the sinks split what they are handed
 into batches of whole ticks within them (:func:`split_ticks`), halve a batch whose body is over the size limit, and
-halve one the collector refuses as ``too_large`` (413), rather than drop it (:func:`halve`).
+halve one the collector refuses as ``too_large`` (413), rather than drop it (:func:`halve`). No cut ever parts the rows
+of one GPU's instant (:func:`instants`).
 """
 
 from __future__ import annotations
@@ -193,9 +194,25 @@ class _Tally:
         self.xids += other.xids
 
 
+def instants(samples: Sequence[GpuSample]) -> list[list[GpuSample]]:
+    """The rows of each (host, GPU, instant) together, in time order: what no batch split may part. A MIG GPU's
+    whole-GPU row and instance rows are normalized per batch (``collector.aggregate.normalize_mig``): a batch with
+    only its instance rows would take the largest instance's counter for the GPU's, and undercount its energy."""
+    groups: dict[tuple[str, str, float], list[GpuSample]] = {}
+    for s in sorted(samples, key=lambda s: s.ts):  # stable: a tick keeps its order
+        groups.setdefault((s.host, s.gpu_uuid, s.ts), []).append(s)
+    return list(groups.values())
+
+
+def divisible(samples: Sequence[GpuSample]) -> bool:
+    """Can the batch be halved (:func:`halve`): does it hold more than one GPU's instant?"""
+    return len({(s.host, s.gpu_uuid, s.ts) for s in samples}) > 1
+
+
 def split_ticks(ticks: Sequence[Sequence[GpuSample]], lim: BatchLimits) -> list[list[GpuSample]]:
     """Consecutive ticks' samples grouped into as few batches as ``lim``'s counts allow, each of whole ticks; a tick
-    over them alone is split between its GPUs. (The body's size is known only once encoded: see :func:`halve`.)"""
+    over them alone is split between its GPUs' instants (:func:`instants`). (The body's size is known only once
+    encoded: see :func:`halve`.)"""
     out: list[list[GpuSample]] = []
     batch: list[GpuSample] = []
     tally = _Tally()
@@ -209,12 +226,14 @@ def split_ticks(ticks: Sequence[Sequence[GpuSample]], lim: BatchLimits) -> list[
             batch.extend(tick)
             tally.add(t)
             continue
-        for s in tick:  # over the limits alone: its samples one by one (a sample alone over them goes alone)
-            one = _Tally((s,))
+        # over the limits alone: its GPUs' instants one by one (one over them alone goes alone, whole: the collector
+        # refuses it, rather than a batch of part of a MIG GPU's rows undercounting its energy)
+        for rows in instants(tick):
+            one = _Tally(rows)
             if batch and not tally.fits_with(one, lim):
                 out.append(batch)
                 batch, tally = [], _Tally()
-            batch.append(s)
+            batch.extend(rows)
             tally.add(one)
     if batch:
         out.append(batch)
@@ -224,18 +243,18 @@ def split_ticks(ticks: Sequence[Sequence[GpuSample]], lim: BatchLimits) -> list[
 def halve(samples: Sequence[GpuSample]) -> tuple[list[GpuSample], list[GpuSample]]:
     """A batch too large for the collector as two, the first before the second in time, so that each GPU's samples
     stay in order; the cut is at the change of time nearest the middle (between ticks), or between GPUs when every
-    sample has one time."""
-    rows = sorted(samples, key=lambda s: s.ts)  # stable: a tick keeps its order
+    sample has one time, and never inside one GPU's instant (:func:`instants`). ValueError for a batch that is not
+    :func:`divisible`."""
+    groups = instants(samples)
+    if len(groups) < 2:
+        raise ValueError("one GPU's instant cannot be halved")
+    rows = [s for g in groups for s in g]
+    cuts: list[int] = []  # between groups, as row indices
+    for g in groups[:-1]:
+        cuts.append((cuts[-1] if cuts else 0) + len(g))
+    between_times = [c for c in cuts if rows[c - 1].ts != rows[c].ts]
     mid = len(rows) // 2
-    lo = mid
-    while 0 < lo and rows[lo - 1].ts == rows[lo].ts:
-        lo -= 1
-    hi = mid
-    while hi < len(rows) and rows[hi - 1].ts == rows[hi].ts:
-        hi += 1
-    cut = lo if lo > 0 and (hi == len(rows) or mid - lo <= hi - mid) else hi
-    if cut in (0, len(rows)):
-        cut = mid
+    cut = min(between_times or cuts, key=lambda c: (abs(c - mid), c))  # the nearest the middle; a tie: the earlier
     return rows[:cut], rows[cut:]
 
 
@@ -426,9 +445,9 @@ class HttpPusher:
                layout: str = "series", jobs: Sequence[JobRecord] | None = None, fit: bool = False) -> bytes:
         """The request body of a batch (see :func:`encode_batch`) with ``jobs``, or else the job metadata waiting
         for it (given back if the batch cannot be encoded). ``fit``: BodyTooLarge for a body over
-        ``limits.body_bytes`` that can be split (more than one sample)."""
+        ``limits.body_bytes`` that can be split (:func:`divisible`: one GPU's instant over it goes whole, refused)."""
         taken = self.take_jobs() if jobs is None else []
-        max_bytes = self.limits.body_bytes if fit and len(samples) > 1 else None
+        max_bytes = self.limits.body_bytes if fit and divisible(samples) else None
         try:
             return encode_batch(self.agent_id, self.host, seq, samples, taken if jobs is None else jobs, fmt,
                                 compress, layout, self.cluster, max_bytes)
@@ -609,7 +628,7 @@ class DirectSink:
         try:
             ack = self.pusher.post(seq, body, fmt, compress, samples=len(part))
         except PushError as exc:
-            if exc.too_large and len(part) > 1:
+            if exc.too_large and divisible(part):
                 self.pusher.return_jobs(jobs)
                 log.warning("collector %s for batch %d (%d samples): sent again as two", exc.describe(), seq,
                             len(part))

@@ -15,7 +15,8 @@ tried again after an exponential, jittered delay, or the answer's Retry-After wh
 ``backoff_max_s``). A 400 for times in the collector's future (this node's clock was ahead when it sampled) is
 about that batch alone: it waits in the spool on a backoff of its own, the batches after it go ahead, and it is
 taken once its times are no longer in the future. A 413 too_large is about the batch's size: it is replaced in
-the spool by two halves (the first under its seq), sent next. A 422 too_late that stored some samples is an
+the spool by two halves under new seqs (a collector may have stored the batch whole while its answer was lost: a
+half under its seq would be refused as a conflict), sent next. A 422 too_late that stored some samples is an
 acknowledgement: the batch is delivered, the samples behind their GPU's window are counted as refused. Any other
 4xx (a too_late that stored none too) means the collector will never take the batch: it is dropped, counted and
 logged. Each failed attempt is one warning line.
@@ -46,6 +47,7 @@ from gpuledger.agent.push import (
     HttpPusher,
     PushError,
     decode_batch,
+    divisible,
     encode_batch,
     halve,
     split_ticks,
@@ -150,7 +152,7 @@ class Spool:
             self._index[b.seq] = b
             self._bytes += b.size
         with self._lock:
-            self._enforce_bound()
+            self._enforce_bound(keep={max(self._index)} if self._index else set())  # the newest always fits
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -176,17 +178,50 @@ class Spool:
     def put(self, seq: int, body: builtins.bytes, samples: int, fmt: str = "json", compress: str | None = None) -> None:
         """Store one batch durably (replacing one of the same seq), then drop the oldest while over the bound.
         OSError (a full disk) when it cannot: then nothing of it is left behind."""
+        b = self._write(seq, body, samples, fmt, compress)
+        with self._lock:
+            self._index_locked(b)
+            self._enforce_bound(keep={seq})
+
+    def replace(self, seq: int, parts: Sequence[tuple[int, builtins.bytes, int]], fmt: str = "json",
+                compress: str | None = None) -> None:
+        """Replace batch ``seq`` by ``parts`` (seq, body, samples), each stored durably before it is removed (a crash
+        between leaves both: the collector counts the samples sent twice as duplicates, and stores them once); it
+        is neither counted as dropped nor makes room under the bound, and the bound drops none of the parts.
+        Nothing is stored when ``seq`` is gone meanwhile (dropped over the bound). OSError (a full disk) when the
+        parts cannot be stored: then ``seq`` is left as it is, and nothing of them behind."""
+        written: list[SpooledBatch] = []
+        try:
+            for part_seq, body, samples in parts:
+                written.append(self._write(part_seq, body, samples, fmt, compress))
+        except OSError:
+            for b in written:
+                (self.path / b.name).unlink(missing_ok=True)
+            raise
+        with self._lock:
+            if seq not in self._index:
+                for b in written:
+                    (self.path / b.name).unlink(missing_ok=True)
+                return
+            self._remove_locked(seq, dropped=False)
+            for b in written:
+                self._index_locked(b)
+            self._enforce_bound(keep={b.seq for b in written})
+
+    def _write(self, seq: int, body: builtins.bytes, samples: int, fmt: str, compress: str | None) -> SpooledBatch:
         name = f"{seq:020d}-{samples}.{fmt}{_COMPRESS_SUFFIX[compress]}"
         _write_durably(self.path / name, body)
-        with self._lock:
-            old = self._index.pop(seq, None)
-            if old is not None:
-                self._bytes -= old.size
-                if old.name != name:
-                    (self.path / old.name).unlink(missing_ok=True)
-            self._index[seq] = SpooledBatch(seq, samples, fmt, compress, len(body), name)
-            self._bytes += len(body)
-            self._enforce_bound(keep=seq)
+        return SpooledBatch(seq, samples, fmt, compress, len(body), name)
+
+    def _index_locked(self, b: SpooledBatch) -> None:
+        """Index a batch whose file is written, replacing one of the same seq."""
+        old = self._index.pop(b.seq, None)
+        if old is not None:
+            self._bytes -= old.size
+            if old.name != b.name:
+                (self.path / old.name).unlink(missing_ok=True)
+        self._index[b.seq] = b
+        self._bytes += b.size
 
     def oldest(self, skip: frozenset[int] | set[int] = frozenset()) -> tuple[SpooledBatch, builtins.bytes] | None:
         """The batch with the lowest seq not in ``skip`` and its body; an unreadable file is dropped (and counted)."""
@@ -226,9 +261,12 @@ class Spool:
             self.dropped_batches += 1
             self.dropped_samples += b.samples
 
-    def _enforce_bound(self, keep: int | None = None) -> None:
-        while (self._bytes > self.max_bytes or len(self._index) > self.max_batches) and len(self._index) > 1:
-            oldest = min(s for s in self._index if s != keep)
+    def _enforce_bound(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Drop the oldest batches not in ``keep`` while over the bound."""
+        while self._bytes > self.max_bytes or len(self._index) > self.max_batches:
+            oldest = min((s for s in self._index if s not in keep), default=None)
+            if oldest is None:  # what is kept is over the bound alone: kept
+                return
             log.warning("spool full (%d batches, %d bytes): dropping the oldest batch, seq %d",
                         len(self._index), self._bytes, oldest)
             self._remove_locked(oldest, dropped=True)
@@ -447,28 +485,31 @@ class SpoolingPusher:
                 self.last_error = None
 
     def _split_spooled(self, b: SpooledBatch, body: bytes) -> list[int]:
-        """A spooled batch the collector refused as too large, replaced in the spool by two halves (``halve``): the
-        first under its seq (never stored: the collector takes a batch whole or not at all), the second under a new
-        one; returns their seqs, to be sent next, before the later batches, so that each GPU's samples arrive in
-        order (should the agent stop before, they go in seq order). [] when it cannot be split (one sample, or not a
-        body this agent made). OSError when the halves cannot be stored: the batch is left as it is."""
+        """A spooled batch the collector refused as too large, replaced in the spool by two halves (``halve``,
+        ``Spool.replace``), each under a new seq: a collector before the one that refused it may have stored it
+        whole while its answer was lost, and would refuse a half under its seq as a conflict (other content), for
+        good; under new seqs the halves are taken, their samples counted as stored before. Returns their seqs, to be
+        sent next, before the later batches, so that each GPU's samples arrive in order (should the agent stop
+        before, they go in seq order: after the batches spooled since the refused one). [] when it cannot be split (one
+        GPU's instant, or not a body this agent made). OSError when the halves cannot be stored: the batch is left as
+        it is."""
         try:
             head, samples, jobs = decode_batch(body, b.fmt, b.compress)
         except ValueError as exc:
             log.warning("spooled batch %d cannot be split: %s", b.seq, exc)
             return []
-        if len(samples) < 2:
+        if not divisible(samples):
             return []
-        halves = halve(samples)
-        second = self.pusher.next_seq()
-        self.seq_file.reserve(second)
+        seqs = [self.pusher.next_seq(), self.pusher.next_seq()]
+        for seq in seqs:
+            self.seq_file.reserve(seq)
         # the job records with the second half, which goes after the first (the collector keeps a record only for a
-        # job it has samples of); the second half is spooled first: should the agent stop between, the whole batch
-        # is still there (sent again)
-        for seq, part, recs in ((second, halves[1], jobs), (b.seq, halves[0], [])):
-            self.spool.put(seq, encode_batch(head["agent_id"], head["host"], seq, part, recs, b.fmt, b.compress,
-                                             cluster=head.get("cluster", "")), len(part), b.fmt, b.compress)
-        return [b.seq, second]
+        # job it has samples of)
+        parts = [(seq, encode_batch(head["agent_id"], head["host"], seq, part, recs, b.fmt, b.compress,
+                                    cluster=head.get("cluster", "")), len(part))
+                 for seq, part, recs in zip(seqs, halve(samples), ([], jobs))]
+        self.spool.replace(b.seq, parts, b.fmt, b.compress)
+        return seqs
 
     def _backoff(self, n: int) -> float:
         """The jittered delay before attempt n + 1 after n failed ones."""

@@ -29,7 +29,7 @@ from gpuledger.accounting.audit import (
     record_usage,
     verify_all,
 )
-from gpuledger.accounting.audit.explain import explain
+from gpuledger.accounting.audit.explain import derive, explain
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.engine import ChargedJob
 from gpuledger.accounting.fairshare import classic
@@ -409,3 +409,34 @@ def test_a_real_entry_logs_where_each_charge_was_placed_and_verify_recomputes_it
     r = run("audit", "explain", "1", "--data-dir", d)
     assert "not proven: decayed usage: " in r.output and "is not what its logged pieces decay to" in r.output \
         and "(does not follow)" in r.output and ". decayed usage:" not in r.output, r.output
+
+
+def test_an_old_entry_naming_the_configured_algorithm_not_the_one_run_is_not_proven_not_tampered(tmp_path):
+    """Releases before entries logged each job's pieces named the configured algorithm (classic here) where
+    `fairshare --algorithm fair-tree --record` ran the other: such an honest entry is not called forged. An entry
+    that logs pieces (this release's) names the algorithm it ran: there a mismatch is a forgery."""
+    d = _data_dir(tmp_path)
+    assert run("fairshare", "--data-dir", d, "--algorithm", "fair-tree", "--record").exit_code == 0
+
+    def as_before(data, log):
+        data["settings"]["algorithm"] = "classic"
+        for c in data["inputs"]["jobs"].values():
+            del c["pieces"]
+
+    seq = _forge(d, as_before)
+    r = _verify(d)
+    assert r.exit_code == 0, r.output
+    with open_log(d) as log:
+        dv = derive(log.get(seq))
+    assert dv.problems == [] and f"entry {seq}'s rows follow from fair-tree, not from the classic it names" in \
+        dv.unproven[("fairshare", None)], dv.unproven
+
+    def renamed(data, log):
+        data["settings"]["algorithm"] = "classic"
+
+    d = _data_dir(tmp_path / "new")
+    assert run("fairshare", "--data-dir", d, "--algorithm", "fair-tree", "--record").exit_code == 0
+    seq = _forge(d, renamed)
+    r = _verify(d)
+    assert r.exit_code == 1 and f"audit entry {seq}: " in r.output and "does not follow from the logged shares " \
+           "and usage (classic)" in r.output, r.output

@@ -300,6 +300,26 @@ def test_client_errors_carry_command_and_stderr() -> None:
         SlurmClient(run=Replay({})).pending_jobs()
 
 
+def test_live_sacct_leaves_out_a_record_no_job_can_have_naming_it_and_imports_the_others(caplog) -> None:
+    # a file given to `jobs import` is all or nothing; sacct run live (`--slurm`, `priority watch`) skips Slurm's one
+    # bad record, which would otherwise stop every import of the cluster's jobs, run after run
+    gpu = '{"type": "gres", "name": "gpu", "count": 1}'
+    json_doc = ('{"jobs": [' + ", ".join(
+        f'{{"job_id": {j}, "user": "a", "state": {{"current": "COMPLETED"}}, "nodes": "n1", "time": {{"start": '
+        f'{start}, "end": {end}}}, "tres": {{"allocated": [{gpu}]}}}}'
+        for j, start, end in ((4, 1796151000, 1796152800), (5, 1796152800, 1796151000), (6, 1796151000, 1796152800)))
+        + "]}")
+    parsable = (f"{HEADER}\n4|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=1|n1\n"
+                "5|2026-12-01T19:40:00|2026-12-01T19:10:00|gres/gpu=1|n1\n"
+                "6|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=1|n1\n"
+                "7|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=1|n1\n")  # 7: in -P only, kept
+    run = Replay({"sacct --json": (0, json_doc, ""), "sacct -P": (0, parsable, "")})
+    with caplog.at_level("WARNING", logger="gpuledger.accounting.slurm"):
+        recs = SlurmClient(run=run).sacct_jobs(0, 1)
+    assert [r.job_id for r in recs] == ["4", "6", "7"]
+    assert any("job 5" in r.getMessage() and "before Start" in r.getMessage() for r in caplog.records)
+
+
 def test_an_array_cancelled_while_pending_is_one_record_in_both_forms() -> None:
     # sacct --json names the never-split record by its job id and a task bit mask, -P as "5_[1-5,7]": one job
     from datetime import UTC

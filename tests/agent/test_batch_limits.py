@@ -153,3 +153,48 @@ def test_the_agent_knows_the_collectors_default_limits():
     for f in fields(BatchLimits):
         with pytest.raises(ValueError, match=f.name):
             BatchLimits(**{f.name: 0})
+
+
+def mig_tick(ts: float) -> list[GpuSample]:
+    """GPU 0 in MIG mode (its whole-GPU row and three instance rows), and GPU 1 whole."""
+    gpu0 = [GpuSample(ts=ts, host="n1", gpu_uuid="GPU-0", gpu_index=0, energy_joules=1000.0)]
+    gpu0 += [GpuSample(ts=ts, host="n1", gpu_uuid="GPU-0", gpu_index=0, mig=m, energy_joules=300.0) for m in "123"]
+    return gpu0 + [s(ts, 1)]
+
+
+def test_no_split_parts_one_mig_gpus_instant():
+    # the collector normalizes a MIG GPU's rows per batch (normalize_mig): instance rows without their whole-GPU row
+    # would take the largest instance's counter for the GPU's and undercount its energy
+    tick = mig_tick(NOW)
+    assert [len(b) for b in halve(tick)] == [4, 1]  # not 2 + 3 (the middle), inside GPU 0's rows
+    assert [len(b) for b in split_ticks([tick], BatchLimits(samples=3))] == [4, 1]  # GPU 0's 4 rows go whole
+    first, second = halve(mig_tick(NOW) + mig_tick(NOW + 10))
+    assert [x.ts for x in first] == [NOW] * 5 and [x.ts for x in second] == [NOW + 10] * 5
+    with pytest.raises(ValueError, match="instant"):
+        halve(tick[:4])
+
+
+def test_halves_of_a_batch_a_lost_answer_stored_are_taken(tmp_path, caplog):
+    # Collector a stored the batch whole but its answer was lost; b, set lower, refuses it as too large. Its halves
+    # must not go under its seq: b would refuse one as a conflict (other content under a stored key), for good.
+    store = Store(tmp_path / "c.sqlite")
+    a = CollectorServer(store).start()
+    b = CollectorServer(store, limits=Limits(max_samples=50)).start()
+    try:
+        inner = SpoolingPusher(HttpPusher(b.url, "a", "n1", fmt="msgpack"), Spool(tmp_path / "s"), fmt="msgpack",
+                               sleep=lambda s: None)
+        agent = node(Batcher(inner, 15))
+        for _ in range(15):  # one batch of 120 samples
+            agent.tick()
+        (seq,) = inner.spool.seqs()
+        batch, body = inner.spool.get(seq)
+        HttpPusher(a.url, "a", "n1").post(seq, body, batch.fmt, batch.compress, samples=batch.samples)
+        assert store.totals()["samples"] == 120
+        finish(inner)
+        assert inner.stats()["rejected_batches"] == 0 and not any("409" in r.getMessage() for r in caplog.records)
+        assert any("HTTP 413" in r.getMessage() for r in caplog.records)
+        assert inner.spool.depth == 0 and store.totals()["samples"] == 120  # each sample stored once
+    finally:
+        for srv in (a, b):
+            srv.stop()
+        store.close()

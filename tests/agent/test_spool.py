@@ -376,3 +376,20 @@ def test_a_batch_partly_too_late_counts_its_stored_samples_as_sent(tmp_path, kin
     finally:
         srv.stop()
         store.close()
+
+
+def test_a_batch_split_at_the_spools_bound_is_not_counted_as_dropped(tmp_path, scripted):
+    # the halves of a batch refused as too large take about its room: storing them must not drop it over the bound
+    from gpuledger.agent.push import encode_batch
+
+    srv = scripted([413], body=b'{"reason": "too_large"}')
+    size = len(encode_batch("a", "n1", 1, samples(8)))
+    p = SpoolingPusher(HttpPusher(srv.url, "a", "n1", seq_start=1), Spool(tmp_path, max_bytes=size * 3 // 2),
+                       compress=None, sleep=lambda s: None)
+    p.write(samples(8))
+    assert p.spool.bytes == size
+    assert p.drain() is True
+    assert (p.spool.dropped_batches, p.spool.dropped_samples, p.sent_batches) == (0, 0, 2)
+    assert srv.statuses == [413, 200, 200]
+    assert [sum(len(x["ts"]) for x in r["series"]) for r in srv.received[1:]] == [4, 4]
+    p.close()

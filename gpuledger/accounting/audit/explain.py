@@ -667,18 +667,40 @@ def derive(fs: Entry, trees: dict[Any, Any] | None = None) -> Derivation:
         else:
             for key in [k for k in usage if k not in tree]:
                 dv.fail("fairshare", key, f"usage for {_label(key)}, which the tree of the rows does not have")
-            algorithm = s.get("algorithm")
-            recomputed = compute(tree, {k: v for k, v in usage.items() if k in tree}, str(algorithm),
-                                 float(s.get("dampening", 1.0)))
-            again = {(r.account, r.user): r for r in recomputed}
-            for key, r in row_of.items():
-                r2 = again.get(key)
-                differ = [f"{f} {r.get(f)!r} (recomputed {getattr(r2, f)!r})" for f in _ROW_NUMBERS
-                          if r2 is not None and not _agree(r.get(f), getattr(r2, f))]
-                if differ:
-                    dv.fail("fairshare", key, f"{_label(key)}'s fairshare row does not follow from the logged shares "
-                                              f"and usage ({algorithm}): {', '.join(differ)}")
-                elif r2 is not None:
+            algorithm = str(s.get("algorithm"))
+            in_tree = {k: v for k, v in usage.items() if k in tree}
+            dampening = float(s.get("dampening", 1.0))
+
+            def differences(algo: str) -> dict[Any, list[str]]:
+                again.clear()
+                again.update(((r.account, r.user), r) for r in compute(tree, in_tree, algo, dampening))
+                out = {}
+                for key, r in row_of.items():
+                    r2 = again.get(key)
+                    differ = [f"{f} {r.get(f)!r} (recomputed {getattr(r2, f)!r})" for f in _ROW_NUMBERS
+                              if r2 is not None and not _agree(r.get(f), getattr(r2, f))]
+                    if differ:
+                        out[key] = differ
+                return out
+
+            wrong = differences(algorithm)
+            other = {"classic": "fair-tree", "fair-tree": "classic"}.get(algorithm)
+            # Entries written before they logged each job's pieces named the configured algorithm even where
+            # `fairshare --algorithm` ran the other one: rows that follow from that one are not proven, not forged.
+            if wrong and other is not None and not any(isinstance(c, dict) and "pieces" in c for c in jobs.values()) \
+                    and not differences(other):
+                dv.lack("fairshare", None, f"entry {fs.seq}'s rows follow from {other}, not from the {algorithm} it "
+                                           "names (an entry of a release that logged the configured algorithm, not "
+                                           "the one `fairshare --algorithm` ran)")
+                wrong = {}
+                again.clear()
+            elif wrong:
+                differences(algorithm)  # (``again``: the logged algorithm's rows, for the steps below)
+            for key, differ in wrong.items():
+                dv.fail("fairshare", key, f"{_label(key)}'s fairshare row does not follow from the logged shares "
+                                          f"and usage ({algorithm}): {', '.join(differ)}")
+            for key in row_of:
+                if key not in wrong and key in again:
                     dv.recomputed[("fairshare", key)] = "from the logged tree, shares and usage"
     except (AssociationError, ValueError, TypeError) as e:
         dv.fail("fairshare", None, f"its rows are not a fairshare computation: {e}")
