@@ -138,18 +138,19 @@ def measure_apply(c: SlurmCluster, assoc: dict[str, str], n: int, args) -> dict:
     return out
 
 
-def agent_report(data: Path, job: str, start: float, end: float) -> None:
-    """What a node agent sends for the job's GPU (there is no GPU here): one sample a second, into the ledger
+def agent_report(data: Path, job: str, start: float, end: float, host: str) -> None:
+    """What the node agent of ``host`` (the node Slurm ran the job on: usage from a host its record does not list is
+    not charged to the job) sends for the job's GPU (there is no GPU here): one sample a second, into the ledger
     through the collector's store, as the collector does with an agent's batch."""
     from gpuledger.collector.store import Store
     from gpuledger.collector.validate import Batch
     from gpuledger.schema.records import GpuSample
 
-    samples = tuple(GpuSample(ts=t, host="bench", gpu_uuid="GPU-bench-0", gpu_index=0, job_ids=(job,))
+    samples = tuple(GpuSample(ts=t, host=host, gpu_uuid="GPU-bench-0", gpu_index=0, job_ids=(job,))
                     for t in range(int(start), int(end) + 1))
     store = Store(data / "gpuledger.sqlite")
     try:
-        store.ingest(Batch("bench", int(end), "bench", samples))
+        store.ingest(Batch("bench", int(end), host, samples))
     finally:
         store.close()
 
@@ -180,7 +181,7 @@ def measure_lag(c: SlurmCluster, assoc: dict[str, str], data: Path, port: int, u
             return None
 
         end = c.wait(f"job {job} to end", ended, timeout_s=60, every_s=0.2)
-        agent_report(data, job, end - 3, end)
+        agent_report(data, job, end - 3, end, node)
         new = c.wait("the new factor", lambda: (client.site_factors().get(pending) or first) != first
                      and client.site_factors()[pending], timeout_s=120, every_s=0.2)
         seen = time.time()
