@@ -33,7 +33,8 @@ import math
 import os
 import re
 import subprocess
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, tzinfo
 from typing import Any
@@ -170,6 +171,19 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@contextmanager
+def _one_record(job_id: str, skip: list[tuple[str, str]] | None) -> Iterator[None]:
+    """Around the making of one job's record: a SlurmParseError goes on (the import is refused), or with ``skip``
+    the record is left out, its job id and the message appended there (sacct run live: one bad record of Slurm's
+    must not stop the import of every other job, run after run)."""
+    try:
+        yield
+    except SlurmParseError as e:
+        if skip is None:
+            raise
+        skip.append((job_id, str(e)))
+
+
 def gpu_tres(tres: Iterable[tuple[str, float]]) -> tuple[float | None, dict[str, float]]:
     """The untyped ``gres/gpu`` count (None when absent) and the typed ``gres/gpu:<type>`` counts of TRES pairs.
 
@@ -276,9 +290,8 @@ _JSON_JOB_KEYS = ("user", "state", "time")
 def parse_sacct_json(text: str, skip: list[tuple[str, str]] | None = None) -> list[JobRecord]:
     """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records.
 
-    A record no job can have (its counts, node list or times) raises SlurmParseError naming it; with ``skip``, it
-    is left out and (its job id, the message) appended there instead (sacct run live: one bad record must not stop
-    the import of every other job, run after run)."""
+    A record no job can have (its counts, node list or times) raises SlurmParseError naming it, or with ``skip``
+    is left out (:func:`_one_record`)."""
     doc = load_jobs_json(text, "sacct JSON")
     plugin = (doc.get("meta") or {}).get("plugin") or {}
     # openapi/dbv0.0.38 (22.05) and older have the exit-code bug; data_parser >= v0.0.39 report codes right.
@@ -294,7 +307,7 @@ def parse_sacct_json(text: str, skip: list[tuple[str, str]] | None = None) -> li
         if missing:  # e.g. {"job_id": 1}: a record with no owner and no times would be a blank job in the ledger
             raise SlurmParseError(f"{where} (jobs[{i}]): no {', '.join(repr(k) for k in missing)}; "
                                   "expected `sacct --json` output")
-        try:
+        with _one_record(job_id, skip):
             state = state_word(first_flag((job.get("state") or {}).get("current")))
             tres = checked_tres(_json_tres((job.get("tres") or {}).get("allocated"), where), where)
             gpus, model = gpus_from_tres(tres)
@@ -315,10 +328,6 @@ def parse_sacct_json(text: str, skip: list[tuple[str, str]] | None = None) -> li
                 exit_code=_json_exit_code(job.get("exit_code"), state, trusted),
                 tres=tres,
             ), where))
-        except SlurmParseError as e:
-            if skip is None:
-                raise
-            skip.append((job_id, str(e)))  # Slurm's own record: named, and the others are still imported
     return out
 
 
@@ -377,7 +386,7 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
         if "." in job_id:  # "1234.batch", "1234_7.0", "1234+0.extern": steps of a job already listed
             continue
         where = f"sacct -P line {n} (job {job_id})"
-        try:
+        with _one_record(job_id, skip):
             state = state_word(get("state"))
             tres = parse_tres_text(get("alloctres"), f"{where} AllocTRES")
             gpus, model = gpus_from_tres(tres)
@@ -403,10 +412,6 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
                 exit_code=None if _not_ended(state) else exit_code_from_text(get("exitcode"), f"{where} ExitCode"),
                 tres=tres,
             ), where))
-        except SlurmParseError as e:
-            if skip is None:
-                raise
-            skip.append((job_id, str(e)))  # Slurm's own record: named, and the others are still imported
     return out
 
 
