@@ -4,14 +4,13 @@ and what is lost is counted and said."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_disk import fill, mount_tmpfs, unmount
 
 from gpuledger.agent.exposition import make_registry
 from gpuledger.agent.push import HttpPusher
@@ -29,25 +28,10 @@ NOW = time.time()
 def tiny_disk(tmp_path):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
+    if not mount_tmpfs(mnt, "1m"):
         pytest.skip("needs root to mount a tmpfs")
     yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
-def fill(mnt: Path) -> Path:
-    """Every byte left on the disk, in one file (remove it to make room; fill again to take what was freed)."""
-    filler = mnt / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return filler
+    unmount(mnt)
 
 
 @pytest.fixture

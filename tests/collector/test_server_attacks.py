@@ -6,10 +6,8 @@ from __future__ import annotations
 import errno
 import gzip
 import json
-import os
 import re
 import socket
-import subprocess
 import threading
 import time
 
@@ -17,6 +15,7 @@ import httpx
 import msgpack
 import pytest
 import zstandard
+from tiny_disk import fill, mount_tmpfs, unmount
 
 from gpuledger.agent.push import encode_batch
 from gpuledger.collector import server as server_module
@@ -219,29 +218,19 @@ def tiny_disk(tmp_path):
     """A 3 MB tmpfs (we are root in CI and here); elsewhere SQLite's own page limit gives the same SQLITE_FULL."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode == 0
+    mounted = mount_tmpfs(mnt, "3m")
     yield mnt, mounted
     if mounted:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+        unmount(mnt)
 
 
 def fill_disk(mnt, mounted: bool, store: Store):
     """Take every byte left on the tiny disk (or, where it could not be mounted, every page the ledger may add);
     returns the file that holds them (remove it to make room)."""
-    filler = mnt / "filler"
     if mounted:
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    else:
-        store._db.execute(f"PRAGMA max_page_count={store._db.execute('PRAGMA page_count').fetchone()[0]}")
-    return filler
+        return fill(mnt)
+    store._db.execute(f"PRAGMA max_page_count={store._db.execute('PRAGMA page_count').fetchone()[0]}")
+    return mnt / "filler"
 
 
 def test_disk_full_is_507_reads_go_on_and_ingest_recovers_without_restart(tiny_disk, caplog):
