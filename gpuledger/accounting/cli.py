@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -53,7 +55,7 @@ from gpuledger.accounting.report.tables import show
 from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
 from gpuledger.collector.ledger_url import ledger_exists, ledger_fingerprint, ledger_label, open_ledger
-from gpuledger.output import FORMAT_HELP, Column, Format, emit, fixed, note, os_error, to_csv
+from gpuledger.output import FORMAT_HELP, Column, Format, emit, fixed, note, os_error, to_csv, write_atomically
 
 if TYPE_CHECKING:
     from gpuledger.accounting.apply import Applied, Plan
@@ -63,7 +65,10 @@ if TYPE_CHECKING:
     from gpuledger.accounting.fairshare import Row
     from gpuledger.schema.records import JobRecord
 
-SACCT_OVERLAP_S = 300.0  # `priority watch`: how far each sacct poll reaches back before the previous one
+# `priority watch`'s import of ended jobs: the file in the data dir that says up to when sacct's job ends are in the
+# ledger, and the longest window one sacct call asks for (a long downtime is caught up a day per call)
+IMPORT_CURSOR_NAME = "priority-watch-import.json"
+SACCT_CHUNK_S = 86400.0
 
 ASSOC_HELP = ("the association tree: `slurm` (ask sacctmgr), a file of `sacctmgr -P show associations "
               "format=cluster,account,parentname,user,share` output, or a CSV account,parent,user,shares "
@@ -464,7 +469,10 @@ def jobs_import(
     data_dir: DataDir = Path("gpuledger-data"),
     sacct_json: Annotated[str | None, typer.Option("--sacct-json", help="`sacct --json` output, FILE or -")] = None,
     sacct_parsable: Annotated[
-        str | None, typer.Option("--sacct-parsable", help="`sacct -P` output with header, FILE or -")] = None,
+        str | None, typer.Option("--sacct-parsable", help=(
+            "`sacct -P` output with header, FILE or -. Its times carry no zone and are read in this machine's zone; "
+            "in the hour repeated when DST ends they are ambiguous: run `TZ=UTC sacct -P ...` and this import with "
+            "TZ=UTC"))] = None,
     slurm: Annotated[bool, typer.Option("--slurm", help="run sacct against the local cluster")] = False,
     since: Annotated[float, typer.Option(help="live mode: hours back from now")] = 24.0,
     config: ConfigOpt = None,
@@ -503,7 +511,15 @@ def jobs_import(
             now = time.time()
             records = SlurmClient().sacct_jobs(now - since * 3600, now)
         else:
-            records = merge_sacct(parsed(sacct_json, parse_sacct_json), parsed(sacct_parsable, parse_sacct_parsable))
+            # -P's times undecided in a repeated DST hour: said only for jobs the JSON (its epochs) does not time
+            ambiguous: list[tuple[str, str]] = []
+            as_json = parsed(sacct_json, parse_sacct_json)
+            records = merge_sacct(as_json, parsed(sacct_parsable, lambda text: parse_sacct_parsable(
+                text, ambiguous=ambiguous)))
+            timed = {r.job_id for r in as_json if r.start is not None}
+            for job_id, why in ambiguous:
+                if job_id not in timed:
+                    note(f"warning: {why}")
     except OSError as e:
         raise _fail(os_error(e)) from None
     except (SlurmParseError, SlurmCommandError) as e:
@@ -602,6 +618,46 @@ def _newest_end(ledger_url: str | None, data_dir: Path) -> float | None:
                 and e.usage is not None), default=None)
 
 
+def _read_import_cursor(path: Path, ledger: str) -> float | None:
+    """Up to when a watch imported sacct's job ends into ``ledger`` (None: no cursor, or one of another ledger);
+    a file that is not a cursor exits 2 naming it."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _fail(os_error(e)) from None
+    except ValueError as e:  # not JSON, not UTF-8
+        raise _fail(f"{path}: not a priority watch import cursor ({e}); remove it to import the decay horizon "
+                    "again") from None
+    through = doc.get("imported_through") if isinstance(doc, dict) else None
+    if isinstance(through, bool) or not isinstance(through, int | float) or not math.isfinite(through):
+        raise _fail(f"{path}: imported_through is not a time in unix seconds: {through!r}")
+    return float(through) if doc.get("ledger") == ledger else None
+
+
+def _newest_job_end(ledger_url: str | None, data_dir: Path) -> float | None:
+    """End time of the newest job record in the ledger (None: none)."""
+    if not ledger_exists(ledger_url, data_dir):
+        return None
+    store = open_ledger(ledger_url, data_dir)
+    try:
+        return max((r.end for r in store.jobs() if r.end is not None), default=None)
+    finally:
+        store.close()
+
+
+@contextmanager
+def _printed_failure(what: str) -> Iterator[None]:
+    """A command helper's exit (it printed the reason) as the watch daemon's expected failure of one step."""
+    from gpuledger.accounting.priority_watch import CycleError
+
+    try:
+        yield
+    except typer.Exit as e:
+        raise CycleError(f"{what} (exit {e.exit_code}; the reason is on the line before)") from None
+
+
 @priority_app.command("watch")
 def priority_watch(
     data_dir: DataDir = Path("gpuledger-data"),
@@ -614,6 +670,13 @@ def priority_watch(
     import_jobs: Annotated[bool, typer.Option(
         "--import-jobs/--no-import-jobs",
         help="import ended jobs from sacct at every poll (off when a collector or timer imports them)")] = True,
+    import_overlap: Annotated[float, typer.Option(
+        help="seconds each sacct poll reaches back before the last one imported (job ends slurmdbd got late; "
+             "later ones the catch-up finds)")
+    ] = 900.0,
+    import_catch_up: Annotated[float, typer.Option(
+        help="once per this many seconds a sacct poll reaches back as far (job ends later still; 0: never)")
+    ] = 86400.0,
     poll: Annotated[float, typer.Option(help="seconds between looks at the ledger (and sacct)")] = 5.0,
     min_interval: Annotated[float, typer.Option(help="at most one cycle per this many seconds")] = 10.0,
     resync: Annotated[float, typer.Option(help="a cycle at least this often, for new pending jobs")] = 300.0,
@@ -627,46 +690,84 @@ def priority_watch(
     import signal
 
     from gpuledger.accounting.apply import run_apply
-    from gpuledger.accounting.priority_watch import CycleResult, PriorityWatch
-    from gpuledger.accounting.slurm import ENDED_STATES, SlurmClient
+    from gpuledger.accounting.priority_watch import CycleError, CycleResult, PriorityWatch, Stopped
+    from gpuledger.accounting.slurm import ENDED_STATES, SlurmClient, SlurmParseError
+    from gpuledger.collector.db import DatabaseUnavailable
 
     url = cli_ledger_url(ledger_url, data_dir, config)
-    _settings(data_dir, config)  # a bad configuration ends the daemon at its start, not every poll after
+    settings = _settings(data_dir, config)  # a bad configuration ends the daemon at its start, not every poll after
+    if not (math.isfinite(import_overlap) and math.isfinite(import_catch_up)) or min(import_overlap,
+                                                                                     import_catch_up) < 0:
+        raise _fail("--import-overlap and --import-catch-up must be seconds >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logger = logging.getLogger("gpuledger.priority.watch")
     feed_path = output or data_dir / FEED_NAME
     client = SlurmClient()
-    since = [time.time() - 3600.0]
-    # (cluster, job id, end) of the jobs imported within the overlap window, so that a poll imports only new ones
+    label, cursor_path = ledger_label(url, data_dir), data_dir / IMPORT_CURSOR_NAME
+    cursor = _read_import_cursor(cursor_path, label) if import_jobs else None
+    # sacct's job ends up to this time are in the ledger (None: not yet compared with the ledger; -inf: none)
+    through: list[float | None] = [None]
+    next_catch_up = [time.monotonic() + import_catch_up]
+    # (cluster, job id, end) of the jobs imported within the overlap, so that a poll imports only new ones
     imported: set[tuple[str, str, float]] = set()
-    imports = [0]  # records this watch imported: part of the ledger's state (a PostgreSQL ledger has no file to stat)
+    imports = [0]  # records this watch changed: part of the ledger's state (a PostgreSQL ledger has no file to stat)
+
+    def import_ended() -> None:
+        """sacct's job ends since the cursor (less the overlap, or the catch-up when due; never before the decay
+        horizon) into the ledger, a day per sacct call at most, the cursor persisted after each."""
+        last = through[0]
+        if last is None:  # a ledger older than the cursor (restored from a backup) is imported from its newest end
+            with _printed_failure("the ledger could not be read"):
+                newest = _newest_job_end(url, data_dir)
+            last = through[0] = -math.inf if cursor is None else min(cursor, cursor if newest is None else newest)
+        now = time.time()
+        catch_up = import_catch_up > 0 and time.monotonic() >= next_catch_up[0]
+        reach = max(import_overlap, import_catch_up if catch_up else 0.0)
+        horizon = decay_horizon_start(now, settings.half_life_s, settings.usage_reset, settings.timezone or None)
+        # from the cursor (never before the horizon) less the reach: a usage reset's horizon moves to its boundary,
+        # and the ends just before it are still to come (the poll before the boundary, slurmdbd's late ones)
+        start = max(last, horizon) - reach if last > -math.inf else horizon
+        if start == -math.inf:  # no cursor, and nothing decays: as far back as a catch-up reaches
+            start = now - max(import_overlap, import_catch_up)
+        while start < now:
+            if watch.stopped():
+                raise Stopped
+            end = min(now, start + SACCT_CHUNK_S)
+            ended = client.sacct_jobs(start, end, states=ENDED_STATES)
+            new = [r for r in ended if r.end is not None and (r.cluster, r.job_id, r.end) not in imported]
+            if new:  # a record imported before changes nothing (nor the log): put_jobs merges
+                with _printed_failure("the ledger or the audit log could not be opened"):
+                    imports[0] += _import_jobs(url, data_dir, new)
+                imported.update((r.cluster, r.job_id, r.end) for r in new if r.end is not None)
+            last = through[0] = end
+            write_atomically(cursor_path, json.dumps({"ledger": label, "imported_through": end}) + "\n")
+            start = end
+        if catch_up:
+            next_catch_up[0] = time.monotonic() + import_catch_up
+        for key in [k for k in imported if k[2] < last - import_overlap]:  # out of the next window: bounded memory
+            imported.discard(key)
 
     def ledger_state() -> tuple:
-        if import_jobs:  # sacct's job ends into the ledger first, so that the fingerprint sees them
-            now = time.time()
-            # the window reaches SACCT_OVERLAP_S back: a job end that reaches slurmdbd late is still seen
-            start = since[0] - SACCT_OVERLAP_S
-            ended = client.sacct_jobs(start, now, states=ENDED_STATES)
-            new = [r for r in ended if r.end is not None and (r.cluster, r.job_id, r.end) not in imported]
-            if new:
-                _import_jobs(url, data_dir, new)
-                imports[0] += len(new)
-                imported.update((r.cluster, r.job_id, r.end) for r in new if r.end is not None)
-            since[0] = now
-            for key in [k for k in imported if k[2] < start]:  # out of every later window: bounded memory
-                imported.discard(key)
         return (imports[0], *ledger_fingerprint(url, data_dir))
 
-    def cycle() -> CycleResult:
-        try:
+    def compute() -> tuple[dict, float | None]:
+        with _printed_failure("the feed could not be computed"):
+            # the newest end first: build_feed records the computation, which a failure after it would repeat
+            newest_end = _newest_end(url, data_dir)
             _, doc = build_feed(data_dir, config, associations=associations, ledger_url=url)
-        except typer.Exit as e:  # build_feed printed what is wrong
-            raise RuntimeError(f"the feed could not be computed (exit {e.exit_code})") from None
-        write_feed(feed_path, doc)
-        newest_end = _newest_end(url, data_dir)
+            return doc, newest_end
+
+    def apply(feed: tuple[dict, float | None]) -> CycleResult:
+        doc, newest_end = feed
+        try:
+            write_feed(feed_path, doc)
+        except ValueError as e:  # a name the flat feed cannot hold
+            raise CycleError(str(e)) from None
         if not slurm:
             return CycleResult(newest_end, 0, 0)
-        with open_audit(data_dir, url) as log:
+        if watch.stopped():
+            raise Stopped
+        with _printed_failure("the audit log could not be opened"), open_audit(data_dir, url) as log:
             _, applied = run_apply(client, doc["associations"], record=record_priority_changes(log))
         for o in applied.outcomes:
             if o.status == "failed":
@@ -675,7 +776,9 @@ def priority_watch(
         return CycleResult(newest_end, changed, applied.count("failed"))
 
     try:
-        watch = PriorityWatch(cycle, ledger_state, poll_s=poll, min_interval_s=min_interval, resync_s=resync)
+        watch = PriorityWatch(compute, apply, ledger_state, import_ended if import_jobs else None, poll_s=poll,
+                              min_interval_s=min_interval, resync_s=resync,
+                              expected=(SlurmCommandError, SlurmParseError, OSError, DatabaseUnavailable))
     except ValueError as e:
         raise _fail(str(e)) from None
     if metrics_port:

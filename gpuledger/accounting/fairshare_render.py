@@ -23,7 +23,7 @@ from typing import Any
 
 from gpuledger.accounting.associations import PARENT, AssociationError, parse_shares
 from gpuledger.accounting.fairshare import Row, UsageError
-from gpuledger.output import display_text, display_width, pad
+from gpuledger.output import csv_text, display_text, display_width, pad
 
 # (header, width, getter). A negative width is left-aligned, as in sshare's print_fields table; the width is
 # sshare's, a minimum here (render_table widens a column rather than truncate).
@@ -117,18 +117,12 @@ _CSV_KEYS = ("account", "user", "raw_shares", "norm_shares", "raw_usage", "norm_
 
 def render_csv(rows: Sequence[Row]) -> str:
     """CSV with the JSON keys plus depth; empty cells where sshare prints nothing; repr floats."""
-    out = io.StringIO()
-    w = csv.writer(out, lineterminator="\n")
-    w.writerow(_CSV_KEYS)
-    for r in rows:
-        w.writerow([
-            r.account, r.user or "", "" if r.raw_shares is None else r.raw_shares,
-            *("" if v is None else ("inf" if isinstance(v, float) and math.isinf(v) else repr(v))
-              for v in (r.norm_shares, r.raw_usage, r.norm_usage, r.effective_usage, r.fairshare,
-                        r.level_fs)),
-            r.depth,
-        ])
-    return out.getvalue()
+    return csv_text(_CSV_KEYS, ([
+        r.account, r.user or "", "" if r.raw_shares is None else r.raw_shares,
+        *("" if v is None else ("inf" if isinstance(v, float) and math.isinf(v) else v)
+          for v in (r.norm_shares, r.raw_usage, r.norm_usage, r.effective_usage, r.fairshare, r.level_fs)),
+        r.depth,
+    ] for r in rows))
 
 
 class SshareParseError(ValueError):

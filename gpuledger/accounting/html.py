@@ -148,9 +148,10 @@ th:first-child,td:first-child{text-align:left} tr.total td{font-weight:bold;bord
 
 
 def render_html(rep: UsageReport, entries: Sequence[LedgerEntry], title: str = "GPU usage report",
-                manifest: Mapping[str, Any] | None = None) -> str:
-    """The page for ``rep``; ``entries`` are the ledger entries in the report's period (for the time chart)."""
-    in_period = [e for e in entries if (t := job_end(e)) is not None and rep.period.start <= t < rep.period.end]
+                manifest: Mapping[str, Any] | None = None, now: float | None = None) -> str:
+    """The page for ``rep``; ``entries`` are the ledger entries in the report's period (for the time chart);
+    ``now``: the report's instant of the period rule (``report.period.job_end``)."""
+    in_period = [e for e in entries if (t := job_end(e, now)) is not None and rep.period.start <= t < rep.period.end]
     labels, series = usage_over_time(in_period, rep.period.start, rep.period.end)
     elabels, ejobs, ehours = efficiency_histogram(in_period)
     groups = [r.group for r in rep.rows]

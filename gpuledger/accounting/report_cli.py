@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -41,7 +42,15 @@ from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.idle import IDLE_COLUMNS, idle_jobs
 from gpuledger.accounting.report.jobs import JOB_COLUMNS, job_rows
-from gpuledger.accounting.report.period import ALL_TIME, PERIOD_FORMS, in_period, iso_utc, job_end, parse_period
+from gpuledger.accounting.report.period import (
+    ALL_TIME,
+    PERIOD_FORMS,
+    in_period,
+    iso_utc,
+    job_end,
+    not_ended_note,
+    parse_period,
+)
 from gpuledger.accounting.report.settings import ReportSettings, load_report_settings
 from gpuledger.accounting.report.tables import show, to_csv, to_json
 from gpuledger.accounting.report.usage import (
@@ -198,13 +207,22 @@ def _sign(output: Path | None, ledger_url: str | None, data_dir: Path, config: P
     _note(f"report written to {output}, signed manifest {m}")
 
 
-def _note_empty(per: Period, entries: Sequence[LedgerEntry]) -> None:
-    """An empty period is not an error, but say so, and where the ledger's jobs are."""
-    ends = [t for e in entries if (t := job_end(e)) is not None]
+def _note_empty(per: Period, entries: Sequence[LedgerEntry], now: float) -> None:
+    """An empty period is not an error, but say so, and where the ledger's jobs are (``now``: the report's instant
+    of the period rule)."""
+    ends = [t for e in entries if (t := job_end(e, now)) is not None]
     days = [str(iso_utc(t))[:10] for t in (min(ends), max(ends))] if ends else []  # job ends are finite
     where = (f"the ledger's jobs ended between {days[0]} and {days[1]}" if days
              else "the ledger holds no jobs yet")
     _note(f"note: no job ended in period {per.label} (jobs count in the period they ended); {where}")
+
+
+def _note_not_ended(per: Period, entries: Sequence[LedgerEntry], now: float) -> None:
+    """Say what the period rule did with the jobs still running: counted up to now in an open period, else left
+    out."""
+    note = not_ended_note(entries, per, now)
+    if note is not None:
+        _note(f"note: {note}")
 
 
 def _jobs_to_influx(data_dir: Path, config: Path | None, entries: Sequence[LedgerEntry]) -> None:
@@ -250,14 +268,16 @@ def report_usage(
     per_gpu = _per_gpu(entries) if by is By.node else None
     if pseudonymize:
         entries = pseudonymize_entries(entries, _alias(url, data_dir))
+    now = time.time()  # one instant for the period rule of every part of the report
     try:
-        rep = usage_report(entries, by.value, per, settings, per_gpu)
+        rep = usage_report(entries, by.value, per, settings, per_gpu, now)
     except ReportError as e:
         raise _fail(str(e)) from None
     if influx:
-        _jobs_to_influx(data_dir, config, in_period(entries, per))
+        _jobs_to_influx(data_dir, config, in_period(entries, per, now))
     if rep.total.jobs == 0:
-        _note_empty(per, entries)
+        _note_empty(per, entries, now)
+    _note_not_ended(per, entries, now)
     if fmt is UsageFmt.table and output is None:
         show(f"GPU usage by {by.value}, period {per.label}", usage_columns(by.value, rep.currency),
              [*rep.rows, rep.total])
@@ -271,7 +291,7 @@ def report_usage(
 
         with open_audit(data_dir, url) as log:
             size, root = log.head()
-        text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}",
+        text = render_html(rep, entries, f"GPU usage by {by.value}, {per.label}", now=now,
                            manifest={"audit log head": f"{size} entries, root {root[:16]}...",
                                      "user names": "pseudonymized" if pseudonymize else "shown as recorded"})
     else:
@@ -319,14 +339,16 @@ def report_reconcile(
         hours, energy = store.gpu_hours(lo, hi), store.gpu_energy(lo, hi)
     finally:
         store.close()
-    rec = reconcile(entries, hours, per, gpu_energy=energy, gaps=gaps)
-    if not hours and not in_period(entries, per):  # nothing measured in it and no job ended in it: say so
-        _note_empty(per, entries)
+    now = time.time()
+    rec = reconcile(entries, hours, per, now, gpu_energy=energy, gaps=gaps)
+    if not hours and not in_period(entries, per, now):  # nothing measured in it and no job ended in it: say so
+        _note_empty(per, entries, now)
     if fmt is TableFmt.table and output is None:
         show(f"Reconciliation with Slurm, period {per.label}", RECONCILE_COLUMNS, [*rec.rows, rec.total])
         for n in rec.notes:
             _note(f"note: {n}")
         return
+    _note_not_ended(per, entries, now)  # also among the notes of the JSON and text forms; CSV has none
     text = {TableFmt.json: lambda: reconcile_json(rec) + "\n", TableFmt.csv: lambda: reconcile_csv(rec),
             TableFmt.table: lambda: reconcile_text(rec)}[fmt]()
     _emit(text, output)
@@ -414,9 +436,11 @@ def report_idle(
         everything = load_ledger(store)
     finally:
         store.close()
-    entries = in_period(everything, per)
+    now = time.time()
+    entries = in_period(everything, per, now)
     if not entries:
-        _note_empty(per, everything)
+        _note_empty(per, everything, now)
+    _note_not_ended(per, everything, now)
     if pseudonymize:
         entries = pseudonymize_entries(entries, _alias(url, data_dir))
     rows = idle_jobs(entries, _per_gpu(entries), settings.idle_threshold if threshold is None else threshold,
@@ -643,8 +667,6 @@ def _report_settings(signed: Sequence[tuple[Path, dict[str, Any] | None]], data_
 
 def _bind_store(ledger_url: str | None, data_dir: Path, log: au.AuditLog, write: bool,
                 accept_reason: str | None = None, now: float | None = None) -> au.Bound:
-    import time as _time
-
     store = _open_store(ledger_url, data_dir)
     try:  # everything a charge reads (``accounting.cli.fairshare_rows``), every hour bucket
         jobs, stored, usage = store.jobs(), store.job_records(), store.job_usage()
@@ -652,7 +674,7 @@ def _bind_store(ledger_url: str | None, data_dir: Path, log: au.AuditLog, write:
     finally:
         store.close()
     try:
-        return au.bind(log, jobs, usage, _time.time() if now is None else now, per_gpu=per_gpu, gaps=gaps, busy=busy,
+        return au.bind(log, jobs, usage, time.time() if now is None else now, per_gpu=per_gpu, gaps=gaps, busy=busy,
                        stored_jobs=[r for r, _ in stored], write=write, accept_reason=accept_reason)
     except au.EntryDamaged as e:
         raise _fail(f"TAMPERED: {e}", 1) from None
@@ -769,8 +791,6 @@ def audit_retention(
 ) -> None:
     """Pseudonymize user names in the store's job records that ended more than N days ago (records still inside
     the decay horizon, 10 half-lives or since the last usage reset, only with --force)."""
-    import time
-
     from gpuledger.accounting.config import ConfigError, accounting_settings, load_config
     from gpuledger.accounting.privacy import apply_retention, decay_horizon_start
 

@@ -16,6 +16,9 @@ Formats read here:
 - ``sprio -h -o '%i|%u|%Y|%S'``: the site factor of each pending job record (%i is the record's own id); neither
   squeue nor ``scontrol show job`` prints it.
 
+A heterogeneous job's components (``12+0``, ``12+1`` to sacct -P and squeue) are named by their own job ids
+(``het`` in the JSON aside, JobIDRaw in -P, %A in squeue), as their cgroups, scontrol and the agents name them.
+
 Conventions of the records: times are unix seconds; ``exit_code`` is the job's return code, or minus the signal
 number when a signal ended it (Python's ``returncode`` convention), None when unknown or the job has not ended;
 TRES memory is in bytes (Slurm's M = MiB), like the agent's records.
@@ -28,6 +31,7 @@ whole or nothing: a TRES value that is not a finite number, a GPU count that is 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -247,10 +251,8 @@ def _json_job_id(job: Mapping[str, Any], where: str) -> str:
     tasks = _task_ranges(array.get("task"))
     if array_job and tasks:  # an array's record of tasks never split off (pending, or cancelled while pending)
         return f"{array_job}_[{tasks}]"  # as sacct -P names it
-    het = job.get("het") or {}
-    het_job, offset = slurm_number(het.get("job_id")), slurm_number(het.get("job_offset"))
-    if het_job and offset is not None:
-        return f"{het_job}+{offset}"
+    # A heterogeneous job's component ("12+1" to sacct -P and squeue, ``het`` here) goes by its own job id, as its
+    # cgroup (job_13), scontrol and so the agents name it: one identity, so that its measured usage joins its record.
     return str(raw)
 
 
@@ -334,27 +336,92 @@ def parse_sacct_json(text: str, skip: list[tuple[str, str]] | None = None) -> li
 # ------------------------------------------------------------------------------------------------ sacct -P
 
 # What SlurmClient asks sacct -P for; the parser reads any subset of these by header name.
-SACCT_PARSABLE_FORMAT = "JobID,Cluster,Partition,Account,User,UID,Submit,Start,End,State,ExitCode,AllocTRES,NodeList"
+SACCT_PARSABLE_FORMAT = ("JobID,JobIDRaw,Cluster,Partition,Account,User,UID,Submit,Start,End,State,ExitCode,AllocTRES,"
+                         "NodeList")
+PARSABLE_TZ_ADVICE = "run both `sacct -P` and the import with TZ=UTC for times that say which"
 
 
-def _parsable_time(text: str, tz: tzinfo | None, where: str) -> float | None:
+def _parsable_job_id(job_id: str, raw: str, where: str) -> str:
+    """The id a -P line's job goes by: a heterogeneous job's component "12+1" by its own job id (JobIDRaw), as in
+    the JSON and as agents measure it; anything else as JobID prints it ("1234", "1234_7")."""
+    leader, plus, offset = job_id.partition("+")
+    if not plus:
+        return job_id
+    if raw:
+        if not (raw.isascii() and raw.isdigit()):
+            raise SlurmParseError(f"{where}: JobIDRaw {raw!r} is not a job id")
+        return raw
+    if offset == "0":
+        return leader  # the leader's own job id is the heterogeneous job's
+    raise SlurmParseError(f"{where}: heterogeneous job component {job_id} without a JobIDRaw column: its own job id, "
+                          "which agents measure it by, is not in JobID (add JobIDRaw to sacct's --format)")
+
+
+def _local_readings(text: str, tz: tzinfo | None, where: str) -> tuple[float, ...]:
+    """The instants a zone-less local time of sacct -P can be: () when unknown, one, or two (its first and second
+    occurrence) in the hour the clocks repeat when daylight saving time ends. ``tz`` None: this machine's zone."""
     text = text.strip()
     if text in _UNKNOWN_TIMES:
-        return None
+        return ()
     try:
         dt = datetime.strptime(text, "%Y-%m-%dT%H:%M:%S")
     except ValueError:
         raise SlurmParseError(f"{where}: {text!r} is not a time like 2026-11-29T16:22:40") from None
-    # sacct prints local time without a zone: None = this machine's zone (naive .timestamp()).
-    return (dt.replace(tzinfo=tz) if tz is not None else dt).timestamp()
+    readings: list[float] = []
+    for fold in (0, 1):
+        t = (dt.replace(fold=fold) if tz is None else dt.replace(tzinfo=tz, fold=fold)).timestamp()
+        try:  # a reading that gives back the same wall time is one (a time the clocks skip has none)
+            back = datetime.fromtimestamp(t, tz).replace(tzinfo=None)
+        except (OverflowError, OSError, ValueError):  # beyond the platform's calendar: _checked_times refuses it
+            back = None
+        if back == dt and t not in readings:
+            readings.append(t)
+    return tuple(readings) or ((dt if tz is None else dt.replace(tzinfo=tz)).timestamp(),)
+
+
+def _before(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and a < b
+
+
+def _parsable_times(texts: Sequence[str], tz: tzinfo | None, where: str,
+                    warnings: list[str] | None = None) -> tuple[float | None, ...]:
+    """(submit, start, end) from sacct -P's zone-less local texts. In the repeated hour of a DST fall-back a time
+    reads two ways: an end before its start is no job's, so that reading is not the one (01:50 -> 01:10 ends in the
+    second 01:xx), nor, where another fits, a start before its submission; what that leaves undecided is read as
+    the first occurrence, with a warning naming the job and both readings (logged, or appended to ``warnings``)."""
+    names = ("Submit", "Start", "End")
+    readings = [_local_readings(text, tz, f"{where} {name}") or (None,) for text, name in zip(texts, names)]
+    combos = list(itertools.product(*readings))  # every field's first occurrence first
+    fits = [c for c in combos if not _before(c[2], c[1])] or combos[:1]  # none: _checked_times says why
+    fits = [c for c in fits if not _before(c[1], c[0])] or fits
+    chosen = min(fits, key=lambda c: sum(r.index(t) for r, t in zip(readings, c)))  # the most first occurrences
+    for i, name in enumerate(names):
+        read = chosen[i]
+        other = sorted(t for t in {c[i] for c in fits} - {read} if t is not None)
+        if read is None or not other:
+            continue
+        runs = sorted({c[2] - c[1] for c in fits if c[1] is not None and c[2] is not None})
+        run = f"; the job ran {' or '.join(f'{r:g} s' for r in runs)}" if len(runs) > 1 else ""
+        message = (f"{where} {name} {texts[i].strip()}: a local time the clocks repeat at the end of daylight saving "
+                   f"time; read as {_iso(read)}, it may be {' or '.join(map(_iso, other))}{run} "
+                   f"({PARSABLE_TZ_ADVICE})")
+        if warnings is None:
+            log.warning("%s", message)
+        else:
+            warnings.append(message)
+    return chosen
 
 
 def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[str] | None = None,
-                         skip: list[tuple[str, str]] | None = None) -> list[JobRecord]:
+                         skip: list[tuple[str, str]] | None = None,
+                         ambiguous: list[tuple[str, str]] | None = None) -> list[JobRecord]:
     """``sacct -P`` (``--parsable2``) output with its header line -> one record per job; step lines skipped; a bad
-    record as :func:`parse_sacct_json` (``skip``).
+    record as :func:`parse_sacct_json` (``skip``). A heterogeneous job's component ("12+1") is named by its JobIDRaw.
 
-    ``tz`` is the zone sacct printed times in (its TZ); None = this machine's local zone. ``header`` names the
+    ``tz`` is the zone sacct printed times in (its TZ); None = this machine's local zone. Times are printed without
+    an offset, so in the hour a DST fall-back repeats they are read as :func:`_parsable_times` says (TZ=UTC has no
+    such hour); a time that stays undecided is logged as a warning, or with ``ambiguous`` appended there as (job id,
+    message), for a caller whose other source of the job (the JSON's epochs) decides it. ``header`` names the
     columns of output printed without a header line (``sacct -n``); then every line is data.
     """
     numbered = [(n, ln) for n, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
@@ -385,11 +452,15 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
             raise SlurmParseError(f"sacct -P line {n}: empty JobID")
         if "." in job_id:  # "1234.batch", "1234_7.0", "1234+0.extern": steps of a job already listed
             continue
+        job_id = _parsable_job_id(job_id, get("jobidraw"), f"sacct -P line {n}")
         where = f"sacct -P line {n} (job {job_id})"
         with _one_record(job_id, skip):
             state = state_word(get("state"))
             tres = parse_tres_text(get("alloctres"), f"{where} AllocTRES")
             gpus, model = gpus_from_tres(tres)
+            undecided: list[str] = []
+            times = _parsable_times((get("submit"), get("start"), get("end")), tz, where,
+                                    None if ambiguous is None else undecided)
             uid_text = get("uid")
             try:
                 uid = int(uid_text) if uid_text else None
@@ -405,20 +476,24 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
                 hosts=_hosts(get("nodelist"), where),
                 gpus=gpus,
                 gpu_model=model,
-                submit=_parsable_time(get("submit"), tz, f"{where} Submit"),
-                start=_parsable_time(get("start"), tz, f"{where} Start"),
-                end=_parsable_time(get("end"), tz, f"{where} End"),
+                submit=times[0],
+                start=times[1],
+                end=times[2],
                 state=state,
                 exit_code=None if _not_ended(state) else exit_code_from_text(get("exitcode"), f"{where} ExitCode"),
                 tres=tres,
             ), where))
+            if ambiguous is not None:
+                ambiguous.extend((job_id, message) for message in undecided)
     return out
 
 
-def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[JobRecord]) -> list[JobRecord]:
+def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[JobRecord],
+                skip: list[tuple[str, str]] | None = None) -> list[JobRecord]:
     """Combine the two sacct forms of the same jobs: the JSON record, with the exit code from ``sacct -P``
     (22.05's JSON reports it wrong) and any field the JSON left empty filled from ``-P`` (uid, hosts, ...).
-    Jobs present in only one form are kept. Order: the JSON's, then the -P-only jobs."""
+    Jobs present in only one form are kept. Order: the JSON's, then the -P-only jobs. A job whose combined times no
+    job can have raises SlurmParseError naming it, or with ``skip`` is left out of both forms (:func:`_one_record`)."""
     by_id = {r.job_id: r for r in parsable_records}
     out: list[JobRecord] = []
     seen: set[str] = set()
@@ -431,8 +506,9 @@ def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[Jo
         fill = {f: getattr(p, f) for f in ("cluster", "user", "uid", "account", "partition", "hosts", "gpu_model",
                                            "submit", "start", "end", "state") if not getattr(r, f)}
         # each form's times were checked; together they must still be a job's (a start from one, an end from the other)
-        out.append(_checked_times(replace(r, exit_code=p.exit_code if p.exit_code is not None else r.exit_code,
-                                          **fill), f"job {r.job_id} (sacct JSON and -P together)"))
+        with _one_record(r.job_id, skip):
+            out.append(_checked_times(replace(r, exit_code=p.exit_code if p.exit_code is not None else r.exit_code,
+                                              **fill), f"job {r.job_id} (sacct JSON and -P together)"))
     out.extend(p for job_id, p in by_id.items() if job_id not in seen)
     return out
 
@@ -568,12 +644,14 @@ class SlurmClient:
         parsable = parse_sacct_parsable(
             self._call(["sacct", "-P", "-X", *window, f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC,
             skip=skipped)
+        bad = {job_id for job_id, _ in skipped}  # left out of both forms: the other alone would stand for the job
+        records = merge_sacct([r for r in as_json if r.job_id not in bad],
+                              [r for r in parsable if r.job_id not in bad], skip=skipped)
         for _, why in skipped[:10]:
             log.warning("sacct record left out: %s", why)
         if len(skipped) > 10:
             log.warning("and %d more sacct records left out", len(skipped) - 10)
-        bad = {job_id for job_id, _ in skipped}  # left out of both forms: the other alone would stand for the job
-        return merge_sacct([r for r in as_json if r.job_id not in bad], [r for r in parsable if r.job_id not in bad])
+        return records
 
     def associations(self) -> str:
         """``sacctmgr -P show associations`` with the columns a tree needs (the default columns lack

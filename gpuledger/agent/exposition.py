@@ -113,8 +113,10 @@ class SnapshotCollector:
                 yield family
         xids = CounterMetricFamily(XID_ERRORS,
                                    "Xid errors the driver reported since the agent started.", labels=GPU_LABELS)
-        models = {(s.host, s.gpu_index, s.gpu_uuid, s.mig or ""): s.model for s in snapshot}
-        for (host, index, uuid, mig), n in sorted(getattr(self.agent, "xid_errors_total", {}).items()):
+        # the counts first, then their models (the agent sets a key's model before its count: agent.sampler)
+        counts = getattr(self.agent, "xid_errors_total", {})
+        models = getattr(self.agent, "xid_models", {})  # kept with the counter: a GPU lost keeps its series' labels
+        for (host, index, uuid, mig), n in sorted(counts.items()):
             xids.add_metric([host, str(index), uuid, models.get((host, index, uuid, mig), ""), mig], float(n))
         yield xids
         jobs = GaugeMetricFamily(JOBS, "Jobs holding the GPU.", labels=GPU_LABELS)
@@ -183,6 +185,23 @@ class SnapshotCollector:
             for (field, reason), n in sorted(health.unavailable.items()):
                 fields.add_metric([name, field, reason], float(n))
             yield fields
+        call_errors = getattr(src, "call_errors_total", None)
+        if call_errors is not None:
+            failed = CounterMetricFamily(
+                "gpuledger_agent_source_call_errors",
+                "Reads of a field that failed for a passing cause (a transient driver error, a binding bug), per GPU "
+                "(or MIG instance) and tick: that field was None there then. A read failing for good is counted "
+                "once in gpuledger_agent_unavailable_fields instead; field is empty for a call that fills none (a "
+                "name, the MIG layout, the event wait).", labels=("source", "field"))
+            for field, n in sorted(dict(call_errors).items()):
+                failed.add_metric([name, field], float(n))
+            yield failed
+        unexpected = getattr(src, "errors_total", None)
+        if isinstance(unexpected, int):
+            yield _one("gpuledger_agent_source_unexpected_errors", "Exceptions the source did not expect (a binding "
+                       "bug): of one call (that field None that tick, also counted in "
+                       "gpuledger_agent_source_call_errors) or of one GPU's sampling (no sample of it that tick).",
+                       name, float(unexpected), counter=True)
         connected = getattr(src, "connected", None)
         if connected is not None:
             yield _one("gpuledger_agent_source_connected", "1 while the source is connected to its backend "

@@ -13,11 +13,16 @@ counters' deltas sum to the GPU's counter delta; the whole-GPU sample of a MIG G
   ``idle_watts`` by slice fraction, the rest by slice fraction x activity).
 - **Energy**: each instance has a virtual, monotonic counter. When a GPU is first seen, its counter value is
   split by slice fraction, so the instances' counters sum to the GPU's counter from the first sample on (a
-  one-shot reading shows the GPU's energy once, not zero times). Then each interval's counter delta (the power
-  integral where the GPU has no counter) is split by the same rule as power. An instance that appears later
-  starts at 0 and takes shares from its second sample on (a series' first sample has no interval downstream);
-  the counter of one that is gone (a MIG reconfiguration) passes to the instances left, by slice fraction, so
-  the sum stays the GPU's counter. A GPU seen out of MIG mode starts afresh when it is in MIG mode again.
+  one-shot reading shows the GPU's energy once, not zero times). Then each interval's counter delta is split by
+  the same rule as power. A sample without the counter (a failed read) gives its power integral, or nothing
+  where power is unreadable too; the next counter reading gives the counter's growth since its last reading less
+  what power gave meanwhile (where power gave more, the next readings' growth pays the surplus back first), so a
+  gap's energy is counted once. An instance that appears later starts at 0 and
+  takes shares from its second sample on (a series' first sample has no interval downstream); the counter of one
+  that is gone (a MIG reconfiguration) passes to the instances left, by slice fraction, so the sum stays the
+  GPU's counter. Where none is left (a re-partition that replaced every instance), the new instances take the
+  counters of the gone and the interval's share. A GPU seen out of MIG mode starts afresh when it is in MIG mode
+  again.
 - **Activity** is the instance's SM activity, or else its utilisation (on dcgm-exporter MIG instances that is
   ``GR_ENGINE_ACTIVE``: the stock counters leave SM activity out); with either unknown for any instance, the
   dynamic part is split by slice fraction too. Slice fractions come from the profile name ("3g.40gb" = 3/7;
@@ -49,7 +54,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Literal, TypedDict
 
 from gpuledger.agent.sharing import split_mig_energy
@@ -77,7 +82,7 @@ class MigEnergySplitter:
 
     def __init__(self, idle_watts: float | None = None) -> None:
         self._idle_watts = idle_watts
-        self._prev: dict[tuple[str, str], tuple[float, float | None]] = {}  # GPU -> (ts, parent counter)
+        self._prev: dict[tuple[str, str], _Parent] = {}  # GPU -> its previous whole-GPU sample
         self._virtual: dict[tuple[str, str], dict[str | None, float]] = {}  # GPU -> instance -> virtual counter (J)
 
     def map(self, samples: Sequence[GpuSample]) -> list[GpuSample]:
@@ -108,12 +113,10 @@ class MigEnergySplitter:
                 shares: dict[str | None, float] = {}
             else:
                 counters = self._virtual.setdefault(key, {})
-                # An instance seen for the first time starts at 0 and takes no share yet: downstream, a series'
-                # first sample has no interval, so a share given now would be lost rather than charged.
-                known = [(i, f) for i, f in zip(insts, fractions) if i.mig in counters]
-                self._pass_on_gone(counters, insts, fractions, known)
+                heirs = _heirs(insts, fractions, counters)
+                self._pass_on_gone(counters, insts, heirs)
                 floor = self._idle_watts * dt if self._idle_watts is not None and dt > 0 else None
-                shares = self._split(delta, [i for i, _ in known], [f for _, f in known], floor) or {}
+                shares = self._split(delta, [i for i, _ in heirs], [f for _, f in heirs], floor) or {}
             for i in insts:
                 counters[i.mig] = counters.get(i.mig, 0.0) + shares.get(i.mig, 0.0)
                 # Neither a counter nor power: nothing was measured, and a counter stuck at 0 would claim 0 J.
@@ -124,16 +127,15 @@ class MigEnergySplitter:
         return [replaced.get(id(s), s) for s in samples]
 
     def _pass_on_gone(self, counters: dict[str | None, float], insts: Sequence[GpuSample],
-                      fractions: Sequence[float], known: Sequence[tuple[GpuSample, float]]) -> None:
-        """The counters of instances no longer reported (a MIG reconfiguration) go to those left, by slice
-        fraction (to the new ones when no known one is left): the instances' counters keep summing to the GPU's,
-        so the whole GPU's series never steps back (:func:`as_series`) and the collector's sum stays trusted."""
+                      heirs: Sequence[tuple[GpuSample, float]]) -> None:
+        """The counters of instances no longer reported (a MIG reconfiguration) go to the heirs (:func:`_heirs`),
+        by slice fraction: the instances' counters keep summing to the GPU's, so the whole GPU's series never steps
+        back (:func:`as_series`) and the collector's sum stays trusted."""
         present = {i.mig for i in insts}
         gone = [m for m in counters if m not in present]
         if not gone:
             return
         left = math.fsum(counters.pop(m) for m in gone)
-        heirs = [(i, f) for i, f in known] or list(zip(insts, fractions))
         passed = self._split(left, [i for i, _ in heirs], [f for _, f in heirs], None, by_slice=True) or {}
         for m, e in passed.items():
             counters[m] = counters.get(m, 0.0) + e
@@ -152,16 +154,53 @@ class MigEnergySplitter:
                                 idle_floor_j=floor)
 
     def _delta(self, key: tuple[str, str], parent: GpuSample) -> tuple[float, float]:
-        """Energy since the previous parent sample and the interval; a counter that went back is a reset."""
+        """Energy since the previous whole-GPU sample, and the interval. The counter is the measure: a sample
+        without it credits its power integral (nothing where power is unreadable too), and the next counter
+        reading credits what the counter grew since its last reading less what power credited meanwhile; where
+        power credited more than the counter grew, the surplus stays owed and later growth pays it back first. So
+        the energy of a gap is counted once, neither lost nor twice, over the gap and after it. A counter that went
+        back is a reset (from 0)."""
         prev = self._prev.get(key)
-        self._prev[key] = (parent.ts, parent.energy_joules)
+        e = parent.energy_joules
         if prev is None:
+            self._prev[key] = _Parent(parent.ts, e, 0.0)
             return 0.0, 0.0
-        dt = max(parent.ts - prev[0], 0.0)
-        e, pe = parent.energy_joules, prev[1]
-        if e is None or pe is None:  # integrate power only where no counter exists
-            return (parent.power_watts or 0.0) * dt, dt
-        return (e - pe if e >= pe else e), dt
+        dt = max(parent.ts - prev.ts, 0.0)
+        if e is None:
+            credit = (parent.power_watts or 0.0) * dt
+            # without a counter to reconcile with (a GPU that has none), power's credit is simply the energy
+            credited = prev.credited_j + credit if prev.counter_j is not None else 0.0
+            self._prev[key] = _Parent(parent.ts, prev.counter_j, credited)
+            return credit, dt
+        if prev.counter_j is None:  # no reading to count from yet: this interval is power's
+            delta, owed = (parent.power_watts or 0.0) * dt, 0.0
+        else:
+            grown = e - prev.counter_j if e >= prev.counter_j else e
+            # power overstated the gap: what it credited beyond the counter's growth is paid back from later growth
+            delta, owed = max(grown - prev.credited_j, 0.0), max(prev.credited_j - grown, 0.0)
+        self._prev[key] = _Parent(parent.ts, e, owed)
+        return delta, dt
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """A MIG GPU's previous whole-GPU sample: its time, its last counter reading (kept across samples that
+    have none) and the joules credited from power beyond that reading's growth (credited in a gap, not yet
+    matched by the counter)."""
+
+    ts: float
+    counter_j: float | None
+    credited_j: float
+
+
+def _heirs(insts: Sequence[GpuSample], fractions: Sequence[float],
+           counters: dict[str | None, float]) -> list[tuple[GpuSample, float]]:
+    """Who takes an interval's energy and the counters of instances gone: the instances seen before (one seen
+    for the first time starts at 0 and takes no share yet: downstream, an instance series' first sample has no
+    interval), or every instance present where none was (a re-partition that replaced them all), so the
+    instances' counters keep summing to the GPU's."""
+    pairs = list(zip(insts, fractions))
+    return [(i, f) for i, f in pairs if i.mig in counters] or pairs
 
 
 # The readings only the whole GPU has: on a MIG instance's row they are (a share of) its GPU's.
@@ -228,7 +267,8 @@ def as_series(samples: Sequence[GpuSample], device: Sequence[GpuSample] = ()) ->
     ``device``: the source's own readings of the same instant (before this stage moved them onto the instances),
     where the caller has them (the agent's /metrics): a whole-GPU row then shows the device's counter itself, which
     no agent restart steps back (the instances' virtual counters start again from it, and their sum may differ
-    from it by rounding: a step back of 1e-6 J is a reset to Prometheus, which then counts the GPU's lifetime)."""
+    from it by rounding: a step back of 1e-6 J is a reset to Prometheus, which then counts the GPU's lifetime),
+    and no energy at an instant the device's counter was not read (never the instances' sum in its place)."""
     mig_gpus = {(s.host, s.gpu_uuid) for s in samples if s.mig}
     if not mig_gpus:
         return list(samples)
@@ -246,7 +286,12 @@ def as_series(samples: Sequence[GpuSample], device: Sequence[GpuSample] = ()) ->
         rows = [samples[i] for i in insts]
         p = samples[parent]
         read = own.get((p.host, p.gpu_uuid, p.ts), p)
-        out[parent] = replace(p, job_ids=(), job_shares=(), **gpu_readings(read, rows))
+        readings = gpu_readings(read, rows)
+        if read is not p and read.energy_joules is None:
+            # the device's counter unread this tick: the instances' sum in its place would step back to the
+            # device's own value on the next tick, a counter reset to Prometheus
+            readings["energy_joules"] = None
+        out[parent] = replace(p, job_ids=(), job_shares=(), **readings)
         for i, x, shares in zip(insts, rows, instance_shares(rows)):
             out[i] = replace(x, job_shares=shares, **NO_READINGS)
     return out

@@ -29,7 +29,7 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from email.utils import parsedate_to_datetime
 from typing import Any, cast
@@ -576,6 +576,46 @@ class HttpPusher:
                 self._client.close()
 
 
+# A batch's delivery (seq, body, samples, the job records it carries): returns batches to deliver in its place (the
+# halves of one the collector refused as too large), else [].
+Deliver = Callable[[int, bytes, list[GpuSample], list[JobRecord]], list[list[GpuSample]]]
+
+
+def write_batches(pusher: HttpPusher, ticks: Sequence[Sequence[GpuSample]], fmt: str, compress: str | None,
+                  deliver: Deliver, reserve: Callable[[int, list[GpuSample]], bool] | None = None) -> int | None:
+    """Ticks' samples as one batch or, over ``pusher.limits``, several of whole ticks (:func:`split_ticks`), each
+    under a new seq, encoded in ``fmt``/``compress`` and handed to ``deliver`` (both sinks: a post, or a spool).
+    The last batch carries the job records waiting: the collector keeps a record only for a job it has samples of,
+    from this batch or before. A body over the byte limit is halved before it goes (its seq is burnt: numbers may
+    have gaps). ``reserve`` (a spool persisting its numbers) may refuse a seq, False: that batch is skipped (it
+    says why). Returns the first seq used (None: none). Raises PushError for an unencodable batch (a NaN), after the
+    others went; its job records ride with the next batch."""
+    pending = split_ticks(ticks, pusher.limits)
+    first: int | None = None
+    unencodable: PushError | None = None
+    while pending:
+        part = pending.pop(0)
+        seq = pusher.next_seq()
+        if reserve is not None and not reserve(seq, part):
+            continue
+        first = seq if first is None else first
+        jobs = [] if pending else pusher.take_jobs()
+        try:
+            body = pusher.encode(seq, part, fmt, compress, jobs=jobs, fit=True)
+        except BodyTooLarge:
+            pusher.return_jobs(jobs)
+            pending[:0] = halve(part)
+            continue
+        except PushError as exc:
+            pusher.return_jobs(jobs)
+            unencodable = unencodable or exc
+            continue
+        pending[:0] = deliver(seq, body, part, jobs)
+    if unencodable is not None:
+        raise unencodable
+    return first
+
+
 class DirectSink:
     """An Agent sink without a spool: each batch is posted at once (split to fit the pusher's limits, and halved
     when the collector refuses it as too large); one no collector takes is dropped, with one warning line saying
@@ -597,28 +637,10 @@ class DirectSink:
         self.write_ticks([samples])
 
     def write_ticks(self, ticks: Sequence[Sequence[GpuSample]]) -> None:
-        """Post ticks' samples as one batch or, over the limits, several of whole ticks (the last carries the job
-        records waiting: the collector keeps a record only for a job it has samples of, from this batch or before).
-        Raises PushError for an unencodable batch (after the others went)."""
-        pending = split_ticks(ticks, self.pusher.limits)
-        unencodable: PushError | None = None
-        while pending:
-            part = pending.pop(0)
-            seq = self.pusher.next_seq()
-            jobs = [] if pending else self.pusher.take_jobs()
-            try:
-                body = self.pusher.encode(seq, part, self.pusher.fmt, jobs=jobs, fit=True)
-            except BodyTooLarge:  # its number is burnt: numbers may have gaps
-                self.pusher.return_jobs(jobs)
-                pending[:0] = halve(part)
-                continue
-            except PushError as exc:  # not encodable (a NaN): the next batch carries the records
-                self.pusher.return_jobs(jobs)
-                unencodable = unencodable or exc
-                continue
-            pending[:0] = self.post(seq, body, part, jobs, self.pusher.fmt)
-        if unencodable is not None:
-            raise unencodable
+        """Post ticks' samples as batches of whole ticks (:func:`write_batches`). Raises PushError for an
+        unencodable batch (after the others went)."""
+        write_batches(self.pusher, ticks, self.pusher.fmt, None,
+                      lambda seq, body, part, jobs: self.post(seq, body, part, jobs, self.pusher.fmt))
 
     def post(self, seq: int, body: bytes, part: Sequence[GpuSample], jobs: Sequence[JobRecord], fmt: str,
              compress: str | None = None) -> list[list[GpuSample]]:

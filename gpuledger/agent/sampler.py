@@ -1,7 +1,9 @@
 """The agent's loop: sample the GPUs, attach jobs, keep a snapshot for /metrics, hand the batch to sinks.
 
 One bad source read, mapper or sink costs that step of that tick, never the daemon: errors are counted
-by kind (``source``, ``mapper``, ``sink``, ``internal``) and each distinct error is logged once.
+by kind (``source``, ``mapper``, ``sink``, ``internal``) and each distinct error is logged once, in one line
+where it is operational (a backend down, a file unreadable: ``OSError``, a source's ``SourceUnavailable``, the
+pusher's ``PushError``), with its traceback where it is a bug (``internal``, or any other exception).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from gpuledger.agent.mappers.base import JobMapper
-from gpuledger.agent.sources.base import GpuSource
+from gpuledger.agent.push import PushError
+from gpuledger.agent.sources.base import GpuSource, SourceUnavailable
 from gpuledger.schema.records import GpuSample, JobRecord
 
 log = logging.getLogger(__name__)
@@ -21,6 +24,11 @@ log = logging.getLogger(__name__)
 ERROR_KINDS: tuple[str, ...] = ("source", "mapper", "sink", "internal")
 # Distinct errors remembered for "log once"; bounded so errors with ever-changing text cannot grow memory.
 _MAX_SEEN_ERRORS = 1024
+# What the sources, mappers and sinks raise for a backend down or a file unreadable: no traceback helps there.
+# Not RuntimeError: its other kinds (RecursionError, NotImplementedError) are bugs, whose traceback is wanted.
+_OPERATIONAL = (OSError, SourceUnavailable, PushError)
+# (host, GPU index, GPU UUID, MIG instance or "")
+XidKey = tuple[str, int, str, str]
 
 
 class SampleSink(Protocol):
@@ -46,7 +54,13 @@ class Agent:
         # Replaced wholesale each tick (never mutated), so readers on other threads see a whole batch.
         self.snapshot: list[GpuSample] = []
         self.sampled: list[GpuSample] = []  # the source's readings of the snapshot, before the mappers (MIG: device's)
-        self.xid_errors_total: dict[tuple[str, int, str, str], int] = {}
+        # Xids per GPU since the agent started: those the samples carried, and those the source holds for a GPU
+        # lost before its next sample (``held_xids``); replaced wholesale each tick, so a scrape never sees the
+        # count step back while held Xids move into a sample. The model is the one the GPU had at its first Xid,
+        # so the series keeps its labels when the GPU drops out of the snapshot.
+        self.xid_errors_total: dict[XidKey, int] = {}
+        self.xid_models: dict[XidKey, str] = {}
+        self._xids_sampled: dict[XidKey, int] = {}
         self.ticks_total = 0
         self.errors_total: dict[str, int] = {k: 0 for k in ERROR_KINDS}
         self.last_tick_seconds: float | None = None  # duration of the last tick
@@ -93,10 +107,7 @@ class Agent:
             self.sampled = []
         self.snapshot = samples
         self._collect_jobs()
-        for s in samples:  # cumulative per GPU, so /metrics can export Xids as a counter
-            if s.xid_errors:
-                key = (s.host, s.gpu_index, s.gpu_uuid, s.mig or "")
-                self.xid_errors_total[key] = self.xid_errors_total.get(key, 0) + len(s.xid_errors)
+        self._count_xids(samples)
         if samples:
             for sink in self.sinks:
                 try:
@@ -106,6 +117,29 @@ class Agent:
         self.ticks_total += 1
         self.last_tick_seconds = self._monotonic() - started
         return samples
+
+    def _count_xids(self, samples: Sequence[GpuSample]) -> None:
+        """Cumulative Xids per GPU (:attr:`xid_errors_total`), so /metrics can export them as a counter. A key's
+        model is set before its count appears (a reader on another thread finds it) and never changes."""
+        for s in samples:
+            if s.xid_errors:
+                key = (s.host, s.gpu_index, s.gpu_uuid, s.mig or "")
+                self._xids_sampled[key] = self._xids_sampled.get(key, 0) + len(s.xid_errors)
+                self.xid_models.setdefault(key, s.model)
+        total = dict(self._xids_sampled)
+        held = getattr(self.source, "held_xids", None)
+        try:
+            held_now = list(held()) if callable(held) else []
+        except Exception as exc:  # noqa: BLE001 - the tick's samples still go to the sinks
+            self._record_error("source", f"{type(self.source).__name__}.held_xids", exc)
+            # held ones unknown this tick: no count steps back, none goes beyond what was known
+            prev = self.xid_errors_total
+            self.xid_errors_total = {k: max(total.get(k, 0), prev.get(k, 0)) for k in {*total, *prev}}
+            return
+        for key, model, n in held_now:
+            total[key] = total.get(key, 0) + n
+            self.xid_models.setdefault(key, model)
+        self.xid_errors_total = total
 
     def _collect_jobs(self) -> None:
         """Job metadata from the mappers that know it; new or changed records go to sinks that carry them,
@@ -164,4 +198,5 @@ class Agent:
             return
         if len(self._seen_errors) < _MAX_SEEN_ERRORS:
             self._seen_errors.add(key)
-        log.error("%s error in %s: %s: %s", kind, where, type(exc).__name__, exc, exc_info=exc)
+        bug = kind == "internal" or not isinstance(exc, _OPERATIONAL)
+        log.error("%s error in %s: %s: %s", kind, where, type(exc).__name__, exc, exc_info=exc if bug else None)

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuledger.agent.push import (
-    BodyTooLarge,
     DirectSink,
     HttpPusher,
     PushError,
@@ -50,7 +49,7 @@ from gpuledger.agent.push import (
     divisible,
     encode_batch,
     halve,
-    split_ticks,
+    write_batches,
 )
 from gpuledger.schema.records import GpuSample, JobRecord
 
@@ -352,48 +351,35 @@ class SpoolingPusher:
         return self.write_ticks([samples])
 
     def write_ticks(self, ticks: Sequence[Sequence[GpuSample]]) -> int | None:
-        """Spool ticks' samples as one batch or, over the pusher's limits, several of whole ticks
-        (``agent.push.split_ticks``; the last carries the job records waiting: the collector keeps a record only for
-        a job it has samples of, from this batch or before), each under a new seq, and wake the sender; returns the
-        first seq (None: none could be reserved). A batch the spool cannot store is posted at once
-        (:meth:`_post_unspooled`). Raises PushError for an unencodable batch, after the others are spooled (its
-        job records ride with the next batch)."""
-        pending = split_ticks(ticks, self.pusher.limits)
-        first: int | None = None
-        unencodable: PushError | None = None
-        while pending:
-            part = pending.pop(0)
-            seq = self.pusher.next_seq()
-            try:
-                self.seq_file.reserve(seq)
-            except OSError as exc:
-                # Not persisted: a restart would hand seq out again, to other samples, which the collector would
-                # refuse as stored before with other content. So the batch is neither spooled nor sent.
-                self.direct.drop(seq, len(part), f"sequence number {seq} cannot be persisted in "
-                                                 f"{self.seq_file.path} ({exc.strerror or exc})")
-                continue
-            first = seq if first is None else first
-            jobs = [] if pending else self.pusher.take_jobs()
-            try:
-                body = self.pusher.encode(seq, part, self.fmt, self.compress, jobs=jobs, fit=True)
-            except BodyTooLarge:  # its number is burnt: numbers may have gaps
-                self.pusher.return_jobs(jobs)
-                pending[:0] = halve(part)
-                continue
-            except PushError as exc:
-                self.pusher.return_jobs(jobs)
-                unencodable = unencodable or exc
-                continue
-            try:
-                self.spool.put(seq, body, len(part), self.fmt, self.compress)
-            except OSError as exc:
-                pending[:0] = self._post_unspooled(seq, body, part, jobs, exc)
-                continue
-            self._cannot_spool = False
-            self._wake.set()
-        if unencodable is not None:
-            raise unencodable
-        return first
+        """Spool ticks' samples as batches of whole ticks (``agent.push.write_batches``), each under a new seq
+        persisted first (:meth:`_reserve`), and wake the sender; returns the first seq (None: none could be
+        reserved). A batch the spool cannot store is posted at once (:meth:`_post_unspooled`). Raises PushError for
+        an unencodable batch, after the others are spooled (its job records ride with the next batch)."""
+        return write_batches(self.pusher, ticks, self.fmt, self.compress, self._spool_batch, self._reserve)
+
+    def _reserve(self, seq: int, part: list[GpuSample]) -> bool:
+        """Persist ``seq`` before it is used (False: it cannot be, and the batch is dropped and counted)."""
+        try:
+            self.seq_file.reserve(seq)
+        except OSError as exc:
+            # Not persisted: a restart would hand seq out again, to other samples, which the collector would
+            # refuse as stored before with other content. So the batch is neither spooled nor sent.
+            self.direct.drop(seq, len(part), f"sequence number {seq} cannot be persisted in "
+                                             f"{self.seq_file.path} ({exc.strerror or exc})")
+            return False
+        return True
+
+    def _spool_batch(self, seq: int, body: bytes, part: list[GpuSample],
+                     jobs: list[JobRecord]) -> list[list[GpuSample]]:
+        """Store one encoded batch for the sender, or post it when the spool cannot store it (returns the halves
+        to go instead of it, as :meth:`_post_unspooled` does)."""
+        try:
+            self.spool.put(seq, body, len(part), self.fmt, self.compress)
+        except OSError as exc:
+            return self._post_unspooled(seq, body, part, jobs, exc)
+        self._cannot_spool = False
+        self._wake.set()
+        return []
 
     def _post_unspooled(self, seq: int, body: bytes, part: list[GpuSample], jobs: list[JobRecord],
                         cause: OSError) -> list[list[GpuSample]]:

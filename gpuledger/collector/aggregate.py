@@ -40,8 +40,9 @@ statement of them):
   instances reported at that instant). Instance keys never add to a GPU's observed seconds, energy or
   anomalies; they only charge jobs. So a job on a 3g slice is charged 3/7 of the GPU's energy and 3/7
   GPU-seconds per second, and the whole-GPU key's seconds and energy are the physical GPU's.
-* A sample older than ``watermark - window_s`` of its GPU is rejected as ``too_late``; a second
-  sample of a GPU at the same instant is a ``duplicate`` and ignored (first one wins).
+* A sample older than ``watermark - window_s`` of its GPU, or before the GPU's ``sealed_until`` (the store's
+  compaction rolled its minutes up to there, whatever late window the compacting process has), is rejected as
+  ``too_late``; a second sample of a GPU at the same instant is a ``duplicate`` and ignored (first one wins).
 * Time-weighted means weight each interval by the job's GPU-seconds in it (``dt * share``) and only
   where the source reported the value.
 
@@ -234,7 +235,7 @@ class GpuState:
     must be inserted into the window (a late one); in-order series never need that."""
 
     __slots__ = ("ts", "samples", "pending", "start", "watermark", "first_ts", "n", "observed_s", "energy_j",
-                 "model", "anomalies", "partial")
+                 "model", "anomalies", "partial", "sealed_until")
     TOTAL_FIELDS: tuple[str, ...] = ("first_ts", "watermark", "n", "observed_s", "energy_j", "model", "anomalies")
 
     def __init__(self) -> None:
@@ -250,6 +251,7 @@ class GpuState:
         self.model = ""
         self.anomalies = 0  # intervals whose counter delta was not trusted
         self.partial = False  # only the newest sample is in memory; the window is in the store (Aggregator.load_window)
+        self.sealed_until = -math.inf  # samples before this are final (rolled up): too late whatever the window
 
     def totals(self) -> tuple:
         return _GPU_TOTALS(self)
@@ -738,9 +740,11 @@ class Aggregator:
         if g is None:
             g = self.gpus[gk] = GpuState()
         ts = s.ts
-        if g.partial and ts <= g.watermark:  # behind the newest sample: the window decides
-            if ts < g.watermark - self.window_s:
-                return TOO_LATE
+        # behind the newest sample: the window decides, and the seal (sealed_until <= watermark: a sample newer than
+        # the watermark, the hot path, needs neither)
+        if ts <= g.watermark and (ts < g.watermark - self.window_s or ts < g.sealed_until):
+            return TOO_LATE
+        if g.partial and ts <= g.watermark:
             if ts == g.watermark:
                 return DUPLICATE
             self._load(gk, g)
@@ -754,8 +758,6 @@ class Aggregator:
             self._apply_point(gk, g, s)
             self._evict(g)
             return ACCEPTED
-        if ts < g.watermark - self.window_s:
-            return TOO_LATE
         i = bisect_left(g.ts, ts, g.start)
         if g.ts[i] == ts:  # i < len because ts <= watermark == g.ts[-1]
             return DUPLICATE
@@ -1290,12 +1292,14 @@ class Aggregator:
 
     # -- persistence hooks --------------------------------------------------------------------
     def restore_gpu(self, gk: GpuKey, totals: tuple, recent: Iterable[GpuSample] = (),
-                    segments: Iterable[WindowSegment] = ()) -> None:
+                    segments: Iterable[WindowSegment] = (), sealed_until: float = -math.inf) -> None:
         """Install a GPU's totals and its recent samples (the window plus the anchor) from storage: as
-        objects (``recent``, any order) or as time-ordered columns (``segments``, what the store reads)."""
+        objects (``recent``, any order) or as time-ordered columns (``segments``, what the store reads), and the
+        time its samples are sealed before (``sealed_until``: refused as too late, see the module docstring)."""
         g = GpuState()
         for f, v in zip(GpuState.TOTAL_FIELDS, totals, strict=True):
             setattr(g, f, v)
+        g.sealed_until = sealed_until
         recent = sorted(recent, key=lambda x: x.ts)
         g.ts = [s.ts for s in recent]
         g.samples = list(recent)

@@ -1,7 +1,8 @@
 """Bearer-token authentication and the access rules of the collector's endpoints.
 
-Three roles: a ``node`` token is bound to one host name and may only POST that host's samples; a ``read``
-token may GET the query endpoints; an ``admin`` token may do what ``read`` may and also POST job records.
+Three roles: a ``node`` token is bound to one host name and may only POST that host's samples (a token bound to a
+cluster as well: only batches naming that cluster or none, collector.validate); a ``read`` token may GET the query
+endpoints; an ``admin`` token may do what ``read`` may and also POST job records.
 Tokens are compared in constant time, and every configured token is compared on every request, so
 neither the timing of a comparison nor of the whole lookup says which prefix or which token matched.
 """
@@ -12,7 +13,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 Role = Literal["node", "read", "admin"]
 # Who may call an endpoint: public (no token even with auth on), node (sample writers), read, admin.
@@ -23,6 +24,17 @@ Access = Literal["public", "node", "read", "admin"]
 class Principal:
     role: Role
     name: str  # the host name for a node token; "admin" or "read" otherwise
+    cluster: str | None = None  # the cluster a node token is bound to; None: any (the batch names it)
+
+
+class ClusterBoundToken(Protocol):
+    """A node token bound to a cluster as well as to its host (config's ``{ token = "...", cluster = "..." }``)."""
+
+    @property
+    def token(self) -> str: ...
+
+    @property
+    def cluster(self) -> str: ...
 
 
 class AuthError(Exception):
@@ -44,11 +56,12 @@ class Authenticator:
 
     def __init__(
         self,
-        node_tokens: Mapping[str, str] | None = None,
+        node_tokens: Mapping[str, str | ClusterBoundToken] | None = None,
         admin_tokens: Iterable[str] = (),
         read_tokens: Iterable[str] = (),
     ) -> None:
-        entries = [(_digest(t), Principal("node", host)) for host, t in (node_tokens or {}).items()]
+        entries = [(_digest(t), Principal("node", host)) if isinstance(t, str) else
+                   (_digest(t.token), Principal("node", host, t.cluster)) for host, t in (node_tokens or {}).items()]
         entries += [(_digest(t), Principal("admin", "admin")) for t in admin_tokens]
         entries += [(_digest(t), Principal("read", "read")) for t in read_tokens]
         self._entries = tuple(entries)

@@ -99,9 +99,11 @@ def _serve_here(settings: CollectorSettings, data_dir: Path, url: str | None, tl
     except KeyboardInterrupt:
         pass
     finally:
-        collector.close()
-        if compactor is not None:
-            compactor.stop()
+        try:
+            collector.close()  # exits 1 for a ledger stalled at shutdown: the compactor is stopped all the same
+        finally:
+            if compactor is not None:
+                compactor.stop()
 
 
 def _supervise(settings: CollectorSettings, data_dir: Path, url: str | None) -> None:

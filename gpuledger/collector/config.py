@@ -46,7 +46,9 @@ Example::
     admin_tokens = ["..."]         # may read everything and POST /api/v1/jobs
     read_tokens = ["..."]          # may GET the query endpoints
     [collector.tokens]             # node tokens: each may write only its own host's samples
-    "node01" = "..."
+    "node01" = "..."               # a batch names its cluster (any), or none
+    "gpu01" = { token = "...", cluster = "west" }  # bound to a cluster too: a batch naming another is refused
+                                   # (403), one naming none is that cluster's
     [collector.power_caps]         # per GPU model (exact name, else the longest contained pattern), watts
     "A100" = 400
     "H200" = 700
@@ -81,7 +83,7 @@ from gpuledger.collector.limits import (
 from gpuledger.collector.series_outbox import local_retention
 from gpuledger.collector.series_store import Retention
 from gpuledger.collector.store import DEDUPE_HORIZON_S, MAX_GPUS_PER_HOST
-from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, Limits
+from gpuledger.collector.validate import CLUSTER_RULE, DEFAULT_LIMITS, MAX_BODY_BYTES, Limits, is_cluster_name
 from gpuledger.schema.text import ascii_int
 
 CONFIG_NAME = "gpuledger.toml"
@@ -95,23 +97,56 @@ class ConfigError(ValueError):
     """The configuration is missing or invalid; the message names the file and the setting."""
 
 
+class NodeToken(BaseModel):
+    """A node token bound to a cluster as well as to its host (``"gpu01" = { token = "...", cluster = "west" }``):
+    its batches may name that cluster or none (then they are that cluster's), never another."""
+
+    model_config = ConfigDict(frozen=True, hide_input_in_errors=True)
+
+    token: str = Field(repr=False)  # a logged setting never shows it
+    cluster: str
+
+
+def node_token(entry: str | NodeToken) -> str:
+    """The token of a ``[collector.tokens]`` entry (a plain string binds the host only)."""
+    return entry if isinstance(entry, str) else entry.token
+
+
 class TokenTables(BaseModel):
     """What a tokens file holds (and the token part of the ``[collector]`` table)."""
 
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # an error never shows a token
 
-    tokens: dict[str, str] = {}
+    tokens: dict[str, str | NodeToken] = {}
     admin_tokens: list[str] = []
     read_tokens: list[str] = []
 
-    @field_validator("tokens")
+    @field_validator("tokens", mode="before")
     @classmethod
-    def _node_tokens(cls, v: dict[str, str]) -> dict[str, str]:
-        for host, token in v.items():
+    def _node_tokens(cls, v: Any) -> Any:
+        # checked here, before pydantic tries str, then NodeToken: a bad table gets one error, not one per type
+        if not isinstance(v, dict):
+            return v  # no table: pydantic's own error says so
+        out: dict[str, str | NodeToken] = {}
+        for host, entry in v.items():
             if not host:
                 raise ValueError("a node token needs a non-empty host name")
-            _check_token(token, f"token of {host!r}")
-        return v
+            if isinstance(entry, NodeToken):  # merged with a tokens file's: checked again
+                entry = entry.model_dump()
+            if isinstance(entry, dict):
+                if set(entry) != {"token", "cluster"}:
+                    raise ValueError(f'the token of {host!r} must be a string or a table {{ token = "...", '
+                                     f'cluster = "..." }}, got a table with keys {sorted(map(str, entry))}')
+                token, cluster = entry["token"], entry["cluster"]
+                if not (cluster and is_cluster_name(cluster)):
+                    raise ValueError(f"the cluster of {host!r}'s token must be non-empty, {CLUSTER_RULE}, "
+                                     f"got {cluster!r}")
+                _check_token(token, f"token of {host!r}")
+                out[host] = NodeToken(token=token, cluster=cluster)
+            else:
+                _check_token(entry, f"token of {host!r}")
+                out[host] = entry
+        return out
 
     @field_validator("admin_tokens", "read_tokens")
     @classmethod
@@ -121,7 +156,9 @@ class TokenTables(BaseModel):
         return v
 
 
-def _check_token(token: str, what: str) -> None:
+def _check_token(token: Any, what: str) -> None:
+    if not isinstance(token, str):
+        raise ValueError(f"{what} must be a string, got {type(token).__name__}")
     if len(token) < MIN_TOKEN_CHARS or token != token.strip():
         raise ValueError(f"{what} must be at least {MIN_TOKEN_CHARS} characters without surrounding blanks")
     if not (token.isascii() and token.isprintable()):
@@ -250,7 +287,7 @@ class CollectorSettings(TokenTables):
         except ValueError as e:
             raise ValueError(f"retention: {e}") from None
         seen: dict[str, str] = {}
-        roles = [(t, f"node {h!r}") for h, t in self.tokens.items()]
+        roles = [(node_token(t), f"node {h!r}") for h, t in self.tokens.items()]
         roles += [(t, "admin") for t in self.admin_tokens] + [(t, "read") for t in self.read_tokens]
         for token, role in roles:
             if token in seen:  # one token with two roles would make the caller's rights ambiguous

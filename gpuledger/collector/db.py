@@ -28,14 +28,16 @@ import fcntl
 import hashlib
 import os
 import re
+import select
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 SQLITE, POSTGRESQL = "sqlite", "postgresql"
 MAX_LIST_VALUES = 500  # values bound in one statement's IN (...) or VALUES list: well under SQLite's limit
@@ -144,6 +146,17 @@ def _lock_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
+def _read_only_uri(path: Path) -> str:
+    """The URI that opens the SQLite file ``path`` read-only and creates nothing beside it. A WAL database a writer
+    has open has its -wal and -shm files: read through them (``mode=ro``: the shared read lock of WAL mode, which a
+    writer never waits for). Without a -wal (every connection closed: all of it is in the main file), ``mode=ro``
+    would create -wal and -shm where the directory is writable (root, the owner), and leave them: the file is read as
+    ``immutable`` (no locks, no -shm), as of its state at the open; a collector starting meanwhile writes to a new
+    -wal, which this read does not see."""
+    uri = f"file:{quote(str(path.absolute()))}?mode=ro"
+    return uri if Path(f"{path}-wal").exists() else f"{uri}&immutable=1"
+
+
 class SqliteDatabase:
     """One connection in WAL mode, durable commits (``synchronous=FULL``); transactions are ``BEGIN IMMEDIATE``,
     so a writer holds the file's one write lock for its whole transaction (even against other processes).
@@ -151,14 +164,22 @@ class SqliteDatabase:
 
     dialect = SQLITE
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], read_only: bool = False) -> None:
+        """``read_only``: for a query, which must work where this user may only read the file (an auditor's copy, a
+        read-only mount), and never writes, creates a file or takes a lock a writer waits for (see _read_only_uri)."""
         self.path = Path(path)
         self.url = str(self.path)
-        # isolation_level=None: BEGIN/COMMIT are ours, so one batch is one transaction
-        self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.conn.execute("PRAGMA busy_timeout=10000")
+        self.read_only = read_only
         self._writer: int | None = None  # the writers' lock file (see transaction), opened when first needed
         self._writer_held: int | None = None  # the thread that took it with ready_to_write, for its next transaction
+        # isolation_level=None: BEGIN/COMMIT are ours, so one batch is one transaction
+        if read_only:
+            self.conn = sqlite3.connect(_read_only_uri(self.path), uri=True, isolation_level=None,
+                                        check_same_thread=False)
+            self.conn.execute("PRAGMA busy_timeout=10000")
+            return
+        self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA busy_timeout=10000")
         self._wal(deadline=time.monotonic() + 10.0)
         self.conn.execute("PRAGMA synchronous=FULL")  # WAL + FULL: a commit survives power loss
 
@@ -249,7 +270,7 @@ class SqliteDatabase:
         """A second connection to the same file for the block, for a thread that reads while another one writes
         through this one (a connection is not shared between threads; in WAL mode its reads never wait for the
         writer, nor the writer for them). Reads only: a write there would take the file's write lock."""
-        other = SqliteDatabase(self.path)
+        other = SqliteDatabase(self.path, read_only=self.read_only)
         try:
             yield other
         finally:
@@ -316,31 +337,97 @@ def redact(url: str) -> str:
 
 
 # A connection's start-up refused for a reason only a change of configuration fixes (DatabaseConfigError), and what to
-# say. psycopg gives a failed connection no SQLSTATE (libpq keeps the server's FATAL as text), so these are the
-# server's and libpq's English messages (the SQLSTATE each one is in brackets). A server whose lc_messages translates
-# them is not recognised: its refusal stays DatabaseUnavailable (exit 1), as a server that is down.
-_CONFIG_ERRORS = [(re.compile(pattern), problem) for pattern, problem in (
-    (r'database ".*" does not exist', "no such database [3D000]: create it, or fix the URL"),
-    (r'role ".*" does not exist', "no such role [28000]: create it, or fix the user in the URL"),
-    (r"authentication failed for user", "the server refused the credentials [28P01]: fix the user or its "
-                                        "password (a libpq password file, PGPASSFILE)"),
+# say, by the SQLSTATE of the server's refusal (_startup). Any other refusal may pass (53300 too many connections,
+# 57P03 the server starting up): DatabaseUnavailable, as a server that is down.
+_REFUSALS = {
+    "3D000": "no such database [3D000]: create it, or fix the URL",
+    "28000": "the server does not let this role in [28000]: no such role (create it, or fix the user in the URL), "
+             "one that may not log in, or a pg_hba.conf that does not let it connect from here",
+    "28P01": "the server refused the credentials [28P01]: fix the user or its password (a libpq password file, "
+             "PGPASSFILE)",
+    "42501": "the role may not connect to this database [42501]: GRANT CONNECT",
+}
+# Where no SQLSTATE came, the failure's text decides, in English, the only language recognised: libpq's own refusals,
+# which the server never sent (a password libpq has none to send, SSL the server does not offer, a URL libpq does
+# not parse; in this process's language, English unless its locale translates libpq); and the server's messages for
+# the refusals above, for a libpq whose trace does not show the start-up (older than 14) or a platform without
+# PQtrace (not Linux). Those, from a server whose lc_messages translates them, stay DatabaseUnavailable (exit 1).
+_REFUSALS_BY_TEXT = [(re.compile(pattern), problem) for pattern, problem in (
+    (r'database ".*" does not exist', _REFUSALS["3D000"]),
+    (r'role ".*" does not exist|pg_hba\.conf|is not permitted to log in', _REFUSALS["28000"]),
+    (r"authentication failed for user", _REFUSALS["28P01"]),
+    (r"permission denied for database|does not have CONNECT privilege", _REFUSALS["42501"]),
     (r"no password supplied|password is required", "the server asks for a password and none is given: put it in a "
                                                     "libpq password file (PGPASSFILE)"),
-    (r"pg_hba\.conf", "the server's pg_hba.conf does not let this user connect from here [28000]"),
-    (r"is not permitted to log in", "the role may not log in [28000]"),
-    (r'permission denied for database|does not have CONNECT privilege',
-     "the role may not connect to this database [42501]: GRANT CONNECT"),
     (r"SSL was required|server does not support SSL",
      "the URL's sslmode asks for SSL, which the server does not offer"),
     (r"invalid (\w+ )?value|invalid connection option|invalid URI", "the URL is invalid"),
 )]
+# The server's ErrorResponse in libpq's trace (PQtrace, libpq >= 14): its fields S, V, C (the SQLSTATE), M ... in order
+_TRACED_ERROR = re.compile(r'^B\t\d+\tErrorResponse\t.*? C "([0-9A-Z]{5})"', re.M)
 
 
-def _config_problem(exc: Exception, reason: str) -> str | None:
-    """What to fix when a connection's start-up failed for good (see _CONFIG_ERRORS); None when it may pass."""
-    if type(exc).__name__ == "ProgrammingError":  # psycopg: the URL's parameters do not parse
-        return "the URL is invalid"
-    return next((problem for pattern, problem in _CONFIG_ERRORS if pattern.search(reason)), None)
+def _config_problem(sqlstate: str | None, reason: str) -> str | None:
+    """What to fix when a connection's start-up failed for good: by the server's SQLSTATE where it sent one, else
+    by the failure's text (see _REFUSALS_BY_TEXT); None when it may pass."""
+    if sqlstate is not None:
+        return _REFUSALS.get(sqlstate)
+    return next((problem for pattern, problem in _REFUSALS_BY_TEXT if pattern.search(reason)), None)
+
+
+def _startup(url: str, options: dict[str, Any], timeout_s: float) -> tuple[str | None, str] | None:
+    """Connect to ``url`` (with libpq ``options``) once and hang up: None when it connected, else the SQLSTATE of the
+    server's refusal (None where it sent none) and the failure in one line. Each of the URL's hosts in turn,
+    ``timeout_s`` for each, as psycopg.connect does; but psycopg keeps no SQLSTATE of a failed start-up (libpq has
+    only its message, in the server's lc_messages language), so the server's ErrorResponse is read from libpq's trace
+    of the exchange (kept in memory: it holds the authentication messages). Raises psycopg.ProgrammingError for a URL
+    that does not parse, OperationalError when no host name resolves."""
+    from psycopg.conninfo import conninfo_attempts, conninfo_to_dict, make_conninfo
+
+    failures = []
+    for attempt in conninfo_attempts(conninfo_to_dict(url, **options)):
+        failure = _startup_attempt(make_conninfo("", **attempt), timeout_s)
+        if failure is None:
+            return None
+        failures.append(failure)
+    return failures[-1][0], "; ".join(" ".join(reason.split()) for _, reason in failures)
+
+
+def _startup_attempt(conninfo: str, timeout_s: float) -> tuple[str | None, str] | None:
+    """One host of _startup."""
+    from psycopg import pq
+
+    pgconn = pq.PGconn.connect_start(conninfo.encode())
+    # psycopg's trace() fdopen()s the descriptor and PQuntrace() flushes but never fcloses the stream: its descriptor
+    # is closed here, and the stream (empty) is left
+    trace = os.memfd_create("gpuledger-pg-startup") if sys.platform == "linux" else None
+    traced = ""
+    try:
+        if trace is not None:
+            pgconn.trace(trace)
+            pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        deadline = time.monotonic() + timeout_s
+        while pgconn.status != pq.ConnStatus.BAD:
+            polled = pgconn.connect_poll()
+            if polled == pq.PollingStatus.OK:
+                return None
+            if polled == pq.PollingStatus.FAILED:
+                break
+            if time.monotonic() >= deadline:
+                return None, f"connection to {pgconn.host.decode(errors='replace')} failed: timeout expired"
+            waiting = select.poll()
+            waiting.register(pgconn.socket, select.POLLIN if polled == pq.PollingStatus.READING else select.POLLOUT)
+            waiting.poll(max(0.0, deadline - time.monotonic()) * 1000)
+        reason = pgconn.get_error_message()
+    finally:
+        if trace is not None:
+            pgconn.untrace()
+        pgconn.finish()
+        if trace is not None:
+            traced = os.pread(trace, 1 << 20, 0).decode(errors="replace")
+            os.close(trace)
+    codes = _TRACED_ERROR.findall(traced)
+    return (codes[-1] if codes else None), reason
 
 
 def _tcp_bounds(url: str) -> dict[str, int]:
@@ -384,7 +471,7 @@ class PostgresDatabase:
     dialect = POSTGRESQL
 
     def __init__(self, url: str, schema: str | None = None, min_size: int = 1, max_size: int = 8,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, read_only: bool = False) -> None:
         try:
             import psycopg
             from psycopg_pool import ConnectionPool
@@ -400,21 +487,28 @@ class PostgresDatabase:
             conn.autocommit = True
             conn.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
             conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}'")
+            if read_only:  # the server refuses a write (a query's bug) rather than make it
+                conn.execute("SET default_transaction_read_only = on")
             if schema:
-                conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+                if not read_only:
+                    conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 conn.execute(f'SET search_path TO "{schema}"')
 
         # one connection first: an unreachable server fails now, with the server's reason, not the pool's; a refusal
         # only a change of configuration can fix (no such database, bad credentials) as DatabaseConfigError
         try:
             options: dict[str, Any] = {"connect_timeout": int(connect_timeout_s), **_tcp_bounds(url)}
-            psycopg.connect(url, **options).close()
-        except psycopg.Error as exc:
-            reason = " ".join(str(exc).split())
-            problem = _config_problem(exc, reason)
+            failed = _startup(url, options, connect_timeout_s)
+        except psycopg.ProgrammingError as exc:  # the URL's parameters do not parse
+            raise DatabaseConfigError(f"PostgreSQL ledger {self.url}: the URL is invalid ({exc})") from exc
+        except psycopg.Error as exc:  # no host name resolves
+            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect: {exc}") from exc
+        if failed is not None:
+            sqlstate, reason = failed
+            problem = _config_problem(sqlstate, reason)
             if problem is not None:
-                raise DatabaseConfigError(f"PostgreSQL ledger {self.url}: {problem} ({reason})") from exc
-            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect: {reason}") from exc
+                raise DatabaseConfigError(f"PostgreSQL ledger {self.url}: {problem} ({reason})")
+            raise DatabaseUnavailable(f"PostgreSQL ledger {self.url}: cannot connect: {reason}")
         self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, configure=configure, open=False,
                                     timeout=connect_timeout_s, kwargs=options)
         try:
@@ -553,14 +647,15 @@ def is_postgres_url(url: str | None) -> bool:
     return bool(url) and urlsplit(str(url)).scheme in ("postgresql", "postgres")
 
 
-def open_database(url: str | os.PathLike[str], schema: str | None = None) -> Database:
+def open_database(url: str | os.PathLike[str], schema: str | None = None, read_only: bool = False) -> Database:
     """``postgresql://...`` (or ``postgres://``): a PostgreSQL pool (tables in ``schema`` when given); a path or
-    ``sqlite:///path``: that SQLite file."""
+    ``sqlite:///path``: that SQLite file. ``read_only``: for a query that must never write (SQLite: opened read-only,
+    creating nothing; PostgreSQL: read-only sessions)."""
     text = str(url)
     if is_postgres_url(text):
-        return PostgresDatabase(text, schema=schema)
+        return PostgresDatabase(text, schema=schema, read_only=read_only)
     if text.startswith("sqlite://"):
         text = urlsplit(text).path
     if "://" in text:
         raise ValueError(f"ledger URL {redact(text)!r}: use postgresql://... or a SQLite file path")
-    return SqliteDatabase(text)
+    return SqliteDatabase(text, read_only=read_only)

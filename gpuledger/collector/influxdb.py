@@ -47,7 +47,7 @@ from gpuledger.collector.series_remote import (
     one_line,
 )
 from gpuledger.collector.series_store import TIER_NAMES
-from gpuledger.collector.sinks.influx import FLOAT_FIELDS, INT_FIELDS, GpuPrefixes, sample_lines
+from gpuledger.collector.sinks.influx import FLOAT_FIELDS, INT_FIELDS, sample_lines
 from gpuledger.schema.records import GpuSample
 
 GPU, GPU_JOB = "gpu", "gpu_job"  # the sink's measurements
@@ -58,15 +58,11 @@ _FIELDS = (*FLOAT_FIELDS, *INT_FIELDS)
 
 def write_body(chunks: Iterable[Chunk]) -> tuple[bytes, int]:
     """Line protocol (millisecond timestamps) of raw chunks ``(host, gpu_uuid, mig, chunk)``; returns
-    (body, samples)."""
-    prefixes = GpuPrefixes()
-    lines: list[str] = []
-    samples = 0
-    for host, uuid, mig, blob in chunks:
-        rows = decode_samples(blob, host, uuid, mig or None)
-        samples += len(rows)
-        lines += sample_lines(rows, prefixes)
-    return ("\n".join(lines) + "\n").encode() if lines else b"", samples
+    (body, samples). The chunks are rendered together: a MIG GPU's whole-GPU row is told by its instances' rows of
+    the same instant, which are in other chunks of the same outbox row (``sample_lines``)."""
+    rows = [r for host, uuid, mig, blob in chunks for r in decode_samples(blob, host, uuid, mig or None)]
+    lines = sample_lines(rows)
+    return ("\n".join(lines) + "\n").encode() if lines else b"", len(rows)
 
 
 def ident(name: str) -> str:

@@ -7,9 +7,9 @@ the tables in it. A collector applies pending migrations itself when it opens th
 e.g. before collectors of a new release start. Errors are one line (``collector.ledger_url.database_failures``):
 exit 2 for bad input (a bad ledger URL, no store, a SQLite file that is not a database or that this user cannot open
 or write, a PostgreSQL server that refuses the URL: no such database or role, credentials refused; a ledger written
-by a newer gpuledger), 1 when the server cannot be reached. ``status`` reads only, but opens the file as every command
-does (in WAL mode, whose ``-shm`` file SQLite must be able to create beside it): where this user cannot write the
-file or its directory, it says so in one line (exit 2).
+by a newer gpuledger), 1 when the server cannot be reached. ``status`` never writes: it opens the ledger read-only
+(``db.open_database(read_only=True)``), so it works on a file and directory this user may only read (an auditor's
+copy, a read-only mount), creates no file beside a SQLite ledger and takes no lock a running collector waits for.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ FormatOpt = Annotated[Format, typer.Option("--format", help=FORMAT_HELP)]
 T = TypeVar("T")
 
 
-def _on_ledger(ledger_url: str | None, data_dir: Path, config: Path | None, action: Callable[[Database], T]
-               ) -> tuple[T, Database]:
-    """``action`` on the ledger's database (``--ledger-url`` resolved), which is closed again; never a new SQLite
-    file. Exit 2 for no ledger, one written by a newer gpuledger or a server that refuses the URL, 1 when it cannot
-    be reached (``database_failures``, as every other command)."""
+def _on_ledger(ledger_url: str | None, data_dir: Path, config: Path | None, action: Callable[[Database], T],
+               read_only: bool = False) -> tuple[T, Database]:
+    """``action`` on the ledger's database (``--ledger-url`` resolved; opened read-only for an action that only
+    reads), which is closed again; never a new SQLite file. Exit 2 for no ledger, one written by a newer gpuledger
+    or a server that refuses the URL, 1 when it cannot be reached (``database_failures``, as every other command)."""
     url = cli_ledger_url(ledger_url, data_dir, config)
     path = sqlite_path(url, data_dir)
     if path is not None and not path.is_file():
@@ -53,7 +53,7 @@ def _on_ledger(ledger_url: str | None, data_dir: Path, config: Path | None, acti
              "--ledger-url)")
     try:
         with database_failures():
-            db = open_database(str(url) if path is None else path)
+            db = open_database(str(url) if path is None else path, read_only=read_only)
             try:
                 return action(db), db
             finally:
@@ -79,7 +79,7 @@ def status_cmd(
     fmt: FormatOpt = Format.table,
 ) -> None:
     """The ledger's backend, URL (without a password), and its applied, pending and unknown (newer) migrations."""
-    st, db = _on_ledger(ledger_url, data_dir, config, status)
+    st, db = _on_ledger(ledger_url, data_dir, config, status, read_only=True)
     rows = _state(st)
     doc = {"backend": db.dialect, "url": db.url, "latest_known": LATEST, "meta_format": st.meta_format,
            "applied": [r["version"] for r in rows if r["state"] != "pending"],

@@ -38,8 +38,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any, Protocol
 
-from gpuledger.collector.aggregate import GapKey, GpuKey, GpuState, HourAcc, HourKey, UsageAcc, UsageKey, summarize
-from gpuledger.collector.db import MAX_LIST_VALUES, Database, upsert
+from gpuledger.collector.aggregate import (
+    HOUR_S,
+    GapKey,
+    GpuKey,
+    GpuState,
+    HourAcc,
+    HourKey,
+    UsageAcc,
+    UsageKey,
+    summarize,
+)
+from gpuledger.collector.db import MAX_LIST_VALUES, SQLITE, Database, upsert
 from gpuledger.schema.records import JobRecord, JobUsage, split_gpu_id
 
 log = logging.getLogger(__name__)
@@ -142,6 +152,14 @@ def add_columns(db: Database) -> list[str]:
     return added
 
 
+def hour_span(start: float | None, end: float | None) -> tuple[float | None, float | None]:
+    """The hour buckets a range [start, end) sums: from the one holding ``start`` up to, not including, the one
+    holding ``end`` (bucket starts; None: unbounded). The one rule of every query over hours (totals, per-GPU energy
+    and hours), so adjacent ranges partition the hours: [a, b) + [b, c) = [a, c). A range inside one hour sums none."""
+    return (None if start is None else math.floor(start / HOUR_S) * HOUR_S,
+            None if end is None else math.floor(end / HOUR_S) * HOUR_S)
+
+
 def _total(column: str) -> str:
     """SQL for the sum of ``column`` as a float, 0.0 over no rows (what SQLite's TOTAL gives, portably)."""
     return f"CAST(COALESCE(SUM({column}), 0) AS DOUBLE PRECISION)"
@@ -181,6 +199,7 @@ class LedgerStore(LedgerReader, Protocol):
     the store's transaction)."""
 
     def claim_hosts(self, hosts: Sequence[str]) -> dict[str, int]: ...
+    def lock_hosts(self, hosts: Sequence[str]) -> None: ...
     def forget_host(self, host: str) -> None: ...
     def batches_seen_of(self, keys: Sequence[tuple[str, str, int]]) -> dict[tuple[str, str, int], bytes]: ...
     def record_batches(self, batches: Sequence[tuple[str, str, int, bytes | None, float, int]]) -> int: ...
@@ -265,6 +284,17 @@ class SqlLedger:
                 "DO UPDATE SET generation = hosts.generation + 1 RETURNING host, generation", part).fetchall()
             out.update((h, int(g)) for h, g in rows)
         return out
+
+    def lock_hosts(self, hosts: Sequence[str]) -> None:
+        """Take the row locks :meth:`claim_hosts` takes (sorted ``hosts``; until the transaction ends) without moving
+        their generations: a compaction's seal, which collectors holding the hosts need not restore them for. SQLite:
+        nothing to take (``BEGIN IMMEDIATE`` holds the whole file)."""
+        if self._db.dialect == SQLITE:
+            return
+        for at in range(0, len(hosts), MAX_LIST_VALUES):
+            part = hosts[at:at + MAX_LIST_VALUES]
+            self._db.execute(f"SELECT host FROM hosts WHERE host IN ({','.join(['?'] * len(part))}) ORDER BY host "
+                             "FOR UPDATE", part).fetchall()
 
     def forget_host(self, host: str) -> None:
         """Re-read ``host``'s GPUs' clusters (another collector may have named them since they were cached)."""
@@ -579,22 +609,30 @@ class SqlLedger:
             out += [replace(u, cluster=c) for u in summarize(by_cluster[c], per_gpu)]
         return out
 
-    def _hour_range(self, start: float | None, end: float | None) -> tuple[str, list[float]]:
+    @staticmethod
+    def _hour_range(first: float | None, stop: float | None) -> tuple[str, list[float]]:
+        """SQL ``WHERE`` over ``hour`` for the buckets ``first <= hour < stop`` (:func:`hour_span`'s)."""
         where, args = "", []
-        if start is not None:
-            where, args = " WHERE hour >= ?", [math.floor(start / 3600.0) * 3600.0]
-        if end is not None:
+        if first is not None:
+            where, args = " WHERE hour >= ?", [first]
+        if stop is not None:
             where += (" AND" if where else " WHERE") + " hour < ?"
-            args.append(end)
+            args.append(stop)
         return where, args
 
     def totals(self, start: float | None = None, end: float | None = None) -> dict:
-        """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end).
+        """Cluster totals over whole hours: the hour buckets from the one holding ``start`` up to, not including,
+        the one holding ``end`` (:func:`hour_span`: adjacent ranges partition the hours; a range inside one hour
+        sums none). ``hours_start`` and ``hours_end`` say which were summed: the first bucket and the one the sum stops
+        before (None: unbounded); ``start`` and ``end`` are the range as asked.
 
         ``gpus`` counts physical GPUs (a MIG GPU once), observed GPU-seconds and energy are the physical GPUs',
         allocated and SM-active GPU-seconds count a MIG instance's seconds by its slice fraction, ``samples``
-        the samples agents sent; ``unattributed_energy_joules`` is the energy charged to no job."""
-        where, args = self._hour_range(start, end)
+        the samples agents sent; ``unattributed_energy_joules`` is the energy charged to no job. ``jobs_measured``
+        counts the jobs (cluster, job id) measured on some GPU between its first and last sample whose span
+        reaches into those hours (the usage rows keep a job's first and last sample per GPU, not its hours)."""
+        first, stop = hour_span(start, end)
+        where, args = self._hour_range(first, stop)
         # physical GPUs: a MIG instance's key holds no seconds or energy of its own (aggregate's rules)
         row = self._db.execute(
             f"SELECT {_total('observed_s')}, {_total('energy_j')}, {_total('alloc_s')}, {_total('sm_s')}, "
@@ -603,10 +641,17 @@ class SqlLedger:
         ).fetchone()
         gpus = self._db.execute(f"SELECT COUNT(*) FROM (SELECT DISTINCT host, gpu_uuid FROM gpu_hours{where}) AS g",
                                 args).fetchone()[0]
-        jobs = self._db.execute("SELECT COUNT(*) FROM (SELECT DISTINCT cluster, job_id FROM usage) AS j").fetchone()[0]
+        # a job's sample at ts counts in the hour holding ts: its span [first_ts, last_ts] meets [first, stop)
+        spans = [(c, v) for c, v in (("last_ts >= ?", first), ("first_ts < ?", stop)) if v is not None]
+        jobs = self._db.execute(
+            "SELECT COUNT(*) FROM (SELECT DISTINCT cluster, job_id FROM usage"
+            + (" WHERE " + " AND ".join(c for c, _ in spans) if spans else "") + ") AS j",
+            [v for _, v in spans]).fetchone()[0]
         return {
             "start": start,
             "end": end,
+            "hours_start": first,
+            "hours_end": stop,
             "gpus": gpus,
             "samples": int(row[4]),
             "observed_gpu_seconds": row[0],
@@ -619,15 +664,14 @@ class SqlLedger:
         }
 
     def gpu_energy(self, start: float | None = None, end: float | None = None) -> list[dict]:
-        """Per physical GPU (host, gpu_uuid), over whole hours in [start, end): observed and allocated GPU-seconds,
-        energy, the part charged to jobs, the unattributed (idle) rest and counter anomalies."""
-        lo = -math.inf if start is None else math.floor(start / 3600.0) * 3600.0
-        hi = math.inf if end is None else end
+        """Per physical GPU (host, gpu_uuid), over the whole hours of [start, end) (:func:`hour_span`): observed and
+        allocated GPU-seconds, energy, the part charged to jobs, the unattributed (idle) rest and counter
+        anomalies."""
+        where, args = self._hour_range(*hour_span(start, end))
         rows = self._db.execute(
             f"SELECT host, gpu_uuid, {_total('observed_s')}, {_total('alloc_s')}, {_total('energy_j')}, "
-            f"{_total('job_energy_j')}, {_total('anomalies')} FROM gpu_hours WHERE hour >= ? AND hour < ? "
-            "GROUP BY host, gpu_uuid "
-            "ORDER BY host, gpu_uuid", (lo, hi)).fetchall()
+            f"{_total('job_energy_j')}, {_total('anomalies')} FROM gpu_hours{where} GROUP BY host, gpu_uuid "
+            "ORDER BY host, gpu_uuid", args).fetchall()
         return [{"host": h, "gpu_uuid": u, "observed_gpu_seconds": obs, "allocated_gpu_seconds": alloc,
                  "energy_joules": e, "job_energy_joules": je, "unattributed_energy_joules": e - je,
                  "counter_anomalies": int(an)} for h, u, obs, alloc, e, je, an in rows]
@@ -650,9 +694,9 @@ class SqlLedger:
         return int(self._db.execute(f"SELECT {_total('anomalies')} FROM gpus").fetchone()[0])
 
     def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]:
-        """Per GPU (host, uuid, mig) over whole hours in [start, end): observed GPU-seconds, GPU-seconds that
-        carried a job, energy, the GPU's model and cluster (for reconciliation)."""
-        where, args = self._hour_range(start, end)
+        """Per GPU (host, uuid, mig) over the whole hours of [start, end) (:func:`hour_span`): observed GPU-seconds,
+        GPU-seconds that carried a job, energy, the GPU's model and cluster (for reconciliation)."""
+        where, args = self._hour_range(*hour_span(start, end))
         rows = self._db.execute(
             f"SELECT h.host, h.gpu_uuid, h.mig, {_total('h.observed_s')}, {_total('h.alloc_s')}, "
             f"{_total('h.energy_j')}, "
@@ -672,7 +716,7 @@ class SqlLedger:
         sql = "SELECT host, gpu_uuid, mig, hour, alloc_s FROM gpu_hours WHERE alloc_s > 0"
         args: tuple = ()
         if since is not None and math.isfinite(since):
-            sql, args = sql + " AND hour >= ?", (math.floor(since / 3600.0) * 3600.0,)
+            sql, args = sql + " AND hour >= ?", (hour_span(since, None)[0],)
         out: dict[GpuKey, list[tuple[float, float]]] = {}
         for host, uuid, mig, hour, alloc in self._db.execute(sql + " ORDER BY host, gpu_uuid, mig, hour", args):
             out.setdefault((host, uuid, mig), []).append((hour, alloc))

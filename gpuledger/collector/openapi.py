@@ -118,7 +118,8 @@ def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 _BODY_TYPES = ("application/json", "application/msgpack")
 _AUTH_ERRORS = {"401": _error("No valid bearer token (auth on)."),
-                "403": _error("The token lacks the right (role, or another host's samples).")}
+                "403": _error("The token lacks the right (role, another host's samples, or a cluster other than "
+                              "the token's).")}
 _SECURED: list[dict[str, list[str]]] = [{"bearer": []}]
 # what an endpoint that waits on the store answers while a commit stalls (collector.server: ledger_timeout_s)
 _STALLED = "the ledger has not committed for longer than ledger_timeout_s (ledger_stalled)"
@@ -200,13 +201,22 @@ def openapi_document() -> dict[str, Any]:
                 "JobRecord": _record_schema(JobRecord, ["job_id"]),
                 "JobRecordList": {"type": "array", "items": {"$ref": _REF + "JobRecord"}},
                 "JobUsage": usage_schema,
-                "Totals": {"type": "object", "required": ["samples", "gpus", "energy_joules"],
+                "Totals": {"type": "object",
+                           "required": ["samples", "gpus", "energy_joules", "hours_start", "hours_end"],
                            "properties": {"start": _nullable({"type": "number"}), "end": _nullable({"type": "number"}),
+                                          **{n: {**_nullable({"type": "number"}), "description": d} for n, d in (
+                                              ("hours_start", "the first hour bucket summed (its start, unix "
+                                                              "seconds; null: unbounded)"),
+                                              ("hours_end", "the hour bucket the sum stops before (null: "
+                                                            "unbounded)"))},
                                           "gpus": {"type": "integer"}, "samples": {"type": "integer"},
                                           "observed_gpu_seconds": {"type": "number"},
                                           "allocated_gpu_seconds": {"type": "number"},
                                           "sm_active_gpu_seconds": {"type": "number"},
-                                          "energy_joules": {"type": "number"}, "jobs_measured": {"type": "integer"}}},
+                                          "energy_joules": {"type": "number"},
+                                          "jobs_measured": {"type": "integer", "description": (
+                                              "jobs whose measured span on a GPU (first to last sample) reaches "
+                                              "into the hours summed")}}},
                 "PriorityFeed": {
                     "type": "object", "required": ["associations"],
                     "description": "Written by `gpuledger priority feed` (accounting); served as is.",
@@ -277,12 +287,16 @@ def openapi_document() -> dict[str, Any]:
                               "400": _error("An unknown or invalid parameter."), **_AUTH_ERRORS, **_STALLED_ERROR},
             }},
             "/api/v1/totals": {"get": {
-                "operationId": "getTotals", "summary": "Cluster totals over whole hours in [start, end).",
+                "operationId": "getTotals",
+                "summary": "Cluster totals over whole hours: the hour buckets from the one holding start up to, not "
+                           "including, the one holding end (adjacent ranges partition the hours; a range inside one "
+                           "hour sums none; hours_start and hours_end in the answer name the buckets summed).",
                 "security": _SECURED,
                 "parameters": [{"name": n, "in": "query", "required": False, "schema": {"type": "number"},
                                 "description": "unix seconds"} for n in ("start", "end")],
                 "responses": {"200": _json("Totals.", {"$ref": _REF + "Totals"}),
-                              "400": _error("A parameter is not a number."), **_AUTH_ERRORS, **_STALLED_ERROR},
+                              "400": _error("A parameter is not unix seconds in range, or end is before start."),
+                              **_AUTH_ERRORS, **_STALLED_ERROR},
             }},
             "/api/v1/series": {"get": {
                 "operationId": "getSeries",

@@ -115,10 +115,8 @@ class OutboxSeriesStore:
         per_gpu: dict[tuple[str, str, str], list[GpuSample]] = {}  # a MIG GPU's rows alternate with its instances'
         for s in samples:
             per_gpu.setdefault((s.host, s.gpu_uuid, s.mig or ""), []).append(s)
-        # MIG instances first: the InfluxDB rendering tells a MIG GPU's whole-GPU row by its instances rendered
-        # before it (sinks.influx.sample_lines, a chunk at a time)
-        chunks = sorted(per_gpu.items(), key=lambda item: not item[0][2])
-        self._queue([[*key, encode_samples(rows)] for key, rows in chunks], len(samples))
+        # one outbox row: a MIG GPU's instant (its whole-GPU row and its instances') is shipped, and rendered, together
+        self._queue([[*key, encode_samples(rows)] for key, rows in per_gpu.items()], len(samples))
 
     def write_series(self, series: list[Series]) -> None:
         self.inner.write_series(series)

@@ -4,8 +4,9 @@ Raw samples sit in compressed columnar chunks (``collector.chunks``; one row per
 ingest, merged per GPU per ``raw_chunk_s`` interval by compaction); 1-minute and 1-hour rollups use
 the same chunk format (``collector.rollup``). Tiers (``Retention``): raw chunks for ``raw_s`` (7 days),
 1-minute rollups for ``minute_s`` (90 days), 1-hour rollups for good. Compaction rolls up every GPU's
-closed minutes (older than its newest sample minus the late window, so no late sample can still change
-them), merges small chunks, then drops what retention allows; raw data is never dropped before it is
+closed minutes (older than its newest sample minus the late window) once it has sealed them (``seal``: ingest
+refuses a later arrival there as too late, whatever late window the ingesting process has, so no late sample can
+still change them), merges small chunks, then drops what retention allows; raw data is never dropped before it is
 rolled up. Each compaction step is planned from reads alone (``plan_*``, on any connection: the store plans
 through one of its own, ``on``) and applied in a transaction that checks the plan still holds (``apply_*``);
 every step is idempotent.
@@ -79,11 +80,16 @@ CREATE TABLE IF NOT EXISTS rollup_state (
 CREATE TABLE IF NOT EXISTS expired (
   host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, tier INTEGER NOT NULL, until REAL NOT NULL,
   PRIMARY KEY (host, gpu_uuid, mig, tier)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sealed (
+  host TEXT NOT NULL, gpu_uuid TEXT NOT NULL, mig TEXT NOT NULL, until REAL NOT NULL,
+  PRIMARY KEY (host, gpu_uuid, mig)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS host_chunks (
   id INTEGER PRIMARY KEY, host TEXT NOT NULL, t_min REAL NOT NULL, t_max REAL NOT NULL, n INTEGER NOT NULL,
   data BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS host_chunks_by_host ON host_chunks (host, t_min);
 """
+# sealed: a GPU's samples before ``until`` are final: compaction seals them before it reads them to roll them up
+# (``seal``), and ingest refuses a later arrival there as too late (``sealed``), whatever late window either has.
 # host_chunks: raw samples of one batch (one host, several GPUs; chunks.encode_host_chunk), one row a batch, as
 # ingest writes them; compaction splits them into the GPUs' raw chunks (plan_host_splits). Every raw read sees
 # both. id: assigned in insertion order, so each insert appends to the table (a random id costs SQLite three
@@ -230,6 +236,9 @@ _STATE_KEY = ("host", "gpu_uuid", "mig", "tier")
 _SET_ROLLUP_STATE = upsert("rollup_state", _STATE_COLUMNS, _STATE_KEY)
 # how far a GPU's tier is gone only grows (a later expire never moves it back)
 _EXPIRED_UNTIL = upsert("expired", _STATE_COLUMNS, _STATE_KEY) + " WHERE excluded.until > expired.until"
+# a seal only moves forward (a sample refused once stays refused)
+_SEAL = upsert("sealed", ("host", "gpu_uuid", "mig", "until"), ("host", "gpu_uuid", "mig")) + \
+    " WHERE excluded.until > sealed.until"
 _INSERT_CHUNK = ("INSERT INTO chunks (tier, host, gpu_uuid, mig, bucket, t_min, t_max, n, data) "
                  "VALUES (?,?,?,?,?,?,?,?,?)")
 _CHUNK_ORDER = " ORDER BY bucket, t_min"  # the unique index's order: the same rows in the same order on any engine
@@ -443,7 +452,8 @@ class ChunkSeriesStore:
     # the store's lock), then applied in a transaction (``apply_*``) that first checks that what the plan read
     # still holds (StaleCompaction otherwise: roll the transaction back and plan again). Only compaction
     # rewrites rollups and state or deletes chunks, and one compacts at a time (the compaction lock); ingest only
-    # adds raw chunks of minutes that are not final yet, so a plan stays valid while ingest goes on.
+    # adds raw chunks of minutes that are not sealed (``seal``: compaction seals before it plans a roll-up), so a plan
+    # stays valid while ingest goes on.
     def split_hosts(self, newest: Mapping[str, float] | None = None, span_s: float = 0.0,
                     min_chunks: int = 1) -> list[str]:
         """The hosts whose host chunks are to be split: with ``newest`` (each host's newest sample), those whose
@@ -505,6 +515,24 @@ class ChunkSeriesStore:
             raise StaleCompaction(f"{len(plan.ids)} host chunks planned for splitting, {gone} found")
         self._db.executemany(_INSERT_CHUNK, plan.chunks)
         return gone
+
+    def seal(self, horizons: Iterable[tuple[GpuKey, float]]) -> None:
+        """Seal each GPU's samples before its time (inside the caller's transaction; a seal never moves back):
+        from its commit on, ingest refuses them as too late (:meth:`sealed`), so a roll-up planned after it reads
+        every sample its minutes will ever have."""
+        self._db.executemany(_SEAL, [(*gpu_key, until) for gpu_key, until in horizons])
+
+    def sealed(self, host: str) -> dict[GpuKey, float]:
+        """Per GPU of ``host`` that has one: the time its samples are final before (a later arrival there is too
+        late): its seal, or how far its minutes are rolled up where that is further (a store rolled up before
+        seals were kept)."""
+        out: dict[GpuKey, float] = {}
+        for uuid, mig, until in self._db.execute(
+                "SELECT gpu_uuid, mig, until FROM sealed WHERE host=? UNION ALL "
+                "SELECT gpu_uuid, mig, until FROM rollup_state WHERE host=? AND tier=?", (host, host, MINUTE)):
+            key = (host, uuid, mig)
+            out[key] = max(out.get(key, -math.inf), until)
+        return out
 
     def rolled_up_until(self, gpu_key: GpuKey, tier: int) -> float | None:
         """How far ``tier`` is rolled up for this GPU (None: not yet)."""

@@ -3,7 +3,8 @@
 One thread runs the event loop and every connection on it: an idle keep-alive connection costs a file
 descriptor and a few KiB, not a thread, so a fleet of thousands of nodes can each hold one. Blocking work
 runs on the loop only where it costs less than a hand-off to a thread: the endpoints (they read the store under its
-lock, render /metrics, write the audit log) run in a bounded thread pool; a large or compressed body is
+lock, write the audit log) run in a bounded thread pool, /metrics in a thread of its own (it answers during a
+ledger stall: ``_LedgerReadings``); a large or compressed body is
 validated in a small parser pool, an agent's usual small one on the loop; a batch is made durable in a group
 commit of every batch waiting, which the loop runs itself on an embedded (SQLite) ledger and the store's
 committer thread on PostgreSQL (``_ingest``). ``max_inflight`` ingest slots bound the batches held at once.
@@ -67,7 +68,15 @@ from gpuledger.collector.limits import (
 from gpuledger.collector.openapi import openapi_document
 from gpuledger.collector.series_remote import SeriesUnavailable
 from gpuledger.collector.series_store import SeriesReader
-from gpuledger.collector.store import BatchRefused, IngestResult, Store, StoreFull
+from gpuledger.collector.store import (
+    MIN_QUERY_STEP_S,
+    BatchRefused,
+    IngestResult,
+    QueryRangeError,
+    Store,
+    StoreFull,
+    query_range,
+)
 from gpuledger.collector.validate import (
     DEFAULT_LIMITS,
     MAX_BODY_BYTES,
@@ -175,31 +184,68 @@ class _FeedGauges:
                                     "When accounting wrote the priority feed (unix time).", value=float(gen))
 
 
-class _StoreCounters:
-    """Counters kept in the store (they survive restarts): read at scrape time."""
+LEDGER_READ_S = 0.25  # a scrape waits this long at most for the figures it reads of the ledger (see _LedgerReadings)
+FIRST_LEDGER_READ_S = 5.0  # ... or this long when none were read yet (a busy machine's first scrape has them too)
+
+
+class _LedgerReadings:
+    """What /metrics says of the ledger, read through the store (its size, the counter anomalies; ``add``: other
+    collectors that read the ledger, the series shipper's backlog): read afresh at a scrape, in a thread of its own,
+    for LEDGER_READ_S at most. Behind a commit that stalls (it holds the store's lock) or a link gone silent the scrape
+    answers the figures last read, and ``gpuledger_collector_ledger_readings_age_seconds`` says how old they are; one
+    read at a time, so scrapes never pile threads up behind the store. Nothing read yet: the first scrape waits
+    FIRST_LEDGER_READ_S for them, and answers none of them if they are not read by then."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._extra: list[Any] = []
+        self._guard = threading.Lock()
+        self._families: list[Metric] = []
+        self._read_at: float | None = None  # time.monotonic() of the figures in _families
+        self._reading: threading.Event | None = None  # set when the read in progress ends
+
+    def add(self, collector: Any) -> None:
+        """Another prometheus_client collector whose ``collect`` reads the ledger."""
+        self._extra.append(collector)
+
+    def _read(self, done: threading.Event) -> None:
+        try:
+            families = [
+                GaugeMetricFamily("gpuledger_collector_store_size_bytes", "Embedded store size on disk.",
+                                  value=float(self.store.size_bytes())),
+                CounterMetricFamily("gpuledger_collector_energy_counter_anomalies",
+                                    "Intervals whose energy counter went backwards or jumped beyond the power limit "
+                                    "(charged from the power integral instead), over all GPUs.",
+                                    value=float(self.store.counter_anomalies())),
+            ]
+            for collector in self._extra:
+                families.extend(collector.collect())
+            with self._guard:
+                self._families, self._read_at = families, time.monotonic()
+        except Exception as e:  # the ledger away: the figures last read stand, their age says so
+            log.warning("metrics: cannot read the ledger's figures (the last ones read are answered): %s", e)
+        finally:
+            with self._guard:
+                self._reading = None
+            done.set()
 
     def collect(self) -> Iterator[Metric]:
-        c = CounterMetricFamily("gpuledger_collector_energy_counter_anomalies",
-                                "Intervals whose energy counter went backwards or jumped beyond the power limit "
-                                "(charged from the power integral instead), over all GPUs.")
-        c.add_metric([], float(self.store.counter_anomalies()))
-        yield c
-
-
-_STORE_SIZE, _STORE_SIZE_HELP = "gpuledger_collector_store_size_bytes", "Embedded store size on disk."
-
-
-class _StoreSize:
-    """The store's size on disk, read at scrape time (what any worker of several answers for them all)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(_STORE_SIZE, _STORE_SIZE_HELP, value=float(self.store.size_bytes()))
+        with self._guard:
+            done = self._reading
+            if done is None:
+                done = self._reading = threading.Event()
+                threading.Thread(target=self._read, args=(done,), name="collector-metrics-read", daemon=True).start()
+        done.wait(LEDGER_READ_S if self._read_at is not None else FIRST_LEDGER_READ_S)
+        with self._guard:
+            families, read_at = self._families, self._read_at
+        yield from families
+        if read_at is not None:
+            yield GaugeMetricFamily(
+                "gpuledger_collector_ledger_readings_age_seconds",
+                "How old the figures of this exposition read from the ledger are (store size, counter anomalies, "
+                f"series backlog): a scrape waits for them {LEDGER_READ_S:g} s at most, then answers the last ones "
+                "read.",
+                value=time.monotonic() - read_at)
 
 
 class _Metrics:
@@ -213,12 +259,14 @@ class _Metrics:
     histogram summed over every worker that ever ran (a dead worker's files stay, so a sum never goes back), the
     gauges of one process's state (requests in flight, ingest depth, frozen objects) summed over the live ones
     (``livesum``; the supervisor removes a dead worker's), written as they change (``in_flight``, ``ingest_depth``;
-    ``refresh`` for the frozen count). What describes the ledger rather than a process (its size, the counter
-    anomalies, the feed) is read once, at scrape time, by whichever worker answers."""
+    ``refresh`` for the frozen count), and how long a batch has waited for its commit, the most of the live ones
+    (``livemax``, written by ``refresh``). What describes the ledger rather than a process (its size, the counter
+    anomalies, the feed) is read at scrape time by whichever worker answers (``ledger``: ``_LedgerReadings``, never
+    waiting on the store past a short bound)."""
 
     def __init__(self, store: Store, feed: Path | None, in_flight: Callable[[], int],
-                 ingest_depth: Callable[[], int], user_labels: bool = False,
-                 shared_dir: str | Path | None = None) -> None:
+                 ingest_depth: Callable[[], int], commit_wait: Callable[[], float], stalled: Callable[[], bool],
+                 user_labels: bool = False, shared_dir: str | Path | None = None) -> None:
         shared = shared_dir is not None
         if shared and not getattr(values.ValueClass, "_multiprocess", False):
             raise ValueError("shared metrics need prometheus_client's multiprocess values: set "
@@ -259,23 +307,30 @@ class _Metrics:
                    "Ingest requests in flight (validating, waiting for or holding the store).", ingest_depth),
                   ("gpuledger_collector_gc_frozen_objects", "Objects moved out of the garbage collector's full passes "
                    "(collector.gcfreeze); flat unless frozen cycles leak.", gc.get_freeze_count))
+        # the ledger stalling shows here (what /healthz answers 503 for): alert on stalled, or on the wait
+        waits = (("gpuledger_collector_ledger_commit_wait_seconds", "How long the oldest batch still waiting for its "
+                  "commit has waited (0: none waits); past ledger_timeout_s the ledger stalls.", commit_wait),
+                 ("gpuledger_collector_ledger_stalled", "1 while a batch has waited for its commit past "
+                  "ledger_timeout_s (batches and reads are refused 503, /healthz too), else 0.",
+                  lambda: float(stalled())))
         # shared: set by the server as its counts change (and refresh()); None in one process, where they are read
         self.in_flight: Gauge | None = None
         self.ingest_depth: Gauge | None = None
-        self._frozen: Gauge | None = None
+        self._refreshed: list[tuple[Gauge, Callable[[], float]]] = []  # shared: written by refresh()
         if shared:
             MultiProcessCollector(self.registry, str(shared_dir))
-            self.registry.register(_StoreSize(store))
-            self.in_flight, self.ingest_depth, self._frozen = (
+            self.in_flight, self.ingest_depth, frozen = (
                 Gauge(name, doc, multiprocess_mode="livesum", registry=None) for name, doc, _ in gauges)
+            self._refreshed = [(frozen, gauges[2][2]), *(
+                (Gauge(name, doc, multiprocess_mode="livemax", registry=None), read) for name, doc, read in waits)]
             self.refresh()
         else:
-            Gauge(_STORE_SIZE, _STORE_SIZE_HELP, registry=r).set_function(store.size_bytes)
-            for name, doc, read in gauges:
+            for name, doc, read in (*gauges, *waits):
                 Gauge(name, doc, registry=r).set_function(read)
         r = self.registry
         r.register(_FeedGauges(feed, user_labels))
-        r.register(_StoreCounters(store))
+        self.ledger = _LedgerReadings(store)
+        r.register(self.ledger)
 
     def observe_group_commit(self, batches: int, seconds: float) -> None:
         """A ``Store.commit_observers`` entry: one group commit of ``batches`` that took ``seconds``."""
@@ -283,10 +338,11 @@ class _Metrics:
         self.group_seconds.observe(seconds)
 
     def refresh(self) -> None:
-        """Shared: writes this process's frozen-object count, which changes in the GC freezer's own thread (at each
-        scrape this process answers, and by the worker every few seconds)."""
-        if self._frozen is not None:
-            self._frozen.set(gc.get_freeze_count())
+        """Shared: writes this process's frozen-object count, which changes in the GC freezer's own thread, and its
+        oldest commit's wait, which grows by itself (at each scrape this process answers, and by the worker every few
+        seconds)."""
+        for gauge, read in self._refreshed:
+            gauge.set(read())
 
     def render(self) -> bytes:
         """The /metrics exposition."""
@@ -379,8 +435,11 @@ class CollectorServer:
         self._per_host: dict[str, int] = {}
         self._connections: set[_Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # requests being handled
+        # when the first of _committing was handed in (None: none waits); written on the loop, read by any thread
+        self._oldest_commit_at: float | None = None
         self.metrics = _Metrics(store, priority_feed, lambda: self._in_flight, lambda: self._ingesting,
-                                metrics_user_labels, shared_dir=metrics_dir)
+                                self._commit_wait_s, lambda: self._ledger_stall() is not None, metrics_user_labels,
+                                shared_dir=metrics_dir)
         store.commit_observers.append(self.metrics.observe_group_commit)  # removed by stop()
         self._tls = tls
         # Bound here, as before serving: `url` is known at once, and connections made before the loop runs wait
@@ -389,10 +448,12 @@ class CollectorServer:
         self._address = self._sock.getsockname()[:2]
         self._handlers = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="collector-handler")
         self._parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="collector-parse")
+        # /metrics renders here, never behind reads that wait on the store in the handler pool
+        self._scrapes = ThreadPoolExecutor(1, thread_name_prefix="collector-metrics")
         self._commit_inline = store.db.dialect == SQLITE  # see _ingest
         self._waiting: list[tuple[Batch, asyncio.Future[IngestResult]]] = []  # batches for the next inline commit
-        # batches handed to a commit, until it settles (on the loop; in arrival order): commit -> (loop time handed
-        # in, the request's answer, the batch); and the timer that answers those past ledger_timeout_s
+        # batches handed to a commit, until it settles (on the loop; in arrival order): commit -> (time.monotonic()
+        # handed in, the request's answer, the batch); and the timer that answers those past ledger_timeout_s
         self._committing: dict[asyncio.Future[IngestResult],
                                tuple[float, asyncio.Future[IngestResult], Batch]] = {}
         self._commit_timer: asyncio.TimerHandle | None = None
@@ -447,8 +508,10 @@ class CollectorServer:
             self._run()
 
     def stop(self) -> None:
-        """Closes the listener and every connection (requests being handled get STOP_GRACE_S to finish) and joins
-        the serving thread."""
+        """Closes the listener and every connection and joins the serving thread: requests being handled get
+        STOP_GRACE_S to finish (a batch its commit, or its 503 at ledger_timeout_s), then what still waits is
+        answered 503 (``stopping``). It never waits for the ledger beyond that: a commit still in progress goes on in
+        the store, whose ``close`` bounds it."""
         if self._loop.is_closed():
             return
         if self._runner is not None and self._runner is not threading.current_thread():
@@ -508,8 +571,8 @@ class CollectorServer:
             conn.abort()
         if self._listener is not None:
             await self._listener.wait_closed()
-        self._handlers.shutdown(wait=False, cancel_futures=True)
-        self._parsers.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._handlers, self._parsers, self._scrapes):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the request's way to its endpoint (on the loop) ------------------------------------------------------
     def _hold_node(self, principal: Principal | None) -> str | None:
@@ -550,9 +613,8 @@ class CollectorServer:
                     answer.cancel()  # (one still queued never runs; a running one finishes unheard)
                     raise BatchError(503, stalled, "ledger_stalled") from None
                 # a slow read, or a commit not yet overdue: look again when the oldest commit would be
-                oldest = next(iter(self._committing.values()), None)
-                wait = (max(oldest[0] + self.ledger_timeout_s - self._loop.time(), 0.01) if oldest is not None
-                        else self.ledger_timeout_s)
+                waited = self._commit_wait_s()
+                wait = max(self.ledger_timeout_s - waited, 0.01) if waited else self.ledger_timeout_s
 
     def _refusal(self, e: AuthError | BatchError) -> Reply:
         """The answer to a refused request, counted by status and reason."""
@@ -590,7 +652,8 @@ class CollectorServer:
             # connection, and a compressed body's decoded size is known only once decoded.
             encoding = req.headers.get("Content-Encoding", "")
             parse = functools.partial(parse_batch, body, req.headers.get("Content-Type", "application/json"),
-                                      self.clock(), None, encoding, allowed_host=host, limits=self.limits)
+                                      self.clock(), None, encoding, allowed_host=host, limits=self.limits,
+                                      allowed_cluster=None if req.principal is None else req.principal.cluster)
             if len(body) <= LOOP_PARSE_BYTES and not encoding:
                 batch = parse()
             else:
@@ -598,17 +661,7 @@ class CollectorServer:
             result = await self._ingest(batch)
         finally:
             self._ingesting -= 1
-        m = self.metrics
-        m.latency.observe(time.perf_counter() - t0)
-        if result.duplicate_batch:
-            m.deduplicated.inc()
-        else:
-            m.batches_accepted.inc()
-        m.accepted.inc(result.accepted)
-        if result.duplicate_samples:
-            m.rejected.labels("duplicate").inc(result.duplicate_samples)
-        if result.too_late:
-            m.rejected.labels("too_late").inc(result.too_late)
+        self.metrics.latency.observe(time.perf_counter() - t0)  # (what it stored is counted by _commit_settled)
         answer = {
             "accepted": result.accepted,
             "duplicate": result.duplicate_batch,
@@ -649,20 +702,31 @@ class CollectorServer:
         it a 503 (``_commits_overdue``); one timer for every request, not one each (ingest's hot path).
 
         The commit goes on after that 503. It may still store the batch: its key is stored with it, so the agent's
-        resend (the same body) is answered as a duplicate, and counted once. Or it fails, and the resend stores it.
+        resend (the same body) is answered as a duplicate, and the batch is counted once, as committed
+        (``_commit_settled``: the samples counters count what the ledger committed, whenever it did, answered or not).
+        Or it fails, and the resend stores it.
         Nothing is answered 2xx before its commit is durable. Not PostgreSQL's statement_timeout: cancelling a COMMIT
         that waits for a synchronous standby leaves it committed on the primary, not replicated, and reports success
         (a warning only), so the batch would be acknowledged without the copy on the standby that HA relies on."""
         answer: asyncio.Future[IngestResult] = self._loop.create_future()
-        self._committing[commit] = (self._loop.time(), answer, batch)
+        now = time.monotonic()
+        if not self._committing:
+            self._oldest_commit_at = now
+        self._committing[commit] = (now, answer, batch)
         commit.add_done_callback(self._commit_settled)
         if self._commit_timer is None:
             self._commit_timer = self._loop.call_later(self.ledger_timeout_s, self._commits_overdue)
         return answer
 
     def _commit_settled(self, commit: asyncio.Future[IngestResult]) -> None:
-        """``commit`` is durable, or failed: its request gets the outcome, unless it was answered 503 meanwhile."""
+        """``commit`` is durable, or failed: what it stored is counted (answered or not: a batch answered 503 whose
+        commit went in is counted here, once; its resend is a duplicate), and its request gets the outcome, unless it
+        was answered 503 meanwhile."""
         _, answer, _ = self._committing.pop(commit)
+        oldest = next(iter(self._committing.values()), None)
+        self._oldest_commit_at = None if oldest is None else oldest[0]
+        if not commit.cancelled() and commit.exception() is None:
+            self._count_committed(commit.result())
         if answer.done():  # answered 503 already, or its request is gone (the server stops): no one waits for it
             if not commit.cancelled():
                 commit.exception()  # (retrieved: asyncio would log an outcome no one read)
@@ -673,16 +737,28 @@ class CollectorServer:
         else:
             answer.set_result(commit.result())
 
+    def _count_committed(self, result: IngestResult) -> None:
+        m = self.metrics
+        if result.duplicate_batch:
+            m.deduplicated.inc()
+        else:
+            m.batches_accepted.inc()
+        m.accepted.inc(result.accepted)
+        if result.duplicate_samples:
+            m.rejected.labels("duplicate").inc(result.duplicate_samples)
+        if result.too_late:
+            m.rejected.labels("too_late").inc(result.too_late)
+
     def _commits_overdue(self) -> None:
         """Answers 503 every request whose batch has waited ledger_timeout_s for its commit; runs again when the next
         one's time is up."""
         self._commit_timer = None
-        now, late = self._loop.time(), 0
+        now, late = time.monotonic(), 0
         for since, answer, batch in self._committing.values():  # in arrival order
             if answer.done():  # answered before (its commit is still on)
                 continue
             if since + self.ledger_timeout_s > now + 0.001:  # (a timer may fire within the loop clock's millisecond)
-                self._commit_timer = self._loop.call_at(since + self.ledger_timeout_s, self._commits_overdue)
+                self._commit_timer = self._loop.call_later(since + self.ledger_timeout_s - now, self._commits_overdue)
                 break
             late += 1
             answer.set_exception(BatchError(  # (no samples counted as refused: the commit may yet store them)
@@ -693,16 +769,20 @@ class CollectorServer:
             log.error("%d batch(es) waited %g s for their commit (the ledger stalls?): answered 503", late,
                       self.ledger_timeout_s)
 
+    def _commit_wait_s(self) -> float:
+        """How long the oldest batch still waiting for its commit has waited; 0 when none waits. Any thread."""
+        since = self._oldest_commit_at
+        return 0.0 if since is None else max(time.monotonic() - since, 0.0)
+
     def _ledger_stall(self) -> str | None:
         """Why requests are refused while the oldest batch still waiting for its commit has waited past
-        ledger_timeout_s (the ledger stalls: a synchronous standby gone, a link gone silent); None otherwise."""
-        for since, _, _ in self._committing.values():  # the first is the oldest
-            waited = self._loop.time() - since
-            if waited <= self.ledger_timeout_s:
-                return None
-            return (f"the ledger has not committed a batch for {waited:.0f} s (ledger_timeout_s = "
-                    f"{self.ledger_timeout_s:g} s); retry later")
-        return None
+        ledger_timeout_s (the ledger stalls: a synchronous standby gone, a link gone silent); None otherwise. Any
+        thread (the stalled gauge)."""
+        waited = self._commit_wait_s()
+        if waited <= self.ledger_timeout_s:
+            return None
+        return (f"the ledger has not committed a batch for {waited:.0f} s (ledger_timeout_s = "
+                f"{self.ledger_timeout_s:g} s); retry later")
 
     def _commit_waiting(self) -> None:
         """One group commit (on the loop) of every batch waiting; settles their futures. While another process
@@ -766,9 +846,8 @@ class CollectorServer:
 
     def get_totals(self, req: Request) -> Reply:
         _only(req.query, "start", "end")
-        start, end = _time(req.query, "start"), _time(req.query, "end")
-        if start is not None and end is not None and end < start:
-            raise BatchError(400, f"query parameter 'end' ({end}) is before 'start' ({start})")
+        start, end = _float(req.query, "start"), _float(req.query, "end")
+        _query_range(start, end)
         return Reply(200, self.store.totals(start, end))
 
     def get_series(self, req: Request) -> Reply:
@@ -779,19 +858,15 @@ class CollectorServer:
         (end - start) / (max_series_points - 1) seconds (each point says its step)."""
         _only(req.query, "host", "uuid", "start", "end", "step", "mig")
         host, uuid = _text(req.query, "host"), _text(req.query, "uuid")
-        start, end = _time(req.query, "start"), _time(req.query, "end")
+        start, end = _float(req.query, "start"), _float(req.query, "end")
         if not host or not uuid or start is None or end is None:
             raise BatchError(400, "series needs the query parameters host, uuid, start and end (unix seconds)")
-        if end < start:
-            raise BatchError(400, f"query parameter 'end' ({end}) is before 'start' ({start})")
-        step = _float(req.query, "step")
-        if step is not None and not 0 < step <= _MAX_TIME:
-            raise BatchError(400, f"query parameter 'step' must be positive and at most {_MAX_TIME:g} s, got {step!r}")
+        step = _query_range(start, end, _float(req.query, "step"))
         mig = _text(req.query, "mig")
         # buckets are aligned to multiples of the step, so [start, end] meets up to (end - start) / step + 2 of them:
         # at this step no more than max_series_points
         # (in whole milliseconds, up: the series databases' resolution, so that they answer the same buckets)
-        coarsest = max(math.ceil((end - start) / max(self.max_series_points - 1, 1) * 1000) / 1000, _MIN_STEP_S)
+        coarsest = max(math.ceil((end - start) / max(self.max_series_points - 1, 1) * 1000) / 1000, MIN_QUERY_STEP_S)
         if step is not None:
             step = max(step, coarsest)
         elif end - start > self.max_series_points:  # raw samples (1 Hz or more) would exceed the limit
@@ -819,8 +894,11 @@ class CollectorServer:
     def get_openapi(self, req: Request) -> Reply:
         return Reply(200, openapi_document())
 
-    def get_metrics(self, req: Request) -> Reply:
-        return Reply(200, self.metrics.render(), CONTENT_TYPE_LATEST)
+    async def get_metrics(self, req: Request) -> Reply:
+        """In a thread of its own, not the handler pool (whose threads may all wait on the store behind a stalled
+        commit); what it reads of the ledger it waits for a moment at most (``_LedgerReadings``): /metrics answers
+        during a stall, when it is looked at."""
+        return Reply(200, await self._loop.run_in_executor(self._scrapes, self.metrics.render), CONTENT_TYPE_LATEST)
 
     async def get_health(self, req: Request) -> Reply:
         """200; 503 while a batch has waited for its commit past ledger_timeout_s (``_ledger_stall``), until that
@@ -1183,6 +1261,14 @@ class _Connection(asyncio.Protocol):
             reply, body = _encode(server._refusal(e), rq.name)
             # an overloaded collector sheds the connection too: the agent comes back after Retry-After
             close = close or (e.status in (429, 503) and e.reason == "overloaded")
+        except asyncio.CancelledError:
+            if not server._shut:
+                raise
+            # cut by stop() after STOP_GRACE_S (a batch still waiting for its commit, a read behind it): a 503, so the
+            # agent keeps the batch and resends it (if its commit goes in meanwhile, the resend is a duplicate)
+            reply, body = _encode(server._refusal(BatchError(503, "the collector is stopping; retry later",
+                                                             "stopping")), rq.name)
+            close = True
         except Exception:  # one bad request must never take the server down
             log.exception("internal error on %s %s", rq.method, rq.path)
             server.metrics.errors.inc()
@@ -1315,10 +1401,6 @@ def _write_refusal(e: Exception, samples: int = 0) -> BatchError | None:
     return None
 
 
-_MAX_TIME = 1e11  # seconds: unix times until the year 5138, steps up to 3,000 years
-_MIN_STEP_S = 1e-3  # no bucket finer than a millisecond (a finer step only multiplies empty buckets)
-
-
 def _only(q: Mapping[str, list[str]], *names: str) -> None:
     """Every query parameter is one the endpoint knows, given once (a typo is a 400, not silently ignored)."""
     unknown = sorted(set(q) - set(names))
@@ -1355,20 +1437,20 @@ def _int(q: Mapping[str, list[str]], name: str, default: int) -> int:
     return n
 
 
-def _time(q: Mapping[str, list[str]], name: str) -> float | None:
-    v = _float(q, name)
-    if v is not None and not 0 <= v <= _MAX_TIME:
-        raise BatchError(400, f"query parameter {name!r} must be unix seconds in 0..{_MAX_TIME:g}, got {v!r}")
-    return v
+def _query_range(start: float | None, end: float | None, step: float | None = None) -> float | None:
+    """The store's rules of a queried range (``store.query_range``, which the CLI applies too) as a 400."""
+    try:
+        return query_range(start, end, step, name=lambda n: f"query parameter {n!r}")
+    except QueryRangeError as e:
+        raise BatchError(400, str(e)) from None
 
 
 def _float(q: Mapping[str, list[str]], name: str) -> float | None:
+    """A number parameter as given (NaN and infinities too: ``_query_range`` refuses them, naming the range)."""
     if name not in q:
         return None
+    v = q[name][0]
     try:
-        v = float(q[name][0])
+        return float(v)
     except ValueError:
-        v = math.nan
-    if not math.isfinite(v):
-        raise BatchError(400, f"query parameter {name!r} must be a finite number (unix seconds)")
-    return v
+        raise BatchError(400, f"query parameter {name!r} must be a number, got {v[:40]!r}") from None

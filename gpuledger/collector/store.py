@@ -46,8 +46,9 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from itertools import groupby
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator, GpuKey
 from gpuledger.collector.auditlog.files import private_file
@@ -117,9 +118,66 @@ class StoreUnavailable(DatabaseUnavailable):
     another process for too long): nothing of the batch was stored; the next one succeeds once it is back."""
 
 
+class StoreStalled(StoreUnavailable):
+    """:meth:`Store.close` gave the commit in progress its bound and it is still waiting for the ledger (a synchronous
+    standby gone, a link gone silent): the database is left open to it, and the batches in it and behind it were
+    not acknowledged. Whether the ledger commits them is unknown here; their agents resend them, and a resend of one
+    it did commit is answered as a duplicate."""
+
+
+LOCK_POLL_S = 0.1  # a thread waiting for the store's lock looks this often whether the store closed meanwhile
+
+
+class _StoreLock:
+    """The store's lock (reentrant), entered with ``with``. Once the store is closing (``Store.closing``), a thread
+    that waits for it past the close's deadline gives up with StoreUnavailable: behind a commit that stalls, a read
+    (or the series shipper) would otherwise wait as long as the ledger does, and keep the process from ending.
+    (``acquire`` with a timeout returns as soon as the lock is free: no delay while it is merely contended.)"""
+
+    def __init__(self, url: str) -> None:
+        self._rlock = threading.RLock()
+        self._url = url
+        self.give_up_at: float | None = None  # time.monotonic(): set by Store.closing
+
+    def __enter__(self) -> None:
+        while not self._rlock.acquire(timeout=LOCK_POLL_S):
+            if self.give_up_at is not None and time.monotonic() >= self.give_up_at:
+                raise StoreUnavailable(f"store {self._url} is closing and its commit in progress does not end")
+
+    def __exit__(self, *exc: object) -> None:
+        self._rlock.release()
+
+
 class _BatchRaced(Exception):
     """A batch's key appeared in the ledger between its dedupe check and its commit (written by a collector that
     did not claim the host): the group is rolled back and committed again, where the batch is a duplicate."""
+
+
+MAX_QUERY_TIME_S = 1e11  # seconds: unix times until the year 5138, steps up to 3,000 years
+MIN_QUERY_STEP_S = 1e-3  # no bucket finer than a millisecond (a finer step only multiplies empty buckets)
+
+
+class QueryRangeError(ValueError):
+    """A query's time range or step out of bounds; the message names the parameter as its caller spells it."""
+
+
+def query_range(start: float | None, end: float | None, step: float | None = None,
+                name: Callable[[str], str] = repr) -> float | None:
+    """The rules of every time range the store is queried over (GET /api/v1/series and /api/v1/totals,
+    ``gpuledger collector series|totals``): ``start`` and ``end`` unix seconds in 0..MAX_QUERY_TIME_S, ``end`` not
+    before ``start``, ``step`` in (0, MAX_QUERY_TIME_S] (None: not given). Returns the step to query with: at least
+    MIN_QUERY_STEP_S (a finer bucket holds nothing more; near zero its arithmetic overflows). QueryRangeError
+    otherwise, naming the parameter by ``name`` (``"start"`` -> ``"query parameter 'start'"``, ``"--start"``)."""
+    for param, v in (("start", start), ("end", end)):
+        if v is not None and not 0 <= v <= MAX_QUERY_TIME_S:  # NaN fails too
+            raise QueryRangeError(f"{name(param)} must be unix seconds in 0..{MAX_QUERY_TIME_S:g}, got {v!r}")
+    if start is not None and end is not None and end < start:
+        raise QueryRangeError(f"{name('end')} ({end!r}) is before {name('start')} ({start!r})")
+    if step is None:
+        return None
+    if not 0 < step <= MAX_QUERY_TIME_S:
+        raise QueryRangeError(f"{name('step')} must be positive seconds, at most {MAX_QUERY_TIME_S:g}, got {step!r}")
+    return max(step, MIN_QUERY_STEP_S)
 
 
 MAX_GPUS_PER_HOST = 256  # GPUs and MIG instances one host may have (8 GPUs x 7 instances is 64)
@@ -226,6 +284,10 @@ class _Steps:
         del self._ops[:len(results)]
 
 
+def _ignore(result: object) -> None:
+    """A compaction step's ``done`` for writes whose result nothing counts."""
+
+
 def _database(target: Database | str | os.PathLike[str]) -> Database:
     """``target`` as a database: a PostgreSQL URL is connected to, a SQLite path (or ``sqlite://`` URL) opened
     (created mode 0600: user names and uids are readable by the collector's account only)."""
@@ -305,7 +367,7 @@ class Store:
         self.summary_interval_s = summary_interval_s
         self._clock = clock
         self._cache_limit = cache_limit
-        self._lock = threading.RLock()
+        self._lock = _StoreLock(str(db) if isinstance(db, (str, os.PathLike)) else db.url)
         self._queue_ready = threading.Condition()
         self._queue: list[_Pending] = []  # batches handed in, waiting for the next group commit
         self._committer: threading.Thread | None = None  # commits them (started by the first submit)
@@ -362,7 +424,8 @@ class Store:
                 db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(META_FORMAT),))
             db.execute(upsert("meta", ("key", "value"), ("key",)), ("sample_fields", json.dumps(SAMPLE_FIELDS)))
             if series_outbox:  # series_url: each batch's samples also queued for VictoriaMetrics, in its transaction
-                self.series_store = OutboxSeriesStore(chunk_store, db, self._lock)
+                # (it only enters the lock: ``with``)
+                self.series_store = OutboxSeriesStore(chunk_store, db, cast(threading.RLock, self._lock))
         for m in applied:
             log.info("%s: ledger migration %d applied: %s", self.url, m.version, m.name)
         self.ledger = SqlLedger(db)
@@ -411,8 +474,10 @@ class Store:
         now = self._clock()
         for host, rows in load.items():
             newest = self.series_store.newest(host, [gpu_key for gpu_key, _ in rows])
+            sealed = self._chunks.sealed(host)  # what compaction made final
             for gpu_key, totals in rows:
-                self.agg.restore_gpu(gpu_key, totals, segments=newest[gpu_key])
+                self.agg.restore_gpu(gpu_key, totals, segments=newest[gpu_key],
+                                     sealed_until=sealed.get(gpu_key, -math.inf))
         for host in hosts:
             self._last_seen[host] = now
         for host in grows:  # only the batch's keys (a walk over every GPU in memory cost O(fleet) a batch)
@@ -577,6 +642,11 @@ class Store:
         # series are folded and packed a column at a time unless a GPU's samples must go one by one. A batch with
         # both layouts (only through the Python API) goes one by one.
         folded, rest = self.agg.add_series([s for it in live if not it.batch.rows for s in it.batch.series])
+        # what goes sample by sample may be behind its GPU's newest, where a seal refuses it (the fold takes only
+        # series newer than it)
+        self._read_seals(self._behind([*rest, *(r for it in live if it.batch.rows
+                                                for r in (*it.batch.rows, *(x for s in it.batch.series
+                                                                            for x in s.rows())))]))
         folded_by_host: dict[str, list[Series]] = {}
         for s in folded:
             folded_by_host.setdefault(s.host, []).append(s)
@@ -614,6 +684,27 @@ class Store:
         if self.ledger.record_batches(keys) != len(keys):
             raise _BatchRaced(f"a key of {len(keys)} batches of hosts {sorted({k[0] for k in keys})[:5]} was stored "
                               "meanwhile")
+
+    def _behind(self, rows: Iterable[Any]) -> set[str]:
+        """The hosts of ``rows`` (samples left for the per-sample path) with one at or behind its GPU's newest in
+        memory (a late one, or a resend): only there can a seal refuse a sample."""
+        gpus = self.agg.gpus
+        out: set[str] = set()
+        for r in rows:
+            g = gpus.get((r.host, r.gpu_uuid, r.mig or ""))
+            if g is not None and r.ts <= g.watermark:
+                out.add(r.host)
+        return out
+
+    def _read_seals(self, hosts: Iterable[str]) -> None:
+        """The seals of ``hosts``' GPUs, read after the hosts' claim in this transaction (a compaction's seal holds
+        the same lock, ``_seal``): a sample before one is too late, whatever this store's window."""
+        gpus = self.agg.gpus
+        for host in hosts:
+            for gpu_key, until in self._chunks.sealed(host).items():
+                g = gpus.get(gpu_key)
+                if g is not None and until > g.sealed_until:
+                    g.sealed_until = until
 
     @staticmethod
     def _seen_before(it: _Pending, stored: Mapping[tuple[str, str, int], bytes]) -> bool:
@@ -676,8 +767,11 @@ class Store:
     # -- compaction: rollups, merging, retention ----------------------------------------------
     def compact(self, now: float | None = None, all_host_chunks: bool = False) -> CompactStats:
         """Apply the tiers: split batches' host chunks into their GPUs' chunks, roll up closed minutes and hours,
-        merge small chunks, drop expired data. A host's host chunks wait until they are many or reach half a window
-        behind its newest sample (``all_host_chunks``: split every one now, as an operator's compaction does).
+        merge small chunks, drop expired data. Closed minutes are those a late window (this store's ``window_s``)
+        behind a GPU's newest sample; they are sealed before they are rolled up, and from then on every collector
+        on the ledger refuses a sample there as too late, whatever its own window (``ChunkSeriesStore.seal``). A
+        host's host chunks wait until they are many or reach half a window behind its newest sample
+        (``all_host_chunks``: split every one now, as an operator's compaction does).
 
         Idempotent. A pass plans from reads through a connection of its own (``Database.reader``), outside the
         store's lock, then writes in short transactions (about ``COMPACTION_STEP_S`` of work each, many GPUs'
@@ -730,10 +824,10 @@ class Store:
                     steps.add(partial(self._chunks.apply_host_split, split), partial(add, "split"))
                 pace()
             steps.flush()
+            due: list[tuple[GpuKey, int]] = []  # GPUs to roll up, each with the minute it rolls up to
             for gpu_key, watermark in sorted(watermarks.items()):
-                # minutes before (newest sample - window) can no longer receive a late sample: final
-                final_before = watermark - self.agg.window_s
-                minute = math.floor(final_before / 60.0)
+                # minutes before (newest sample - window) are final (sealed below, then no late sample is taken)
+                minute = math.floor((watermark - self.agg.window_s) / 60.0)
                 last = self._rolled_to.get(gpu_key)
                 if last is not None and (minute == last or (
                         minute - last < ROLLUP_EVERY_MINUTES and seen.get(gpu_key) != watermark)):
@@ -741,7 +835,19 @@ class Store:
                     # minutes not rolled up (a roll-up costs about the same for one minute as for ten; queries
                     # summarise what is not rolled up from raw samples); a GPU gone quiet is rolled up at once
                     continue
-                plan = reader.plan_roll_up(gpu_key, final_before)
+                due.append((gpu_key, minute))
+            # Seal before reading: a roll-up read after the seal committed holds every sample its minutes will have,
+            # however long the ingesting process's late window is (it may differ from this one's: a `serve --window`
+            # flag `collector compact` does not see, a restart with a longer one). Each seal locks its host as a
+            # batch's claim does: a batch with samples behind its GPU's newest reads the seals after its claim
+            # (_read_seals; Aggregator.add refuses what is before them), so it commits before the seal, and the
+            # roll-up reads it, or it sees the seal.
+            for host, gpus in groupby(due, key=lambda d: d[0][0]):
+                horizons = [(gpu_key, minute * 60.0) for gpu_key, minute in gpus]
+                steps.add(partial(self._seal, host, horizons), _ignore)
+            steps.flush()
+            for gpu_key, minute in due:
+                plan = reader.plan_roll_up(gpu_key, minute * 60.0)
                 if plan.changes:
                     steps.add(partial(self._chunks.apply_roll_up, plan), partial(rolled, gpu_key, minute))
                 else:
@@ -770,6 +876,13 @@ class Store:
                  counts["merged"], counts["deleted"], time.monotonic() - started)
         return CompactStats(counts["minutes"], counts["hours"], counts["merged"], counts["deleted"], summaries,
                             split_chunks=counts["split"])
+
+    def _seal(self, host: str, horizons: list[tuple[GpuKey, float]]) -> None:
+        """Seal a host's GPUs' samples before their horizons (in a compaction step's transaction), holding the host's
+        lock as a batch's claim does (without moving its generation: a collector holding the host keeps it, and
+        reads the seals when a batch brings samples behind a GPU's newest, ``_read_seals``)."""
+        self.ledger.lock_hosts([host])
+        self._chunks.seal(horizons)
 
     @contextmanager
     def _compaction_step(self) -> Iterator[None]:
@@ -802,10 +915,14 @@ class Store:
         self._compactor = threading.Thread(target=loop, name="store-compact", daemon=True)
         self._compactor.start()
 
-    def stop_background(self) -> None:
+    def stop_background(self, timeout_s: float | None = None) -> None:
+        """Stops the background thread; waits ``timeout_s`` at most for it (None: until it ends). A pass stuck behind
+        a stalled commit ends when the store closes (``_StoreLock``)."""
         if self._compactor is not None:
             self._compactor_stop.set()
-            self._compactor.join()
+            self._compactor.join(timeout_s)
+            if self._compactor.is_alive():  # a long pass, or one stuck behind the ledger (a daemon thread)
+                log.warning("store %s: the compaction pass in progress did not end within %s s", self.url, timeout_s)
             self._compactor = None
 
     # -- reads (LedgerReader and SeriesReader, under the lock) ---------------------------------
@@ -841,17 +958,21 @@ class Store:
             return self.ledger.busy_hours(since)
 
     def gpu_hours(self, start: float | None = None, end: float | None = None) -> list[dict]:
-        """Per GPU over whole hours in [start, end): observed and job-carrying GPU-seconds, energy."""
+        """Per GPU over the whole hours of [start, end) (``ledger_store.hour_span``): observed and job-carrying
+        GPU-seconds, energy."""
         with self._lock:
             return self.ledger.gpu_hours(start, end)
 
     def totals(self, start: float | None = None, end: float | None = None) -> dict:
-        """Cluster totals. With a range, whole hours are counted: buckets whose hour starts in [start, end)."""
+        """Cluster totals over whole hours: the hour buckets from the one holding ``start`` up to, not including, the
+        one holding ``end`` (adjacent ranges partition the hours; a range inside one hour sums none); the answer's
+        ``hours_start`` and ``hours_end`` name the buckets summed (``SqlLedger.totals``)."""
         with self._lock:
             return self.ledger.totals(start, end)
 
     def gpu_energy(self, start: float | None = None, end: float | None = None) -> list[dict]:
-        """Per physical GPU: energy, the part charged to jobs, unattributed energy, counter anomalies."""
+        """Per physical GPU over the whole hours of [start, end) (``ledger_store.hour_span``): energy, the part
+        charged to jobs, unattributed energy, counter anomalies."""
         with self._lock:
             return self.ledger.gpu_energy(start, end)
 
@@ -906,15 +1027,40 @@ class Store:
         with self._lock:
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
-    def close(self) -> None:
-        self.stop_background()
+    def closing(self, timeout_s: float) -> None:
+        """The store is about to close: from ``timeout_s`` on, threads waiting for its lock give up (StoreUnavailable)
+        rather than wait for a commit that does not end (what :meth:`close` with this bound gives it)."""
+        deadline = time.monotonic() + timeout_s
+        if self._lock.give_up_at is None or deadline < self._lock.give_up_at:
+            self._lock.give_up_at = deadline
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Commits what was handed in and closes the database. ``timeout_s``: how long the commit in progress may
+        still take (None: as long as it takes; threads waiting for the store's lock give up then, ``closing``); past
+        it, StoreStalled, and the database stays open to the stuck commit (the process can end: the committer is a
+        daemon thread)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if timeout_s is not None:
+            self.closing(timeout_s)
+        # the committer first (its last group), while the compaction pass in progress ends: both within the bound
         with self._queue_ready:
             self._closing = True
             self._queue_ready.notify()
+            queued = len(self._queue)
+        self.stop_background(timeout_s)
+        stalled = StoreStalled(
+            f"the ledger {self.url} was stalled at shutdown: its commit in progress (and {queued} batch(es) queued "
+            f"behind it) did not end within {timeout_s} s; none of them was acknowledged: the agents resend them (a "
+            "resend of one the ledger committed meanwhile is answered as a duplicate)")
         if self._committer is not None:
-            self._committer.join()  # after it committed what was handed in
-        with self._lock:
-            self._db.close()
+            self._committer.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if self._committer.is_alive():
+                raise stalled
+        try:
+            with self._lock:
+                self._db.close()
+        except StoreUnavailable as e:  # a compaction step holds the lock behind a commit that does not end
+            raise stalled from e
 
 
 def open_store(ledger_url: str | None, data_dir: str | os.PathLike[str], **settings: Any) -> Store:

@@ -12,7 +12,7 @@ import typer
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.series_store import TIER_NAMES
-from gpuledger.collector.store import Store
+from gpuledger.collector.store import QueryRangeError, Store, query_range
 from gpuledger.collector.worker import store_options
 from gpuledger.output import fail, note
 
@@ -42,14 +42,29 @@ def _open(data_dir: Path, config: Path | None, ledger_url: str | None) -> Store:
     return open_configured(cli_ledger_url(ledger_url, data_dir, config), data_dir, config)
 
 
+def _query_range(start: float | None, end: float | None, step: float | None = None) -> float | None:
+    """The store's rules of a queried range (``store.query_range``, the API's too), exit 2 naming the option."""
+    try:
+        return query_range(start, end, step, name=lambda n: f"--{n}")
+    except QueryRangeError as e:
+        fail(str(e))
+
+
+COMPACT_AHEAD_S = 86400.0  # --now may run this far ahead of the clock, no further (retention deletes by it)
+
+
 @app.command()
 def compact(
     data_dir: Path = DataDir,
-    now: float | None = typer.Option(None, help="Apply retention as of this unix time (default: now)."),
+    now: float | None = typer.Option(None, help="Apply retention as of this unix time (default: now; at most a "
+                                     "day ahead of the clock)."),
     config: Path | None = ConfigFile,
     ledger_url: LedgerUrlOpt = None,
 ) -> None:
     """Roll up closed minutes and hours, merge small chunks, drop data past retention (idempotent)."""
+    latest = time.time() + COMPACT_AHEAD_S
+    if now is not None and not 0 <= now <= latest:  # NaN fails too; a time in ms would expire every raw sample
+        fail(f"--now must be unix seconds, at most a day ahead of the clock ({latest:.0f}), got {now!r}")
     store = _open(data_dir, config, ledger_url)
     try:
         st = store.compact(now, all_host_chunks=True)
@@ -68,7 +83,8 @@ def series(
     gpu_uuid: str = typer.Argument(..., help="GPU UUID."),
     start: float = typer.Option(..., help="Unix seconds (negative: seconds before now)."),
     end: float | None = typer.Option(None, help="Unix seconds (default now)."),
-    step: float | None = typer.Option(None, help="Bucket seconds; picks the 1m or 1h tier when coarse enough."),
+    step: float | None = typer.Option(None, help="Bucket seconds (1 ms at least); picks the 1m or 1h tier when "
+                                      "coarse enough."),
     mig: str | None = typer.Option(None, help="MIG instance."),
     tier: str | None = typer.Option(None, help="Force a tier: raw, 1m or 1h."),
     data_dir: Path = DataDir,
@@ -78,6 +94,7 @@ def series(
     """One GPU's samples or rollup buckets as JSON lines (the tier is picked by range and retention)."""
     now = time.time()
     start = now + start if start < 0 else start
+    step = _query_range(start, now if end is None else end, step)
     forced = None
     if tier is not None:
         names = {v: k for k, v in TIER_NAMES.items()}
@@ -104,12 +121,16 @@ def series(
 @app.command()
 def totals(
     data_dir: Path = DataDir,
-    start: float | None = typer.Option(None, help="Unix seconds: whole hours from here."),
-    end: float | None = typer.Option(None, help="Unix seconds."),
+    start: float | None = typer.Option(None, help="Unix seconds: from the hour holding it."),
+    end: float | None = typer.Option(None, help="Unix seconds: up to, not including, the hour holding it."),
     config: Path | None = ConfigFile,
     ledger_url: LedgerUrlOpt = None,
 ) -> None:
-    """Cluster totals (GPU-seconds observed, allocated, SM-active; energy) and the tiers' sizes."""
+    """Cluster totals (GPU-seconds observed, allocated, SM-active; energy) and the tiers' sizes, over whole hours:
+    the hour buckets from the one holding --start up to, not including, the one holding --end (adjacent ranges
+    partition the hours; a range inside one hour sums none). The answer's "hours_start" and "hours_end" name the
+    buckets summed."""
+    _query_range(start, end)
     store = _open(data_dir, config, ledger_url)
     try:
         typer.echo(json.dumps({**store.totals(start, end), "tiers": store.tiers(), "size_bytes": store.size_bytes()},

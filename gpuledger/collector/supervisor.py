@@ -36,10 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import typer
 from prometheus_client import multiprocess
 
 from gpuledger.collector.auditlog.files import private_dir
 from gpuledger.collector.compactor import CompactorProcess
+from gpuledger.collector.limits import LEDGER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ WORKER_COMMAND = (sys.executable, "-m", "gpuledger.collector.worker")
 BACKOFF_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_S = 60.0  # a worker that ran this long before it died is started again after BACKOFF_S
-STOP_GRACE_S = 30.0  # a worker's clean stop (requests finishing, the series shipper, the store) before SIGKILL
+STOP_GRACE_S = 30.0  # a worker's clean stop (requests finishing, the series shipper, the store) before SIGKILL,
+# beyond the ledger_timeout_s it gives a commit in progress (collector.worker.Collector.close)
 POLL_S = 0.1  # how often the supervisor looks for a stop request and at its workers
 
 
@@ -134,23 +137,31 @@ class Supervisor:
 
     def stop(self) -> None:
         """Passes the stop signal (SIGTERM unless another was requested) to every worker and closes their standard
-        input, waits STOP_GRACE_S for them (then SIGKILL), stops the compactor, and removes the metric files."""
+        input, waits for them (ledger_timeout_s + STOP_GRACE_S, then SIGKILL), stops the compactor, and removes the
+        metric files. Raises typer.Exit with a worker's status when one stopped with a failure (it said why on
+        standard error: the ledger stalled at shutdown), after all that."""
         signum = self.stop_signal or signal.SIGTERM
         running = [w.proc for w in self.workers if w.proc is not None and w.proc.poll() is None]
         for proc in running:
             proc.send_signal(signum)
             _close(proc)
-        deadline = time.monotonic() + STOP_GRACE_S
+        grace_s = STOP_GRACE_S + float(self.settings.get("settings", {}).get("ledger_timeout_s", LEDGER_TIMEOUT_S))
+        deadline = time.monotonic() + grace_s
+        failed = 0
         for proc in running:
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
+                status = proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("collector worker (pid %d) did not stop within %.0f s: killed", proc.pid, STOP_GRACE_S)
+                log.warning("collector worker (pid %d) did not stop within %.0f s: killed", proc.pid, grace_s)
                 proc.kill()
-                proc.wait()
+                status = proc.wait()
+            if status > 0:
+                failed = failed or status
         if self.compactor is not None:
             self.compactor.stop()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        if failed:
+            raise typer.Exit(failed)
 
     # -- one worker ---------------------------------------------------------------------------------------------
     def _spawn(self, w: _Worker) -> None:

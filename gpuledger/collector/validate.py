@@ -286,10 +286,13 @@ def parse_batch(
     content_encoding: str = "",
     allowed_host: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
+    allowed_cluster: str | None = None,
 ) -> Batch:
     """Decode and validate a sample batch; raises BatchError naming batch, sample index and field.
 
     With ``allowed_host`` (the host a node token is bound to), a batch or sample of any other host is a 403.
+    With ``allowed_cluster`` (the cluster a node token is bound to), a batch naming another cluster is a 403, and
+    one naming none is that cluster's (its GPUs and job records).
     ``limits`` bound what a batch may hold; they are checked while decoding (``max_bytes``, when given,
     replaces ``limits.max_body_bytes``).
     """
@@ -299,11 +302,12 @@ def parse_batch(
     if _FAST is not None and mime in (*_MSGPACK_TYPES, *_JSON_TYPES):
         # Typed decode first: msgspec checks shape, types, ranges and every length limit as it goes, so a
         # hostile body (a bomb of empty maps, 200,000 job ids) fails before its objects exist.
-        batch = _parse_fast(body, now, allowed_host, limits, json_body=mime in _JSON_TYPES)
+        batch = _parse_fast(body, now, allowed_host, limits, json_body=mime in _JSON_TYPES,
+                            allowed_cluster=allowed_cluster)
     if batch is None:
         # The per-sample path: authoritative for what the fast path doubts (its shape is valid and within the
         # limits by now), and the one that words errors.
-        batch = _parse_doc(_decode(body, content_type), now, allowed_host)
+        batch = _parse_doc(_decode(body, content_type), now, allowed_host, allowed_cluster)
     batch.digest = content_digest(body)
     return batch
 
@@ -319,7 +323,7 @@ def content_digest(body: bytes) -> bytes:
     return DIGEST_TAG + hashlib.sha256(body).digest()[:16]
 
 
-def _parse_doc(doc: Any, now: float, allowed_host: str | None) -> Batch:
+def _parse_doc(doc: Any, now: float, allowed_host: str | None, allowed_cluster: str | None = None) -> Batch:
     if not isinstance(doc, dict):
         raise BatchError(400, f"batch must be an object with keys {sorted(BATCH_KEYS)}, got {type(doc).__name__}")
     agent_id, seq = doc.get("agent_id"), doc.get("seq")
@@ -335,19 +339,19 @@ def _parse_doc(doc: Any, now: float, allowed_host: str | None) -> Batch:
     if not isinstance(host, str) or not host or _BAD_NAME.search(host):
         raise BatchError(400, f"{where}: field 'host' must be a non-empty string {_NAME_CHARS}")
     cluster = doc.get("cluster", "")
-    if not isinstance(cluster, str) or len(cluster) > MAX_CLUSTER_CHARS or _BAD_NAME.search(cluster):
-        raise BatchError(400, f"{where}: field 'cluster' must be a string of at most {MAX_CLUSTER_CHARS} characters "
-                              f"{_NAME_CHARS}")
+    if not is_cluster_name(cluster):
+        raise BatchError(400, f"{where}: field 'cluster' must be {CLUSTER_RULE}")
     if ("samples" in doc) == ("series" in doc):
         raise BatchError(400, f"{where}: exactly one of the fields 'samples' (one object a sample) and 'series' "
                               "(columns) is required")
     if "series" in doc:
-        return _parse_series_batch(doc, agent_id, seq, host, where, now, allowed_host, cluster)
+        return _parse_series_batch(doc, agent_id, seq, host, where, now, allowed_host, cluster, allowed_cluster)
     if not isinstance(samples, list):
         raise BatchError(400, f"{where}: field 'samples' must be a list")
     if allowed_host is not None and host != allowed_host:
         raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
                          "forbidden", len(samples))
+    cluster = _bound_cluster(cluster, allowed_cluster, where, len(samples))
     try:
         bound = allowed_host is not None
         out = tuple(_parse_sample(d, i, where, host, now, bound) for i, d in enumerate(samples))
@@ -404,6 +408,25 @@ def is_name(s: str) -> bool:
     return _BAD_NAME.search(s) is None
 
 
+CLUSTER_RULE = f"a string of at most {MAX_CLUSTER_CHARS} characters {_NAME_CHARS}"
+
+
+def is_cluster_name(s: Any) -> bool:
+    """Whether ``s`` may be a batch's cluster (``CLUSTER_RULE``; "" = not named); a node token's too (config)."""
+    return isinstance(s, str) and len(s) <= MAX_CLUSTER_CHARS and is_name(s)
+
+
+def _bound_cluster(cluster: str, allowed_cluster: str | None, where: str, samples: int) -> str:
+    """The cluster a batch is stored under. A token bound to ``allowed_cluster`` gives it to a batch that names
+    none; a batch naming another is a 403 (the stolen token of one cluster's gpu01 writing another's gpu01)."""
+    if allowed_cluster is None or cluster == allowed_cluster:
+        return cluster
+    if not cluster:
+        return allowed_cluster
+    raise BatchError(403, f"{where}: field 'cluster' is {cluster!r} but the token is bound to cluster "
+                          f"{allowed_cluster!r}", "forbidden", samples)
+
+
 def _name(v: Any) -> Any:
     return v if type(v) is str and v and not _BAD_NAME.search(v) else _BAD
 
@@ -443,10 +466,11 @@ def _by_annotation(field: str) -> Any:
 
 
 def _strings(v: Any) -> Iterator[str]:
-    """The strings in a value of a record field (a string, or lists of them or of pairs)."""
+    """The strings in a value of a record field (a string, or lists of them or of pairs; tuples from the typed
+    decode)."""
     if isinstance(v, str):
         yield v
-    elif isinstance(v, list):
+    elif isinstance(v, (list, tuple)):
         for x in v:
             yield from _strings(x)
 
@@ -541,7 +565,7 @@ def _series_rows(d: Any) -> int:
 
 
 def _parse_series_batch(doc: dict, agent_id: str, seq: int, host: str, where: str, now: float,
-                        allowed_host: str | None, cluster: str = "") -> Batch:
+                        allowed_host: str | None, cluster: str = "", allowed_cluster: str | None = None) -> Batch:
     series = doc["series"]
     if not isinstance(series, list):
         raise BatchError(400, f"{where}: field 'series' must be a list")
@@ -549,6 +573,7 @@ def _parse_series_batch(doc: dict, agent_id: str, seq: int, host: str, where: st
     if allowed_host is not None and host != allowed_host:
         raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
                          "forbidden", n)
+    cluster = _bound_cluster(cluster, allowed_cluster, where, n)
     try:
         out = tuple(_parse_series(d, i, where, host, now, typed=False) for i, d in enumerate(series))
         jobs = _job_records(doc.get("jobs", []), f"{where}: ", host, allowed_host is not None, cluster)
@@ -940,16 +965,17 @@ def _typed_error(body: bytes, exc: Exception, dec: _Decoders, json_body: bool, w
 
 
 def _refuse_typed(body: bytes, exc: Exception, dec: _Decoders, json_body: bool, now: float,
-                  allowed_host: str | None, within: str = "") -> BatchError:
+                  allowed_host: str | None, within: str = "", allowed_cluster: str | None = None) -> BatchError:
     """The refusal of a body the typed decode refused, worded by the per-sample path where it is small."""
     err = _typed_error(body, exc, dec, json_body, within)
     if len(body) <= _WORDING_MAX_BYTES and err.status != 413:
-        _parse_doc(_decode(body, "application/json" if json_body else "application/msgpack"), now, allowed_host)
+        _parse_doc(_decode(body, "application/json" if json_body else "application/msgpack"), now, allowed_host,
+                   allowed_cluster)
     return err  # the per-sample path accepted what the typed decode refuses: the refusal stands
 
 
 def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limits = DEFAULT_LIMITS,
-                json_body: bool = False) -> Batch | None:
+                json_body: bool = False, allowed_cluster: str | None = None) -> Batch | None:
     """The batch, or None where the per-sample path must decide (and word any error); BatchError when the
     typed decode refuses the body (a limit, a type), worded by the per-sample path where it is small."""
     dec = _decoders(limits)
@@ -963,18 +989,21 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
         else:
             b = (dec.json if json_body else dec.msgpack).decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise _refuse_typed(body, exc, dec, json_body, now, allowed_host) from None
+        raise _refuse_typed(body, exc, dec, json_body, now, allowed_host, allowed_cluster=allowed_cluster) from None
     host, rows = b.host, b.samples
     one = (rows is msgspec.UNSET) != (b.series is msgspec.UNSET)
     where = f"batch agent_id={b.agent_id!r} seq={b.seq!r}"
     names = (b.agent_id, host, b.cluster)
-    if one and allowed_host is not None and host != allowed_host and not _BAD_NAME.search("".join(names)):
-        # refused here, as the per-sample path would (its checks before this one are the typed decode's): the body
+    cluster = b.cluster
+    if one and not _BAD_NAME.search("".join(names)):
+        # refused here, as the per-sample path would (its checks before these are the typed decode's): the body
         # is not decoded again
-        raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host {allowed_host!r}",
-                         "forbidden", _batch_samples(b))
+        if allowed_host is not None and host != allowed_host:
+            raise BatchError(403, f"{where}: field 'host' is {host!r} but the token is bound to host "
+                                  f"{allowed_host!r}", "forbidden", _batch_samples(b))
+        cluster = _bound_cluster(cluster, allowed_cluster, where, _batch_samples(b))
     if guarded:  # before the per-sample path could decode them all
-        _row_lists(b, body, dec, json_body, now, allowed_host, where, limits)
+        _row_lists(b, body, dec, json_body, now, allowed_host, where, limits, allowed_cluster)
     if not one or allowed_host is not None and host != allowed_host:
         return None
     _check_totals(b, where, limits)
@@ -988,10 +1017,10 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
                 series = tuple(_parse_series(msgspec.structs.asdict(d), i, where, host, now, typed=True,
                                              checked=None if checked is None else checked[i])
                                for i, d in enumerate(b.series))
-            jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, b.cluster)
+            jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, cluster)
         except BatchError:
             return None  # the per-sample path words it (from the body as msgpack decodes it)
-        return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series, cluster=b.cluster)
+        return Batch(b.agent_id, b.seq, host, jobs=tuple(jobs), series=series, cluster=cluster)
     if (not rows
             or list(map(_HOST, rows)).count(host) != len(rows) or max(map(_TS, rows)) > now + FUTURE_SLACK_S
             or _doubtful_strings(names, rows)):
@@ -1005,10 +1034,10 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
             if r.processes:
                 r.processes = tuple(GpuProcess(p, m) for p, m in r.processes)
     try:
-        jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, b.cluster)
+        jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, cluster)
     except BatchError:
         return None
-    return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs), cluster=b.cluster)
+    return Batch(b.agent_id, b.seq, host, rows=rows, jobs=tuple(jobs), cluster=cluster)
 
 
 def _doubtful_strings(names: Sequence[str], items: Sequence[Any]) -> bool:
@@ -1028,7 +1057,7 @@ def _batch_samples(b: Any) -> int:
 
 
 def _row_lists(b: Any, body: bytes, dec: _Decoders, json_body: bool, now: float, allowed_host: str | None,
-               where: str, limits: Limits) -> None:
+               where: str, limits: Limits, allowed_cluster: str | None = None) -> None:
     """A guarded decode's row lists (raw bytes): counted over the whole batch from their headers, refused (413) past
     ``max_batch_list``, then decoded in place, as the unguarded decode has them."""
     found: dict[str, list[tuple[Any, int | None, Any, str]]] = {k: [] for k in ROW_LISTS}  # owner, row, raw, where
@@ -1053,7 +1082,7 @@ def _row_lists(b: Any, body: bytes, dec: _Decoders, json_body: bool, now: float,
             try:
                 v = decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-                raise _refuse_typed(body, exc, dec, json_body, now, allowed_host, at) from None
+                raise _refuse_typed(body, exc, dec, json_body, now, allowed_host, at, allowed_cluster) from None
             if row is None:
                 setattr(owner, k, v)
             else:
@@ -1110,11 +1139,13 @@ def _check_annotation(annotation: str, v: Any) -> bool:
         return _is_int(v)
     if annotation == "float":
         return _is_num(v) and math.isfinite(v)
+    # arrays: lists as JSON and msgpack decode them, tuples as the typed decode's to_builtins leaves them
     if annotation.startswith("tuple[") and annotation.endswith(", ...]"):
         inner = annotation[len("tuple["): -len(", ...]")]
-        return isinstance(v, list) and all(_check_annotation(inner, x) for x in v)
+        return isinstance(v, (list, tuple)) and all(_check_annotation(inner, x) for x in v)
     if annotation == "tuple[str, float]":
-        return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and _check_annotation("float", v[1])
+        return (isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], str)
+                and _check_annotation("float", v[1]))
     raise TypeError(f"validator does not know the annotation {annotation!r}")  # a new record shape: teach it
 
 

@@ -44,8 +44,8 @@ from gpuledger.collector.db import DatabaseConfigError
 from gpuledger.collector.gcfreeze import GcFreezer
 from gpuledger.collector.ledger_url import database_failures, open_ledger
 from gpuledger.collector.series_outbox import RemoteSeries, ShipperMetrics
-from gpuledger.collector.server import FEED_NAME, CollectorServer, tls_context
-from gpuledger.collector.store import Store
+from gpuledger.collector.server import FEED_NAME, STOP_GRACE_S, CollectorServer, tls_context
+from gpuledger.collector.store import Store, StoreStalled, StoreUnavailable
 from gpuledger.output import fail, unexpected
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Collector:
         shared_shipper = None
         if remote is not None:
             shared_shipper = None if metrics_dir is None else SharedShipperMetrics(remote.metrics)
-            server.metrics.registry.register(shared_shipper or remote.metrics)
+            server.metrics.ledger.add(shared_shipper or remote.metrics)  # (its backlog is read from the ledger)
         return cls(store, server, freezer, remote, sinks, shared_shipper)
 
     def refresh_metrics(self) -> None:
@@ -129,13 +129,31 @@ class Collector:
             self.shared_shipper.sync()
 
     def close(self) -> None:
+        """Stops serving (requests still waiting are answered 503 after STOP_GRACE_S: ``CollectorServer.stop``), then
+        gives the commit in progress until ledger_timeout_s after the stop began (at least STOP_GRACE_S) to end. A
+        ledger that stalls past that ends the process like a failed command: one line saying the ledger was stalled
+        at shutdown, exit status 1; nothing unacknowledged is claimed stored (the agents resend it)."""
+        bound_s = max(self.server.ledger_timeout_s, STOP_GRACE_S)
+        deadline = time.monotonic() + bound_s
+        self.store.closing(bound_s)  # what waits for the store past that gives up, the series shipper's flush too
         self.server.stop()
         self.freezer.stop()
-        if self.remote is not None:  # what it cannot ship in a few seconds stays queued for the next start
-            self.remote.close()
-        self.store.close()
-        for sink in self.sinks:  # flush what is buffered for InfluxDB
-            sink.close()
+        stalled: StoreStalled | None = None
+        try:
+            if self.remote is not None:  # what it cannot ship in a few seconds stays queued for the next start
+                try:
+                    self.remote.close()
+                except StoreUnavailable as e:  # behind a stalled commit: its queue stays for the next start
+                    log.warning("series shipper not flushed at shutdown: %s", e)
+            # (a second at least: an idle committer takes a moment to see the close)
+            self.store.close(timeout_s=max(deadline - time.monotonic(), 1.0))
+        except StoreStalled as e:
+            stalled = e
+        finally:
+            for sink in self.sinks:  # flush what is buffered for InfluxDB
+                sink.close()
+        if stalled is not None:
+            fail(str(stalled), code=1)
 
 
 class SharedShipperMetrics:

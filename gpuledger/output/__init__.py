@@ -24,7 +24,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
-FORMAT_HELP = "table for people; json or csv for machines (SI units, ratios 0..1)"
+FORMAT_HELP = ("table for people; json or csv for machines (SI units, ratios 0..1; a CSV text cell that starts with "
+               "= + - @ or a tab gets a leading ' so that no spreadsheet runs it as a formula)")
 
 
 class Format(StrEnum):
@@ -123,15 +124,38 @@ def _cells(columns: Sequence[Column], record: Mapping[str, Any]) -> list[str]:
     return ["-" if record.get(c.key) is None else c.cell(record.get(c.key)) for c in columns]
 
 
-def to_csv(columns: Sequence[Column] | None, records: Sequence[Mapping[str, Any]]) -> str:
-    """CSV with the records' keys as header (``columns`` chooses and orders them; all keys without)."""
-    keys = [c.key for c in columns] if columns else (list(records[0]) if records else [])
+# What makes a spreadsheet (Excel, LibreOffice, Sheets) take a cell as a formula (OWASP, "CSV Injection"); a user,
+# account or partition name is anyone's text, and the CSV goes to whoever bills by it.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` for a CSV cell: text that starts like a formula gets a leading ``'`` (shown as text, not run);
+    numbers and everything else as they are (-1.5 is a number, not text)."""
+    return "'" + value if isinstance(value, str) and value.startswith(_FORMULA_START) else value
+
+
+def csv_text(header: Sequence[str], rows: Iterable[Sequence[Any]], lineterminator: str = "\n") -> str:
+    """The one CSV writer: ``header``, then ``rows``, each cell :func:`csv_cell`; None is an empty cell, a float
+    its shortest exact text (``repr``: the file reconciles to the last digit)."""
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in records:
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
-    return buf.getvalue()
+    # rows end in CRLF here, so that a cell holding a CR is quoted like one holding a LF (with a LF terminator the
+    # csv module leaves a CR bare, which ends the row in a spreadsheet: "x\r=cmd" would start a row with a formula)
+    w = csv.writer(buf, lineterminator="\r\n")
+    lines = []
+    for row in (header, *([csv_cell(v) for v in row] for row in rows)):
+        w.writerow(row)
+        lines.append(buf.getvalue()[:-2] + lineterminator)
+        buf.seek(0)
+        buf.truncate()
+    return "".join(lines)
+
+
+def to_csv(columns: Sequence[Column] | None, records: Sequence[Mapping[str, Any]]) -> str:
+    """CSV (:func:`csv_text`) with the records' keys as header (``columns`` chooses and orders them; all keys
+    without)."""
+    keys = [c.key for c in columns] if columns else (list(records[0]) if records else [])
+    return csv_text(keys, ([r.get(k) for k in keys] for r in records))
 
 
 def print_table(title: str | None, headers: Sequence[str], rows: Sequence[Sequence[str]],
@@ -195,7 +219,8 @@ def os_error(exc: OSError) -> str:
 
 
 def write_atomically(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to a temp file in the same directory, fsync, rename: a reader sees the old or the new file."""
+    """Write ``text`` to a temp file in the same directory, fsync, rename: a reader sees the old or the new file.
+    An OSError names ``path`` when the system named no file (a full disk)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -206,8 +231,10 @@ def write_atomically(path: str | os.PathLike[str], text: str) -> Path:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; slurmctld may run as another user than the writer
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write or fsync names no file: the target
+            e.filename = str(path)
         raise
     return path
 

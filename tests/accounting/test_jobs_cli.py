@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from testdata import DATA_ROOT, capture, measure_jobs_3_and_999  # noqa: F401
 from typer.testing import CliRunner
 
@@ -198,3 +202,37 @@ def test_an_import_with_one_impossible_record_stores_nothing_and_says_where(tmp_
         assert r.exit_code == 2, (tres, nodes, r.output)
         assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {bad}: sacct -P line 3 (job 9001)"), r.stderr
         assert stored() == before and audit_entries() == logged, (tres, nodes)  # job 10 was not stored either
+
+
+@pytest.fixture()
+def new_york_clock() -> Iterator[None]:
+    """This process in America/New_York local time (what sacct -P prints there, and what the import reads it as)."""
+    old = os.environ.get("TZ")
+    os.environ["TZ"] = "America/New_York"
+    time.tzset()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = old
+        time.tzset()
+
+
+def test_a_job_across_the_dst_fall_back_imports_in_the_machines_zone(tmp_path: Path, new_york_clock) -> None:
+    # 300 started in the first 01:50 and ended in the second 01:10 (refused before: "End before Start", and the whole
+    # import with it); 301 ended at 01:30, first or second: kept as the first (1 h), with a warning saying so
+    sacct = tmp_path / "sacct.txt"
+    sacct.write_text(
+        "JobID|Cluster|User|Account|Partition|NodeList|AllocTRES|Submit|Start|End|State|ExitCode\n"
+        "300|c|alice|a|gpu|n1|gres/gpu=1|2026-11-01T01:40:00|2026-11-01T01:50:00|2026-11-01T01:10:00|COMPLETED|0:0\n"
+        "301|c|bob|a|gpu|n1|gres/gpu=1|2026-10-31T23:00:00|2026-11-01T00:30:00|2026-11-01T01:30:00|COMPLETED|0:0\n")
+    r = runner.invoke(app, ["jobs", "import", "--data-dir", str(tmp_path), "--sacct-parsable", str(sacct)])
+    assert r.exit_code == 0, r.output
+    (warning,) = [line for line in r.output.splitlines() if line.startswith("warning:")]
+    assert warning.startswith("warning: sacct -P line 3 (job 301) End 2026-11-01T01:30:00: "), warning
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(tmp_path), "--format", "json"])
+    assert [(j["job_id"], j["end"] - j["start"], j["slurm_gpu_seconds"]) for j in json.loads(r.stdout)] == [
+        ("300", 1200.0, 1200.0), ("301", 3600.0, 3600.0)]
+

@@ -4,10 +4,20 @@ one, and what it measures."""
 from __future__ import annotations
 
 import json
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+from test_apply_interrupted import cluster, slurm_env  # noqa: F401  (cluster: the fixture)
 
+from gpuledger.accounting.cli import IMPORT_CURSOR_NAME
 from gpuledger.accounting.priority import (
     FLAT_MAGIC,
     FeedFormatError,
@@ -21,6 +31,8 @@ from gpuledger.accounting.priority import (
     write_feed,
 )
 from gpuledger.accounting.priority_watch import CycleResult, PriorityWatch
+from gpuledger.accounting.privacy import decay_horizon_start
+from gpuledger.accounting.slurm import SlurmCommandError
 
 
 class Clock:
@@ -50,7 +62,8 @@ def test_cycles_on_ledger_change_at_most_every_interval_and_survives_failures() 
             raise r
         return r
 
-    w = PriorityWatch(cycle, lambda: state["v"], poll_s=1, min_interval_s=10, resync_s=300, clock=clock)
+    w = PriorityWatch(lambda: "feed", lambda feed: cycle(), lambda: state["v"], poll_s=1, min_interval_s=10,
+                      resync_s=300, clock=clock, monotonic=clock)
     results.append(CycleResult(newest_end=900.0, changed=5, failed=0))
     assert w.poll()  # first poll: catch up (history: no lag measured)
     assert metric(w, "gpuledger_priority_lag_seconds") == 0.0
@@ -84,7 +97,8 @@ def test_a_failing_ledger_state_still_runs_cycles() -> None:
         raise OSError("store unreadable")
 
     ran = []
-    w = PriorityWatch(lambda: ran.append(1) or CycleResult(None, 0, 0), broken, min_interval_s=10, clock=clock)
+    w = PriorityWatch(lambda: ran.append(1) or "feed", lambda feed: CycleResult(None, 0, 0), broken,
+                      min_interval_s=10, clock=clock, monotonic=clock)
     assert w.poll() and ran == [1]
     clock.t += 10
     assert w.poll() and ran == [1, 1]
@@ -92,7 +106,7 @@ def test_a_failing_ledger_state_still_runs_cycles() -> None:
 
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="poll_s"):
-        PriorityWatch(lambda: CycleResult(None, 0, 0), lambda: 1, poll_s=0)
+        PriorityWatch(lambda: "feed", lambda feed: CycleResult(None, 0, 0), lambda: 1, poll_s=0)
 
 
 def test_flat_feed_beside_the_json_one(tmp_path) -> None:
@@ -147,3 +161,294 @@ def test_site_factor_rounds_halves_up_whatever_the_neighbour():
     assert (site_factor(1 / 32, 10000), site_factor(3 / 32, 10000)) == (313, 938)
     assert (site_factor(0.5, 1), site_factor(0.25, 2), site_factor(0.0, 10000), site_factor(1.0, 10000)) == (
         1, 1, 0, 10000)
+
+
+class Outage:
+    """The daemon's steps over a sacct and slurmctld that are down until ``up`` is set."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.computed = self.applies = 0
+
+    def import_jobs(self) -> None:
+        if not self.up:
+            raise SlurmCommandError(["sacct", "--json"], 1, "sacct: error: Problem talking to the database\n"
+                                    "Connection refused")
+
+    def compute(self) -> str:  # records a fairshare entry in the daemon
+        self.computed += 1
+        return f"feed {self.computed}"
+
+    def apply(self, feed: str) -> CycleResult:
+        self.applies += 1
+        if not self.up:
+            raise SlurmCommandError(["squeue"], 1, "squeue: error: Unable to contact slurm controller")
+        return CycleResult(None, 4, 0)
+
+
+def test_an_outage_computes_the_feed_once_retries_its_apply_and_counts_the_failed_imports(caplog) -> None:
+    clock, mono = Clock(), Clock()
+    o, state = Outage(), {"v": 1}
+    w = PriorityWatch(o.compute, o.apply, lambda: state["v"], o.import_jobs, poll_s=1, min_interval_s=1,
+                      resync_s=300, expected=(SlurmCommandError,), clock=clock, monotonic=mono)
+    caplog.set_level("INFO", "gpuledger.priority.watch")
+    for _ in range(30):  # 30 s of outage: the import fails every poll and forces nothing
+        assert w.poll()
+        mono.t += 1
+    assert (o.computed, o.applies) == (1, 30)  # one feed (one fairshare entry), its apply retried
+    assert metric(w, "gpuledger_priority_import_failures_total") == 30
+    assert metric(w, "gpuledger_priority_last_import_timestamp_seconds") == 0
+    assert metric(w, 'gpuledger_priority_cycles_total{result="failed"}') == 30
+    # each expected failure is one line, without a traceback
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 60 and not any(r.exc_info for r in errors)
+    assert errors[0].getMessage() == ("importing ended jobs failed; the ledger's other changes still count: "
+                                      "`sacct --json` exited with 1: sacct: error: Problem talking to the database "
+                                      "Connection refused")
+    assert errors[1].getMessage().startswith(
+        "priority cycle failed (the apply, with the feed computed); retrying at the next poll: `squeue` exited")
+    state["v"] = 2  # usage from the collector: the feed is recomputed
+    assert w.poll() and (o.computed, o.applies) == (2, 31)
+    mono.t += 300  # a resync recomputes too
+    assert w.poll() and o.computed == 3
+    mono.t += 1
+    o.import_jobs = lambda: None  # type: ignore[method-assign]  # sacct back, slurmctld still down
+    o.up = True
+    o.apply = lambda feed: CycleResult(None, 4, 0)  # type: ignore[method-assign]
+    assert w.poll() and o.computed == 3  # the feed computed before is what is applied
+    assert metric(w, 'gpuledger_priority_cycles_total{result="ok"}') == 1
+    assert metric(w, "gpuledger_priority_last_import_timestamp_seconds") == clock.t
+    mono.t += 1
+    assert not w.poll()  # applied: nothing to retry
+
+
+def test_a_cycle_after_a_failed_import_is_partial_and_an_unexpected_error_is_a_traceback(caplog) -> None:
+    clock = Clock()
+    o = Outage()
+    w = PriorityWatch(o.compute, lambda feed: CycleResult(None, 0, 0), lambda: 1, o.import_jobs, min_interval_s=0,
+                      expected=(SlurmCommandError,), clock=clock, monotonic=clock)
+    assert w.poll()  # the first cycle runs, on a ledger the import could not bring up to date
+    assert metric(w, 'gpuledger_priority_cycles_total{result="partial"}') == 1
+    assert metric(w, 'gpuledger_priority_cycles_total{result="ok"}') == 0
+
+    def bug() -> str:
+        raise KeyError("associations")
+
+    w = PriorityWatch(bug, lambda feed: CycleResult(None, 0, 0), lambda: 1, clock=clock, monotonic=clock)
+    caplog.clear()
+    assert w.poll()
+    (r,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert r.exc_info is not None and r.getMessage() == "priority cycle failed (the feed); retrying at the next poll"
+
+
+def test_a_wall_clock_step_back_neither_stalls_nor_hurries_the_cycles() -> None:
+    wall, mono = Clock(), Clock()
+    state, ran = {"v": 0}, []
+    w = PriorityWatch(lambda: ran.append(wall.t) or "feed", lambda feed: CycleResult(None, 0, 0), lambda: state["v"],
+                      poll_s=5, min_interval_s=10, resync_s=300, clock=wall, monotonic=mono)
+    assert w.poll()
+    wall.t -= 3600  # NTP steps the clock back an hour
+    for _ in range(2):
+        wall.t += 5
+        mono.t += 5
+        state["v"] += 1  # a job ended
+        w.poll()
+    assert len(ran) == 2  # the next cycle after min_interval, not after the hour
+    assert metric(w, "gpuledger_priority_last_success_timestamp_seconds") == wall.t
+    wall.t += 7200  # a step forward: no resync for it
+    mono.t += 5
+    assert not w.poll()
+
+
+def test_stopped_after_the_import_starts_no_feed_and_no_apply() -> None:
+    steps: list[str] = []
+    w = PriorityWatch(lambda: steps.append("compute") or "feed",
+                      lambda feed: steps.append("apply") or CycleResult(None, 0, 0), lambda: 1,
+                      lambda: steps.append("import") or w.stop(), min_interval_s=0)
+    assert not w.poll() and steps == ["import"]
+
+
+def test_a_feed_file_on_a_full_disk_is_named(tmp_path) -> None:
+    import os
+
+    from tiny_disk import fill, mount_tmpfs, unmount
+
+    from gpuledger.output import os_error
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if not mount_tmpfs(mnt, "64k"):
+        pytest.skip("needs root for a tmpfs")
+    try:
+        fill(mnt)
+        with pytest.raises(OSError) as caught:
+            write_feed(mnt / "priority-feed.json", {"generated_at": 1.0, "associations": []})
+        assert os_error(caught.value) == f"{mnt / 'priority-feed.json'}: No space left on device"
+        assert sorted(os.listdir(mnt)) == ["filler"]  # no temp file left
+    finally:
+        unmount(mnt)
+
+
+# `priority watch` as a process: sacct is a fake at the machine boundary that answers with the jobs of
+# $FAKE_SLURM/jobs.json whose end lies in its -S..-E window (as slurmdbd holds them now), logs each window, sleeps
+# while $FAKE_SLURM/sacct_sleep exists and fails while $FAKE_SLURM/sacct_fail does
+SACCT = f"""#!{sys.executable}
+import json, os, sys, time
+from datetime import datetime, timezone
+d, a = os.environ["FAKE_SLURM"], sys.argv[1:]
+S, E = (datetime.strptime(a[a.index(k) + 1], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+        for k in ("-S", "-E"))
+if os.path.exists(d + "/sacct_sleep"):
+    open(d + "/sacct_sleeping", "w").close()
+    time.sleep(float(open(d + "/sacct_sleep").read()))
+if os.path.exists(d + "/sacct_fail"):
+    sys.exit("sacct: error: Problem talking to the database: Connection refused")
+if "--json" in a:
+    open(d + "/sacct_windows", "a").write(f"{{S}} {{E}}\\n")
+    jobs = json.load(open(d + "/jobs.json")) if os.path.exists(d + "/jobs.json") else []
+    print(json.dumps({{"jobs": [j for j in jobs if S <= j["time"]["end"] <= E]}}))
+else:
+    print("JobID|Cluster|Partition|Account|User|UID|Submit|Start|End|State|ExitCode|AllocTRES|NodeList")
+"""
+
+
+def ended_job(job_id: int, end: int) -> dict:
+    return {"job_id": job_id, "user": "alice", "account": "proj_a", "cluster": "c", "partition": "gpu",
+            "nodes": "n1", "state": {"current": ["COMPLETED"]},
+            "time": {"submission": end - 110, "start": end - 100, "end": end},
+            "tres": {"allocated": [{"type": "gres", "name": "gpu", "count": 1}]},
+            "exit_code": {"status": ["SUCCESS"], "return_code": 0}}
+
+
+def start_watch(root: Path, *args: str) -> subprocess.Popen:
+    (root / "bin" / "sacct").write_text(SACCT)
+    (root / "bin" / "sacct").chmod(0o755)
+    return subprocess.Popen([str(Path(sys.executable).parent / "gpuledger"), "priority", "watch", "--data-dir",
+                             str(root / "data"), "--metrics-port", "0", "--poll", "0.2", *args],
+                            env=slurm_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(proc: subprocess.Popen, what: str, done: Callable[[], bool], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return err
+
+
+def ledger_jobs(data: Path) -> set[str]:
+    db = sqlite3.connect(data / "gpuledger.sqlite")
+    try:
+        return {j for (j,) in db.execute("SELECT job_id FROM jobs")}
+    finally:
+        db.close()
+
+
+def audit_kinds(data: Path) -> dict[str, int]:
+    db = sqlite3.connect(data / "audit.sqlite")
+    try:
+        return dict(db.execute("SELECT kind, count(*) FROM entries GROUP BY kind").fetchall())
+    finally:
+        db.close()
+
+
+def first_window(slurm: Path) -> tuple[float, float]:
+    s, e = (slurm / "sacct_windows").read_text().split("\n")[0].split()
+    return float(s), float(e)
+
+
+def test_job_ends_a_stopped_daemon_missed_or_slurmdbd_got_late_are_imported(cluster: Path) -> None:  # noqa: F811
+    data, slurm = cluster / "data", cluster / "slurm"
+    now = int(time.time())
+    (slurm / "jobs.json").write_text(json.dumps([ended_job(777, now - 7200)]))
+    # never ran before: from the decay horizon (10 half-lives of 7 days), not the last hour
+    proc = start_watch(cluster, "--feed-only", "--min-interval", "0")
+    try:
+        wait_for(proc, "job 777 imported", lambda: "777" in ledger_jobs(data))
+    finally:
+        stop(proc)
+    assert first_window(slurm)[0] == pytest.approx(now - 70 * 86400, abs=30)
+    # stopped for 3 h (its cursor as it left it then), and job 778 ended meanwhile
+    cursor = json.loads((data / IMPORT_CURSOR_NAME).read_text())
+    (data / IMPORT_CURSOR_NAME).write_text(json.dumps({**cursor, "imported_through": now - 10800}))
+    (slurm / "jobs.json").write_text(json.dumps([ended_job(777, now - 7200), ended_job(778, now - 9000)]))
+    (slurm / "sacct_windows").unlink()
+    proc = start_watch(cluster, "--feed-only", "--min-interval", "0")
+    try:
+        wait_for(proc, "job 778 imported", lambda: "778" in ledger_jobs(data))
+        assert first_window(slurm)[0] == pytest.approx(now - 10800 - 900, abs=2)  # the cursor less the overlap
+        # job 779 ended 10 min ago, and its record reaches slurmdbd only now: within the overlap
+        (slurm / "jobs.json").write_text(json.dumps([ended_job(j, now - s) for j, s in (
+            (777, 7200), (778, 9000), (779, 600))]))
+        wait_for(proc, "job 779 imported", lambda: "779" in ledger_jobs(data), 20)
+    finally:
+        stop(proc)
+    assert json.loads((data / IMPORT_CURSOR_NAME).read_text())["imported_through"] > now
+    # 777, imported by both runs, is in the log once: a record imported twice changes nothing
+    assert audit_kinds(data)["job_record"] == 4 + 3
+
+
+def test_the_window_after_a_usage_reset_reaches_back_from_the_cursor_not_the_reset(cluster: Path) -> None:  # noqa: F811
+    # a daily reset moves the decay horizon to midnight; the poll before it may have left ends just before it (and
+    # slurmdbd's late ones) still to come: the window starts at the cursor, less the overlap, not at midnight
+    data, slurm = cluster / "data", cluster / "slurm"
+    config = (data / "gpuledger.toml").read_text()
+    (data / "gpuledger.toml").write_text(config.replace("[accounting]\n", "[accounting]\nusage_reset = \"DAILY\"\n", 1))
+    midnight = decay_horizon_start(time.time(), 7 * 86400.0, "DAILY", None)
+    (data / IMPORT_CURSOR_NAME).write_text(json.dumps(
+        {"ledger": str(data / "gpuledger.sqlite"), "imported_through": midnight - 60}))
+    (slurm / "jobs.json").write_text(json.dumps([ended_job(780, int(midnight) - 30)]))
+    proc = start_watch(cluster, "--feed-only", "--min-interval", "0")
+    try:
+        wait_for(proc, "job 780 imported", lambda: "780" in ledger_jobs(data))
+    finally:
+        stop(proc)
+    assert first_window(slurm)[0] == pytest.approx(midnight - 900, abs=1)
+
+
+def test_sigterm_while_sacct_runs_starts_no_cycle(cluster: Path) -> None:  # noqa: F811
+    data, slurm = cluster / "data", cluster / "slurm"
+    (data / IMPORT_CURSOR_NAME).write_text(json.dumps(  # ran a minute ago: no horizon to import first
+        {"ledger": str(data / "gpuledger.sqlite"), "imported_through": time.time() - 60}))
+    proc = start_watch(cluster, "--min-interval", "0")
+    try:
+        wait_for(proc, "first cycle", lambda: (slurm / "commands").exists()
+                 and len((slurm / "commands").read_text().split()) == 4)
+        fairshare = audit_kinds(data)["fairshare"]
+        # a job ends: the poll whose sacct is stopped imports it, and would run a cycle for it
+        (slurm / "jobs.json").write_text(json.dumps([ended_job(777, int(time.time()) - 60)]))
+        (slurm / "sacct_sleep").write_text("1")
+        wait_for(proc, "sacct call", lambda: (slurm / "sacct_sleeping").exists())
+        (slurm / "state").unlink()  # slurmctld: the factors are 0 again, so that a cycle would send commands
+        (slurm / "commands").unlink()
+    finally:
+        stop(proc)
+    assert "777" in ledger_jobs(data)
+    assert not (slurm / "commands").exists()
+    assert audit_kinds(data)["fairshare"] == fairshare
+
+
+def test_an_outage_of_sacct_and_slurmctld_logs_one_line_per_failure_and_one_fairshare_entry(
+        cluster: Path) -> None:  # noqa: F811
+    data, slurm = cluster / "data", cluster / "slurm"
+    (slurm / "sacct_fail").touch()
+    (cluster / "bin" / "squeue").write_text("#!/bin/sh\necho 'squeue: error: Unable to contact slurm controller "
+                                            "(connect failure)' >&2\nexit 1\n")
+    proc = start_watch(cluster, "--min-interval", "0.2")
+    try:
+        time.sleep(4)
+    finally:
+        err = stop(proc)
+    lines = err.strip().split("\n")
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|ERROR) ", ln) for ln in lines), err
+    failed = [ln for ln in lines if "priority cycle failed" in ln]
+    assert len(failed) >= 5 and all("squeue: error: Unable to contact slurm controller" in ln for ln in failed)
+    assert len([ln for ln in lines if "importing ended jobs failed" in ln]) >= 5
+    assert audit_kinds(data)["fairshare"] == 1  # the feed of the first cycle, its apply retried

@@ -368,3 +368,89 @@ def test_a_signed_manifest_naming_entries_past_its_head_is_refused(data_dir):
     assert r.exit_code == 2, r.output
     assert r.stderr.strip() == (f"error: {path}: the signed manifest's input records: entry range "
                                 f"'1-{size + 9_000_000}' is not ascending within the signed head's 1..{size}")
+
+
+def _utc(*a: int) -> float:
+    return datetime(*a, tzinfo=UTC).timestamp()
+
+
+def _samples(host: str, job: str | None, t0: float, t1: float) -> tuple[GpuSample, ...]:
+    """A GPU's samples every 10 s over [t0, t1], carrying ``job`` (None: no job)."""
+    return tuple(GpuSample(ts=t0 + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, model="NVIDIA H200",
+                           sm_active_ratio=0.5, energy_joules=300.0 * 10 * k, job_ids=(job,) if job else ())
+                 for k in range(int((t1 - t0) / 10) + 1))
+
+
+def test_a_job_slurm_shows_running_is_billed_in_no_closed_month_and_once_when_it_ended(tmp_path):
+    # job 500 started 2020-01-20; its node's agent died after an hour, so its last measurement lies in January
+    (tmp_path / "gpuledger.toml").write_text(CONFIG)
+    t0 = _utc(2020, 1, 20)
+    store = Store(tmp_path / "gpuledger.sqlite", clock=lambda: t0 + 7200)
+    try:
+        store.ingest(Batch("a", 0, "n1", _samples("n1", "500", t0, t0 + 3600), cluster="c"))
+        store.put_jobs([JobRecord("500", cluster="c", user="alice", account="a", hosts=("n1",), gpus=1, start=t0,
+                                  state="RUNNING")])
+    finally:
+        store.close()
+
+    def jobs(period: str) -> tuple[int, str]:
+        r = run("report", "usage", "--data-dir", tmp_path, "--period", period, "--format", "json")
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["total"]["jobs"], r.stderr
+
+    n, err = jobs("2020-01")
+    assert n == 0 and "1 job(s) that started before the period's end have no end in Slurm's records" in err
+    everything = run("report", "usage", "--data-dir", tmp_path, "--format", "csv")  # all time: not over yet
+    assert "counted with their allocation up to now" in everything.stderr
+    assert next(row for row in csv.DictReader(io.StringIO(everything.stdout)) if row["account"] == "TOTAL")[
+        "jobs"] == "1"
+    store = Store(tmp_path / "gpuledger.sqlite", clock=lambda: t0 + 7200)
+    try:
+        store.put_jobs([JobRecord("500", cluster="c", user="alice", account="a", hosts=("n1",), gpus=1, start=t0,
+                                  end=_utc(2020, 2, 1, 12), state="COMPLETED")])
+    finally:
+        store.close()
+    assert [jobs(p)[0] for p in ("2020-01", "2020-02")] == [0, 1]
+
+
+def test_reconcile_balances_with_the_collectors_totals_in_every_period(tmp_path):
+    # job 100 (account a) ran 09-30 23:00 .. 10-01 01:00 on n1: counted in October, with an hour in September;
+    # job 200 (b) 10-31 23:00 .. 11-01 01:00 on n2: counted in November, with an hour in October; job 300 (c)
+    # started 10-31 23:30 on n3 and Slurm shows it running; n1 idled without a job on 10-10 for an hour
+    (tmp_path / "gpuledger.toml").write_text(CONFIG)
+    store = Store(tmp_path / "gpuledger.sqlite", clock=lambda: _utc(2026, 11, 2))
+    try:
+        for i, (host, job, t0, t1) in enumerate((
+                ("n1", "100", _utc(2026, 9, 30, 23), _utc(2026, 10, 1, 1)),
+                ("n1", None, _utc(2026, 10, 10), _utc(2026, 10, 10, 1)),
+                ("n2", "200", _utc(2026, 10, 31, 23), _utc(2026, 11, 1, 1)),
+                ("n3", "300", _utc(2026, 10, 31, 23, 30), _utc(2026, 11, 1, 23)))):
+            store.ingest(Batch("a-" + host, i, host, _samples(host, job, t0, t1), cluster="c"))
+        store.put_jobs([
+            JobRecord("100", cluster="c", user="u", account="a", hosts=("n1",), gpus=1, start=_utc(2026, 9, 30, 23),
+                      end=_utc(2026, 10, 1, 1), state="COMPLETED"),
+            JobRecord("200", cluster="c", user="u", account="b", hosts=("n2",), gpus=1,
+                      start=_utc(2026, 10, 31, 23), end=_utc(2026, 11, 1, 1), state="COMPLETED"),
+            JobRecord("300", cluster="c", user="u", account="c", hosts=("n3",), gpus=1,
+                      start=_utc(2026, 10, 31, 23, 30), state="RUNNING")])
+        months = {p: (_utc(2026, m, 1), _utc(2026, m + 1, 1)) for p, m in (("2026-09", 9), ("2026-10", 10),
+                                                                             ("2026-11", 11))}
+        collector = {p: store.totals(a, b)["observed_gpu_seconds"] / 3600 for p, (a, b) in months.items()}
+    finally:
+        store.close()
+    totals = {}
+    for p in months:
+        r = run("report", "reconcile", "--data-dir", tmp_path, "--period", p, "--format", "json")
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        totals[p] = t = doc["total"]
+        balance = (t["observed_gpu_hours"] + t["out_of_scope_gpu_hours"] - t["outside_period_gpu_hours"]
+                   + t["other_periods_gpu_hours"] + t["unattributed_gpu_hours"])
+        assert balance == pytest.approx(collector[p], rel=1e-12), p
+        assert not any("disagree" in n for n in doc["notes"]), doc["notes"]
+    # each job's hours where they lie: job 100's September hour (its first sample opens no interval) is outside
+    # October and other periods' in September; job 200's October hour is other periods' in October
+    assert totals["2026-09"]["other_periods_gpu_hours"] == pytest.approx(3590 / 3600)
+    assert totals["2026-10"]["outside_period_gpu_hours"] == pytest.approx(3590 / 3600)
+    assert totals["2026-10"]["unattributed_gpu_hours"] == pytest.approx(1.0)
+    assert totals["2026-11"]["outside_period_gpu_hours"] == pytest.approx(3590 / 3600)  # job 200's October hour

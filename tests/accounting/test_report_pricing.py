@@ -7,6 +7,8 @@ import math
 from datetime import UTC, datetime
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuledger.accounting.charge import ChargePolicy, allocation, bounded_weight, gres_names
 from gpuledger.accounting.ledger import LedgerEntry, join
@@ -259,3 +261,65 @@ def test_the_cost_never_bills_more_gpu_hours_than_slurm_allocated():
     # a job without a scheduler record is billed as measured
     agent_only = ledger([], [gpu("5", "n1", "G0", H200, 1.1 * H)])
     assert usage_report(agent_only, "account", OCT, PRICES).total.cost == pytest.approx(1.1 * 4.0)
+
+
+TYPED = (("gres/gpu", 2.0), ("gres/gpu:h200", 1.0), ("gres/gpu:a100", 1.0))
+
+
+def test_a_typed_job_on_two_models_with_a_node_unmeasured_is_billed_what_slurm_allocated_per_model():
+    # Slurm: one h200 and one a100 over n1, n2; n1's H200 was measured all its hour, n2's agent was down. The
+    # unmeasured hour is the a100's: 1 H200-h x 4 + 1 A100-h x 1, not 1.5 H200-h.
+    rec = JobRecord("4", user="u", account="a", partition="gpu", gpus=2, start=T0, end=T1, hosts=("n1", "n2"),
+                    state="COMPLETED", tres=TYPED)
+    entries = ledger([rec], [gpu("4", "n1", "G0", H200)])
+    for by, rep in reports(entries).items():
+        t = rep.total
+        assert t.cost == pytest.approx(4.0 + 1.0), by
+        assert (t.slurm_gpu_hours, t.unmeasured_gpu_hours, t.billed_gpu_hours) == pytest.approx((2.0, 1.0, 2.0)), by
+        assert_rows_add_up(rep)
+    by_model = {r.group: (r.slurm_gpu_hours, r.unmeasured_gpu_hours, r.cost) for r in reports(entries)["model"].rows}
+    assert by_model == {H200: (1.0, 0.0, 4.0), "a100": (1.0, 1.0, 1.0)}
+    # reconcile puts no a100 on n1 (measured as an H200) and no h200 on n2
+    rows = {(r.node, r.model): (r.slurm_gpu_hours, r.observed_gpu_hours, r.unmeasured_gpu_hours)
+            for r in reconcile(entries, [], OCT, now=T1 + H).rows}
+    assert rows == {("n1", H200): (1.0, 1.0, 0.0), ("n2", "a100"): (1.0, 0.0, 1.0)}
+    # both measured: the models as measured, no empty rows under Slurm's names beside them
+    both = ledger([rec], [gpu("4", "n1", "G0", H200), gpu("4", "n2", "G1", A100)])
+    assert {r.group: r.slurm_gpu_hours for r in reports(both)["model"].rows} == {H200: 1.0, A100: 1.0}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.one_of(st.none(), st.floats(0.0, 1.0)), min_size=0, max_size=3),
+                          st.lists(st.one_of(st.none(), st.floats(0.0, 1.0)), min_size=0, max_size=3)),
+                min_size=1, max_size=4))
+def test_typed_jobs_are_billed_exactly_their_allocation_per_model_whatever_was_measured(jobs):
+    # each job: some h200 GPUs on n1 and some a100 GPUs on n2 for an hour, each measured for a fraction of it
+    # (None: not at all). Whatever was measured, each model's allocation is billed at its price, once.
+    records, gpus, expected = [], [], 0.0
+    for i, (h200, a100) in enumerate(jobs):
+        n = len(h200) + len(a100)
+        tres = (("gres/gpu", float(n)), *((("gres/gpu:h200", float(len(h200))),) if h200 else ()),
+                *((("gres/gpu:a100", float(len(a100))),) if a100 else ()))
+        hosts = (("n1",) if h200 else ()) + (("n2",) if a100 else ())
+        records.append(JobRecord(str(i), user="u", account="a", partition="gpu", gpus=n, start=T0, end=T1,
+                                 hosts=hosts, state="COMPLETED", tres=tres))
+        for host, model, part in (("n1", H200, h200), ("n2", A100, a100)):
+            gpus += [gpu(str(i), host, f"G{i}{host}{k}", model, f * H) for k, f in enumerate(part) if f]
+        expected += 4.0 * len(h200) + 1.0 * len(a100)
+    entries = ledger(records, gpus)
+    for by, rep in reports(entries).items():
+        assert rep.total.cost == pytest.approx(expected, abs=1e-9), by
+        assert_rows_add_up(rep)
+    # per model, Slurm's allocation and its unmeasured part as Slurm gave them (reconcile names a type by the
+    # model measured, else by Slurm's name)
+    slurm: dict[str, float] = {}
+    unmeasured: dict[str, float] = {}
+    for r in reconcile(entries, [], OCT, now=T1 + H).rows:
+        kind = "h200" if r.model in (H200, "h200") else "a100"
+        slurm[kind] = slurm.get(kind, 0.0) + r.slurm_gpu_hours
+        unmeasured[kind] = unmeasured.get(kind, 0.0) + r.unmeasured_gpu_hours
+    for kind, part in (("h200", 0), ("a100", 1)):
+        allocated = sum(len(j[part]) for j in jobs)
+        seen = math.fsum(f for j in jobs for f in j[part] if f)
+        assert slurm.get(kind, 0.0) == pytest.approx(allocated, abs=1e-9), kind
+        assert unmeasured.get(kind, 0.0) == pytest.approx(allocated - seen, abs=1e-9), kind

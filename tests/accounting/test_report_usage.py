@@ -17,7 +17,8 @@ from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
 from gpuledger.accounting.report.idle import idle_jobs
-from gpuledger.accounting.report.period import parse_period
+from gpuledger.accounting.report.period import in_period, not_ended_note, parse_period
+from gpuledger.accounting.report.reconcile import reconcile
 from gpuledger.accounting.report.settings import ReportSettings, report_settings
 from gpuledger.accounting.report.usage import TOTAL, usage_report, usage_report_csv, usage_report_text
 from gpuledger.collector.store import Store
@@ -103,6 +104,34 @@ def test_period_counts_a_job_whole_in_the_period_it_ended():
     # consecutive periods partition the jobs: October + November = everything
     everything = usage_report(fixture(), "account")
     assert everything.total.jobs == usage_report(fixture(), "account", OCT).total.jobs + nov.total.jobs
+
+
+def test_a_running_job_counts_in_no_closed_period_and_once_in_the_period_it_ends():
+    # job 500 started 2026-11-20 and runs into December; its node's agent died after the first hour, so its last
+    # measurement lies in November. A November report must not bill it, nor December's again once it ended.
+    start, dec2 = T(2026, 11, 20), T(2026, 12, 2)
+    nov, dec = parse_period("2026-11"), parse_period("2026-12")
+    usage = U("500", 3600.0, 1800.0, 0.0, first=start, last=start + 3600)
+    running = join([JobRecord("500", account="a", gpus=1, start=start, state="RUNNING")], [usage], now=dec2)
+    assert usage_report(running, "account", nov, PRICES, now=dec2).total.jobs == 0  # November is over
+    assert reconcile(running, [], nov, now=dec2).total.jobs == 0 and in_period(running, nov, dec2) == []
+    assert "1 job(s) that started before the period's end have no end" in (not_ended_note(running, nov, dec2) or "")
+    # December is not over: the job counts there with its allocation so far, and says so
+    so_far = usage_report(running, "account", dec, PRICES, now=dec2).total
+    assert so_far.jobs == 1 and so_far.slurm_gpu_hours == pytest.approx((dec2 - start) / 3600)
+    assert "counted with their allocation up to now" in (not_ended_note(running, dec, dec2) or "")
+    # once it has ended: in December alone, whenever the closed months' reports are made
+    ended = join([JobRecord("500", account="a", gpus=1, start=start, end=T(2026, 12, 1, 12), state="COMPLETED")],
+                 [usage])
+    for now in (T(2026, 12, 1, 13), T(2027, 3, 1)):
+        assert [usage_report(ended, "account", p, PRICES, now=now).total.jobs for p in (nov, dec)] == [0, 1]
+    # a job Slurm does not know still counts at its last measurement
+    assert usage_report(join([], [usage]), "account", nov, PRICES, now=dec2).total.jobs == 1
+    # recorded while pending (no start), measured since: running, so only in the open period, never in none
+    pending = join([JobRecord("500", account="a", gpus=1, state="PENDING")], [usage], now=dec2)
+    assert [usage_report(pending, "account", p, PRICES, now=dec2).total.jobs for p in (nov, dec)] == [0, 1]
+    never_ran = join([JobRecord("500", account="a", gpus=1, state="PENDING")], [], now=dec2)
+    assert [usage_report(never_ran, "account", p, PRICES, now=dec2).total.jobs for p in (nov, dec)] == [0, 0]
 
 
 def test_parse_period_errors_name_the_input():

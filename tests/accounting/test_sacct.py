@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from testdata import DATA_ROOT, capture  # noqa: F401
+from typer.testing import CliRunner
 
 from gpuledger.accounting.slurm import (
     SlurmClient,
@@ -22,6 +26,10 @@ from gpuledger.accounting.slurm import (
     parse_sacct_parsable,
     parse_tres_text,
 )
+from gpuledger.cli import app
+from gpuledger.collector.store import Store
+from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample
 
 DATA = DATA_ROOT / "slurm"
 REAL = DATA / "real-22.05"
@@ -320,6 +328,35 @@ def test_live_sacct_leaves_out_a_record_no_job_can_have_naming_it_and_imports_th
     assert any("job 5" in r.getMessage() and "before Start" in r.getMessage() for r in caplog.records)
 
 
+def test_a_job_whose_two_forms_together_have_impossible_times_is_left_out_live_and_refused_from_files(
+        caplog, tmp_path: Path) -> None:
+    # job 8: the JSON saw it start on 1 December and not yet end, -P gives it an end the day before (each form alone
+    # a job's times); merged, it ends before it starts. Live, that one job is left out with a warning naming it (it
+    # used to stop the whole import, run after run); files the user gave are refused as a whole, exit 2.
+    gpu = '{"type": "gres", "name": "gpu", "count": 1}'
+    json_doc = ('{"jobs": [' + ", ".join(
+        f'{{"job_id": {j}, "user": "a", "state": {{"current": "COMPLETED"}}, "nodes": "n1", "time": {{"start": '
+        f'{start}, "end": {end}}}, "tres": {{"allocated": [{gpu}]}}}}'
+        for j, start, end in ((4, 1796151000, 1796152800), (8, 1796152800, 0))) + "]}")
+    parsable = (f"{HEADER}\n4|2026-12-01T19:10:00|2026-12-01T19:40:00|gres/gpu=1|n1\n"
+                "8|2026-11-30T10:00:00|2026-11-30T11:00:00|gres/gpu=1|n1\n")  # a day before: in any zone
+    run = Replay({"sacct --json": (0, json_doc, ""), "sacct -P": (0, parsable, "")})
+    with caplog.at_level("WARNING", logger="gpuledger.accounting.slurm"):
+        recs = SlurmClient(run=run).sacct_jobs(0, 1)
+    assert [(r.job_id, r.start, r.end) for r in recs] == [("4", 1796151000.0, 1796152800.0)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "sacct record left out: job 8 (sacct JSON and -P together): End 2026-11-30T11:00:00Z is before Start "
+        "2026-12-01T19:20:00Z"]
+
+    (tmp_path / "sacct.json").write_text(json_doc)
+    (tmp_path / "sacct.txt").write_text(parsable)
+    r = CliRunner().invoke(app, ["jobs", "import", "--data-dir", str(tmp_path / "d"), "--sacct-json",
+                                 str(tmp_path / "sacct.json"), "--sacct-parsable", str(tmp_path / "sacct.txt")])
+    assert r.exit_code == 2, r.output
+    assert "job 8 (sacct JSON and -P together): End" in r.output and "imported" not in r.output
+    assert not (tmp_path / "d").exists()  # nothing stored
+
+
 def test_an_array_cancelled_while_pending_is_one_record_in_both_forms() -> None:
     # sacct --json names the never-split record by its job id and a task bit mask, -P as "5_[1-5,7]": one job
     from datetime import UTC
@@ -331,3 +368,146 @@ def test_an_array_cancelled_while_pending_is_one_record_in_both_forms() -> None:
     assert [r.job_id for r in as_json] == [r.job_id for r in parsable] == ["5_[1-5,7]"]
     (merged,) = merge_sacct(as_json, parsable)
     assert (merged.job_id, merged.state, merged.exit_code) == ("5_[1-5,7]", "CANCELLED", 0)
+
+
+# ------------------------------------------------------------------------------ heterogeneous jobs
+
+HET_T0 = 1791158400  # 2026-10-05T00:00:00Z
+
+
+def het_sacct_json() -> str:
+    """`sacct --json` of heterogeneous job 12, its components 12+0 (job id 12, on n1) and 12+1 (job id 13, on n2),
+    one GPU each, 2026-10-05 00:00-01:00 UTC. Made from the real 23.11.5 capture's one job (no public capture of a
+    heterogeneous job was found): ``job_id``, ``het`` (as 23.11 prints it for a component: the leader's id and the
+    wrapped offset; a job that is none has ``{"job_id": 0, "job_offset": {"set": false, ...}}``, as in the capture),
+    nodes, GPUs, times and state replaced."""
+    doc = json.loads(read(DATA / "sacct-json-23.11.5.json"))
+    (base,) = doc["jobs"]
+    doc["jobs"] = []
+    for raw, offset, node in ((12, 0, "n1"), (13, 1, "n2")):
+        job = copy.deepcopy(base)
+        job.update(job_id=raw, nodes=node, cluster="c", user="alice", account="a",
+                   het={"job_id": 12, "job_offset": {"set": True, "infinite": False, "number": offset}},
+                   state={"current": ["COMPLETED"], "reason": "None"})
+        job["tres"]["allocated"] = [t for t in job["tres"]["allocated"] if t["type"] != "gres"] + [
+            {"type": "gres", "name": "gpu", "id": 1001, "count": 1}]
+        job["time"].update(submission=HET_T0, eligible=HET_T0, start=HET_T0, end=HET_T0 + 3600, elapsed=3600)
+        doc["jobs"].append(job)
+    return json.dumps(doc)
+
+
+# sacct -P -X of the same job, in the form sacct prints a heterogeneous job's components (JobID leader+offset,
+# JobIDRaw the component's own id; Slurm's heterogeneous_jobs.html); steps as sacct lists them without -X
+HET_PARSABLE = (
+    "JobID|JobIDRaw|Cluster|User|Account|NodeList|AllocTRES|Submit|Start|End|State|ExitCode\n"
+    "12+0|12|c|alice|a|n1|cpu=1,gres/gpu=1,node=1|2026-10-05T00:00:00|2026-10-05T00:00:00|2026-10-05T01:00:00|"
+    "COMPLETED|0:0\n"
+    "12+0.batch|12.batch|c||a|n1|cpu=1,gres/gpu=1,node=1|2026-10-05T00:00:00|2026-10-05T00:00:00|"
+    "2026-10-05T01:00:00|COMPLETED|0:0\n"
+    "12+1|13|c|alice|a|n2|cpu=1,gres/gpu=1,node=1|2026-10-05T00:00:00|2026-10-05T00:00:00|2026-10-05T01:00:00|"
+    "COMPLETED|3:0\n"
+    "12+1.0|13.0|c||a|n2|cpu=1,gres/gpu=1,node=1|2026-10-05T00:00:00|2026-10-05T00:00:00|2026-10-05T01:00:00|"
+    "COMPLETED|3:0\n")
+
+
+def test_a_heterogeneous_jobs_components_go_by_their_own_job_ids_in_both_forms() -> None:
+    # the ids the components' cgroups (job_12, job_13), scontrol and squeue's %A name them by, and so the agents
+    as_json = parse_sacct_json(het_sacct_json())
+    parsable = parse_sacct_parsable(HET_PARSABLE, tz=UTC)
+    assert [(r.job_id, r.hosts, r.gpus) for r in as_json] == [("12", ("n1",), 1), ("13", ("n2",), 1)]
+    assert [(r.job_id, r.hosts, r.gpus, r.exit_code) for r in parsable] == [("12", ("n1",), 1, 0),
+                                                                             ("13", ("n2",), 1, 3)]
+    assert [(r.job_id, r.start, r.end, r.exit_code) for r in merge_sacct(as_json, parsable)] == [
+        ("12", HET_T0, HET_T0 + 3600, 0), ("13", HET_T0, HET_T0 + 3600, 3)]
+    # without JobIDRaw: the leader's own id is the job's; any other component's is nowhere in the line
+    no_raw = "\n".join("|".join(f for i, f in enumerate(ln.split("|")) if i != 1) for ln in HET_PARSABLE.splitlines())
+    with pytest.raises(SlurmParseError, match=r"sacct -P line 4: heterogeneous job component 12\+1 without a "
+                                              "JobIDRaw column.*add JobIDRaw"):
+        parse_sacct_parsable(no_raw, tz=UTC)
+    assert [r.job_id for r in parse_sacct_parsable(no_raw.split("\n12+1|")[0], tz=UTC)] == ["12"]
+    with pytest.raises(SlurmParseError, match=r"line 2: JobIDRaw '12x' is not a job id"):
+        parse_sacct_parsable(HET_PARSABLE.replace("12+0|12|", "12+0|12x|"), tz=UTC)
+
+
+def test_live_sacct_asks_for_jobidraw_and_names_het_components_by_it() -> None:
+    run = Replay({"sacct --json": (0, het_sacct_json(), ""), "sacct -P": (0, HET_PARSABLE, "")})
+    assert [r.job_id for r in SlurmClient(run=run).sacct_jobs(0, 1)] == ["12", "13"]
+    fmt = next(a for a in run.calls[1][0] if a.startswith("--format="))
+    assert "JobIDRaw" in fmt.removeprefix("--format=").split(",")
+
+
+def test_measured_usage_of_a_het_component_joins_slurms_record_of_it_and_bills_once(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    store = Store(d / "gpuledger.sqlite", clock=lambda: HET_T0 + 30 * 86400)
+    try:  # what the agents on n1 and n2 measured: jobs "12" and "13", as their cgroups name them
+        for seq, (host, job) in enumerate((("n1", "12"), ("n2", "13")), 1):
+            store.ingest(Batch("ag-" + host, seq, host, tuple(
+                GpuSample(ts=HET_T0 + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, model="NVIDIA H200",
+                          sm_active_ratio=0.9, energy_joules=3000.0 * k, job_ids=(job,)) for k in range(361)),
+                cluster="c"))
+    finally:
+        store.close()
+    (d / "gpuledger.toml").write_text("[report.price_per_gpu_hour]\ndefault = 1.0\n")
+    (tmp_path / "sacct.json").write_text(het_sacct_json())
+    (tmp_path / "sacct.txt").write_text(HET_PARSABLE)
+    runner = CliRunner()
+    r = runner.invoke(app, ["jobs", "import", "--data-dir", str(d), "--sacct-json", str(tmp_path / "sacct.json"),
+                            "--sacct-parsable", str(tmp_path / "sacct.txt")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(d), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert [(j["job_id"], j["seen_by"], j["user"], j["slurm_gpu_seconds"], j["observed_gpu_seconds"])
+            for j in json.loads(r.stdout)] == [("12", "both", "alice", 3600.0, 3600.0),
+                                                ("13", "both", "alice", 3600.0, 3600.0)]
+    r = runner.invoke(app, ["report", "usage", "--data-dir", str(d), "--period", "2026-10", "--by", "user",
+                            "--format", "json"])
+    assert r.exit_code == 0, r.output
+    total = json.loads(r.stdout)["total"]
+    # two GPU-hours allocated, two billed (not the agents' two and Slurm's unmeasured two)
+    assert (total["jobs"], total["billed_gpu_hours"], total["unmeasured_gpu_hours"], total["cost"]) == (2, 2.0, 0.0,
+                                                                                                       2.0)
+
+
+# ------------------------------------------------------------------------------ zone-less local times at DST changes
+
+# US clocks go back at 2026-11-01 02:00 EDT to 01:00 EST: 01:00-01:59 happens twice, first at -04:00, then -05:00.
+NEW_YORK = ZoneInfo("America/New_York")
+DST_HEADER = "JobID|User|AllocTRES|Submit|Start|End|State"
+
+
+def test_an_end_before_its_start_in_the_repeated_hour_is_the_second_occurrence(caplog) -> None:
+    # 01:50 (first, EDT) -> 01:10 (second, EST): 20 minutes; read as first occurrences it ended before it started.
+    # Submitted 01:40: the first occurrence (the second is after the start). Everything decided: no warning.
+    text = f"{DST_HEADER}\n300|alice|gres/gpu=1|2026-11-01T01:40:00|2026-11-01T01:50:00|2026-11-01T01:10:00|COMPLETED\n"
+    with caplog.at_level("WARNING", logger="gpuledger.accounting.slurm"):
+        (r,) = parse_sacct_parsable(text, tz=NEW_YORK)
+    assert (r.submit, r.start, r.end) == (utc("2026-11-01T05:40:00"), utc("2026-11-01T05:50:00"),
+                                          utc("2026-11-01T06:10:00"))
+    assert caplog.records == []
+    # an end before its start in any reading is still no job's
+    with pytest.raises(SlurmParseError, match=r"line 2 \(job 302\): End 2026-11-01T04:00:00Z is before Start"):
+        parse_sacct_parsable(f"{DST_HEADER}\n302|a|gres/gpu=1||2026-11-01T01:10:00|2026-11-01T00:00:00|COMPLETED\n",
+                             tz=NEW_YORK)
+
+
+def test_an_undecided_time_in_the_repeated_hour_is_the_first_occurrence_with_a_warning_naming_both(caplog) -> None:
+    # 00:30 -> 01:30: 1 h if the end was the first 01:30, 2 h if the second; nothing in the record says which
+    text = f"{DST_HEADER}\n301|bob|gres/gpu=1|2026-10-31T23:00:00|2026-11-01T00:30:00|2026-11-01T01:30:00|COMPLETED\n"
+    with caplog.at_level("WARNING", logger="gpuledger.accounting.slurm"):
+        (r,) = parse_sacct_parsable(text, tz=NEW_YORK)
+    assert (r.start, r.end) == (utc("2026-11-01T04:30:00"), utc("2026-11-01T05:30:00"))
+    (msg,) = [rec.getMessage() for rec in caplog.records]
+    assert msg.startswith("sacct -P line 2 (job 301) End 2026-11-01T01:30:00: ")
+    assert "read as 2026-11-01T05:30:00Z, it may be 2026-11-01T06:30:00Z; the job ran 3600 s or 7200 s" in msg
+    assert "TZ=UTC" in msg
+    # a caller whose JSON has the job's epochs (which decide) takes the warnings instead of their being logged
+    caplog.clear()
+    ambiguous: list[tuple[str, str]] = []
+    with caplog.at_level("WARNING", logger="gpuledger.accounting.slurm"):
+        parse_sacct_parsable(text, tz=NEW_YORK, ambiguous=ambiguous)
+    assert caplog.records == [] and ambiguous == [("301", msg)]
+    # the same text in UTC is one instant: nothing to warn of
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpuledger.accounting.slurm"):
+        (r,) = parse_sacct_parsable(text, tz=UTC)
+    assert r.end == utc("2026-11-01T01:30:00") and caplog.records == []

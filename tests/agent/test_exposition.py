@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 
 import pytest
@@ -183,6 +184,69 @@ def test_xid_errors_exported_as_a_counter_per_gpu() -> None:
     assert values == {"1": 2.0}
 
 
+def test_the_xid_counter_moves_when_its_gpu_is_lost_and_keeps_its_labels() -> None:
+    """Xid 13 on GPU 1, which is then lost; Xid 48 and 79 (fell off the bus) on GPU 0 in one poll. The counter
+    counts every Xid at once, lost GPU or not, keeps each series' labels (model too) and, when the GPUs are back
+    and their samples carry the held Xids, counts none again."""
+    from nvml_fake import FakeNvml, Scenario
+
+    from gpuledger.agent.sources.nvml import NvmlSource
+
+    t = [1000.0]
+    lib = FakeNvml(Scenario.node(2), clock=lambda: t[0])
+    agent = Agent(NvmlSource(lib=lib, host="n1", clock=lambda: t[0], reopen_backoff_s=(30.0, 30.0)))
+    agent.open()
+
+    def xids() -> dict[str, tuple[str, float]]:
+        fam = families(scrape(agent))["gpuledger_gpu_xid_errors"]
+        return {s.labels["gpu"]: (s.labels["model"], s.value) for s in fam if s.name.endswith("_total")}
+
+    lib.inject_xid(1, 13)
+    agent.tick()
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert xids() == {"1": (h100, 1.0)}
+    lib.lose(1)
+    t[0] += 1
+    assert [s.gpu_index for s in agent.tick()] == [0]
+    assert xids() == {"1": (h100, 1.0)}  # the same series, though GPU 1 has left the snapshot
+    lib.inject_xid(0, 48)
+    lib.inject_xid(0, 79)
+    t[0] += 1
+    assert agent.tick() == []  # both GPUs lost
+    assert xids() == {"0": (h100, 2.0), "1": (h100, 1.0)}
+    lib.revive(0)
+    lib.revive(1)
+    t[0] += 30
+    assert [s.xid_errors for s in agent.tick()] == [(48, 79), ()]  # the held Xids go out after the re-open
+    assert xids() == {"0": (h100, 2.0), "1": (h100, 1.0)}
+
+
+def test_failed_reads_are_exported_by_field() -> None:
+    from nvml_fake import FakeNvml, Scenario
+
+    from gpuledger.agent.sources.nvml import NvmlSource
+
+    class PowerBug(FakeNvml):
+        def nvmlDeviceGetPowerUsage(self, handle):  # a binding bug on GPU 1 only (e.g. a ctypes TypeError)
+            if handle.gpu == 1:
+                raise TypeError("bad ctypes argument")
+            return super().nvmlDeviceGetPowerUsage(handle)
+
+    t = [1000.0]
+    lib = PowerBug(Scenario.node(2), clock=lambda: t[0])
+    agent = Agent(NvmlSource(lib=lib, host="n1", clock=lambda: t[0]))
+    agent.open()
+    for _ in range(3):
+        lib.fail_next("nvmlDeviceGetTotalEnergyConsumption")  # NVML_ERROR_UNKNOWN, one GPU a tick
+        t[0] += 1
+        agent.tick()
+    fam = families(scrape(agent))
+    got = {(s.labels["source"], s.labels["field"]): s.value for s in fam["gpuledger_agent_source_call_errors"]}
+    assert got == {("nvml", "energy_joules"): 3.0, ("nvml", "power_watts"): 3.0}
+    assert [(s.labels["source"], s.value) for s in fam["gpuledger_agent_source_unexpected_errors"]] == [("nvml", 3.0)]
+    assert not fam.get("gpuledger_agent_unavailable_fields")  # a passing failure is not a field unavailable
+
+
 def test_source_health_connection_and_lost_gpus_are_exported() -> None:
     """Degrade per field is visible: each unavailable field once, with its reason; a lost host engine too."""
     from nvml_fake import FakeNvml, Scenario
@@ -302,3 +366,24 @@ def test_a_mig_gpus_exported_counter_is_the_devices_own_across_restarts() -> Non
         device.append(next(s.energy_joules for s in raw if not s.mig))
     assert exported == device
     assert _prometheus_increase(exported) == pytest.approx(_prometheus_increase(device), rel=1e-12)
+
+
+def test_a_tick_without_the_devices_counter_exports_no_energy_and_no_step_back() -> None:
+    """The driver's counter is unread at tick 3 (power still read, momentarily 1000 W): /metrics leaves the energy
+    counter off that tick rather than show the instances' virtual sum, which the next tick's driver counter would
+    undercut, a reset to Prometheus."""
+    class Snapshot:
+        snapshot: list[GpuSample] = []
+        sampled: list[GpuSample] = []
+
+    split, registry = MigEnergySplitter(), make_registry(Snapshot)
+    exported: list[float] = []
+    for i in range(6):
+        raw = _mig_tick(1e9 + 10.0 * i, 1e9 + 4000.0 * i)
+        if i == 3:
+            raw[0] = dataclasses.replace(raw[0], energy_joules=None, power_watts=1000.0)
+        Snapshot.sampled, Snapshot.snapshot = raw, split.map(raw)
+        values = list(_exported(registry, "gpuledger_gpu_energy_joules_total").values())
+        assert len(values) == (0 if i == 3 else 1), i
+        exported.extend(values)
+    assert exported == [1e9 + 4000.0 * i for i in (0, 1, 2, 4, 5)]

@@ -107,3 +107,62 @@ def test_split_conserves_energy_exactly(steps, idle):
     got = [s.energy_joules for s in out if s.mig is not None]
     assert math.isclose(math.fsum(got), expected, rel_tol=1e-9, abs_tol=1e-6)
     assert all(g >= 0 for g in got)
+
+
+A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def _gpu(ts: float, counter: float | None, power: float | None) -> GpuSample:
+    return GpuSample(ts=ts, host="h", gpu_uuid="G", gpu_index=0, model=A100, energy_joules=counter, power_watts=power)
+
+
+def _instances(ts: float, layout: dict[str, str]) -> list[GpuSample]:
+    return [GpuSample(ts=ts, host="h", gpu_uuid="G", gpu_index=0, model=f"{A100} MIG {profile}", mig=m,
+                      sm_active_ratio=0.5) for m, profile in layout.items()]
+
+
+def _instance_sum(out: list[GpuSample]) -> float:
+    return math.fsum(s.energy_joules for s in out if s.mig is not None and s.energy_joules is not None)
+
+
+def test_a_repartition_that_replaces_every_instance_keeps_the_gpus_energy():
+    """7 x 1g.10gb re-partitioned into one 7g.80gb between two ticks (300 W): no instance is carried over, and
+    the interval's energy still goes to the instances, so their counters sum to the GPU's counter."""
+    split = MigEnergySplitter()
+    seven = {str(gi): "1g.10gb" for gi in range(7, 14)}
+    for k in range(6):
+        ts, counter = 1e9 + 10.0 * k, 5e6 + 3000.0 * k
+        out = split.map([_gpu(ts, counter, 300.0), *_instances(ts, seven if k < 3 else {"0": "7g.80gb"})])
+        assert math.isclose(_instance_sum(out), counter, rel_tol=1e-12), k
+
+
+def test_a_tick_without_the_counter_loses_no_energy_and_counts_none_twice():
+    """300 W, the counter growing 3000 J per 10 s tick. Tick 3 reads neither power nor the counter; tick 5 reads
+    power (a momentary 100 W) but not the counter. The counter's next reading settles both gaps: the instances'
+    counters sum to the GPU's, neither one interval short nor power's credit counted again."""
+    split = MigEnergySplitter(idle_watts=60.0)
+    layout = {"1": "3g.40gb", "2": "4g.40gb"}
+    for k in range(8):
+        ts, counter = 1e9 + 10.0 * k, 5e6 + 3000.0 * k
+        read = {3: (None, None), 5: (None, 100.0)}.get(k, (counter, 300.0))
+        out = split.map([_gpu(ts, *read), *_instances(ts, layout)])
+        if k == 3:  # nothing measured: no instance claims a counter value
+            assert all(s.energy_joules is None for s in out)
+        elif read[0] is not None:
+            assert math.isclose(_instance_sum(out), counter, rel_tol=1e-12), k
+
+
+def test_power_that_overstated_a_gap_is_paid_back_from_the_counters_later_growth():
+    """The counter grows 1000 J per 10 s tick (100 W) but ticks 3-5 read only power, a momentary 700 W: power
+    credits 21,000 J where the counter grew 3000 J. The surplus is not kept: later growth pays it back, and the
+    instances' counters sum to the GPU's counter again (never more than it for good)."""
+    split = MigEnergySplitter()
+    layout = {"1": "3g.40gb", "2": "4g.40gb"}
+    for k in range(30):
+        ts, counter = 1e9 + 10.0 * k, 5e6 + 1000.0 * k
+        read = (None, 700.0) if k in (3, 4, 5) else (counter, 100.0)
+        out = split.map([_gpu(ts, *read), *_instances(ts, layout)])
+        if k >= 23:  # 17,000 J owed at tick 6, paid back at 1000 J a tick
+            assert math.isclose(_instance_sum(out), counter, rel_tol=1e-12), k
+        elif read[0] is not None:
+            assert _instance_sum(out) >= counter - 1e-6, k

@@ -17,8 +17,9 @@ from nvml_fake import (
     fake_node,
 )
 
+from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.base import GpuSource, SourceUnavailable
-from gpuledger.agent.sources.nvml import NvmlSource
+from gpuledger.agent.sources.nvml import GPM_FIELDS, NvmlSource
 from gpuledger.schema.records import RATIO_FIELDS, GpuProcess
 
 
@@ -243,6 +244,97 @@ def test_xid_events_polled_without_blocking() -> None:
     assert src.lost_gpus == (lib.scenario.gpus[0].uuid,)
 
 
+class LostMidTick(FakeNvml):
+    """A GPU that falls off the bus after this tick's events were read: its first call of the tick answers
+    GPU_IS_LOST (``lose_next_tick``: its index)."""
+
+    lose_next_tick: int | None = None
+
+    def nvmlDeviceGetMigMode(self, device):  # the first call sample() makes on each GPU
+        if device.gpu == self.lose_next_tick:
+            self.lose(device.gpu)
+        return super().nvmlDeviceGetMigMode(device)
+
+
+def test_xids_of_a_lost_gpu_are_held_for_its_sample_after_the_reopen_and_79_is_one() -> None:
+    clock = Clock()
+    lib = LostMidTick(Scenario.node(2), clock=clock)
+    src = _open(lib, clock, reopen_backoff_s=(30.0, 30.0))
+    src.sample()
+    uuids = [g.uuid for g in lib.scenario.gpus]
+    lib.inject_xid(1, 48)  # read by this tick's poll; the GPU is lost before its sample
+    lib.lose_next_tick = 1
+    clock.t += 1
+    assert [s.gpu_index for s in src.sample()] == [0]
+    lib.inject_xid(0, 48)  # a DBE, then the GPU falls off the bus: both in one poll
+    lib.inject_xid(0, 79)
+    clock.t += 1
+    assert src.sample() == [] and src.gpu_lost_total == 2
+    # Held, not dropped: what the agent counts at once (agent.sampler) while the GPUs are lost.
+    assert sorted(src.held_xids()) == [(("node1", 0, uuids[0], ""), "NVIDIA H100 80GB HBM3", 2),
+                                       (("node1", 1, uuids[1], ""), "NVIDIA H100 80GB HBM3", 1)]
+    lib.lose_next_tick = None
+    lib.revive(0)
+    lib.revive(1)
+    clock.t += 30
+    assert [(s.gpu_index, s.xid_errors) for s in src.sample()] == [(0, (48, 79)), (1, (48,))]  # after the re-open
+    assert src.held_xids() == []
+    clock.t += 1
+    assert [s.xid_errors for s in src.sample()] == [(), ()]  # once
+
+
+def test_a_wall_clock_step_back_stops_neither_gpm_nor_a_reopen() -> None:
+    """NTP steps the wall clock back an hour: GPM's 100 ms spacing and the re-open backoff are timed by the
+    monotonic clock, so GPM values keep coming and a lost GPU is retried on time; samples keep the wall clock."""
+    wall, mono = Clock(1_700_000_000.0), Clock(50.0)
+    lib = FakeNvml(Scenario.node(2), clock=mono)  # the GPU's counters follow real (monotonic) time
+    src = _open(lib, wall, monotonic=mono, reopen_backoff_s=(30.0, 30.0))
+
+    def tick(dt: float = 10.0) -> list:
+        wall.t += dt
+        mono.t += dt
+        return src.sample()
+
+    tick()
+    lib.lose(1)
+    assert [s.gpu_index for s in tick()] == [0]
+    wall.t -= 3600.0
+    lib.revive(1)
+    (s,) = tick()  # 10 s of monotonic time since the loss: not yet retried
+    assert s.sm_active_ratio == pytest.approx(0.9) and s.ts == wall.t
+    samples = tick(20.0)  # 30 s since the loss: re-opened
+    assert [s.gpu_index for s in samples] == [0, 1] and samples[0].sm_active_ratio == pytest.approx(0.9)
+
+
+def test_failed_reads_are_counted_by_field_and_a_gpu_without_gpm_is_unavailable() -> None:
+    """A transient NVML error and a binding bug each cost their field that tick and are counted per field, every
+    time (a permanent cause is counted once, in ``health``); a GPU without GPM lacks every GPM field."""
+    clock = Clock()
+
+    class PowerBug(FakeNvml):
+        def nvmlDeviceGetPowerUsage(self, handle):  # a binding bug on GPU 1 only (e.g. a ctypes TypeError)
+            if handle.gpu == 1:
+                raise TypeError("bad ctypes argument")
+            return super().nvmlDeviceGetPowerUsage(handle)
+
+    scenario = Scenario.node(3)
+    scenario.gpus[2].gpm = None  # GPM unsupported (isSupportedDevice 0), as before Hopper
+    lib = PowerBug(scenario, clock=clock)
+    src = _open(lib, clock)
+    for _ in range(4):
+        lib.fail_next("nvmlDeviceGetTotalEnergyConsumption")  # GPU 0's read, each tick
+        lib.fail_next("nvmlGpmSampleGet")  # GPU 0's GPM sample, each tick
+        clock.t += 1
+        a, b, _ = samples = src.sample()
+        assert (a.energy_joules, a.power_watts, a.sm_active_ratio) == (None, 450.0, None)
+        assert b.power_watts is None and b.energy_joules is not None
+    assert src.call_errors_total == {"energy_joules": 4, "power_watts": 4,
+                                     **{f: 4 for f in GPM_FIELDS}}  # a GPM sample fills every GPM field
+    assert src.errors_total == 4  # the binding bug's
+    assert src.health.unavailable == {(f, "not_supported"): 1 for f in GPM_FIELDS}  # GPU 2, once
+    assert samples[2].sm_active_ratio is None and samples[1].sm_active_ratio == pytest.approx(0.9)
+
+
 def test_mig_one_sample_per_gpu_instance_power_once() -> None:
     clock = Clock()
     mig_gpu = FakeGpu(
@@ -300,6 +392,7 @@ def test_a_transient_error_reading_the_mig_layout_keeps_the_last_one(call, caplo
     clock.t += 1
     assert layout(src.sample()) == steady  # and after it: GPM windows kept, nothing re-learnt
     assert not any("MIG mode turned" in r.getMessage() for r in caplog.records)
+    assert src.call_errors_total == {"": 1}  # counted once, as a call that fills no field
     lib.update(0, mig=None)  # MIG really turned off: seen at once
     clock.t += 1
     assert [s.mig for s in src.sample()] == [None]
@@ -384,3 +477,99 @@ def test_gpu_check_script_fails_clearly_without_gpu() -> None:
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "PyTorch is not installed" in r.stderr
+
+
+class GarbledAfterReopen(FakeNvml):
+    """Binding bugs at the boundary: with ``garble`` set to an index, that GPU's remapped rows come back garbled
+    (its sampling raises outside any one call); with ``bad_uuid``, its UUID call raises a non-NVML error."""
+
+    garble: int | None = None
+    bad_uuid: int | None = None
+
+    def nvmlDeviceGetRemappedRows(self, device):
+        if device.gpu == self.garble:
+            return ("garbled", "struct", 0, 0)
+        return super().nvmlDeviceGetRemappedRows(device)
+
+    def nvmlDeviceGetUUID(self, handle):
+        if getattr(handle, "gpu", None) == self.bad_uuid:
+            raise TypeError("binding bug")
+        return super().nvmlDeviceGetUUID(handle)
+
+
+def test_xids_of_a_gpu_whose_sampling_failed_stay_counted_and_are_sent_once() -> None:
+    """GPU 1 falls off the bus (Xid 79, held while lost); after its re-open its sampling raises for a tick, then
+    works. The agent's Xid count never steps back and counts 79 once; the Xid goes out in the sample after."""
+    clock = Clock()
+    lib = GarbledAfterReopen(Scenario.node(2), clock=clock)
+    agent = Agent(NvmlSource(lib=lib, host="node1", clock=clock, reopen_backoff_s=(30.0, 30.0)))
+    agent.open()
+    agent.tick()
+    key = ("node1", 1, lib.scenario.gpus[1].uuid, "")
+    lib.inject_xid(1, 79)
+    clock.t += 1
+    agent.tick()
+    assert agent.xid_errors_total == {key: 1}  # held while lost
+    lib.revive(1)
+    lib.garble = 1
+    clock.t += 30
+    assert [s.gpu_index for s in agent.tick()] == [0]  # re-opened, its sampling raised
+    assert agent.xid_errors_total == {key: 1}
+    lib.garble = None
+    clock.t += 1
+    assert [s.xid_errors for s in agent.tick()] == [(), (79,)]
+    assert agent.xid_errors_total == {key: 1}
+
+
+def test_pending_xids_are_capped_and_the_rest_still_counted() -> None:
+    """GPU 0's sampling raises tick after tick while Xids keep coming: at most 64 wait for its sample, the rest
+    are counted (held_xids), so the agent's count is every Xid read, and it never steps back."""
+    clock = Clock()
+    lib = GarbledAfterReopen(Scenario.node(1), clock=clock)
+    src = NvmlSource(lib=lib, host="node1", clock=clock)
+    agent = Agent(src)
+    agent.open()
+    lib.garble = 0
+    key = ("node1", 0, lib.scenario.gpus[0].uuid, "")
+    counts = []
+    for _ in range(5):  # 5 x 40 Xids, read 64 a tick at most
+        for _ in range(40):
+            lib.inject_xid(0, 13)
+        clock.t += 1
+        assert agent.tick() == []
+        counts.append(agent.xid_errors_total[key])
+    lib.garble = None
+    sent = []
+    for _ in range(3):
+        clock.t += 1
+        (s,) = agent.tick()
+        sent.append(len(s.xid_errors))
+        counts.append(agent.xid_errors_total[key])
+    assert counts == [40, 80, 120, 160, 200, 200, 200, 200]
+    assert sent == [64, 0, 0]
+    assert src.held_xids() == [(key, "NVIDIA H100 80GB HBM3", 136)]  # the rest: counted, never sent
+
+
+def test_a_non_nvml_error_attaching_a_gpu_costs_only_that_gpu() -> None:
+    """A binding bug (TypeError) identifying GPU 1, at open and at every re-open: the other GPU is sampled every
+    tick, the error is counted, and GPU 1 is lost and retried with backoff."""
+    clock = Clock()
+    lib = GarbledAfterReopen(Scenario.node(2), clock=clock)
+    lib.bad_uuid = 1
+    src = _open(lib, clock, reopen_backoff_s=(30.0, 30.0))
+    assert src.lost_gpus == ("index 1",) and src.errors_total == 1
+    for _ in range(3):
+        clock.t += 31
+        assert [s.gpu_index for s in src.sample()] == [0]
+    assert src.errors_total == 4
+    lib.bad_uuid = None
+    clock.t += 31
+    assert [s.gpu_index for s in src.sample()] == [0, 1]
+    # and a GPU opened well, lost, then failing its re-open the same way
+    lib.lose(0)
+    clock.t += 1
+    assert [s.gpu_index for s in src.sample()] == [1]
+    lib.revive(0)
+    lib.bad_uuid = 0
+    clock.t += 31
+    assert [s.gpu_index for s in src.sample()] == [1] and src.errors_total == 5

@@ -11,6 +11,8 @@ import pytest
 
 from gpuledger.agent.mappers.static import StaticMapper
 from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.base import SourceUnavailable
+from gpuledger.agent.sources.dcgm_exporter import DcgmExporterSource
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.schema.records import GpuSample
 
@@ -48,7 +50,7 @@ class FlakySource:
     def sample(self) -> list[GpuSample]:
         self.calls += 1
         if self.calls % 2 == 0:
-            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+            raise SourceUnavailable("NVML_ERROR_GPU_IS_LOST")
         return self.inner.sample()
 
 
@@ -93,6 +95,50 @@ def test_failing_source_empties_snapshot_and_is_counted(caplog: pytest.LogCaptur
     # Logged at error level once; repeats go to debug.
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "NVML_ERROR_GPU_IS_LOST" in errors[0].getMessage()
+
+
+def test_operational_errors_are_one_line_and_bugs_keep_their_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A backend down (the source's SourceUnavailable, the sink's ConnectionError, the mapper's OSError) is one
+    line; an exception no part raises on purpose (a TypeError, a RecursionError or NotImplementedError: both
+    RuntimeErrors) is a bug, logged with its traceback."""
+    class BuggyMapper:
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        def map(self, samples: Sequence[GpuSample]) -> list[GpuSample]:
+            raise self.exc
+
+    caplog.set_level(logging.ERROR, logger="gpuledger.agent.sampler")
+    bugs = [BuggyMapper(TypeError("'NoneType' object is not subscriptable")),
+            BuggyMapper(RecursionError("maximum recursion depth exceeded")), BuggyMapper(NotImplementedError("v3"))]
+    agent = Agent(FlakySource(), mappers=[BrokenMapper(), *bugs], sinks=[BrokenSink()])
+    agent.tick()
+    agent.tick()  # the source fails
+    logged = {r.getMessage().split(": ")[1]: r.exc_info is not None for r in caplog.records}
+    assert logged == {"OSError": False, "TypeError": True, "RecursionError": True, "NotImplementedError": True,
+                      "ConnectionError": False, "SourceUnavailable": False}
+
+
+def test_a_failing_held_xids_is_a_source_error_and_the_samples_still_reach_the_sinks() -> None:
+    """The source's held Xids (``held_xids``) raise on the second tick: counted as a source error, the tick's
+    samples are written all the same, and the Xid count neither steps back nor grows by a guess."""
+    class HoldingSource(SimulatedSource):
+        fail = False
+
+        def held_xids(self) -> list[tuple[tuple[str, int, str, str], str, int]]:
+            if self.fail:
+                raise ValueError("garbled")
+            return [(("n1", 0, "GPU-0", ""), "H100", 2)]
+
+    source = HoldingSource(gpus=2, clock=lambda: 1_700_000_000.0)
+    sink = ListSink()
+    agent = Agent(source, sinks=[sink])
+    agent.tick()
+    assert agent.xid_errors_total == {("n1", 0, "GPU-0", ""): 2}
+    source.fail = True
+    assert len(agent.tick()) == 2
+    assert len(sink.batches) == 2 and agent.errors_total["source"] == 1
+    assert agent.xid_errors_total == {("n1", 0, "GPU-0", ""): 2}
 
 
 def test_run_survives_failures_and_stops_promptly() -> None:
@@ -177,3 +223,23 @@ def test_jobs_that_ended_are_forgotten_and_one_back_is_described_again() -> None
     mapper.hold, mapper.job = False, 6  # job 7, seen long ago, back (a requeue): described again
     agent.tick()
     assert sink.described[-2:] == ["500", "7"] and len(sink.described) == 501
+
+
+def test_an_unreachable_dcgm_exporter_is_one_line_not_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """The exporter answers at open, then refuses connections: the source says so as SourceUnavailable, which the
+    agent logs in one line (a bare RuntimeError would now be taken for a bug)."""
+    up = [True]
+
+    def fetch(url: str) -> str:
+        if not up[0]:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return 'DCGM_FI_DEV_POWER_USAGE{gpu="0",UUID="GPU-0"} 100\n'
+
+    source = DcgmExporterSource("http://node1:9400/metrics", fetch=fetch, host="node1")
+    agent = Agent(source)
+    agent.open()
+    up[0] = False
+    caplog.set_level(logging.ERROR, logger="gpuledger.agent.sampler")
+    assert agent.tick() == [] and agent.errors_total["source"] == 1
+    (record,) = [r for r in caplog.records if r.name == "gpuledger.agent.sampler"]
+    assert "SourceUnavailable" in record.getMessage() and record.exc_info is None

@@ -241,6 +241,19 @@ def test_sluid_resolved_through_scontrol_and_metadata_from_resolver(tmp_path: Pa
     assert run.calls == [("scontrol", "show", "job", "-d", "sEKNKTV3WPV500")]
 
 
+def test_a_heterogeneous_jobs_component_goes_by_its_own_job_id(tmp_path: Path) -> None:
+    # Component 12+1 of heterogeneous job 12 runs in cgroup job_13, and scontrol names it JobId=13 (HetJobId=12
+    # HetJobOffset=1, as scontrol prints a component): "13" is its id, the one accounting's sacct records and
+    # squeue's %A name it by too (accounting.slurm), so that its usage joins its record. The scontrol text is the
+    # real record of job 11 with its JobId changed and the two het keys added.
+    het = SCONTROL_11.replace("JobId=11 ", "JobId=13 HetJobId=12 HetJobOffset=1 ", 1)
+    run = RecordingRun({("scontrol", "show", "job", "-d", "13"): het})
+    make_proc(tmp_path, 7, "0::/system.slice/slurmstepd.scope/job_13/step_0/user/task_0\n")
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=JobResolver(run=run))
+    assert m.map([sample(0, (7, 1))])[0].job_ids == ("13",)
+    assert list(m.job_metadata()) == ["13"] and m.job_metadata()["13"].user == "bob"
+
+
 def test_unresolvable_sluid_is_skipped_and_counted(tmp_path: Path) -> None:
     make_proc(tmp_path, 7, V2_SLUID)
     run = RecordingRun({})

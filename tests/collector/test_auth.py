@@ -223,3 +223,117 @@ def test_a_bad_value_names_where_it_came_from(tmp_path):
         load_settings(tmp_path, env={}, overrides={"max_samples": 0})
     assert str(e.value).startswith(f"{config}: collector.window_s: ") and "command line (max_samples): " \
         "collector.max_samples: " in str(e.value), str(e.value)
+
+
+# -- node tokens bound to a cluster: "gpu01" of one cluster may not write as another cluster's gpu01 ------------
+
+WEST = "west"
+
+
+@pytest.fixture
+def bound_srv(tmp_path):
+    """n1's token bound to cluster west (a table), n2's to its host only (a string), as in one gpuledger.toml."""
+    (tmp_path / "gpuledger.toml").write_text(
+        f'[collector]\nread_tokens = ["{READ}"]\n[collector.tokens]\n'
+        f'n1 = {{ token = "{N1}", cluster = "{WEST}" }}\nn2 = "{N2}"\n')
+    st = load_settings(tmp_path, env={})
+    store = Store(tmp_path / "c.sqlite", clock=lambda: NOW)
+    auth = Authenticator(st.tokens, st.admin_tokens, st.read_tokens)  # as collector.worker builds it
+    s = CollectorServer(store, clock=lambda: NOW, auth=auth, priority_feed=tmp_path / "feed.json").start()
+    with httpx.Client(base_url=s.url, timeout=10) as c:
+        yield c
+    s.stop()
+    store.close()
+
+
+# Every decoder path: the typed decode of JSON rows, JSON columns and msgpack (binary) columns; JSON rows the
+# per-sample path decides (an agent's job record sends a batch there today: the typed decode's hosts are a tuple).
+FORMS = ["json rows", "json series", "msgpack series", "json rows + job record", "json rows + job record, per-sample"]
+
+
+def post_batch(c: httpx.Client, form: str, monkeypatch: pytest.MonkeyPatch, seq: int, host: str = "n1",
+               **cluster: str) -> httpx.Response:
+    """A batch of ``host``'s GPU running job 7 (with the agent's record of job 7 where ``form`` says so), naming
+    ``cluster`` (or none)."""
+    import msgpack
+
+    from gpuledger.collector import validate
+    from gpuledger.schema.wire import to_series
+
+    doc = batch(seq, host, (host, host)) | cluster
+    if "job record" in form:
+        doc["jobs"] = [JobRecord("7", user="ann", hosts=(host,)).to_dict()]
+    if form.endswith("per-sample"):
+        monkeypatch.setattr(validate, "_FAST", None)  # the switch tests/collector/test_validate.py uses
+    if "series" in form:
+        samples = [GpuSample.from_dict(d) for d in doc.pop("samples")]
+        doc["series"] = to_series(samples, host, binary=form.startswith("msgpack"))
+    if form.startswith("msgpack"):
+        return c.post("/api/v1/samples", content=msgpack.packb(doc), headers={
+            **bearer(N1 if host == "n1" else N2), "Content-Type": "application/msgpack"})
+    return c.post("/api/v1/samples", json=doc, headers=bearer(N1 if host == "n1" else N2))
+
+
+def stored(c: httpx.Client) -> tuple[list, list, int]:
+    """(cluster, job) of the usage rows and of the job records, and the samples stored, as the API answers."""
+    usage = c.get("/api/v1/usage", headers=bearer(READ)).json()
+    jobs = c.get("/api/v1/jobs", headers=bearer(READ)).json()
+    return (sorted((u["cluster"], u["job_id"]) for u in usage), sorted((j["cluster"], j["job_id"]) for j in jobs),
+            c.get("/api/v1/totals", headers=bearer(READ)).json()["samples"])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_cluster_bound_token_naming_another_cluster_is_refused_and_stores_nothing(bound_srv, form, monkeypatch):
+    r = post_batch(bound_srv, form, monkeypatch, 1, cluster="east")
+    assert r.status_code == 403, r.text
+    assert "field 'cluster' is 'east' but the token is bound to cluster 'west'" in r.json()["error"]
+    assert stored(bound_srv) == ([], [], 0)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("none", [{}, {"cluster": ""}], ids=["absent", "empty"])
+def test_a_cluster_bound_token_naming_no_cluster_or_its_own_is_stored_under_its_cluster(bound_srv, form, none,
+                                                                                        monkeypatch):
+    r = post_batch(bound_srv, form, monkeypatch, 1, **none)
+    assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
+    jobs = [(WEST, "7")] if "job record" in form else []
+    assert stored(bound_srv) == ([(WEST, "7")], jobs, 2)  # its GPU's usage and its job record
+    r = post_batch(bound_srv, form, monkeypatch, 2, cluster=WEST)
+    assert r.status_code == 200, r.text
+    assert stored(bound_srv)[:2] == ([(WEST, "7")], jobs)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_token_bound_to_its_host_only_may_still_name_any_cluster(bound_srv, form, monkeypatch):
+    r = post_batch(bound_srv, form, monkeypatch, 1, host="n2", cluster="east")
+    assert r.status_code == 200, r.text
+    assert stored(bound_srv) == ([("east", "7")], [("east", "7")] if "job record" in form else [], 2)
+
+
+@pytest.mark.parametrize("where", ["config", "tokens_file"])
+@pytest.mark.parametrize("entry,needle", [
+    (f'{{ token = "{N1}", cluster = "we\\u0007st" }}', "the cluster of 'n1''s token must be non-empty, a string of "
+                                                       "at most 256 characters without control characters"),
+    (f'{{ token = "{N1}", cluster = "{"w" * 257}" }}', "the cluster of 'n1''s token must be non-empty"),
+    (f'{{ token = "{N1}", cluster = "" }}', "the cluster of 'n1''s token must be non-empty"),
+    (f'{{ token = "{N1}" }}', "must be a string or a table { token = \"...\", cluster = \"...\" }, got a table "
+                              "with keys ['token']"),
+    (f'{{ token = "{N1}", cluster = "{WEST}", host = "n2" }}', "got a table with keys ['cluster', 'host', 'token']"),
+    ('{ token = "short", cluster = "west" }', "token of 'n1' must be at least 16 characters"),
+])
+def test_a_bad_cluster_bound_token_is_refused_at_start_in_one_line_with_exit_2(tmp_path, where, entry, needle):
+    from typer.testing import CliRunner
+
+    from gpuledger.collector.cli import app
+
+    config = tmp_path / "gpuledger.toml"
+    if where == "config":
+        config.write_text(f"[collector]\n[collector.tokens]\nn1 = {entry}\n")
+    else:
+        (tmp_path / "tokens.toml").write_text(f"[tokens]\nn1 = {entry}\n")
+        config.write_text('[collector]\ntokens_file = "tokens.toml"\n')
+    r = CliRunner().invoke(app, ["serve", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and needle in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert N1 not in r.output  # an error never shows a token
+    config.write_text(f'[collector]\n[collector.tokens]\nn1 = {{ token = "{N1}", cluster = "{WEST}" }}\n')
+    assert load_settings(tmp_path, env={}).tokens["n1"].cluster == WEST

@@ -89,20 +89,22 @@ def test_sample_lines_schema():
 
 def test_a_mig_gpus_own_point_is_no_device() -> None:
     """A MIG GPU's whole-GPU point has its readings and no ``jobs`` (its instances are the devices), told by its
-    instances in the same call or rendered before it with the same prefixes (a shipment: a chunk a GPU, instances
-    first); a whole GPU's point keeps ``jobs``."""
+    instances of the same instant (in either order); a whole GPU's point keeps ``jobs``, whatever instances of its
+    other instants are rendered beside it or before it."""
     gpu = sample(T0, job_ids=())
     inst = sample(T0, mig="1", model="NVIDIA H200 MIG 3g.71gb")
     fs = lambda ln: dict(kv.split("=") for kv in ln.split(" ")[-2].split(","))  # noqa: E731
     own, point, _ = sample_lines([gpu, inst])
     assert "jobs" not in fs(own) and fs(own)["power_watts"] == "350.5"
     assert fs(point)["jobs"] == "1i" and "power_watts" not in fs(point)
-    px = GpuPrefixes()
-    sample_lines([inst], px)
-    (own,) = sample_lines([gpu], px)
+    point, _, own = sample_lines([inst, gpu])
     assert "jobs" not in fs(own)
     (whole,) = sample_lines([gpu])  # no instance: a whole GPU, free
     assert fs(whole)["jobs"] == "0i"
+    px = GpuPrefixes()
+    sample_lines([inst], px)
+    before = sample_lines([sample(T0 - 10), inst], px)[0]  # before its switch into MIG mode: a job held it
+    assert fs(before)["jobs"] == "1i"
     (later,) = sample_lines([sample(T0 + 10, job_ids=())], px)  # out of MIG mode since (its instances are older)
     assert fs(later)["jobs"] == "0i"
 
@@ -154,6 +156,64 @@ def test_cluster_overview_counts_a_mig_gpu_as_its_instances(influx1, tmp_path):
 
 
 # -- real servers ---------------------------------------------------------------------------------
+
+def mig_switch_batches(host: str) -> list[Batch]:
+    """A GPU as its agent sends it: a minute out of MIG mode with job j0 on it (power, its counter), then, after the
+    reset that a switch into MIG mode needs, a minute in MIG mode (two 3g instances, jobs j1 and j2); a batch each
+    half minute."""
+    from gpuledger.agent.mig import MigEnergySplitter
+
+    def tick(i: int) -> list[GpuSample]:
+        t, e = T0 + 10.0 * i, 1e6 + 4000.0 * i
+        if i < 6:
+            return [sample(t, host=host, uuid="GPU-S", energy_joules=e, power_watts=300.0, job_ids=("j0",))]
+        return [sample(t, host=host, uuid="GPU-S", energy_joules=e, power_watts=400.0, job_ids=()),
+                *(sample(t, host=host, uuid="GPU-S", mig=m, model="NVIDIA H200 MIG 3g.71gb", power_watts=None,
+                         energy_joules=None, job_ids=(j,)) for m, j in (("1", "j1"), ("2", "j2")))]
+
+    split = MigEnergySplitter()
+    ticks = [split.map(tick(i)) for i in range(12)]
+    return [Batch("a", seq, host, tuple(r for t in ticks[3 * seq:3 * seq + 3] for r in t)) for seq in range(4)]
+
+
+def gpu_points(url: str, db: str) -> dict[tuple, list]:
+    """{(measurement, tags): [[ms, fields...], ...]} of every point of database ``db``."""
+    return {(m, tuple(sorted(s["tags"].items()))): s["values"]
+            for m in ("gpu", "gpu_job") for s in influxql(url, f'SELECT * FROM "{m}" GROUP BY *', db)}
+
+
+def test_a_backlog_replayed_out_of_order_across_a_switch_into_mig_gives_the_same_points(influx1, tmp_path):
+    """The same batches of a GPU that went into MIG mode, ingested in order, out of order (a backlog replayed: the
+    MIG minute first) and as one batch, through the InfluxDB sink and shipped by the series outbox (``series_url``,
+    one shipment of the backlog): identical points everywhere, the minute before the switch with its job (``jobs``
+    = 1 on the whole GPU), the MIG GPU's own points with none (its instances are the devices)."""
+    from gpuledger.collector.series_outbox import RemoteSeries
+
+    made = mig_switch_batches("sw01")
+    deliveries = {"inorder": made, "outoforder": [made[k] for k in (2, 3, 0, 1)],
+                  "onebatch": [Batch("a", 0, "sw01", tuple(r for b in made for r in b.rows))]}
+    for db, delivered in deliveries.items():
+        for name in (db, f"{db}_shipped"):
+            httpx.post(f"{influx1}/query", params={"q": f'CREATE DATABASE "{name}"'}).raise_for_status()
+        sink = InfluxSink(influx1, api="v1", database=db, batch_lines=10_000)
+        store = Store(tmp_path / f"{db}.sqlite", sinks=[sink], summary_interval_s=3600, series_outbox=True)
+        try:
+            for b in delivered:
+                assert store.ingest(b).accepted == len(b.rows)
+            assert sink.flush(30)
+            remote = RemoteSeries(store.series_store, influx1, "influxdb", f"{db}_shipped", interval_s=0.05)
+            assert remote.shipper.flush(30)
+            remote.close()
+        finally:
+            store.close()
+            sink.close()
+    got = gpu_points(influx1, "inorder")
+    for db in deliveries:
+        assert gpu_points(influx1, db) == got, db
+        assert gpu_points(influx1, f"{db}_shipped") == got, db
+    (whole,) = influxql(influx1, 'SELECT "jobs", "energy_joules" FROM "gpu" WHERE "mig" = \'\'', "inorder")
+    assert [row[1] for row in whole["values"]] == [1] * 6 + [None] * 6
+    assert [row[2] for row in whole["values"]] == [1e6 + 4000.0 * i for i in range(12)]  # the GPU's counter, once
 
 def test_v1_write_path_against_influxdb_1_6(influx1, tmp_path):
     sink = InfluxSink(influx1, api="v1", database="gl", batch_lines=50)

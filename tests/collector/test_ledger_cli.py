@@ -4,6 +4,9 @@ bringing it up to date (an old SQLite store without losing data), and the one-li
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,12 @@ def one_error_line(err: str) -> str:
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+def cli(*argv) -> subprocess.CompletedProcess[str]:
+    """The real command line in a process of its own (it opens and closes the ledger as a user's command does)."""
+    return subprocess.run([sys.executable, "-m", "gpuledger.cli", *map(str, argv)], capture_output=True, text=True,
+                          timeout=120)
 
 
 def status(capsys, *where) -> dict:
@@ -156,3 +165,75 @@ def test_a_server_that_refuses_the_url_is_a_configuration_error_exit_2_for_every
     code, out, err = call(capsys, "collector", "serve", "--data-dir", tmp_path, "--port", "0",
                           "--ledger-url", f"postgresql://gl@127.0.0.1:{free_port()}/ledger")
     assert code == 1 and "cannot connect" in one_error_line(err)
+
+
+def _files(where: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file in ``where``: its bytes and mtime (ns)."""
+    return {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(where.iterdir())}
+
+
+def _collector_ledger(path: Path) -> Store:
+    """A WAL ledger as a collector writes it (a batch and a job record), left open: a collector still running."""
+    store = Store(path)
+    store.ingest(Batch("a", 1, "n1", (GpuSample(ts=T0, host="n1", gpu_uuid="G0", gpu_index=0, energy_joules=1.0,
+                                                job_ids=("1",)),)))
+    store.put_jobs([JobRecord("1", cluster="c", user="ann")])
+    return store
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """(a directory, a read-only bind mount of it): what a user sees who may only read the ledger (root included,
+    whom chmod does not stop). Needs root (mount), as in CI."""
+    src, view = tmp_path / "rw", tmp_path / "ro"
+    src.mkdir()
+    view.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(src), str(view)], capture_output=True).returncode:
+        pytest.skip("a bind mount needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True, capture_output=True)
+        yield src, view
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=True)
+
+
+def test_status_never_writes_a_sqlite_ledger_it_may_only_read(tmp_path, read_only_mount):
+    """An auditor's copy (file 0444 in a 0555 directory) and a read-only mount, of a ledger the collector closed and
+    of one it still has open (its -wal and -shm beside it): status reads it, and changes and creates nothing there
+    (as root chmod stops nothing: the files' bytes and mtimes are compared, and a read-only mount refuses root)."""
+    src, view = read_only_mount
+    store = _collector_ledger(src / "gpuledger.sqlite")
+    store.close()  # the collector stopped: no -wal, no -shm
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    (audit / "gpuledger.sqlite").write_bytes((src / "gpuledger.sqlite").read_bytes())
+    (audit / "gpuledger.sqlite").chmod(0o444)
+    audit.chmod(0o555)
+    try:
+        for where in (audit, view):
+            before = _files(where)
+            r = cli("ledger", "status", "--data-dir", where, "--format", "json")
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["applied"] == ALL and _files(where) == before, where
+    finally:
+        audit.chmod(0o755)
+    store = _collector_ledger(src / "gpuledger.sqlite")  # a collector running: it keeps -wal and -shm
+    try:
+        assert {"gpuledger.sqlite-wal", "gpuledger.sqlite-shm"} <= set(_files(src))
+        before = _files(src)
+        r = cli("ledger", "status", "--ledger-url", view / "gpuledger.sqlite", "--format", "json")
+        assert r.returncode == 0 and json.loads(r.stdout)["applied"] == ALL, r.stderr
+        assert _files(src) == before
+        with store.db.transaction():  # the collector's next write does not wait for the status query
+            store.db.execute("INSERT INTO meta (key, value) VALUES ('probe', '1')")
+    finally:
+        store.close()
+
+
+def test_status_of_no_ledger_names_the_path_and_creates_nothing(tmp_path):
+    for argv, where in [(("--data-dir", tmp_path), tmp_path / "gpuledger.sqlite"),
+                        (("--ledger-url", tmp_path / "x.sqlite"), tmp_path / "x.sqlite")]:
+        r = cli("ledger", "status", *argv)
+        assert (r.returncode, r.stdout) == (2, "") and r.stderr.count("\n") == 1, r.stderr
+        assert f"no gpuledger store at {where}" in r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -74,6 +74,31 @@ def test_usage_per_job_per_gpu_and_per_cluster(store):
     assert one.gap_gpu_seconds == 100.0 and one.gpus == 1 and one.host == "n1"  # half the held 200 s gap
 
 
+def test_adjacent_ranges_sum_each_hour_once_and_count_the_jobs_measured_in_them(store):
+    """A range sums the hour buckets from the one holding its start up to, not including, the one holding its end:
+    [a, b) + [b, c) = [a, c) wherever b falls; jobs_measured counts the jobs measured in those hours."""
+    ingest_all(store)
+    a, c = T0 - HOUR_S, T0 + HOUR_S
+    whole = store.totals(a, c)
+    assert whole["samples"] == len(samples()) and (whole["hours_start"], whole["hours_end"]) == (a, c)
+    summed = ("samples", "observed_gpu_seconds", "allocated_gpu_seconds", "sm_active_gpu_seconds", "energy_joules",
+              "unattributed_energy_joules", "counter_anomalies")
+    for b in (T0 - 1800, T0, T0 + 1):  # inside the first hour, on the boundary, just past it
+        parts = [store.totals(a, b), store.totals(b, c)]
+        assert {f: parts[0][f] + parts[1][f] for f in summed} == {f: whole[f] for f in summed}, b
+        energy = [sum(g["energy_joules"] for g in store.gpu_energy(lo, hi)) for lo, hi in ((a, b), (b, c))]
+        assert sum(energy) == sum(g["energy_joules"] for g in store.gpu_energy(a, c)), b
+        observed = [sum(g["observed_gpu_seconds"] for g in store.gpu_hours(lo, hi)) for lo, hi in ((a, b), (b, c))]
+        assert sum(observed) == whole["observed_gpu_seconds"], b
+    inside = store.totals(T0 + 10, T0 + 20)  # within one hour: no whole hour, and the answer says which it summed
+    assert [inside[k] for k in ("samples", "energy_joules", "hours_start", "hours_end")] == [0, 0.0, T0, T0]
+    assert [store.totals(T0 - 1800, T0 + 1800)[k] for k in ("hours_start", "hours_end")] == [T0 - HOUR_S, T0]
+    # n1's jobs 1 and 2 ran in both hours; n2's job 1 (another cluster) only from T0 + 100
+    assert [store.totals(lo, hi)["jobs_measured"] for lo, hi in ((a, T0), (T0, c), (a, c), (c, c + 86400))] == \
+        [2, 3, 3, 0]
+    assert store.totals(end=T0)["jobs_measured"] == 2 and store.totals(start=T0)["jobs_measured"] == 3
+
+
 def test_totals_energy_hours_busy_hours_gaps_and_anomalies(store):
     ref = ingest_all(store)
     hours = ref.hours
@@ -88,7 +113,7 @@ def test_totals_energy_hours_busy_hours_gaps_and_anomalies(store):
         "observed_gpu_seconds": total("observed_s", everything), "allocated_gpu_seconds": total("alloc_s", everything),
         "sm_active_gpu_seconds": total("sm_s", everything), "energy_joules": total("energy_j", everything),
         "unattributed_energy_joules": total("energy_j", everything) - total("job_energy_j", everything),
-        "counter_anomalies": 1, "jobs_measured": 3}
+        "counter_anomalies": 1, "jobs_measured": 3, "hours_start": None, "hours_end": None}
     later = [k for k in hours if k[3] >= T0]
     t = store.totals(start=T0 + 1)  # whole hours: the bucket the start falls in counts
     assert (t["observed_gpu_seconds"], t["energy_joules"]) == (total("observed_s", later), total("energy_j", later))

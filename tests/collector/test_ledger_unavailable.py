@@ -4,6 +4,12 @@ nothing of it is written, and the same collector takes it once the ledger is bac
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -121,3 +127,112 @@ def test_a_sqlite_ledger_locked_by_another_process_too_long_is_unavailable_not_a
     finally:
         other.close()
         store.close()
+
+
+# -- a ledger that stalls: PostgreSQL waiting for a synchronous standby that is gone (docs/scale.md's HA advice)
+def _standby(postgres_server, names: str) -> None:
+    postgres_server.psql(f"ALTER SYSTEM SET synchronous_standby_names = '{names}'")
+    postgres_server.psql("SELECT pg_reload_conf()")
+
+
+def _post_behind_the_stall(postgres_server, url: str, seq: int) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    """Posts batch ``seq`` in a thread; returns once its COMMIT waits for the standby."""
+    answers: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: answers.__setitem__("r", httpx.post(
+        url + "/api/v1/samples", content=body(seq), headers={"Content-Type": "application/msgpack"}, timeout=60)))
+    t.start()
+    while postgres_server.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'") != "1":
+        assert t.is_alive(), answers
+        time.sleep(0.02)
+    return t, answers
+
+
+def _value(metrics: str, name: str) -> float:
+    (line,) = [ln for ln in metrics.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def test_metrics_answer_during_a_stall_and_a_batch_committed_after_its_503_is_counted_once(postgres_server):
+    """/metrics answers during a stall, at once (the figures it reads through the store, which the stuck commit holds,
+    as last read, with their age) and shows the stall; the batch answered 503 whose commit then goes in is counted
+    as accepted, and the agent's resend as a duplicate, not again."""
+    timeout_s = 1.0
+    store = Store(postgres_server.new_database(), clock=lambda: NOW)
+    s = CollectorServer(store, clock=lambda: NOW, ledger_timeout_s=timeout_s).start()
+    try:
+        assert post(s, 0).status_code == 200
+        size = _value(httpx.get(s.url + "/metrics").text, "gpuledger_collector_store_size_bytes")
+        _standby(postgres_server, "gpuledger_test_standby")
+        try:
+            t, answers = _post_behind_the_stall(postgres_server, s.url, 1)
+            t.join()
+            assert (answers["r"].status_code, answers["r"].json()["reason"]) == (503, "ledger_timeout")
+            t0 = time.monotonic()
+            m = httpx.get(s.url + "/metrics", timeout=30)
+            assert m.status_code == 200 and time.monotonic() - t0 < 0.8, (m.status_code, m.text[:300])
+            assert _value(m.text, "gpuledger_collector_ledger_stalled") == 1
+            assert _value(m.text, "gpuledger_collector_ledger_commit_wait_seconds") >= timeout_s
+            assert _value(m.text, "gpuledger_collector_store_size_bytes") == size  # as last read
+            assert _value(m.text, "gpuledger_collector_ledger_readings_age_seconds") >= timeout_s
+        finally:
+            _standby(postgres_server, "")
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url + "/healthz").status_code != 200:  # the stuck commit goes in
+            assert time.monotonic() < deadline, "the stuck commit never finished"
+            time.sleep(0.05)
+        m = httpx.get(s.url + "/metrics").text
+        assert _value(m, "gpuledger_collector_samples_accepted_total") == 20  # batch 1 too, answered 503
+        assert _value(m, "gpuledger_collector_batches_accepted_total") == 2
+        assert (_value(m, "gpuledger_collector_ledger_stalled"),
+                _value(m, "gpuledger_collector_ledger_commit_wait_seconds")) == (0, 0)
+        r = post(s, 1)  # the agent's resend
+        assert r.status_code == 200 and r.json()["duplicate"], r.text
+        m = httpx.get(s.url + "/metrics").text
+        assert _value(m, "gpuledger_collector_samples_accepted_total") == 20
+        assert _value(m, "gpuledger_collector_batches_deduplicated_total") == 1
+    finally:
+        s.stop()
+        store.close()
+
+
+def test_sigterm_during_a_stall_ends_within_the_bound_saying_so(postgres_server, tmp_path):
+    """`gpuledger collector serve` stopped while its commit is stuck (a read waiting behind it too): it ends within
+    its bound, exit status 1 and one line saying the ledger was stalled at shutdown, claiming nothing stored."""
+    url = postgres_server.new_database()
+    port = free_port()
+    env = {**os.environ, "GPULEDGER_COLLECTOR_LEDGER_TIMEOUT_S": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpuledger.cli", "collector", "serve", "--data-dir", str(tmp_path),
+                             "--port", str(port), "--ledger-url", url], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+        r = httpx.post(base + "/api/v1/samples", content=body(0), headers={"Content-Type": "application/msgpack"})
+        assert r.status_code == 200, r.text
+        _standby(postgres_server, "gpuledger_test_standby")
+        try:
+            t, answers = _post_behind_the_stall(postgres_server, base, 1)
+            reader = threading.Thread(target=lambda: answers.__setitem__("read", httpx.get(base + "/api/v1/totals",
+                                                                                           timeout=60)))
+            reader.start()
+            t.join()
+            assert answers["r"].status_code == 503, answers["r"].text
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                _, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the collector did not end within 20 s of SIGTERM while its ledger stalled")
+            took = time.monotonic() - t0
+            reader.join(10)
+        finally:
+            _standby(postgres_server, "")
+        assert proc.returncode == 1, (proc.returncode, err)
+        assert took < 5 + 1 + 3, took  # max(ledger_timeout_s, STOP_GRACE_S), the committer's second, the exit
+        (line,) = [ln for ln in err.splitlines() if "stalled at shutdown" in ln]
+        assert line.startswith("error: ") and "resend" in line and "stored" not in line, err
+        assert answers["read"].status_code == 503, answers["read"].text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

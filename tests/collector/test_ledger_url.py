@@ -3,13 +3,15 @@ embedded store), what a bad URL says, and that a query never creates a ledger (S
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import typer
 
+from gpuledger.cli import run
 from gpuledger.collector.config import ConfigError, load_settings
-from gpuledger.collector.db import open_database
+from gpuledger.collector.db import _startup, open_database
 from gpuledger.collector.ledger_url import (
     ENV_NAME,
     LedgerUrlError,
@@ -183,3 +185,48 @@ def test_the_fingerprint_changes_when_jobs_or_batches_are_written(tmp_path: Path
         assert states == [(None, 0), (None, 1), (100.5, 1)]
     finally:
         db.close()
+
+
+@pytest.fixture(scope="module")
+def german_postgres(tmp_path_factory):
+    """A PostgreSQL cluster whose messages are German, as one with lc_messages = 'de_DE.UTF-8' (gettext takes the
+    language from LANGUAGE under any lc_messages but C, so no de_DE locale need be installed), with a role gl_pw that
+    logs in by password; skipped where PostgreSQL's translations are not installed."""
+    from servers import PostgresServer
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LANGUAGE", "de")  # the server's environment: pg_ctl passes it on
+        with PostgresServer(tmp_path_factory.mktemp("pg_de")) as server:
+            env.delenv("LANGUAGE")
+            server.psql("ALTER SYSTEM SET lc_messages = 'C.UTF-8'")
+            hba = server.workdir / "pg" / "pg_hba.conf"
+            hba.write_text("host all gl_pw 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+            server.psql("CREATE ROLE gl_pw LOGIN PASSWORD 'right-one'")
+            server.psql("SELECT pg_reload_conf()")
+            refused = _startup(server.url_for("nosuchdb"), {}, 10.0)
+            if refused is None or "existiert nicht" not in refused[1]:
+                pytest.skip(f"PostgreSQL speaks no German here (no translations installed?): {refused}")
+            yield server
+
+
+def test_a_refusal_in_the_servers_language_is_a_configuration_error_by_its_sqlstate(german_postgres, tmp_path,
+                                                                                  capsys) -> None:
+    """No such database, no such role, a wrong password, from a server whose messages are German: decided by the
+    SQLSTATE of the server's refusal, not its words, so exit 2 as from an English one; a server down stays exit 1."""
+    pg = german_postgres
+    cases = [(pg.url_for("nosuchdb"), "3D000", "no such database", "existiert nicht"),
+             (pg.url.replace("//gl@", "//nobody@"), "28000", "no such role", "existiert nicht"),
+             (pg.url.replace("//gl@", "//gl_pw:wrong-one@"), "28P01", "refused the credentials", "fehlgeschlagen")]
+    for url, sqlstate, problem, german in cases:
+        refused = _startup(url, {}, 10.0)
+        assert refused is not None and refused[0] == sqlstate and german in refused[1], refused
+        for argv in (("ledger", "status"), ("collector", "usage", "--data-dir", tmp_path)):
+            code = run([*map(str, argv), "--ledger-url", url])
+            out, err = capsys.readouterr()
+            assert (code, out, err.count("\n")) == (2, "", 1), (argv, url, err)
+            assert problem in err and german in err and "wrong-one" not in err, err
+    assert _startup(pg.url, {}, 10.0) is None  # a URL it accepts connects
+    pg.stop()
+    code = run(["ledger", "status", "--ledger-url", pg.url])
+    assert code == 1 and "cannot connect" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

@@ -79,10 +79,11 @@ def influx_points(server: InfluxServer, host: str, db: str | None = None) -> Poi
 
 def expected_points(samples: list[GpuSample]) -> Points:
     """What docs/schema.md says InfluxDB must hold for ``samples`` (measurements gpu and gpu_job): a MIG GPU's
-    readings and no ``jobs`` on its whole-GPU point, none of its readings on its instances' (whose ``gpu_job``
-    points hold its power: a MIG instance as series show it has none, so the whole GPU's at that time)."""
+    readings and no ``jobs`` on its whole-GPU point (one with instances at its instant), none of its readings on
+    its instances' (whose ``gpu_job`` points hold its power: a MIG instance as series show it has none, so the whole
+    GPU's at that time)."""
     out: Points = {}
-    mig_gpus = {(s.host, s.gpu_uuid) for s in samples if s.mig}
+    mig_instants = {(s.host, s.gpu_uuid, s.ts) for s in samples if s.mig}
     gpu_power = {(s.host, s.gpu_uuid, s.ts): s.power_watts for s in samples if not s.mig}
     for s in samples:
         t = round(s.ts * 1000)
@@ -90,7 +91,7 @@ def expected_points(samples: list[GpuSample]) -> Points:
         fields: dict[str, Any] = {f: getattr(s, f) for f in (*FLOAT_FIELDS, *INT_FIELDS)
                                   if getattr(s, f) is not None and not (s.mig and f in GPU_READINGS)}
         fields["xid_errors"] = len(s.xid_errors)
-        if s.mig or (s.host, s.gpu_uuid) not in mig_gpus:
+        if s.mig or (s.host, s.gpu_uuid, s.ts) not in mig_instants:
             fields["jobs"] = len(s.job_ids)
         out.setdefault(("gpu", tuple(sorted((k, v) for k, v in gpu.items() if v))), {})[t] = fields
         shares = s.job_shares or (1.0 / max(1, len(s.job_ids)),) * len(s.job_ids)

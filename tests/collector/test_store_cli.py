@@ -65,3 +65,37 @@ def test_series_endpoint_picks_the_tier(tmp_path) -> None:
     finally:
         server.stop()
         store.close()
+
+
+def test_bad_ranges_steps_and_times_exit_2_naming_the_option(tmp_path):
+    """``collector series|totals`` take the ranges the API takes (``store.query_range``, one rule for both), and
+    ``compact --now`` no time past a day ahead of the clock (retention deletes by it): anything else is exit 2 with
+    one line naming the option, and nothing is read or compacted."""
+    import time
+
+    store = Store(tmp_path / DB_NAME)
+    now = time.time()
+    t0 = now - 600
+    store.ingest(Batch("a", 0, "n1", tuple(GpuSample(ts=t0 + i * 10, host="n1", gpu_uuid="G0", gpu_index=0,
+                                                     power_watts=100.0) for i in range(30))))
+    store.close()
+    run = CliRunner().invoke
+    gpu = ["series", "n1", "G0", "--start", str(t0), "--end", str(t0 + 300)]
+    for args, option in [
+        ([*gpu, "--step", "-5"], "--step"), ([*gpu, "--step", "0"], "--step"), ([*gpu, "--step", "nan"], "--step"),
+        ([*gpu, "--step", "inf"], "--step"), ([*gpu, "--step", "1e12"], "--step"),
+        (["series", "n1", "G0", "--start", str(t0), "--end", str(t0 - 1)], "--end"),
+        (["series", "n1", "G0", "--start", "nan"], "--start"), (["series", "n1", "G0", "--start", "inf"], "--start"),
+        (["series", "n1", "G0", "--start", str(t0), "--end", "1e12"], "--end"),
+        (["totals", "--start", "10", "--end", "5"], "--end"), (["totals", "--start", "nan"], "--start"),
+        (["totals", "--end", "inf"], "--end"), (["totals", "--start", "-1"], "--start"),
+        (["compact", "--now", str(now * 1000)], "--now"), (["compact", "--now", str(now + 2 * 86400)], "--now"),
+        (["compact", "--now", "nan"], "--now"),
+    ]:
+        r = run(app, [*args, "--data-dir", str(tmp_path)])
+        assert r.exit_code == 2 and len(r.output.splitlines()) == 1 and option in r.output, (args, r.output)
+    raw = run(app, [*gpu, "--data-dir", str(tmp_path)])
+    assert raw.exit_code == 0 and len(raw.output.splitlines()) == 30  # --now in ms expired nothing
+    tiny = run(app, [*gpu, "--step", "1e-300", "--tier", "raw", "--data-dir", str(tmp_path)])  # the finest bucket
+    assert tiny.exit_code == 0 and {json.loads(x)["step"] for x in tiny.output.splitlines()} == {0.001}
+    assert run(app, ["compact", "--now", str(now + 3600), "--data-dir", str(tmp_path)]).exit_code == 0

@@ -1,5 +1,6 @@
 """A ledger or audit log that exists but cannot be opened, through the `gpuledger` entry point: a file that is not a
-database, a ledger of a newer gpuledger, a file this user may not write. Each is one line naming the file and why,
+database, a ledger of a newer gpuledger, a file this user may not write (which ``ledger status``, a query that never
+writes, reads: tests/collector/test_ledger_cli.py). Each is one line naming the file and why,
 exit 2 (what systemd's RestartPreventExitStatus=2 keeps from restarting for ever), never "unexpected ...", and the
 file is left as it was.
 
@@ -94,7 +95,7 @@ def _read_only_journal(path: Path, read_only) -> bytes:
     return before
 
 
-@pytest.mark.parametrize("argv", OPENERS, ids=" ".join)
+@pytest.mark.parametrize("argv", [a for a in OPENERS if a != ("ledger", "status")], ids=" ".join)
 def test_a_ledger_this_user_may_not_write(capsys, tmp_path: Path, read_only, argv) -> None:
     data = imported(capsys, tmp_path / "data")
     store = data / "gpuledger.sqlite"
@@ -103,6 +104,15 @@ def test_a_ledger_this_user_may_not_write(capsys, tmp_path: Path, read_only, arg
     assert (code, out) == (2, "")
     line = one_error_line(err)
     assert f"cannot write {store}: permission denied" in line and "read-only" in line
+    assert store.read_bytes() == before
+
+
+def test_ledger_status_reads_a_ledger_this_user_may_not_write(capsys, tmp_path: Path, read_only) -> None:
+    data = imported(capsys, tmp_path / "data")
+    store = data / "gpuledger.sqlite"
+    before = _read_only_journal(store, read_only)
+    code, out, err = call(capsys, "ledger", "status", "--data-dir", data)
+    assert (code, err) == (0, "") and "backend  sqlite" in out
     assert store.read_bytes() == before
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpuledger.collector.rollup import RollupPoint
+from gpuledger.collector.series import Series
 from gpuledger.collector.series_store import HOUR, MINUTE, RAW, Retention
 from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
@@ -119,6 +120,64 @@ def test_minute_at_the_horizon_waits_for_late_samples(tmp_path):
     pts = store.series("n1", "G0", H, H + 119, step=60, tier=MINUTE)
     assert [(p.ts, p.samples, p.mean("power_watts")) for p in pts] == [(H, 2, 1.5), (H + 60, 1, 4.0)]
     store.close()
+
+
+def test_a_late_sample_in_minutes_rolled_up_is_too_late_whatever_window_either_store_has(new_ledger):
+    """Compaction seals a GPU's minutes before it rolls them up, and ingest refuses a later arrival there as too late
+    whatever late window the compacting and the ingesting store have: after a restart with a longer window, and
+    while another store with a shorter one compacts beside one holding the host in memory (``serve --window`` and
+    an operator's ``collector compact``, which reads only the config). The 1m tier, the raw samples and the ledger
+    then count the same samples."""
+    url, clock = new_ledger(), Clock(H + DAY)
+    mk = lambda t, p=100.0: GpuSample(ts=H + t, host="n1", gpu_uuid="G0", gpu_index=0,  # noqa: E731
+                                      power_watts=p, energy_joules=1e6 + 100.0 * t, job_ids=("7",))
+    short = Store(url, window_s=60.0, clock=clock)
+    short.ingest(Batch("a", 0, "n1", tuple(mk(t) for t in range(0, 3600, 2))))
+    short.compact()  # newest H + 3598: minutes before H + 3480 rolled up (a 60 s window)
+    short.close()
+    long = Store(url, window_s=600.0, clock=clock)  # restarted with a longer window
+    late = long.ingest(Batch("a", 1, "n1", (mk(3301, 900.0),)))  # 297 s behind: inside 600 s, in a rolled-up minute
+    assert (late.accepted, late.too_late) == (0, 1)
+    assert long.ingest(Batch("a", 2, "n1", (mk(3481, 900.0),))).accepted == 1  # past the rolled-up minutes: taken
+    long.ingest(Batch("a", 3, "n1", tuple(mk(t) for t in range(3600, 5400, 2))))  # the host stays in its memory
+    beside = Store(url, window_s=60.0, clock=clock)
+    beside.compact()  # newest H + 5398: minutes before H + 5280 rolled up
+    beside.close()
+    late = long.ingest(Batch("a", 4, "n1", (mk(5001, 900.0),)))  # 397 s behind, in a minute rolled up beside it
+    assert (late.accepted, late.too_late) == (0, 1)
+    long.compact()
+    samples = long.totals()["samples"]
+    assert samples == 1800 + 1 + 900 and len(long.series("n1", "G0", 0, 2e9, tier=RAW)) == samples
+    assert long.series_store.rolled_up_until(("n1", "G0", ""), MINUTE) == H + 5280
+    minutes = long.series("n1", "G0", 0, 2e9, tier=MINUTE)  # rolled up, and the newest summarised from raw
+    from_raw = long.series("n1", "G0", 0, 2e9, tier=RAW, step=60)
+    assert [p.to_dict() | {"tier": None} for p in minutes] == [p.to_dict() | {"tier": None} for p in from_raw]
+    assert sum(p.samples for p in minutes) == samples
+    long.close()
+
+
+def test_an_unsorted_series_brings_no_sample_into_a_sealed_minute(new_ledger):
+    """A series whose first time is newer than its GPU's newest sample but whose others are behind it goes sample by
+    sample: the seal refuses those in rolled-up minutes, as it does a late row (the raw tier and the 1m tier then
+    count the same samples)."""
+    url, clock = new_ledger(), Clock(H + DAY)
+    mk = lambda t: GpuSample(ts=H + t, host="n1", gpu_uuid="G0", gpu_index=0,  # noqa: E731
+                             power_watts=100.0, energy_joules=1e6 + 100.0 * t, job_ids=("7",))
+    long = Store(url, window_s=600.0, clock=clock)
+    long.ingest(Batch("a", 0, "n1", tuple(mk(t) for t in range(0, 3600, 2))))  # the host stays in its memory
+    beside = Store(url, window_s=60.0, clock=clock)
+    beside.compact()  # newest H + 3598: minutes before H + 3480 rolled up
+    beside.close()
+    ts = np.array([H + 3700.0, H + 3003.0])
+    unsorted = Series("n1", "G0", 0, ts, floats={"power_watts": np.full(2, 100.0),
+                                                  "energy_joules": 1e6 + 100.0 * (ts - H)}, job_ids=("7",))
+    out = long.ingest(Batch("a", 1, "n1", series=(unsorted,)))
+    assert (out.accepted, out.too_late) == (1, 1)
+    long.compact()
+    raw = long.series("n1", "G0", 0, 2e9, tier=RAW)
+    minutes = long.series("n1", "G0", 0, 2e9, tier=MINUTE)
+    assert len(raw) == sum(p.samples for p in minutes) == long.totals()["samples"] == 1801
+    long.close()
 
 
 def test_rollup_query_fills_the_recent_tail_from_raw(tmp_path):

@@ -781,3 +781,16 @@ def test_http_series_batch_is_stored_whole(http_srv):
                headers={"Content-Type": MSGPACK})
     assert r.status_code == 200 and r.json()["accepted"] == 0, r.text
     assert c.get("/api/v1/totals").json()["samples"] == before + 6
+
+
+@needs_fast
+def test_the_fast_path_takes_a_series_batch_with_job_records_itself():
+    # the typed decode leaves a record's arrays as tuples; they are the record's arrays all the same (before, every
+    # batch carrying job records fell to the per-sample path)
+    samples = _base_samples()
+    doc = envelope(to_series(samples, "n1", binary=True),
+                   jobs=[{"job_id": "42", "user": "ann", "hosts": ["n1"], "gpus": 1,
+                          "tres": [["gres/gpu", 1.0]]}])
+    fast = validate._parse_fast(msgpack.packb(doc), NOW, "n1")
+    assert fast is not None and Counter(fast.samples) == Counter(samples)
+    assert [(j.job_id, j.hosts, j.tres) for j in fast.jobs] == [("42", ("n1",), (("gres/gpu", 1.0),))]

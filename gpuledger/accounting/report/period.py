@@ -1,9 +1,12 @@
 """Report periods and the period rule.
 
-A job belongs to the period in which it ENDED (scheduler end time; for a job still running or unknown to the
-scheduler, its last measurement), and is counted whole there. So consecutive periods partition the jobs, every
-job is charged once, and a period's totals are exactly the sum of its job records; a job spanning a month
-boundary lands in the month it ended (no proration). Times are UTC.
+A job belongs to the period in which it ENDED, and is counted whole there (:func:`job_end`): Slurm's end time;
+for a job Slurm knows that has no end yet (it is running), the report's ``now``, so that it counts only in a period
+not over yet (one ending after now), with its allocation so far, and never in a closed one: a closed period's
+report is the same whenever it is made, and the job counts in the period it ends; for a job Slurm does not know,
+its last measurement. So consecutive periods partition the jobs, every job is charged once in the closed periods,
+and a period's totals are exactly the sum of its job records; a job spanning a month boundary lands in the month
+it ended (no proration). Times are UTC.
 """
 
 from __future__ import annotations
@@ -127,19 +130,42 @@ def parse_period(period: str | None = None, start: str | None = None, end: str |
     return Period(since, until, f"{start or '...'} to {end or '...'}")
 
 
-def job_end(e: LedgerEntry) -> float | None:
-    """When a job counts: the scheduler's end, else its last measurement (running or unknown to Slurm)."""
-    r, u = e.record, e.usage
-    if r is not None and r.end is not None:
-        return r.end
-    return u.last_ts if u is not None else None
+def job_end(e: LedgerEntry, now: float | None = None) -> float | None:
+    """When a job counts (the period rule of every report): Slurm's end; for a job Slurm knows that started and
+    has no end (running; or recorded while pending, with usage measured since), ``now`` (default: the clock), so
+    it counts in no closed period; for a job Slurm does not know, its last measurement; None (in no period) for a
+    job that never started."""
+    r = e.record
+    if r is not None:
+        if r.end is not None:
+            return r.end
+        if r.start is None and e.usage is None:
+            return None
+        return time.time() if now is None else now
+    return e.usage.last_ts if e.usage is not None else None
 
 
-def in_period(entries: Iterable[LedgerEntry], period: Period) -> list[LedgerEntry]:
+def in_period(entries: Iterable[LedgerEntry], period: Period, now: float | None = None) -> list[LedgerEntry]:
     a, b = period.start, period.end
+    now = time.time() if now is None else now
     out = []
     for e in entries:
-        t = job_end(e)
+        t = job_end(e, now)
         if t is not None and a <= t < b:
             out.append(e)
     return out
+
+
+def not_ended_note(entries: Iterable[LedgerEntry], period: Period, now: float | None = None) -> str | None:
+    """What the period rule (:func:`job_end`) did with the jobs Slurm shows running that started before the
+    period's end, or None when there are none: counted up to ``now`` in a period not over yet, else left out."""
+    now = time.time() if now is None else now
+    n = sum(1 for e in entries if (r := e.record) is not None and r.end is None and r.start is not None
+            and r.start < period.end)
+    if not n:
+        return None
+    if period.start <= now < period.end:
+        return (f"{n} job(s) still running (no end in Slurm's records) are counted with their allocation up to now, "
+                "as the period is still open: once it has ended, a job counts only in the period it ends")
+    return (f"{n} job(s) that started before the period's end have no end in Slurm's records (running, or not "
+            "imported since they ended) and are not counted: each counts whole in the period it ends")

@@ -4,12 +4,12 @@ machines."""
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, fields
 from typing import Any, Generic, TypeVar
+
+from gpuledger.output import csv_text
 
 Columns = Sequence[tuple[str, Callable[[Any], str]]]
 R = TypeVar("R")
@@ -35,30 +35,23 @@ def to_json(rows: Sequence[Any]) -> str:
 
 
 def to_csv(rows: Sequence[Any], row_type: type | None = None) -> str:
-    """Dataclass rows as CSV with a header of their field names, also when there are no rows (the columns come
-    from ``row_type``, else from ``Rows``): the column set never depends on the data."""
+    """Dataclass rows as CSV (``gpuledger.output.csv_text``) with a header of their field names, also when there
+    are no rows (the columns come from ``row_type``, else from ``Rows``): the column set never depends on the
+    data."""
     names = _names(rows, row_type)
-    buf = io.StringIO()
-    if names is not None:
-        w = csv.DictWriter(buf, fieldnames=names)
-        w.writeheader()
-        for r in rows:
-            w.writerow(asdict(r))
-    return buf.getvalue()
+    if names is None:
+        return ""
+    return csv_text(names, ([d[n] for n in names] for d in map(asdict, rows)), lineterminator="\r\n")
 
 
 def exact_csv(rows: Sequence[Any], header: Mapping[str, str] | None = None, row_type: type | None = None) -> str:
-    """Dataclass rows as CSV at full float precision (``repr``), so the file reconciles like the numbers;
-    None is an empty cell. ``header`` renames columns (field name -> header); the header is there without rows
-    too (as in :func:`to_csv`)."""
+    """Dataclass rows as CSV (``gpuledger.output.csv_text``) at full float precision (``repr``), so the file
+    reconciles like the numbers; None is an empty cell. ``header`` renames columns (field name -> header); the
+    header is there without rows too (as in :func:`to_csv`)."""
     names = _names(rows, row_type)
-    buf = io.StringIO()
-    if names is not None:
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow([(header or {}).get(n, n) for n in names])
-        for r in rows:
-            w.writerow(["" if (v := getattr(r, n)) is None else repr(v) if isinstance(v, float) else v for n in names])
-    return buf.getvalue()
+    if names is None:
+        return ""
+    return csv_text([(header or {}).get(n, n) for n in names], ([getattr(r, n) for n in names] for r in rows))
 
 
 def fmt_optional(v: float | None, spec: str) -> str:

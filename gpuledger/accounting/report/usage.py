@@ -22,7 +22,7 @@ from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.allocation import allocation_cells
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
-from gpuledger.accounting.report.period import ALL_TIME, Period
+from gpuledger.accounting.report.period import ALL_TIME, Period, job_end
 from gpuledger.accounting.report.settings import ReportSettings
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
@@ -111,8 +111,10 @@ def usage_report(
     period: Period = ALL_TIME,
     settings: ReportSettings | None = None,
     per_gpu: Mapping[str, Sequence[JobUsage]] | None = None,
+    now: float | None = None,
 ) -> UsageReport:
-    """Per-group usage of the jobs that ended in ``period`` (the period rule of ``report.period``).
+    """Per-group usage of the jobs that ended in ``period`` (the period rule of ``report.period``: a job still
+    running counts at ``now``, default the clock, with its allocation so far, so only in a period not over yet).
 
     Every grouping reads a job's per-GPU usage records (the entry's, else ``per_gpu``'s by job id, else its
     job-level record) and its Slurm allocation split per node and model (``report.allocation``), so a job on
@@ -164,12 +166,11 @@ def usage_report(
     everything = _GroupColumns()
     n_jobs = 0
     start, end = period.start, period.end
-    alloc_now = min(end, time.time())  # a running job's allocation so far
+    now = time.time() if now is None else now
+    alloc_now = min(end, now)  # a running job's allocation so far
     for entry in entries:
         record, usage = entry.described, entry.usage
-        # period.job_end(), inlined: this runs once per job record
-        ended = record.end if record is not None and record.end is not None else (
-            usage.last_ts if usage is not None else None)
+        ended = job_end(entry, now)
         if ended is None or ended < start or ended >= end:
             continue
         n_jobs += 1
@@ -263,14 +264,15 @@ def _unmeasured_price(host: str, model: str, gpu_usages: Sequence[JobUsage], all
     """The price of GPU-time Slurm allocated on ``host`` that no agent observed (an allocation cell of
     ``report.allocation``, ``model`` as it names it): where the job's GPUs measured that model there, as those
     GPUs; else at the node's measured model where the report's GPU records know it (other jobs measured there),
-    held to Slurm's typed gres as a measured GPU (``charge.bounded_weight``); else at Slurm's name for it (its gres
-    type; ``default`` when untyped)."""
+    held to Slurm's typed gres as a measured GPU (``charge.bounded_weight``: to the cell's own gres type where it
+    stands under one, so an hour Slurm allocated as one type is never billed as another's); else at Slurm's name
+    for it (its gres type; ``default`` when untyped)."""
     for u in gpu_usages:
         if u.model == model and u.host == host:
             return bounded_weight(model, alloc, price_of) if typed else price_of(model, False)
     node = node_model(host)
     if node is not None:
-        return bounded_weight(node, alloc, price_of)
+        return bounded_weight(node, {model: 1.0} if model and alloc and model in alloc else alloc, price_of)
     return price_of(model, bool(model))
 
 

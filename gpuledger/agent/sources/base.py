@@ -8,7 +8,8 @@ from gpuledger.schema.records import GpuSample
 
 
 class SourceUnavailable(RuntimeError):
-    """The source cannot run on this host (library, driver, bindings or endpoint missing); says why."""
+    """The source cannot run on this host (library, driver, bindings or endpoint missing), or cannot reach what it
+    reads at a sample (dcgm-exporter, nv-hostengine): an operational failure, logged in one line; says why."""
 
 
 @runtime_checkable

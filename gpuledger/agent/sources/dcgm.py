@@ -367,7 +367,7 @@ class DcgmSource:
                 log.error("dcgm: lost the connection to nv-hostengine at %s%s; no samples until it is back "
                           "(reconnecting every tick)", self.hostengine, failure)
             self.connected = False
-            raise RuntimeError(f"dcgm: not connected to nv-hostengine at {self.hostengine}{failure}")
+            raise SourceUnavailable(f"dcgm: not connected to nv-hostengine at {self.hostengine}{failure}")
         if not self.connected:
             log.warning("dcgm: reconnected to nv-hostengine at %s", self.hostengine)
             self.connected = True

@@ -203,7 +203,7 @@ class DcgmExporterSource:
         try:
             text = self._fetch(self.url)
         except Exception as exc:
-            raise RuntimeError(f"dcgm-exporter: scrape of {self.url} failed: {type(exc).__name__}: {exc}") from exc
+            raise SourceUnavailable(f"dcgm-exporter: scrape of {self.url} failed: {type(exc).__name__}: {exc}") from exc
         return parse_dcgm_exporter(text, host=self.host, ts=self._clock(), xids=self._xids)
 
     def close(self) -> None:

@@ -10,8 +10,10 @@ Rules the code keeps:
   wrapper's ``NVMLLibraryMismatchError``, or absent from an old pynvml) is never called again by this source;
   one a GPU does not support (``NOT_SUPPORTED``, ``NO_PERMISSION``) is never called again on that GPU (until
   its MIG mode changes or it is re-opened). Either makes that field None, logs one line and counts the field
-  once in ``health.unavailable`` under its reason; the rest of the sample goes out. Any other failure of one
-  call (a transient error, a binding bug) costs that field for that tick only. Versioned functions
+  once in ``health.unavailable`` under its reason (a GPU without GPM: its GPM fields, ``not_supported``); the
+  rest of the sample goes out. Any other failure of one call (a transient error, a binding bug) costs that field
+  for that tick only and is counted per field in ``call_errors_total`` (the GPM calls count under every GPM
+  field). Versioned functions
   (``_v3``, ``_v2``; ``nvmlDeviceGetTemperatureV`` before the deprecated ``nvmlDeviceGetTemperature``;
   ``nvmlDeviceGetMemoryInfo`` v2 before v1) are probed once and the first that exists is kept.
 - **Memory used** is NVML's v2 ``used``, which leaves out the driver's reserve, as DCGM's ``FB_USED`` does;
@@ -23,7 +25,12 @@ Rules the code keeps:
 - **GPM needs two samples >= 100 ms apart.** The previous GPM sample per GPU (and per MIG GPU instance) is
   kept between ticks, so each tick reports the average over the time since the previous tick; the first
   tick (and a tick < 100 ms after the last) has no GPM values. A NaN or infinite GPM value is None.
-- **Xid** events come from an NVML event set polled with timeout 0, so the loop never blocks on it.
+- **Intervals are timed by the monotonic clock** (GPM's 100 ms, the re-open backoff); the wall clock only
+  stamps samples, so a step of it (NTP) stops neither GPM nor re-opens.
+- **Xid** events come from an NVML event set polled with timeout 0, so the loop never blocks on it. Each Xid
+  read (79 too) goes out in its GPU's next sample; those of a GPU lost (or whose sampling failed) before that
+  wait for its next sample (after the re-open), and meanwhile :meth:`NvmlSource.held_xids` names them (the agent
+  counts them at once). At most 64 wait per GPU; further ones are only counted (``held_xids``), never sent.
 - **Processes**: compute processes and MPS clients (``nvmlDeviceGetMPSComputeRunningProcesses``: an MPS
   client is not in the compute list), merged by pid.
 
@@ -109,8 +116,11 @@ GPM_METRICS: tuple[tuple[GpmField, int], ...] = (
     ("fp32_active_ratio", 12),  # NVML_GPM_METRIC_FP32_UTIL
     ("fp16_active_ratio", 13),  # NVML_GPM_METRIC_FP16_UTIL
 )
+GPM_FIELDS: tuple[GpmField, ...] = tuple(f for f, _ in GPM_METRICS)
 GPM_MIN_INTERVAL_S = 0.1  # NVML: two GPM samples must be at least 100 ms apart
 _MAX_EVENTS_PER_TICK = 64
+# Xids kept per GPU until its next sample (one whose sampling keeps failing); beyond, they are only counted.
+_MAX_PENDING_XIDS = 64
 _MAX_LOGGED = 4096
 
 
@@ -154,7 +164,7 @@ class _Gpm:
     buffers: list[Any]
     request: Any
     cur: int = 0
-    prev_ts: float | None = None
+    prev_at: float | None = None  # monotonic time of the window's start sample
 
 
 @dataclass
@@ -177,14 +187,22 @@ class _Gpu:
     gpm_supported: bool = False
     mig_enabled: bool | None = None  # None: not read yet
     migs: dict[int, _Mig] = field(default_factory=dict)
-    xids: list[int] = field(default_factory=list)
+    xids: list[int] = field(default_factory=list)  # read, not yet in a sample (kept while the GPU is lost)
     lost: bool = False
-    retry_at: float = 0.0
+    retry_at: float = 0.0  # monotonic
     backoff_s: float = 0.0
 
     @property
     def label(self) -> str:
         return self.uuid or f"index {self.index}"
+
+
+# The sample fields one NVML call fills: one, several (a GPM sample: every GPM field) or none.
+Fields = str | tuple[str, ...] | None
+
+
+def _fields(field: Fields) -> tuple[str, ...]:
+    return () if field is None else (field,) if isinstance(field, str) else field
 
 
 def _text(v: Any) -> str:
@@ -219,11 +237,14 @@ class NvmlSource:
         gpm: bool = True,
         pcie: bool = True,
         reopen_backoff_s: tuple[float, float] = (30.0, 600.0),
+        monotonic: Callable[[], float] | None = None,
     ) -> None:
         self._lib_arg = lib
         self.lib: Any = lib
         self.host = host or socket.gethostname()
-        self._clock = clock
+        self._clock = clock  # stamps samples only
+        # times intervals; where a clock is given but no monotonic one (a test's or a replay's time), that clock
+        self._monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self._gpm_enabled = gpm
         # nvmlDeviceGetPcieThroughput samples a byte counter over 20 ms per call (wall time, not CPU).
         self._pcie = pcie
@@ -239,7 +260,13 @@ class NvmlSource:
         self._opened = False
         self.health = FieldHealth(self.name)
         self.gpu_lost_total = 0  # times a GPU was marked lost
-        self.errors_total = 0  # unexpected failures of one call (that field was None that tick)
+        self.errors_total = 0  # unexpected exceptions (a binding bug): of one call, or of one GPU's sampling
+        # failed calls by the field they fill ("" for a call that fills none: a name, the MIG layout, the event
+        # wait), not for a permanent cause: that field was None for that GPU that tick
+        self.call_errors_total: dict[str, int] = {}
+        # Xids read beyond a GPU's pending cap, per (host, index, UUID, ""): (model, how many); never reset, so
+        # the agent's Xid counter stays monotonic though they never go out in a sample
+        self._xids_dropped: dict[tuple[str, int, str, str], tuple[str, int]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -268,20 +295,22 @@ class NvmlSource:
             raise SourceUnavailable(f"nvml: nvmlDeviceGetCount failed: {exc}") from exc
         self._opened = True
         self._events = self._create_event_set()
-        now = self._clock()
+        at = self._monotonic()
         self._gpus = []
         for index in range(count):
             gpu = _Gpu(index)
             self._gpus.append(gpu)
             try:
-                self._attach(gpu, lib.nvmlDeviceGetHandleByIndex(index), now)
+                self._attach(gpu, lib.nvmlDeviceGetHandleByIndex(index))
             except _GpuLost:
-                self._mark_lost(gpu, now, "lost while opening")
+                self._mark_lost(gpu, at, "lost while opening")
             except lib.NVMLError as exc:
                 if exc.value in _LOST:
-                    self._mark_lost(gpu, now, f"lost while opening: {exc}")
+                    self._mark_lost(gpu, at, f"lost while opening: {exc}")
                 else:
-                    self._mark_lost(gpu, now, f"cannot open: {exc}")
+                    self._mark_lost(gpu, at, f"cannot open: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a binding bug: one GPU must not cost the others
+                self._attach_failed(gpu, at, "opening", exc)
 
     def close(self) -> None:
         if not self._opened:
@@ -307,16 +336,16 @@ class NvmlSource:
     def sample(self) -> list[GpuSample]:
         if not self._opened:
             raise RuntimeError("nvml: sample() before open()")
-        now = self._clock()
-        self._poll_events(now)
+        now, at = self._clock(), self._monotonic()
+        self._poll_events(at)
         out: list[GpuSample] = []
         for gpu in self._gpus:
-            if gpu.lost and not (now >= gpu.retry_at and self._reopen(gpu, now)):
+            if gpu.lost and not (at >= gpu.retry_at and self._reopen(gpu, at)):
                 continue
             try:
-                out.extend(self._sample_gpu(gpu, now))
+                out.extend(self._sample_gpu(gpu, now, at))
             except _GpuLost as exc:
-                self._mark_lost(gpu, now, str(exc) or "GPU is lost")
+                self._mark_lost(gpu, at, str(exc) or "GPU is lost")
             except Exception as exc:  # noqa: BLE001 - a bug outside one call: one GPU must not cost the others
                 self.errors_total += 1
                 self._log_once(("error", gpu.label, type(exc).__name__, str(exc)), logging.ERROR,
@@ -325,10 +354,11 @@ class NvmlSource:
             self._rebuild_event_set()
         return out
 
-    def _sample_gpu(self, gpu: _Gpu, now: float) -> list[GpuSample]:
+    def _sample_gpu(self, gpu: _Gpu, now: float, at: float) -> list[GpuSample]:
+        """The GPU's samples stamped ``now`` (wall clock); ``at`` (monotonic) times the GPM windows."""
         h = gpu.handle
         call = self._call
-        self._refresh_mig(gpu, now)
+        self._refresh_mig(gpu)
         mig = gpu.mig_enabled
         mem = self._versioned(gpu, "memory", _MEMORY, h, field="mem_used_bytes")
         util = None if mig else call(gpu, "nvmlDeviceGetUtilizationRates", h, field="gpu_util_ratio")
@@ -354,9 +384,8 @@ class NvmlSource:
                       field="pcie_rx_bytes_per_second")
         # In MIG mode the parent's process list needs privileges and each instance has its own: read there.
         procs = () if mig else self._processes(gpu, h, "")
-        gpm = self._gpm_read(gpu, gpu.gpm, "nvmlGpmSampleGet", (h,), now)
+        gpm = self._gpm_read(gpu, gpu.gpm, "nvmlGpmSampleGet", (h,), at)
 
-        xids, gpu.xids = tuple(gpu.xids), []
         samples = [GpuSample(
             ts=now,
             host=self.host,
@@ -379,7 +408,7 @@ class NvmlSource:
             throttle_reasons=None if reasons is None else int(reasons),
             ecc_errors_total=None if ecc is None else int(ecc),
             remapped_rows_total=None if rows is None else int(rows[0]) + int(rows[1]),
-            xid_errors=xids,
+            xid_errors=tuple(gpu.xids),
             processes=tuple(procs),
             source=self.name,
             **(gpm or {}),
@@ -392,7 +421,7 @@ class NvmlSource:
             for ci, mh in enumerate(m.handles):  # every compute instance of the GPU instance
                 for p in self._processes(gpu, mh, f"{where}CI {ci} "):
                     mprocs.setdefault(p.pid, p)
-            mgpm = self._gpm_read(gpu, m.gpm, "nvmlGpmMigSampleGet", (h, gi), now)
+            mgpm = self._gpm_read(gpu, m.gpm, "nvmlGpmMigSampleGet", (h, gi), at)
             samples.append(GpuSample(
                 ts=now,
                 host=self.host,
@@ -406,7 +435,20 @@ class NvmlSource:
                 source=self.name,
                 **(mgpm or {}),
             ))
+        gpu.xids = []  # only now: a GPU lost while its instances were read keeps them for its next sample
         return samples
+
+    def held_xids(self) -> list[tuple[tuple[str, int, str, str], str, int]]:
+        """Xids read and in no sample: ((host, index, UUID, mig ""), model, how many), so the agent counts them at
+        once. Those pending (a GPU lost, or whose sampling failed, since they were read) go out in the GPU's next
+        sample; those read beyond the pending cap never do, and are counted here for good."""
+        held = dict(self._xids_dropped)
+        for g in self._gpus:
+            if g.xids:
+                key = (self.host, g.index, g.uuid or "", "")
+                model, n = held.get(key, (g.name, 0))
+                held[key] = (model, n + len(g.xids))
+        return [(key, model, n) for key, (model, n) in held.items()]
 
     def mig_uuids(self) -> dict[tuple[str, str], str]:
         """(GPU UUID, ``mig`` as samples carry it) -> the MIG instance's own UUID, for the current layout: what
@@ -435,13 +477,13 @@ class NvmlSource:
             self._fns[name] = fn
         return fn
 
-    def _call(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: str | None = None,
+    def _call(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: Fields = None,
               symbol: str | None = None) -> Any:
         """Call ``name``; None when the value is unavailable (see the module's rules)."""
         r = self._call_raw(gpu, name, *args, key=key, field=field, symbol=symbol)
         return None if r is _MISSING else r
 
-    def _call_raw(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: str | None = None,
+    def _call_raw(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: Fields = None,
                   symbol: str | None = None, note_missing: bool = True) -> Any:
         """As _call, but _MISSING (not None) when the function does not exist in this driver/binding
         (counted against ``field`` unless ``note_missing`` is False: an older version may still exist)."""
@@ -466,12 +508,13 @@ class NvmlSource:
                     elif code in _PERMANENT:
                         gpu.unsupported.add(key)
                         if field is not None:
-                            self.health.note(gpu.label, field, _PERMANENT[code], f"{key}: {exc}")
+                            self._note(gpu, field, _PERMANENT[code], f"{key}: {exc}")
                         else:
                             self._log_once(("unsupported", gpu.label, key), logging.INFO,
                                            "nvml: GPU %s: %s: %s; not asked again", gpu.label, key, exc)
                         return None
                     else:
+                        self._count_failure(field)
                         self._log_once(("failed", gpu.label, key, code), logging.WARNING,
                                        "nvml: GPU %s: %s failed: %s (field None this tick; later repeats not logged)",
                                        gpu.label, key, exc)
@@ -481,13 +524,23 @@ class NvmlSource:
                         reason = self._note_missing(symbol, "library_mismatch", str(exc))
                     else:
                         self.errors_total += 1
+                        self._count_failure(field)
                         self._log_once(("error", gpu.label, key, type(exc).__name__), logging.ERROR,
                                        "nvml: GPU %s: %s raised %s: %s (field None this tick)",
                                        gpu.label, key, type(exc).__name__, exc)
                         return None
-        if field is not None and note_missing:
-            self.health.note(gpu.label, field, reason, f"{symbol} is missing")
+        if note_missing:
+            self._note(gpu, field, reason, f"{symbol} is missing")
         return _MISSING
+
+    def _note(self, gpu: _Gpu, field: Fields, reason: str, detail: str = "") -> None:
+        """``health.note`` for each field a call fills."""
+        for f in _fields(field):
+            self.health.note(gpu.label, f, reason, detail)
+
+    def _count_failure(self, field: Fields) -> None:
+        for f in _fields(field) or ("",):
+            self.call_errors_total[f] = self.call_errors_total.get(f, 0) + 1
 
     def _note_missing(self, symbol: str, reason: str, why: str) -> str:
         self._missing[symbol] = reason
@@ -499,8 +552,7 @@ class NvmlSource:
         """Call the newest existing version of a function; probing happens once per source."""
         chosen = self._chosen.get(family, _MISSING)
         if chosen is None:  # no version exists
-            if field is not None:
-                self.health.note(gpu.label, field, self._missing.get(variants[-1].sym, "function_not_found"))
+            self._note(gpu, field, self._missing.get(variants[-1].sym, "function_not_found"))
             return None
         key = key or family
         for v in (chosen,) if chosen is not _MISSING else variants:
@@ -514,8 +566,7 @@ class NvmlSource:
             return r
         self._chosen[family] = None
         log.info("nvml: no version of %s (%s) exists; that field is None", family, ", ".join(v.sym for v in variants))
-        if field is not None:
-            self.health.note(gpu.label, field, self._missing.get(variants[-1].sym, "function_not_found"))
+        self._note(gpu, field, self._missing.get(variants[-1].sym, "function_not_found"))
         return None
 
     def _log_once(self, key: tuple[Any, ...], level: int, msg: str, *args: Any) -> None:
@@ -526,7 +577,7 @@ class NvmlSource:
         log.log(level, msg, *args)
 
     # -- per-GPU setup, loss and re-open ---------------------------------------------------------------
-    def _attach(self, gpu: _Gpu, handle: Any, now: float) -> None:
+    def _attach(self, gpu: _Gpu, handle: Any) -> None:
         """Identify a GPU from a fresh handle and (re)build its GPM state, MIG layout and event registration."""
         lib = self.lib
         uuid = _text(lib.nvmlDeviceGetUUID(handle))
@@ -539,16 +590,18 @@ class NvmlSource:
         self._free_gpm(gpu)
         gpu.gpm_supported = False
         if self._gpm_enabled:
-            support = self._call(gpu, "nvmlGpmQueryDeviceSupport", handle, field="sm_active_ratio")
+            support = self._call(gpu, "nvmlGpmQueryDeviceSupport", handle, field=GPM_FIELDS)
             gpu.gpm_supported = support is not None and bool(support.isSupportedDevice)
             if gpu.gpm_supported:
                 gpu.gpm = self._new_gpm(gpu)
+            elif support is not None:  # the driver answered: this GPU has no GPM (before Hopper)
+                self._note(gpu, GPM_FIELDS, "not_supported", "nvmlGpmQueryDeviceSupport: not a GPM device")
         gpu.migs = {}
         gpu.mig_enabled = None
-        self._refresh_mig(gpu, now)
+        self._refresh_mig(gpu)
         self._register_events(gpu)
 
-    def _refresh_mig(self, gpu: _Gpu, now: float) -> None:
+    def _refresh_mig(self, gpu: _Gpu) -> None:
         """Read the MIG mode and (when on) the instances; called every tick: MIG can be reconfigured any time.
         A read that fails this tick (not lost, not unsupported) keeps the last tick's layout: taken for "MIG
         off", it would hand every instance's processes to the whole GPU and drop the instances' GPM windows."""
@@ -613,6 +666,7 @@ class NvmlSource:
     def _keep_layout(self, gpu: _Gpu, found: dict[int, _Mig], why: str) -> None:
         """A MIG layout read cut short by a transient error: the last tick's instances stand; GPM state made for
         instances read so far is freed."""
+        self._count_failure(None)
         for gi, m in found.items():
             if gpu.migs.get(gi) is not m:
                 self._free_one(m.gpm)
@@ -620,7 +674,8 @@ class NvmlSource:
                        "nvml: GPU %s: %s; the MIG layout of the last tick kept (later repeats not logged)",
                        gpu.label, why)
 
-    def _mark_lost(self, gpu: _Gpu, now: float, reason: str) -> None:
+    def _mark_lost(self, gpu: _Gpu, at: float, reason: str) -> None:
+        """``at``: monotonic time. The GPU's Xids read but not yet sent are kept for its next sample."""
         if not gpu.lost:
             self.gpu_lost_total += 1
             gpu.backoff_s = self._backoff_min
@@ -630,12 +685,21 @@ class NvmlSource:
         else:
             gpu.backoff_s = min(gpu.backoff_s * 2, self._backoff_max)
         gpu.lost = True
-        gpu.retry_at = now + gpu.backoff_s
-        gpu.xids = []
+        gpu.retry_at = at + gpu.backoff_s
         if gpu.handle is not None:
             self._by_handle.pop(_handle_key(gpu.handle), None)
 
-    def _reopen(self, gpu: _Gpu, now: float) -> bool:
+    def _attach_failed(self, gpu: _Gpu, at: float, doing: str, exc: Exception) -> None:
+        """An unexpected exception (not NVML's) while ``doing`` (opening, re-opening) a GPU: counted, logged once,
+        and the GPU marked lost, to be tried again with backoff (one log line: marking it lost logs it)."""
+        self.errors_total += 1
+        reason = f"{doing} failed: {type(exc).__name__}: {exc}"
+        if gpu.lost:  # already lost: _mark_lost logs nothing
+            self._log_once(("attach", gpu.label, type(exc).__name__, str(exc)), logging.ERROR,
+                           "nvml: GPU %s (index %d): %s", gpu.label, gpu.index, reason)
+        self._mark_lost(gpu, at, reason)
+
+    def _reopen(self, gpu: _Gpu, at: float) -> bool:
         lib = self.lib
         try:
             if gpu.uuid is not None:
@@ -644,10 +708,13 @@ class NvmlSource:
                 handle = lib.nvmlDeviceGetHandleByIndex(gpu.index)
             gpu.unsupported.clear()
             self.health.forget(gpu.label)
-            self._attach(gpu, handle, now)
+            self._attach(gpu, handle)
         except (_GpuLost, lib.NVMLError) as exc:
-            self._mark_lost(gpu, now, str(exc))
+            self._mark_lost(gpu, at, str(exc))
             log.info("nvml: GPU %s still unavailable (%s); next try in %.0f s", gpu.label, exc, gpu.backoff_s)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a binding bug: one GPU must not cost the others
+            self._attach_failed(gpu, at, "re-opening", exc)
             return False
         gpu.lost = False
         log.warning("nvml: GPU %s (index %d) is back", gpu.label, gpu.index)
@@ -685,31 +752,32 @@ class NvmlSource:
             m.gpm = None
 
     def _gpm_read(self, gpu: _Gpu, st: _Gpm | None, fn: str, args: tuple[Any, ...],
-                  now: float) -> GpmRatios | None:
-        """Take a GPM sample; with a previous one >= 100 ms older, return the metrics over that window."""
+                  at: float) -> GpmRatios | None:
+        """Take a GPM sample at ``at`` (monotonic); with a previous one >= 100 ms older, return the metrics over
+        that window."""
         if st is None or not st.buffers:
             return None
-        if st.prev_ts is not None and now - st.prev_ts < GPM_MIN_INTERVAL_S:
+        if st.prev_at is not None and at - st.prev_at < GPM_MIN_INTERVAL_S:
             return None  # keep the older sample as the window's start
         cur = st.buffers[st.cur]
         key = fn if len(args) == 1 else f"MIG {args[1]} {fn}"
-        if self._call(gpu, fn, *args, cur, key=key, field="sm_active_ratio") is None:
-            st.prev_ts = None
+        if self._call(gpu, fn, *args, cur, key=key, field=GPM_FIELDS) is None:
+            st.prev_at = None
             return None
         values: GpmRatios | None = None
-        if st.prev_ts is not None:
+        if st.prev_at is not None:
             req = st.request
             req.sample1 = st.buffers[1 - st.cur]
             req.sample2 = cur
             for i, (_, mid) in enumerate(GPM_METRICS):
                 req.metrics[i].metricId = mid
-            if self._call(gpu, "nvmlGpmMetricsGet", req, key=key + " metrics") is not None:
+            if self._call(gpu, "nvmlGpmMetricsGet", req, key=key + " metrics", field=GPM_FIELDS) is not None:
                 values = {}
                 for i, (fname, _) in enumerate(GPM_METRICS):
                     m = req.metrics[i]
                     if m.nvmlReturn == _SUCCESS and (v := _ratio(m.value)) is not None:
                         values[fname] = v
-        st.prev_ts = now
+        st.prev_at = at
         st.cur = 1 - st.cur
         return values
 
@@ -742,16 +810,16 @@ class NvmlSource:
         self._events_stale = False
         self._free_event_set()
         self._events = self._create_event_set()
-        now = self._clock()
+        at = self._monotonic()
         for gpu in self._gpus:
             if gpu.lost or gpu.handle is None:
                 continue
             try:
                 self._register_events(gpu)
             except _GpuLost as exc:
-                self._mark_lost(gpu, now, str(exc))  # marks the set stale: rebuilt next tick without it
+                self._mark_lost(gpu, at, str(exc))  # marks the set stale: rebuilt next tick without it
 
-    def _poll_events(self, now: float) -> None:
+    def _poll_events(self, at: float) -> None:
         if self._events is None or not self._gpus or _EVENT_WAIT in self._missing:
             return
         lib = self.lib
@@ -771,6 +839,7 @@ class NvmlSource:
                     self._log_once(("event-wait-lost",), logging.WARNING,
                                    "nvml: event wait: %s; the event set is rebuilt without the lost GPU", exc)
                 elif exc.value != _ERR_TIMEOUT:
+                    self._count_failure(None)  # the events stay queued for the next poll
                     self._log_once(("event-wait", exc.value), logging.WARNING, "nvml: event wait failed: %s", exc)
                 return
             gpu = self._by_handle.get(_handle_key(data.device))
@@ -778,10 +847,17 @@ class NvmlSource:
                 continue
             xid = int(data.eventData)
             log.warning("nvml: GPU %s: Xid %d", gpu.label, xid)
-            if xid == _XID_FELL_OFF_BUS:
-                self._mark_lost(gpu, now, "Xid 79: fell off the bus")
-            else:
+            if len(gpu.xids) < _MAX_PENDING_XIDS:
                 gpu.xids.append(xid)
+            else:
+                key = (self.host, gpu.index, gpu.uuid or "", "")
+                model, n = self._xids_dropped.get(key, (gpu.name, 0))
+                self._xids_dropped[key] = (model, n + 1)
+                self._log_once(("xids-dropped", gpu.label), logging.WARNING,
+                               "nvml: GPU %s: more than %d Xids without a sample; further ones are only counted",
+                               gpu.label, _MAX_PENDING_XIDS)
+            if xid == _XID_FELL_OFF_BUS:
+                self._mark_lost(gpu, at, "Xid 79: fell off the bus")
 
 
 __all__ = ["GPM_METRICS", "NvmlSource"]

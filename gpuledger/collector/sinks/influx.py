@@ -111,15 +111,11 @@ def line(measurement: str, tag_str: str, field_str: str, ts_ms: int) -> str | No
 
 
 class GpuPrefixes:
-    """Tag sets per GPU are built once (the hot path only formats fields); and the MIG GPUs among the rows rendered
-    with them (``mig_until``: (host, uuid) -> the newest time one of its instances was rendered at), so that a MIG
-    GPU's whole-GPU point can be told from a whole GPU's when its instances came in an earlier call (a series
-    shipment renders a chunk a GPU, its instances' first: ``collector.series_outbox``)."""
+    """Tag sets per GPU are built once (the hot path only formats fields)."""
 
     def __init__(self) -> None:
         self.gpu: dict[tuple, str] = {}
         self.job: dict[tuple, str] = {}
-        self.mig_until: dict[tuple[str, str], float] = {}
 
     def gpu_prefix(self, s: GpuSample) -> str:
         key = (s.host, s.gpu_index, s.gpu_uuid, s.model, s.mig)
@@ -150,17 +146,13 @@ def sample_lines(samples: Iterable[GpuSample], prefixes: GpuPrefixes | None = No
     A MIG GPU is counted once (``samples`` as the store keeps them: ``aggregate.normalize_mig``): its power, power
     limit and energy counter only on its whole-GPU point, which has no ``jobs`` either (it is no device a job
     holds: its instances are); its instances' points hold none of its readings (their ``gpu_job`` points keep its
-    power, which ``share`` splits). A whole-GPU row is a MIG GPU's when one of its instances is rendered at that
-    time or later, among ``samples`` or before them with the same ``prefixes`` (a GPU enters MIG mode only after a
-    reset, with no job on it)."""
+    power, which ``share`` splits). A whole-GPU row is a MIG GPU's when ``samples`` hold one of its instances at the
+    same instant, as ``normalize_mig`` groups them (a batch never parts an instant; the outbox queues a batch's rows
+    together): rows of other instants never decide, so a backlog rendered in any order, or a batch spanning a GPU's
+    switch into MIG mode, gives the same points."""
     px = prefixes or GpuPrefixes()
     rows = samples if isinstance(samples, (list, tuple)) else list(samples)
-    mig_until = px.mig_until
-    if len(mig_until) > 100_000:
-        mig_until.clear()
-    for s in rows:
-        if s.mig and s.ts > mig_until.get(key := (s.host, s.gpu_uuid), -math.inf):
-            mig_until[key] = s.ts
+    mig_instants = {(s.host, s.gpu_uuid, s.ts) for s in rows if s.mig}
     out: list[str] = []
     append = out.append
     for s in rows:
@@ -171,7 +163,7 @@ def sample_lines(samples: Iterable[GpuSample], prefixes: GpuPrefixes | None = No
             parts = [f"{k}={v!r}" for k, v in zip(FLOAT_FIELDS, _FLOATS(s)) if v is not None and math.isfinite(v)]
         parts += [f"{k}={v}i" for k, v in zip(INT_FIELDS, _INTS(s)) if v is not None and v < _I64]
         parts.append(f"xid_errors={len(s.xid_errors)}i")
-        if s.mig or not (mig_until and s.ts <= mig_until.get((s.host, s.gpu_uuid), -math.inf)):
+        if s.mig or not mig_instants or (s.host, s.gpu_uuid, s.ts) not in mig_instants:
             parts.append(f"jobs={len(s.job_ids)}i")
         ts = round(s.ts * 1000.0)
         append(f"{px.gpu_prefix(s)} {','.join(parts)} {ts}")
