@@ -11,6 +11,7 @@ unnamed (""): then it joins the other side's record of the same job id when exac
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -127,6 +128,13 @@ def _resolver(slurm_keys: Iterable[JobKey]) -> Callable[[JobKey], JobKey]:
     return resolve
 
 
+# A heterogeneous job's component as earlier releases stored Slurm's record of it ("12+1": leader + offset). Slurm
+# numbers a het job's components consecutively from the leader (HetJobId + HetJobOffset is the component's own job
+# id, which agents measure and which imports now store), so such a record is read as the component's, unless the
+# ledger holds the component's record under its own id (imported since), which stands.
+_LEGACY_HET = re.compile(r"\d+\+\d+")
+
+
 def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[JobUsage],
          per_gpu: Iterable[JobUsage] = (), gap_shares: Mapping[JobKey, tuple[GapShare, ...]] | None = None,
          now: float | None = None) -> list[LedgerEntry]:
@@ -138,12 +146,19 @@ def join(records: Iterable[JobRecord | tuple[JobRecord, str]], usages: Iterable[
     now = time.time() if now is None else now
     slurm: dict[JobKey, JobRecord] = {}
     agent: list[JobRecord] = []
+    legacy: list[JobRecord] = []
     for item in records:
         rec, src = item if isinstance(item, tuple) else (item, SLURM)
         if src == AGENT:
             agent.append(rec)
+        elif _LEGACY_HET.fullmatch(rec.job_id):
+            legacy.append(rec)
         else:
             slurm[(rec.cluster, rec.job_id)] = rec
+    for rec in legacy:  # after the records under raw ids, which supersede them
+        leader, offset = rec.job_id.split("+")
+        raw = str(int(leader) + int(offset))
+        slurm.setdefault((rec.cluster, raw), replace(rec, job_id=raw))
     resolve = _resolver(slurm)
     by_agent: dict[JobKey, JobRecord] = {}
     for rec in agent:

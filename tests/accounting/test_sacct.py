@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -29,7 +30,7 @@ from gpuledger.accounting.slurm import (
 from gpuledger.cli import app
 from gpuledger.collector.store import Store
 from gpuledger.collector.validate import Batch
-from gpuledger.schema.records import GpuSample
+from gpuledger.schema.records import GpuSample, JobRecord
 
 DATA = DATA_ROOT / "slurm"
 REAL = DATA / "real-22.05"
@@ -511,3 +512,34 @@ def test_an_undecided_time_in_the_repeated_hour_is_the_first_occurrence_with_a_w
     with caplog.at_level("WARNING", logger="gpuledger.accounting.slurm"):
         (r,) = parse_sacct_parsable(text, tz=UTC)
     assert r.end == utc("2026-11-01T01:30:00") and caplog.records == []
+
+
+def test_het_components_an_earlier_release_stored_as_leader_plus_offset_join_the_agents_job_ids(tmp_path: Path) -> None:
+    # an earlier release stored Slurm's records of job 12's components as "12+0" and "12+1"; their agents measured
+    # "12" and "13" (Slurm numbers the components from the leader): read as those, billed once; where the ledger
+    # holds a component's record under its own id too (imported since), that one stands
+    d = tmp_path / "d"
+    store = Store(d / "gpuledger.sqlite", clock=lambda: HET_T0 + 30 * 86400)
+    try:
+        for seq, (host, job) in enumerate((("n1", "12"), ("n2", "13")), 1):
+            store.ingest(Batch("ag-" + host, seq, host, tuple(
+                GpuSample(ts=HET_T0 + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, model="NVIDIA H200",
+                          sm_active_ratio=0.9, energy_joules=3000.0 * k, job_ids=(job,)) for k in range(361)),
+                cluster="c"))
+        old = [JobRecord(job_id, cluster="c", user="alice", account="a", hosts=(host,), gpus=1, start=HET_T0,
+                         end=HET_T0 + 3600, state="COMPLETED") for job_id, host in (("12+0", "n1"), ("12+1", "n2"))]
+        store.put_jobs([*old, replace(old[1], job_id="13", user="bob")])
+    finally:
+        store.close()
+    (d / "gpuledger.toml").write_text("[report.price_per_gpu_hour]\ndefault = 1.0\n")
+    runner = CliRunner()
+    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(d), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert [(j["job_id"], j["seen_by"], j["user"], j["slurm_gpu_seconds"], j["observed_gpu_seconds"])
+            for j in json.loads(r.stdout)] == [("12", "both", "alice", 3600.0, 3600.0),
+                                                ("13", "both", "bob", 3600.0, 3600.0)]
+    r = runner.invoke(app, ["report", "usage", "--data-dir", str(d), "--period", "2026-10", "--by", "user",
+                            "--format", "json"])
+    assert r.exit_code == 0, r.output
+    total = json.loads(r.stdout)["total"]
+    assert (total["jobs"], total["billed_gpu_hours"], total["unmeasured_gpu_hours"]) == (2, 2.0, 0.0)
