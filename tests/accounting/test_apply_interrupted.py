@@ -150,15 +150,21 @@ def test_sigterm_while_scontrol_hangs_leaves_every_change_slurm_may_hold_in_the_
         assert log.verify().ok
 
 
+def refuse_priority_changes(data: Path, also: str, message: str) -> None:
+    """The data dir's audit log refuses its priority_change entries (those ``also`` picks, an SQL condition on
+    NEW) with ``message``, as a full disk would."""
+    open_log(data).close()  # the log's file, for the trigger
+    db = sqlite3.connect(data / "audit.sqlite")
+    db.execute(f"CREATE TRIGGER full BEFORE INSERT ON entries WHEN NEW.kind = 'priority_change' {also} "
+               f"BEGIN SELECT RAISE(ABORT, '{message}'); END")
+    db.commit()
+    db.close()
+
+
 def test_an_audit_log_that_takes_no_intent_sends_nothing_to_slurm(cluster: Path, monkeypatch) -> None:
     # the log's disk is full: not one scontrol runs, and the command says so in one line
     data = cluster / "data"
-    open_log(data).close()  # the log's file, for the trigger below
-    db = sqlite3.connect(data / "audit.sqlite")
-    db.execute("CREATE TRIGGER full BEFORE INSERT ON entries WHEN NEW.kind = 'priority_change' "
-               "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
-    db.commit()
-    db.close()
+    refuse_priority_changes(data, "", "database or disk is full")
     for k, v in slurm_env(cluster).items():
         monkeypatch.setenv(k, v)
     r = CliRunner().invoke(app, ["priority", "apply", "--slurm", "--data-dir", str(data)])
@@ -207,12 +213,7 @@ def changes() -> list[Change]:
 
 def test_a_log_that_stops_taking_writes_after_a_command_stops_the_run(tmp_path: Path) -> None:
     # the first batch's intent is written, its command runs, its outcome is refused: no later batch is sent
-    open_log(tmp_path).close()  # the log's file, for the trigger below
-    db = sqlite3.connect(tmp_path / "audit.sqlite")
-    db.execute("CREATE TRIGGER full BEFORE INSERT ON entries WHEN NEW.kind = 'priority_change' AND "
-               "json_extract(NEW.body, '$.data.status') <> 'intended' BEGIN SELECT RAISE(ABORT, 'disk full'); END")
-    db.commit()
-    db.close()
+    refuse_priority_changes(tmp_path, "AND json_extract(NEW.body, '$.data.status') <> 'intended'", "disk full")
     scontrol = Scontrol(tmp_path / "audit.sqlite")
     with open_log(tmp_path) as log, pytest.raises(AuditNotWritten) as caught:
         apply_changes(SlurmClient(run=scontrol), changes(), dry_run=False, record=record_priority_changes(log),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -437,33 +438,47 @@ def test_live_sacct_asks_for_jobidraw_and_names_het_components_by_it() -> None:
     assert "JobIDRaw" in fmt.removeprefix("--format=").split(",")
 
 
-def test_measured_usage_of_a_het_component_joins_slurms_record_of_it_and_bills_once(tmp_path: Path) -> None:
-    d = tmp_path / "d"
+def het_measured(d: Path, records: Sequence[JobRecord] = ()) -> Path:
+    """A data dir whose agents on n1 and n2 measured jobs "12" and "13" for an hour (as their cgroups name het job
+    12's components), with ``records`` stored beside, priced 1.0 a GPU-hour."""
     store = Store(d / "gpuledger.sqlite", clock=lambda: HET_T0 + 30 * 86400)
-    try:  # what the agents on n1 and n2 measured: jobs "12" and "13", as their cgroups name them
+    try:
         for seq, (host, job) in enumerate((("n1", "12"), ("n2", "13")), 1):
             store.ingest(Batch("ag-" + host, seq, host, tuple(
                 GpuSample(ts=HET_T0 + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, model="NVIDIA H200",
                           sm_active_ratio=0.9, energy_joules=3000.0 * k, job_ids=(job,)) for k in range(361)),
                 cluster="c"))
+        if records:
+            store.put_jobs(records)
     finally:
         store.close()
     (d / "gpuledger.toml").write_text("[report.price_per_gpu_hour]\ndefault = 1.0\n")
-    (tmp_path / "sacct.json").write_text(het_sacct_json())
-    (tmp_path / "sacct.txt").write_text(HET_PARSABLE)
+    return d
+
+
+def het_billed(d: Path) -> tuple[list[tuple], dict]:
+    """``jobs list``'s (job id, seen by, user, Slurm and observed GPU-seconds) and ``report usage``'s total for
+    October 2026, by user."""
     runner = CliRunner()
-    r = runner.invoke(app, ["jobs", "import", "--data-dir", str(d), "--sacct-json", str(tmp_path / "sacct.json"),
-                            "--sacct-parsable", str(tmp_path / "sacct.txt")])
-    assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["jobs", "list", "--data-dir", str(d), "--format", "json"])
     assert r.exit_code == 0, r.output
-    assert [(j["job_id"], j["seen_by"], j["user"], j["slurm_gpu_seconds"], j["observed_gpu_seconds"])
-            for j in json.loads(r.stdout)] == [("12", "both", "alice", 3600.0, 3600.0),
-                                                ("13", "both", "alice", 3600.0, 3600.0)]
+    jobs = [(j["job_id"], j["seen_by"], j["user"], j["slurm_gpu_seconds"], j["observed_gpu_seconds"])
+            for j in json.loads(r.stdout)]
     r = runner.invoke(app, ["report", "usage", "--data-dir", str(d), "--period", "2026-10", "--by", "user",
                             "--format", "json"])
     assert r.exit_code == 0, r.output
-    total = json.loads(r.stdout)["total"]
+    return jobs, json.loads(r.stdout)["total"]
+
+
+def test_measured_usage_of_a_het_component_joins_slurms_record_of_it_and_bills_once(tmp_path: Path) -> None:
+    d = het_measured(tmp_path / "d")
+    (tmp_path / "sacct.json").write_text(het_sacct_json())
+    (tmp_path / "sacct.txt").write_text(HET_PARSABLE)
+    r = CliRunner().invoke(app, ["jobs", "import", "--data-dir", str(d), "--sacct-json",
+                                 str(tmp_path / "sacct.json"), "--sacct-parsable", str(tmp_path / "sacct.txt")])
+    assert r.exit_code == 0, r.output
+    jobs, total = het_billed(d)
+    assert jobs == [("12", "both", "alice", 3600.0, 3600.0), ("13", "both", "alice", 3600.0, 3600.0)]
     # two GPU-hours allocated, two billed (not the agents' two and Slurm's unmeasured two)
     assert (total["jobs"], total["billed_gpu_hours"], total["unmeasured_gpu_hours"], total["cost"]) == (2, 2.0, 0.0,
                                                                                                        2.0)
@@ -518,28 +533,9 @@ def test_het_components_an_earlier_release_stored_as_leader_plus_offset_join_the
     # an earlier release stored Slurm's records of job 12's components as "12+0" and "12+1"; their agents measured
     # "12" and "13" (Slurm numbers the components from the leader): read as those, billed once; where the ledger
     # holds a component's record under its own id too (imported since), that one stands
-    d = tmp_path / "d"
-    store = Store(d / "gpuledger.sqlite", clock=lambda: HET_T0 + 30 * 86400)
-    try:
-        for seq, (host, job) in enumerate((("n1", "12"), ("n2", "13")), 1):
-            store.ingest(Batch("ag-" + host, seq, host, tuple(
-                GpuSample(ts=HET_T0 + 10 * k, host=host, gpu_uuid=f"GPU-{host}", gpu_index=0, model="NVIDIA H200",
-                          sm_active_ratio=0.9, energy_joules=3000.0 * k, job_ids=(job,)) for k in range(361)),
-                cluster="c"))
-        old = [JobRecord(job_id, cluster="c", user="alice", account="a", hosts=(host,), gpus=1, start=HET_T0,
-                         end=HET_T0 + 3600, state="COMPLETED") for job_id, host in (("12+0", "n1"), ("12+1", "n2"))]
-        store.put_jobs([*old, replace(old[1], job_id="13", user="bob")])
-    finally:
-        store.close()
-    (d / "gpuledger.toml").write_text("[report.price_per_gpu_hour]\ndefault = 1.0\n")
-    runner = CliRunner()
-    r = runner.invoke(app, ["jobs", "list", "--data-dir", str(d), "--format", "json"])
-    assert r.exit_code == 0, r.output
-    assert [(j["job_id"], j["seen_by"], j["user"], j["slurm_gpu_seconds"], j["observed_gpu_seconds"])
-            for j in json.loads(r.stdout)] == [("12", "both", "alice", 3600.0, 3600.0),
-                                                ("13", "both", "bob", 3600.0, 3600.0)]
-    r = runner.invoke(app, ["report", "usage", "--data-dir", str(d), "--period", "2026-10", "--by", "user",
-                            "--format", "json"])
-    assert r.exit_code == 0, r.output
-    total = json.loads(r.stdout)["total"]
+    old = [JobRecord(job_id, cluster="c", user="alice", account="a", hosts=(host,), gpus=1, start=HET_T0,
+                     end=HET_T0 + 3600, state="COMPLETED") for job_id, host in (("12+0", "n1"), ("12+1", "n2"))]
+    d = het_measured(tmp_path / "d", [*old, replace(old[1], job_id="13", user="bob")])
+    jobs, total = het_billed(d)
+    assert jobs == [("12", "both", "alice", 3600.0, 3600.0), ("13", "both", "bob", 3600.0, 3600.0)]
     assert (total["jobs"], total["billed_gpu_hours"], total["unmeasured_gpu_hours"]) == (2, 2.0, 0.0)
