@@ -18,8 +18,9 @@ agent's connection carries them, the connections kept from phase to phase; an as
 beside the servers) for at most --seconds or --points samples. The
 collector compacts every --compact seconds during ingest (rollups, merges). With --workers N > 1 the collector is the
 real `gpuledger collector serve --workers N` (a supervisor, N workers on the port, a compactor). Server CPU comes
-from /proc, summed over the server's process tree; batches/commit (how many batches the collector's group commits
-held, on average) from its /metrics (``gpuledger_collector_group_commit_batches``).
+from /proc, summed over the server's process tree (of it, the compactor process's: "of it
+compactor"); batches/commit (how many batches the collector's group commits held, on average) from its /metrics
+(``gpuledger_collector_group_commit_batches``).
 
     .venv/bin/python bench/ingest.py                                # all shapes, ~3-4 minutes
     .venv/bin/python bench/ingest.py --shapes 80 --seconds 10       # the fleet shape only
@@ -48,6 +49,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from loadgen import (  # noqa: E402
+    cpu_s,
+    descendants,
     free_port,
     group_commits,
     read_response,
@@ -197,6 +200,20 @@ class Poster:
         self.loop.close()
 
 
+def compactor_cpu_s(pid: int) -> float:
+    """CPU seconds of the compactor processes below ``pid`` (``python -m gpuledger.collector.compactor``), the part of
+    the collector's CPU that compaction takes."""
+    total = 0.0
+    for p in descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"gpuledger.collector.compactor" in f.read():
+                    total += cpu_s(p)
+        except OSError:  # ended meanwhile
+            pass
+    return total
+
+
 def settle(pid: int, idle_s: float = 2.0, limit_s: float = 30.0) -> None:
     """Wait until the server has been idle for ``idle_s`` (background merges finish)."""
     end = time.monotonic() + limit_s
@@ -270,6 +287,7 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
             pid = vm.pid if name == "vm" else gl.pid
             batch_bodies = bodies(name, keys)
             c0 = tree_cpu_s(pid)
+            k0 = compactor_cpu_s(pid) if name == "gl" else 0.0
             g0 = group_commits(gl_port) if name == "gl" else (0.0, 0.0)
             if name == "vm":
                 posted, wall = posters["vm"].post("/write?precision=ms", batch_bodies, {}, 204, a.seconds)
@@ -280,7 +298,8 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
             n = sum(posted.values())
             g1 = group_commits(gl_port) if name == "gl" else (0.0, 0.0)
             return {"samples": n * shape, "wall_s": wall, "rate": n * shape / wall, "cpu_s": tree_cpu_s(pid) - c0,
-                    "batches": n, "posted": posted, "commits": g1[1] - g0[1]}
+                    "compactor_cpu_s": compactor_cpu_s(pid) - k0 if name == "gl" else 0.0, "batches": n,
+                    "posted": posted, "commits": g1[1] - g0[1]}
 
         out: dict[str, dict] = {}
         # new series: each host's first batch (k = 0); both servers get the same hosts
@@ -301,6 +320,7 @@ def run_shape(a: argparse.Namespace, shape: int, work: Path) -> dict:
                 rounds[name].append(r)
                 log(f"shape {shape} steady round {rnd + 1} {name}: {r['rate']:,.0f} samples/s")
         out["steady"] = {k: {"rate": statistics.median(x["rate"] for x in v), "cpu_s": sum(x["cpu_s"] for x in v),
+                             "compactor_cpu_s": sum(x["compactor_cpu_s"] for x in v),
                              "samples": sum(x["samples"] for x in v), "batches": sum(x["batches"] for x in v),
                              "commits": sum(x["commits"] for x in v)}
                          for k, v in rounds.items()}
@@ -345,7 +365,8 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print(f"{'batch':>7} {'phase':<8}{'VM samples/s':>14}{'collector':>12}{'ratio':>8}"
-          f"{'VM CPU s/1M':>13}{'coll. CPU s/1M':>16}{'CPU ratio':>11}{'batches/commit':>16}")
+          f"{'VM CPU s/1M':>13}{'coll. CPU s/1M':>16}{'of it compactor':>17}{'CPU ratio':>11}"
+          f"{'batches/commit':>16}")
     table = []
     for shape, phases in results.items():
         for phase in ("new", "steady"):
@@ -354,11 +375,14 @@ def main() -> None:
             row = {"batch": shape, "phase": phase, "vm_samples_per_s": vm["rate"],
                    "collector_samples_per_s": gl["rate"], "ratio": gl["rate"] / vm["rate"],
                    "vm_cpu_s_per_million": cpu["vm"],
-                   "collector_cpu_s_per_million": cpu["gl"], "cpu_ratio": cpu["gl"] / max(cpu["vm"], 1e-9),
+                   "collector_cpu_s_per_million": cpu["gl"],
+                   "compactor_cpu_s_per_million": gl["compactor_cpu_s"] / max(gl["samples"], 1) * 1e6,
+                   "cpu_ratio": cpu["gl"] / max(cpu["vm"], 1e-9),
                    "collector_batches_per_commit": gl["batches"] / max(gl["commits"], 1)}
             table.append(row)
             print(f"{shape:>7} {phase:<8}{vm['rate']:>14,.0f}{gl['rate']:>12,.0f}{row['ratio']:>8.2f}"
-                  f"{cpu['vm']:>13.1f}{cpu['gl']:>16.1f}{row['cpu_ratio']:>11.2f}"
+                  f"{cpu['vm']:>13.1f}{cpu['gl']:>16.1f}{row['compactor_cpu_s_per_million']:>17.1f}"
+                  f"{row['cpu_ratio']:>11.2f}"
                   f"{row['collector_batches_per_commit']:>16.1f}")
     print(f"workload: {a.hosts} hosts x {GPUS} GPUs, {len(FIELDS)} fields, {a.conns} connections each, "
           f"collector workers {a.workers}, compaction every {a.compact:g} s; "

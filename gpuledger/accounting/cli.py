@@ -241,6 +241,10 @@ def _warn(result: UsageResult) -> None:
     for (acct, user), v in sorted(result.unknown.items()):
         err.print(f"[yellow]warning:[/yellow] usage {v:.6g} of {escape(user)}@{escape(acct)} "
                   "has no association in the tree")
+    if result.unrecorded_jobs:  # most often running jobs whose record is not imported yet: a note, not a warning
+        note(f"note: {len(result.unrecorded_jobs)} measured job(s) Slurm has no record of are not charged (an agent's "
+             "description alone is not; `charge_unrecorded_jobs = true` in [accounting] charges them as described): "
+             f"{', '.join(result.unrecorded_jobs[:10])}")
     if result.unmatched_jobs:
         err.print(f"[yellow]warning:[/yellow] {len(result.unmatched_jobs)} measured job(s) without a "
                   f"scheduler record or an agent's account are not charged: "
@@ -451,7 +455,7 @@ def _read_arg(path: str) -> str:
 
 def _import_jobs(ledger_url: str | None, data_dir: Path, records: Sequence[JobRecord]) -> int:
     """Put Slurm job records into the ledger (made when there is none) and the audit trail; returns how many were
-    new or changed."""
+    new or changed (a record with no end changes no ended one: ``ledger_store.merge_record``)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     with open_audit(data_dir, ledger_url) as log:
         store = open_ledger(ledger_url, data_dir, create=True)
@@ -669,7 +673,8 @@ def priority_watch(
         "--slurm/--feed-only", help="apply to the local Slurm, or only write the feed")] = True,
     import_jobs: Annotated[bool, typer.Option(
         "--import-jobs/--no-import-jobs",
-        help="import ended jobs from sacct at every poll (off when a collector or timer imports them)")] = True,
+        help="import ended jobs from sacct at every poll, and the running ones' records (--import-running) (off "
+             "when a collector or timer imports them)")] = True,
     import_overlap: Annotated[float, typer.Option(
         help="seconds each sacct poll reaches back before the last one imported (job ends slurmdbd got late; "
              "later ones the catch-up finds)")
@@ -677,6 +682,11 @@ def priority_watch(
     import_catch_up: Annotated[float, typer.Option(
         help="once per this many seconds a sacct poll reaches back as far (job ends later still; 0: never)")
     ] = 86400.0,
+    import_running: Annotated[float, typer.Option(
+        help="with --import-jobs, import the records of the jobs running now (one sacct call) at most once per this "
+             "many seconds, so that a running job is charged as Slurm describes it and counts in no period closed "
+             "before it ends (0: never)")
+    ] = 60.0,
     poll: Annotated[float, typer.Option(help="seconds between looks at the ledger (and sacct)")] = 5.0,
     min_interval: Annotated[float, typer.Option(help="at most one cycle per this many seconds")] = 10.0,
     resync: Annotated[float, typer.Option(help="a cycle at least this often, for new pending jobs")] = 300.0,
@@ -685,7 +695,9 @@ def priority_watch(
     ledger_url: LedgerUrl = None,
 ) -> None:
     """Daemon: when jobs end (new job records or usage in the ledger), recompute the feed and apply it, at most
-    every --min-interval seconds; exports its lag (job end to applied factor) as a Prometheus metric."""
+    every --min-interval seconds; with --import-jobs it imports the ended jobs' records from sacct, and the running
+    jobs' (stored with no end until their ended records replace them); exports its lag (job end to applied factor)
+    as a Prometheus metric."""
     import logging
     import signal
 
@@ -696,9 +708,9 @@ def priority_watch(
 
     url = cli_ledger_url(ledger_url, data_dir, config)
     settings = _settings(data_dir, config)  # a bad configuration ends the daemon at its start, not every poll after
-    if not (math.isfinite(import_overlap) and math.isfinite(import_catch_up)) or min(import_overlap,
-                                                                                     import_catch_up) < 0:
-        raise _fail("--import-overlap and --import-catch-up must be seconds >= 0")
+    if not all(map(math.isfinite, (import_overlap, import_catch_up, import_running))) or min(
+            import_overlap, import_catch_up, import_running) < 0:
+        raise _fail("--import-overlap, --import-catch-up and --import-running must be seconds >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logger = logging.getLogger("gpuledger.priority.watch")
     feed_path = output or data_dir / FEED_NAME
@@ -747,6 +759,22 @@ def priority_watch(
         for key in [k for k in imported if k[2] < last - import_overlap]:  # out of the next window: bounded memory
             imported.discard(key)
 
+    # the records the last import of running jobs put, as sacct gave them: only a changed one goes to the ledger
+    running: dict[tuple[str, str], JobRecord] = {}
+
+    def import_running_jobs() -> None:
+        """sacct's records of the jobs running now into the ledger (stored with no end; the job's ended record,
+        imported when it ends, replaces it; one never replaces an ended record: ``ledger_store.merge_record``)."""
+        records = client.sacct_running(time.time())
+        if watch.stopped():
+            raise Stopped
+        new = [r for r in records if running.get((r.cluster, r.job_id)) != r]
+        if new:
+            with _printed_failure("the ledger or the audit log could not be opened"):
+                imports[0] += _import_jobs(url, data_dir, new)
+        running.clear()
+        running.update(((r.cluster, r.job_id), r) for r in records)
+
     def ledger_state() -> tuple:
         return (imports[0], *ledger_fingerprint(url, data_dir))
 
@@ -776,7 +804,9 @@ def priority_watch(
         return CycleResult(newest_end, changed, applied.count("failed"))
 
     try:
-        watch = PriorityWatch(compute, apply, ledger_state, import_ended if import_jobs else None, poll_s=poll,
+        watch = PriorityWatch(compute, apply, ledger_state, import_ended if import_jobs else None,
+                              import_running_jobs if import_jobs and import_running else None,
+                              running_every_s=import_running or 60.0, poll_s=poll,
                               min_interval_s=min_interval, resync_s=resync,
                               expected=(SlurmCommandError, SlurmParseError, OSError, DatabaseUnavailable))
     except ValueError as e:

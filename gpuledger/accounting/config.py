@@ -49,6 +49,10 @@ class AccountingSettings(BaseModel):
     calc_period_s: int = Field(300, gt=0)
     usage_reset: Literal["NONE", "NOW", "DAILY", "WEEKLY", "MONTHLY", "QUARTERLY", "YEARLY"] = "NONE"
     timezone: str = ""
+    # A job Slurm has no record of is described only by its agents, and a node's token may be stolen: a node could
+    # invent a job and put its GPU time on any user. Charged to fairshare only when a site says its agents' word is
+    # enough (no scheduler records imported at all); Slurm's own fairshare charges only the jobs it knows.
+    charge_unrecorded_jobs: bool = False
 
     @field_validator("timezone")
     @classmethod

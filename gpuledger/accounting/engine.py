@@ -1,8 +1,10 @@
 """From the ledger to fairshare: charge each job by the policy, decay as Slurm does, compute fairshare.
 
 Every job Slurm ran is charged: at least its allocation's unmeasured part (``charge``), so a job no agent saw
-still moves fairshare. A job without a scheduler record is charged from its measurements to the association an
-agent described (flagged ``seen_by: agent``), or, when nobody named one, reported as unmatched.
+still moves fairshare. A job without a scheduler record (only agents describe it: a node with a stolen token could
+invent one for any user) is not charged but listed (``unrecorded_jobs``), unless ``charge_unrecorded_jobs`` says
+the agents' word is enough: then it is charged from its measurements to the association an agent described
+(flagged ``seen_by: agent``), or, when nobody named one, reported as unmatched.
 
 Placement in time (what decay sees): the part charged for Slurm's allocation (unmeasured GPU-time, or all of it
 under ``allocated``'s unobserved share) is spread evenly over the allocation's [start, end], as Slurm accrues
@@ -76,6 +78,7 @@ class UsageResult:
     unknown: dict[UserKey, float]  # charged usage of associations the tree does not have (reported, not dropped)
     unmatched_jobs: tuple[str, ...]  # jobs nobody named an association for (no scheduler record, no agent's)
     jobs: tuple[ChargedJob, ...] = ()
+    unrecorded_jobs: tuple[str, ...] = ()  # measured jobs Slurm has no record of, not charged (charge_unrecorded_jobs)
 
 
 HOUR = 3600.0
@@ -204,7 +207,12 @@ def association_usage(
     items: list[tuple[JobUsage, float]] = []
     owner: list[int] = []  # items[k] belongs to rows[owner[k]]
     unmatched = []
+    unrecorded = []
     for e in entries:
+        if e.record is None and not settings.charge_unrecorded_jobs:
+            if e.usage is not None:
+                unrecorded.append(e.label)
+            continue
         d = e.described
         if d is None or not d.account or not d.user:
             if e.usage is not None or e.record is not None:
@@ -261,7 +269,7 @@ def association_usage(
                    per_job.get(e.key, 0.0), first, last,
                    c.gap_energy_joules, c.measured, c.unmeasured, c.gap_charge, pieces)
         for (e, key, c), (first, last), pieces in zip(rows, ranges, placements))
-    return UsageResult(usage, unknown, tuple(unmatched), jobs)
+    return UsageResult(usage, unknown, tuple(unmatched), jobs, tuple(unrecorded))
 
 
 def audit_charges(jobs: Iterable[ChargedJob]) -> list[ChargedJob]:

@@ -1,13 +1,16 @@
 """`gpuledger priority watch`: keep pending jobs' site factors fresh as jobs end.
 
 The daemon polls every ``poll_s`` seconds. A poll first imports the jobs that ended (``import_jobs``, when given),
-then asks ``ledger_state()`` for a cheap fingerprint of the ledger (what changes when a job-end record or usage
-arrives); when it changed, or ``resync_s`` passed since the feed was last computed (pending jobs submitted
+and, at most every ``running_every_s``, the records of the jobs running now (``import_running``: so that a running
+job counts as Slurm describes it, not as its agents do, and never in a period closed before it ends), then asks
+``ledger_state()`` for a cheap fingerprint of the ledger (what changes when a job-end record or usage arrives); when
+it changed, or ``resync_s`` passed since the feed was last computed (pending jobs submitted
 meanwhile on a default account need their factor too), it runs one cycle: ``compute()`` the feed from the ledger
 (which records it in the audit log), then ``apply(feed)`` (write it, apply it to the pending jobs). Cycles start
 at most every ``min_interval_s`` seconds, so a busy ledger costs one cycle per interval, not one per record.
 
-A failed import does not force a cycle: the ledger's fingerprint says whether anything arrived. A failed apply
+A failed import does not force a cycle: the ledger's fingerprint says whether anything arrived. A failed import of
+running jobs is tried again at the next poll. A failed apply
 is retried at the next poll with the feed already computed (and recorded), which is recomputed only when the
 ledger changed or a resync is due: an outage of sacct or slurmctld adds no audit entry per retry. A step that
 raises is logged (one line for an expected failure, a traceback for any other) and counted, and the next poll
@@ -22,9 +25,12 @@ Metrics (Prometheus, on ``--metrics-port``):
 - ``gpuledger_priority_lag_seconds``: for the last cycle that took in newly ended jobs, the time from the newest
   such job's end to the moment its factors were applied (the freshness target: at most 60 s);
 - ``gpuledger_priority_cycle_duration_seconds``, ``gpuledger_priority_cycles_total{result}`` (``ok``;
-  ``partial``: a job scontrol refused, or the poll's import failed, so the feed may lack job ends; ``failed``),
+  ``partial``: a job scontrol refused, or the poll's import failed, so the feed may lack job ends or charge a
+  running job as its agents describe it; ``failed``),
   ``gpuledger_priority_last_success_timestamp_seconds``, ``gpuledger_priority_jobs_changed_total``;
-- ``gpuledger_priority_import_failures_total``, ``gpuledger_priority_last_import_timestamp_seconds``.
+- ``gpuledger_priority_import_failures_total``, ``gpuledger_priority_last_import_timestamp_seconds``;
+- ``gpuledger_priority_running_import_failures_total``, ``gpuledger_priority_last_running_import_timestamp_seconds``
+  (the import of running jobs, counted as the import of ended jobs is).
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ class PriorityWatch:
         apply: Callable[[Any], CycleResult],
         ledger_state: Callable[[], Hashable],
         import_jobs: Callable[[], object] | None = None,
+        import_running: Callable[[], object] | None = None,
+        running_every_s: float = 60.0,
         poll_s: float = 5.0,
         min_interval_s: float = 10.0,
         resync_s: float = 300.0,
@@ -81,9 +89,11 @@ class PriorityWatch:
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], object] | None = None,
     ) -> None:
-        if poll_s <= 0 or min_interval_s < 0 or resync_s <= 0:
-            raise ValueError("poll_s and resync_s must be > 0, min_interval_s >= 0")
+        if poll_s <= 0 or min_interval_s < 0 or resync_s <= 0 or not running_every_s > 0:
+            raise ValueError("poll_s, resync_s and running_every_s must be > 0, min_interval_s >= 0")
         self._compute, self._apply, self._ledger_state, self._import = compute, apply, ledger_state, import_jobs
+        self._import_running, self.running_every_s = import_running, running_every_s
+        self._last_running = float("-inf")  # monotonic: the last import of running jobs that succeeded
         self.poll_s, self.min_interval_s, self.resync_s = poll_s, min_interval_s, resync_s
         self._expected: tuple[type[Exception], ...] = (CycleError, *expected)
         self._clock, self._monotonic = clock, monotonic
@@ -115,6 +125,13 @@ class PriorityWatch:
                                            registry=r)
             self.last_import = Gauge("gpuledger_priority_last_import_timestamp_seconds",
                                      "When the last successful import of ended jobs ended", registry=r)
+        self.running_import_failures: Counter | None = None
+        self.last_running_import: Gauge | None = None
+        if import_running is not None:
+            self.running_import_failures = Counter("gpuledger_priority_running_import_failures",
+                                                   "Imports of running jobs that failed", registry=r)
+            self.last_running_import = Gauge("gpuledger_priority_last_running_import_timestamp_seconds",
+                                             "When the last successful import of running jobs ended", registry=r)
         for result in ("ok", "partial", "failed"):
             self.cycles.labels(result)
 
@@ -130,6 +147,20 @@ class PriorityWatch:
         else:
             log.exception("%s", what)
 
+    def _imported(self, step: Callable[[], object], last: Gauge, failures: Counter, failed: str) -> bool:
+        """Run one import ``step``: whether it succeeded (``last`` dated) or failed (counted, logged with
+        ``failed``); Stopped goes to the caller."""
+        try:
+            step()
+        except Stopped:
+            raise
+        except Exception as e:
+            failures.inc()
+            self._failed(failed, e)
+            return False
+        last.set(self._clock())
+        return True
+
     def poll(self) -> bool:
         """One poll: import, then run a cycle if the ledger changed, a resync is due or a computed feed is still
         to be applied (and the interval allows). Returns whether a cycle ran. Never raises for a failed step."""
@@ -137,16 +168,20 @@ class PriorityWatch:
         if now - self._last_start < self.min_interval_s:
             return False
         imported = True
-        if self._import is not None and self.last_import is not None and self.import_failures is not None:
-            try:
-                self._import()
-                self.last_import.set(self._clock())
-            except Stopped:
-                return False
-            except Exception as e:
-                imported = False
-                self.import_failures.inc()
-                self._failed("importing ended jobs failed; the ledger's other changes still count", e)
+        try:
+            if self._import is not None and self.last_import is not None and self.import_failures is not None:
+                imported = self._imported(self._import, self.last_import, self.import_failures,
+                                          "importing ended jobs failed; the ledger's other changes still count")
+            if (self._import_running is not None and self.last_running_import is not None
+                    and self.running_import_failures is not None and not self.stopped()
+                    and now - self._last_running >= self.running_every_s):
+                if self._imported(self._import_running, self.last_running_import, self.running_import_failures,
+                                  "importing running jobs failed; retrying at the next poll"):
+                    self._last_running = now
+                else:
+                    imported = False
+        except Stopped:
+            return False
         if self.stopped():
             return False
         try:
@@ -190,7 +225,7 @@ class PriorityWatch:
             self._newest_end = result.newest_end
         self._caught_up = True
         log.info("priority cycle: %d job(s) changed, %d failed, %.2f s%s", result.changed, result.failed, took,
-                 "" if imported else " (the import of ended jobs failed)")
+                 "" if imported else " (an import of jobs failed)")
         return True
 
     def run(self) -> None:

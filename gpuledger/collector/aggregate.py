@@ -21,6 +21,14 @@ statement of them):
   trusted: the interval takes the power integral ``min(power, cap) * dt`` (0 J without a power reading)
   and counts one **counter anomaly** (per GPU and hour). Without a counter the power integral is used. So
   no job is ever charged more than ``cap`` x its GPU-seconds.
+* **A missed reading** (a sample without the counter, e.g. an NVML call that timed out for a tick): the interval
+  ending at the next sample with the counter takes what the counter grew since the GPU's last reading ``c``, less
+  what the intervals since ``c`` were given (their power integrals, 0 J without power), never below 0; so the
+  counter's growth across the missed reading is the stretch's energy. Only when ``c`` is at most ``max_gap_s``
+  before that sample (no gap in between; what the rule reads back is kept in the window, or read back from the
+  store: :meth:`Aggregator.read_floor`), the growth is trusted (``0 <= growth <= cap * elapsed``) and every sample
+  after ``c`` has the same jobs and shares (it is theirs; the bound above holds); otherwise the old rule: the
+  power integral, no anomaly (:meth:`Aggregator._caught_up`).
 * **Gap**: ``dt > max_gap_s``. The GPU was not observed: no GPU-seconds, no power integral. A trusted
   counter delta across it is still the GPU's energy, spread over the hour buckets the gap covers in
   proportion to time. When the same job set is on both sides of the gap, those jobs held the GPU: they get
@@ -52,7 +60,10 @@ run a column at a time (numpy instead of a Python step per sample), and :meth:`A
 many GPUs' few rows at once (the default agent sends 10 a GPU; a group commit holds many agents' batches), one
 matrix row a GPU, where numpy's per-call cost would be most of the work for one GPU alone. Both fast paths take
 only runs where every interval is observed and
-every counter delta is trusted; any other run (gaps, anomalies, MIG instances) goes sample by sample. Every
+every counter delta is trusted, and no sample with the counter follows one without it (the missed-reading rule
+reads back; a GPU without the counter at all takes them); any other run (gaps, anomalies, a reading after a missed
+one, MIG instances) goes sample by sample. A late sample undoes and redoes every interval whose energy reads where
+it goes: the two around it and, after a missed reading, the one that catches up (:meth:`Aggregator.add`). Every
 sum is the same sequence of ``+=`` in all three. Property tests in ``tests/collector/test_aggregate.py`` hold
 them equal bit for bit.
 
@@ -68,7 +79,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
@@ -365,16 +376,20 @@ _HOUR_PHYSICAL = attrgetter("observed_s", "energy_j")
 _HOUR_HELD = attrgetter("alloc_s", "job_energy_j", "sm_s")
 
 
-def _hosts(items: list[tuple[GpuKey, Series]]) -> Iterable[str]:
-    return (gk[0] for gk, _ in items)
+def _sequential_sum(m: np.ndarray) -> np.ndarray:
+    """``m[0] + m[1] + ... + m[-1]`` elementwise, left to right: a running sum's end, each element the sequence of
+    ``+=`` of its terms (what cumsum along the first axis ends with, bit for bit: never a pairwise sum), in a numpy
+    call a term over all the sums at once (cumsum's per-element cost is several times that of ``+=`` here)."""
+    total = m[0].copy()
+    for term in m[1:]:
+        total += term
+    return total
 
 
-def _uuids(items: list[tuple[GpuKey, Series]]) -> Iterable[str]:
-    return (gk[1] for gk, _ in items)
-
-
-def _first_jobs(xs: list[Series]) -> Iterable[str]:
-    return (x.job_ids[0] for x in xs)
+def _starts(values: Callable[[object], tuple], objs: list, width: int) -> np.ndarray:
+    """The (``width``, len(objs)) matrix of ``values`` of each of ``objs`` (float64), columns in their order."""
+    flat = np.fromiter(chain.from_iterable(map(values, objs)), np.float64, width * len(objs))
+    return flat.reshape(len(objs), width).T
 
 
 def _last_values(m: np.ndarray) -> list[float | None]:
@@ -386,10 +401,6 @@ def _last_values(m: np.ndarray) -> list[float | None]:
     if nan.all():
         return [None] * len(last)
     return [None if v != v else v for v in last.tolist()]
-
-
-def _window_row(values: tuple) -> WindowRow:
-    return tuple.__new__(WindowRow, values)
 
 
 def _accumulators(held: dict, dirty: set, keys: list, load: Callable[[list], dict], new: Callable[[], object]) -> list:
@@ -418,11 +429,12 @@ def _float_matrix(xs: list[Series], wires: list[dict[str, bytes]] | None, f: str
 def _mem_peaks(xs: list[Series], wires: list[dict[str, bytes]] | None, n: int) -> list[int | None]:
     """Per series, its largest memory reading, None when it reported none."""
     if wires is not None:
-        if all("mem_used_bytes" in w for w in wires):
+        try:
             raw = b"".join([w["mem_used_bytes"] for w in wires])
-            return np.frombuffer(raw, dtype="<i8").reshape(len(wires), n).max(axis=1).tolist()
-        return [None if (col := w.get("mem_used_bytes")) is None else int(np.frombuffer(col, dtype="<i8").max())
-                for w in wires]
+        except KeyError:  # not every series reported it
+            return [None if (col := w.get("mem_used_bytes")) is None else int(np.frombuffer(col, dtype="<i8").max())
+                    for w in wires]
+        return np.frombuffer(raw, dtype="<i8").reshape(len(wires), n).max(axis=1).tolist()
     return [_series_mem_peak(x) for x in xs]
 
 
@@ -529,7 +541,8 @@ class Aggregator:
     ``load_window(gpu_key, floor)`` (the store's ``series_store.window``) returns a GPU's stored samples at or
     after ``floor`` plus the newest one before it. With it, a GPU keeps only its newest sample in memory (the
     start of its next interval) once :meth:`add_series` or :meth:`add_many` is done with it, and its window is
-    read back when a late sample needs it: memory per GPU no longer grows with ``window_s``. The caller must
+    read back when a late sample needs it (from :meth:`read_floor`), its last ``max_gap_s`` when a reading after a
+    missed one does (:meth:`_caught_up`): memory per GPU no longer grows with ``window_s``. The caller must
     store every sample these calls accepted before it hands in more samples of the same GPU (the store writes
     each batch's samples before the next batch is folded). A window read back for a late sample stays in
     memory until a call brings that GPU no late sample.
@@ -610,25 +623,63 @@ class Aggregator:
         """:meth:`_hour` of many keys."""
         return _accumulators(self.hours, self.dirty_hours, keys, self._load_hour, HourAcc)
 
-    def _pair_energy(self, g: GpuState, prev: GpuSample, cur: GpuSample, dt: float, gap: bool) -> tuple[float, int]:
-        """(joules, anomalies) of the interval (prev, cur]: the trusted counter delta, else the capped power
-        integral (none across a gap); anomalies is 1 when both counters exist but their delta is not trusted."""
+    def _pair_energy(self, g: GpuState, rows: list, k: int, cur: GpuSample, dt: float,
+                     gap: bool) -> tuple[float, int]:
+        """(joules, anomalies) of the interval (rows[k], cur]: the trusted counter delta, else the capped power
+        integral (none across a gap); after a missed reading (rows[k] without the counter, cur with it) what the
+        counter grew since its last reading (:meth:`_caught_up`); anomalies is 1 when both counters exist but
+        their delta is not trusted."""
         cap = self.cap_w(g.model, cur.power_limit_watts)
         p = cur.power_watts
         integral = 0.0 if gap or p is None else min(p, cap) * dt
-        pe, ce = prev.energy_joules, cur.energy_joules
-        if pe is None or ce is None:
+        pe, ce = rows[k].energy_joules, cur.energy_joules
+        if ce is None:
             return integral, 0
+        if pe is None:
+            caught = None if gap else self._caught_up(g, rows, k, cur, cap)
+            return integral if caught is None else caught, 0
         d = ce - pe
         if 0.0 <= d <= cap * dt:
             return d, 0
         return integral, 1
 
-    def _apply_pair(self, gk: GpuKey, g: GpuState, prev: GpuSample, cur: GpuSample, sign: float) -> None:
-        """Add (sign=+1) or remove (sign=-1) the contribution of the interval (prev, cur]."""
+    def _caught_up(self, g: GpuState, rows: list, k: int, cur: GpuSample, cap: float) -> float | None:
+        """The energy of (rows[k], cur] after a missed reading (rows[k] has no counter, cur has): what the counter
+        grew since the GPU's last reading c, less the power integrals the intervals since c were given (0 J
+        without power), never below 0. None (the power integral applies) unless c is at most ``max_gap_s``
+        before cur (so (c, cur] holds no gap, and what this reads is in the window: :meth:`read_floor`), the
+        growth is trusted (``0 <= growth <= cap * (cur - c)``) and every row after c has cur's jobs and shares
+        (the growth is theirs: no job is charged more than the cap x its GPU-seconds)."""
+        horizon = cur.ts - self.max_gap_s
+        jobs = (tuple(cur.job_ids), tuple(cur.job_shares))
+        given = 0.0
+        for m in range(k, -1, -1):
+            row = rows[m]
+            if row.ts < horizon:
+                return None
+            e = row.energy_joules
+            if e is not None:
+                grown = cur.energy_joules - e
+                return max(grown - given, 0.0) if 0.0 <= grown <= cap * (cur.ts - row.ts) else None
+            if (tuple(row.job_ids), tuple(row.job_shares)) != jobs or not m:
+                return None
+            if (p := row.power_watts) is not None:  # what _pair_energy gave the interval (rows[m - 1], row]
+                given += min(p, self.cap_w(g.model, row.power_limit_watts)) * (row.ts - rows[m - 1].ts)
+        return None
+
+    def read_floor(self, watermark: float) -> float:
+        """Where the samples the rules read begin for a GPU whose newest sample is at ``watermark``: the late
+        window (``window_s``) and, before it, the ``max_gap_s`` a missed reading's rule reads back
+        (:meth:`_caught_up`); the window keeps them (:meth:`_evict`), the store reads them back (``_load``)."""
+        return watermark - self.window_s - self.max_gap_s
+
+    def _apply_pair(self, gk: GpuKey, g: GpuState, rows: list, k: int, cur: GpuSample, sign: float) -> None:
+        """Add (sign=+1) or remove (sign=-1) the contribution of the interval (prev, cur], prev = rows[k] (the
+        window's rows up to prev: the energy after a missed reading reads back, :meth:`_caught_up`)."""
+        prev = rows[k]
         dt = cur.ts - prev.ts
         gap = dt > self.max_gap_s
-        energy, anomaly = self._pair_energy(g, prev, cur, dt, gap)
+        energy, anomaly = self._pair_energy(g, rows, k, cur, dt, gap)
         physical = not gk[2]  # a MIG instance key charges jobs only; its GPU's key holds the GPU's totals
         if gap:
             self._apply_gap(gk, g, prev, cur, sign, dt, energy, anomaly if physical else 0)
@@ -751,7 +802,9 @@ class Aggregator:
         samples = g.rows()
         if ts > g.watermark:  # the hot path: in order
             if samples:
-                self._apply_pair(gk, g, samples[-1], s, 1.0)
+                if g.partial and samples[-1].energy_joules is None and s.energy_joules is not None:
+                    self._read_back(gk, g, ts - self.max_gap_s)  # a reading after a missed one reads back
+                self._apply_pair(gk, g, samples, len(samples) - 1, s, 1.0)
             g.ts.append(ts)
             samples.append(s)
             g.watermark = ts
@@ -761,16 +814,49 @@ class Aggregator:
         i = bisect_left(g.ts, ts, g.start)
         if g.ts[i] == ts:  # i < len because ts <= watermark == g.ts[-1]
             return DUPLICATE
-        nxt = samples[i]
-        prev = samples[i - 1] if i > 0 else None
-        if prev is not None:
-            self._apply_pair(gk, g, prev, nxt, -1.0)
-            self._apply_pair(gk, g, prev, s, 1.0)
-        self._apply_pair(gk, g, s, nxt, 1.0)
+        # Undo every interval whose energy reads the rows where s goes: (prev, nxt] and, after a missed reading,
+        # the one ending at the first row with the counter after nxt, when it reads back as far as s
+        # (_caught_up); then redo them with s in the window.
+        after = self._reads_back_to(samples, i, ts)
+        if after is not None:
+            self._apply_pair(gk, g, samples, after - 1, samples[after], -1.0)
+        if i > 0:
+            self._apply_pair(gk, g, samples, i - 1, samples[i], -1.0)
         g.ts.insert(i, ts)
         samples.insert(i, s)
+        if i > 0:
+            self._apply_pair(gk, g, samples, i - 1, s, 1.0)
+        self._apply_pair(gk, g, samples, i, samples[i + 1], 1.0)
+        if after is not None:
+            self._apply_pair(gk, g, samples, after, samples[after + 1], 1.0)
         self._apply_point(gk, g, s)
         return ACCEPTED
+
+    def _reads_back_to(self, rows: list, i: int, ts: float) -> int | None:
+        """The index of the row after rows[i] whose interval's energy reads rows at ``ts`` (before rows[i]): the
+        first with the counter after rows[i] (which lacks it) and rows between, at most ``max_gap_s`` after
+        ``ts`` (:meth:`_caught_up` reads back no further); None when there is none."""
+        if rows[i].energy_joules is not None:
+            return None
+        horizon = ts + self.max_gap_s
+        for j in range(i + 1, len(rows)):
+            row = rows[j]
+            if row.ts > horizon:
+                return None
+            if row.energy_joules is not None:
+                return j
+        return None
+
+    def _read_back(self, gk: GpuKey, g: GpuState, floor: float) -> None:
+        """Put the GPU's stored samples from ``floor`` (and the newest before it) that are older than those in
+        memory before them (a GPU holding only its newest samples, ``partial``: the rule of a missed reading
+        reads back ``max_gap_s``)."""
+        if self._load_window is None or g.ts[0] <= floor:
+            return
+        first = g.ts[0]
+        older = [r for seg in self._load_window(gk, floor) for r in seg.rows() if r.ts < first]
+        g.ts[:0] = [r.ts for r in older]
+        g.samples[:0] = older
 
     def add_many(self, samples: Iterable[GpuSample]) -> tuple[AddCounts, list[GpuSample]]:
         """Fold samples in time order (so the outcome does not depend on order within a batch).
@@ -874,16 +960,17 @@ class Aggregator:
         rest: list[GpuSample] = []
         small: list[tuple[GpuKey, list[Series]]] = []  # folded together, a GPU's first series, then its second...
         for gk, ss in by_gpu.items():
-            if (gk[0], gk[1]) in mig_gpus:  # a MIG GPU's rows are normalised together (normalize_mig)
+            if mig_gpus and (gk[0], gk[1]) in mig_gpus:  # a MIG GPU's rows are normalised together (normalize_mig)
                 rest.extend(r for x in ss for r in x.rows())
                 continue
-            if len(ss) > 1:
+            one = len(ss) == 1  # (an agent's batch: one series a GPU)
+            if not one:
                 ss.sort(key=lambda x: x.ts[0])
-            if sum(x.n for x in ss) <= self.small_series_rows:  # an agent's batch: a few rows per GPU
+            if (ss[0].n if one else sum(x.n for x in ss)) <= self.small_series_rows:  # an agent's: a few rows a GPU
                 # each series in order too where a GPU has several (one alone out of order is refused by the
                 # fold and goes whole to add_many, which sorts): otherwise a later series would fold first
-                if all(a.ts[-1] < b.ts[0] for a, b in zip(ss, ss[1:])) and (
-                        len(ss) == 1 or all((x.ts[1:] > x.ts[:-1]).all() for x in ss)):
+                if one or (all(a.ts[-1] < b.ts[0] for a, b in zip(ss, ss[1:]))
+                           and all((x.ts[1:] > x.ts[:-1]).all() for x in ss)):
                     small.append((gk, ss))
                 else:  # interleaved series (job sets alternating): folding one first would make the next late
                     rest.extend(r for x in ss for r in x.rows())
@@ -945,10 +1032,10 @@ class Aggregator:
         """Fold GPUs' few-row series (one series a GPU, each newer than its GPU's watermark) in matrices: one row
         a series, one numpy pass a field over all of them (an agent's batch holds 8 GPUs of 10 rows, a group
         commit many batches). Returns, per item, whether it was folded; a refused series changed nothing, the
-        per-sample path takes it (out of order, a gap, an untrusted counter). Every sum is a sequential cumsum
-        along a row over the same terms, in the same order, that :meth:`_apply_pair` adds (never a pairwise sum),
-        padded with +0.0 terms where an interval does not exist (a sum that starts at +0.0 never becomes -0.0,
-        so adding +0.0 leaves it as it is): the result is the per-sample path's bit for bit."""
+        per-sample path takes it (out of order, a gap, an untrusted counter). Every sum is a sequential sum
+        (:func:`_sequential_sum`) over the same terms, in the same order, that :meth:`_apply_pair` adds (never a
+        pairwise sum), padded with +0.0 terms where an interval does not exist (a sum that starts at +0.0 never
+        becomes -0.0, so adding +0.0 leaves it as it is): the result is the per-sample path's bit for bit."""
         ok = [False] * len(items)
         shapes: dict[tuple[int, int], list[int]] = {}  # (rows, jobs) -> positions: one block of matrices each
         for i, (_, x) in enumerate(items):
@@ -979,12 +1066,15 @@ class Aggregator:
         prev_e[:, 0] = [math.nan if a is None else a[1] for a in anchors]
         prev_e[:, 1:] = energy[:, :-1]
         dt = ts - prev_t  # 0 where the GPU's first sample starts no interval
-        cap_w = self.cap_w
+        cap_of = {m: self.cap_w(m) for m in {*before, *(x.model for x in xs)}}  # a few models: cap_w once each
         caps = np.empty_like(ts)
-        caps[:, 0] = [cap_w(m) for m in before]
-        caps[:, 1:] = np.array([cap_w(x.model or m) for x, m in zip(xs, before)])[:, None]
+        caps[:, 0] = list(map(cap_of.__getitem__, before))
+        caps[:, 1:] = np.array([cap_of[x.model or m] for x, m in zip(xs, before)])[:, None]
         caps = _limit_caps(limit, caps)
-        counter = ~np.isnan(energy) & ~np.isnan(prev_e)
+        has_e, had_e = ~np.isnan(energy), ~np.isnan(prev_e)
+        counter = has_e & had_e
+        caught = has_e & ~had_e  # a reading after a missed one: its rule reads back (_caught_up), sample by sample
+        caught[:, 0] &= has_anchor
         delta = energy - prev_e
         watermarks = np.array([-math.inf if g is None else g.watermark for g in states])
         good = ts[:, 0] > watermarks
@@ -992,6 +1082,7 @@ class Aggregator:
             good &= (ts[:, 1:] > ts[:, :-1]).all(axis=1)
         good &= (dt <= self.max_gap_s).all(axis=1)
         good &= ~(counter & ~((delta >= 0.0) & (delta <= caps * dt))).any(axis=1)
+        good &= ~caught.any(axis=1)
         take = np.flatnonzero(good)
         if not take.size:
             return good.tolist()
@@ -1012,17 +1103,17 @@ class Aggregator:
                 state = gpus_in_memory[gk] = GpuState()
             gpus.append(state)
         # the GPUs' totals
-        sums = np.empty((2, k, n + 1))
-        sums[:, :, 0] = np.array([_GPU_SUMS(g) for g in gpus]).T
-        sums[0, :, 1:] = dt
-        sums[1, :, 1:] = joules
-        for g, (observed, spent) in zip(gpus, np.cumsum(sums, axis=2)[:, :, -1].T.tolist()):
+        sums = np.empty((n + 1, 2, k))
+        sums[0] = _starts(_GPU_SUMS, gpus, 2)
+        sums[1:, 0] = dt.T
+        sums[1:, 1] = joules.T
+        for g, (observed, spent) in zip(gpus, _sequential_sum(sums).T.tolist()):
             g.observed_s, g.energy_j = observed, spent
         # hour buckets (one a series unless it crosses an hour): rows, and its intervals' terms masked to it
         bucket = np.floor(ts / HOUR_S) * HOUR_S
         first_hour, last_hour = bucket[:, 0].tolist(), bucket[:, -1].tolist()
         if first_hour == last_hour:
-            hours = self._hours(list(zip(_hosts(items), _uuids(items), repeat("", k), first_hour)))
+            hours = self._hours([(gk[0], gk[1], "", hb) for (gk, _), hb in zip(items, first_hour)])
             for hour in hours:
                 hour.samples += n
             which: np.ndarray | slice = slice(None)
@@ -1042,72 +1133,70 @@ class Aggregator:
             for s, (_, _, rows) in enumerate(spans):
                 if rows is not None:
                     mask[s] = rows
-        physical = np.empty((2, len(hours), n + 1))
-        physical[:, :, 0] = np.array([_HOUR_PHYSICAL(h) for h in hours]).T
-        physical[0, :, 1:] = dt[which] if mask is None else np.where(mask, dt[which], 0.0)
-        physical[1, :, 1:] = joules[which] if mask is None else np.where(mask, joules[which], 0.0)
-        for hour, (observed, spent) in zip(hours, np.cumsum(physical, axis=2)[:, :, -1].T.tolist()):
+        physical = np.empty((n + 1, 2, len(hours)))
+        physical[0] = _starts(_HOUR_PHYSICAL, hours, 2)
+        physical[1:, 0] = (dt[which] if mask is None else np.where(mask, dt[which], 0.0)).T
+        physical[1:, 1] = (joules[which] if mask is None else np.where(mask, joules[which], 0.0)).T
+        for hour, (observed, spent) in zip(hours, _sequential_sum(physical).T.tolist()):
             hour.observed_s, hour.energy_j = observed, spent
         accs: list[UsageAcc] = []
         if n_jobs:
             shares = np.array([_shares(x) for x in xs], dtype=np.float64)  # (series, jobs)
             w = dt[:, :, None] * shares[:, None, :]  # (series, interval, job): dt * share, as _apply_pair's w
             spent = joules[:, :, None] * shares[:, None, :]
-            means = []
-            for f in _MEANS:
-                v = cols[f][:, :, None]
-                present = ~np.isnan(v)
-                means.append((np.where(present, v * w, 0.0), np.where(present, w, 0.0)))
-            sm_w = means[0][0]
-            # per job: alloc_s, energy_j, sm_s, then each mean's sum and weight (UsageAcc.set_sums' order)
-            terms = [w, spent, sm_w, *(t for pair in means for t in pair)]
+            # (sum, series, interval, job): alloc_s, energy_j, sm_s, then each mean's sum and weight (UsageAcc.set_sums'
+            # order), the four means' at once
+            terms = np.empty((3 + 2 * len(_MEANS), k, n, n_jobs))
+            terms[0], terms[1] = w, spent
+            ratios = np.stack([cols[f] for f in _MEANS])[..., None]
+            present = ~np.isnan(ratios)
+            terms[3::2] = np.where(present, ratios * w, 0.0)  # where reported: value x dt x share ...
+            terms[4::2] = np.where(present, w, 0.0)  # ... and its weight
+            terms[2] = terms[3]  # sm_s: the SM mean's sum
             # (gpu_id: never a MIG instance here)
             if n_jobs == 1:
-                accs = self._usages(list(zip(_first_jobs(xs), _hosts(items), _uuids(items))))
+                accs = self._usages([(x.job_ids[0], gk[0], gk[1]) for gk, x in items])
             else:
                 accs = self._usages([(job, gk[0], gk[1]) for gk, x in items for job in x.job_ids])
-            usage = np.empty((len(terms), k * n_jobs, n + 1))
-            usage[:, :, 0] = np.array([_USAGE_SUMS(a) for a in accs]).T
-            for t, term in enumerate(terms):  # rows (series, job), columns the intervals
-                usage[t, :, 1:] = term.transpose(0, 2, 1).reshape(k * n_jobs, n)
-            for acc, values in zip(accs, np.cumsum(usage, axis=2)[:, :, -1].T.tolist()):
+            usage = np.empty((n + 1, len(terms), k * n_jobs))
+            usage[0] = _starts(_USAGE_SUMS, accs, len(terms))
+            # an interval a row, then a sum, then a (series, job)
+            usage[1:] = terms.transpose(2, 0, 1, 3).reshape(n, len(terms), k * n_jobs)
+            for acc, values in zip(accs, _sequential_sum(usage).T.tolist()):
                 acc.set_sums(*values)
             # the hours' job sums: per interval, per job (the order _apply_pair adds them in), masked to the hour
-            held = np.empty((3, len(hours), n * n_jobs + 1))
-            held[:, :, 0] = np.array([_HOUR_HELD(h) for h in hours]).T
+            held = np.empty((n * n_jobs + 1, 3, len(hours)))
+            held[0] = _starts(_HOUR_HELD, hours, 3)
             jmask = None if mask is None else np.repeat(mask, n_jobs, axis=1)
-            for t, term in enumerate((w, spent, sm_w)):
-                flat = term[which].reshape(len(hours), n * n_jobs)
-                held[t, :, 1:] = flat if jmask is None else np.where(jmask, flat, 0.0)
-            for hour, (alloc, job_energy, sm_s) in zip(hours, np.cumsum(held, axis=2)[:, :, -1].T.tolist()):
+            flat = terms[:3, which].reshape(3, len(hours), n * n_jobs)  # alloc_s, energy_j, sm_s
+            held[1:] = (flat if jmask is None else np.where(jmask, flat, 0.0)).transpose(2, 0, 1)
+            for hour, (alloc, job_energy, sm_s) in zip(hours, _sequential_sum(held).T.tolist()):
                 hour.alloc_s, hour.job_energy_j, hour.sm_s = alloc, job_energy, sm_s
         # the rows themselves (_apply_point): counts, first and last times, model, peaks; then the window
         firsts, lasts = ts[:, 0].tolist(), ts[:, -1].tolist()
-        newest_rows = list(zip(*map(_last_values, (cols[f] for f in PAIR_FLOATS))))  # per series, PAIR_FLOATS'
-        mem_peaks: list = []
-        power_peaks: list = []
+        mem_peaks: list = [None] * k
+        power_peaks: list = mem_peaks
         if n_jobs:
             mem_peaks = _mem_peaks(xs, wires, n)
             power_peaks = np.fmax.reduce(power, axis=1).tolist()
         trim = self._load_window is not None
-        dirty_gpus = self.dirty_gpus
+        newest = (list(map(WindowRow, lasts, *map(_last_values, (cols[f] for f in PAIR_FLOATS)),
+                           [x.job_ids for x in xs], [x.job_shares for x in xs])) if trim
+                  else [None] * k)  # each series' last row, what the window keeps of it
+        self.dirty_gpus.update([gk for gk, _ in items])
         at = 0
-        for j, ((gk, x), g) in enumerate(zip(items, gpus)):
+        for x, g, t0, t1, mem_peak, power_peak, row in zip(xs, gpus, firsts, lasts, mem_peaks, power_peaks, newest):
             g.n += n
-            if firsts[j] < g.first_ts:
-                g.first_ts = firsts[j]
+            if t0 < g.first_ts:
+                g.first_ts = t0
             model = x.model
             if model:
                 g.model = model
-            dirty_gpus.add(gk)
             if n_jobs:
-                mem_peak = mem_peaks[j]
-                power_peak = power_peaks[j]
                 if power_peak != power_peak:
                     power_peak = None  # never reported
                 elif power_peak == 0.0:  # +0.0 or -0.0: the first of equals, as max() keeps it
                     power_peak = max(p for p in x.float_col("power_watts").tolist() if p == p)
-                t0, t1 = firsts[j], lasts[j]
                 for acc in accs[at:at + n_jobs]:
                     acc.samples += n
                     if t0 < acc.first_ts:
@@ -1118,9 +1207,9 @@ class Aggregator:
                             acc.model = model
                     acc.raise_peaks(mem_peak, power_peak)
                 at += n_jobs
-            g.watermark = lasts[j]
+            g.watermark = t1
             if trim:  # the store has the window: keep the newest row only (see _trim)
-                g.keep_newest(lasts[j], _window_row((lasts[j], *newest_rows[j], x.job_ids, x.job_shares)))
+                g.keep_newest(t1, row)
                 continue
             g.ts.extend(x.ts.tolist())
             # the window keeps a copy of what pair contributions read, not the batch's arrays
@@ -1161,6 +1250,8 @@ class Aggregator:
             ct, ce = ts, energy
         dt = ct - pt
         if (dt > self.max_gap_s).any():
+            return False
+        if (np.isnan(pe) & ~np.isnan(ce)).any():  # a reading after a missed one: its rule reads back (_caught_up)
             return False
         d = ce - pe
         both = ~np.isnan(d)
@@ -1280,9 +1371,9 @@ class Aggregator:
             acc.raise_peaks(mem_peak, power_peak)
 
     def _evict(self, g: GpuState) -> None:
-        # Keep every sample inside the window plus one before it (the "anchor"), which is the prev
-        # of any late sample that can still be accepted.
-        limit = g.watermark - self.window_s
+        # Keep every sample the rules may still read (read_floor: the late window and the max_gap_s before it) plus
+        # one before them (the "anchor"), which is the prev of any late sample that can still be accepted.
+        limit = self.read_floor(g.watermark)
         ts, start, n = g.ts, g.start, len(g.ts)
         while start + 1 < n and ts[start + 1] < limit:
             start += 1
@@ -1326,7 +1417,7 @@ class Aggregator:
     def _load(self, gk: GpuKey, g: GpuState) -> None:
         """Read a trimmed GPU's window back from the store (a late sample is to be inserted into it)."""
         assert self._load_window is not None
-        segments = self._load_window(gk, g.watermark - self.window_s)
+        segments = self._load_window(gk, self.read_floor(g.watermark))
         ts = [t for seg in segments for t in seg.ts.tolist()]
         if not ts or ts[-1] != g.watermark:
             raise RuntimeError(f"GPU {gk}: its stored window ends at {ts[-1] if ts else None}, but its newest "
@@ -1338,6 +1429,15 @@ class Aggregator:
         d = (self.dirty_usage, self.dirty_gpus, self.dirty_hours)
         self.dirty_usage, self.dirty_gpus, self.dirty_hours = set(), set(), set()
         return d
+
+    def take_dirty_values(self) -> tuple[list[tuple[UsageKey, tuple]], list[tuple[GpuKey, tuple]],
+                                         list[tuple[HourKey, tuple]]]:
+        """:meth:`take_dirty`'s keys with what is stored of each: (key, ``UsageAcc.values``), (key,
+        ``GpuState.totals``), (key, ``HourAcc.values``), a C call a row (the store writes a few hundred a commit)."""
+        usage, gpus, hours = self.take_dirty()
+        return (list(zip(usage, map(_USAGE_VALUES, map(self.usage.__getitem__, usage)))),
+                list(zip(gpus, map(_GPU_TOTALS, map(self.gpus.__getitem__, gpus)))),
+                list(zip(hours, map(_HOUR_VALUES, map(self.hours.__getitem__, hours)))))
 
     def take_gaps(self) -> dict[GapKey, tuple[float, tuple[str, ...]] | None]:
         """The gap records changed since the last call: (energy J, jobs charged; empty = unattributed), or None

@@ -761,7 +761,7 @@ def encode_host_chunk(series: Sequence[Series]) -> bytes:
         if wire is None:
             raise ValueError(f"series of {s.gpu_uuid!r}: a host chunk takes series with wire columns only")
         meta.append([s.gpu_uuid, s.mig, s.gpu_index, s.model, s.source, s.job_ids, s.job_shares, s.n, list(wire),
-                     plain_row_lists(s.lists)])
+                     plain_row_lists(s.lists) if s.lists else {}])
         parts.append(s.ts.tobytes())
         parts.extend(wire.values())
     header = msgpack.packb([HOST_CHUNK, meta], use_bin_type=True)

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from itertools import chain
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -109,14 +110,39 @@ class Database(Protocol):
     def close(self) -> None: ...
 
 
-def upsert(table: str, columns: Sequence[str], key: Sequence[str]) -> str:
-    """``INSERT INTO table (columns) VALUES (?, ...) ON CONFLICT (key) DO UPDATE SET`` every other column (or
-    ``DO NOTHING`` when all columns are the key): valid in both dialects."""
+def upsert(table: str, columns: Sequence[str], key: Sequence[str], rows: int = 1) -> str:
+    """``INSERT INTO table (columns) VALUES (?, ...), ... ON CONFLICT (key) DO UPDATE SET`` every other column (or
+    ``DO NOTHING`` when all columns are the key), for ``rows`` rows (of distinct keys: PostgreSQL refuses one
+    statement that updates a row twice): valid in both dialects."""
     cols = ", ".join(_ident(c) for c in columns)
     rest = [c for c in columns if c not in key]
     action = ("DO UPDATE SET " + ", ".join(f"{_ident(c)}=excluded.{_ident(c)}" for c in rest)) if rest else "DO NOTHING"
-    return (f"INSERT INTO {table} ({cols}) VALUES ({', '.join('?' * len(columns))}) "
-            f"ON CONFLICT ({', '.join(_ident(c) for c in key)}) {action}")
+    values = ",".join([f"({', '.join('?' * len(columns))})"] * rows)
+    return f"INSERT INTO {table} ({cols}) VALUES {values} ON CONFLICT ({', '.join(_ident(c) for c in key)}) {action}"
+
+
+class Upserts:
+    """:func:`upsert` of many rows of distinct keys, a few statements for them all: SQLite's ``executemany`` binds,
+    steps and resets one statement a row, while one statement of k rows is one step. Statements of 2^j rows (at most
+    ``MAX_LIST_VALUES`` values each), so every count is a few of the same few statements (cached by the drivers)."""
+
+    def __init__(self, table: str, columns: Sequence[str], key: Sequence[str]) -> None:
+        per = 1 << ((MAX_LIST_VALUES // len(columns)).bit_length() - 1)  # the largest power of two that fits
+        self.sizes = [1 << j for j in range(per.bit_length() - 1, -1, -1)]
+        self.statements = {k: upsert(table, columns, key, k) for k in self.sizes}
+
+    def write(self, db: Database, rows: Sequence[Sequence[Any]]) -> None:
+        """Insert ``rows`` (each ``columns``' values; distinct keys), or update the rows with their keys: in one
+        transaction (the caller's, where it has one)."""
+        at, total = 0, len(rows)
+        if not total:
+            return
+        with db.transaction():
+            for k in self.sizes:
+                sql = self.statements[k]
+                while total - at >= k:
+                    db.execute(sql, list(chain.from_iterable(rows[at:at + k])))
+                    at += k
 
 
 _RESERVED = {"end", "user", "order", "group", "offset", "limit"}

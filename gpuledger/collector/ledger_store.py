@@ -49,7 +49,7 @@ from gpuledger.collector.aggregate import (
     UsageKey,
     summarize,
 )
-from gpuledger.collector.db import MAX_LIST_VALUES, SQLITE, Database, upsert
+from gpuledger.collector.db import MAX_LIST_VALUES, SQLITE, Database, Upserts, upsert
 from gpuledger.schema.records import JobRecord, JobUsage, split_gpu_id
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,11 @@ _EMPTY = (None, "", ())
 
 def merge_record(old: JobRecord, new: JobRecord) -> JobRecord:
     """``new`` with every field it lacks (None, "", empty) taken from ``old``: one sacct format never erases
-    what another gave (``sacct -P`` has no GPU UUIDs, a JSON record may lack the uid)."""
+    what another gave (``sacct -P`` has no GPU UUIDs, a JSON record may lack the uid). A record with no end never
+    replaces one with an end: it is an answer from before the job ended (sacct's running jobs, stored after the
+    job's end record), so ``old`` stands, taking only what it lacks from ``new``."""
+    if new.end is None and old.end is not None:
+        return merge_record(new, old)
     kept = {f.name: getattr(old, f.name) for f in fields(JobRecord)
             if getattr(new, f.name) in _EMPTY and getattr(old, f.name) not in _EMPTY}
     return replace(new, **kept) if kept else new
@@ -224,11 +228,11 @@ class LedgerStore(LedgerReader, Protocol):
 _GPU_CLUSTER_UPSERT = upsert("gpu_clusters", ("host", "gpu_uuid", "cluster"), ("host", "gpu_uuid"))
 _JOB_UPSERT = upsert("jobs", ("cluster", "job_id", "source", "data"), ("cluster", "job_id", "source"))
 _USAGE_KEY = ("cluster", "job_id", "host", "gpu")
-_USAGE_UPSERT = upsert("usage", (*_USAGE_KEY, *USAGE_FIELDS), _USAGE_KEY)
+_USAGE_UPSERTS = Upserts("usage", (*_USAGE_KEY, *USAGE_FIELDS), _USAGE_KEY)
 _GPU_KEY = ("host", "gpu_uuid", "mig")
-_GPU_UPSERT = upsert("gpus", (*_GPU_KEY, *GPU_TOTAL_FIELDS), _GPU_KEY)
+_GPU_UPSERTS = Upserts("gpus", (*_GPU_KEY, *GPU_TOTAL_FIELDS), _GPU_KEY)
 _HOUR_KEY = ("host", "gpu_uuid", "mig", "hour")
-_HOUR_UPSERT = upsert("gpu_hours", (*_HOUR_KEY, *HOUR_FIELDS), _HOUR_KEY)
+_HOUR_UPSERTS = Upserts("gpu_hours", (*_HOUR_KEY, *HOUR_FIELDS), _HOUR_KEY)
 _GAP_KEY = ("host", "gpu_uuid", "mig", "start", "end")
 _GAP_UPSERT = upsert("energy_gaps", (*_GAP_KEY, "energy_j", "jobs"), _GAP_KEY)
 
@@ -551,9 +555,9 @@ class SqlLedger:
                          hours: Iterable[tuple[HourKey, tuple]]) -> None:
         """Store changed accumulators: (key, ``USAGE_FIELDS`` values), (key, ``GPU_TOTAL_FIELDS`` values),
         (key, ``HOUR_FIELDS`` values). A usage row goes under its GPU's cluster (:meth:`note_gpus`)."""
-        self._db.executemany(_USAGE_UPSERT, [(self._cluster_of(k[1], k[2]), *k, *v) for k, v in usage])
-        self._db.executemany(_GPU_UPSERT, [(*k, *v) for k, v in gpus])
-        self._db.executemany(_HOUR_UPSERT, [(*k, *v) for k, v in hours])
+        _USAGE_UPSERTS.write(self._db, [(self._cluster_of(k[1], k[2]), *k, *v) for k, v in usage])
+        _GPU_UPSERTS.write(self._db, [k + v for k, v in gpus])
+        _HOUR_UPSERTS.write(self._db, [k + v for k, v in hours])
 
     def write_gaps(self, gaps: Mapping[GapKey, tuple[float, tuple[str, ...]] | None]) -> None:
         """Store gap records (energy J, jobs charged) and delete those a late sample split (None)."""

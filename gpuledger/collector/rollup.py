@@ -83,9 +83,14 @@ class RollupPoint:
         }
 
 
+_NONE = np.zeros(0)  # every empty rollup's columns: nothing written into a zero-length array changes it
+
+
 def empty() -> Rollup:
-    z = np.zeros(0)
-    return Rollup(z, z.copy(), {f: (z.copy(), z.copy(), z.copy(), z.copy()) for f in NUMERIC_FIELDS})
+    """No rows. Its columns are one shared zero-length array: compaction plans two empty rollups a GPU at most
+    passes (no minute to roll up yet), and a copy per column was 40% of a pass's CPU (bench/compaction.py)."""
+    z = _NONE
+    return Rollup(z, z, {f: (z, z, z, z) for f in NUMERIC_FIELDS})
 
 
 def _groups(ts: np.ndarray, step: float) -> tuple[np.ndarray, np.ndarray]:

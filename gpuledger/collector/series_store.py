@@ -541,11 +541,20 @@ class ChunkSeriesStore:
         ).fetchone()
         return None if row is None else row[0]
 
-    def _first_time(self, gpu_key: GpuKey, tier: int) -> float | None:
-        (first,) = self._db.execute(
-            "SELECT MIN(t_min) FROM chunks WHERE tier=? AND host=? AND gpu_uuid=? AND mig=?", (tier, *gpu_key)
-        ).fetchone()
-        return first
+    def _rollup_states(self, gpu_key: GpuKey) -> dict[int, float]:
+        """How far each rolled-up tier is for this GPU (a tier not there: not yet), in one read: a roll-up's plan
+        and its apply read both tiers for every GPU compaction rolls up."""
+        return dict(self._db.execute("SELECT tier, until FROM rollup_state WHERE host=? AND gpu_uuid=? AND mig=?",
+                                     gpu_key).fetchall())
+
+    def _first_times(self, gpu_key: GpuKey, tiers: list[int]) -> dict[int, float]:
+        """The first time stored in each of these tiers for this GPU (a tier not there: nothing stored), in one
+        read: a GPU's first roll-up wants both its raw and its minute tier's."""
+        if not tiers:
+            return {}
+        return dict(self._db.execute(
+            f"SELECT tier, MIN(t_min) FROM chunks WHERE tier IN ({','.join('?' * len(tiers))}) AND host=? AND "
+            "gpu_uuid=? AND mig=? GROUP BY tier", (*tiers, *gpu_key)).fetchall())
 
     @staticmethod
     def _resume(state: float | None, first: float | None, tier: int, horizon: float) -> float:
@@ -560,21 +569,24 @@ class ChunkSeriesStore:
         """What rolling up this GPU's minutes that end by ``final_before`` (no late sample can change them any
         more), then its hours of rolled-up minutes, writes (reads only)."""
         horizon = math.floor(final_before / 60.0) * 60.0
-        minute_state = self.rolled_up_until(gpu_key, MINUTE)
-        until = self._resume(minute_state, None if minute_state is not None else self._first_time(gpu_key, RAW),
-                             MINUTE, horizon)
+        states = self._rollup_states(gpu_key)
+        minute_state, hour_state = states.get(MINUTE), states.get(HOUR)
+        # where a tier not rolled up yet starts from: the finer tier's first time (read now: only this compaction
+        # writes rollups, so the minute tier's is the same read here as after the raw roll-up below)
+        firsts = self._first_times(gpu_key, [t for t, state in ((RAW, minute_state), (MINUTE, hour_state))
+                                             if state is None])
+        until = self._resume(minute_state, firsts.get(RAW), MINUTE, horizon)
         minutes = rollup.empty()
         if horizon > until:
             ts, vals = self._raw_arrays(gpu_key, until, horizon)
             minutes = rollup.from_raw(ts, vals, 60.0)
             until = horizon
         hour_horizon = math.floor(until / 3600.0) * 3600.0
-        hour_state = self.rolled_up_until(gpu_key, HOUR)
         first_minute = None
         if hour_state is None:  # the first minute stored, or rolled up just now
-            firsts = [t for t in (self._first_time(gpu_key, MINUTE), float(minutes.ts[0]) if len(minutes) else None)
-                      if t is not None]
-            first_minute = min(firsts) if firsts else None
+            minute_firsts = [t for t in (firsts.get(MINUTE), float(minutes.ts[0]) if len(minutes) else None)
+                             if t is not None]
+            first_minute = min(minute_firsts) if minute_firsts else None
         hours_until = self._resume(hour_state, first_minute, HOUR, hour_horizon)
         hours = rollup.empty()
         if hour_horizon > hours_until:
@@ -589,8 +601,9 @@ class ChunkSeriesStore:
 
     def apply_roll_up(self, plan: RollUpPlan) -> tuple[int, int]:
         """Write a roll-up plan (inside the caller's transaction); returns (minutes, hours) written."""
+        states = self._rollup_states(plan.gpu_key)
         for tier, read, _ in plan.states:
-            if self.rolled_up_until(plan.gpu_key, tier) != read:
+            if states.get(tier) != read:
                 raise StaleCompaction(f"{plan.gpu_key} tier {TIER_NAMES[tier]}: rolled up since it was planned")
         if plan.chunks:
             self._db.executemany(_INSERT_CHUNK, plan.chunks)

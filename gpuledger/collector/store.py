@@ -461,11 +461,11 @@ class Store:
         hosts = {k[0] for k in gpu_keys}
         load = {h: self.ledger.host_gpu_totals(h) for h in hosts if h not in self._last_seen}
         grows: set[str] = set()  # hosts whose count of GPUs in memory may change with this batch
+        absent = [k for k in gpu_keys if k not in self.agg.gpus]  # (none, once a host's GPUs are all in memory)
         for host in hosts:
             known = len(load[host]) if host in load else self._host_gpus[host]
             stored = {k for k, _ in load[host]} if host in load else None
-            new = sum(1 for k in gpu_keys if k[0] == host and k not in self.agg.gpus
-                      and (stored is None or k not in stored))
+            new = sum(1 for k in absent if k[0] == host and (stored is None or k not in stored))
             if known + new > self.max_gpus_per_host:
                 raise TooManyGpus(f"host {host!r} has {known} GPUs and MIG instances stored; {new} new ones would "
                                   f"pass the limit of {self.max_gpus_per_host}")
@@ -663,10 +663,15 @@ class Store:
             mine = folded_by_host.get(batch.host, [])
             # the agent's columns as one host chunk (compaction splits it into the GPUs' chunks); others a GPU each.
             # Stored before the rest is folded: a GPU whose later series go sample by sample reads its window back.
-            self.series_store.write_host_series([s for s in mine if s.wire is not None])
-            self.series_store.write_series([s for s in mine if s.wire is None])
+            # (an empty list writes nothing: not handed on)
+            wired = [s for s in mine if s.wire is not None]
+            if wired:
+                self.series_store.write_host_series(wired)
+            if len(wired) < len(mine):
+                self.series_store.write_series([s for s in mine if s.wire is None])
             counts, accepted = self.agg.add_many(rows) if rows else (AddCounts(), [])
-            self.series_store.write_samples(accepted)
+            if accepted:
+                self.series_store.write_samples(accepted)
             cluster = batch.cluster
             uuids = set(map(_UUID, batch.rows))
             uuids.update(map(_UUID, batch.series))
@@ -723,13 +728,10 @@ class Store:
 
     def _flush(self) -> set[str]:
         """Write the dirty accumulators to the ledger; returns the job ids whose usage changed."""
-        usage, gpus, hours = self.agg.take_dirty()
-        agg = self.agg
-        self.ledger.write_aggregates(((k, agg.usage[k].values()) for k in usage),
-                                     ((k, agg.gpus[k].totals()) for k in gpus),
-                                     ((k, agg.hours[k].values()) for k in hours))
-        self.ledger.write_gaps(agg.take_gaps())
-        return {k[0] for k in usage}
+        usage, gpus, hours = self.agg.take_dirty_values()
+        self.ledger.write_aggregates(usage, gpus, hours)
+        self.ledger.write_gaps(self.agg.take_gaps())
+        return {k[0] for k, _ in usage}
 
     def _emit_summaries(self, force: bool) -> int:
         """Hand the sinks the usage of jobs that changed, at most once per interval per job."""
@@ -864,7 +866,7 @@ class Store:
                         steps.add(partial(self._chunks.apply_merge, merge), partial(add, "merged"))
                     pace()
             steps.flush()
-            floors = {k: w - self.agg.window_s for k, w in watermarks.items()}
+            floors = {k: self.agg.read_floor(w) for k, w in watermarks.items()}  # what the aggregation reads back
             for expiry in reader.plan_expiry(now, floors):  # after the roll-ups: what they made expirable goes too
                 steps.add(partial(self._chunks.apply_expiry, expiry), partial(add, "deleted"))
             steps.flush()

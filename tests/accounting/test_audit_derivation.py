@@ -52,16 +52,19 @@ def _s(ts, gpu, job):
                      energy_joules=360.0 * (ts - T0), job_ids=(job,))
 
 
-def _data_dir(tmp_path: Path, job1_from: float = 0.0) -> Path:
-    """Jobs 1 (alice, n1's G0) and 2 (bob, G1), an hour each; job 1 measured from ``job1_from`` s into its hour."""
+def _data_dir(tmp_path: Path, job1_from: float = 0.0, agent_job: bool = False, config: str = CONFIG) -> Path:
+    """Jobs 1 (alice, n1's G0) and 2 (bob, G1), an hour each; job 1 measured from ``job1_from`` s into its hour;
+    ``agent_job``: and job 3 on G2, which only its agent describes (alice's, it says)."""
     d = tmp_path / "data"
     store = Store(d / "gpuledger.sqlite", clock=lambda: T0 + 10_000)
+    gpus = (("G0", "1"), ("G1", "2"), *((("G2", "3"),) if agent_job else ()))
     try:
-        store.ingest(Batch("a", 0, "n1", tuple(_s(T0 + 10 * k, g, j) for g, j in (("G0", "1"), ("G1", "2"))
-                                                 for k in range(361) if j == "2" or 10 * k >= job1_from)))
+        store.ingest(Batch("a", 0, "n1", tuple(_s(T0 + 10 * k, g, j) for g, j in gpus
+                                                 for k in range(361) if j != "1" or 10 * k >= job1_from),
+                           jobs=(JobRecord("3", user="alice", account="a", hosts=("n1",)),) if agent_job else ()))
     finally:
         store.close()
-    (d / "gpuledger.toml").write_text(CONFIG)
+    (d / "gpuledger.toml").write_text(config)
     jobs = tmp_path / "sacct.txt"
     jobs.write_text("JobID|Cluster|User|UID|Account|Partition|AllocTRES|Submit|Start|End|State\n" + "".join(
         f"{j}|c|{u}|100{j}|a|gpu|gres/gpu=1|{_iso(T0)}|{_iso(T0)}|{_iso(T0 + 3600)}|COMPLETED\n"
@@ -183,21 +186,25 @@ def test_a_decayed_charge_above_what_the_charge_can_decay_to_fails_verify(fed):
     assert "not proven: decayed usage:" in run("audit", "explain", "1", "--data-dir", d).output
 
 
+def _charging_job_1_only(log: AuditLog, fs) -> int:
+    """Append a fairshare entry that charges only job 1, as entry ``fs`` did, at fs's time (job 1's logged pieces
+    decay to the same charge) and with its settings; returns its seq."""
+    settings = AccountingSettings(**fs.data["settings"])
+    job = fs.data["inputs"]["jobs"]["1"]
+    charge = ChargedJob(**{**{f.name: job[f.name] for f in dataclasses.fields(ChargedJob)}, "user": "alice"})
+    usage = {("a", "alice"): job["decayed"]}
+    rows = classic(AssocTree.from_toml({"accounts": {"a": {"shares": 1, "users": {"alice": 1, "bob": 1}}}}), usage)
+    sources = {"1": {k: job[k] for k in ("usage_entry", "job_entry", "gpu_entries")}}
+    return record_fairshare(log, now=fs.data["now"], settings=settings, charges=[charge], usage=usage, rows=rows,
+                            feed=priority_feed(rows, 1000), sources=sources).seq
+
+
 def test_a_job_dropped_while_it_still_weighs_fails_verify(fed):
     """Every output of the forged entry follows from its inputs; only the entry before it shows job 2 is gone."""
     d, pinned = fed
     with open_log(d) as log:
         fs = next(log.entries(kind="fairshare", newest_first=True))
-        settings = AccountingSettings(**fs.data["settings"])
-        job = fs.data["inputs"]["jobs"]["1"]
-        charge = ChargedJob(**{**{f.name: job[f.name] for f in dataclasses.fields(ChargedJob)}, "user": "alice"})
-        usage = {("a", "alice"): job["decayed"]}
-        rows = classic(AssocTree.from_toml({"accounts": {"a": {"shares": 1, "users": {"alice": 1, "bob": 1}}}}),
-                       usage)
-        sources = {"1": {k: job[k] for k in ("usage_entry", "job_entry", "gpu_entries")}}
-        # at the same time as entry fs: job 1's logged pieces decay to the same charge
-        seq = record_fairshare(log, now=fs.data["now"], settings=settings, charges=[charge], usage=usage,
-                               rows=rows, feed=priority_feed(rows, 1000), sources=sources).seq
+        seq = _charging_job_1_only(log, fs)
     r = _verify(d, pinned)
     assert r.exit_code == 1, r.output
     assert f"TAMPERED: audit entry {seq}: job 2, charged by entry {fs.seq} and still inside the decay horizon (last " \
@@ -221,6 +228,32 @@ def test_a_job_whose_records_were_accepted_as_gone_may_leave_fairshare(fed):
         assert "2" not in next(log.entries(kind="fairshare", newest_first=True)).data["inputs"]["jobs"]
     r = _verify(d, pinned)
     assert r.exit_code == 0, r.output
+
+
+def test_a_job_only_agents_described_leaves_fairshare_once_their_word_is_no_longer_taken(tmp_path):
+    """An entry of a site that charged jobs Slurm has no record of (``charge_unrecorded_jobs``, the only rule
+    before the setting existed), then one of the default: the agent-only job is no longer charged, which is no
+    drop verify fails on; while the agents' word is still taken, dropping it is."""
+    taking = CONFIG.replace("[accounting]\n", "[accounting]\ncharge_unrecorded_jobs = true\n")
+    d = _data_dir(tmp_path / "forged", agent_job=True, config=taking)
+    with open_log(d) as log:
+        taken = next(log.entries(kind="fairshare", newest_first=True))
+        assert "3" in taken.data["inputs"]["jobs"]
+        forged = _charging_job_1_only(log, taken)  # the agents' word still taken, yet job 3 left out (2 as well)
+    r = _verify(d)
+    assert r.exit_code == 1 and f"audit entry {forged}: job 3, charged by entry {taken.seq}" in r.output, r.output
+    # an honest log: the site takes the agents' word, then no longer does
+    d = _data_dir(tmp_path / "honest", agent_job=True, config=taking)
+    (d / "gpuledger.toml").write_text(CONFIG)
+    r = run("priority", "feed", "--data-dir", d)
+    assert r.exit_code == 0 and "1 measured job(s) Slurm has no record of are not charged" in r.output, r.output
+    with open_log(d) as log:
+        newest = next(log.entries(kind="fairshare", newest_first=True))
+        assert "3" not in newest.data["inputs"]["jobs"] and newest.data["settings"]["charge_unrecorded_jobs"] is False
+    r = _verify(d)
+    assert r.exit_code == 0, r.output
+    r = run("audit", "explain", "3", "--data-dir", d)
+    assert "dropped" not in r.output, r.output
 
 
 def test_decay_the_entry_cannot_recompute_is_not_proven_yet_verifies(tmp_path):

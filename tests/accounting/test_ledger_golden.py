@@ -12,6 +12,7 @@ import json
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.charge import ChargePolicy, allocation
@@ -19,7 +20,9 @@ from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.engine import association_usage
 from gpuledger.accounting.jobreport import load_job_report, to_text
 from gpuledger.accounting.ledger import load
+from gpuledger.cli import app
 from gpuledger.collector.auth import Authenticator
+from gpuledger.collector.ledger_url import STORE_NAME
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
 
@@ -45,7 +48,7 @@ def batch(host: str, seq: int, samples: list[dict], cluster: str | None = None, 
 
 @pytest.fixture()
 def collector(tmp_path):
-    store = Store(tmp_path / "g.sqlite")
+    store = Store(tmp_path / STORE_NAME)  # the data dir's embedded ledger: the CLI reads it too
     server = CollectorServer(store, clock=lambda: T0 + 86400.0,
                              auth=Authenticator(node_tokens={h: t for h, t in NODES.items()},
                                                 admin_tokens=[ADMIN])).start()
@@ -97,7 +100,7 @@ def test_job_seen_only_by_slurm_is_charged_its_allocation(collector):
     assert "coverage 0.0%, unmeasured 2.00 GPU-h" in to_text(rep)
 
 
-def test_job_seen_only_by_agents_is_charged_from_measurements_and_flagged(collector):
+def test_job_seen_only_by_agents_is_charged_from_measurements_and_flagged_only_where_the_site_says_so(collector):
     store, post, jobs = collector
     # Job 20 on a1: samples at T0, T0+10, T0+20 -> two 10 s intervals = 20 GPU-s observed, SM 0.5 -> 10 SM-s.
     # The agent says it is bob's in proj_b; no Slurm record exists.
@@ -110,8 +113,45 @@ def test_job_seen_only_by_agents_is_charged_from_measurements_and_flagged(collec
     # blend: 0.25 x 20 + 0.75 x 10 = 12.5; no allocation, so nothing unmeasured and coverage unknown
     c = ChargePolicy().charge_job(allocation(e.record, NOW), e.measured)
     assert (c.total, c.coverage, c.allocated_gpu_seconds) == (12.5, None, None)
+    # by default an agent's word alone charges nobody (a node with a stolen token could invent the job for bob):
+    # listed, not charged
     res = association_usage([e], AccountingSettings(**NO_DECAY), TREE, NOW)
+    assert (res.usage, res.jobs, res.unrecorded_jobs, res.unmatched_jobs) == ({}, (), ("20@alpha",), ())
+    res = association_usage([e], AccountingSettings(**NO_DECAY, charge_unrecorded_jobs=True), TREE, NOW)
     assert res.usage[("proj_b", "bob")] == pytest.approx(12.5) and res.jobs[0].seen_by == "agent"
+    assert res.unrecorded_jobs == ()
+
+
+def test_a_job_a_node_invented_charges_nobody_s_fairshare_unless_the_site_takes_agents_at_their_word(
+        collector, tmp_path):
+    store, post, jobs = collector
+    # a1's token, stolen, invents job 20 on a1's own GPU for bob; Slurm ran job 21 of alice there
+    assert jobs([{"job_id": "21", "cluster": "alpha", "user": "alice", "account": "proj_a", "hosts": ["a1"],
+                  "gpus": 1, "start": T0, "end": T0 + 20, "state": "COMPLETED", "tres": [["gres/gpu", 1]]}
+                 ]).status_code == 200
+    meta = [{"job_id": "20", "user": "bob", "account": "proj_b", "hosts": ["a1"]}]
+    assert post("a1", batch("a1", 1, [sample(T0 + 10 * k, "GPU-A1", "21") for k in range(3)], "alpha")
+                ).status_code == 200
+    assert post("a1", batch("a1", 2, [sample(T0 + 100 + 10 * k, "GPU-A1", "20") for k in range(3)], "alpha", meta)
+                ).status_code == 200
+    accounts = ('[accounts.proj_a]\nshares = 1\nusers = { alice = 1 }\n'
+                '[accounts.proj_b]\nshares = 1\nusers = { bob = 1 }\n')
+
+    def usage(extra: str = "") -> tuple[dict, str]:
+        cfg = tmp_path / "gpuledger.toml"
+        cfg.write_text(f"[accounting]\nhalf_life_s = 0\ncalc_period_s = 1\n{extra}\n{accounts}")
+        r = CliRunner().invoke(app, ["fairshare", "--data-dir", str(tmp_path), "--config", str(cfg),
+                                     "--format", "json"])
+        assert r.exit_code == 0, r.output
+        return {(x["account"], x["user"]): x["raw_usage"] for x in json.loads(r.stdout) if x["user"]}, r.stderr
+
+    # blend of 20 GPU-s at SM 0.5: 12.5 each, bob's only by the node's word
+    by, err = usage()
+    assert by == {("proj_a", "alice"): pytest.approx(12.5), ("proj_b", "bob"): 0}
+    assert "1 measured job(s) Slurm has no record of are not charged" in err and "20@alpha" in err, err
+    by, err = usage("charge_unrecorded_jobs = true")
+    assert by == {("proj_a", "alice"): pytest.approx(12.5), ("proj_b", "bob"): pytest.approx(12.5)}
+    assert "no record of" not in err
 
 
 def test_two_clusters_with_the_same_job_id_stay_apart(collector):

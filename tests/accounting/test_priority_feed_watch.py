@@ -4,6 +4,7 @@ one, and what it measures."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sqlite3
@@ -11,11 +12,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 from test_apply_interrupted import cluster, slurm_env  # noqa: F401  (cluster: the fixture)
+from testdata import capture
 
 from gpuledger.accounting.cli import IMPORT_CURSOR_NAME
 from gpuledger.accounting.priority import (
@@ -33,6 +36,9 @@ from gpuledger.accounting.priority import (
 from gpuledger.accounting.priority_watch import CycleResult, PriorityWatch
 from gpuledger.accounting.privacy import decay_horizon_start
 from gpuledger.accounting.slurm import SlurmCommandError
+from gpuledger.collector.store import Store
+from gpuledger.collector.validate import Batch
+from gpuledger.schema.records import GpuSample
 
 
 class Clock:
@@ -241,6 +247,42 @@ def test_a_cycle_after_a_failed_import_is_partial_and_an_unexpected_error_is_a_t
     assert r.exc_info is not None and r.getMessage() == "priority cycle failed (the feed); retrying at the next poll"
 
 
+def test_running_jobs_are_imported_at_their_cadence_and_their_failures_counted_apart(caplog) -> None:
+    clock, mono = Clock(), Clock()
+    o, calls = Outage(), []
+    o.up = True
+
+    def import_running() -> None:
+        calls.append(mono.t)
+        if len(calls) == 2:
+            raise SlurmCommandError(["sacct", "-P"], 1, "sacct: error: Problem talking to the database")
+
+    state = {"v": 1}
+    w = PriorityWatch(o.compute, o.apply, lambda: state["v"], o.import_jobs, import_running, running_every_s=60,
+                      poll_s=5,
+                      min_interval_s=0, expected=(SlurmCommandError,), clock=clock, monotonic=mono)
+    caplog.set_level("INFO", "gpuledger.priority.watch")
+    for _ in range(12):  # a minute of polls: sacct of the running jobs once
+        w.poll()
+        mono.t += 5
+    assert calls == [1000.0]
+    assert metric(w, "gpuledger_priority_last_running_import_timestamp_seconds") == clock.t
+    state["v"] = 2  # a job ended
+    w.poll()  # due: it fails, is counted (not as an import of ended jobs), and is tried again at the next poll
+    assert metric(w, "gpuledger_priority_running_import_failures_total") == 1
+    assert metric(w, "gpuledger_priority_import_failures_total") == 0
+    assert metric(w, 'gpuledger_priority_cycles_total{result="partial"}') == 1  # may charge a job as agents say
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "importing running jobs failed; retrying at the next poll: `sacct -P` exited with 1: sacct: error: Problem "
+        "talking to the database"]
+    mono.t += 5
+    w.poll()
+    assert calls == [1000.0, 1060.0, 1065.0]
+    assert metric(w, "gpuledger_priority_running_import_failures_total") == 1
+    with pytest.raises(ValueError, match="running_every_s"):
+        PriorityWatch(o.compute, o.apply, lambda: 1, o.import_jobs, import_running, running_every_s=0)
+
+
 def test_a_wall_clock_step_back_neither_stalls_nor_hurries_the_cycles() -> None:
     wall, mono = Clock(), Clock()
     state, ran = {"v": 0}, []
@@ -290,20 +332,24 @@ def test_a_feed_file_on_a_full_disk_is_named(tmp_path) -> None:
 
 
 # `priority watch` as a process: sacct is a fake at the machine boundary that answers with the jobs of
-# $FAKE_SLURM/jobs.json whose end lies in its -S..-E window (as slurmdbd holds them now), logs each window, sleeps
-# while $FAKE_SLURM/sacct_sleep exists and fails while $FAKE_SLURM/sacct_fail does
+# $FAKE_SLURM/jobs.json whose end lies in its -S..-E window (as slurmdbd holds them now), and the running ones
+# (--state=R,S) with $FAKE_SLURM/running.txt (sacct -P lines), logs each window and each call for running jobs,
+# sleeps (for ended jobs) while $FAKE_SLURM/sacct_sleep exists and fails while $FAKE_SLURM/sacct_fail does
 SACCT = f"""#!{sys.executable}
 import json, os, sys, time
 from datetime import datetime, timezone
 d, a = os.environ["FAKE_SLURM"], sys.argv[1:]
 S, E = (datetime.strptime(a[a.index(k) + 1], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
         for k in ("-S", "-E"))
-if os.path.exists(d + "/sacct_sleep"):
+if os.path.exists(d + "/sacct_sleep") and "--state=R,S" not in a:
     open(d + "/sacct_sleeping", "w").close()
     time.sleep(float(open(d + "/sacct_sleep").read()))
 if os.path.exists(d + "/sacct_fail"):
     sys.exit("sacct: error: Problem talking to the database: Connection refused")
-if "--json" in a:
+if "--state=R,S" in a:
+    open(d + "/sacct_running_calls", "a").write(f"{{S}} {{E}}\\n")
+    print(open(d + "/running.txt").read() if os.path.exists(d + "/running.txt") else "JobID|State", end="")
+elif "--json" in a:
     open(d + "/sacct_windows", "a").write(f"{{S}} {{E}}\\n")
     jobs = json.load(open(d + "/jobs.json")) if os.path.exists(d + "/jobs.json") else []
     print(json.dumps({{"jobs": [j for j in jobs if S <= j["time"]["end"] <= E]}}))
@@ -452,3 +498,132 @@ def test_an_outage_of_sacct_and_slurmctld_logs_one_line_per_failure_and_one_fair
     assert len(failed) >= 5 and all("squeue: error: Unable to contact slurm controller" in ln for ln in failed)
     assert len([ln for ln in lines if "importing ended jobs failed" in ln]) >= 5
     assert audit_kinds(data)["fairshare"] == 1  # the feed of the first cycle, its apply retried
+
+
+# The real 22.05 cluster's jobs 10 and 11 as sacct -P printed them while they ran (tests/data/slurm/real-22.05), as
+# sacct answers `--state=R,S`: their lines (steps too) of the capture; and job 10's record once it has ended.
+def running_capture(*job_ids: str) -> str:
+    header, *lines = capture("slurm/real-22.05/sacct-a-P-S-today.txt").read_text().splitlines()
+    return "\n".join([header, *(ln for ln in lines if ln.split("|")[0].split(".")[0] in job_ids)]) + "\n"
+
+
+def job_10_ended(end: int) -> dict:
+    start = int(datetime(2026, 11, 29, 16, 23, 28, tzinfo=UTC).timestamp())
+    return {**ended_job(10, end), "cluster": "testcluster", "time": {"submission": start, "start": start, "end": end}}
+
+
+def slurm_records(data: Path) -> dict[str, dict]:
+    db = sqlite3.connect(data / "gpuledger.sqlite")
+    try:
+        return {j: json.loads(d) for j, d in db.execute("SELECT job_id, data FROM jobs WHERE source='slurm'")}
+    finally:
+        db.close()
+
+
+def logged_records(data: Path, job_id: str) -> list[dict]:
+    db = sqlite3.connect(data / "audit.sqlite")
+    try:
+        rows = db.execute("SELECT body FROM entries WHERE kind='job_record' ORDER BY seq").fetchall()
+    finally:
+        db.close()
+    return [d for (b,) in rows if (d := json.loads(b)["data"])["job_id"] == job_id]
+
+
+def measure_job_10(data: Path, t0: float, t1: float) -> None:
+    """Its node's agent measured job 10 from t0 to t1 (as the collector stores it)."""
+    store = Store(data / "gpuledger.sqlite")
+    try:
+        store.ingest(Batch("agent-n2", 1, "n2", tuple(
+            GpuSample(ts=t, host="n2", gpu_uuid="GPU-n2", gpu_index=0, job_ids=("10",))
+            for t in range(int(t0), int(t1) + 1, 10)), cluster="testcluster"))
+    finally:
+        store.close()
+
+
+def recent_cursor(data: Path) -> None:
+    """The watch ran a minute ago: no decay horizon to import first."""
+    (data / IMPORT_CURSOR_NAME).write_text(json.dumps(
+        {"ledger": str(data / "gpuledger.sqlite"), "imported_through": time.time() - 60}))
+
+
+def calls(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_running_jobs_record_is_stored_without_an_end_and_its_end_record_replaces_it(cluster: Path) -> None:  # noqa: F811
+    # sacct's running jobs reach the ledger while they run (the period rule counts them at `now`, never in a closed
+    # month, and the scope holds their agents to Slurm's record); a cycle binds that record, and a later cycle the
+    # ended record that replaced it: neither is a store change refused
+    data, slurm = cluster / "data", cluster / "slurm"
+    recent_cursor(data)
+    now = int(time.time())
+    measure_job_10(data, now - 300, now - 100)
+    (slurm / "running.txt").write_text(running_capture("10", "11"))
+    proc = start_watch(cluster, "--feed-only", "--min-interval", "0", "--import-running", "0.2")
+    try:
+        wait_for(proc, "the running jobs' records", lambda: {"10", "11"} <= set(slurm_records(data)))
+        assert [(r["state"], r["end"]) for j, r in sorted(slurm_records(data).items()) if j in ("10", "11")] == [
+            ("RUNNING", None), ("RUNNING", None)]
+        wait_for(proc, "a cycle over them", lambda: audit_kinds(data).get("store_bound", 0) >= 1)
+        runs = calls(slurm / "sacct_running_calls")
+        wait_for(proc, "more imports of running jobs", lambda: calls(slurm / "sacct_running_calls") >= runs + 3)
+        assert len(logged_records(data, "11")) == 1  # an unchanged record, imported again, changes nothing
+        # job 10 ends: its record comes with the ended jobs, and sacct no longer lists it running; the ledger
+        # changes only by that record, so the next bind is of it
+        bound = audit_kinds(data)["store_bound"]
+        (slurm / "jobs.json").write_text(json.dumps([job_10_ended(now)]))
+        (slurm / "running.txt").write_text(running_capture("11"))
+        wait_for(proc, "job 10's end", lambda: slurm_records(data)["10"]["end"] == now)
+        wait_for(proc, "a cycle after it", lambda: audit_kinds(data)["store_bound"] > bound)
+    finally:
+        err = stop(proc)
+    assert all(" INFO " in ln for ln in err.strip().split("\n")), err  # no cycle failed, no record refused
+    assert [(d["state"], d["end"]) for d in logged_records(data, "10")] == [("RUNNING", None), ("COMPLETED", now)]
+    # a restarted watch puts every running record again (it has not seen them): the ledger merges, nothing changes
+    entries = audit_kinds(data)["job_record"]
+    (slurm / "sacct_running_calls").unlink()
+    proc = start_watch(cluster, "--feed-only", "--min-interval", "0", "--import-running", "0.2")
+    try:
+        wait_for(proc, "imports of running jobs", lambda: calls(slurm / "sacct_running_calls") >= 2)
+    finally:
+        stop(proc)
+    assert audit_kinds(data)["job_record"] == entries
+    verified = subprocess.run([str(Path(sys.executable).parent / "gpuledger"), "audit", "verify", "--data-dir",
+                               str(data), "--store"], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_running_record_never_replaces_the_ended_one(cluster: Path) -> None:  # noqa: F811
+    # sacct's answer for the running jobs still lists job 10 (slurmdbd behind, or the answer older than the end
+    # import of the same poll): the ended record stays, as Slurm gave it at the end
+    data, slurm = cluster / "data", cluster / "slurm"
+    recent_cursor(data)
+    now = int(time.time())
+    (slurm / "jobs.json").write_text(json.dumps([job_10_ended(now - 30)]))
+    (slurm / "running.txt").write_text(running_capture("10", "11"))
+    proc = start_watch(cluster, "--feed-only", "--min-interval", "0", "--import-running", "0.2")
+    try:
+        wait_for(proc, "job 11's running record", lambda: "11" in slurm_records(data))
+    finally:
+        stop(proc)
+    ten = slurm_records(data)["10"]
+    assert (ten["state"], ten["end"], ten["exit_code"]) == ("COMPLETED", now - 30, 0)
+    # (what the running answer has and the ended record lacked, its partition and TRES, is merged in: Slurm's too)
+    assert {(d["state"], d["end"]) for d in logged_records(data, "10")} == {("COMPLETED", now - 30)}
+    # the same through `jobs import` of a file: the end stays, and nothing changed
+    (cluster / "running.txt").write_text(running_capture("10"))
+    r = subprocess.run([str(Path(sys.executable).parent / "gpuledger"), "jobs", "import", "--data-dir", str(data),
+                        "--sacct-parsable", str(cluster / "running.txt")], capture_output=True, text=True,
+                       env={**os.environ, "TZ": "UTC"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "imported 1 job record(s); 0 new or changed"
+    assert slurm_records(data)["10"] == ten
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_an_import_cadence_that_is_no_time_is_refused_naming_it(cluster: Path, value: str) -> None:  # noqa: F811
+    r = subprocess.run([str(Path(sys.executable).parent / "gpuledger"), "priority", "watch", "--data-dir",
+                        str(cluster / "data"), "--metrics-port", "0", "--import-running", value],
+                       env=slurm_env(cluster), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == "error: --import-overlap, --import-catch-up and --import-running must be seconds >= 0"

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import sqlite3
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -411,6 +412,27 @@ def test_a_job_slurm_shows_running_is_billed_in_no_closed_month_and_once_when_it
     finally:
         store.close()
     assert [jobs(p)[0] for p in ("2020-01", "2020-02")] == [0, 1]
+
+
+def test_a_report_made_just_after_its_period_says_which_jobs_only_agents_measured_may_still_run(tmp_path):
+    # job 600 has no Slurm record; its agent's last sample lies 200 s before the end of a period that ended 800 s
+    # ago: it counts there, and the report says it may still be running (its later samples not in yet); a period
+    # that ended 940 s ago, more than the settle time (15 min), is settled: no such note
+    (tmp_path / "gpuledger.toml").write_text(CONFIG)
+    now = time.time()
+    store = Store(tmp_path / "gpuledger.sqlite")
+    try:
+        store.ingest(Batch("a", 0, "n1", _samples("n1", "600", now - 2800, now - 1000), cluster="c"))
+    finally:
+        store.close()
+    for ended_ago, noted in ((800, True), (940, False)):
+        r = run("report", "usage", "--data-dir", tmp_path, "--from", str(int(now - 86400)), "--to",
+                str(int(now - ended_ago)), "--format", "json")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["total"]["jobs"] == 1
+        assert ("1 job(s) Slurm has no record of were last measured within 15 min of the period's end, which is "
+                "less than that ago: they count here at their last measurement, but may still be running" in r.stderr
+                ) is noted, r.stderr
 
 
 def test_reconcile_balances_with_the_collectors_totals_in_every_period(tmp_path):

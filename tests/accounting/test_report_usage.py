@@ -17,7 +17,7 @@ from gpuledger.accounting.privacy import pseudonymize_entries
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
 from gpuledger.accounting.report.idle import idle_jobs
-from gpuledger.accounting.report.period import in_period, not_ended_note, parse_period
+from gpuledger.accounting.report.period import SETTLE_S, in_period, not_ended_note, parse_period
 from gpuledger.accounting.report.reconcile import reconcile
 from gpuledger.accounting.report.settings import ReportSettings, report_settings
 from gpuledger.accounting.report.usage import TOTAL, usage_report, usage_report_csv, usage_report_text
@@ -132,6 +132,29 @@ def test_a_running_job_counts_in_no_closed_period_and_once_in_the_period_it_ends
     assert [usage_report(pending, "account", p, PRICES, now=dec2).total.jobs for p in (nov, dec)] == [0, 1]
     never_ran = join([JobRecord("500", account="a", gpus=1, state="PENDING")], [], now=dec2)
     assert [usage_report(never_ran, "account", p, PRICES, now=dec2).total.jobs for p in (nov, dec)] == [0, 0]
+
+
+def test_a_report_just_after_its_period_notes_the_jobs_only_agents_measured_near_its_end():
+    # jobs Slurm has no record of count at their last measurement: job 601's lies 5 min before November's end, so
+    # it may still run (its agent's later samples not in yet) while the report is made within SETTLE_S of the end
+    nov, end = parse_period("2026-11"), T(2026, 12, 1)
+    entries = join([JobRecord("500", account="a", gpus=1, start=end - 7200, end=end - 60, state="COMPLETED")],
+                   [U("500", 3600.0, 0.0, 0.0, last=end - 60), U("601", 600.0, 0.0, 0.0, last=end - 300),
+                    U("602", 600.0, 0.0, 0.0, last=end - SETTLE_S - 1), U("603", 600.0, 0.0, 0.0, last=end - SETTLE_S)])
+    assert SETTLE_S == 900.0  # the collector's late window (600 s) and an agent's push cadence (5 min)
+    for now in (end, end + 60, end + SETTLE_S - 1):
+        note = not_ended_note(entries, nov, now) or ""
+        assert note.startswith("2 job(s) Slurm has no record of were last measured within 15 min of the period's "
+                               "end"), note  # 601 and 603, not 602 (earlier) nor 500 (Slurm's end)
+        assert "(their ends are not final until 2026-12-01T00:15:00+00:00)" in note
+        assert usage_report(entries, "account", nov, PRICES, now=now).total.jobs == 4  # the rule stays
+    for now in (end - 1, end + SETTLE_S):  # not over yet, or settled
+        assert not_ended_note(entries, nov, now) is None
+    running = join([JobRecord("700", account="a", gpus=1, start=end - 60, state="RUNNING")], [], now=end + 60)
+    assert (not_ended_note(running + entries, nov, end + 60) or "").startswith(
+        "1 job(s) that started before the period's end have no end in Slurm's records (running, or not imported "
+        "since they ended) and are not counted: each counts whole in the period it ends; 2 job(s) Slurm has no "
+        "record of")
 
 
 def test_parse_period_errors_name_the_input():

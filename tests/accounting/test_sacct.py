@@ -301,6 +301,27 @@ def test_client_sacct_jobs_runs_both_forms_in_utc_and_merges() -> None:
     assert any(a.startswith("--format=JobID,") for a in a_p) and "-X" in a_p
 
 
+def running_lines(parsable: str) -> str:
+    """The header and the lines of running jobs (their steps too) of a captured ``sacct -P``: what sacct prints
+    for ``--state=R,S``."""
+    header, *lines = parsable.splitlines()
+    state = header.split("|").index("State")
+    return "\n".join([header, *(ln for ln in lines if ln.split("|")[state] in ("RUNNING", "SUSPENDED"))]) + "\n"
+
+
+def test_client_sacct_running_is_one_parsable_call_of_the_jobs_running_at_an_instant() -> None:
+    # a cluster runs ~20k jobs at once: one sacct -P -X call, no JSON (a running job has no exit code to add)
+    run = Replay({"sacct -P": (0, running_lines(read(REAL / "sacct-a-P-S-today.txt")), "")})
+    recs = SlurmClient(run=run).sacct_running(utc("2026-11-29T16:23:46"))
+    assert [(r.job_id, r.user, r.gpus, r.state, r.start, r.end, r.exit_code) for r in recs] == [
+        ("10", "alice", 1, "RUNNING", utc("2026-11-29T16:23:28"), None, None),
+        ("11", "bob", 2, "RUNNING", utc("2026-11-29T16:23:29"), None, None)]
+    ((argv, env),) = run.calls
+    assert argv[argv.index("-S") + 1] == argv[argv.index("-E") + 1] == "2026-11-29T16:23:46"
+    assert {"-P", "-X", "-a", "--state=R,S"} <= set(argv) and env["TZ"] == "UTC"
+    assert any(a.startswith("--format=JobID,JobIDRaw,") for a in argv)
+
+
 def test_client_errors_carry_command_and_stderr() -> None:
     run = Replay({"sacct --json": (1, "", "sacct: error: Problem talking to the database: Connection refused\n")})
     with pytest.raises(SlurmCommandError, match="Connection refused") as e:

@@ -12,8 +12,11 @@ import pytest
 from ledger_engines import commit_counter
 
 from gpuledger.agent.push import encode_batch
+from gpuledger.collector import rollup
 from gpuledger.collector import store as store_module
-from gpuledger.collector.series_store import HOUR, MINUTE, RAW, Retention
+from gpuledger.collector.chunks import NUMERIC_FIELDS
+from gpuledger.collector.db import open_database
+from gpuledger.collector.series_store import HOUR, MINUTE, RAW, ChunkSeriesStore, Retention
 from gpuledger.collector.store import CompactStats, Store
 from gpuledger.collector.validate import parse_batch
 from gpuledger.schema.records import GpuSample
@@ -212,3 +215,45 @@ def test_expiry_keeps_the_samples_a_late_sample_needs_however_old(ledger):
         assert (u.allocated_gpu_seconds, u.energy_joules) == (expected.allocated_gpu_seconds, expected.energy_joules)
     finally:
         store.close()
+
+
+def test_a_roll_up_reads_a_gpus_state_and_first_times_in_one_statement_each(tmp_path):
+    # Every pass plans a roll-up of every GPU whose minutes became final (the first pass: every GPU), and the
+    # statements per GPU were most of that pass's CPU: its state (both tiers) and where its tiers start are one
+    # read each in the plan, its state one read in the apply.
+    db = open_database(tmp_path / "series.sqlite")
+    chunks = ChunkSeriesStore(db, RET)
+    gk = ("n0", "n0-G0", "")
+    chunks.write_samples([GpuSample(ts=START + k, host="n0", gpu_uuid="n0-G0", gpu_index=0, model="H200",
+                                    power_watts=100.0 + k % 7) for k in range(1200)])
+    statements: list[str] = []
+    db.conn.set_trace_callback(statements.append)  # type: ignore[attr-defined]  # SQLite's own connection
+
+    def reads(table: str) -> int:
+        return sum(s.lstrip().upper().startswith("SELECT") and f"FROM {table}" in s for s in statements)
+
+    for final_before, minutes, first_reads in ((START + 600, 10, 1), (START + 1200, 10, 0)):
+        statements.clear()
+        plan = chunks.plan_roll_up(gk, final_before)
+        assert plan.minutes == minutes
+        assert reads("rollup_state") == 1
+        assert sum("MIN(t_min)" in s for s in statements) == first_reads  # none once both tiers have a state
+        statements.clear()
+        with db.transaction():
+            assert chunks.apply_roll_up(plan) == (minutes, 0)
+        assert reads("rollup_state") == 1
+    db.conn.set_trace_callback(None)  # type: ignore[attr-defined]
+    assert sum(p.samples for p in chunks.series("n0", "n0-G0", 0, 2e9, tier=MINUTE)) == 1200
+    db.close()
+
+
+def test_an_empty_rollup_allocates_no_column():
+    # Compaction plans two empty rollups for each GPU with no minute to roll up (every GPU at its first pass): a
+    # fresh array per field and statistic was 40% of that pass's CPU. A zero-length array cannot be changed by
+    # what is written into it, so one serves every column.
+    a, b = rollup.empty(), rollup.empty()
+    columns = [a.ts, a.samples, b.ts, *(c for r in (a, b) for stats in r.stats.values() for c in stats)]
+    assert len(a) == 0 and set(a.stats) == set(NUMERIC_FIELDS)
+    assert all(c is a.ts for c in columns)
+    a.stats["power_watts"][1][:] = 1.0
+    assert b.stats["power_watts"][1].size == 0 and a.stats is not b.stats

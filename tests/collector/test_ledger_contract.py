@@ -199,6 +199,24 @@ def test_job_records_merge_and_the_schedulers_record_outranks_agents(store):
     assert [(j.job_id, j.user) for j in store.ledger.jobs_by_id(["7", "1", "nope"])] == [("1", "ann"), ("7", "eve")]
 
 
+def test_a_record_with_no_end_never_replaces_an_ended_one(store):
+    # sacct's answer for the running jobs, stored after the job's end record (or POSTed late): the end stands, as
+    # does everything Slurm said at the end; only what the ended record lacks is taken
+    ended = JobRecord("3", cluster="c1", user="ann", hosts=("n1",), start=T0, end=T0 + 60, state="COMPLETED",
+                      exit_code=0)
+    assert store.put_jobs([ended]) == 1
+    running = JobRecord("3", cluster="c1", user="ann", hosts=("n1",), start=T0, state="RUNNING",
+                        gpu_uuids=("GPU-1",))
+    assert store.merge_jobs([running]) == [replace(ended, gpu_uuids=("GPU-1",))]
+    assert store.jobs() == [replace(ended, gpu_uuids=("GPU-1",))]
+    assert store.put_jobs([running]) == 0
+    # the other way round, the ended record replaces the running one
+    assert store.put_jobs([replace(running, job_id="4")]) == 1
+    assert store.put_jobs([replace(ended, job_id="4")]) == 1
+    assert [(j.job_id, j.state, j.end) for j in store.jobs()] == [("3", "COMPLETED", T0 + 60),
+                                                                   ("4", "COMPLETED", T0 + 60)]
+
+
 def test_pages_read_in_sql_are_slices_of_the_whole_answers(store):
     """``jobs_page`` and ``job_usage_page`` (what GET /api/v1/jobs and /usage answer) give exactly the slices of
     ``jobs()`` and ``job_usage()``, whatever the offset and limit, with the scheduler-outranks-agent rule

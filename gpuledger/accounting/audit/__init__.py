@@ -4,7 +4,8 @@ Modules by responsibility: ``keys`` (signing keys outside the data directory, ke
 ``note`` (the signed-note text format), ``checkpoint`` (signed tree heads, and proving the log extends them),
 ``manifest`` (signed report manifests bound to their input records), ``binding`` (store rows against their
 logged records: refusing store edits, explicit corrections), ``recorders`` (what accounting appends),
-``explain`` (how a site factor was derived), ``verify`` (all checks together for `audit verify`).
+``chain`` (fairshare entries logged as deltas on the one before, and reading any entry's full inputs), ``explain``
+(how a site factor was derived), ``verify`` (all checks together for `audit verify`).
 """
 
 from gpuledger.accounting.audit.binding import (

@@ -10,11 +10,13 @@ they state, each site factor), and a newer entry that drops a job still weighing
 (:func:`dropped`). Every step without an entry, that does not follow, or that the entry lacks the data to
 recompute is listed as not proven; :func:`fairshare_problems` finds everything that does not follow (``audit
 verify`` fails on it). The factor applied is proven only by the job's newest ``applied`` priority change; a newer
-one (sent with no outcome logged, unconfirmed, failed) is listed as not proven (:func:`unsettled`).
+one (sent with no outcome logged, unconfirmed, failed) is listed as not proven (:func:`unsettled`). Fairshare
+entries are read with their full inputs through ``chain`` (a delta as the entry it stands for).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuledger.accounting.audit.binding import is_final, is_removed, record_of
+from gpuledger.accounting.audit.chain import Chain, Read, based_on, charges, delta_of, full_jobs, read_entry
 from gpuledger.accounting.audit.checkpoint import iso_utc
 from gpuledger.collector.auditlog import AuditError, AuditLog, Entry
 from gpuledger.schema.records import JobRecord, JobUsage
@@ -85,7 +88,8 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
                              + _corrected(job), _ref(job)))
     else:
         ex.missing.append("job record: no job_record entry (the scheduler's record was never logged)")
-    fs, newest = _fairshare_for(log, job_id)
+    read, newest = _fairshare_for(log, job_id)
+    fs = read.entry if read is not None else None
     src = fs.data["inputs"]["jobs"][job_id] if fs is not None else {}
     usage = _measurements(log, lambda: mine, job_id, src)
     # rows accepted as gone (deleted, or moved to a key the log had not seen): what the measurements lost
@@ -107,6 +111,8 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
                              + "".join(_corrected(e) for e in (*usage, *gone)), _ref(*usage, *gone)))
     else:
         ex.missing.append("measurements: no usage_record entry for this job")
+    if fs is None and read is not None and read.problem is not None:
+        ex.missing.append(f"fairshare: {read.problem}")
     if fs is None:
         ex.missing += ["charged usage: no fairshare entry charges this job",
                        "decayed usage: no fairshare entry charges this job",
@@ -117,7 +123,7 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
         _fairshare_steps(ex, log, fs, src, charged, _charged_job_record(log, src, job), derive(fs))
         if newest is not None and newest.seq != fs.seq and isinstance(src, dict) and _still_weighs(newest, src):
             keys = {_charge_key(j, c) for j, c in newest.data["inputs"]["jobs"].items()}
-            if _charge_key(job_id, src) not in keys and not _job_gone(log, src, job_id):
+            if _charge_key(job_id, src) not in keys and not _job_gone(log, fs, newest, src, job_id):
                 ex.missing.append(f"charged usage: the newest fairshare entry {newest.seq} does not charge this job, "
                                   f"though it still weighs in fairshare (dropped); the steps shown are entry "
                                   f"{fs.seq}'s")
@@ -238,24 +244,36 @@ def _charged_records(log: AuditLog, fallback: Callable[[], list[Entry]], job_id:
             or _cited(log, [c.get("usage_entry")], job_id, ("usage_record", "correction")) or [])
 
 
-def _fairshare_for(log: AuditLog, job_id: str) -> tuple[Entry | None, Entry | None]:
-    """The newest fairshare entry that charged the job with a priority feed, else the newest that charged it; and
-    the newest fairshare entry of all (readable as one)."""
+def _fairshare_for(log: AuditLog, job_id: str) -> tuple[Read | None, Entry | None]:
+    """The newest fairshare entry that charged the job with a priority feed, else the newest that charged it, as
+    read with its full inputs (``chain.read_entry``); and the newest fairshare entry of all (readable as one),
+    read so. One walk back: a delta that neither logs nor drops the job charges it as its base does."""
     fallback = newest = None
+    pending: list[Entry] = []  # newer deltas, each on the next: whether they charge the job is their base's say
     for e in log.entries(kind="fairshare", newest_first=True):
-        try:
-            jobs = e.data["inputs"]["jobs"]
-            if not isinstance(jobs, dict):
-                continue
-        except (KeyError, TypeError):
+        if pending and not based_on(pending[-1], e):
+            pending = []  # a broken chain: none of them can be read
+        says = charges(e, job_id)
+        if says is None:
+            pending.append(e)
             continue
-        newest = newest or e
-        if job_id not in jobs:
+        group, pending = [*pending, e], []
+        if delta_of(e) is None and full_jobs(e) is None:
+            continue  # no computation: neither it nor the deltas on it can be read
+        newest = newest or group[0]
+        if not says:
             continue
-        if e.data.get("outputs", {}).get("feed"):
-            return e, newest
-        fallback = fallback or e
-    return fallback, newest
+        fed = next((g for g in group if _outputs(g).get("feed")), None)
+        if fed is not None:
+            return read_entry(log, fed), read_entry(log, newest).entry
+        fallback = fallback or group[0]
+    return (read_entry(log, fallback) if fallback is not None else None,
+            read_entry(log, newest).entry if newest is not None else None)
+
+
+def _outputs(e: Entry) -> dict[str, Any]:
+    out = e.data.get("outputs") if isinstance(e.data, dict) else None
+    return out if isinstance(out, dict) else {}
 
 
 def _policy(s: Mapping[str, Any]) -> Any:
@@ -373,7 +391,8 @@ def _fairshare_steps(ex: Explanation, log: AuditLog, fs: Entry, c: dict[str, Any
            if ("decayed usage", k) in dv.recomputed]
     _step(ex, "decayed usage", f"half-life {s.get('half_life_s')} s, calc period {s.get('calc_period_s')} s, "
           f"usage from {_iso(c.get('first_ts'))} to {_iso(c.get('last_ts'))} decayed to {_iso(fs.data.get('now'))}: "
-          f"{c.get('decayed')!r} of association {user}@{acct}'s {a_total!r}" + (f" ({'; '.join(how)})" if how else ""),
+          f"{c.get('decayed', dv.derived.get(ex.job_id))!r} of association {user}@{acct}'s {a_total!r}"
+          + (f" ({'; '.join(how)})" if how else ""),
           ref, dv.why_not("decayed usage", ex.job_id, key))
     outputs = fs.data.get("outputs", {})
     row = _assoc(outputs.get("rows", []), acct, user)
@@ -449,6 +468,7 @@ class Derivation:
     problems: list[str] = field(default_factory=list)
     unproven: dict[tuple[str, Any], str] = field(default_factory=dict)
     recomputed: dict[tuple[str, Any], str] = field(default_factory=dict)
+    derived: dict[str, float] = field(default_factory=dict)  # per job of a delta entry: its decayed charge
     _counts: dict[str, int] = field(default_factory=dict)
 
     def fail(self, step: str, key: Any, why: str) -> None:
@@ -529,11 +549,12 @@ def _pieces(c: Mapping[str, Any], charged: float) -> list[tuple[float, float, fl
     return out
 
 
-def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float, s: Mapping[str, Any]
-                  ) -> dict[str, tuple[Any, float]]:
+def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float, s: Mapping[str, Any],
+                  delta: bool = False) -> dict[str, tuple[Any, float]]:
     """Each job's decayed charge recomputed (``decay.decayed_usage``) from the pieces of it the entry logs, else
     from its charge spread evenly over first..last; returns the jobs whose numbers can be read:
-    job id -> (association, logged decayed charge)."""
+    job id -> (association, logged decayed charge). A ``delta`` entry logs no decayed charge for a job that logs
+    its pieces (``chain``): it is the recomputed one (``dv.derived``)."""
     from gpuledger.accounting.decay import decayed_usage
 
     args = _decay_args(s)
@@ -542,11 +563,18 @@ def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float
     read: dict[str, tuple[Any, float]] = {}
     placed: dict[str, list[tuple[float, float, float]]] = {}
     logged_pieces: set[str] = set()
+    derived: set[str] = set()
     for job_id, c in jobs.items():
         if not isinstance(c, dict):
             dv.fail("decayed usage", job_id, f"job {job_id}'s charge is not a record")
             continue
-        charged, decayed = _finite(c.get("charged")), _finite(c.get("decayed"))
+        if delta and "decayed" not in c:
+            if c.get("pieces") is None:
+                dv.fail("decayed usage", job_id, f"job {job_id} logs neither its decayed charge nor the pieces it "
+                                                 "is recomputed from")
+                continue
+            derived.add(job_id)
+        charged, decayed = _finite(c.get("charged")), 0.0 if job_id in derived else _finite(c.get("decayed"))
         first, last = _finite(c.get("first_ts")), _finite(c.get("last_ts"))
         if charged is None or decayed is None or first is None or last is None or first > last or decayed < 0:
             dv.fail("decayed usage", job_id, f"job {job_id}'s charge {c.get('charged')!r}, decayed charge "
@@ -556,6 +584,8 @@ def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float
         pieces = _pieces(c, charged)
         if isinstance(pieces, str):
             dv.fail("decayed usage", job_id, f"job {job_id}: {pieces}")
+            if job_id in derived:
+                del read[job_id]
             continue
         if pieces is not None:
             logged_pieces.add(job_id)
@@ -565,6 +595,8 @@ def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float
             dv.fail("decayed usage", job_id, f"job {job_id} logs no pieces, though the entry's other jobs do")
             del placed[job_id]
     if args is None or not placed:
+        for job_id in derived:  # not recomputed: not read either
+            read.pop(job_id, None)
         return read
     try:
         again = decayed_usage([(j, a, b, x) for j, ps in placed.items() for a, b, x in ps], now=now, **args)
@@ -576,9 +608,16 @@ def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float
                              now=now, **args)
     except ValueError as e:
         dv.lack("decayed usage", None, f"entry {fs.seq}'s decay cannot be recomputed: {e}")
+        for job_id in derived:
+            read.pop(job_id, None)
         return read
     for job_id in placed:
         decayed, want = read[job_id][1], again.get(job_id, 0.0)  # no pieces: nothing to decay
+        if job_id in derived:
+            read[job_id] = (read[job_id][0], want)
+            dv.derived[job_id] = want
+            dv.recomputed[("decayed usage", job_id)] = "from its logged pieces (a delta entry logs it only so)"
+            continue
         if _agree(decayed, want):
             dv.recomputed[("decayed usage", job_id)] = ("from its logged pieces: same" if job_id in logged_pieces
                                                         else "from its charge spread evenly over first..last: same")
@@ -619,7 +658,7 @@ def derive(fs: Entry, trees: dict[Any, Any] | None = None) -> Derivation:
                                    "inputs.associations, outputs.rows)")
         dv.close()
         return dv
-    read = _derive_decay(dv, fs, jobs, now, s)
+    read = _derive_decay(dv, fs, jobs, now, s, delta_of(fs) is not None)
 
     # each association's usage: the sum of its jobs' decayed charges
     by_assoc: dict[Any, list[float]] = {}
@@ -756,11 +795,18 @@ def _still_weighs(fs: Entry, c: Mapping[str, Any]) -> bool:
         return False
 
 
-def _job_gone(log: AuditLog, c: Mapping[str, Any], job_id: str) -> bool:
-    """What the log says since explains a drop: the job's record accepted as gone or naming nobody to charge, or,
-    for a job only agents described, every usage record of it accepted as gone."""
+def _job_gone(log: AuditLog, before: Entry, fs: Entry, c: Mapping[str, Any], job_id: str) -> bool:
+    """What explains entry ``fs`` dropping a job that entry ``before`` charged with ``c``: the job's record accepted
+    as gone or naming nobody to charge, or, for a job only agents described, every usage record of it accepted as
+    gone; or ``fs`` no longer taking the agents' word (its settings' ``charge_unrecorded_jobs`` false: entries from
+    before the setting took it) for a job ``before`` charged as only agents described it (``seen_by``), with no
+    record of it logged since (Slurm's would be)."""
     job = job_id.partition("@")[0]
     latest = log.latest(f"job:{c.get('cluster', '')}/{job}")
+    settings = fs.data.get("settings")
+    if (c.get("seen_by") == "agent" and isinstance(settings, dict) and settings.get("charge_unrecorded_jobs") is False
+            and (latest is None or latest.seq < before.seq)):
+        return True
     if latest is None:
         return not _latest_by_key(list(log.entries(job_id=job)), "usage:")
     d = record_of(latest)
@@ -780,7 +826,7 @@ def dropped(log: AuditLog, before: Entry, fs: Entry) -> list[str]:
         return []
     now = {_charge_key(j, c) for j, c in jobs.items()}
     gone = [j for j, c in earlier.items() if isinstance(c, dict) and _charge_key(j, c) not in now
-            and _still_weighs(fs, c) and not _job_gone(log, c, j)]
+            and _still_weighs(fs, c) and not _job_gone(log, before, fs, c, j)]
     out = [f"audit entry {fs.seq}: job {j}, charged by entry {before.seq} and still inside the decay horizon (last "
            f"used {_iso(earlier[j].get('last_ts'))}), is not charged (dropped)" for j in gone[:_LISTED]]
     if len(gone) > _LISTED:
@@ -810,27 +856,35 @@ def fairshare_problems(log: AuditLog) -> list[tuple[int, str]]:
     while it still weighs (:func:`dropped`); and per job, in the entry `audit explain` takes for it (the newest
     with a priority feed that charged it, else the newest that charged it), a charge explain shows as DIFFERS.
     One pass over the fairshare entries, each recomputed in time linear in its size."""
-    with_feed: dict[str, Entry] = {}
-    without: dict[str, Entry] = {}
+    with_feed: dict[str, tuple[Entry, Any]] = {}
+    without: dict[str, tuple[Entry, Any]] = {}
     out = []
     trees: dict[Any, Any] = {}
     before: Entry | None = None
-    for fs in log.entries(kind="fairshare"):
+    chain = Chain()  # each entry read with its full inputs, a delta from the entry before
+    for logged in log.entries(kind="fairshare"):
+        read = chain.read(logged)
+        if read.problem is not None:
+            out.append((logged.seq, read.problem))
+        fs = read.entry
+        if fs is None:
+            if delta_of(logged) is None:
+                out += [(logged.seq, p) for p in derive(logged, trees).problems]
+            continue
         dv = derive(fs, trees)
         out += [(fs.seq, p) for p in dv.problems]
         try:
             jobs, feed = fs.data["inputs"]["jobs"], fs.data.get("outputs", {}).get("feed")
         except (KeyError, TypeError, AttributeError):
             continue
-        if not isinstance(jobs, dict):
-            continue
         if before is not None:
             out += [(fs.seq, p) for p in dropped(log, before, fs)]
         before = fs
-        for j in jobs:
-            (with_feed if feed else without)[j] = fs
-    for job_id, fs in {**without, **with_feed}.items():
-        c = fs.data["inputs"]["jobs"][job_id]
+        # per job the time and settings it was charged at, not the entry: one entry's jobs held at a time
+        at = dataclasses.replace(fs, data={"now": fs.data.get("now"), "settings": fs.data.get("settings", {})})
+        for j, c in jobs.items():
+            (with_feed if feed else without)[j] = (at, c)
+    for job_id, (fs, c) in {**without, **with_feed}.items():
         if not isinstance(c, dict):
             continue
         usage = _charged_records(log, functools.partial(_measurements, log, functools.partial(_entries_of, log, job_id),

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuledger.accounting.audit.binding import usage_key
+from gpuledger.accounting.audit.chain import DELTA, FULL_EVERY, Read, carried, read_entry
 from gpuledger.collector.auditlog import AuditError, AuditLog, Entry, plain
+from gpuledger.collector.auditlog.canonical import dumps
 from gpuledger.schema.records import JobUsage
 
 
@@ -84,10 +86,16 @@ def record_fairshare(
     rows: Iterable[Any],
     feed: Iterable[Any] = (),
     sources: Mapping[str, Mapping[str, Any]] | None = None,
+    full: bool | None = None,
 ) -> Entry:
     """Append one ``fairshare`` entry: inputs (settings, per-job charges with how each was placed in time, its
     ``pieces``, and the entries of the job, usage, per-GPU usage and gap records each was computed from, decayed
-    usage per association) and outputs (the fairshare rows and the site factors of the priority feed)."""
+    usage per association) and outputs (the fairshare rows and the site factors of the priority feed).
+
+    The jobs are logged as a delta on the newest fairshare entry (``chain``) where that saves enough: not after
+    :data:`chain.FULL_EVERY` deltas, nor once the job records the deltas since the last full entry log would pass
+    half the jobs charged, nor when it leaves out fewer than :data:`DELTA_SAVES` job records. ``full``: True logs
+    it in full; False as a delta wherever there is a readable base short of FULL_EVERY (tests, benchmarks)."""
     cfg = settings.model_dump() if hasattr(settings, "model_dump") else plain(settings)
     sources = sources or {}
     jobs = {c.job_id: {**plain(c), "user": log.alias(c.user), **dict(sources.get(c.job_id, {}))} for c in charges}
@@ -110,9 +118,54 @@ def record_fairshare(
         out_feed.append(d)
     data = {"now": now, "settings": cfg, "inputs": {"jobs": jobs, "associations": assoc},
             "outputs": {"rows": out_rows, "feed": out_feed}}
-    entry = log.append("fairshare", data)
-    assert entry is not None  # no dedupe key: always written
+    written = {j: carried(c) for j, c in jobs.items()}  # as a delta on this entry carries them on
+    base = Read(None) if full is True else _newest_read(log)
+    entry = None
+    if base.entry is not None and base.deltas < FULL_EVERY:
+        logged, gone = _changed(base.entry.data["inputs"]["jobs"], written)
+        changes = base.changes + len(logged) + len(gone)
+        if full is False or (2 * changes <= len(jobs) and len(jobs) - len(logged) >= DELTA_SAVES):
+            delta = {"base": base.entry.seq, "base_leaf": base.entry.leaf.hex(), "jobs": logged, "dropped": gone}
+            entry = _append_fairshare(log, {**data, "inputs": {DELTA: delta, "associations": assoc}}, base.entry)
+            read = Read(entry, None, base.deltas + 1, changes)
+    if entry is None:  # in full: by choice, or another fairshare entry came first and is no longer the base
+        entry = _append_fairshare(log, data, None)
+        assert entry is not None  # no dedupe key: always written
+        read = Read(entry, None, 0, 0)
+    # what the next delta is computed against: this entry read as a delta on it carries its jobs on
+    _last_read[log.location] = dataclasses.replace(read, entry=dataclasses.replace(entry, data={
+        **entry.data, "inputs": {**entry.data["inputs"], "jobs": written}}))
     return entry
+
+
+# The recorder's own read of the newest fairshare entry, per log: `priority watch` records a cycle after cycle in
+# one process, and reading the entry back from the log would walk its chain each time. The entry's leaf hash
+# commits to the bases its delta names, so a read is reused only for the entry with that seq and leaf.
+_last_read: dict[str, Read] = {}
+DELTA_SAVES = 100  # job records a delta must leave out of the entry to be worth the walk back to a full one
+
+
+def _changed(have: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The jobs of ``now`` whose logged record is not ``have``'s (added or changed, compared as their canonical
+    text), and the ids of ``have``'s that ``now`` lacks."""
+    logged = {j: c for j, c in now.items() if j not in have or dumps(c) != dumps(carried(have[j]))}
+    return logged, [j for j in have if j not in now]
+
+
+def _newest_read(log: AuditLog) -> Read:
+    newest = next(log.entries(kind="fairshare", newest_first=True), None)
+    if newest is None:
+        return Read(None)
+    last = _last_read.get(log.location)
+    if last is not None and last.entry is not None and (last.entry.seq, last.entry.leaf) == (newest.seq, newest.leaf):
+        return last
+    return read_entry(log, newest)
+
+
+def _append_fairshare(log: AuditLog, data: dict[str, Any], base: Entry | None) -> Entry | None:
+    """Append a fairshare entry; a delta on ``base`` only while ``base`` is still the newest fairshare entry
+    (checked in the append's transaction: a delta's base is the fairshare entry before it), else None."""
+    return log.append("fairshare", data, newest=None if base is None else ("fairshare", base.seq))
 
 
 _ROW_FIELDS = ("account", "user", "raw_shares", "norm_shares", "raw_usage", "norm_usage", "effective_usage",

@@ -4,9 +4,12 @@ A job belongs to the period in which it ENDED, and is counted whole there (:func
 for a job Slurm knows that has no end yet (it is running), the report's ``now``, so that it counts only in a period
 not over yet (one ending after now), with its allocation so far, and never in a closed one: a closed period's
 report is the same whenever it is made, and the job counts in the period it ends; for a job Slurm does not know,
-its last measurement. So consecutive periods partition the jobs, every job is charged once in the closed periods,
-and a period's totals are exactly the sum of its job records; a job spanning a month boundary lands in the month
-it ended (no proration). Times are UTC.
+its last measurement (a running job's record, which `priority watch` imports, makes Slurm know it while it runs).
+So consecutive periods partition the jobs, every job is charged once in the closed periods, and a period's totals
+are exactly the sum of its job records; a job spanning a month boundary lands in the month it ended (no
+proration). Times are UTC. A job only agents measured that still runs at a period's end shows it only once its
+samples after the end are in the ledger: a report made within ``SETTLE_S`` of the end says how many it may count
+that way (:func:`not_ended_note`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from gpuledger.accounting.audit.binding import FINAL_AFTER_S
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.errors import ReportError
+
+# How long after a period's end the last measurement of a job only agents measured may still move past it (the job
+# ran on): the collector's late window (a sample may trail its GPU's newest by FINAL_AFTER_S and still count, and
+# after it the audit log takes usage as final) plus an agent's push cadence (--interval 10 s x --push-every, and
+# the push's retries and backoff while a collector restarts: 5 minutes).
+SETTLE_S = FINAL_AFTER_S + 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,15 +167,29 @@ def in_period(entries: Iterable[LedgerEntry], period: Period, now: float | None 
 
 
 def not_ended_note(entries: Iterable[LedgerEntry], period: Period, now: float | None = None) -> str | None:
-    """What the period rule (:func:`job_end`) did with the jobs Slurm shows running that started before the
-    period's end, or None when there are none: counted up to ``now`` in a period not over yet, else left out."""
+    """What the period rule (:func:`job_end`) did with the jobs whose end is not final, or None when there are
+    none: the jobs Slurm shows running that started before the period's end (counted up to ``now`` in a period not
+    over yet, else left out), and, in a report made less than ``SETTLE_S`` after the period's end, the jobs Slurm
+    does not know last measured within ``SETTLE_S`` of it (counted at their last measurement, but they may still
+    be running)."""
     now = time.time() if now is None else now
+    entries = list(entries)
+    notes = []
     n = sum(1 for e in entries if (r := e.record) is not None and r.end is None and r.start is not None
             and r.start < period.end)
-    if not n:
-        return None
-    if period.start <= now < period.end:
-        return (f"{n} job(s) still running (no end in Slurm's records) are counted with their allocation up to now, "
-                "as the period is still open: once it has ended, a job counts only in the period it ends")
-    return (f"{n} job(s) that started before the period's end have no end in Slurm's records (running, or not "
-            "imported since they ended) and are not counted: each counts whole in the period it ends")
+    if n and period.start <= now < period.end:
+        notes.append(f"{n} job(s) still running (no end in Slurm's records) are counted with their allocation up to "
+                     "now, as the period is still open: once it has ended, a job counts only in the period it ends")
+    elif n:
+        notes.append(f"{n} job(s) that started before the period's end have no end in Slurm's records (running, or "
+                     "not imported since they ended) and are not counted: each counts whole in the period it ends")
+    if period.end <= now < period.end + SETTLE_S:
+        since = max(period.start, period.end - SETTLE_S)
+        unsettled = sum(1 for e in entries if e.record is None and (t := job_end(e, now)) is not None
+                        and since <= t < period.end)
+        if unsettled:
+            notes.append(
+                f"{unsettled} job(s) Slurm has no record of were last measured within {SETTLE_S / 60:g} min of the "
+                f"period's end, which is less than that ago: they count here at their last measurement, but may "
+                f"still be running (their ends are not final until {iso_utc(period.end + SETTLE_S)})")
+    return "; ".join(notes) or None

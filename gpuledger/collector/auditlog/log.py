@@ -60,7 +60,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (size INTEGER NOT NULL, note TEXT NOT NUL
 _SET_META = upsert("meta", ("key", "value"), ("key",))
 _SET_NODE = upsert("nodes", ("level", "idx", "hash"), ("level", "idx"))
 _VERIFY_PAGE = 50_000  # entries read per statement by verify: memory stays bounded on either engine
-_ENTRIES_PAGE = 1_000  # by ``entries``: a fairshare entry holds every job it charged
+# ``entries`` reads a page per statement: the first of one row (a caller after the newest entry reads one), then
+# doubling up to _ENTRIES_PAGE rows while a page stays under _ENTRIES_PAGE_BYTES (a full fairshare entry holds every
+# job it charged: megabytes each), halving when one passes it
+_ENTRIES_PAGE = 1_000
+_ENTRIES_PAGE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,16 +216,20 @@ class AuditLog:
         return user if user is None or self.user_alias is None else self.user_alias(user)
 
     # -- writes ---------------------------------------------------------------------------------------------
-    def append(self, kind: str, data: Any, job_id: str | None = None, key: str | None = None) -> Entry | None:
+    def append(self, kind: str, data: Any, job_id: str | None = None, key: str | None = None,
+               newest: tuple[str, int] | None = None) -> Entry | None:
         """Append one entry; see :meth:`append_many`."""
-        out = self.append_many([(kind, data, job_id, key)])
+        out = self.append_many([(kind, data, job_id, key)], newest)
         return out[0] if out else None
 
-    def append_many(self, items: Iterable[tuple[str, Any, str | None, str | None]]) -> list[Entry]:
+    def append_many(self, items: Iterable[tuple[str, Any, str | None, str | None]],
+                    newest: tuple[str, int] | None = None) -> list[Entry]:
         """Append ``(kind, data, job_id, key)`` items in one transaction; returns the entries written.
 
         With a ``key``, an item whose data equals the latest entry's under that key is skipped, so re-importing
         unchanged job records or usage does not grow the log. The comparison reads the hashed body, never a cache.
+        With ``newest`` = (kind, seq), nothing is written (and [] returned) unless the newest entry of that kind is
+        still entry seq, checked in the same transaction: an entry written as a delta on it (``chain``).
         """
         prepared = []
         for i, (kind, data, job_id, key) in enumerate(items):
@@ -236,6 +244,10 @@ class AuditLog:
         written: list[Entry] = []
         with self._lock, self._db.transaction() as db:
             db.lock("audit")  # serialises appenders of every process: the tree cannot move under us
+            if newest is not None:
+                row = db.execute("SELECT max(seq) FROM entries WHERE kind=?", (newest[0],)).fetchone()
+                if row is None or row[0] != newest[1]:
+                    return []
             size = self._size()
             frontier = self._frontier(size)
             seen: dict[str, str] = {}
@@ -395,17 +407,20 @@ class AuditLog:
             where.append("substr(key, 1, ?) = ?")
             args += [len(key_prefix), key_prefix]
         after: int | None = None
-        while True:  # a page per statement: memory stays bounded however many entries match
+        page = 1
+        while True:  # a page per statement: memory stays bounded however many entries match, however large
             w = [*where, "seq < ?" if newest_first else "seq > ?"] if after is not None else where
             sql = "SELECT body, leaf, seq FROM entries" + (" WHERE " + " AND ".join(w) if w else "")
             sql += " ORDER BY seq" + (" DESC" if newest_first else "") + " LIMIT ?"
             with self._lock:
-                rows = self._db.execute(sql, [*args, *([after] if after is not None else []), _ENTRIES_PAGE]).fetchall()
+                rows = self._db.execute(sql, [*args, *([after] if after is not None else []), page]).fetchall()
+            size = sum(len(row[0]) for row in rows)
             for row in rows:
                 yield _entry(*row)
-            if len(rows) < _ENTRIES_PAGE:
+            if len(rows) < page:
                 return
             after = rows[-1][2]
+            page = max(1, page // 2) if size > _ENTRIES_PAGE_BYTES else min(2 * page, _ENTRIES_PAGE)
 
     # -- verification ---------------------------------------------------------------------------------------
     def verify(self) -> VerifyResult:
