@@ -684,8 +684,8 @@ def priority_watch(
     ] = 86400.0,
     import_running: Annotated[float, typer.Option(
         help="with --import-jobs, import the records of the jobs running now (one sacct call) at most once per this "
-             "many seconds, so that a running job is charged as Slurm describes it and counts in no period closed "
-             "before it ends (0: never)")
+             "many seconds, so that a running job is charged as Slurm describes it (one Slurm has no record of is "
+             "not) and counts in no period closed before it ends (0: never)")
     ] = 60.0,
     poll: Annotated[float, typer.Option(help="seconds between looks at the ledger (and sacct)")] = 5.0,
     min_interval: Annotated[float, typer.Option(help="at most one cycle per this many seconds")] = 10.0,
