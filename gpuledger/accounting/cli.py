@@ -674,7 +674,8 @@ def priority_watch(
     import_jobs: Annotated[bool, typer.Option(
         "--import-jobs/--no-import-jobs",
         help="import ended jobs from sacct at every poll, and the running ones' records (--import-running) (off "
-             "when a collector or timer imports them)")] = True,
+             "when a timer imports them, running jobs included, as `jobs import --slurm` does: a job Slurm has no "
+             "record of is not charged)")] = True,
     import_overlap: Annotated[float, typer.Option(
         help="seconds each sacct poll reaches back before the last one imported (job ends slurmdbd got late; "
              "later ones the catch-up finds)")

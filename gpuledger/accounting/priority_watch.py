@@ -10,7 +10,7 @@ meanwhile on a default account need their factor too), it runs one cycle: ``comp
 at most every ``min_interval_s`` seconds, so a busy ledger costs one cycle per interval, not one per record.
 
 A failed import does not force a cycle: the ledger's fingerprint says whether anything arrived. A failed import of
-running jobs is tried again at the next poll. A failed apply
+running jobs is tried again ``running_every_s`` later, as a successful one is. A failed apply
 is retried at the next poll with the feed already computed (and recorded), which is recomputed only when the
 ledger changed or a resync is due: an outage of sacct or slurmctld adds no audit entry per retry. A step that
 raises is logged (one line for an expected failure, a traceback for any other) and counted, and the next poll
@@ -93,7 +93,7 @@ class PriorityWatch:
             raise ValueError("poll_s, resync_s and running_every_s must be > 0, min_interval_s >= 0")
         self._compute, self._apply, self._ledger_state, self._import = compute, apply, ledger_state, import_jobs
         self._import_running, self.running_every_s = import_running, running_every_s
-        self._last_running = float("-inf")  # monotonic: the last import of running jobs that succeeded
+        self._last_running = float("-inf")  # monotonic: the last import of running jobs tried
         self.poll_s, self.min_interval_s, self.resync_s = poll_s, min_interval_s, resync_s
         self._expected: tuple[type[Exception], ...] = (CycleError, *expected)
         self._clock, self._monotonic = clock, monotonic
@@ -175,10 +175,11 @@ class PriorityWatch:
             if (self._import_running is not None and self.last_running_import is not None
                     and self.running_import_failures is not None and not self.stopped()
                     and now - self._last_running >= self.running_every_s):
-                if self._imported(self._import_running, self.last_running_import, self.running_import_failures,
-                                  "importing running jobs failed; retrying at the next poll"):
-                    self._last_running = now
-                else:
+                # tried again a cadence later, failed or not: an outage of slurmdbd gets no call of all the running
+                # jobs every poll
+                self._last_running = now
+                if not self._imported(self._import_running, self.last_running_import, self.running_import_failures,
+                                      f"importing running jobs failed; trying again in {self.running_every_s:g} s"):
                     imported = False
         except Stopped:
             return False

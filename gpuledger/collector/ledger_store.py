@@ -171,10 +171,14 @@ _EMPTY = (None, "", ())
 def merge_record(old: JobRecord, new: JobRecord) -> JobRecord:
     """``new`` with every field it lacks (None, "", empty) taken from ``old``: one sacct format never erases
     what another gave (``sacct -P`` has no GPU UUIDs, a JSON record may lack the uid). A record with no end never
-    replaces one with an end: it is an answer from before the job ended (sacct's running jobs, stored after the
-    job's end record), so ``old`` stands, taking only what it lacks from ``new``."""
+    replaces one with an end of the same run: it is an answer from before the job ended (sacct's running jobs,
+    stored after the job's end record), so ``old`` stands, taking only what it lacks from ``new``. One that started
+    after that end is a later run (the job was requeued): it replaces the record, the earlier run's end and exit
+    code not taken."""
     if new.end is None and old.end is not None:
-        return merge_record(new, old)
+        if new.start is None or old.start is None or new.start <= old.end:
+            return merge_record(new, old)
+        old = replace(old, end=None, exit_code=None)
     kept = {f.name: getattr(old, f.name) for f in fields(JobRecord)
             if getattr(new, f.name) in _EMPTY and getattr(old, f.name) not in _EMPTY}
     return replace(new, **kept) if kept else new

@@ -14,6 +14,7 @@ from audit_cli import run
 from gpuledger.accounting.associations import AssocTree
 from gpuledger.accounting.audit import (
     AuditLog,
+    chain,
     job_charges,
     open_log,
     record_fairshare,
@@ -23,12 +24,12 @@ from gpuledger.accounting.audit import (
     verify_all,
 )
 from gpuledger.accounting.audit.chain import read_entry
-from gpuledger.accounting.audit.explain import explain
+from gpuledger.accounting.audit.explain import explain, fairshare_problems
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.fairshare import classic
 from gpuledger.accounting.ledger import join
 from gpuledger.accounting.priority import priority_feed
-from gpuledger.collector.auditlog import job_key
+from gpuledger.collector.auditlog import Entry, job_key
 from gpuledger.schema.records import JobRecord, JobUsage
 
 T0 = (time.time() // 3600 - 48) * 3600  # two days ago: inside the decay horizon whenever the suite runs
@@ -95,8 +96,15 @@ def test_a_delta_logs_what_changed_and_reads_as_the_full_entry(tmp_path):
         for job in ("1", "6", "7"):
             a, b = explain(full, job), explain(delta, job)
             assert [s.name for s in a.steps] == [s.name for s in b.steps] and a.missing == b.missing, (a, b)
+            # a delta that carries the job's charge on cites the entry that logs it too (job 1's: the full one)
+            carried = chain.logged_in(delta, e, job)
+            assert (carried.seq == e.seq) == (job != "1")
             for x, y in zip(a.steps, b.steps, strict=True):
-                assert [seq for seq, _ in x.entries] == [seq for seq, _ in y.entries]  # (leaves: other times)
+                cited = [seq for seq, _ in y.entries]
+                if carried.seq != e.seq and e.seq in cited:
+                    assert cited[0] == carried.seq
+                    cited = cited[1:]
+                assert [seq for seq, _ in x.entries] == cited  # (leaves: other times)
                 if x.name == "decayed usage":  # the same number, recomputed rather than logged
                     assert f"{logged[job]['decayed']!r} of association" in y.summary, y.summary
                     assert "recomputed from its logged pieces (a delta entry logs it only so)" in y.summary
@@ -223,8 +231,46 @@ def test_a_log_of_full_entries_then_deltas_verifies_and_explains(tmp_path):
     assert r.exit_code == 0, r.output
     with open_log(d) as log:
         assert "1" not in log.get(last).data["inputs"]["delta"]["jobs"]
-        ref = f"proven by #{last} {log.get(last).leaf.hex()[:12]}"
+        full = chain.logged_in(log, log.get(last), "1")  # the full entry that logs job 1's charge
+        assert chain.delta_of(full) is None
+        ref = f"proven by #{full.seq} {full.leaf.hex()[:12]}, #{last} {log.get(last).leaf.hex()[:12]}"
     assert "3. charged usage: policy allocated: 3600.0 allocated GPU-s = 3600.0 (recomputed from the logged record: " \
            f"same)\n   {ref}" in r.output, r.output
     assert "recomputed from its logged pieces (a delta entry logs it only so)" in r.output, r.output
     assert "not proven" not in r.output.replace("not proven: applied", ""), r.output
+
+
+def _forged_delta(log: AuditLog, base: Entry, assoc: Entry) -> Entry:
+    """A delta on ``base`` that changes nothing (``assoc``'s associations, rows and feed)."""
+    e = log.append("fairshare", {**assoc.data, "inputs": {
+        chain.DELTA: {"base": base.seq, "base_leaf": base.leaf.hex(), "jobs": {}, "dropped": []},
+        "associations": assoc.data["inputs"]["associations"]}})
+    assert e is not None
+    return e
+
+
+def test_a_delta_on_an_older_entry_or_past_the_chain_bound_is_refused_by_verify_and_every_reader(
+        tmp_path, monkeypatch):
+    """Verify (``Chain``) and the readers (``read_entry``: explain, the recorder) hold a delta to the same rules: its
+    base is the fairshare entry right before it, and no more than ``FULL_EVERY`` deltas follow a full entry."""
+    now = T0 + 600.0 * 6 + 1800.0
+    with open_log(tmp_path / "skip", pseudonymize=False) as log:
+        first = _cycle(log, [1, 2, 3, 4, 5], now, full=True)
+        second = _cycle(log, [1, 2, 3, 4, 5], now + 60, full=False)
+        forged = _forged_delta(log, first, second)  # on entry `first`, though `second` came between
+        problems = [p for _, p in fairshare_problems(log)]
+        assert f"audit entry {forged.seq}: its base is entry {first.seq}, not the fairshare entry before it " \
+               f"(entry {second.seq}): its inputs cannot be read" in problems, problems
+        read = read_entry(log, forged)
+        assert read.entry is None and read.problem == (
+            f"audit entry {forged.seq}: its base, entry {first.seq}, is not the fairshare entry before it: its inputs "
+            "cannot be read")
+    monkeypatch.setattr(chain, "FULL_EVERY", 3)
+    with open_log(tmp_path / "long", pseudonymize=False) as log:
+        at = first = _cycle(log, [1, 2, 3, 4, 5], now, full=True)
+        for _ in range(4):  # four deltas in a row, one more than readers walk
+            at = _forged_delta(log, at, first)
+        problems = [p for _, p in fairshare_problems(log)]
+        assert problems == [f"audit entry {at.seq}: more than 3 delta entries since a full one"], problems
+        assert read_entry(log, at).problem == f"audit entry {at.seq}: more than 3 delta entries since a full one"
+        assert any("more than 3 delta entries" in m for m in explain(log, "1").missing)

@@ -61,7 +61,8 @@ def _data_dir(tmp_path: Path, job1_from: float = 0.0, agent_job: bool = False, c
     try:
         store.ingest(Batch("a", 0, "n1", tuple(_s(T0 + 10 * k, g, j) for g, j in gpus
                                                  for k in range(361) if j != "1" or 10 * k >= job1_from),
-                           jobs=(JobRecord("3", user="alice", account="a", hosts=("n1",)),) if agent_job else ()))
+                           jobs=(JobRecord("3", user="alice", account="a", hosts=("n1",)),) if agent_job else (),
+                           cluster="c" if agent_job else None))
     finally:
         store.close()
     (d / "gpuledger.toml").write_text(config)
@@ -254,6 +255,18 @@ def test_a_job_only_agents_described_leaves_fairshare_once_their_word_is_no_long
     assert r.exit_code == 0, r.output
     r = run("audit", "explain", "3", "--data-dir", d)
     assert "dropped" not in r.output, r.output
+    # Slurm's record of job 3 arrives after that entry: it says nothing of the entry's drop (the next entry charges it)
+    sacct = tmp_path / "job3.txt"
+    sacct.write_text("JobID|Cluster|User|UID|Account|Partition|AllocTRES|Submit|Start|End|State\n"
+                     f"3|c|alice|1003|a|gpu|gres/gpu=1|{_iso(T0)}|{_iso(T0)}|{_iso(T0 + 3600)}|COMPLETED\n")
+    assert run("jobs", "import", "--data-dir", d, "--sacct-parsable", sacct).exit_code == 0
+    r = _verify(d)
+    assert r.exit_code == 0, r.output
+    assert run("priority", "feed", "--data-dir", d).exit_code == 0
+    with open_log(d) as log:
+        assert "3" in next(log.entries(kind="fairshare", newest_first=True)).data["inputs"]["jobs"]
+    r = _verify(d)
+    assert r.exit_code == 0, r.output
 
 
 def test_decay_the_entry_cannot_recompute_is_not_proven_yet_verifies(tmp_path):

@@ -215,6 +215,10 @@ def test_a_record_with_no_end_never_replaces_an_ended_one(store):
     assert store.put_jobs([replace(ended, job_id="4")]) == 1
     assert [(j.job_id, j.state, j.end) for j in store.jobs()] == [("3", "COMPLETED", T0 + 60),
                                                                    ("4", "COMPLETED", T0 + 60)]
+    # a later run of job 3 (requeued, on another node): it replaces the ended run, whose end and exit code go
+    rerun = JobRecord("3", cluster="c1", user="ann", hosts=("n2",), start=T0 + 500, state="RUNNING")
+    assert store.put_jobs([rerun]) == 1
+    assert store.jobs()[0] == replace(rerun, gpu_uuids=("GPU-1",))
 
 
 def test_pages_read_in_sql_are_slices_of_the_whole_answers(store):

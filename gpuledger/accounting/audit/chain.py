@@ -25,7 +25,9 @@ from typing import Any
 from gpuledger.collector.auditlog import AuditLog, Entry
 
 DELTA = "delta"  # the key of a delta entry's inputs that holds it
-FULL_EVERY = 1000  # a full entry at least every this many fairshare entries: the longest chain a read walks
+# A full entry at least every this many fairshare entries: the longest chain a read walks (at 20,000 jobs, ~20 MB
+# of deltas for a cold read; a full entry about every 8 hours at the watch's 5-minute resync)
+FULL_EVERY = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,8 @@ class Chain:
         elif last.entry is None:  # the link to the entry before checked first: a base swapped says so
             problem = _apply(before, False, e, delta)[1] if not based_on(e, before) else None
             self._read = Read(None, problem or f"audit entry {e.seq}: its base, entry {before.seq}, cannot be read")
+        elif last.deltas >= FULL_EVERY:  # no recorder writes a longer chain (readers refuse one: read_entry)
+            self._read = Read(None, f"audit entry {e.seq}: more than {FULL_EVERY} delta entries since a full one")
         else:
             entry, problem = _apply(last.entry, last.deltas == 0, e, delta)
             self._read = Read(entry, problem, last.deltas + 1, last.changes + _changes(delta))
@@ -137,9 +141,9 @@ def read_entry(log: AuditLog, e: Entry) -> Read:
         if len(deltas) > FULL_EVERY:  # no recorder writes a longer chain: a forged one is not walked on
             return Read(None, f"audit entry {e.seq}: more than {FULL_EVERY} delta entries since a full one")
         base = delta.get("base")
-        prev = log.get(base) if type(base) is int and base < at.seq else None
-        if prev is None or prev.kind != "fairshare":
-            return Read(None, f"audit entry {at.seq}: its base, entry {base!r}, is not a fairshare entry before it: "
+        prev = log.previous("fairshare", at.seq)  # a base must be the fairshare entry right before (as Chain holds)
+        if prev is None or prev.seq != base:
+            return Read(None, f"audit entry {at.seq}: its base, entry {base!r}, is not the fairshare entry before it: "
                               "its inputs cannot be read")
         at, delta = prev, delta_of(prev)
     chain = Chain()
@@ -164,6 +168,22 @@ def charges(e: Entry, job_id: str) -> bool | None:
     return None
 
 
+def logged_in(log: AuditLog, e: Entry, job_id: str) -> Entry:
+    """The entry that logs ``job_id``'s charge as fairshare entry ``e`` reads it: ``e`` itself, or, for a delta
+    that carries the job on from its base, the nearest entry back along the bases that logs it (``e`` where the
+    walk cannot go on: verify names that)."""
+    at = e
+    for _ in range(FULL_EVERY + 1):
+        if charges(at, job_id) is not None:
+            return at
+        base = (delta_of(at) or {}).get("base")
+        prev = log.get(base) if type(base) is int and base < at.seq else None
+        if prev is None or not based_on(at, prev):
+            return e
+        at = prev
+    return e
+
+
 def based_on(e: Entry, base: Entry) -> bool:
     """Whether delta entry ``e`` names ``base`` (its seq and leaf hash) as its base."""
     delta = delta_of(e) or {}
@@ -171,4 +191,4 @@ def based_on(e: Entry, base: Entry) -> bool:
 
 
 __all__ = ["DELTA", "FULL_EVERY", "Chain", "Read", "based_on", "carried", "charges", "delta_of", "full_jobs",
-           "read_entry"]
+           "logged_in", "read_entry"]

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuledger.accounting.audit.binding import is_final, is_removed, record_of
-from gpuledger.accounting.audit.chain import Chain, Read, based_on, charges, delta_of, full_jobs, read_entry
+from gpuledger.accounting.audit.chain import (
+    Chain,
+    Read,
+    based_on,
+    charges,
+    delta_of,
+    full_jobs,
+    logged_in,
+    read_entry,
+)
 from gpuledger.accounting.audit.checkpoint import iso_utc
 from gpuledger.collector.auditlog import AuditError, AuditLog, Entry
 from gpuledger.schema.records import JobRecord, JobUsage
@@ -359,7 +368,8 @@ def _step(ex: Explanation, name: str, summary: str, entries: tuple[tuple[int, st
 
 def _fairshare_steps(ex: Explanation, log: AuditLog, fs: Entry, c: dict[str, Any], usage: list[Entry],
                      job: Entry | None, dv: Derivation) -> None:
-    ref = _ref(fs)
+    logged = logged_in(log, fs, ex.job_id)  # a delta carries the job's charge on from the entry that logs it
+    ref = _ref(fs) if logged.seq == fs.seq else _ref(logged, fs)
     s = fs.data.get("settings", {})
     k = _check(fs, c, usage, job)
     charged = c.get("charged")
@@ -800,13 +810,14 @@ def _job_gone(log: AuditLog, before: Entry, fs: Entry, c: Mapping[str, Any], job
     as gone or naming nobody to charge, or, for a job only agents described, every usage record of it accepted as
     gone; or ``fs`` no longer taking the agents' word (its settings' ``charge_unrecorded_jobs`` false: entries from
     before the setting took it) for a job ``before`` charged as only agents described it (``seen_by``), with no
-    record of it logged since (Slurm's would be)."""
+    record of it logged between the two entries (Slurm's would be; one logged after ``fs`` says nothing of it)."""
     job = job_id.partition("@")[0]
-    latest = log.latest(f"job:{c.get('cluster', '')}/{job}")
+    key = f"job:{c.get('cluster', '')}/{job}"
     settings = fs.data.get("settings")
     if (c.get("seen_by") == "agent" and isinstance(settings, dict) and settings.get("charge_unrecorded_jobs") is False
-            and (latest is None or latest.seq < before.seq)):
-        return True
+            and not any(e.key == key and before.seq < e.seq < fs.seq for e in log.entries(job_id=job))):
+        return True  # (a record logged in between is Slurm's: an agent's first description stands)
+    latest = log.latest(key)
     if latest is None:
         return not _latest_by_key(list(log.entries(job_id=job)), "usage:")
     d = record_of(latest)

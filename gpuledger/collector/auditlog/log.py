@@ -395,6 +395,13 @@ class AuditLog:
                                    (key,)).fetchone()
         return _entry(*row) if row else None
 
+    def previous(self, kind: str, seq: int) -> Entry | None:
+        """The newest entry of ``kind`` before entry ``seq`` (read from its hashed body)."""
+        with self._lock:
+            row = self._db.execute("SELECT body, leaf, seq FROM entries WHERE kind=? AND seq < ? ORDER BY seq DESC "
+                                   "LIMIT 1", (kind, seq)).fetchone()
+        return _entry(*row) if row else None
+
     def entries(self, job_id: str | None = None, kind: str | None = None, newest_first: bool = False,
                 key_prefix: str | None = None) -> Iterator[Entry]:
         where: list[str] = []
