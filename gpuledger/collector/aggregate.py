@@ -376,6 +376,12 @@ _HOUR_PHYSICAL = attrgetter("observed_s", "energy_j")
 _HOUR_HELD = attrgetter("alloc_s", "job_energy_j", "sm_s")
 
 
+def _power_integral(power: float | None, cap: float, dt: float) -> float:
+    """An interval's energy by its power reading: ``min(power, cap) * dt``, 0 J without one (the columnar paths'
+    ``np.minimum(power, caps) * dt`` is the same per element)."""
+    return 0.0 if power is None else min(power, cap) * dt
+
+
 def _sequential_sum(m: np.ndarray) -> np.ndarray:
     """``m[0] + m[1] + ... + m[-1]`` elementwise, left to right: a running sum's end, each element the sequence of
     ``+=`` of its terms (what cumsum along the first axis ends with, bit for bit: never a pairwise sum), in a numpy
@@ -630,8 +636,7 @@ class Aggregator:
         counter grew since its last reading (:meth:`_caught_up`); anomalies is 1 when both counters exist but
         their delta is not trusted."""
         cap = self.cap_w(g.model, cur.power_limit_watts)
-        p = cur.power_watts
-        integral = 0.0 if gap or p is None else min(p, cap) * dt
+        integral = 0.0 if gap else _power_integral(cur.power_watts, cap, dt)
         pe, ce = rows[k].energy_joules, cur.energy_joules
         if ce is None:
             return integral, 0
@@ -663,8 +668,9 @@ class Aggregator:
                 return max(grown - given, 0.0) if 0.0 <= grown <= cap * (cur.ts - row.ts) else None
             if (tuple(row.job_ids), tuple(row.job_shares)) != jobs or not m:
                 return None
-            if (p := row.power_watts) is not None:  # what _pair_energy gave the interval (rows[m - 1], row]
-                given += min(p, self.cap_w(g.model, row.power_limit_watts)) * (row.ts - rows[m - 1].ts)
+            # what _pair_energy gave the interval (rows[m - 1], row] (no gap: both are within max_gap_s of cur)
+            given += _power_integral(row.power_watts, self.cap_w(g.model, row.power_limit_watts),
+                                     row.ts - rows[m - 1].ts)
         return None
 
     def read_floor(self, watermark: float) -> float:

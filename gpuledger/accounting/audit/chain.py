@@ -131,25 +131,35 @@ def _changes(delta: Mapping[str, Any]) -> int:
     return (len(jobs) if isinstance(jobs, dict) else 0) + (len(dropped) if isinstance(dropped, list) else 0)
 
 
+def _bases(log: AuditLog, e: Entry) -> tuple[list[Entry], str | None]:
+    """``e`` and the entries back along the bases its deltas name, newest first, to the last full entry; and the
+    problem where the walk stops short of it: a base that is not the fairshare entry right before (as
+    :class:`Chain` holds), or more than :data:`FULL_EVERY` deltas (no recorder writes a longer chain: a forged one
+    is not walked on)."""
+    out = [e]
+    delta = delta_of(e)
+    while delta is not None:
+        if len(out) > FULL_EVERY:
+            return out, f"audit entry {e.seq}: more than {FULL_EVERY} delta entries since a full one"
+        at, base = out[-1], delta.get("base")
+        prev = log.previous("fairshare", at.seq)
+        if prev is None or prev.seq != base:
+            return out, (f"audit entry {at.seq}: its base, entry {base!r}, is not the fairshare entry before it: its "
+                         "inputs cannot be read")
+        out.append(prev)
+        delta = delta_of(prev)
+    return out, None
+
+
 def read_entry(log: AuditLog, e: Entry) -> Read:
     """Fairshare entry ``e`` of ``log`` with its full inputs, read back from the last full entry before it along
     the bases the deltas name (a full entry reads as itself)."""
-    deltas: list[Entry] = []
-    at, delta = e, delta_of(e)
-    while delta is not None:
-        deltas.append(at)
-        if len(deltas) > FULL_EVERY:  # no recorder writes a longer chain: a forged one is not walked on
-            return Read(None, f"audit entry {e.seq}: more than {FULL_EVERY} delta entries since a full one")
-        base = delta.get("base")
-        prev = log.previous("fairshare", at.seq)  # a base must be the fairshare entry right before (as Chain holds)
-        if prev is None or prev.seq != base:
-            return Read(None, f"audit entry {at.seq}: its base, entry {base!r}, is not the fairshare entry before it: "
-                              "its inputs cannot be read")
-        at, delta = prev, delta_of(prev)
+    walked, problem = _bases(log, e)
+    if problem is not None:
+        return Read(None, problem)
     chain = Chain()
-    read = chain.read(at)
-    for d in reversed(deltas):
-        read = chain.read(d)
+    for at in reversed(walked):
+        read = chain.read(at)
     return read
 
 
@@ -172,16 +182,13 @@ def logged_in(log: AuditLog, e: Entry, job_id: str) -> Entry:
     """The entry that logs ``job_id``'s charge as fairshare entry ``e`` reads it: ``e`` itself, or, for a delta
     that carries the job on from its base, the nearest entry back along the bases that logs it (``e`` where the
     walk cannot go on: verify names that)."""
-    at = e
-    for _ in range(FULL_EVERY + 1):
+    walked, _ = _bases(log, e)
+    for at, prev in zip(walked, walked[1:]):
         if charges(at, job_id) is not None:
             return at
-        base = (delta_of(at) or {}).get("base")
-        prev = log.get(base) if type(base) is int and base < at.seq else None
-        if prev is None or not based_on(at, prev):
+        if not based_on(at, prev):
             return e
-        at = prev
-    return e
+    return walked[-1] if charges(walked[-1], job_id) is not None else e
 
 
 def based_on(e: Entry, base: Entry) -> bool:

@@ -274,10 +274,19 @@ def _fairshare_for(log: AuditLog, job_id: str) -> tuple[Read | None, Entry | Non
             continue
         fed = next((g for g in group if _outputs(g).get("feed")), None)
         if fed is not None:
-            return read_entry(log, fed), read_entry(log, newest).entry
+            return _read_both(log, fed, newest)
         fallback = fallback or group[0]
-    return (read_entry(log, fallback) if fallback is not None else None,
-            read_entry(log, newest).entry if newest is not None else None)
+    if fallback is None:
+        return None, read_entry(log, newest).entry if newest is not None else None
+    return _read_both(log, fallback, newest)
+
+
+def _read_both(log: AuditLog, e: Entry, newest: Entry | None) -> tuple[Read, Entry | None]:
+    """``e`` and ``newest`` read with their full inputs, one read where they are one entry (most often)."""
+    read = read_entry(log, e)
+    if newest is None:
+        return read, None
+    return read, read.entry if newest.seq == e.seq else read_entry(log, newest).entry
 
 
 def _outputs(e: Entry) -> dict[str, Any]:

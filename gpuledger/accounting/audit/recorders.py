@@ -126,10 +126,12 @@ def record_fairshare(
         changes = base.changes + len(logged) + len(gone)
         if full is False or (2 * changes <= len(jobs) and len(jobs) - len(logged) >= DELTA_SAVES):
             delta = {"base": base.entry.seq, "base_leaf": base.entry.leaf.hex(), "jobs": logged, "dropped": gone}
-            entry = _append_fairshare(log, {**data, "inputs": {DELTA: delta, "associations": assoc}}, base.entry)
+            # written only while its base is still the newest fairshare entry (checked in the append's transaction)
+            entry = log.append("fairshare", {**data, "inputs": {DELTA: delta, "associations": assoc}},
+                               newest=("fairshare", base.entry.seq))
             read = Read(entry, None, base.deltas + 1, changes)
     if entry is None:  # in full: by choice, or another fairshare entry came first and is no longer the base
-        entry = _append_fairshare(log, data, None)
+        entry = log.append("fairshare", data)
         assert entry is not None  # no dedupe key: always written
         read = Read(entry, None, 0, 0)
     # what the next delta is computed against: this entry read as a delta on it carries its jobs on
@@ -160,12 +162,6 @@ def _newest_read(log: AuditLog) -> Read:
     if last is not None and last.entry is not None and (last.entry.seq, last.entry.leaf) == (newest.seq, newest.leaf):
         return last
     return read_entry(log, newest)
-
-
-def _append_fairshare(log: AuditLog, data: dict[str, Any], base: Entry | None) -> Entry | None:
-    """Append a fairshare entry; a delta on ``base`` only while ``base`` is still the newest fairshare entry
-    (checked in the append's transaction: a delta's base is the fairshare entry before it), else None."""
-    return log.append("fairshare", data, newest=None if base is None else ("fairshare", base.seq))
 
 
 _ROW_FIELDS = ("account", "user", "raw_shares", "norm_shares", "raw_usage", "norm_usage", "effective_usage",
