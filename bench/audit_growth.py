@@ -9,7 +9,9 @@ feed are accounting's own (``engine.association_usage``, ``compute``, ``priority
 
 Prints the bytes of the entry's hashed body appended per fairshare entry (the log also stores its leaf, its
 index rows and the Merkle nodes: under 200 bytes an entry), then `audit verify`'s time (``verify.verify_all``,
-all its checks) over a log of 1 + K entries of each kind written from the same cycles.
+all its checks) over a log of 1 + K entries of each kind written from the same cycles, and what each entry after
+the second adds to it (that time less verify's over the log's first two entries, copied aside when written): what
+a month of entries costs, the jobs in the horizon checked once whatever the log's length.
 
     .venv/bin/python bench/audit_growth.py [--jobs 20000] [--ended 50] [--entries 5]
 """
@@ -17,6 +19,7 @@ all its checks) over a log of 1 + K entries of each kind written from the same c
 from __future__ import annotations
 
 import argparse
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -123,7 +126,10 @@ def main() -> None:
         for kind, full in (("full", True), ("delta", None)):
             d = Path(tmp) / kind
             with open_log(d) as log:
-                sizes = [record_cycle(log, fleet, k, full) for k in range(args.entries + 1)]
+                sizes = [record_cycle(log, fleet, k, full) for k in range(2)]
+            shutil.copytree(d, Path(tmp) / f"{kind}-2", ignore=shutil.ignore_patterns("*.lock"))  # 1 + 1 entries
+            with open_log(d) as log:
+                sizes += [record_cycle(log, fleet, k, full) for k in range(2, args.entries + 1)]
             logs[kind] = (d, sizes)
         n = args.jobs + args.ended
         print(f"{n} jobs charged in the first entry ({args.jobs} ended, {args.ended} running), "
@@ -134,16 +140,24 @@ def main() -> None:
         print(f"  delta entry:  {delta_sizes[-1][0]:>12,} bytes  {delta_sizes[-1][1] * 1e3:8.0f} ms  "
               f"({full_sizes[-1][0] / delta_sizes[-1][0]:.0f}x smaller)")
         print(f"`audit verify` over 1 full + {args.entries} entries of each kind:")
-        for kind in ("full", "delta"):
-            d, _ = logs[kind]
+        took: dict[Path, float] = {}
+        for d in [logs[kind][0] for kind in ("full", "delta")] + [Path(tmp) / "full-2", Path(tmp) / "delta-2"]:
             with open_log(d) as log:
                 t = time.perf_counter()
                 v = verify_all(log, None, feeds=[])
-                took = time.perf_counter() - t
+                took[d] = time.perf_counter() - t
                 assert v.ok, v.problems[:3]
                 total = log.path.stat().st_size if log.path is not None else 0
-            print(f"  {kind:>5} entries: {took:6.2f} s ({took / (args.entries + 1):.2f} s an entry), "
-                  f"log file {total / 1e6:.1f} MB")
+            if d in (logs["full"][0], logs["delta"][0]):
+                print(f"  {d.name:>5} entries: {took[d]:6.2f} s ({took[d] / (args.entries + 1):.2f} s an entry), "
+                      f"log file {total / 1e6:.1f} MB")
+        # what each further entry adds (a month of them is this many times 8,640): the time over the log less that
+        # over its first two entries (the jobs ended before them checked once, whatever the log's length)
+        if args.entries > 1:
+            print(f"each entry after the second adds (verify over 1 + {args.entries} entries less over 1 + 1):")
+            for kind in ("full", "delta"):
+                extra = (took[logs[kind][0]] - took[Path(tmp) / f"{kind}-2"]) / (args.entries - 1)
+                print(f"  {kind:>5} entries: {extra:6.3f} s an entry")
 
 
 if __name__ == "__main__":

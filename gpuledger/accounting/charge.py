@@ -46,15 +46,21 @@ _RUNNING = ("RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "RESIZING")
 
 
 def _elapsed(record: JobRecord | None, now: float) -> float | None:
-    """Seconds the job held its allocation: (end, or now while it runs) - start; None if it never ran."""
-    if record is None or record.start is None:
+    """Seconds the job held its allocation: (end, or now while it runs) - start, plus each earlier run's (a
+    requeued job: ``JobRecord.earlier_runs``; its allocation is taken to be the latest run's); None if it never
+    ran."""
+    if record is None:
         return None
+    before = sum(max(0.0, min(end, now) - start) for start, end, _ in record.earlier_runs)
+    if record.start is None:
+        return before if record.earlier_runs else None  # requeued, waiting to run again
     end = record.end
     if end is None:
         if record.state is not None and record.state not in _RUNNING:
-            return None  # pending, or ended without an end time: no allocation to charge
+            # pending, or ended without an end time: no allocation to charge but the earlier runs'
+            return before if record.earlier_runs else None
         end = now
-    return max(0.0, min(end, now) - record.start)
+    return before + max(0.0, min(end, now) - record.start)
 
 
 def _gpu_counts(record: JobRecord) -> tuple[float, dict[str, float]]:

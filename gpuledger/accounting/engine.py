@@ -41,7 +41,7 @@ from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.decay import decayed_usage
 from gpuledger.accounting.fairshare import Usage, classic, fair_tree
 from gpuledger.accounting.ledger import LedgerEntry
-from gpuledger.schema.records import JobUsage, split_gpu_id
+from gpuledger.schema.records import JobRecord, JobUsage, split_gpu_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +157,18 @@ class HourlyPlacer:
         return out
 
 
+def _allocation_pieces(r: JobRecord, now: float, amount: float) -> list[tuple[float, float, float]]:
+    """``amount`` (a charge of Slurm's allocation: the unmeasured part) as pieces accruing evenly over the job's runs
+    (a requeued job's earlier ones, then [start, end or now]), each its share by duration."""
+    runs = [(a, b) for a, b, _ in r.earlier_runs]
+    if r.start is not None:
+        runs.append((r.start, max(r.start, min(r.end if r.end is not None else now, now))))
+    total = sum(b - a for a, b in runs)
+    if len(runs) == 1 or total <= 0:
+        return [(runs[-1][0], runs[-1][1], amount)]
+    return [(a, b, amount * (b - a) / total) for a, b in runs if b > a]
+
+
 def _until_tick(pieces: list[tuple[float, float, float]], tick: float) -> list[tuple[float, float, float]]:
     """A running job's pieces up to the last decay tick: slurmctld adds what a running job accrued only at its
     ticks, so what came after the last one is not in Slurm's usage yet (a piece accrues evenly, so its part before
@@ -242,9 +254,8 @@ def association_usage(
         if c.gap_charge > 0:
             # reassigned gap energy accrues evenly over the job's overlap with each gap
             pieces += [(s.start, s.end, c.gap_charge * s.energy_joules / c.gap_energy_joules) for s in e.gap_shares]
-        if c.unmeasured > 0 and r is not None and r.start is not None:
-            # Slurm's allocation accrues evenly over [start, end]
-            pieces.append((r.start, max(r.start, min(r.end if r.end is not None else now, now)), c.unmeasured))
+        if c.unmeasured > 0 and r is not None and (r.start is not None or r.earlier_runs):
+            pieces += _allocation_pieces(r, now, c.unmeasured)
         if r is not None and (r.end is None or r.end > now):
             pieces = _until_tick(pieces, math.floor(now / settings.calc_period_s) * settings.calc_period_s)
         placements.append(tuple(pieces))

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, cast
 
+from gpuledger.accounting.report.period import iso_utc
 from gpuledger.accounting.scope import OUT_OF_SCOPE_REASONS, OutOfScope
 from gpuledger.collector.ledger_store import LedgerReader
 from gpuledger.collector.series_store import RAW, SeriesReader
@@ -349,6 +350,9 @@ def to_text(rep: JobReport) -> str:
         if r.start is not None and r.end is not None:
             lines.append(f"  run time {(r.end - r.start) / 3600:.2f} h" + (
                 f", queued {(r.start - r.submit) / 3600:.2f} h" if r.submit is not None else ""))
+        if r.earlier_runs:  # a requeued job: charged for every run
+            lines.append(f"  requeued: {len(r.earlier_runs)} earlier run(s), " + ", ".join(
+                f"{iso_utc(a)}..{iso_utc(b)} on {','.join(h) or '-'}" for a, b, h in r.earlier_runs))
     elif a is None:
         lines.append("  (no scheduler record: measured only)")
     if t is not None:

@@ -12,6 +12,14 @@ of a job that has one is charged only as far as it lies within it:
   ``SLACK_S`` covers a job's first and last samples falling just outside Slurm's times (the sample interval, a
   prolog or epilog, clock skew between a node and slurmctld).
 
+A requeued job ran more than once under its id (``JobRecord.earlier_runs``: each earlier run's start, end and
+hosts). Each run is held to the rules above on its own, and a record is charged for the share of its span inside
+the union of the windows of the runs on its host: a record spanning two runs (one GPU, one agent, the job
+requeued onto the same node) is charged for both, not for the time between them, its samples again taken as
+spread evenly over its span. That assumption is the coarsest where the gap between runs is long and the agent
+sampled nothing in it (the collector then keeps the job's GPU-seconds of the gap apart, as ``gap_gpu_seconds``,
+which is prorated with the rest).
+
 What is not charged is kept, with the reason, so reports and the audit log can show it. Jobs without a scheduler
 record (seen only by agents) are charged as measured: nothing says otherwise, but for one physical GPU counted
 more than once by MIG rows that do not fit it (:func:`mig_bounds`), which holds for every job.
@@ -57,40 +65,46 @@ class OutOfScope:
 
 # what each reason says, for people
 OUT_OF_SCOPE_REASONS = {"host": "on a host Slurm's record of the job does not list",
-                        "time": f"outside the job's start..end in Slurm's record (with {SLACK_S:g} s of slack)",
+                        "time": f"outside the job's start..end in Slurm's record, of every run of a requeued job "
+                                f"(with {SLACK_S:g} s of slack)",
                         "mig": "MIG records that would count one physical GPU twice"}
 
 
 def in_scope(record: JobRecord | None, rows: Sequence[JobUsage], now: float,
              ) -> tuple[tuple[JobUsage, ...], tuple[OutOfScope, ...]]:
-    """``rows`` (one job's per-GPU usage) as far as they lie within ``record``: (the rows to charge, some
-    prorated; what was cut and why). Without a record, or one without a start, every row is charged."""
-    if record is None or record.start is None:
+    """``rows`` (one job's per-GPU usage) as far as they lie within ``record``'s runs: (the rows to charge, some
+    prorated; what was cut and why). Without a record, or one without a run that started, every row is charged."""
+    runs = [(lo - SLACK_S, hi + SLACK_S, set(hosts)) for lo, hi, hosts in record.earlier_runs] if record else []
+    if record is not None and record.start is not None:
+        runs.append((record.start - SLACK_S, (now if record.end is None else record.end) + SLACK_S,
+                     set(record.hosts)))
+    if not runs:
         return tuple(rows), ()
-    lo = record.start - SLACK_S
-    hi = (now if record.end is None else record.end) + SLACK_S
-    hosts = set(record.hosts)
     kept: list[JobUsage] = []
     cut: list[OutOfScope] = []
     for u in rows:
-        if hosts and u.host != "*" and u.host not in hosts:
+        # a run that lists no hosts holds any (as a record without hosts always did); "*": summed over hosts
+        windows = _merged([(lo, hi) for lo, hi, hosts in runs if not hosts or u.host == "*" or u.host in hosts])
+        if not windows:
             cut.append(OutOfScope(u, 0.0, "host"))
             continue
-        fraction = _inside(u.first_ts, u.last_ts, lo, hi)
+        fraction = _inside(u.first_ts, u.last_ts, windows)
         if fraction >= 1.0:
             kept.append(u)
             continue
         cut.append(OutOfScope(u, fraction, "time"))
         if fraction > 0.0:
-            kept.append(_prorated(u, fraction, max(u.first_ts, lo), min(u.last_ts, hi)))
+            inside = [(max(u.first_ts, lo), min(u.last_ts, hi)) for lo, hi in windows
+                      if lo <= u.last_ts and u.first_ts <= hi]
+            kept.append(_prorated(u, fraction, inside[0][0], inside[-1][1]))
     return tuple(kept), tuple(cut)
 
 
-def _inside(first: float, last: float, lo: float, hi: float) -> float:
-    """The share of ``[first, last]`` inside ``[lo, hi]`` (a single instant: 1 or 0)."""
+def _inside(first: float, last: float, windows: Sequence[tuple[float, float]]) -> float:
+    """The share of ``[first, last]`` inside the union of ``windows`` (disjoint; a single instant: 1 or 0)."""
     if last <= first:
-        return 1.0 if lo <= first <= hi else 0.0
-    return max(0.0, min(last, hi) - max(first, lo)) / (last - first)
+        return 1.0 if any(lo <= first <= hi for lo, hi in windows) else 0.0
+    return min(1.0, sum(max(0.0, min(last, hi) - max(first, lo)) for lo, hi in windows) / (last - first))
 
 
 def _prorated(u: JobUsage, fraction: float, first: float, last: float) -> JobUsage:

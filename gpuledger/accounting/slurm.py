@@ -16,6 +16,12 @@ Formats read here:
 - ``sprio -h -o '%i|%u|%Y|%S'``: the site factor of each pending job record (%i is the record's own id); neither
   squeue nor ``scontrol show job`` prints it.
 
+A requeued job (node failure, preemption, ``scontrol requeue``) keeps its job id and runs again; ``sacct -D``
+lists every run (the earlier ones REQUEUED), ``-X`` without ``-D`` only the latest. Both parsers make one record of a
+job's runs (:func:`_runs_folded`): the latest run's fields, the earlier runs' (start, end, hosts) in
+``JobRecord.earlier_runs``, so that usage measured during an earlier run is charged to the job
+(``accounting.scope``).
+
 A heterogeneous job's components (``12+0``, ``12+1`` to sacct -P and squeue) are named by their own job ids
 (``het`` in the JSON aside, JobIDRaw in -P, %A in squeue), as their cgroups, scontrol and the agents name them.
 
@@ -229,6 +235,24 @@ def _not_ended(state: str | None) -> bool:
     return state in ("PENDING", "RUNNING", "SUSPENDED", "REQUEUED", "RESIZING", "CONFIGURING", "COMPLETING")
 
 
+def _runs_folded(records: list[JobRecord]) -> list[JobRecord]:
+    """One record per job (cluster, job id) of records that list a job once per run (``sacct -D``): the latest
+    run's (the last to start; one not started yet is the latest), with every earlier run that started and ended in
+    ``earlier_runs``. Order: each job where its first run was. Records of jobs listed once are returned as they are."""
+    runs: dict[tuple[str, str], list[JobRecord]] = {}
+    for r in records:
+        runs.setdefault((r.cluster, r.job_id), []).append(r)
+    if all(len(rs) == 1 for rs in runs.values()):
+        return records
+    out: list[JobRecord] = []
+    for rs in runs.values():
+        rs = sorted(rs, key=lambda r: (r.start is None, r.start or 0.0))  # stable: sacct's order among equals
+        latest = rs[-1]
+        out.append(latest.with_earlier_runs((r.start, r.end, r.hosts) for r in rs[:-1]
+                                            if r.start is not None and r.end is not None))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ sacct JSON
 
 def _task_ranges(mask: Any) -> str:
@@ -290,7 +314,8 @@ _JSON_JOB_KEYS = ("user", "state", "time")
 
 
 def parse_sacct_json(text: str, skip: list[tuple[str, str]] | None = None) -> list[JobRecord]:
-    """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> job records.
+    """``sacct --json`` (or slurmrestd ``/slurmdb/v0.0.4x/jobs``) of Slurm 22.05 to 24.11 -> one record per job
+    (several runs of a requeued job folded: :func:`_runs_folded`).
 
     A record no job can have (its counts, node list or times) raises SlurmParseError naming it, or with ``skip``
     is left out (:func:`_one_record`)."""
@@ -330,7 +355,7 @@ def parse_sacct_json(text: str, skip: list[tuple[str, str]] | None = None) -> li
                 exit_code=_json_exit_code(job.get("exit_code"), state, trusted),
                 tres=tres,
             ), where))
-    return out
+    return _runs_folded(out)
 
 
 # ------------------------------------------------------------------------------------------------ sacct -P
@@ -415,7 +440,8 @@ def _parsable_times(texts: Sequence[str], tz: tzinfo | None, where: str,
 def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[str] | None = None,
                          skip: list[tuple[str, str]] | None = None,
                          ambiguous: list[tuple[str, str]] | None = None) -> list[JobRecord]:
-    """``sacct -P`` (``--parsable2``) output with its header line -> one record per job; step lines skipped; a bad
+    """``sacct -P`` (``--parsable2``) output with its header line -> one record per job (several runs of a requeued
+    job folded: :func:`_runs_folded`); step lines skipped; a bad
     record as :func:`parse_sacct_json` (``skip``). A heterogeneous job's component ("12+1") is named by its JobIDRaw.
 
     ``tz`` is the zone sacct printed times in (its TZ); None = this machine's local zone. Times are printed without
@@ -485,7 +511,7 @@ def parse_sacct_parsable(text: str, tz: tzinfo | None = None, header: Sequence[s
             ), where))
             if ambiguous is not None:
                 ambiguous.extend((job_id, message) for message in undecided)
-    return out
+    return _runs_folded(out)
 
 
 def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[JobRecord],
@@ -508,7 +534,8 @@ def merge_sacct(json_records: Iterable[JobRecord], parsable_records: Iterable[Jo
         # each form's times were checked; together they must still be a job's (a start from one, an end from the other)
         with _one_record(r.job_id, skip):
             out.append(_checked_times(replace(r, exit_code=p.exit_code if p.exit_code is not None else r.exit_code,
-                                              **fill), f"job {r.job_id} (sacct JSON and -P together)"))
+                                              **fill), f"job {r.job_id} (sacct JSON and -P together)")
+                       .with_earlier_runs(p.earlier_runs))
     out.extend(p for job_id, p in by_id.items() if job_id not in seen)
     return out
 
@@ -642,9 +669,10 @@ class SlurmClient:
     def sacct_jobs(self, start: float | datetime, end: float | datetime,
                    states: Sequence[str] = ()) -> list[JobRecord]:
         """Jobs of all users that ran (or waited) between ``start`` and ``end``: ``sacct --json`` merged with
-        ``sacct -P`` for the exit codes. Both run with TZ=UTC so that -P's zone-less times are unambiguous.
+        ``sacct -P`` for the exit codes. Both run with TZ=UTC so that -P's zone-less times are unambiguous, and with
+        -D, so that a requeued job's earlier runs come too.
         ``states`` (sacct -s, e.g. ENDED_STATES) keeps only jobs that were in one of them within the window."""
-        window = ["-a", "-S", _slurm_time(start), "-E", _slurm_time(end)]
+        window = ["-a", "-D", "-S", _slurm_time(start), "-E", _slurm_time(end)]
         if states:
             window.append(f"--state={','.join(states)}")
         utc = {"TZ": "UTC"}
@@ -661,12 +689,12 @@ class SlurmClient:
 
     def sacct_running(self, at: float | datetime) -> list[JobRecord]:
         """The jobs of all users running (or suspended) at ``at``, from ONE ``sacct -P -X`` call (a cluster runs
-        ~20k at once; -X prints no steps, and a running job has no exit code for ``sacct --json`` to add). A job
-        that ended since (slurmdbd is that fast) comes with its end."""
+        ~20k at once; -X prints no steps, and a running job has no exit code for ``sacct --json`` to add; -D: a
+        requeued job's earlier runs). A job that ended since (slurmdbd is that fast) comes with its end."""
         utc = {"TZ": "UTC"}
         skipped: list[tuple[str, str]] = []
         records = parse_sacct_parsable(self._call(
-            ["sacct", "-P", "-X", "-a", "-S", _slurm_time(at), "-E", _slurm_time(at),
+            ["sacct", "-P", "-X", "-D", "-a", "-S", _slurm_time(at), "-E", _slurm_time(at),
              f"--state={','.join(RUNNING_STATES)}", f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC, skip=skipped)
         _warn_left_out(skipped)
         return records

@@ -28,7 +28,10 @@ statement of them):
   before that sample (no gap in between; what the rule reads back is kept in the window, or read back from the
   store: :meth:`Aggregator.read_floor`), the growth is trusted (``0 <= growth <= cap * elapsed``) and every sample
   after ``c`` has the same jobs and shares (it is theirs; the bound above holds); otherwise the old rule: the
-  power integral, no anomaly (:meth:`Aggregator._caught_up`).
+  power integral, no anomaly (:meth:`Aggregator._caught_up`). In the hour buckets, what the catching-up interval
+  takes is spread in proportion to time over the intervals of the stretch no reading gave energy (those ending at
+  a sample without power, and itself), each in the bucket of its end: a stretch across an hour (or a month) is
+  billed in both.
 * **Gap**: ``dt > max_gap_s``. The GPU was not observed: no GPU-seconds, no power integral. A trusted
   counter delta across it is still the GPU's energy, spread over the hour buckets the gap covers in
   proportion to time. When the same job set is on both sides of the gap, those jobs held the GPU: they get
@@ -171,8 +174,9 @@ class UsageAcc:
 
 
 class HourAcc:
-    """One GPU's totals in one hour bucket (an interval belongs to the bucket of its end; a gap's energy is
-    spread over the buckets it covers). ``energy_j - job_energy_j`` is the GPU's unattributed energy."""
+    """One GPU's totals in one hour bucket (an interval belongs to the bucket of its end; a gap's energy, and the
+    energy caught up after a missed reading, are spread over the buckets they cover). ``energy_j - job_energy_j``
+    is the GPU's unattributed energy."""
 
     __slots__ = ("observed_s", "energy_j", "alloc_s", "sm_s", "samples", "job_energy_j", "anomalies")
     FIELDS: tuple[str, ...] = __slots__
@@ -476,6 +480,22 @@ def _hour_parts(t0: float, t1: float) -> list[tuple[float, float]]:
     return out
 
 
+def _caught_up_hours(rows: list, since: int, k: int, cur: GpuSample) -> tuple[list[tuple[float, float]], float]:
+    """([(hour bucket start, seconds)], all their seconds) of the intervals of the stretch (rows[since], cur] whose
+    energy the reading at cur catches up: those no reading gave any (ending at a row without power: 0 J,
+    :meth:`Aggregator._caught_up`) and (rows[k], cur] itself; each in the bucket of its end, as every observed
+    interval is (:meth:`Aggregator._apply_pair`)."""
+    seconds: dict[float, float] = {}
+    for m in range(since + 1, k + 1):
+        row = rows[m]
+        if row.power_watts is None:
+            hb = math.floor(row.ts / HOUR_S) * HOUR_S
+            seconds[hb] = seconds.get(hb, 0.0) + (row.ts - rows[m - 1].ts)
+    hb = math.floor(cur.ts / HOUR_S) * HOUR_S
+    seconds[hb] = seconds.get(hb, 0.0) + (cur.ts - rows[k].ts)
+    return list(seconds.items()), sum(seconds.values())
+
+
 class _JobSplit(Protocol):
     """What :func:`_shares` reads: a GpuSample or a Series (one job set for all its rows)."""
 
@@ -630,28 +650,28 @@ class Aggregator:
         return _accumulators(self.hours, self.dirty_hours, keys, self._load_hour, HourAcc)
 
     def _pair_energy(self, g: GpuState, rows: list, k: int, cur: GpuSample, dt: float,
-                     gap: bool) -> tuple[float, int]:
-        """(joules, anomalies) of the interval (rows[k], cur]: the trusted counter delta, else the capped power
-        integral (none across a gap); after a missed reading (rows[k] without the counter, cur with it) what the
-        counter grew since its last reading (:meth:`_caught_up`); anomalies is 1 when both counters exist but
-        their delta is not trusted."""
+                     gap: bool) -> tuple[float, int, int | None]:
+        """(joules, anomalies, since) of the interval (rows[k], cur]: the trusted counter delta, else the capped
+        power integral (none across a gap); after a missed reading (rows[k] without the counter, cur with it) what
+        the counter grew since its last reading rows[since] (:meth:`_caught_up`), ``since`` None otherwise;
+        anomalies is 1 when both counters exist but their delta is not trusted."""
         cap = self.cap_w(g.model, cur.power_limit_watts)
         integral = 0.0 if gap else _power_integral(cur.power_watts, cap, dt)
         pe, ce = rows[k].energy_joules, cur.energy_joules
         if ce is None:
-            return integral, 0
+            return integral, 0, None
         if pe is None:
             caught = None if gap else self._caught_up(g, rows, k, cur, cap)
-            return integral if caught is None else caught, 0
+            return (integral, 0, None) if caught is None else (caught[0], 0, caught[1])
         d = ce - pe
         if 0.0 <= d <= cap * dt:
-            return d, 0
-        return integral, 1
+            return d, 0, None
+        return integral, 1, None
 
-    def _caught_up(self, g: GpuState, rows: list, k: int, cur: GpuSample, cap: float) -> float | None:
-        """The energy of (rows[k], cur] after a missed reading (rows[k] has no counter, cur has): what the counter
-        grew since the GPU's last reading c, less the power integrals the intervals since c were given (0 J
-        without power), never below 0. None (the power integral applies) unless c is at most ``max_gap_s``
+    def _caught_up(self, g: GpuState, rows: list, k: int, cur: GpuSample, cap: float) -> tuple[float, int] | None:
+        """(joules, the index of c) of (rows[k], cur] after a missed reading (rows[k] has no counter, cur has): what
+        the counter grew since the GPU's last reading c, less the power integrals the intervals since c were given
+        (0 J without power), never below 0. None (the power integral applies) unless c is at most ``max_gap_s``
         before cur (so (c, cur] holds no gap, and what this reads is in the window: :meth:`read_floor`), the
         growth is trusted (``0 <= growth <= cap * (cur - c)``) and every row after c has cur's jobs and shares
         (the growth is theirs: no job is charged more than the cap x its GPU-seconds)."""
@@ -665,7 +685,7 @@ class Aggregator:
             e = row.energy_joules
             if e is not None:
                 grown = cur.energy_joules - e
-                return max(grown - given, 0.0) if 0.0 <= grown <= cap * (cur.ts - row.ts) else None
+                return (max(grown - given, 0.0), m) if 0.0 <= grown <= cap * (cur.ts - row.ts) else None
             if (tuple(row.job_ids), tuple(row.job_shares)) != jobs or not m:
                 return None
             # what _pair_energy gave the interval (rows[m - 1], row] (no gap: both are within max_gap_s of cur)
@@ -685,7 +705,7 @@ class Aggregator:
         prev = rows[k]
         dt = cur.ts - prev.ts
         gap = dt > self.max_gap_s
-        energy, anomaly = self._pair_energy(g, rows, k, cur, dt, gap)
+        energy, anomaly, since = self._pair_energy(g, rows, k, cur, dt, gap)
         physical = not gk[2]  # a MIG instance key charges jobs only; its GPU's key holds the GPU's totals
         if gap:
             self._apply_gap(gk, g, prev, cur, sign, dt, energy, anomaly if physical else 0)
@@ -696,10 +716,21 @@ class Aggregator:
             g.observed_s += sign * dt
             g.energy_j += sign * energy
             g.anomalies += int(sign) * anomaly
-        hour = self._hour((gk[0], gk[1], gk[2], math.floor(cur.ts / HOUR_S) * HOUR_S))
+        hb = math.floor(cur.ts / HOUR_S) * HOUR_S
+        hour = self._hour((gk[0], gk[1], gk[2], hb))
+        # energy caught up after a missed reading is for the stretch's intervals no reading gave any: in their hours
+        spread = None
+        if since is not None and math.floor(rows[since + 1].ts / HOUR_S) * HOUR_S != hb:
+            parts, seconds = _caught_up_hours(rows, since, k, cur)
+            if len(parts) > 1:
+                spread = self._spread(gk, parts, seconds, energy)
         if physical:
             hour.observed_s += sign * dt
-            hour.energy_j += sign * energy
+            if spread is None:
+                hour.energy_j += sign * energy
+            else:
+                for part_hour, part in spread:
+                    part_hour.energy_j += sign * part
             hour.anomalies += int(sign) * anomaly
         if not cur.job_ids:
             return
@@ -713,7 +744,11 @@ class Aggregator:
             hour.alloc_s += w
             e = sign * energy * share
             acc.energy_j += e
-            hour.job_energy_j += e
+            if spread is None:
+                hour.job_energy_j += e
+            else:  # (every row of the stretch has cur's jobs and shares: _caught_up)
+                for part_hour, part in spread:
+                    part_hour.job_energy_j += sign * part * share
             if sm is not None:
                 acc.sm_s += sm * w
                 hour.sm_s += sm * w
@@ -728,6 +763,12 @@ class Aggregator:
             if occ is not None:
                 acc.occ_sum += occ * w
                 acc.occ_w += w
+
+    def _spread(self, gk: GpuKey, parts: list[tuple[float, float]], seconds: float,
+                energy: float) -> list[tuple[HourAcc, float]]:
+        """(hour, joules) of ``energy`` spent over ``seconds`` in proportion to time, for each (hour bucket start,
+        seconds in it) of ``parts``: a gap's energy, or a missed-reading stretch's caught-up energy."""
+        return [(self._hour((gk[0], gk[1], gk[2], hb)), energy * part / seconds) for hb, part in parts]
 
     def _apply_gap(self, gk: GpuKey, g: GpuState, prev: GpuSample, cur: GpuSample, sign: float, dt: float,
                    energy: float, anomaly: int) -> None:
@@ -751,7 +792,7 @@ class Aggregator:
         parts = _hour_parts(prev.ts, cur.ts)
         if len(parts) > MAX_SPREAD_HOURS:  # bounded work and rows whatever the timestamps: all in the last hour
             parts = [(parts[-1][0], dt)]
-        hours = [(self._hour((gk[0], gk[1], gk[2], hb)), energy * part / dt) for hb, part in parts]
+        hours = self._spread(gk, parts, dt, energy)
         if physical:
             for hour, e in hours:
                 hour.energy_j += sign * e

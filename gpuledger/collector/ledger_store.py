@@ -173,15 +173,29 @@ def merge_record(old: JobRecord, new: JobRecord) -> JobRecord:
     what another gave (``sacct -P`` has no GPU UUIDs, a JSON record may lack the uid). A record with no end never
     replaces one with an end of the same run: it is an answer from before the job ended (sacct's running jobs,
     stored after the job's end record), so ``old`` stands, taking only what it lacks from ``new``. One that started
-    after that end is a later run (the job was requeued): it replaces the record, the earlier run's end and exit
-    code not taken."""
-    if new.end is None and old.end is not None:
-        if new.start is None or old.start is None or new.start <= old.end:
-            return merge_record(new, old)
-        old = replace(old, end=None, exit_code=None)
+    after that end is a later run (the job was requeued): it replaces the record, the earlier run's end, exit code
+    and placement (hosts, GPUs) not taken, its (start, end, hosts) kept in ``earlier_runs`` (with those either
+    record lists); a record of a run that ended before the stored one started is such an earlier run, and joins
+    the stored record's."""
+    if _ended_before(new, old):
+        return merge_record(new, old)
+    runs = new.earlier_runs + old.earlier_runs
+    if _ended_before(old, new):
+        assert old.start is not None and old.end is not None  # as _ended_before found them
+        runs += ((old.start, old.end, old.hosts),)
+        # the earlier run's end, exit code and placement are not the later run's (it may run on other nodes)
+        old = replace(old, end=None, exit_code=None, hosts=(), gpu_uuids=(), gpu_indexes=())
+    elif new.end is None and old.end is not None:
+        return merge_record(new, old)
     kept = {f.name: getattr(old, f.name) for f in fields(JobRecord)
             if getattr(new, f.name) in _EMPTY and getattr(old, f.name) not in _EMPTY}
-    return replace(new, **kept) if kept else new
+    return (replace(new, **kept) if kept else new).with_earlier_runs(runs)
+
+
+def _ended_before(a: JobRecord, b: JobRecord) -> bool:
+    """Is ``a`` the record of a run that ran and ended before ``b``'s started (``b``: a later run of a requeued
+    job)?"""
+    return a.start is not None and a.end is not None and b.start is not None and b.start > a.end
 
 
 class LedgerReader(Protocol):
@@ -386,6 +400,8 @@ class SqlLedger:
         refused, rows = 0, []
         for r in records:
             r = r if r.cluster else replace(r, cluster=cluster)
+            if r.earlier_runs:  # Slurm's word on where and when a requeued job ran: never a node's
+                r = replace(r, earlier_runs=())
             if r.job_id not in in_batch and self._db.execute(
                     "SELECT 1 FROM usage WHERE job_id=? AND host=? LIMIT 1", (r.job_id, host)).fetchone() is None:
                 refused += 1
@@ -453,10 +469,16 @@ class SqlLedger:
         the ledger's ``jobs`` lock, so none loses another's update."""
         changed: list[JobRecord] = []
         writes: list[tuple[str, str, str, str]] = []
+        # records of one job in one call (a requeued job's runs, posted as sacct -D lists them) merge first, as
+        # they would one call each
+        folded: dict[tuple[str, str], JobRecord] = {}
+        for r in records:
+            r = replace(r, tres=tuple(sorted(r.tres)))  # sacct's JSON and -P list TRES in other orders
+            key = (r.cluster, r.job_id)
+            folded[key] = merge_record(folded[key], r) if key in folded else r
         with self._db.transaction() as db:
             db.lock("jobs")
-            for r in records:
-                r = replace(r, tres=tuple(sorted(r.tres)))  # sacct's JSON and -P list TRES in other orders
+            for r in folded.values():
                 match = self._slurm_match(r.cluster, r.job_id)
                 if match is None:
                     writes.append(("put", r.cluster, r.job_id, _job_json(r)))

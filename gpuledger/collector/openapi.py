@@ -34,6 +34,9 @@ def _annotation_schema(annotation: str) -> dict[str, Any]:
         return {"type": "array", "items": _annotation_schema(annotation[len("tuple["): -len(", ...]")])}
     if annotation == "tuple[str, float]":
         return {"type": "array", "prefixItems": [{"type": "string"}, {"type": "number"}], "minItems": 2, "maxItems": 2}
+    if annotation == "tuple[float, float, tuple[str, ...]]":  # a requeued job's earlier run: start, end, hosts
+        return {"type": "array", "prefixItems": [_annotation_schema("float"), _annotation_schema("float"),
+                                                 _annotation_schema("tuple[str, ...]")], "minItems": 3, "maxItems": 3}
     raise TypeError(f"openapi: no schema for the annotation {annotation!r}")  # a new record shape: describe it
 
 

@@ -17,7 +17,9 @@ any host's batch. Each group commit claims its hosts in sorted order (``LedgerSt
 generation, bumped under its row lock, so two collectors never write one host at once and never deadlock).
 A generation other than the one this collector wrote last + 1 means another collector wrote the host since:
 its in-memory state of the host is dropped and restored from the ledger inside the same transaction, so the
-sums go on exactly where the other collector left them.
+sums go on exactly where the other collector left them. What decides what is counted (the late window, the gap
+rule, the dedupe horizon: ``AGREED_SETTINGS``) is the ledger's, recorded by the first store given it: a store given
+other values refuses to open (SettingsMismatch), so no process seals, expires or prunes what another still needs.
 
 The aggregation keeps each GPU's totals and newest sample in memory; the rest of its late-sample window is
 read back from the series store when a late sample needs it (``Aggregator(load_window=...)``). It is bounded:
@@ -56,6 +58,7 @@ from gpuledger.collector.db import (
     SQLITE,
     Database,
     DatabaseBusy,
+    DatabaseConfigError,
     DatabaseFull,
     DatabaseUnavailable,
     is_postgres_url,
@@ -182,6 +185,18 @@ def query_range(start: float | None, end: float | None, step: float | None = Non
 
 MAX_GPUS_PER_HOST = 256  # GPUs and MIG instances one host may have (8 GPUs x 7 instances is 64)
 DEDUPE_HORIZON_S = 7 * 86400.0  # batch keys are kept this long: an agent resending later is counted twice
+# Settings every process that ingests into or compacts one ledger must share, with their defaults: a late window or
+# gap rule shorter in one process than in another seals minutes the other still accepts and expires raw rows it still
+# reads back (Aggregator.read_floor); a shorter dedupe horizon prunes batch keys the other still dedupes by. The
+# ledger's ``meta`` table holds them (``setting.<name>``), written by the first store given them (Store._agree).
+AGREED_SETTINGS: dict[str, float] = {"window_s": 600.0, "max_gap_s": DEFAULT_MAX_GAP_S,
+                                     "dedupe_horizon_s": DEDUPE_HORIZON_S}
+SET_SETTINGS_COMMAND = "gpuledger collector set-settings"
+
+
+class SettingsMismatch(DatabaseConfigError):
+    """A store opened with an agreed setting (AGREED_SETTINGS) other than the ledger's: it would change what the
+    ledger's other collectors and compactors count. A command exits 2 (a DatabaseConfigError)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,13 +343,15 @@ class Store:
     the same names here take the lock and delegate. ``sinks`` (e.g. ``collector.sinks.influx.InfluxSink``)
     get every committed batch's accepted samples and, at most once per ``summary_interval_s`` per job and
     at each compaction, the jobs' updated usage; they must only enqueue (they run under the store's lock).
+    ``window_s``, ``max_gap_s`` and ``dedupe_horizon_s`` must be the ledger's (:meth:`_agree`; None: whatever the
+    ledger holds); ``adopt_settings`` makes those given the ledger's instead (``collector set-settings``).
     """
 
     def __init__(
         self,
         db: Database | str | os.PathLike[str],
-        window_s: float = 600.0,
-        max_gap_s: float = DEFAULT_MAX_GAP_S,
+        window_s: float | None = None,
+        max_gap_s: float | None = None,
         clock: Callable[[], float] = time.time,
         cache_limit: int = 200_000,
         retention: Retention = Retention(),
@@ -342,19 +359,12 @@ class Store:
         summary_interval_s: float = 60.0,
         power_cap_w: float = DEFAULT_POWER_CAP_W,
         power_caps: Mapping[str, float] | None = None,
-        dedupe_horizon_s: float = DEDUPE_HORIZON_S,
+        dedupe_horizon_s: float | None = None,
         idle_evict_s: float | None = None,
         max_gpus_per_host: int = MAX_GPUS_PER_HOST,
         series_outbox: bool = False,
+        adopt_settings: bool = False,
     ) -> None:
-        retention.check(window_s)
-        # Batch keys older than this are pruned at compaction (a day of 1,000 nodes pushing every 10 s is
-        # 8.6 million keys): the horizon must exceed how long an agent may hold a batch (its spool), or a batch
-        # resent after it is counted twice.
-        self.dedupe_horizon_s = dedupe_horizon_s
-        # a host silent this long (collector time) leaves memory: by default two windows, so a host that
-        # pauses for less than its window keeps its windows
-        self.idle_evict_s = 2 * max(window_s, max_gap_s) if idle_evict_s is None else idle_evict_s
         self._last_seen: dict[str, float] = {}  # host in memory -> collector time of its last batch
         self._next_eviction = -math.inf
         self.max_gpus_per_host = max_gpus_per_host
@@ -388,13 +398,23 @@ class Store:
         self.url = self._db.url  # for messages: a SQLite file's path or a PostgreSQL URL without its password
         path = getattr(self._db, "path", None)
         self.path: Path | None = Path(path) if self._db.dialect == SQLITE and path is not None else None
+        given = {"window_s": window_s, "max_gap_s": max_gap_s, "dedupe_horizon_s": dedupe_horizon_s}
         try:
-            self._open(retention, series_outbox)
+            agreed = self._open(retention, series_outbox, given, adopt_settings)
+            window_s, max_gap_s = agreed["window_s"], agreed["max_gap_s"]
+            retention.check(window_s)
         except BaseException as exc:
             self._db.close()
             if isinstance(exc, DatabaseUnavailable) and not isinstance(exc, StoreUnavailable):
                 raise StoreUnavailable(str(exc)) from exc
             raise
+        # Batch keys older than this are pruned at compaction (a day of 1,000 nodes pushing every 10 s is
+        # 8.6 million keys): the horizon must exceed how long an agent may hold a batch (its spool), or a batch
+        # resent after it is counted twice.
+        self.dedupe_horizon_s = agreed["dedupe_horizon_s"]
+        # a host silent this long (collector time) leaves memory: by default two windows, so a host that
+        # pauses for less than its window keeps its windows
+        self.idle_evict_s = 2 * max(window_s, max_gap_s) if idle_evict_s is None else idle_evict_s
         # load_window: a GPU's window stays in the series store, only its newest sample in memory (bounded memory)
         self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usages, load_hour=self.ledger.load_hours,
                               power_cap_w=power_cap_w, power_caps=power_caps, load_window=self.series_store.window)
@@ -405,12 +425,15 @@ class Store:
         """The database the ledger and the series store share (SQLite or PostgreSQL)."""
         return self._db
 
-    def _open(self, retention: Retention, series_outbox: bool) -> None:
+    def _open(self, retention: Retention, series_outbox: bool, given: Mapping[str, float | None],
+              adopt: bool) -> dict[str, float]:
         """Bring the database up to date in one transaction under the migrations lock (two collectors opening one
-        ledger at once take turns): the ledger's migrations, the series store's tables, the raw sample layout."""
+        ledger at once take turns): the ledger's migrations, the agreed settings (:meth:`_agree`, returned), the
+        series store's tables, the raw sample layout."""
         db = self._db
         with db.transaction():
             applied = migrate(db)
+            agreed = self._agree(given, adopt)
             chunk_store = ChunkSeriesStore(db, retention)
             self._chunks = chunk_store  # what compaction plans and writes through, whatever wraps it for ingest
             self.series_store: SeriesStore = chunk_store
@@ -429,6 +452,35 @@ class Store:
         for m in applied:
             log.info("%s: ledger migration %d applied: %s", self.url, m.version, m.name)
         self.ledger = SqlLedger(db)
+        return agreed
+
+    def _agree(self, given: Mapping[str, float | None], adopt: bool) -> dict[str, float]:
+        """The AGREED_SETTINGS this store runs with (under the migrations lock): one given (not None) is recorded in
+        the ledger if it holds none yet, and must equal the ledger's otherwise (SettingsMismatch naming each that
+        differs) unless ``adopt`` (``gpuledger collector set-settings``: every other process stopped) records it
+        instead; one not given is the ledger's, else the default (recording nothing: a query never decides them)."""
+        db = self._db
+        self.recorded_settings: dict[str, tuple[float | None, float]] = {}  # name -> (the ledger's before, now)
+        stored = {key.removeprefix("setting."): float(value) for key, value in db.execute(
+            "SELECT key, value FROM meta WHERE key LIKE 'setting.%'").fetchall()}
+        agreed: dict[str, float] = {}
+        differ: list[str] = []
+        for name, default in AGREED_SETTINGS.items():
+            value = given.get(name)
+            if value is None:
+                agreed[name] = stored.get(name, default)
+                continue
+            agreed[name] = value = float(value)
+            if name in stored and stored[name] != value and not adopt:
+                differ.append(f"{name} = {value:g} here, {stored[name]:g} in the ledger")
+            elif stored.get(name) != value:
+                db.execute(upsert("meta", ("key", "value"), ("key",)), (f"setting.{name}", repr(value)))
+                self.recorded_settings[name] = (stored.get(name), value)
+        if differ:
+            raise SettingsMismatch(
+                f"ledger {self.url}: {'; '.join(differ)}: every collector and compactor on a ledger must share it "
+                f"(to change it, stop them all and run `{SET_SETTINGS_COMMAND}`)")
+        return agreed
 
     def _restore(self) -> None:
         """Forget the in-memory aggregation: each host's windows are rebuilt from committed state when a batch

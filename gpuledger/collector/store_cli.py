@@ -1,5 +1,6 @@
-"""``gpuledger collector compact|series|totals``: the store's tiers from the command line, on the ledger that
-``collector.ledger_url`` resolves (the data directory's embedded store by default)."""
+"""``gpuledger collector compact|set-settings|series|totals``: the store's tiers (and the settings its processes
+share) from the command line, on the ledger that ``collector.ledger_url`` resolves (the data directory's embedded
+store by default)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import typer
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.series_store import TIER_NAMES
-from gpuledger.collector.store import QueryRangeError, Store, query_range
+from gpuledger.collector.store import AGREED_SETTINGS, QueryRangeError, Store, query_range
 from gpuledger.collector.worker import store_options
 from gpuledger.output import fail, note
 
@@ -26,20 +27,26 @@ ConfigFile = typer.Option(None, "--config", help="TOML file whose [ledger] table
                           "(default: <data-dir>/gpuledger.toml if present).")
 
 
-def open_configured(url: str | None, data_dir: Path, config: Path | None) -> Store:
+def open_configured(url: str | None, data_dir: Path, config: Path | None, *, compacts: bool = False,
+                    adopt_settings: bool = False) -> Store:
     """The existing ledger at ``url`` (exit 2 without one: a query never creates it), opened with the
     ``[collector]`` settings (file < GPULEDGER_COLLECTOR_*) that ``collector serve`` opens it with: under the
     built-in defaults a compaction would expire samples the configured retention keeps and roll up minutes the
-    configured late window may still change."""
+    configured late window may still change. The settings every process on the ledger shares (``AGREED_SETTINGS``)
+    are checked against the ledger's (exit 2 when they differ) where the command ``compacts`` (or records them,
+    ``adopt_settings``); a query reads with the ledger's, whatever the configuration here says."""
     try:
         settings = load_settings(data_dir, config)
     except (ConfigError, OSError) as e:
         fail(str(e))
-    return open_ledger(url, data_dir, **store_options(settings))
+    options = store_options(settings)
+    if not (compacts or adopt_settings):
+        options = {k: v for k, v in options.items() if k not in AGREED_SETTINGS}
+    return open_ledger(url, data_dir, adopt_settings=adopt_settings, **options)
 
 
-def _open(data_dir: Path, config: Path | None, ledger_url: str | None) -> Store:
-    return open_configured(cli_ledger_url(ledger_url, data_dir, config), data_dir, config)
+def _open(data_dir: Path, config: Path | None, ledger_url: str | None, **kwargs: bool) -> Store:
+    return open_configured(cli_ledger_url(ledger_url, data_dir, config), data_dir, config, **kwargs)
 
 
 def _query_range(start: float | None, end: float | None, step: float | None = None) -> float | None:
@@ -65,7 +72,7 @@ def compact(
     latest = time.time() + COMPACT_AHEAD_S
     if now is not None and not 0 <= now <= latest:  # NaN fails too; a time in ms would expire every raw sample
         fail(f"--now must be unix seconds, at most a day ahead of the clock ({latest:.0f}), got {now!r}")
-    store = _open(data_dir, config, ledger_url)
+    store = _open(data_dir, config, ledger_url, compacts=True)
     try:
         st = store.compact(now, all_host_chunks=True)
         store.checkpoint()
@@ -73,6 +80,25 @@ def compact(
                                "rolled_hours": st.rolled_hours, "merged_chunks": st.merged_chunks,
                                "deleted_chunks": st.deleted_chunks,
                                "tiers": store.tiers(), "size_bytes": store.size_bytes()}, indent=2))
+    finally:
+        store.close()
+
+
+@app.command("set-settings")
+def set_settings(
+    data_dir: Path = DataDir,
+    config: Path | None = ConfigFile,
+    ledger_url: LedgerUrlOpt = None,
+) -> None:
+    """Record this configuration's window_s, max_gap_s and dedupe_horizon_s in the ledger: the values every
+    collector and compactor on it must share (one opened with others refuses to start). Stop them all first, run
+    this, then start them with the new configuration."""
+    store = _open(data_dir, config, ledger_url, adopt_settings=True)
+    try:
+        for name, (before, now) in store.recorded_settings.items():
+            note(f"{name}: {'unset' if before is None else f'{before:g}'} -> {now:g}")
+        typer.echo(json.dumps({"window_s": store.agg.window_s, "max_gap_s": store.agg.max_gap_s,
+                               "dedupe_horizon_s": store.dedupe_horizon_s}, indent=2))
     finally:
         store.close()
 

@@ -899,7 +899,9 @@ def _decoders(limits: Limits) -> _Decoders | None:
     # job records: JobRecord's fields, typed and bounded (omit_defaults: to_builtins gives what was sent)
     job_types = {"str": text, "str | None": text | None, "int | None": int | None, "float | None": float | None,
                  "tuple[str, ...]": seq(text, lim.max_list), "tuple[int, ...]": seq(int, lim.max_list),
-                 "tuple[tuple[str, float], ...]": seq(tuple_of[text, float], lim.max_list)}
+                 "tuple[tuple[str, float], ...]": seq(tuple_of[text, float], lim.max_list),
+                 "tuple[tuple[float, float, tuple[str, ...]], ...]":
+                     seq(tuple_of[float, float, seq(name, lim.max_list)], lim.max_list)}
     job = msgspec.defstruct("WireJob", [(f.name, job_types[str(f.type)]) if f.name == "job_id" else
                                         (f.name, job_types[str(f.type)], f.default) for f in fields(JobRecord)],
                             forbid_unknown_fields=True, omit_defaults=True)
@@ -1144,6 +1146,9 @@ def _check_annotation(annotation: str, v: Any) -> bool:
     if annotation.startswith("tuple[") and annotation.endswith(", ...]"):
         inner = annotation[len("tuple["): -len(", ...]")]
         return isinstance(v, (list, tuple)) and all(_check_annotation(inner, x) for x in v)
+    if annotation == "tuple[float, float, tuple[str, ...]]":  # a JobRecord's earlier run: start, end, hosts
+        return (isinstance(v, (list, tuple)) and len(v) == 3 and _check_annotation("float", v[0])
+                and _check_annotation("float", v[1]) and _check_annotation("tuple[str, ...]", v[2]))
     if annotation == "tuple[str, float]":
         return (isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], str)
                 and _check_annotation("float", v[1]))

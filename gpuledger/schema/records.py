@@ -8,7 +8,7 @@ This module imports only the standard library (and ``schema.text``) so that ever
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from gpuledger.schema.text import ascii_int
@@ -136,7 +136,10 @@ SAMPLE_FIELDS = _SAMPLE_FIELDS
 
 @dataclass(frozen=True, slots=True)
 class JobRecord:
-    """What the scheduler knows of a job. ``job_id`` is text ("1234", "1234_7" for array tasks)."""
+    """What the scheduler knows of a job. ``job_id`` is text ("1234", "1234_7" for array tasks).
+
+    A requeued job (node failure, preemption, ``scontrol requeue``) keeps its id and runs again: the fields are
+    the latest run's, ``earlier_runs`` the (start, end, hosts) of each run before it, oldest first."""
 
     job_id: str
     cluster: str = ""
@@ -155,13 +158,26 @@ class JobRecord:
     state: str | None = None
     exit_code: int | None = None
     tres: tuple[tuple[str, float], ...] = ()  # (("cpu", 8), ("gres/gpu", 2), ...)
+    earlier_runs: tuple[tuple[float, float, tuple[str, ...]], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
+        """The stored form (JSON-ready). ``earlier_runs`` only when there are some: a job never requeued has the
+        form it had before the field existed, so stored records and audit log entries read back byte for byte."""
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "earlier_runs":
+                if v:
+                    out[f.name] = [[start, end, list(hosts)] for start, end, hosts in v]
+                continue
             out[f.name] = [list(x) for x in v] if f.name == "tres" else (list(v) if isinstance(v, tuple) else v)
         return out
+
+    def with_earlier_runs(self, runs: Iterable[tuple[float, float, tuple[str, ...]]]) -> JobRecord:
+        """This record with ``runs`` among its earlier runs: each run once, oldest first, and none that starts when
+        this run does (that is this run, not an earlier one)."""
+        merged = tuple(sorted({r for r in (*self.earlier_runs, *runs) if r[0] != self.start}))
+        return self if merged == self.earlier_runs else replace(self, earlier_runs=merged)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobRecord:
@@ -171,6 +187,8 @@ class JobRecord:
                 kw[k] = tuple(kw[k])
         if "tres" in kw:
             kw["tres"] = tuple((str(a), float(b)) for a, b in kw["tres"])
+        if "earlier_runs" in kw:
+            kw["earlier_runs"] = tuple((float(a), float(b), tuple(h)) for a, b, h in kw["earlier_runs"])
         return cls(**kw)
 
 

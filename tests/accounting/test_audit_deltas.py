@@ -24,7 +24,7 @@ from gpuledger.accounting.audit import (
     verify_all,
 )
 from gpuledger.accounting.audit.chain import read_entry
-from gpuledger.accounting.audit.explain import explain, fairshare_problems
+from gpuledger.accounting.audit.explain import derive, explain, fairshare_problems
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.fairshare import classic
 from gpuledger.accounting.ledger import join
@@ -274,3 +274,23 @@ def test_a_delta_on_an_older_entry_or_past_the_chain_bound_is_refused_by_verify_
         assert problems == [f"audit entry {at.seq}: more than 3 delta entries since a full one"], problems
         assert read_entry(log, at).problem == f"audit entry {at.seq}: more than 3 delta entries since a full one"
         assert any("more than 3 delta entries" in m for m in explain(log, "1").missing)
+
+
+def test_verify_reads_a_job_a_delta_logs_again_from_that_delta(tmp_path):
+    """Verify keeps each job's record as read between entries (a delta carries its base's on): a forged delta that
+    logs job 1 again with its pieces moved an hour earlier (its charge, times and sources the same) decays to less
+    than its association's logged usage, and verify says so, as a fresh read of the entry does."""
+    d, _, _, last = _logs(tmp_path)
+    with open_log(d) as log:
+        base = log.get(last)
+        record = json.loads(json.dumps(_jobs(log, last)["1"]))
+        assert "decayed" not in record and record["pieces"]  # recomputed from its pieces
+        record["pieces"] = [[a - 3600.0, b - 3600.0, x] for a, b, x in record["pieces"]]
+        data = json.loads(json.dumps(base.data))
+        data["inputs"]["delta"].update(base=last, base_leaf=base.leaf.hex(), jobs={"1": record}, dropped=[])
+        forged = log.append("fairshare", data)
+        fresh = derive(read_entry(log, forged).entry).problems  # no record kept from an entry before
+        assert any("decayed usage" in p and "is not the sum of its" in p for p in fresh), fresh
+        problems = [p for seq, p in fairshare_problems(log) if seq == forged.seq]
+        assert problems == fresh, problems
+        assert not [p for seq, p in fairshare_problems(log) if seq != forged.seq]

@@ -13,6 +13,7 @@ from testdata import DATA_ROOT, capture  # noqa: F401
 from gpuledger.accounting.decay import (
     SlurmConfigError,
     decayed_usage,
+    decayed_usage_batch,
     last_reset_boundary,
     parse_priority_config,
     parse_slurm_duration,
@@ -164,3 +165,31 @@ def test_daily_reset_matches_simulation(raw, offset, period) -> None:
     want = simulate(charges, now, slurm_decay_factor(600), period, reset_tick=boundary)
     for k in got:
         assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-9)
+
+
+# float times, ticks and job ends off and on the grid, instantaneous charges, several pieces per key
+timed = st.tuples(st.sampled_from("xyz"), st.one_of(st.integers(0, 3000), st.floats(0, 3000)),
+                  st.one_of(st.just(0), st.integers(0, 1500), st.floats(0, 1500)), st.floats(0, 1e4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(timed, max_size=12), st.one_of(st.integers(0, 5000), st.floats(0, 5000)),
+       st.sampled_from([60, 300]), st.sampled_from([0, 120, 600]), st.sampled_from(["NONE", "DAILY"]),
+       st.sampled_from([0, 86400 - 1800]))
+def test_batch_is_the_reference_to_the_bit(raw, now, period, half_life, reset, day) -> None:
+    charges = [(k, day + s, day + s + d, a) for k, s, d, a in raw]
+    args = {"now": day + now, "half_life_s": half_life, "calc_period_s": period, "reset": reset, "tz": "UTC"}
+    want = decayed_usage(charges, **args)
+    got = decayed_usage_batch(charges, **args)
+    assert list(got) == list(want)  # the same keys in the same order
+    assert [v.hex() for v in got.values()] == [float(v).hex() for v in want.values()]
+
+
+def test_batch_rejects_as_the_reference() -> None:
+    with pytest.raises(ValueError, match="charge 2 .*end 1 before start 5"):
+        decayed_usage_batch([("a", 0, 1, 1), ("b", 5, 1, 1)], now=10, half_life_s=60)
+    with pytest.raises(ValueError, match="charge 1 .*must be finite"):
+        decayed_usage_batch([("a", 0, math.inf, 1)], now=10, half_life_s=60)
+    with pytest.raises(ValueError, match="calc_period_s"):
+        decayed_usage_batch([("a", 0, 1, 1)], now=10, half_life_s=60, calc_period_s=0)
+    assert decayed_usage_batch([], now=10, half_life_s=60) == {}

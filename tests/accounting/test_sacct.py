@@ -299,6 +299,47 @@ def test_client_sacct_jobs_runs_both_forms_in_utc_and_merges() -> None:
         assert argv[argv.index("-E") + 1] == "2026-11-30T01:00:00"
         assert "-a" in argv and env["TZ"] == "UTC" and env["SLURM_CONF"] == "/tmp/x/slurm.conf"
     assert any(a.startswith("--format=JobID,") for a in a_p) and "-X" in a_p
+    assert "-D" in a_json and "-D" in a_p  # every run of a requeued job
+
+
+# ------------------------------------------------------------------------------ a requeued job (sacct -D)
+
+REQUEUE = DATA / "requeue-22.05"
+# job 1 ran on vm, was requeued by `scontrol requeue`, and ran again there (REQUEUE/README.md)
+FIRST_RUN = (utc("2026-12-02T06:17:30"), utc("2026-12-02T06:17:31"), ("vm",))
+
+
+def test_a_requeued_jobs_runs_are_one_record_of_the_latest_run_with_the_earlier_ones() -> None:
+    parsable = parse_sacct_parsable(read(REQUEUE / "sacct-P-X-D-requeued.txt"), tz=UTC)
+    assert parsable == parse_sacct_parsable(read(REQUEUE / "sacct-P-D-requeued.txt"), tz=UTC)  # steps skipped
+    as_json = parse_sacct_json(read(REQUEUE / "sacct-json-D-requeued.json"))
+    for (r,) in (parsable, as_json, merge_sacct(as_json, parsable)):
+        assert (r.job_id, r.user, r.hosts, r.state, r.exit_code) == ("1", "alice", ("vm",), "COMPLETED", 0)
+        assert (r.start, r.end) == (utc("2026-12-02T06:17:33"), utc("2026-12-02T06:17:36"))
+        assert r.earlier_runs == (FIRST_RUN,)
+    # without -D sacct -P shows the latest run alone: the same record, no earlier run
+    (latest,) = parse_sacct_parsable(read(REQUEUE / "sacct-P-X-requeued.txt"), tz=UTC)
+    assert latest == replace(parsable[0], earlier_runs=())
+    assert JobRecord.from_dict(json.loads(json.dumps(parsable[0].to_dict()))) == parsable[0]
+
+
+def test_runs_fold_per_job_the_latest_by_start_and_a_run_not_started_is_the_latest() -> None:
+    header = "JobID|Cluster|Start|End|State|NodeList"
+    text = "\n".join([header,
+                      "7|c1|2026-12-01T10:00:00|2026-12-01T11:00:00|REQUEUED|n1",
+                      "8|c1|2026-12-01T10:00:00|2026-12-01T10:30:00|COMPLETED|n3",
+                      "7|c2|2026-12-01T09:00:00|2026-12-01T09:10:00|COMPLETED|m1",  # another cluster's job 7
+                      "7|c1|2026-12-01T12:00:00|2026-12-01T13:00:00|REQUEUED|n2",
+                      "7|c1|Unknown|Unknown|PENDING|None assigned"])
+    recs = parse_sacct_parsable(text, tz=UTC)
+    assert [(r.cluster, r.job_id, r.state, r.earlier_runs) for r in recs] == [
+        ("c1", "7", "PENDING", ((utc("2026-12-01T10:00:00"), utc("2026-12-01T11:00:00"), ("n1",)),
+                                (utc("2026-12-01T12:00:00"), utc("2026-12-01T13:00:00"), ("n2",)))),
+        ("c1", "8", "COMPLETED", ()), ("c2", "7", "COMPLETED", ())]
+    # a job listed once per record, as before -D: the records as they were, in sacct's order
+    once = "\n".join([header, "8|c1|2026-12-01T10:00:00|2026-12-01T10:30:00|COMPLETED|n3",
+                       "7|c1|2026-12-01T10:00:00|2026-12-01T11:00:00|COMPLETED|n1"])
+    assert [(r.job_id, r.earlier_runs) for r in parse_sacct_parsable(once, tz=UTC)] == [("8", ()), ("7", ())]
 
 
 def running_lines(parsable: str) -> str:
@@ -318,7 +359,7 @@ def test_client_sacct_running_is_one_parsable_call_of_the_jobs_running_at_an_ins
         ("11", "bob", 2, "RUNNING", utc("2026-11-29T16:23:29"), None, None)]
     ((argv, env),) = run.calls
     assert argv[argv.index("-S") + 1] == argv[argv.index("-E") + 1] == "2026-11-29T16:23:46"
-    assert {"-P", "-X", "-a", "--state=R,S"} <= set(argv) and env["TZ"] == "UTC"
+    assert {"-P", "-X", "-D", "-a", "--state=R,S"} <= set(argv) and env["TZ"] == "UTC"
     assert any(a.startswith("--format=JobID,JobIDRaw,") for a in argv)
 
 

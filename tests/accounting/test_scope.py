@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gpuledger.accounting.scope import SLACK_S, in_scope
@@ -254,3 +256,43 @@ def test_what_the_scope_cuts_is_shown_and_reconcile_balances_with_the_collectors
         pytest.approx(totals["observed_gpu_seconds"]))
     cells = {(r["node"], r["account"]): r["out_of_scope_gpu_hours"] * 3600 for r in rec["rows"]}
     assert cells == {("n1", "B"): pytest.approx(1800.0), ("n2", "B"): pytest.approx(180.0)}
+
+
+# job 500 requeued: its first run on n1 for 600 s, its second (SLURM's) on n2 from T0 + 1000
+REQUEUED = replace(SLURM, start=T0 + 1000, end=T0 + 1600, earlier_runs=((T0, T0 + 600, ("n1",)),))
+
+
+def test_usage_in_an_earlier_run_of_a_requeued_job_is_charged_on_that_runs_host():
+    first, second = usage("n1", T0, T0 + 600), usage("n2", T0 + 1000, T0 + 1600)
+    assert in_scope(REQUEUED, [first, second], T0 + 9999) == ((first, second), ())
+    # each run is held to its own hosts: n2 during the first run, n1 during the second, are not the job's
+    n2_early, n1_late = usage("n2", T0, T0 + 600), usage("n1", T0 + 1000, T0 + 1600)
+    kept, cut = in_scope(REQUEUED, [n2_early, n1_late], T0 + 9999)
+    assert kept == () and [(c.usage, c.charged_fraction, c.reason) for c in cut] == [
+        (n2_early, 0.0, "time"), (n1_late, 0.0, "time")]
+    assert [c.reason for c in in_scope(REQUEUED, [usage("n3", T0, T0 + 600)], T0 + 9999)[1]] == ["host"]
+
+
+def test_usage_between_the_runs_is_cut_and_a_row_across_both_is_charged_for_their_windows():
+    between = usage("n1", T0 + 600 + SLACK_S + 10, T0 + 1000 - SLACK_S - 10)
+    kept, (c,) = in_scope(REQUEUED, [between], T0 + 9999)
+    assert kept == () and (c.charged_fraction, c.reason) == (0.0, "time")
+    # one GPU sampled from the first run's start to the second's end (both runs on n1): the time between the runs'
+    # windows is cut, the rest charged in proportion
+    same_host = replace(REQUEUED, hosts=("n1",))
+    across = usage("n1", T0, T0 + 1600, energy=1.6e6)
+    (kept_one,), (c,) = in_scope(same_host, [across], T0 + 9999)
+    fraction = (600 + SLACK_S + 600 + SLACK_S) / 1600  # [T0, T0+720] and [T0+880, T0+1600]
+    assert (c.charged_fraction, c.reason) == (pytest.approx(fraction), "time")
+    assert kept_one.allocated_gpu_seconds == pytest.approx(1600 * fraction)
+    assert kept_one.energy_joules == pytest.approx(1.6e6 * fraction)
+    assert (kept_one.first_ts, kept_one.last_ts) == (T0, T0 + 1600)
+    # runs whose windows overlap (requeued within the slack) count their common time once
+    close = replace(same_host, start=T0 + 700, end=T0 + 1300)
+    assert in_scope(close, [usage("n1", T0, T0 + 1300)], T0 + 9999)[1] == ()
+
+
+def test_a_requeued_job_waiting_for_its_next_run_is_held_to_its_earlier_runs():
+    pending = replace(REQUEUED, start=None, end=None, hosts=(), state="PENDING")
+    kept, cut = in_scope(pending, [usage("n1", T0, T0 + 600), usage("n1", T0 + 2000, T0 + 2600)], T0 + 9999)
+    assert [u.first_ts for u in kept] == [T0] and [(c.usage.first_ts, c.reason) for c in cut] == [(T0 + 2000, "time")]

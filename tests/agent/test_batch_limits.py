@@ -191,7 +191,7 @@ def test_halves_of_a_batch_a_lost_answer_stored_are_taken(tmp_path, caplog):
         HttpPusher(a.url, "a", "n1").post(seq, body, batch.fmt, batch.compress, samples=batch.samples)
         assert store.totals()["samples"] == 120
         finish(inner)
-        assert inner.stats()["rejected_batches"] == 0 and not any("409" in r.getMessage() for r in caplog.records)
+        assert inner.stats()["rejected_batches"] == 0 and not any("HTTP 409" in r.getMessage() for r in caplog.records)
         assert any("HTTP 413" in r.getMessage() for r in caplog.records)
         assert inner.spool.depth == 0 and store.totals()["samples"] == 120  # each sample stored once
     finally:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuledger.collector.aggregate import ACCEPTED, DUPLICATE, TOO_LATE, Aggregator, UsageAcc
+from gpuledger.collector.aggregate import ACCEPTED, DUPLICATE, HOUR_S, TOO_LATE, Aggregator, HourAcc, UsageAcc
 from gpuledger.schema.records import GpuSample
 
 
@@ -375,6 +375,14 @@ def sequences(draw, with_jobless: bool = True) -> list[GpuSample]:
     return out
 
 
+def assert_same_hours(a: Aggregator, b: Aggregator) -> None:
+    """Every hour bucket's sums alike (a bucket one of them lacks: all zero there)."""
+    zero = HourAcc().values()
+    for k in a.hours.keys() | b.hours.keys():
+        x, y = (h.values() if (h := agg.hours.get(k)) else zero for agg in (a, b))
+        assert x == pytest.approx(y, rel=1e-9, abs=1e-6), k
+
+
 def assert_same(a: Aggregator, b: Aggregator) -> None:
     ua, ub = usage(a), usage(b)
     assert ua.keys() == ub.keys()
@@ -442,7 +450,9 @@ def reference(samples: list[GpuSample], max_gap_s: float = 60.0, cap_w: float = 
 def test_any_permutation_with_duplicates_equals_sorted(seq, rnd, n_dups):
     shuffled = seq + [rnd.choice(seq) for _ in range(n_dups)]
     rnd.shuffle(shuffled)
-    assert_same(feed(shuffled, window_s=1e9), feed(seq, window_s=1e9))
+    a, b = feed(shuffled, window_s=1e9), feed(seq, window_s=1e9)
+    assert_same(a, b)
+    assert_same_hours(a, b)
 
 
 @settings(max_examples=100, deadline=None)
@@ -707,6 +717,71 @@ def test_a_missed_reading_takes_the_counters_growth_since_the_reading_before():
     assert other.gpu_totals()[("h1", "G0", "")][1] == 4000.0 and usage(other)[("k", "h1", "G0")].energy_joules == 1000.0
 
 
+def test_a_missed_reading_stretch_across_an_hour_is_billed_in_each_hour_by_time():
+    """The energy a reading after missed ones catches up is the stretch's since the last reading: per hour bucket
+    it goes where the stretch's intervals do (each in the bucket of its end), in proportion to their seconds; the
+    GPU's and the job's totals are those of the counter, whatever the arrival order."""
+    h = 3_600_000.0  # an hour boundary
+    j = ("j",)
+    # 500 W; the readings at h-10 and h missed (neither power nor the counter): (h, h+10] catches up 15000 J over
+    # (h-20, h+10], whose interval ending at h-10 (10 s) is the hour before's, the two ending at h and h+10 hour h's
+    seq = [S(h - 30, energy_joules=0.0, power_watts=500.0, job_ids=j),
+           S(h - 20, energy_joules=5000.0, power_watts=500.0, job_ids=j),
+           S(h - 10, job_ids=j), S(h, job_ids=j),
+           S(h + 10, energy_joules=20000.0, power_watts=500.0, job_ids=j),
+           S(h + 20, energy_joules=25000.0, power_watts=500.0, job_ids=j)]
+    for order in (seq, seq[::-1], [*seq[:2], seq[4], seq[2], seq[5], seq[3]]):  # in order, reversed, late ones
+        agg = feed(order)
+        assert agg.gpu_totals()[("h1", "G0", "")] == (50.0, 25000.0)
+        assert usage(agg)[("j", "h1", "G0")].energy_joules == 25000.0
+        rows = {k[3]: (a.observed_s, a.energy_j, a.job_energy_j, a.alloc_s) for k, a in agg.hours.items()}
+        # 500 W in each hour, as the counter says: (h-30, h-20] 5000 J, then a third of 15000 J before the hour
+        assert rows == {h - HOUR_S: (20.0, 10000.0, 10000.0, 20.0), h: (30.0, 15000.0, 15000.0, 30.0)}, order
+        check_conservation_and_bound(agg)
+
+
+def test_a_missed_reading_stretch_within_one_hour_stays_in_it():
+    """Intervals that all end in one hour (from a reading at the hour itself too) keep the caught-up energy there."""
+    h = 3_600_000.0
+    j = ("j",)
+    agg = feed([S(h - 40, energy_joules=0.0, job_ids=j), S(h - 30, job_ids=j),
+                S(h - 20, energy_joules=9000.0, job_ids=j)])
+    assert {k[3]: a.energy_j for k, a in agg.hours.items()} == {h - HOUR_S: 9000.0}
+    agg = feed([S(h, energy_joules=0.0, job_ids=j), S(h + 10, job_ids=j), S(h + 20, energy_joules=9000.0, job_ids=j)])
+    assert {k[3]: a.energy_j for k, a in agg.hours.items()} == {h: 9000.0}  # from a reading at the hour itself
+
+
+def test_the_fast_paths_leave_a_stretch_across_an_hour_to_the_per_sample_path():
+    """add_many's columnar run and add_series' folds (the matrix one and the per-series one) leave what add() one by
+    one leaves, bit for bit, for a long run whose missed readings straddle an hour."""
+    from gpuledger.collector.series import series_from_samples
+
+    h = 3_600_000.0
+    run = [S(h - 200 + 10.0 * i, energy_joules=None if i in (18, 19, 20) else 3000.0 * i, power_watts=300.0,
+             job_ids=("j", "k"), job_shares=(0.25, 0.75)) for i in range(40)]
+    slow = feed(run)
+    assert {k[3] for k in slow.hours} == {h - HOUR_S, h}
+    fast = Aggregator()
+    fast.add_many(run[:20])
+    fast.add_many(run[20:])
+    assert state(fast) == state(slow)
+    for small in (10**9, 0):  # the matrix fold and _fold_series
+        agg = Aggregator()
+        agg.small_series_rows = small
+        folded, rest = agg.add_series([series_from_samples(run[:20])])  # ends in missed readings: folded
+        assert len(folded) == 1 and not rest
+        folded, rest = agg.add_series([series_from_samples(run[20:])])  # reads back: sample by sample
+        assert not folded and len(rest) == 20
+        agg.add_many(rest)
+        assert_same_sums(agg, slow)
+        assert agg.gpu_totals() == slow.gpu_totals()
+    # each hour 300 W x its seconds, all the jobs'
+    for a in slow.hours.values():
+        assert a.energy_j == pytest.approx(300.0 * a.observed_s, rel=1e-12)
+        assert a.job_energy_j == pytest.approx(a.energy_j, rel=1e-12)
+    assert usage(slow)[("j", "h1", "G0")].energy_joules == pytest.approx(0.25 * 3000.0 * 39, rel=1e-12)
+
+
 def test_columnar_paths_refuse_a_reading_after_a_missed_one_only():
     from gpuledger.collector.series import series_from_samples
 
@@ -733,34 +808,48 @@ def test_columnar_paths_refuse_a_reading_after_a_missed_one_only():
 def test_every_arrival_order_of_a_missed_reading_stretch_gives_the_same_totals():
     """Every order of the samples after the in-order ones (all within the late window) gives the totals, hour
     buckets and job energy of in-order arrival; with a 10 s window the reading the rule reads back is out of the
-    late window, and kept (Aggregator.read_floor). Exact here: every value is an integer number of joules, so no
-    sum depends on the order of its terms (in general a late sample's undo and redo may change the last ulp)."""
+    late window, and kept (Aggregator.read_floor). The totals exactly: every value is an integer number of joules,
+    so no sum depends on the order of its terms. The hours to the last ulps: a stretch across the hour may spread
+    thirds of joules (while a sample is still to come), and a late sample's undo and redo add them in another
+    order."""
     import itertools
 
     h = 3_600_000.0  # an hour boundary: the stretch crosses it
+    before = h - HOUR_S
     j, jk = ("j",), ("j", "k")
-    cases = [  # (window_s, in order, then every order of the rest, GPU energy, job energy)
+    cases = [  # (window_s, in order, then every order of the rest, GPU energy, job energy, hour energy)
+        # (h-10, h] catches up 4000 - 2000 J of (h-30, h]: the rest of (h-20, h-10]'s power, half of it for
+        # (h-30, h-20] (the hour before's) and half for itself (the hour h's)
         (600.0, [S(h - 40, energy_joules=0.0, power_watts=100.0, job_ids=j)],
          [S(h - 30, energy_joules=1000.0, power_watts=100.0, job_ids=j), S(h - 20, job_ids=j),
           S(h - 10, power_watts=200.0, job_ids=j), S(h, energy_joules=5000.0, power_watts=100.0, job_ids=j),
           S(h + 10, job_ids=jk), S(h + 20, energy_joules=6500.0, power_watts=100.0, job_ids=jk),
           S(h + 30, energy_joules=7000.0, job_ids=("k",))],
-         7000.0, {"j": 5750.0, "k": 1250.0}),
+         7000.0, {"j": 5750.0, "k": 1250.0}, {before: 3000.0 + 1000.0, h: 1000.0 + 1500.0 + 500.0}),
         (10.0, [S(h - 20, energy_joules=0.0, job_ids=j), S(h - 10, energy_joules=1000.0, job_ids=j),
                 S(h, energy_joules=3000.0, job_ids=j)],
          [S(h + 10, job_ids=j), S(h + 15, power_watts=200.0, job_ids=j), S(h + 20, energy_joules=6000.0, job_ids=j)],
-         6000.0, {"j": 6000.0}),
+         6000.0, {"j": 6000.0}, {before: 1000.0, h: 5000.0}),
     ]
-    for window_s, head, tail, gpu_j, job_j in cases:
+    for window_s, head, tail, gpu_j, job_j, hour_j in cases:
         def totals(agg):
-            return (agg.gpu_totals(), {k: (a.energy_j, a.job_energy_j, a.observed_s) for k, a in agg.hours.items()},
-                    {k: u.energy_joules for k, u in usage(agg).items()})
+            return (agg.gpu_totals(), {k: u.energy_joules for k, u in usage(agg).items()},
+                    {k: a.observed_s for k, a in agg.hours.items()})
 
-        want = totals(feed([*head, *tail], window_s=window_s))
+        def hours(agg):  # (bucket, field) -> value: what pytest.approx compares
+            return {(k[3], f): getattr(a, f) for k, a in agg.hours.items() for f in ("energy_j", "job_energy_j")}
+
+        first = feed([*head, *tail], window_s=window_s)
+        want, want_hours = totals(first), hours(first)
         assert want[0][("h1", "G0", "")][1] == gpu_j
-        assert want[2] == {(job, "h1", "G0"): e for job, e in job_j.items()}
+        assert want[1] == {(job, "h1", "G0"): e for job, e in job_j.items()}
+        # every hour's energy is the jobs' (no idle time here)
+        assert want_hours == pytest.approx({(hb, f): e for hb, e in hour_j.items()
+                                            for f in ("energy_j", "job_energy_j")}, rel=1e-12)
         for order in itertools.permutations(tail):
-            assert totals(feed([*head, *order], window_s=window_s)) == want, order
+            agg = feed([*head, *order], window_s=window_s)
+            assert totals(agg) == want, order
+            assert hours(agg) == pytest.approx(want_hours, rel=1e-12), order
 
 
 def state(agg: Aggregator) -> tuple:

@@ -215,10 +215,14 @@ def test_a_record_with_no_end_never_replaces_an_ended_one(store):
     assert store.put_jobs([replace(ended, job_id="4")]) == 1
     assert [(j.job_id, j.state, j.end) for j in store.jobs()] == [("3", "COMPLETED", T0 + 60),
                                                                    ("4", "COMPLETED", T0 + 60)]
-    # a later run of job 3 (requeued, on another node): it replaces the ended run, whose end and exit code go
+    # a later run of job 3 (requeued, on another node): it replaces the ended run, whose end, exit code and GPUs
+    # go, its start, end and hosts kept as an earlier run
     rerun = JobRecord("3", cluster="c1", user="ann", hosts=("n2",), start=T0 + 500, state="RUNNING")
     assert store.put_jobs([rerun]) == 1
-    assert store.jobs()[0] == replace(rerun, gpu_uuids=("GPU-1",))
+    assert store.jobs()[0] == replace(rerun, earlier_runs=((T0, T0 + 60, ("n1",)),))
+    # a later run whose record names no hosts yet is not placed on the earlier run's
+    assert store.put_jobs([replace(rerun, job_id="4", hosts=())]) == 1
+    assert store.jobs()[1].hosts == () and store.jobs()[1].earlier_runs == ((T0, T0 + 60, ("n1",)),)
 
 
 def test_pages_read_in_sql_are_slices_of_the_whole_answers(store):

@@ -179,14 +179,15 @@ def test_an_untrusted_growth_across_a_missed_reading_falls_back_to_power(ledger)
 
 @pytest.mark.parametrize(("window_s", "head", "tail", "want"), [
     # the stretch crosses an hour (T0; an interval is its end's): (T0, T0+10] gets 15000 - 5000 - 2000 J (power
-    # only at T0), (T0+20, T0+30] 6000 J
+    # only at T0), half of it the hour before's (for (-20, -10], which no reading gave any), and (T0+20, T0+30] 6000 J
     (600.0, [R(-30, 0.0), R(-20, 5000.0)],
      [R(-10, None, None), R(0, None, 200.0), R(10, 15000.0), R(20, None, None), R(30, 21000.0)],
-     (21000.0, 21000.0, [(5000.0, 5000.0), (16000.0, 16000.0)])),
+     (21000.0, 21000.0, [(9000.0, 9000.0), (12000.0, 12000.0)])),
     # a 10 s late window: the reading at -20 s, which (5,10] reads back, is out of it (and not its anchor): a late
-    # sample's window is read back from where the rule reads (Aggregator.read_floor)
+    # sample's window is read back from where the rule reads (Aggregator.read_floor); its 8000 J caught up are
+    # for (-20, -10] (the hour before's) and (0, 10], 10 s each
     (10.0, [R(-30, 0.0), R(-20, 5000.0), R(-10, None, None)], [R(0, None, 200.0), R(5, None, None), R(10, 15000.0)],
-     (15000.0, 15000.0, [(5000.0, 5000.0), (10000.0, 10000.0)])),
+     (15000.0, 15000.0, [(9000.0, 9000.0), (6000.0, 6000.0)])),
 ], ids=["window-600s", "window-10s"])
 def test_every_arrival_order_of_a_missed_reading_stretch_gives_the_same_totals(ledger, window_s, head, tail, want):
     """The store holds a GPU's newest sample only and reads its window back for a late sample (and for a reading
@@ -223,3 +224,30 @@ def test_a_restart_in_a_missed_reading_stretch_changes_nothing(new_ledger):
     # (30,35] got 500 J of power, (35,40] the rest of the 10000 J grown since 20 s
     assert want[:2] == (25000.0, 25000.0)
     store.close()
+
+
+def test_a_missed_reading_stretch_across_a_month_is_billed_in_both_across_a_restart(new_ledger):
+    """The energy caught up after missed readings goes to the hours, so the months, of the intervals it is for, with
+    a collector restarted in the stretch (it reads the hour before back from the store) as with one kept running."""
+    new_year = 1_767_225_600.0  # 2026-01-01T00:00Z
+    month = new_year - T0
+    batches = [(R(month - 35, 0.0), R(month - 25, 5000.0), R(month - 15, 10000.0), R(month - 5, None, None)),
+               (R(month + 5, 20000.0), R(month + 15, 25000.0)), (R(month, None, 200.0),)]
+    kept, restarted = new_ledger(), new_ledger()
+    store = Store(kept)
+    for k, b in enumerate(batches):
+        store.ingest(Batch("a", k, "n1", b))
+    stores = [store]
+    for k, b in enumerate(batches):
+        store = Store(restarted)
+        store.ingest(Batch("a", k, "n1", b))
+        store.close()
+    stores.append(Store(restarted))
+    for store in stores:
+        months = [[(g["energy_joules"], g["job_energy_joules"]) for g in store.gpu_energy(start, end)]
+                  for start, end in ((new_year - 31 * 86400, new_year), (new_year, new_year + 31 * 86400))]
+        # (month+0, month+5] catches up 20000 - 10000 - 1000 J (200 W over (month-5, month]) for the 10 s of
+        # (month-15, month-5] (December's) and its own 5 s (January's)
+        assert months == [[(10000.0 + 6000.0,) * 2], [(1000.0 + 3000.0 + 5000.0,) * 2]]
+        assert store.job_usage()[0].energy_joules == 25000.0
+        store.close()

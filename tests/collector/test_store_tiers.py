@@ -12,7 +12,7 @@ import pytest
 from gpuledger.collector.rollup import RollupPoint
 from gpuledger.collector.series import Series
 from gpuledger.collector.series_store import HOUR, MINUTE, RAW, Retention
-from gpuledger.collector.store import Store
+from gpuledger.collector.store import SettingsMismatch, Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
 
@@ -124,10 +124,10 @@ def test_minute_at_the_horizon_waits_for_late_samples(tmp_path):
 
 def test_a_late_sample_in_minutes_rolled_up_is_too_late_whatever_window_either_store_has(new_ledger):
     """Compaction seals a GPU's minutes before it rolls them up, and ingest refuses a later arrival there as too late
-    whatever late window the compacting and the ingesting store have: after a restart with a longer window, and
-    while another store with a shorter one compacts beside one holding the host in memory (``serve --window`` and
-    an operator's ``collector compact``, which reads only the config). The 1m tier, the raw samples and the ledger
-    then count the same samples."""
+    whatever late window the compacting and the ingesting store have: after a restart with a longer window (the
+    ledger's setting changed deliberately, ``adopt_settings``: ``collector set-settings``), and while another store
+    with a shorter one compacts beside one holding the host in memory (refused unless forced, SettingsMismatch: the
+    seal still holds when it is). The 1m tier, the raw samples and the ledger then count the same samples."""
     url, clock = new_ledger(), Clock(H + DAY)
     mk = lambda t, p=100.0: GpuSample(ts=H + t, host="n1", gpu_uuid="G0", gpu_index=0,  # noqa: E731
                                       power_watts=p, energy_joules=1e6 + 100.0 * t, job_ids=("7",))
@@ -135,12 +135,14 @@ def test_a_late_sample_in_minutes_rolled_up_is_too_late_whatever_window_either_s
     short.ingest(Batch("a", 0, "n1", tuple(mk(t) for t in range(0, 3600, 2))))
     short.compact()  # newest H + 3598: minutes before H + 3480 rolled up (a 60 s window)
     short.close()
-    long = Store(url, window_s=600.0, clock=clock)  # restarted with a longer window
+    long = Store(url, window_s=600.0, clock=clock, adopt_settings=True)  # restarted with a longer window
     late = long.ingest(Batch("a", 1, "n1", (mk(3301, 900.0),)))  # 297 s behind: inside 600 s, in a rolled-up minute
     assert (late.accepted, late.too_late) == (0, 1)
     assert long.ingest(Batch("a", 2, "n1", (mk(3481, 900.0),))).accepted == 1  # past the rolled-up minutes: taken
     long.ingest(Batch("a", 3, "n1", tuple(mk(t) for t in range(3600, 5400, 2))))  # the host stays in its memory
-    beside = Store(url, window_s=60.0, clock=clock)
+    with pytest.raises(SettingsMismatch, match="window_s = 60 here, 600 in the ledger"):
+        Store(url, window_s=60.0, clock=clock)
+    beside = Store(url, window_s=60.0, clock=clock, adopt_settings=True)
     beside.compact()  # newest H + 5398: minutes before H + 5280 rolled up
     beside.close()
     late = long.ingest(Batch("a", 4, "n1", (mk(5001, 900.0),)))  # 397 s behind, in a minute rolled up beside it
@@ -165,7 +167,9 @@ def test_an_unsorted_series_brings_no_sample_into_a_sealed_minute(new_ledger):
                              power_watts=100.0, energy_joules=1e6 + 100.0 * t, job_ids=("7",))
     long = Store(url, window_s=600.0, clock=clock)
     long.ingest(Batch("a", 0, "n1", tuple(mk(t) for t in range(0, 3600, 2))))  # the host stays in its memory
-    beside = Store(url, window_s=60.0, clock=clock)
+    with pytest.raises(SettingsMismatch, match="window_s = 60 here, 600 in the ledger"):
+        Store(url, window_s=60.0, clock=clock)
+    beside = Store(url, window_s=60.0, clock=clock, adopt_settings=True)
     beside.compact()  # newest H + 3598: minutes before H + 3480 rolled up
     beside.close()
     ts = np.array([H + 3700.0, H + 3003.0])

@@ -21,7 +21,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuledger.accounting.audit.binding import is_final, is_removed, record_of
 from gpuledger.accounting.audit.chain import (
@@ -94,7 +94,7 @@ def explain(log: AuditLog, job_id: str, verify: bool = True) -> Explanation:
         d = record_of(job)
         ex.steps.append(Step("job record", f"account {d.get('account')}, user {d.get('user')}, {d.get('gpus')} GPU(s), "
                              f"start {_iso(d.get('start'))}, end {_iso(d.get('end'))}, state {d.get('state')}"
-                             + _corrected(job), _ref(job)))
+                             + _earlier_runs(d) + _corrected(job), _ref(job)))
     else:
         ex.missing.append("job record: no job_record entry (the scheduler's record was never logged)")
     read, newest = _fairshare_for(log, job_id)
@@ -199,6 +199,16 @@ def _applied_step(ex: Explanation, changes: Iterable[Entry]) -> None:
     why = unsettled(newest)
     if why is not None:
         ex.missing.append("applied: " + ("" if applied is None else f"a change after entry {applied.seq}'s: ") + why)
+
+
+def _earlier_runs(record: Mapping[str, Any]) -> str:
+    """A requeued job's earlier runs as the explanation names them (each is charged as the latest run is)."""
+    runs = record.get("earlier_runs")
+    if not isinstance(runs, list) or not runs:
+        return ""
+    return "; requeued, earlier runs " + ", ".join(
+        f"{_iso(r[0])}..{_iso(r[1])} on {','.join(map(str, r[2])) or '-'}" if isinstance(r, list) and len(r) == 3
+        and isinstance(r[2], list) else repr(r) for r in runs)
 
 
 def _corrected(e: Entry) -> str:
@@ -568,47 +578,78 @@ def _pieces(c: Mapping[str, Any], charged: float) -> list[tuple[float, float, fl
     return out
 
 
+class _JobDecay(NamedTuple):  # (a tuple: made for every job of an entry logged in full)
+    """What one job's logged charge gives its decay (:func:`_job_decay`): kept between the entries that carry the
+    same record on (a delta carries its base's records, the very objects, which nothing changes)."""
+
+    record: Any  # the job's logged record it was read from
+    delta: bool  # read as a delta entry's job
+    fail: str | None  # why its decayed charge does not follow
+    read: tuple[Any, float] | None  # (association, logged decayed charge; 0.0 for a delta's, derived)
+    charges: tuple[tuple[str, float, float, float], ...] | None  # (job id, start, end, amount): what decay takes
+    logged_pieces: bool
+    derived: bool  # its decayed charge is the recomputed one (a delta's job that logs its pieces)
+
+
+def _job_decay(job_id: str, c: Any, delta: bool) -> _JobDecay:
+    """One job of ``_derive_decay``: its logged record checked and read as the charges decay takes."""
+    if not isinstance(c, dict):
+        return _JobDecay(c, delta, f"job {job_id}'s charge is not a record", None, None, False, False)
+    derived = False
+    if delta and "decayed" not in c:
+        if c.get("pieces") is None:
+            return _JobDecay(c, delta, f"job {job_id} logs neither its decayed charge nor the pieces it is recomputed "
+                                       "from", None, None, False, False)
+        derived = True
+    charged, decayed = _finite(c.get("charged")), 0.0 if derived else _finite(c.get("decayed"))
+    first, last = _finite(c.get("first_ts")), _finite(c.get("last_ts"))
+    if charged is None or decayed is None or first is None or last is None or first > last or decayed < 0:
+        return _JobDecay(c, delta, f"job {job_id}'s charge {c.get('charged')!r}, decayed charge {c.get('decayed')!r} "
+                                   "and times are not a charge decayed", None, None, False, derived)
+    read = ((c.get("account"), c.get("user")), decayed)
+    pieces = _pieces(c, charged)
+    if isinstance(pieces, str):
+        return _JobDecay(c, delta, f"job {job_id}: {pieces}", None if derived else read, None, False, derived)
+    placed = pieces if pieces is not None else [(first, last, charged)]
+    return _JobDecay(c, delta, None, read, tuple((job_id, a, b, x) for a, b, x in placed), pieces is not None,
+                     derived)
+
+
 def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float, s: Mapping[str, Any],
-                  delta: bool = False) -> dict[str, tuple[Any, float]]:
-    """Each job's decayed charge recomputed (``decay.decayed_usage``) from the pieces of it the entry logs, else
-    from its charge spread evenly over first..last; returns the jobs whose numbers can be read:
+                  delta: bool = False, known: dict[str, _JobDecay] | None = None) -> dict[str, tuple[Any, float]]:
+    """Each job's decayed charge recomputed (``decay.decayed_usage_batch``) from the pieces of it the entry logs,
+    else from its charge spread evenly over first..last; returns the jobs whose numbers can be read:
     job id -> (association, logged decayed charge). A ``delta`` entry logs no decayed charge for a job that logs
-    its pieces (``chain``): it is the recomputed one (``dv.derived``)."""
-    from gpuledger.accounting.decay import decayed_usage
+    its pieces (``chain``): it is the recomputed one (``dv.derived``). ``known``: the jobs read for the entry
+    before (:class:`_JobDecay`), replaced by this entry's where it is a delta."""
+    from gpuledger.accounting.decay import decayed_usage_batch
 
     args = _decay_args(s)
     if args is None:
         dv.lack("decayed usage", None, f"entry {fs.seq} does not log the decay settings (half-life, calc period)")
     read: dict[str, tuple[Any, float]] = {}
-    placed: dict[str, list[tuple[float, float, float]]] = {}
+    placed: dict[str, tuple[tuple[str, float, float, float], ...]] = {}
     logged_pieces: set[str] = set()
     derived: set[str] = set()
+    now_known: dict[str, _JobDecay] = {}
     for job_id, c in jobs.items():
-        if not isinstance(c, dict):
-            dv.fail("decayed usage", job_id, f"job {job_id}'s charge is not a record")
-            continue
-        if delta and "decayed" not in c:
-            if c.get("pieces") is None:
-                dv.fail("decayed usage", job_id, f"job {job_id} logs neither its decayed charge nor the pieces it "
-                                                 "is recomputed from")
-                continue
+        job = known.get(job_id) if known is not None else None
+        if job is None or job.record is not c or job.delta != delta:
+            job = _job_decay(job_id, c, delta)
+        now_known[job_id] = job
+        if job.fail is not None:
+            dv.fail("decayed usage", job_id, job.fail)
+        if job.derived:
             derived.add(job_id)
-        charged, decayed = _finite(c.get("charged")), 0.0 if job_id in derived else _finite(c.get("decayed"))
-        first, last = _finite(c.get("first_ts")), _finite(c.get("last_ts"))
-        if charged is None or decayed is None or first is None or last is None or first > last or decayed < 0:
-            dv.fail("decayed usage", job_id, f"job {job_id}'s charge {c.get('charged')!r}, decayed charge "
-                                             f"{c.get('decayed')!r} and times are not a charge decayed")
-            continue
-        read[job_id] = ((c.get("account"), c.get("user")), decayed)
-        pieces = _pieces(c, charged)
-        if isinstance(pieces, str):
-            dv.fail("decayed usage", job_id, f"job {job_id}: {pieces}")
-            if job_id in derived:
-                del read[job_id]
-            continue
-        if pieces is not None:
-            logged_pieces.add(job_id)
-        placed[job_id] = pieces if pieces is not None else [(first, last, charged)]
+        if job.read is not None:
+            read[job_id] = job.read
+        if job.charges is not None:
+            placed[job_id] = job.charges
+            if job.logged_pieces:
+                logged_pieces.add(job_id)
+    if known is not None:  # only a delta's jobs kept: the next delta carries them on (a full entry's are copied)
+        known.clear()
+        known.update(now_known if delta else {})
     if logged_pieces:  # a job without them beside jobs with them: its decay taken out of what can be recomputed
         for job_id in [j for j in placed if j not in logged_pieces]:
             dv.fail("decayed usage", job_id, f"job {job_id} logs no pieces, though the entry's other jobs do")
@@ -618,13 +659,13 @@ def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float
             read.pop(job_id, None)
         return read
     try:
-        again = decayed_usage([(j, a, b, x) for j, ps in placed.items() for a, b, x in ps], now=now, **args)
+        again = decayed_usage_batch([p for ps in placed.values() for p in ps], now=now, **args)
         # decay never grows usage, and usage used later decays less: the most a charge can have decayed to is all
         # of it used at its last time (before now); for the jobs whose decay does not recompute
-        most = decayed_usage([(j, min(float(jobs[j]["last_ts"]), now), min(float(jobs[j]["last_ts"]), now),
-                               float(jobs[j]["charged"])) for j in placed
-                              if j not in logged_pieces and not _agree(read[j][1], again.get(j, 0.0))],
-                             now=now, **args)
+        most = decayed_usage_batch([(j, min(float(jobs[j]["last_ts"]), now), min(float(jobs[j]["last_ts"]), now),
+                                     float(jobs[j]["charged"])) for j in placed
+                                    if j not in logged_pieces and not _agree(read[j][1], again.get(j, 0.0))],
+                                   now=now, **args)
     except ValueError as e:
         dv.lack("decayed usage", None, f"entry {fs.seq}'s decay cannot be recomputed: {e}")
         for job_id in derived:
@@ -655,10 +696,12 @@ def _derive_decay(dv: Derivation, fs: Entry, jobs: Mapping[str, Any], now: float
     return read
 
 
-def derive(fs: Entry, trees: dict[Any, Any] | None = None) -> Derivation:
+def derive(fs: Entry, trees: dict[Any, Any] | None = None, known: dict[str, _JobDecay] | None = None
+           ) -> Derivation:
     """Recompute what fairshare entry ``fs``'s outputs follow from (:class:`Derivation`); ``trees`` caches the
-    association trees of the rows between calls (consecutive entries mostly share one). Linear in the entry's
-    size (the tree's index is built once per tree)."""
+    association trees of the rows between calls (consecutive entries mostly share one), ``known`` each job's
+    logged record as read (``_derive_decay``; most records are carried on from the entry before). Linear in the
+    entry's size (the tree's index is built once per tree)."""
     from gpuledger.accounting.associations import AssociationError
     from gpuledger.accounting.engine import compute
     from gpuledger.accounting.priority import site_factor
@@ -677,7 +720,7 @@ def derive(fs: Entry, trees: dict[Any, Any] | None = None) -> Derivation:
                                    "inputs.associations, outputs.rows)")
         dv.close()
         return dv
-    read = _derive_decay(dv, fs, jobs, now, s, delta_of(fs) is not None)
+    read = _derive_decay(dv, fs, jobs, now, s, delta_of(fs) is not None, known)
 
     # each association's usage: the sum of its jobs' decayed charges
     by_assoc: dict[Any, list[float]] = {}
@@ -844,8 +887,11 @@ def dropped(log: AuditLog, before: Entry, fs: Entry) -> list[str]:
     jobs, earlier = fs.data.get("inputs", {}).get("jobs", {}), before.data.get("inputs", {}).get("jobs", {})
     if not isinstance(jobs, dict) or not isinstance(earlier, dict):
         return []
-    now = {_charge_key(j, c) for j, c in jobs.items()}
-    gone = [j for j, c in earlier.items() if isinstance(c, dict) and _charge_key(j, c) not in now
+    # a job charged still under its id as the same job is not dropped (most are: a delta carries the very record)
+    rest = [(j, c) for j, c in earlier.items() if jobs.get(j) is not c]
+    rest = [(j, c) for j, c in rest if j not in jobs or _charge_key(j, jobs[j]) != _charge_key(j, c)]
+    now = {_charge_key(j, c) for j, c in jobs.items()} if rest else set()
+    gone = [j for j, c in rest if isinstance(c, dict) and _charge_key(j, c) not in now
             and _still_weighs(fs, c) and not _job_gone(log, before, fs, c, j)]
     out = [f"audit entry {fs.seq}: job {j}, charged by entry {before.seq} and still inside the decay horizon (last "
            f"used {_iso(earlier[j].get('last_ts'))}), is not charged (dropped)" for j in gone[:_LISTED]]
@@ -880,6 +926,7 @@ def fairshare_problems(log: AuditLog) -> list[tuple[int, str]]:
     without: dict[str, tuple[Entry, Any]] = {}
     out = []
     trees: dict[Any, Any] = {}
+    known: dict[str, _JobDecay] = {}
     before: Entry | None = None
     chain = Chain()  # each entry read with its full inputs, a delta from the entry before
     for logged in log.entries(kind="fairshare"):
@@ -889,9 +936,9 @@ def fairshare_problems(log: AuditLog) -> list[tuple[int, str]]:
         fs = read.entry
         if fs is None:
             if delta_of(logged) is None:
-                out += [(logged.seq, p) for p in derive(logged, trees).problems]
+                out += [(logged.seq, p) for p in derive(logged, trees, known).problems]
             continue
-        dv = derive(fs, trees)
+        dv = derive(fs, trees, known)
         out += [(fs.seq, p) for p in dv.problems]
         try:
             jobs, feed = fs.data["inputs"]["jobs"], fs.data.get("outputs", {}).get("feed")

@@ -182,7 +182,8 @@ def usage_report(
             everything.unmeasured += 1
         # charge.allocation(), inlined for a finished job without TRES (this runs once per job record)
         slurm_rec = entry.record
-        if slurm_rec is not None and slurm_rec.start is not None and slurm_rec.end is not None and not slurm_rec.tres:
+        if (slurm_rec is not None and slurm_rec.start is not None and slurm_rec.end is not None and not slurm_rec.tres
+                and not slurm_rec.earlier_runs):
             slurm_s = max(0.0, min(slurm_rec.end, alloc_now) - slurm_rec.start) * (slurm_rec.gpus or 0)
             alloc: dict[str, float] | None = {slurm_rec.gpu_model or "": slurm_s} if (slurm_rec.gpus or 0) > 0 else {}
         else:
