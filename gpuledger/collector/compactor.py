@@ -38,7 +38,8 @@ STOP_GRACE_S = 5.0
 class CompactorProcess:
     """Run ``Store.compact`` every ``interval_s`` seconds in a child process on the database ``target`` (a SQLite
     path or a PostgreSQL URL), opened with the ingest store's ``window_s``, ``max_gap_s``, ``retention`` and
-    ``dedupe_horizon_s`` (what compaction reads of its settings); the child is this Python running this module."""
+    ``dedupe_horizon_s`` (what compaction reads of its settings; the power caps, which only ingest counts by, are the
+    ledger's: ``Store`` given None); the child is this Python running this module."""
 
     def __init__(self, target: str, *, interval_s: float, window_s: float, max_gap_s: float, retention: Retention,
                  dedupe_horizon_s: float, restart_after_s: float | None = None) -> None:

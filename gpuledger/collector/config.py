@@ -53,8 +53,9 @@ Example::
     "A100" = 400
     "H200" = 700
 
-``window_s``, ``max_gap_s`` and ``dedupe_horizon_s`` are the ledger's: every collector and compactor on one ledger
-must have the values it records (``store.AGREED_SETTINGS``; ``gpuledger collector set-settings`` changes them).
+``window_s``, ``max_gap_s``, ``dedupe_horizon_s``, ``power_cap_w`` and ``power_caps`` are the ledger's: every
+collector and compactor on one ledger must have the values it records (``store.AGREED_SETTINGS``; ``gpuledger
+collector set-settings`` changes them).
 
 With no token configured at all, authentication is off (the demo and a single-host setup run that way);
 ``/healthz``, ``/metrics`` and ``/api/v1/openapi.json`` are always open.

@@ -18,8 +18,9 @@ generation, bumped under its row lock, so two collectors never write one host at
 A generation other than the one this collector wrote last + 1 means another collector wrote the host since:
 its in-memory state of the host is dropped and restored from the ledger inside the same transaction, so the
 sums go on exactly where the other collector left them. What decides what is counted (the late window, the gap
-rule, the dedupe horizon: ``AGREED_SETTINGS``) is the ledger's, recorded by the first store given it: a store given
-other values refuses to open (SettingsMismatch), so no process seals, expires or prunes what another still needs.
+rule, the dedupe horizon, the power caps: ``AGREED_SETTINGS``) is the ledger's, recorded by the first store given it:
+a store given other values refuses to open (SettingsMismatch), so no process seals, expires or prunes what another
+still needs, and a host's energy is the same whichever collector took its batch.
 
 The aggregation keeps each GPU's totals and newest sample in memory; the rest of its late-sample window is
 read back from the series store when a late sample needs it (``Aggregator(load_window=...)``). It is bounded:
@@ -187,11 +188,36 @@ MAX_GPUS_PER_HOST = 256  # GPUs and MIG instances one host may have (8 GPUs x 7 
 DEDUPE_HORIZON_S = 7 * 86400.0  # batch keys are kept this long: an agent resending later is counted twice
 # Settings every process that ingests into or compacts one ledger must share, with their defaults: a late window or
 # gap rule shorter in one process than in another seals minutes the other still accepts and expires raw rows it still
-# reads back (Aggregator.read_floor); a shorter dedupe horizon prunes batch keys the other still dedupes by. The
-# ledger's ``meta`` table holds them (``setting.<name>``), written by the first store given them (Store._agree).
-AGREED_SETTINGS: dict[str, float] = {"window_s": 600.0, "max_gap_s": DEFAULT_MAX_GAP_S,
-                                     "dedupe_horizon_s": DEDUPE_HORIZON_S}
+# reads back (Aggregator.read_floor); a shorter dedupe horizon prunes batch keys the other still dedupes by; other
+# power caps (Aggregator.cap_w: the most a counter delta or the power integral may count) give a host's energy another
+# value depending on which collector took its batch. The ledger's ``meta`` table holds them (``setting.<name>``: a
+# float's repr, per-model caps as JSON with sorted keys), written by the first store given them (Store._agree).
+AgreedValue = float | dict[str, float]  # seconds or watts; power_caps: watts per GPU model
+AGREED_SETTINGS: dict[str, AgreedValue] = {"window_s": 600.0, "max_gap_s": DEFAULT_MAX_GAP_S,
+                                           "dedupe_horizon_s": DEDUPE_HORIZON_S, "power_cap_w": DEFAULT_POWER_CAP_W,
+                                           "power_caps": {}}
 SET_SETTINGS_COMMAND = "gpuledger collector set-settings"
+
+
+def _agreed_value(name: str, value: Any) -> AgreedValue:
+    """A setting as compared and recorded: a float, or (``power_caps``) a mapping of model name to float, whose key
+    order does not matter."""
+    if isinstance(AGREED_SETTINGS[name], dict):
+        return {str(k): float(v) for k, v in dict(value).items()}
+    return float(value)
+
+
+def setting_text(value: AgreedValue | None) -> str:
+    """A setting in a one-line message: a number as short as it is exact, a mapping as ``{"model": watts, ...}`` by
+    name."""
+    def number(v: float) -> str:
+        return f"{v:g}" if float(f"{v:g}") == v else repr(v)
+
+    if value is None:
+        return "unset"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {number(v)}" for k, v in sorted(value.items())) + "}"
+    return number(value)
 
 
 class SettingsMismatch(DatabaseConfigError):
@@ -343,8 +369,9 @@ class Store:
     the same names here take the lock and delegate. ``sinks`` (e.g. ``collector.sinks.influx.InfluxSink``)
     get every committed batch's accepted samples and, at most once per ``summary_interval_s`` per job and
     at each compaction, the jobs' updated usage; they must only enqueue (they run under the store's lock).
-    ``window_s``, ``max_gap_s`` and ``dedupe_horizon_s`` must be the ledger's (:meth:`_agree`; None: whatever the
-    ledger holds); ``adopt_settings`` makes those given the ledger's instead (``collector set-settings``).
+    ``window_s``, ``max_gap_s``, ``dedupe_horizon_s``, ``power_cap_w`` and ``power_caps`` must be the ledger's
+    (:meth:`_agree`; None: whatever the ledger holds); ``adopt_settings`` makes those given the ledger's instead
+    (``collector set-settings``).
     """
 
     def __init__(
@@ -357,7 +384,7 @@ class Store:
         retention: Retention = Retention(),
         sinks: Sequence[Sink] = (),
         summary_interval_s: float = 60.0,
-        power_cap_w: float = DEFAULT_POWER_CAP_W,
+        power_cap_w: float | None = None,
         power_caps: Mapping[str, float] | None = None,
         dedupe_horizon_s: float | None = None,
         idle_evict_s: float | None = None,
@@ -398,11 +425,10 @@ class Store:
         self.url = self._db.url  # for messages: a SQLite file's path or a PostgreSQL URL without its password
         path = getattr(self._db, "path", None)
         self.path: Path | None = Path(path) if self._db.dialect == SQLITE and path is not None else None
-        given = {"window_s": window_s, "max_gap_s": max_gap_s, "dedupe_horizon_s": dedupe_horizon_s}
+        given = {"window_s": window_s, "max_gap_s": max_gap_s, "dedupe_horizon_s": dedupe_horizon_s,
+                 "power_cap_w": power_cap_w, "power_caps": power_caps}
         try:
-            agreed = self._open(retention, series_outbox, given, adopt_settings)
-            window_s, max_gap_s = agreed["window_s"], agreed["max_gap_s"]
-            retention.check(window_s)
+            self.agreed_settings = self._open(retention, series_outbox, given, adopt_settings)
         except BaseException as exc:
             self._db.close()
             if isinstance(exc, DatabaseUnavailable) and not isinstance(exc, StoreUnavailable):
@@ -411,13 +437,10 @@ class Store:
         # Batch keys older than this are pruned at compaction (a day of 1,000 nodes pushing every 10 s is
         # 8.6 million keys): the horizon must exceed how long an agent may hold a batch (its spool), or a batch
         # resent after it is counted twice.
-        self.dedupe_horizon_s = agreed["dedupe_horizon_s"]
+        self.dedupe_horizon_s = self.agreed_settings["dedupe_horizon_s"]
         # a host silent this long (collector time) leaves memory: by default two windows, so a host that
         # pauses for less than its window keeps its windows
-        self.idle_evict_s = 2 * max(window_s, max_gap_s) if idle_evict_s is None else idle_evict_s
-        # load_window: a GPU's window stays in the series store, only its newest sample in memory (bounded memory)
-        self.agg = Aggregator(window_s, max_gap_s, load_usage=self.ledger.load_usages, load_hour=self.ledger.load_hours,
-                              power_cap_w=power_cap_w, power_caps=power_caps, load_window=self.series_store.window)
+        self.idle_evict_s = 2 * max(self.agg.window_s, self.agg.max_gap_s) if idle_evict_s is None else idle_evict_s
         self._restore()
 
     @property
@@ -425,11 +448,12 @@ class Store:
         """The database the ledger and the series store share (SQLite or PostgreSQL)."""
         return self._db
 
-    def _open(self, retention: Retention, series_outbox: bool, given: Mapping[str, float | None],
-              adopt: bool) -> dict[str, float]:
+    def _open(self, retention: Retention, series_outbox: bool, given: Mapping[str, Any],
+              adopt: bool) -> dict[str, Any]:
         """Bring the database up to date in one transaction under the migrations lock (two collectors opening one
         ledger at once take turns): the ledger's migrations, the agreed settings (:meth:`_agree`, returned), the
-        series store's tables, the raw sample layout."""
+        series store's tables, the raw sample layout; then the aggregation: a setting it (or the retention) refuses
+        rolls back what ``_agree`` recorded."""
         db = self._db
         with db.transaction():
             applied = migrate(db)
@@ -449,32 +473,43 @@ class Store:
             if series_outbox:  # series_url: each batch's samples also queued for VictoriaMetrics, in its transaction
                 # (it only enters the lock: ``with``)
                 self.series_store = OutboxSeriesStore(chunk_store, db, cast(threading.RLock, self._lock))
+            retention.check(agreed["window_s"])
+            self.ledger = SqlLedger(db)
+            # load_window: a GPU's window stays in the series store, only its newest sample in memory (bounded memory)
+            self.agg = Aggregator(agreed["window_s"], agreed["max_gap_s"], load_usage=self.ledger.load_usages,
+                                  load_hour=self.ledger.load_hours, power_cap_w=agreed["power_cap_w"],
+                                  power_caps=agreed["power_caps"], load_window=self.series_store.window)
         for m in applied:
             log.info("%s: ledger migration %d applied: %s", self.url, m.version, m.name)
-        self.ledger = SqlLedger(db)
         return agreed
 
-    def _agree(self, given: Mapping[str, float | None], adopt: bool) -> dict[str, float]:
+    def _agree(self, given: Mapping[str, Any], adopt: bool) -> dict[str, Any]:
         """The AGREED_SETTINGS this store runs with (under the migrations lock): one given (not None) is recorded in
         the ledger if it holds none yet, and must equal the ledger's otherwise (SettingsMismatch naming each that
         differs) unless ``adopt`` (``gpuledger collector set-settings``: every other process stopped) records it
         instead; one not given is the ledger's, else the default (recording nothing: a query never decides them)."""
         db = self._db
-        self.recorded_settings: dict[str, tuple[float | None, float]] = {}  # name -> (the ledger's before, now)
-        stored = {key.removeprefix("setting."): float(value) for key, value in db.execute(
-            "SELECT key, value FROM meta WHERE key LIKE 'setting.%'").fetchall()}
-        agreed: dict[str, float] = {}
+        # name -> (the ledger's before, now)
+        self.recorded_settings: dict[str, tuple[AgreedValue | None, AgreedValue]] = {}
+        stored: dict[str, AgreedValue] = {}
+        for key, text in db.execute("SELECT key, value FROM meta WHERE key LIKE 'setting.%'").fetchall():
+            name = key.removeprefix("setting.")
+            if name in AGREED_SETTINGS:  # a mapping is JSON text, a float its repr
+                stored[name] = _agreed_value(name, json.loads(text) if isinstance(AGREED_SETTINGS[name], dict)
+                                             else text)
+        agreed: dict[str, Any] = {}
         differ: list[str] = []
         for name, default in AGREED_SETTINGS.items():
             value = given.get(name)
             if value is None:
-                agreed[name] = stored.get(name, default)
+                agreed[name] = stored.get(name, _agreed_value(name, default))  # a copy: no store changes the default
                 continue
-            agreed[name] = value = float(value)
+            agreed[name] = value = _agreed_value(name, value)
             if name in stored and stored[name] != value and not adopt:
-                differ.append(f"{name} = {value:g} here, {stored[name]:g} in the ledger")
+                differ.append(f"{name} = {setting_text(value)} here, {setting_text(stored[name])} in the ledger")
             elif stored.get(name) != value:
-                db.execute(upsert("meta", ("key", "value"), ("key",)), (f"setting.{name}", repr(value)))
+                text = json.dumps(value, sort_keys=True) if isinstance(value, dict) else repr(value)
+                db.execute(upsert("meta", ("key", "value"), ("key",)), (f"setting.{name}", text))
                 self.recorded_settings[name] = (stored.get(name), value)
         if differ:
             raise SettingsMismatch(

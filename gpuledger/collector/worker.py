@@ -63,7 +63,8 @@ def compaction_options(settings: CollectorSettings) -> dict[str, Any]:
 def store_options(settings: CollectorSettings) -> dict[str, Any]:
     """:class:`Store`'s keyword arguments from the collector's settings (all but ``sinks``): what ``collector serve``
     opens the ledger with, and so every command that opens it (a compaction under other settings would expire or
-    roll up what the collector still needs)."""
+    roll up what the collector still needs; ``collector compact`` leaves out the power caps, which only ingest counts
+    by)."""
     return {**compaction_options(settings), "power_cap_w": settings.power_cap_w, "power_caps": settings.power_caps,
             "max_gpus_per_host": settings.max_gpus_per_host, "series_outbox": bool(settings.series_url)}
 

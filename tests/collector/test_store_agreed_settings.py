@@ -1,7 +1,7 @@
 """The settings every collector and compactor on one ledger must share (``store.AGREED_SETTINGS``: window_s,
-max_gap_s, dedupe_horizon_s) are the ledger's: the first store given them records them, a store given others refuses
-to open (one line naming the setting, both values and the ledger; exit 2 from a command), a store given none (a
-query) runs with the ledger's, and ``collector set-settings`` changes them deliberately."""
+max_gap_s, dedupe_horizon_s, power_cap_w, power_caps) are the ledger's: the first store given them records them, a
+store given others refuses to open (one line naming the setting, both values and the ledger; exit 2 from a command),
+a store given none (a query) runs with the ledger's, and ``collector set-settings`` changes them deliberately."""
 
 from __future__ import annotations
 
@@ -74,6 +74,60 @@ def test_adopt_settings_changes_the_ledgers_and_keeps_what_was_counted(new_ledge
         Store(url, window_s=600.0)
 
 
+CAPS = {"A100": 400.0, "H200": 700.0}
+
+
+def test_a_store_given_other_power_caps_than_the_ledgers_refuses_to_open(new_ledger):
+    url = new_ledger()
+    first = Store(url, power_cap_w=900.0, power_caps=CAPS)
+    try:  # another collector: the same caps open (in any key order), others are refused
+        Store(url, power_cap_w=900, power_caps={"H200": 700, "A100": 400.0}).close()
+        with pytest.raises(SettingsMismatch, match="power_cap_w = 1000 here, 900 in the ledger") as refused:
+            Store(url, power_cap_w=1000.0, power_caps=CAPS)
+        assert "\n" not in str(refused.value)
+        with pytest.raises(SettingsMismatch, match='power_caps = {"H200": 700} here, {"A100": 400, "H200": 700} in the '
+                                                   'ledger'):
+            Store(url, power_cap_w=900.0, power_caps={"H200": 700.0})
+        with pytest.raises(SettingsMismatch, match='power_caps = {} here'):
+            Store(url, power_cap_w=900.0, power_caps={})  # no per-model caps is a mapping too
+        # a compactor (``CompactorProcess``: caps not given) opens beside them
+        Store(url, window_s=600.0, max_gap_s=AGREED_SETTINGS["max_gap_s"]).close()
+    finally:
+        first.close()
+    reader = Store(url)  # a query: counts with the ledger's caps
+    try:
+        assert (reader.agg.power_cap_w, reader.agg.power_caps) == (900.0, CAPS)
+        assert reader.agg.cap_w("NVIDIA H200") == 700.0 and reader.agg.cap_w("NVIDIA B200") == 900.0
+    finally:
+        reader.close()
+
+
+def test_a_store_whose_settings_the_aggregation_refuses_records_none_of_them(new_ledger):
+    url = new_ledger()
+    with pytest.raises(ValueError, match="power caps must be positive watts"):
+        Store(url, window_s=120.0, power_cap_w=900.0, power_caps={"H200": -1.0})
+    store = Store(url, window_s=300.0, power_cap_w=800.0)  # nothing was recorded: these open and are recorded
+    store.close()
+    store = Store(url)
+    try:
+        assert (store.agg.window_s, store.agg.power_cap_w, store.agg.power_caps) == (300.0, 800.0, {})
+    finally:
+        store.close()
+
+
+def test_adopt_settings_changes_the_ledgers_power_caps(new_ledger):
+    url = new_ledger()
+    Store(url, power_cap_w=900.0, power_caps=CAPS).close()
+    changed = Store(url, power_cap_w=900.0, power_caps={"H200": 800.0}, adopt_settings=True)
+    try:
+        assert changed.recorded_settings == {"power_caps": (CAPS, {"H200": 800.0})}
+    finally:
+        changed.close()
+    Store(url, power_caps={"H200": 800.0}).close()
+    with pytest.raises(SettingsMismatch, match='power_caps = {"A100": 400, "H200": 700} here, {"H200": 800} in'):
+        Store(url, power_caps=CAPS)
+
+
 def call(capsys, *argv) -> tuple[int, str, str]:
     code = run([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -99,3 +153,26 @@ def test_commands_check_the_configured_settings_against_the_ledgers(capsys, tmp_
     assert code == 0 and json.loads(out)["window_s"] == 600.0 and "window_s: 300 -> 600" in err, err
     code, out, err = call(capsys, "collector", "compact", "--data-dir", tmp_path)
     assert code == 0, err
+
+
+def test_commands_check_the_configured_power_caps_against_the_ledgers(capsys, tmp_path: Path) -> None:
+    """``collector serve`` refuses other power caps than the ledger's; ``collector compact`` (compaction counts no
+    energy) and queries open it whatever caps are configured, and record none; ``collector set-settings`` records
+    the configuration's."""
+    ledger = tmp_path / "gpuledger.sqlite"
+    Store(ledger, power_cap_w=900.0, power_caps={"H200": 700.0}).close()
+    (tmp_path / "gpuledger.toml").write_text('[collector]\npower_cap_w = 900\n[collector.power_caps]\n"H200" = 800\n')
+    code, out, err = call(capsys, "collector", "serve", "--port", "0", "--data-dir", tmp_path)
+    assert (code, out) == (2, "") and err.splitlines() == [
+        f'error: ledger {ledger}: power_caps = {{"H200": 800}} here, {{"H200": 700}} in the ledger: every collector '
+        "and compactor on a ledger must share it (to change it, stop them all and run `gpuledger collector "
+        "set-settings`)"], err
+    for argv in (("collector", "compact"), ("collector", "totals")):
+        code, out, err = call(capsys, *argv, "--data-dir", tmp_path)
+        assert code == 0 and json.loads(out)["tiers"] is not None, (argv, err)
+    with pytest.raises(SettingsMismatch, match='power_caps = {"H200": 800} here, {"H200": 700} in the ledger'):
+        Store(ledger, power_caps={"H200": 800.0})  # neither recorded the configured caps
+    code, out, err = call(capsys, "collector", "set-settings", "--data-dir", tmp_path)
+    assert code == 0 and 'power_caps: {"H200": 700} -> {"H200": 800}' in err, err
+    assert json.loads(out) == {**AGREED_SETTINGS, "power_cap_w": 900.0, "power_caps": {"H200": 800.0}}
+    Store(ledger, power_cap_w=900.0, power_caps={"H200": 800.0}).close()
