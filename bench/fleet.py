@@ -8,7 +8,8 @@ per-job aggregation, the asyncio HTTP server, compaction every --compact seconds
 --compaction thread in the collector's). With --workers N > 1 it is the real `gpuledger collector serve --workers N`:
 a supervisor, N worker processes on the port and a compactor. Every --report seconds the script prints requests/s,
 samples/s, p50/p99 latency of that interval, the collector's CPU and RSS (with workers: the supervisor's and the
-workers' together) and its compactor's, and how many batches its group commits held on average; at the end the
+workers' together) and its compactor's, how many batches its group commits held on average and how long its
+/metrics took to answer (null: not within 10 s, a scraper's usual timeout); at the end the
 totals, connection errors, answers by status and the peak RSS of each (summed over the processes).
 
     .venv/bin/python bench/fleet.py --nodes 2000 --seconds 60
@@ -152,7 +153,14 @@ def main() -> None:
                     lat = stats.latencies[seen:]
                     now, f = time.monotonic(), figures(proc.pid)
                     cpu, comp = f["collector"]["cpu_s"], f["compactor"]
-                    groups = await asyncio.to_thread(loadgen.group_commits, port)
+                    # a scrape the saturated collector does not answer within its timeout is reported, not fatal:
+                    # batches per commit are then counted over the next interval
+                    scraped = time.monotonic()
+                    try:
+                        groups = await asyncio.to_thread(loadgen.group_commits, port)
+                        scrape_ms: float | None = round((time.monotonic() - scraped) * 1e3, 1)
+                    except OSError:
+                        groups, scrape_ms = groups0, None
                     commits = groups[1] - groups0[1]
                     row = {"t_s": round(now - start, 1), "requests_per_s": round(len(lat) / (now - t0), 1),
                            "samples_per_s": round((stats.samples - samples0) / (now - t0)),
@@ -163,7 +171,7 @@ def main() -> None:
                            "compactor_cpu_pct": round(100 * (comp["cpu_s"] - ccpu0) / (now - t0)),
                            "compactor_rss_mb": round(comp["rss"] / 2**20, 1),
                            "batches_per_commit": round((groups[0] - groups0[0]) / commits, 2) if commits else None,
-                           "connection_errors": stats.conn_errors}
+                           "metrics_scrape_ms": scrape_ms, "connection_errors": stats.conn_errors}
                     timeline.append(row)
                     print(json.dumps(row), flush=True)
                     seen, cpu0, t0, samples0 = len(stats.latencies), cpu, now, stats.samples
