@@ -29,6 +29,8 @@ Example::
     max_series_points = 10000      # GET /api/v1/series picks a coarser step rather than answer more points
     max_page = 10000               # GET /api/v1/jobs and /usage: most rows an answer holds (then ?offset=)
     metrics_user_labels = false    # publish user names in /metrics (the fairshare gauges); /metrics is open
+    metrics_port = 8471            # /metrics also here (plain HTTP, GET /metrics only), answered by threads of
+                                   # its own while a saturated event loop queues requests; unset: none
     max_gpus_per_host = 256        # GPUs and MIG instances one host may have; more get 422 (gpu_limit)
     dedupe_horizon_s = 604800      # batch keys kept this long (pruned at compaction): an agent's spool must
                                    # deliver within it, or a batch resent later is counted twice
@@ -202,6 +204,7 @@ class CollectorSettings(TokenTables):
     max_series_points: int = Field(MAX_SERIES_POINTS, gt=0)
     max_page: int = Field(MAX_PAGE, gt=0)
     metrics_user_labels: bool = False
+    metrics_port: int | None = Field(None, ge=0, le=65535)
     dedupe_horizon_s: float = Field(DEDUPE_HORIZON_S, gt=0)
     max_gpus_per_host: int = Field(MAX_GPUS_PER_HOST, gt=0)
     tokens_file: Path | None = None

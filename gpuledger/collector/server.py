@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from email.message import Message
 from email.utils import formatdate
 from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
@@ -385,6 +386,10 @@ class CollectorServer:
     worker has a listening socket of its own on the port and the kernel spreads new connections over them;
     ``metrics_dir`` is the workers' prometheus_client multiprocess directory (see ``_Metrics``). The limits
     (``max_inflight``, ``max_per_host``, ``max_connections``) are then each worker's.
+
+    ``metrics_port``: /metrics also on that port of ``host`` (plain HTTP, GET /metrics only; 0: any free port), served
+    by threads of its own (:class:`_MetricsListener`), so a scrape is answered while the event loop is saturated (a
+    fleet reconnecting after a restart), when an operator most needs to look.
     """
 
     def __init__(
@@ -411,6 +416,7 @@ class CollectorServer:
         series: SeriesReader | None = None,
         reuse_port: bool = False,
         metrics_dir: str | Path | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.store = store
         self.series = store if series is None else series  # GET /api/v1/series reads this (series_url: VictoriaMetrics)
@@ -446,6 +452,9 @@ class CollectorServer:
         # in the backlog.
         self._sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG, reuse_port=reuse_port)
         self._address = self._sock.getsockname()[:2]
+        self._render_lock = threading.Lock()  # one scrape renders at a time, whichever port it came on
+        self._metrics_listener = None if metrics_port is None else _MetricsListener(
+            (host, metrics_port), self._render_metrics, reuse_port)
         self._handlers = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="collector-handler")
         self._parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="collector-parse")
         # /metrics renders here, never behind reads that wait on the store in the handler pool
@@ -494,6 +503,14 @@ class CollectorServer:
         host, port = self._address
         return f"{'https' if self._tls else 'http'}://{host}:{port}"
 
+    @property
+    def metrics_url(self) -> str | None:
+        """The dedicated /metrics listener's URL (``metrics_port``); None without one."""
+        if self._metrics_listener is None:
+            return None
+        host, port = self._metrics_listener.socket.getsockname()[:2]
+        return f"http://{host}:{port}/metrics"
+
     def start(self) -> CollectorServer:
         self._thread = threading.Thread(target=self._run, name="collector-http", daemon=True)
         self._runner = self._thread
@@ -528,11 +545,16 @@ class CollectorServer:
             self._loop.close()
         if self._audit is not None:
             self._audit.close()
+        if self._metrics_listener is not None:
+            self._metrics_listener.close()
         with contextlib.suppress(ValueError):  # (stopped before)
             self.store.commit_observers.remove(self.metrics.observe_group_commit)
 
     def _run(self) -> None:
         _raise_open_files_limit()
+        if self._metrics_listener is not None:
+            threading.Thread(target=self._metrics_listener.serve_forever, name="collector-metrics-listener",
+                             daemon=True).start()
         self._serving = self._loop.create_task(self._serve())
         try:
             self._loop.run_until_complete(self._serving)
@@ -898,7 +920,11 @@ class CollectorServer:
         """In a thread of its own, not the handler pool (whose threads may all wait on the store behind a stalled
         commit); what it reads of the ledger it waits for a moment at most (``_LedgerReadings``): /metrics answers
         during a stall, when it is looked at."""
-        return Reply(200, await self._loop.run_in_executor(self._scrapes, self.metrics.render), CONTENT_TYPE_LATEST)
+        return Reply(200, await self._loop.run_in_executor(self._scrapes, self._render_metrics), CONTENT_TYPE_LATEST)
+
+    def _render_metrics(self) -> bytes:
+        with self._render_lock:
+            return self.metrics.render()
 
     async def get_health(self, req: Request) -> Reply:
         """200; 503 while a batch has waited for its commit past ledger_timeout_s (``_ledger_stall``), until that
@@ -1021,6 +1047,81 @@ class _Incoming:
         self.body_left = 0
         self.counted = False  # in the requests-in-flight gauge
         self.node: str | None = None  # counted against this node's max_per_host
+
+
+SCRAPE_TIMEOUT_S = 10.0  # a metrics-port connection silent this long is closed
+MAX_SCRAPES = 8  # metrics-port connections served at once; more are closed at once (no scraper needs more)
+
+
+class _MetricsListener(ThreadingHTTPServer):
+    """GET /metrics on a port of its own (``CollectorServer(metrics_port=...)``), a thread per connection: nothing
+    here waits for the event loop, whose queue a saturated collector lets grow to seconds. Anything but GET /metrics
+    is 404. Bounded: at most MAX_SCRAPES connections (threads) at once, each closed after SCRAPE_TIMEOUT_S of
+    silence."""
+
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], render: Callable[[], bytes], reuse_port: bool) -> None:
+        self.render = render
+        self.reuse_port = reuse_port
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(address, _MetricsHandler)
+        self._served = threading.Event()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def server_bind(self) -> None:
+        if self.reuse_port:  # each worker of several binds the one metrics port, as it binds the collector's
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._served.set()
+        super().serve_forever(poll_interval)
+
+    def close(self) -> None:
+        if self._served.is_set():
+            self.shutdown()
+        self.server_close()
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    server: _MetricsListener
+    timeout = SCRAPE_TIMEOUT_S
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if urlsplit(self.path).path != "/metrics":
+            body, status, kind = b'{"error": "only GET /metrics is served on this port"}\n', 404, "application/json"
+        else:
+            try:
+                body, status, kind = self.server.render(), 200, CONTENT_TYPE_LATEST
+            except Exception:  # a scrape's failure is its own: logged, answered 500, the listener serves on
+                log.exception("GET /metrics on the metrics port failed")
+                body, status, kind = b'{"error": "internal error"}\n', 500, "application/json"
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        pass  # a scrape every 15 s is not news
 
 
 class _Connection(asyncio.Protocol):

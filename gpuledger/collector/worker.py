@@ -113,10 +113,11 @@ class Collector:
                 idle_timeout_s=settings.idle_timeout_s, limits=settings.limits(),
                 max_series_points=settings.max_series_points, max_page=settings.max_page,
                 metrics_user_labels=settings.metrics_user_labels, series=remote.reader if remote else None,
-                reuse_port=reuse_port, metrics_dir=metrics_dir,
+                reuse_port=reuse_port, metrics_dir=metrics_dir, metrics_port=settings.metrics_port,
             )
         except OSError as e:  # taken since serve checked it was free
-            fail(f"cannot listen on {settings.host}:{port}: {e.strerror or e}", code=1)
+            also = "" if settings.metrics_port is None else f" or its metrics_port {settings.metrics_port}"
+            fail(f"cannot listen on {settings.host}:{port}{also}: {e.strerror or e}", code=1)
         shared_shipper = None
         if remote is not None:
             shared_shipper = None if metrics_dir is None else SharedShipperMetrics(remote.metrics)

@@ -122,6 +122,49 @@ def test_metrics_user_labels_option_publishes_user_names(tmp_path):
         store.close()
 
 
+def test_the_metrics_port_answers_while_the_event_loop_is_saturated(tmp_path):
+    """``metrics_port``: /metrics on a listener of its own threads, answered while the loop is busy (here: held for
+    3 s, as a burst of new hosts' group commits holds it), where the main port's /metrics waits for the loop."""
+    import socket
+    import threading
+    import time
+
+    from gpuledger.collector.server import MAX_SCRAPES
+
+    store = Store(tmp_path / "s.db", clock=lambda: NOW)
+    s = CollectorServer(store, clock=lambda: NOW, metrics_port=0).start()
+    try:
+        assert s.metrics_url is not None and s.metrics_url.startswith("http://127.0.0.1:")
+        for url in (s.url + "/metrics", s.metrics_url):  # the loop is free: both answer
+            assert "gpuledger_collector_batches_accepted_total" in httpx.get(url).text
+        held = threading.Event()
+        s._loop.call_soon_threadsafe(lambda: (held.set(), time.sleep(3.0)))  # the loop busy for 3 s
+        assert held.wait(5)
+        t0 = time.monotonic()
+        r = httpx.get(s.metrics_url, timeout=10)
+        assert r.status_code == 200 and "gpuledger_collector_batches_accepted_total" in r.text
+        assert r.headers["Content-Type"].startswith("text/plain")
+        assert time.monotonic() - t0 < 2.0  # answered while the loop is held (it is for 3 s)
+        main = httpx.get(s.url + "/metrics", timeout=10)  # the main port's waits for the loop
+        assert main.status_code == 200 and time.monotonic() - t0 >= 2.5
+        other = httpx.get(s.metrics_url.removesuffix("/metrics") + "/api/v1/usage")
+        assert other.status_code == 404 and "only GET /metrics" in other.json()["error"]
+        # connections that send nothing hold at most MAX_SCRAPES threads; a scrape after them is still answered
+        # once they are closed, and the listener never grows past its bound meanwhile
+        host, port = s.metrics_url.removeprefix("http://").removesuffix("/metrics").split(":")
+        idle = [socket.create_connection((host, int(port))) for _ in range(MAX_SCRAPES + 4)]
+        time.sleep(0.5)
+        assert sum(t.name.startswith("Thread-") and "process_request_thread" in repr(t._target)
+                   for t in threading.enumerate()) <= MAX_SCRAPES
+        for c in idle:
+            c.close()
+        time.sleep(0.5)
+        assert httpx.get(s.metrics_url, timeout=10).status_code == 200
+    finally:
+        s.stop()
+        store.close()
+
+
 @pytest.mark.parametrize("mutate,status,needle", [
     (lambda b: b.update(seq=2**64 - 1), 400, "'seq'"),
     (lambda b: b["samples"][1].update(mem_used_bytes=2**64 - 1), 400, "sample[1].mem_used_bytes"),
