@@ -45,22 +45,30 @@ UNMEASURED_RULES: tuple[str, ...] = ("allocated", "floor", "mean")
 _RUNNING = ("RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "RESIZING")
 
 
-def _elapsed(record: JobRecord | None, now: float) -> float | None:
-    """Seconds the job held its allocation: (end, or now while it runs) - start, plus each earlier run's (a
-    requeued job: ``JobRecord.earlier_runs``; its allocation is taken to be the latest run's); None if it never
-    ran."""
+def allocation_runs(record: JobRecord | None, now: float) -> list[tuple[float, float]]:
+    """The spans the job held its allocation, up to ``now``: a requeued job's earlier runs
+    (``JobRecord.earlier_runs``; its allocation is taken to be the latest run's), then [start, end or now] unless the
+    latest run never started or is pending (ended without an end time: nothing to charge). The one rule of how much
+    (:func:`allocation`) and when (``engine``: the allocation's charge accrues over these spans) Slurm's allocation
+    is charged."""
     if record is None:
-        return None
-    before = sum(max(0.0, min(end, now) - start) for start, end, _ in record.earlier_runs)
+        return []
+    runs = [(start, max(start, min(end, now))) for start, end, _ in record.earlier_runs]
     if record.start is None:
-        return before if record.earlier_runs else None  # requeued, waiting to run again
+        return runs  # requeued, waiting to run again (or never ran)
     end = record.end
     if end is None:
         if record.state is not None and record.state not in _RUNNING:
-            # pending, or ended without an end time: no allocation to charge but the earlier runs'
-            return before if record.earlier_runs else None
+            return runs  # pending, or ended without an end time: no allocation to charge but the earlier runs'
         end = now
-    return before + max(0.0, min(end, now) - record.start)
+    runs.append((record.start, max(record.start, min(end, now))))
+    return runs
+
+
+def _elapsed(record: JobRecord | None, now: float) -> float | None:
+    """Seconds the job held its allocation (:func:`allocation_runs`); None if it never ran."""
+    runs = allocation_runs(record, now)
+    return sum(b - a for a, b in runs) if runs else None
 
 
 def _gpu_counts(record: JobRecord) -> tuple[float, dict[str, float]]:

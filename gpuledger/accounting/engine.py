@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from gpuledger.accounting.associations import AssocTree, UserKey
-from gpuledger.accounting.charge import ChargePolicy, JobCharge, allocation
+from gpuledger.accounting.charge import ChargePolicy, JobCharge, allocation, allocation_runs
 from gpuledger.accounting.config import AccountingSettings
 from gpuledger.accounting.decay import decayed_usage
 from gpuledger.accounting.fairshare import Usage, classic, fair_tree
@@ -158,14 +158,13 @@ class HourlyPlacer:
 
 
 def _allocation_pieces(r: JobRecord, now: float, amount: float) -> list[tuple[float, float, float]]:
-    """``amount`` (a charge of Slurm's allocation: the unmeasured part) as pieces accruing evenly over the job's runs
-    (a requeued job's earlier ones, then [start, end or now]), each its share by duration."""
-    runs = [(a, b) for a, b, _ in r.earlier_runs]
-    if r.start is not None:
-        runs.append((r.start, max(r.start, min(r.end if r.end is not None else now, now))))
+    """``amount`` (a charge of Slurm's allocation: the unmeasured part) as pieces accruing evenly over the spans it
+    was held (:func:`charge.allocation_runs`: a requeued job's earlier runs, then [start, end or now]), each its share
+    by duration."""
+    runs = allocation_runs(r, now)
     total = sum(b - a for a, b in runs)
     if len(runs) == 1 or total <= 0:
-        return [(runs[-1][0], runs[-1][1], amount)]
+        return [(runs[-1][0], runs[-1][1], amount)] if runs else []
     return [(a, b, amount * (b - a) / total) for a, b in runs if b > a]
 
 
@@ -254,7 +253,7 @@ def association_usage(
         if c.gap_charge > 0:
             # reassigned gap energy accrues evenly over the job's overlap with each gap
             pieces += [(s.start, s.end, c.gap_charge * s.energy_joules / c.gap_energy_joules) for s in e.gap_shares]
-        if c.unmeasured > 0 and r is not None and (r.start is not None or r.earlier_runs):
+        if c.unmeasured > 0 and r is not None:
             pieces += _allocation_pieces(r, now, c.unmeasured)
         if r is not None and (r.end is None or r.end > now):
             pieces = _until_tick(pieces, math.floor(now / settings.calc_period_s) * settings.calc_period_s)
