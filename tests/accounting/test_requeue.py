@@ -158,6 +158,7 @@ def test_a_requeued_jobs_allocation_is_every_runs_and_accrues_over_them(tmp_path
     waiting = replace(requeued, start=None, end=None, state="PENDING")  # requeued, not running again yet
     assert allocation(waiting, T0 + 9999) == {"": 600.0}
     assert allocation(RUN2, T0 + 9999) == {"": 600.0}  # (never requeued: its one run)
+    assert allocation(requeued, T0 + 300) == {"": 300.0}  # as of a time inside the first run: up to it only
     store = Store(tmp_path / "gpuledger.sqlite")
     try:
         store.put_jobs([RUN1, RUN2])
