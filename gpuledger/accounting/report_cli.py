@@ -47,9 +47,9 @@ from gpuledger.accounting.report.period import (
     PERIOD_FORMS,
     in_period,
     iso_utc,
-    job_end,
     not_ended_note,
     parse_period,
+    run_ends,
 )
 from gpuledger.accounting.report.settings import ReportSettings, load_report_settings
 from gpuledger.accounting.report.tables import show, to_csv, to_json
@@ -210,7 +210,7 @@ def _sign(output: Path | None, ledger_url: str | None, data_dir: Path, config: P
 def _note_empty(per: Period, entries: Sequence[LedgerEntry], now: float) -> None:
     """An empty period is not an error, but say so, and where the ledger's jobs are (``now``: the report's instant
     of the period rule)."""
-    ends = [t for e in entries if (t := job_end(e, now)) is not None]
+    ends = [t for e in entries for t in run_ends(e, now)]
     days = [str(iso_utc(t))[:10] for t in (min(ends), max(ends))] if ends else []  # job ends are finite
     where = (f"the ledger's jobs ended between {days[0]} and {days[1]}" if days
              else "the ledger holds no jobs yet")

@@ -18,7 +18,9 @@ the union of the windows of the runs on its host: a record spanning two runs (on
 requeued onto the same node) is charged for both, not for the time between them, its samples again taken as
 spread evenly over its span. That assumption is the coarsest where the gap between runs is long and the agent
 sampled nothing in it (the collector then keeps the job's GPU-seconds of the gap apart, as ``gap_gpu_seconds``,
-which is prorated with the rest).
+which is prorated with the rest). A report counts each run in the period it ended (``report.period``): a record's
+part in a run is its share inside that run's window of its share inside them all (:func:`in_runs`; the windows of
+two runs less than 2 x ``SLACK_S`` apart cut at the middle of their overlap), so its parts add up to what is charged.
 
 What is not charged is kept, with the reason, so reports and the audit log can show it. Jobs without a scheduler
 record (seen only by agents) are charged as measured: nothing says otherwise, but for one physical GPU counted
@@ -27,7 +29,8 @@ more than once by MIG rows that do not fit it (:func:`mig_bounds`), which holds 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -74,17 +77,13 @@ def in_scope(record: JobRecord | None, rows: Sequence[JobUsage], now: float,
              ) -> tuple[tuple[JobUsage, ...], tuple[OutOfScope, ...]]:
     """``rows`` (one job's per-GPU usage) as far as they lie within ``record``'s runs: (the rows to charge, some
     prorated; what was cut and why). Without a record, or one without a run that started, every row is charged."""
-    runs = [(lo - SLACK_S, hi + SLACK_S, set(hosts)) for lo, hi, hosts in record.earlier_runs] if record else []
-    if record is not None and record.start is not None:
-        runs.append((record.start - SLACK_S, (now if record.end is None else record.end) + SLACK_S,
-                     set(record.hosts)))
+    runs = _run_windows(record, now) if record is not None else []
     if not runs:
         return tuple(rows), ()
     kept: list[JobUsage] = []
     cut: list[OutOfScope] = []
     for u in rows:
-        # a run that lists no hosts holds any (as a record without hosts always did); "*": summed over hosts
-        windows = _merged([(lo, hi) for lo, hi, hosts in runs if not hosts or u.host == "*" or u.host in hosts])
+        windows = _merged([(lo, hi) for _, lo, hi in _host_windows(runs, u.host)])
         if not windows:
             cut.append(OutOfScope(u, 0.0, "host"))
             continue
@@ -98,6 +97,74 @@ def in_scope(record: JobRecord | None, rows: Sequence[JobUsage], now: float,
                       if lo <= u.last_ts and u.first_ts <= hi]
             kept.append(_prorated(u, fraction, inside[0][0], inside[-1][1]))
     return tuple(kept), tuple(cut)
+
+
+def job_runs(record: JobRecord) -> list[tuple[float, float | None, tuple[str, ...]]]:
+    """A job's runs as this module numbers them: (start, end, hosts) of each earlier run of a requeued job, oldest
+    first, then the latest run's where it started (end None while it runs)."""
+    runs: list[tuple[float, float | None, tuple[str, ...]]] = list(record.earlier_runs)
+    if record.start is not None:
+        runs.append((record.start, record.end, record.hosts))
+    return runs
+
+
+def _run_windows(record: JobRecord, now: float) -> list[tuple[float, float, tuple[str, ...]]]:
+    """Each run's (:func:`job_runs`) window with the slack, and its hosts: [start - SLACK_S, (end or now) +
+    SLACK_S]."""
+    return [(start - SLACK_S, (now if end is None else end) + SLACK_S, hosts) for start, end, hosts in job_runs(record)]
+
+
+def _host_windows(runs: Sequence[tuple[float, float, tuple[str, ...]]], host: str) -> list[tuple[int, float, float]]:
+    """The windows of the runs that hold a record of ``host`` (a run that lists no hosts holds any, as a record
+    without hosts always did; "*": summed over hosts) as (run, lo, hi) in time order, those of two runs that overlap
+    (less than 2 x SLACK_S apart) cut at the middle of the overlap: they partition the union of the windows, so
+    that a record's parts in the runs (:func:`in_runs`) add up to what :func:`in_scope` charges of it."""
+    out: list[tuple[int, float, float]] = []
+    for i, (lo, hi, hosts) in sorted(enumerate(runs), key=lambda run: run[1][0]):
+        if hosts and host != "*" and host not in hosts:
+            continue
+        if out and lo < out[-1][2]:
+            j, before, end = out[-1]
+            cut = max(before, (end + lo) / 2)
+            out[-1] = (j, before, cut)
+            lo, hi = cut, max(hi, end)
+        out.append((i, lo, hi))
+    return out
+
+
+def in_runs(record: JobRecord, u: JobUsage, runs: Collection[int], now: float) -> JobUsage | None:
+    """The part of ``u``, a record :func:`in_scope` charged to the job, in some of the job's runs (``runs``:
+    positions in :func:`job_runs`), None where it has none: the share of its span inside those runs' windows on its
+    host (cut where two overlap: :func:`_host_windows`) of its share inside every run's, its additive figures in
+    proportion (its samples taken as spread evenly over its span, as :func:`in_scope` takes them). So the parts of a
+    record in runs that partition the job's add up to the record. A record inside no run's window (one
+    :func:`in_scope` did not hold, or held at another ``now``) is the nearest run's (:func:`nearest_run`)."""
+    first, last = u.first_ts, u.last_ts
+    windows = _host_windows(_run_windows(record, now), u.host)
+    if last <= first:  # an instant: the run whose window holds it
+        held = next((i for i, lo, hi in windows if lo <= first <= hi), None)
+        fraction = None if held is None else float(held in runs)
+        mine = [(first, last)]
+    else:
+        overlaps = [(i, max(first, lo), min(last, hi)) for i, lo, hi in windows if lo < last and first < hi]
+        mine = [(a, b) for i, a, b in overlaps if i in runs]
+        total = math.fsum(b - a for _, a, b in overlaps)
+        fraction = math.fsum(b - a for a, b in mine) / total if total > 0.0 else None
+    if fraction is None:
+        fraction = float(nearest_run(record, first, last, now) in runs)
+        mine = [(first, last)]
+    if fraction <= 0.0:
+        return None
+    return u if fraction >= 1.0 else _prorated(u, fraction, mine[0][0], mine[-1][1])
+
+
+def nearest_run(record: JobRecord, first: float, last: float, now: float) -> int:
+    """The run (a position in :func:`job_runs`; the record has one) nearest the span ``[first, last]`` in time:
+    the least distance from its middle to a run's [start, end or now], the earlier run of a tie. Where a job's
+    measurements that no run holds (out of scope) and its gap energy count (``report.period``)."""
+    mid = (first + last) / 2
+    spans = [(start, now if end is None else end) for start, end, _ in job_runs(record)]
+    return min(range(len(spans)), key=lambda i: max(0.0, spans[i][0] - mid, mid - spans[i][1]))
 
 
 def _inside(first: float, last: float, windows: Sequence[tuple[float, float]]) -> float:

@@ -20,7 +20,8 @@ A requeued job (node failure, preemption, ``scontrol requeue``) keeps its job id
 lists every run (the earlier ones REQUEUED), ``-X`` without ``-D`` only the latest. Both parsers make one record of a
 job's runs (:func:`_runs_folded`): the latest run's fields, the earlier runs' (start, end, hosts) in
 ``JobRecord.earlier_runs``, so that usage measured during an earlier run is charged to the job
-(``accounting.scope``).
+(``accounting.scope``). With a state filter (``-s``) sacct -D lists a run only in a state named, and an earlier
+run's is REQUEUED (``RQ``): ``ENDED_STATES`` names it, and ``SlurmClient.sacct_running`` asks for it apart.
 
 A heterogeneous job's components (``12+0``, ``12+1`` to sacct -P and squeue) are named by their own job ids
 (``het`` in the JSON aside, JobIDRaw in -P, %A in squeue), as their cgroups, scontrol and the agents name them.
@@ -251,6 +252,17 @@ def _runs_folded(records: list[JobRecord]) -> list[JobRecord]:
         out.append(latest.with_earlier_runs((r.start, r.end, r.hosts) for r in rs[:-1]
                                             if r.start is not None and r.end is not None))
     return out
+
+
+def _with_requeued_runs(records: list[JobRecord], requeued: Iterable[JobRecord]) -> list[JobRecord]:
+    """``records`` each with the runs of its job (cluster, job id) among ``requeued`` (records of REQUEUED runs,
+    folded per job: :func:`_runs_folded`) that ended before it started, as earlier runs."""
+    runs: dict[tuple[str, str], list[tuple[float, float, tuple[str, ...]]]] = {}
+    for q in requeued:
+        if q.start is not None and q.end is not None:
+            runs.setdefault((q.cluster, q.job_id), []).extend((*q.earlier_runs, (q.start, q.end, q.hosts)))
+    return [r.with_earlier_runs(run for run in runs.get((r.cluster, r.job_id), ())
+                                if r.start is not None and run[1] <= r.start) for r in records]
 
 
 # ------------------------------------------------------------------------------------------------ sacct JSON
@@ -617,9 +629,14 @@ def parse_sprio(text: str) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ the client
 
 Run = Callable[..., "subprocess.CompletedProcess[str]"]
-# sacct -s states of a job that has ended (what `priority watch` imports), and of one that holds its allocation
-ENDED_STATES = ("BF", "CA", "CD", "DL", "F", "NF", "OOM", "PR", "TO")
+# sacct -s states of a job that has ended (what `priority watch` imports), and of one that holds its allocation.
+# With -D, sacct lists a run only in a state named: RQ brings a requeued job's earlier runs, which would otherwise
+# never come (22.05: tests/data/slurm/requeue-22.05).
+ENDED_STATES = ("BF", "CA", "CD", "DL", "F", "NF", "OOM", "PR", "RQ", "TO")
 RUNNING_STATES = ("R", "S")
+# A requeued job's run ends as the job is requeued, which is the next run's Submit (a second apart on 22.05): the
+# runs before a running one ended after its submission, less this margin (a slow requeue, a node failure's)
+REQUEUE_MARGIN_S = 3600.0
 _SCONTROL_JOB_ID = re.compile(r"\d+(_(\d+|\[\d+(-\d+)?(,\d+(-\d+)?)*\]))?")
 
 
@@ -688,14 +705,26 @@ class SlurmClient:
         return records
 
     def sacct_running(self, at: float | datetime) -> list[JobRecord]:
-        """The jobs of all users running (or suspended) at ``at``, from ONE ``sacct -P -X`` call (a cluster runs
-        ~20k at once; -X prints no steps, and a running job has no exit code for ``sacct --json`` to add; -D: a
-        requeued job's earlier runs). A job that ended since (slurmdbd is that fast) comes with its end."""
+        """The jobs of all users running (or suspended) at ``at``, from ONE ``sacct -P -X`` call for them all (a
+        cluster runs ~20k at once; -X prints no steps, and a running job has no exit code for ``sacct --json`` to
+        add). A job that ended since (slurmdbd is that fast) comes with its end. A requeued job's earlier runs
+        (``JobRecord.earlier_runs``), which sacct lists in the state REQUEUED only (-D with ``--state=R,S`` at an
+        instant gives the latest run alone), come from one more call where jobs run: the runs requeued since the
+        earliest of the running jobs' submissions (:data:`REQUEUE_MARGIN_S` before; a running job's previous run
+        ended when it was submitted again), folded into the running records of their jobs; runs before those (a
+        job requeued several times) come with ``sacct_jobs``' ``ENDED_STATES`` and join in the ledger."""
         utc = {"TZ": "UTC"}
         skipped: list[tuple[str, str]] = []
         records = parse_sacct_parsable(self._call(
             ["sacct", "-P", "-X", "-D", "-a", "-S", _slurm_time(at), "-E", _slurm_time(at),
              f"--state={','.join(RUNNING_STATES)}", f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC, skip=skipped)
+        submitted = [t for r in records if (t := r.submit if r.submit is not None else r.start) is not None]
+        if submitted:
+            requeued = parse_sacct_parsable(self._call(
+                ["sacct", "-P", "-X", "-D", "-a", "-S", _slurm_time(min(submitted) - REQUEUE_MARGIN_S),
+                 "-E", _slurm_time(at), "--state=RQ", f"--format={SACCT_PARSABLE_FORMAT}"], utc), tz=UTC,
+                skip=skipped)
+            records = _with_requeued_runs(records, requeued)
         _warn_left_out(skipped)
         return records
 

@@ -18,6 +18,7 @@ from testdata import DATA_ROOT, capture  # noqa: F401
 from typer.testing import CliRunner
 
 from gpuledger.accounting.slurm import (
+    ENDED_STATES,
     SlurmClient,
     SlurmCommandError,
     SlurmParseError,
@@ -357,10 +358,58 @@ def test_client_sacct_running_is_one_parsable_call_of_the_jobs_running_at_an_ins
     assert [(r.job_id, r.user, r.gpus, r.state, r.start, r.end, r.exit_code) for r in recs] == [
         ("10", "alice", 1, "RUNNING", utc("2026-11-29T16:23:28"), None, None),
         ("11", "bob", 2, "RUNNING", utc("2026-11-29T16:23:29"), None, None)]
-    ((argv, env),) = run.calls
+    (argv, env), (requeued, _) = run.calls  # the second: the earlier runs of requeued jobs among them
     assert argv[argv.index("-S") + 1] == argv[argv.index("-E") + 1] == "2026-11-29T16:23:46"
     assert {"-P", "-X", "-D", "-a", "--state=R,S"} <= set(argv) and env["TZ"] == "UTC"
     assert any(a.startswith("--format=JobID,JobIDRaw,") for a in argv)
+    assert "--state=RQ" in requeued and requeued[requeued.index("-E") + 1] == "2026-11-29T16:23:46"
+    assert all(r.earlier_runs == () for r in recs)  # (the replay's answer holds no REQUEUED run)
+    # no job running: one call
+    run = Replay({"sacct -P": (0, "JobID|JobIDRaw|State\n", "")})
+    assert SlurmClient(run=run).sacct_running(utc("2026-11-29T16:23:46")) == [] and len(run.calls) == 1
+
+
+class ReplayByState(Replay):
+    """A Replay that answers ``sacct -P`` by its ``--state`` argument."""
+
+    def __call__(self, argv, **kw):
+        state = next(a for a in argv if a.startswith("--state="))
+        return super().__call__(["sacct", state, *argv[1:]], **kw)
+
+
+def test_sacct_running_gives_a_requeued_jobs_record_its_earlier_run() -> None:
+    # real 22.05 (REQUEUE/README.md): job 2 requeued and running again; sacct -D --state=R,S at an instant lists its
+    # running run alone, --state=RQ since the earliest running job's submission (less an hour) its first run
+    run = ReplayByState({"sacct --state=R,S": (0, read(REQUEUE / "sacct-P-X-D-running-requeued.txt"), ""),
+                         "sacct --state=RQ": (0, read(REQUEUE / "sacct-P-X-D-RQ-requeued.txt"), "")})
+    bob, alice = SlurmClient(run=run).sacct_running(utc("2026-12-02T12:52:08"))
+    assert (bob.job_id, bob.user, bob.earlier_runs) == ("1", "bob", ())
+    assert (alice.job_id, alice.state, alice.start, alice.end) == ("2", "RUNNING", utc("2026-12-02T12:52:04"), None)
+    assert alice.earlier_runs == ((utc("2026-12-02T12:52:01"), utc("2026-12-02T12:52:03"), ("vm",)),)
+    _, (requeued, env) = run.calls
+    assert (requeued[requeued.index("-S") + 1], requeued[requeued.index("-E") + 1]) == (
+        "2026-12-02T11:51:58", "2026-12-02T12:52:08")  # bob's Submit less an hour: alice's is her requeue
+    assert {"-P", "-X", "-D", "-a"} <= set(requeued) and env["TZ"] == "UTC"
+    # a REQUEUED run of a job that runs no more (not among the running ones) is not made into one
+    run = ReplayByState({"sacct --state=R,S": (0, running_lines(read(REAL / "sacct-a-P-S-today.txt")), ""),
+                         "sacct --state=RQ": (0, read(REQUEUE / "sacct-P-X-D-RQ-requeued.txt"), "")})
+    assert [r.job_id for r in SlurmClient(run=run).sacct_running(utc("2026-11-29T16:23:46"))] == ["10", "11"]
+
+
+def test_the_ended_jobs_import_asks_for_requeued_runs_too() -> None:
+    # sacct -D with a state filter lists a run only in a state named: without RQ, the import of ended jobs
+    # (`priority watch`) got a requeued job's latest run alone, though its window held both
+    assert [r.earlier_runs for r in parse_sacct_parsable(read(REQUEUE / "sacct-P-X-D-ended-no-RQ-requeued.txt"),
+                                                         tz=UTC)] == [()]
+    run = Replay({"sacct --json": (0, read(REQUEUE / "sacct-json-D-ended-requeued.json"), ""),
+                  "sacct -P": (0, read(REQUEUE / "sacct-P-X-D-ended-requeued.txt"), "")})
+    (job,) = SlurmClient(run=run).sacct_jobs(utc("2026-12-02T12:50:58"), utc("2026-12-02T12:52:21"),
+                                             states=ENDED_STATES)
+    assert (job.job_id, job.state, job.exit_code, job.start, job.end) == (
+        "2", "COMPLETED", 0, utc("2026-12-02T12:52:04"), utc("2026-12-02T12:52:19"))
+    assert job.earlier_runs == ((utc("2026-12-02T12:52:01"), utc("2026-12-02T12:52:03"), ("vm",)),)
+    for argv, _ in run.calls:
+        assert "RQ" in next(a for a in argv if a.startswith("--state=")).removeprefix("--state=").split(",")
 
 
 def test_client_errors_carry_command_and_stderr() -> None:

@@ -5,8 +5,13 @@ for a job Slurm knows that has no end yet (it is running), the report's ``now``,
 not over yet (one ending after now), with its allocation so far, and never in a closed one: a closed period's
 report is the same whenever it is made, and the job counts in the period it ends; for a job Slurm does not know,
 its last measurement (a running job's record, which `priority watch` imports, makes Slurm know it while it runs).
-So consecutive periods partition the jobs, every job is charged once in the closed periods, and a period's totals
-are exactly the sum of its job records; a job spanning a month boundary lands in the month it ended (no
+A requeued job (``JobRecord.earlier_runs``) counts run by run (:func:`run_ends`): each earlier run whole in the
+period it ended, the latest by the rule above, each with its own measured usage (``scope.in_runs``: a usage
+record's share inside the run's window on its host), its allocation (``charge.allocation_runs``' span of it, at
+the latest run's GPUs), unmeasured time and prices (:func:`part_in_runs`); so a requeue does not change the report
+of the period an earlier run ended in, and the job counts once in each period one of its runs ended in.
+So consecutive periods partition the runs, every run is charged once in the closed periods, and a period's totals
+are exactly the sum of its job records; a job (run) spanning a month boundary lands in the month it ended (no
 proration). Times are UTC. A job only agents measured that still runs at a period's end shows it only once its
 samples after the end are in the ledger: a report made within ``SETTLE_S`` of the end says how many it may count
 that way (:func:`not_ended_note`).
@@ -17,14 +22,15 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from gpuledger.accounting.audit.binding import FINAL_AFTER_S
-from gpuledger.accounting.ledger import LedgerEntry
+from gpuledger.accounting.ledger import LedgerEntry, sum_usage
 from gpuledger.accounting.report.errors import ReportError
+from gpuledger.accounting.scope import in_runs, nearest_run
 
 # How long after a period's end the last measurement of a job only agents measured may still move past it (the job
 # ran on): the collector's late window (a sample may trail its GPU's newest by FINAL_AFTER_S and still count, and
@@ -155,19 +161,73 @@ def job_end(e: LedgerEntry, now: float | None = None) -> float | None:
     return e.usage.last_ts if e.usage is not None else None
 
 
-def in_period(entries: Iterable[LedgerEntry], period: Period, now: float | None = None) -> list[LedgerEntry]:
-    a, b = period.start, period.end
-    now = time.time() if now is None else now
-    out = []
-    for e in entries:
+def run_ends(e: LedgerEntry, now: float) -> list[float]:
+    """When each run of the job counts (the period rule): a requeued job's earlier runs' ends, oldest first, then
+    its latest run's :func:`job_end` where that run started (the runs as ``scope.job_runs`` numbers them); a job
+    never requeued: its :func:`job_end`, or nothing (it never started)."""
+    r = e.record
+    if r is None or not r.earlier_runs:
         t = job_end(e, now)
-        if t is not None and a <= t < b:
-            out.append(e)
-    return out
+        return [] if t is None else [t]
+    ends = [end for _, end, _ in r.earlier_runs]
+    if r.start is not None:
+        ends.append(r.end if r.end is not None else now)  # job_end of a run that started
+    return ends
+
+
+def runs_in(e: LedgerEntry, period: Period, now: float) -> list[int]:
+    """The runs of the job (positions in :func:`run_ends`) that count in ``period``."""
+    return [i for i, t in enumerate(run_ends(e, now)) if period.start <= t < period.end]
+
+
+def part_in_runs(e: LedgerEntry, runs: Collection[int], now: float) -> LedgerEntry:
+    """A requeued job's entry as far as it is some of its runs (positions in :func:`run_ends`): its record of
+    those runs (the latest of them gives the start, end and hosts, the others are its earlier runs; the GPUs and
+    the rest are the job's latest run's, which Slurm's record keeps), each measured usage record's part in them
+    (``scope.in_runs``), the job-level record their sum, and the measurements out of scope and the gap energy
+    whose nearest run (``scope.nearest_run``) is one of them. ``e`` itself for all its runs."""
+    r = e.record
+    if r is None or len(runs) == len(run_ends(e, now)):
+        return e
+    latest = len(r.earlier_runs)
+    earlier = tuple(r.earlier_runs[i] for i in sorted(runs) if i < latest)
+    if latest in runs:
+        record = replace(r, earlier_runs=earlier)
+    else:
+        (start, end, hosts), earlier = earlier[-1], earlier[:-1]
+        # a run that was requeued, as Slurm's record of it says; its submission and GPUs are not kept
+        record = replace(r, start=start, end=end, hosts=hosts, earlier_runs=earlier, state="REQUEUED",
+                         exit_code=None, submit=None, gpu_uuids=(), gpu_indexes=())
+    gpus = tuple(p for u in e.gpus if (p := in_runs(r, u, runs, now)) is not None)
+    if e.gpus:
+        usage = sum_usage(list(gpus)) if gpus else None
+    else:
+        usage = in_runs(r, e.usage, runs, now) if e.usage is not None else None
+    return replace(e, record=record, usage=usage, gpus=gpus,
+                   out_of_scope=tuple(c for c in e.out_of_scope
+                                      if nearest_run(r, c.usage.first_ts, c.usage.last_ts, now) in runs),
+                   gap_shares=tuple(g for g in e.gap_shares if nearest_run(r, g.start, g.end, now) in runs))
+
+
+def period_part(e: LedgerEntry, period: Period, now: float) -> LedgerEntry | None:
+    """What of the job counts in ``period`` (:func:`runs_in`): the entry, its part in the runs that ended there
+    (:func:`part_in_runs`), or None."""
+    r = e.record
+    if r is None or not r.earlier_runs:  # one run: inlined, this runs once per job
+        t = job_end(e, now)
+        return e if t is not None and period.start <= t < period.end else None
+    runs = runs_in(e, period, now)
+    return part_in_runs(e, runs, now) if runs else None
+
+
+def in_period(entries: Iterable[LedgerEntry], period: Period, now: float | None = None) -> list[LedgerEntry]:
+    """What of each job counts in ``period`` (:func:`period_part`)."""
+    now = time.time() if now is None else now
+    return [p for e in entries if (p := period_part(e, period, now)) is not None]
 
 
 def not_ended_note(entries: Iterable[LedgerEntry], period: Period, now: float | None = None) -> str | None:
-    """What the period rule (:func:`job_end`) did with the jobs whose end is not final, or None when there are
+    """What the period rule (:func:`run_ends`) did with the jobs whose end is not final, or None when there are
     none: the jobs Slurm shows running that started before the period's end (counted up to ``now`` in a period not
     over yet, else left out), and, in a report made less than ``SETTLE_S`` after the period's end, the jobs Slurm
     does not know last measured within ``SETTLE_S`` of it (counted at their last measurement, but they may still
@@ -175,14 +235,20 @@ def not_ended_note(entries: Iterable[LedgerEntry], period: Period, now: float | 
     now = time.time() if now is None else now
     entries = list(entries)
     notes = []
-    n = sum(1 for e in entries if (r := e.record) is not None and r.end is None and r.start is not None
-            and r.start < period.end)
+    running = [e for e in entries if (r := e.record) is not None and r.end is None and r.start is not None
+               and r.start < period.end]
+    n = len(running)
     if n and period.start <= now < period.end:
         notes.append(f"{n} job(s) still running (no end in Slurm's records) are counted with their allocation up to "
                      "now, as the period is still open: once it has ended, a job counts only in the period it ends")
     elif n:
+        # a requeued one's earlier runs that ended in the period count here all the same (run_ends)
+        requeued = sum(1 for e in running if e.record is not None and e.record.earlier_runs
+                       and any(period.start <= t < period.end for t in run_ends(e, now)))
         notes.append(f"{n} job(s) that started before the period's end have no end in Slurm's records (running, or "
-                     "not imported since they ended) and are not counted: each counts whole in the period it ends")
+                     "not imported since they ended) and are not counted: each counts whole in the period it ends"
+                     + (f" (of them, {requeued} requeued job(s) count here with the earlier runs that ended in the "
+                        "period)" if requeued else ""))
     if period.end <= now < period.end + SETTLE_S:
         since = max(period.start, period.end - SETTLE_S)
         unsettled = sum(1 for e in entries if e.record is None and (t := job_end(e, now)) is not None

@@ -4,7 +4,9 @@ Per account, node and GPU model, over a period:
 
 - ``slurm_gpu_hours``: Slurm-allocated GPU-hours (elapsed x GPUs) of the jobs that ended in the period (the
   period rule of ``report.period``), split over nodes and GPU models as ``report usage`` splits them
-  (``report.allocation``: sacct's AllocTRES is the job's total, not per node),
+  (``report.allocation``: sacct's AllocTRES is the job's total, not per node); a requeued job run by run, each run
+  in the period it ended, its allocation over its own hosts and against what was measured in it (the columns
+  below likewise),
 - ``observed_gpu_hours``: GPU-hours in which an agent saw the job on that node's GPUs,
 - ``coverage`` = observed / Slurm-allocated, ``unmeasured_gpu_hours``: a row's share of its jobs' allocated -
   observed (never below 0), so the totals are the jobs' own (``jobs list``, ``report usage``),
@@ -13,8 +15,8 @@ Per account, node and GPU model, over a period:
   measured, never charged,
 - ``outside_period_gpu_hours``: of the period's jobs' observed + out of scope GPU-hours, those outside the period's
   hours (a job counts whole in the period it ended, so one that started before it brings earlier hours), and
-  ``other_periods_gpu_hours``: GPU-hours inside the period's hours of jobs counted in another period, or in none
-  yet (still running), on the rows of their accounts. Both from each GPU's usage records: a record whose samples
+  ``other_periods_gpu_hours``: GPU-hours inside the period's hours of jobs (runs) counted in another period, or in
+  none yet (still running), on the rows of their accounts. Both from each GPU's usage records: a record whose samples
   all lie inside or all outside the period's hours counts whole on its side; those crossing an edge of the period
   share what the collector's hour buckets of that GPU hold for jobs in the period's hours less the records lying
   inside, by their sample spans (``scope``'s even spread), so the two columns are exact wherever a GPU has at most
@@ -54,7 +56,15 @@ from gpuledger.accounting.charge import allocation
 from gpuledger.accounting.gaps import GapAttribution
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.allocation import allocation_cells
-from gpuledger.accounting.report.period import ALL_TIME, Period, job_end, not_ended_note
+from gpuledger.accounting.report.period import (
+    ALL_TIME,
+    Period,
+    job_end,
+    not_ended_note,
+    part_in_runs,
+    run_ends,
+    runs_in,
+)
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
 from gpuledger.collector.ledger_store import hour_span
@@ -132,9 +142,7 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
             a = acc[(account, node, model)] = _Acc()
         return a
 
-    for e in entries:
-        t = job_end(e, now)
-        counted = t is not None and period.start <= t < period.end
+    for e, counted in (part for whole in entries for part in _parts(whole, period, now)):
         if not counted:  # its records inside the period's hours only (most jobs have none: a cheap look first)
             spans = [(c.usage.first_ts, c.usage.last_ts) for c in e.out_of_scope]
             if e.usage is not None:
@@ -240,6 +248,16 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
     if gpu_energy is None:
         notes += ("no per-GPU energy from the collector: energy and counter anomalies left empty",)
     return Reconciliation(period, rows, total, notes)
+
+
+def _parts(e: LedgerEntry, period: Period, now: float) -> list[tuple[LedgerEntry, bool]]:
+    """The job as reconciled: (it, whether it counts in the period: the period rule); a requeued job run by run
+    (``report.period.part_in_runs``), each run's allocation on its own hosts against what was measured in it."""
+    if e.record is None or not e.record.earlier_runs:
+        t = job_end(e, now)
+        return [(e, t is not None and period.start <= t < period.end)]
+    inside = runs_in(e, period, now)
+    return [(part_in_runs(e, (i,), now), i in inside) for i in range(len(run_ends(e, now)))]
 
 
 def _hours(period: Period) -> tuple[float, float]:

@@ -1,8 +1,10 @@
 """The usage report over a period, grouped by account, user, partition, GPU model or node (issue 6).
 
-Jobs are selected by the period rule (``report.period``). Every grouping reads a job's per-GPU usage records and
-its Slurm allocation per node and model (``report.allocation``), so every grouping has the same totals; the cost
-covers every allocated GPU-hour, measured or not, and never more than Slurm allocated (``billed_gpu_hours``).
+Jobs are selected by the period rule (``report.period``; a requeued job's runs each in the period it ended, each
+with its own allocation, unmeasured time and prices, the job counted once in a period). Every grouping reads a
+job's per-GPU usage records and its Slurm allocation per node and model (``report.allocation``), so every grouping
+has the same totals; the cost covers every allocated GPU-hour, measured or not, and never more than Slurm
+allocated (``billed_gpu_hours``).
 Every sum is ``math.fsum`` over those records, so the totals row is exactly the sum of the records.
 """
 
@@ -13,7 +15,7 @@ import math
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import chain
 from typing import Any
 
@@ -22,7 +24,7 @@ from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.allocation import allocation_cells
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
-from gpuledger.accounting.report.period import ALL_TIME, Period, job_end
+from gpuledger.accounting.report.period import ALL_TIME, Period, job_end, part_in_runs, runs_in
 from gpuledger.accounting.report.settings import ReportSettings
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
@@ -169,77 +171,97 @@ def usage_report(
     now = time.time() if now is None else now
     alloc_now = min(end, now)  # a running job's allocation so far
     for entry in entries:
-        record, usage = entry.described, entry.usage
-        ended = job_end(entry, now)
-        if ended is None or ended < start or ended >= end:
-            continue
+        if entry.record is not None and entry.record.earlier_runs:
+            # requeued: each run counts in the period it ended (report.period), each with its own allocation,
+            # unmeasured time and prices (one part per run)
+            runs = runs_in(entry, period, now)
+            if not runs:
+                continue
+            if not entry.gpus and per_gpu is not None and per_gpu.get(entry.job_id):
+                entry = replace(entry, gpus=tuple(per_gpu[entry.job_id]))
+            parts: Sequence[LedgerEntry] = [part_in_runs(entry, (i,), now) for i in runs]
+        else:
+            ended = job_end(entry, now)
+            if ended is None or ended < start or ended >= end:
+                continue
+            parts = (entry,)
+        # the job counts once: its queue wait (a requeued job's latest run's, whose submission alone is kept)
+        record, timing = entry.described, parts[-1].described
         n_jobs += 1
-        wait = (record.start - record.submit
-                if record is not None and record.start is not None and record.submit is not None else None)
+        wait = (timing.start - timing.submit
+                if timing is not None and timing.start is not None and timing.submit is not None else None)
+        unmeasured = parts[0].usage is None if len(parts) == 1 else all(p.usage is None for p in parts)
         if wait is not None:
             everything.waits.append(wait)
-        if usage is None:
+        if unmeasured:
             everything.unmeasured += 1
-        # charge.allocation(), inlined for a finished job without TRES (this runs once per job record)
-        slurm_rec = entry.record
-        if (slurm_rec is not None and slurm_rec.start is not None and slurm_rec.end is not None and not slurm_rec.tres
-                and not slurm_rec.earlier_runs):
-            slurm_s = max(0.0, min(slurm_rec.end, alloc_now) - slurm_rec.start) * (slurm_rec.gpus or 0)
-            alloc: dict[str, float] | None = {slurm_rec.gpu_model or "": slurm_s} if (slurm_rec.gpus or 0) > 0 else {}
-        else:
-            alloc = allocation(slurm_rec, alloc_now)
-            slurm_s = math.fsum(alloc.values()) if alloc else 0.0
-        observed = usage.allocated_gpu_seconds if usage is not None else 0.0
-        missing = max(0.0, slurm_s - observed)
-        # never more GPU-time than Slurm allocated the job (a job it gave no GPUs is billed as measured)
-        scale = slurm_s / observed if 0.0 < slurm_s < observed else 1.0
-        # the entry's own per-GPU records where the ledger joined them (its job, its cluster; held to the
-        # scheduler's record: ``scope``), else those given by job id
-        gpu_usages = ((entry.gpus or (per_gpu.get(entry.job_id) if per_gpu is not None else None) or (usage,))
-                      if usage is not None else ())
-        if entry.gap_shares:
-            _add_gap_energy(groups, entry, gpu_usages, group_key, grid)
         if split:
-            _add_split(groups, entry, gpu_usages, alloc, slurm_s, missing, scale, wait, group_key, price_of,
-                       node_model, settings)
-            continue
-        typed = alloc is not None and any(alloc)  # Slurm named the job's GPU model: the price rule reads it
-        # the job's one group (inlined: this runs once per job record)
-        key = group_key(record, "", "")
-        cols = groups.get(key)
-        if cols is None:
-            cols = groups[key] = _GroupColumns()
-        cols.jobs += 1
-        if wait is not None:
-            cols.waits.append(wait)
-        if usage is None:
-            cols.unmeasured += 1
-        # the job's allocation (and the price of what nobody measured there: per node and model where that could
-        # differ) and the GPU-time the cost prices (``scale`` above) ride on its last usage record, or on a record
-        # of its own: one record per job mostly
-        tail = (0.0, observed, 0.0, 0.0)  # a job Slurm allocated no GPUs: billed as measured
-        if slurm_s > 0.0 or not gpu_usages:
-            unmeasured_cost = 0.0
-            if priced and missing > 0.0:
-                unmeasured_cost = math.fsum(
-                    short * _unmeasured_price(host, model, gpu_usages, alloc, typed, price_of, node_model)
-                    for (host, model), (_, short) in allocation_cells(entry.record, alloc, gpu_usages, missing).items()
-                    if short > 0.0)
-            tail = (unmeasured_cost, slurm_s if slurm_s > 0.0 else observed, slurm_s, missing)
-            if not gpu_usages:
-                cols.values.extend((0.0, 0.0, 0.0, 0.0, 0.0, *tail))
-        last = len(gpu_usages) - 1
-        for i, u in enumerate(gpu_usages):  # _add_usage() and _price(), inlined for the common path
-            alloc_s, energy, dram = u.allocated_gpu_seconds, u.energy_joules, u.dram_bw_mean
-            price = 0.0
-            if priced:
-                price = bounded_weight(u.model, alloc, price_of) if typed else prices.get(u.model) or price_of(u.model)
-            cost, billed, job_s, job_missing = tail if i == last else (0.0, 0.0, 0.0, 0.0)
-            cols.values.extend((alloc_s, u.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc_s,
-                                0.0 if dram is None else alloc_s, alloc_s * scale * price + cost, billed, job_s,
-                                job_missing))
-            if grid is not None:
-                cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
+            touched: set[str] = set()  # the groups the job counts in, by node or model
+        else:
+            # the job's one group (inlined: this runs once per job record)
+            key = group_key(record, "", "")
+            found = groups.get(key)
+            cols = found if found is not None else groups.setdefault(key, _GroupColumns())
+            cols.jobs += 1
+            if wait is not None:
+                cols.waits.append(wait)
+            if unmeasured:
+                cols.unmeasured += 1
+        for part in parts:
+            usage = part.usage
+            # charge.allocation(), inlined for a finished job without TRES (this runs once per job record)
+            slurm_rec = part.record
+            if (slurm_rec is not None and slurm_rec.start is not None and slurm_rec.end is not None
+                    and not slurm_rec.tres and not slurm_rec.earlier_runs):
+                slurm_s = max(0.0, min(slurm_rec.end, alloc_now) - slurm_rec.start) * (slurm_rec.gpus or 0)
+                alloc: dict[str, float] | None = ({slurm_rec.gpu_model or "": slurm_s} if (slurm_rec.gpus or 0) > 0
+                                                  else {})
+            else:
+                alloc = allocation(slurm_rec, alloc_now)
+                slurm_s = math.fsum(alloc.values()) if alloc else 0.0
+            observed = usage.allocated_gpu_seconds if usage is not None else 0.0
+            missing = max(0.0, slurm_s - observed)
+            # never more GPU-time than Slurm allocated the job (a job it gave no GPUs is billed as measured)
+            scale = slurm_s / observed if 0.0 < slurm_s < observed else 1.0
+            # the entry's own per-GPU records where the ledger joined them (its job, its cluster; held to the
+            # scheduler's record: ``scope``), else those given by job id
+            gpu_usages = ((part.gpus or (per_gpu.get(part.job_id) if per_gpu is not None else None) or (usage,))
+                          if usage is not None else ())
+            if part.gap_shares:
+                _add_gap_energy(groups, part, gpu_usages, group_key, grid)
+            if split:
+                _add_split(groups, part, gpu_usages, alloc, slurm_s, missing, scale, wait, unmeasured, touched,
+                           group_key, price_of, node_model, settings)
+                continue
+            typed = alloc is not None and any(alloc)  # Slurm named the job's GPU model: the price rule reads it
+            # the job's allocation (and the price of what nobody measured there: per node and model where that
+            # could differ) and the GPU-time the cost prices (``scale`` above) ride on its last usage record, or on
+            # a record of its own: one record per job mostly
+            tail = (0.0, observed, 0.0, 0.0)  # a job Slurm allocated no GPUs: billed as measured
+            if slurm_s > 0.0 or not gpu_usages:
+                unmeasured_cost = 0.0
+                if priced and missing > 0.0:
+                    unmeasured_cost = math.fsum(
+                        short * _unmeasured_price(host, model, gpu_usages, alloc, typed, price_of, node_model)
+                        for (host, model), (_, short) in allocation_cells(slurm_rec, alloc, gpu_usages,
+                                                                          missing).items()
+                        if short > 0.0)
+                tail = (unmeasured_cost, slurm_s if slurm_s > 0.0 else observed, slurm_s, missing)
+                if not gpu_usages:
+                    cols.values.extend((0.0, 0.0, 0.0, 0.0, 0.0, *tail))
+            last = len(gpu_usages) - 1
+            for i, u in enumerate(gpu_usages):  # _add_usage() and _price(), inlined for the common path
+                alloc_s, energy, dram = u.allocated_gpu_seconds, u.energy_joules, u.dram_bw_mean
+                price = 0.0
+                if priced:
+                    price = (bounded_weight(u.model, alloc, price_of) if typed
+                             else prices.get(u.model) or price_of(u.model))
+                cost, billed, job_s, job_missing = tail if i == last else (0.0, 0.0, 0.0, 0.0)
+                cols.values.extend((alloc_s, u.sm_active_gpu_seconds, energy, 0.0 if dram is None else dram * alloc_s,
+                                    0.0 if dram is None else alloc_s, alloc_s * scale * price + cost, billed, job_s,
+                                    job_missing))
+                if grid is not None:
+                    cols.co2e_kg.append(energy / JOULES_PER_KWH * grid.mean(u.first_ts, u.last_ts) / 1000.0)
     if unpriced:
         raise ReportError("report.price_per_gpu_hour has no price for GPU model "
                           + ", ".join(f"{m or '(unknown)'!r} (job {job})" for m, job in sorted(unpriced.items()))
@@ -307,14 +329,14 @@ def _add_usage(cols: _GroupColumns, u: JobUsage, price: float, scale: float, gri
 
 def _add_split(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages: Sequence[JobUsage],
                alloc: Mapping[str, float] | None, slurm_s: float, missing: float, scale: float, wait: float | None,
-               group_key: Callable[[Any, str, str], str], price_of: PriceOf,
+               unmeasured: bool, touched: set[str], group_key: Callable[[Any, str, str], str], price_of: PriceOf,
                node_model: Callable[[str], str | None], settings: ReportSettings) -> None:
-    """One job into the groups of its GPUs' nodes or models: each usage record where it was measured (billed x
-    ``scale``), and its Slurm allocation (``slurm_s``, of it ``missing`` unmeasured) per node and model
-    (``allocation_cells``), the unmeasured part at its price (:func:`_unmeasured_price`). The job counts once in
-    every group it touched, measured or only allocated there."""
+    """One job (or one run of a requeued job: its part, ``report.period``) into the groups of its GPUs' nodes or
+    models: each usage record where it was measured (billed x ``scale``), and its Slurm allocation (``slurm_s``, of
+    it ``missing`` unmeasured) per node and model (``allocation_cells``), the unmeasured part at its price
+    (:func:`_unmeasured_price`). The job counts once in every group it touched, measured or only allocated there
+    (``touched``: the groups it counts in already; ``wait`` and ``unmeasured``: the job's)."""
     record, priced, typed = entry.described, settings.priced, alloc is not None and any(alloc)
-    touched: set[str] = set()
 
     def group(host: str, model: str) -> _GroupColumns:
         key = group_key(record, host, model)
@@ -326,7 +348,7 @@ def _add_split(groups: dict[str, _GroupColumns], entry: LedgerEntry, gpu_usages:
             cols.jobs += 1
             if wait is not None:
                 cols.waits.append(wait)
-            if not gpu_usages:
+            if unmeasured:
                 cols.unmeasured += 1
         return cols
 
