@@ -209,6 +209,16 @@ def part_in_runs(e: LedgerEntry, runs: Collection[int], now: float) -> LedgerEnt
                    gap_shares=tuple(g for g in e.gap_shares if nearest_run(r, g.start, g.end, now) in runs))
 
 
+def run_parts(e: LedgerEntry, period: Period, now: float) -> list[tuple[LedgerEntry, bool]]:
+    """The job run by run: each run's part (:func:`part_in_runs`; a job never requeued, the entry itself) and
+    whether it counts in ``period`` (the period rule, :func:`run_ends`)."""
+    r = e.record
+    if r is None or not r.earlier_runs:
+        t = job_end(e, now)
+        return [(e, t is not None and period.start <= t < period.end)]
+    return [(part_in_runs(e, (i,), now), period.start <= t < period.end) for i, t in enumerate(run_ends(e, now))]
+
+
 def period_part(e: LedgerEntry, period: Period, now: float) -> LedgerEntry | None:
     """What of the job counts in ``period`` (:func:`runs_in`): the entry, its part in the runs that ended there
     (:func:`part_in_runs`), or None."""

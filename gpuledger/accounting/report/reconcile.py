@@ -59,11 +59,8 @@ from gpuledger.accounting.report.allocation import allocation_cells
 from gpuledger.accounting.report.period import (
     ALL_TIME,
     Period,
-    job_end,
     not_ended_note,
-    part_in_runs,
-    run_ends,
-    runs_in,
+    run_parts,
 )
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
@@ -142,7 +139,8 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
             a = acc[(account, node, model)] = _Acc()
         return a
 
-    for e, counted in (part for whole in entries for part in _parts(whole, period, now)):
+    # a requeued job run by run: each run's allocation on its own hosts against what was measured in it
+    for e, counted in (part for whole in entries for part in run_parts(whole, period, now)):
         if not counted:  # its records inside the period's hours only (most jobs have none: a cheap look first)
             spans = [(c.usage.first_ts, c.usage.last_ts) for c in e.out_of_scope]
             if e.usage is not None:
@@ -248,16 +246,6 @@ def reconcile(entries: Iterable[LedgerEntry], gpu_hours: Iterable[Mapping[str, A
     if gpu_energy is None:
         notes += ("no per-GPU energy from the collector: energy and counter anomalies left empty",)
     return Reconciliation(period, rows, total, notes)
-
-
-def _parts(e: LedgerEntry, period: Period, now: float) -> list[tuple[LedgerEntry, bool]]:
-    """The job as reconciled: (it, whether it counts in the period: the period rule); a requeued job run by run
-    (``report.period.part_in_runs``), each run's allocation on its own hosts against what was measured in it."""
-    if e.record is None or not e.record.earlier_runs:
-        t = job_end(e, now)
-        return [(e, t is not None and period.start <= t < period.end)]
-    inside = runs_in(e, period, now)
-    return [(part_in_runs(e, (i,), now), i in inside) for i in range(len(run_ends(e, now)))]
 
 
 def _hours(period: Period) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.accounting.report.allocation import allocation_cells
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
-from gpuledger.accounting.report.period import ALL_TIME, Period, job_end, part_in_runs, runs_in
+from gpuledger.accounting.report.period import ALL_TIME, Period, job_end, run_parts
 from gpuledger.accounting.report.settings import ReportSettings
 from gpuledger.accounting.report.tables import exact_csv, fmt_optional, plain_table
 from gpuledger.accounting.report.units import JOULES_PER_KWH, SECONDS_PER_HOUR
@@ -174,12 +174,11 @@ def usage_report(
         if entry.record is not None and entry.record.earlier_runs:
             # requeued: each run counts in the period it ended (report.period), each with its own allocation,
             # unmeasured time and prices (one part per run)
-            runs = runs_in(entry, period, now)
-            if not runs:
-                continue
             if not entry.gpus and per_gpu is not None and per_gpu.get(entry.job_id):
                 entry = replace(entry, gpus=tuple(per_gpu[entry.job_id]))
-            parts: Sequence[LedgerEntry] = [part_in_runs(entry, (i,), now) for i in runs]
+            parts: Sequence[LedgerEntry] = [part for part, counted in run_parts(entry, period, now) if counted]
+            if not parts:
+                continue
         else:
             ended = job_end(entry, now)
             if ended is None or ended < start or ended >= end:
