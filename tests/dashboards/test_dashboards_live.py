@@ -217,13 +217,26 @@ def test_influx_usage_bars_add_up_to_the_usage_table(stack: Stack) -> None:
     ctx = _influx_context()
     _influx_variable_values(stack, doc, ctx)
     queries = {q.where.split(" / ")[1]: interpolate(q.text, "influxdb", ctx) for q in targets(doc)}
-    table = stack.influx.query(queries["Usage by account and user"])[0]["series"]
-    total = {c: sum(dict(zip(s["columns"], s["values"][0]))[c] for s in table) for c in ("gpu_hours", "energy_kwh")}
+
+    def totals() -> dict[str, float]:
+        table = stack.influx.query(queries["Usage by account and user"])[0]["series"]
+        return {c: sum(dict(zip(s["columns"], s["values"][0]))[c] for s in table) for c in ("gpu_hours", "energy_kwh")}
+
+    # the live fleet's usage summaries keep arriving (every second): compare bars with a table read on both sides
+    # of them and unchanged, so that both saw the same data
+    for _ in range(20):
+        total = totals()
+        bars = {title: sum(row[1] or 0.0 for row in _influx_rows(stack.influx.query(queries[title])))
+                for title in ("GPU-hours by account", "GPU-hours by user", "Energy by account")}
+        if totals() == total:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the usage table changed during every one of 20 reads")
     assert total["gpu_hours"] > 0
     for title, column in (("GPU-hours by account", "gpu_hours"), ("GPU-hours by user", "gpu_hours"),
                           ("Energy by account", "energy_kwh")):
-        bars = sum(row[1] or 0.0 for row in _influx_rows(stack.influx.query(queries[title])))
-        assert bars == pytest.approx(total[column], rel=1e-9), title
+        assert bars[title] == pytest.approx(total[column], rel=1e-9), title
 
 
 def _missing_influx_names(stack: Stack, queries: list[str]) -> list[str]:
