@@ -10,7 +10,10 @@ another core, its own memory, and the collector's process keeps only ingest and 
 The child (``python -m gpuledger.collector.compactor``) reads its settings as one JSON line on standard input, so a
 PostgreSQL password never shows in a process list, then keeps standard input open: end of file is its parent gone,
 however it went (a SIGKILLed collector included), and the child stops. :class:`CompactorProcess` starts it, starts it
-again if it dies (a compactor that crashes is logged and retried, never the end of ingest), and stops it.
+again if it dies (a compactor that crashes is logged and retried, never the end of ingest), and stops it. A child
+whose settings the ledger refuses (``store.SettingsMismatch``: another process changed the ledger's with ``collector
+set-settings``; ``store.InvalidSetting``) says so in one line and exits 2, as a command would; it is not started
+again: only a restart with settings the ledger agrees with can help.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from gpuledger.collector.db import DatabaseConfigError
 from gpuledger.collector.series_store import Retention
 from gpuledger.collector.store import Store
 
@@ -33,13 +37,15 @@ log = logging.getLogger(__name__)
 
 NICENESS = 10
 STOP_GRACE_S = 5.0
+REFUSED = 2  # the child's exit status when the ledger refuses its settings (a DatabaseConfigError)
 
 
 class CompactorProcess:
     """Run ``Store.compact`` every ``interval_s`` seconds in a child process on the database ``target`` (a SQLite
     path or a PostgreSQL URL), opened with the ingest store's ``window_s``, ``max_gap_s``, ``retention`` and
-    ``dedupe_horizon_s`` (what compaction reads of its settings; the power caps, which only ingest counts by, are the
-    ledger's: ``Store`` given None); the child is this Python running this module."""
+    ``dedupe_horizon_s`` (what compaction reads of its settings, checked against the ledger's; the power caps, which
+    only ingest counts by, are the ledger's: ``Store`` given None); the child is this Python running this module.
+    ``refused``: whether the child exited with REFUSED (then it is not started again)."""
 
     def __init__(self, target: str, *, interval_s: float, window_s: float, max_gap_s: float, retention: Retention,
                  dedupe_horizon_s: float, restart_after_s: float | None = None) -> None:
@@ -51,6 +57,7 @@ class CompactorProcess:
         # a child that died is started again after this long (not in a tight loop if it cannot even open the store)
         self.restart_after_s = min(interval_s, 30.0) if restart_after_s is None else restart_after_s
         self.restarts = 0
+        self.refused = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -93,6 +100,12 @@ class CompactorProcess:
                 return
             code = proc.wait()
             if self._stop.is_set():
+                return
+            if code == REFUSED:
+                self.refused = True
+                log.error("compactor process %d exited with status %d: the ledger refuses its settings (its line above "
+                          "says why); compaction stops until the collector is started again with the ledger's settings",
+                          proc.pid, code)
                 return
             log.warning("compactor process %d exited with status %s; starting another in %.0f s",
                         proc.pid, code, self.restart_after_s)
@@ -162,7 +175,12 @@ def main() -> None:
     line = sys.stdin.buffer.readline()
     if not line:
         return
-    run(json.loads(line), sys.stdin.buffer)
+    try:
+        run(json.loads(line), sys.stdin.buffer)
+    except DatabaseConfigError as exc:  # the ledger refuses these settings: trying again cannot help
+        log.error("%s", " ".join(str(exc).split()))
+        sys.stderr.flush()
+        os._exit(REFUSED)  # as the parent watch does: its thread blocked on stdin would abort an interpreter shutdown
 
 
 if __name__ == "__main__":

@@ -55,9 +55,11 @@ Example::
     "A100" = 400
     "H200" = 700
 
-``window_s``, ``max_gap_s``, ``dedupe_horizon_s``, ``power_cap_w`` and ``power_caps`` are the ledger's: every
-collector and compactor on one ledger must have the values it records (``store.AGREED_SETTINGS``; ``gpuledger
-collector set-settings`` changes them).
+``window_s``, ``max_gap_s``, ``dedupe_horizon_s``, ``power_cap_w``, ``power_caps`` and the tiers' retention are the
+ledger's: every collector and compactor on one ledger must have the values it records (``store.AGREED_SETTINGS``;
+``gpuledger collector set-settings`` changes them). The retention agreed is what the local store applies
+(:meth:`CollectorSettings.retention`): with ``series_url``, the one it derives (raw samples for the window plus an
+hour unless ``raw_retention_s`` is set, rollups an hour), so every process on a ledger sets ``series_url`` or none.
 
 With no token configured at all, authentication is off (the demo and a single-host setup run that way);
 ``/healthz``, ``/metrics`` and ``/api/v1/openapi.json`` are always open.
@@ -72,10 +74,10 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W
 from gpuledger.collector.limits import (
@@ -183,10 +185,11 @@ class CollectorSettings(TokenTables):
     port: int = Field(8470, ge=0, le=65535)
     # ingest processes on one port and one ledger (collector.supervisor); 1: `collector serve` is one process
     workers: int = 1
-    window_s: float = Field(600.0, ge=0)
-    max_gap_s: float = Field(DEFAULT_MAX_GAP_S, gt=0)
-    power_cap_w: float = Field(DEFAULT_POWER_CAP_W, gt=0)
-    power_caps: dict[str, PositiveFloat] = Field(default_factory=dict)
+    # the ledger's settings (store.AGREED_SETTINGS) are finite: the ledger records no infinity
+    window_s: float = Field(600.0, ge=0, allow_inf_nan=False)
+    max_gap_s: float = Field(DEFAULT_MAX_GAP_S, gt=0, allow_inf_nan=False)
+    power_cap_w: float = Field(DEFAULT_POWER_CAP_W, gt=0, allow_inf_nan=False)
+    power_caps: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(default_factory=dict)
     max_body_bytes: int = Field(MAX_BODY_BYTES, gt=0)
     max_inflight: int = Field(256, gt=0)
     max_per_host: int = Field(MAX_PER_HOST, gt=0)
@@ -205,7 +208,7 @@ class CollectorSettings(TokenTables):
     max_page: int = Field(MAX_PAGE, gt=0)
     metrics_user_labels: bool = False
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    dedupe_horizon_s: float = Field(DEDUPE_HORIZON_S, gt=0)
+    dedupe_horizon_s: float = Field(DEDUPE_HORIZON_S, gt=0, allow_inf_nan=False)
     max_gpus_per_host: int = Field(MAX_GPUS_PER_HOST, gt=0)
     tokens_file: Path | None = None
     tls_cert: Path | None = None
@@ -216,10 +219,11 @@ class CollectorSettings(TokenTables):
     series_url: str | None = None
     series_api: Literal["victoriametrics", "influxdb"] = "victoriametrics"
     series_database: str = Field("gpuledger", min_length=1)  # InfluxDB's database (series_api = "influxdb")
-    # Tiers (seconds; 0 = keep for good, except raw samples) and the background compaction that applies them.
-    raw_retention_s: float = Field(7 * 86400.0, gt=0)
-    minute_retention_s: float = Field(90 * 86400.0, ge=0)
-    hour_retention_s: float = Field(0.0, ge=0)
+    # Tiers (seconds; 0 = keep for good, except raw samples; the ledger's, as retention() makes them) and the
+    # background compaction that applies them.
+    raw_retention_s: float = Field(7 * 86400.0, gt=0, allow_inf_nan=False)
+    minute_retention_s: float = Field(90 * 86400.0, ge=0, allow_inf_nan=False)
+    hour_retention_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     compact_interval_s: float = Field(300.0, gt=0)
     # "process": compaction in a child process (collector.compactor), off ingest's GIL and memory; "thread": in the
     # collector's own process (one process, e.g. where a service manager counts them)
@@ -236,6 +240,7 @@ class CollectorSettings(TokenTables):
         return Limits(**{f: getattr(self, f) for f in Limits.__dataclass_fields__})
 
     def retention(self) -> Retention:
+        """The tiers the local store keeps, as the ledger records and compares them (store.RETENTION_SETTINGS)."""
         if self.series_url:  # the series database keeps the series: locally only what restores need
             return local_retention(self.window_s,
                                    self.raw_retention_s if "raw_retention_s" in self.model_fields_set else None)

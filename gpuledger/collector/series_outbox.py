@@ -75,7 +75,11 @@ def local_retention(window_s: float, raw_s: float | None = None) -> Retention:
     sample, from which its next interval starts however long it was silent, stay whatever their age.
     Rollups: compaction still builds them before raw samples go, and drops them an hour after their chunk's
     span (a day's chunk of minutes, a month's of hours); nothing reads them, the series database answers. The chunk
-    spans stay the defaults, so chunks written before series_url was set keep their meaning."""
+    spans stay the defaults, so chunks written before series_url was set keep their meaning.
+
+    What it returns is the retention the ledger records and compares (``store.RETENTION_SETTINGS``), derived or not:
+    every process on the ledger must derive the same (series_url set in all or none, the same window_s and
+    raw_retention_s), and ``collector set-settings`` with another window_s records the raw retention it derives."""
     return Retention(raw_s=window_s + Retention().raw_chunk_s if raw_s is None else raw_s,
                      minute_s=3600.0, hour_s=3600.0)
 

@@ -18,9 +18,10 @@ generation, bumped under its row lock, so two collectors never write one host at
 A generation other than the one this collector wrote last + 1 means another collector wrote the host since:
 its in-memory state of the host is dropped and restored from the ledger inside the same transaction, so the
 sums go on exactly where the other collector left them. What decides what is counted (the late window, the gap
-rule, the dedupe horizon, the power caps: ``AGREED_SETTINGS``) is the ledger's, recorded by the first store given it:
-a store given other values refuses to open (SettingsMismatch), so no process seals, expires or prunes what another
-still needs, and a host's energy is the same whichever collector took its batch.
+rule, the dedupe horizon, the power caps) and how long the series are kept (the tiers' retention) is the ledger's
+(``AGREED_SETTINGS``), recorded by the first store given it: a store given other values refuses to open
+(SettingsMismatch), so no process seals, expires or prunes what another still needs, and a host's energy is the same
+whichever collector took its batch.
 
 The aggregation keeps each GPU's totals and newest sample in memory; the rest of its late-sample window is
 read back from the series store when a late sample needs it (``Aggregator(load_window=...)``). It is bounded:
@@ -37,6 +38,8 @@ transaction (a ``SeriesShipper`` drains the queue).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import logging
 import math
@@ -190,31 +193,76 @@ DEDUPE_HORIZON_S = 7 * 86400.0  # batch keys are kept this long: an agent resend
 # gap rule shorter in one process than in another seals minutes the other still accepts and expires raw rows it still
 # reads back (Aggregator.read_floor); a shorter dedupe horizon prunes batch keys the other still dedupes by; other
 # power caps (Aggregator.cap_w: the most a counter delta or the power integral may count) give a host's energy another
-# value depending on which collector took its batch. The ledger's ``meta`` table holds them (``setting.<name>``: a
-# float's repr, per-model caps as JSON with sorted keys), written by the first store given them (Store._agree).
-AgreedValue = float | dict[str, float]  # seconds or watts; power_caps: watts per GPU model
+# value depending on which collector took its batch; a shorter retention of a tier (RETENTION_SETTINGS) deletes series
+# the other keeps and serves (the read floor protects what is counted, not what dashboards and queries read). The
+# ledger's ``meta`` table holds them (``setting.<name>``: JSON, a float as its repr, per-model caps with sorted keys,
+# null for a tier kept for good), written by the first store given them (Store._agree).
+AgreedValue = float | dict[str, float] | None  # seconds or watts; power_caps: watts per GPU model; None: kept for good
 AGREED_SETTINGS: dict[str, AgreedValue] = {"window_s": 600.0, "max_gap_s": DEFAULT_MAX_GAP_S,
                                            "dedupe_horizon_s": DEDUPE_HORIZON_S, "power_cap_w": DEFAULT_POWER_CAP_W,
-                                           "power_caps": {}}
+                                           "power_caps": {}, "raw_retention_s": Retention().raw_s,
+                                           "minute_retention_s": Retention().minute_s,
+                                           "hour_retention_s": Retention().hour_s}
+# The agreed settings a Store's ``retention`` carries: name -> Retention's field (the collector's settings of the same
+# names, where 0 is None). The rollup tiers may be kept for good (None), a value like any other; raw samples may not.
+RETENTION_SETTINGS = {"raw_retention_s": "raw_s", "minute_retention_s": "minute_s", "hour_retention_s": "hour_s"}
+# Store's keyword arguments that carry agreed settings (what a query leaves to the ledger)
+AGREED_OPTIONS = frozenset(AGREED_SETTINGS.keys() - RETENTION_SETTINGS.keys() | {"retention"})
 SET_SETTINGS_COMMAND = "gpuledger collector set-settings"
 
 
+class Unrecorded(enum.Enum):
+    """A setting the ledger has not recorded (``Store.recorded_settings``' value before): None is a value, a tier kept
+    for good."""
+
+    UNRECORDED = "unrecorded"
+
+
+UNRECORDED = Unrecorded.UNRECORDED
+
+
 def _agreed_value(name: str, value: Any) -> AgreedValue:
-    """A setting as compared and recorded: a float, or (``power_caps``) a mapping of model name to float, whose key
-    order does not matter."""
+    """A setting as compared and recorded: a float (None: a tier kept for good), or (``power_caps``) a mapping of model
+    name to float, whose key order does not matter."""
     if isinstance(AGREED_SETTINGS[name], dict):
         return {str(k): float(v) for k, v in dict(value).items()}
-    return float(value)
+    return None if value is None else float(value)
 
 
-def setting_text(value: AgreedValue | None) -> str:
+def _given_value(name: str, value: Any) -> AgreedValue:
+    """A setting given to a store, as :func:`_agreed_value`. One no process may run with is InvalidSetting (one line
+    naming the setting and the value), before it is compared with the ledger's: a mismatch would tell the operator
+    to share a value that is wrong anywhere."""
+    for_good = name in RETENTION_SETTINGS and name != "raw_retention_s"  # a rollup tier may be kept for good (None)
+    try:
+        agreed = _agreed_value(name, value)
+    except (TypeError, ValueError):  # not a number, or not a mapping of numbers
+        shown, valid = repr(value), False
+    else:
+        numbers = list(agreed.values()) if isinstance(agreed, dict) else [agreed]
+        shown, valid = setting_text(agreed), all(
+            for_good if v is None else math.isfinite(v) and (v >= 0 if name == "window_s" else v > 0) for v in numbers)
+    if not valid:
+        rule = (f"finite {'watts' if name.startswith('power_cap') else 'seconds'} "
+                f"{'at least' if name == 'window_s' else 'above'} 0")
+        rule = f"a mapping of GPU model to {rule}" if name == "power_caps" else (
+            f"{rule}, or None (kept for good)" if for_good else rule)
+        raise InvalidSetting(f"{name} = {shown} is invalid: it must be {rule}")
+    return agreed
+
+
+def setting_text(value: AgreedValue | Unrecorded) -> str:
     """A setting in a one-line message: a number as short as it is exact, a mapping as ``{"model": watts, ...}`` by
-    name."""
+    name, ``forever`` for a tier kept for good."""
     def number(v: float) -> str:
+        if v.is_integer() and abs(v) < 1e15:  # seconds as configured: 2592000, not 2.592e+06
+            return str(int(v))
         return f"{v:g}" if float(f"{v:g}") == v else repr(v)
 
-    if value is None:
+    if value is UNRECORDED:
         return "unset"
+    if value is None:
+        return "forever"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)}: {number(v)}" for k, v in sorted(value.items())) + "}"
     return number(value)
@@ -222,7 +270,12 @@ def setting_text(value: AgreedValue | None) -> str:
 
 class SettingsMismatch(DatabaseConfigError):
     """A store opened with an agreed setting (AGREED_SETTINGS) other than the ledger's: it would change what the
-    ledger's other collectors and compactors count. A command exits 2 (a DatabaseConfigError)."""
+    ledger's other collectors and compactors count or keep. A command exits 2 (a DatabaseConfigError)."""
+
+
+class InvalidSetting(DatabaseConfigError):
+    """A store given an agreed setting no process may run with (a negative or infinite power cap, ...): refused before
+    it is compared with the ledger's. A command exits 2 (a DatabaseConfigError)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,9 +422,9 @@ class Store:
     the same names here take the lock and delegate. ``sinks`` (e.g. ``collector.sinks.influx.InfluxSink``)
     get every committed batch's accepted samples and, at most once per ``summary_interval_s`` per job and
     at each compaction, the jobs' updated usage; they must only enqueue (they run under the store's lock).
-    ``window_s``, ``max_gap_s``, ``dedupe_horizon_s``, ``power_cap_w`` and ``power_caps`` must be the ledger's
-    (:meth:`_agree`; None: whatever the ledger holds); ``adopt_settings`` makes those given the ledger's instead
-    (``collector set-settings``).
+    ``window_s``, ``max_gap_s``, ``dedupe_horizon_s``, ``power_cap_w``, ``power_caps`` and ``retention``'s tiers
+    (RETENTION_SETTINGS; its chunk spans are this store's) must be the ledger's (:meth:`_agree`; None: whatever the
+    ledger holds); ``adopt_settings`` makes those given the ledger's instead (``collector set-settings``).
     """
 
     def __init__(
@@ -381,7 +434,7 @@ class Store:
         max_gap_s: float | None = None,
         clock: Callable[[], float] = time.time,
         cache_limit: int = 200_000,
-        retention: Retention = Retention(),
+        retention: Retention | None = None,
         sinks: Sequence[Sink] = (),
         summary_interval_s: float = 60.0,
         power_cap_w: float | None = None,
@@ -399,7 +452,6 @@ class Store:
         # host -> the generation this store last wrote it at (LedgerStore.claim_hosts); a host not here has no
         # state in memory
         self._generation: dict[str, int] = {}
-        self.retention = retention
         self.sinks = list(sinks)
         self.summary_interval_s = summary_interval_s
         self._clock = clock
@@ -425,8 +477,11 @@ class Store:
         self.url = self._db.url  # for messages: a SQLite file's path or a PostgreSQL URL without its password
         path = getattr(self._db, "path", None)
         self.path: Path | None = Path(path) if self._db.dialect == SQLITE and path is not None else None
-        given = {"window_s": window_s, "max_gap_s": max_gap_s, "dedupe_horizon_s": dedupe_horizon_s,
-                 "power_cap_w": power_cap_w, "power_caps": power_caps}
+        given = {name: value for name, value in {"window_s": window_s, "max_gap_s": max_gap_s,
+                                                  "dedupe_horizon_s": dedupe_horizon_s, "power_cap_w": power_cap_w,
+                                                  "power_caps": power_caps}.items() if value is not None}
+        if retention is not None:  # its tiers are given whole: None in one is a value (kept for good)
+            given.update({name: getattr(retention, field) for name, field in RETENTION_SETTINGS.items()})
         try:
             self.agreed_settings = self._open(retention, series_outbox, given, adopt_settings)
         except BaseException as exc:
@@ -448,16 +503,18 @@ class Store:
         """The database the ledger and the series store share (SQLite or PostgreSQL)."""
         return self._db
 
-    def _open(self, retention: Retention, series_outbox: bool, given: Mapping[str, Any],
+    def _open(self, retention: Retention | None, series_outbox: bool, given: Mapping[str, Any],
               adopt: bool) -> dict[str, Any]:
         """Bring the database up to date in one transaction under the migrations lock (two collectors opening one
-        ledger at once take turns): the ledger's migrations, the agreed settings (:meth:`_agree`, returned), the
-        series store's tables, the raw sample layout; then the aggregation: a setting it (or the retention) refuses
-        rolls back what ``_agree`` recorded."""
+        ledger at once take turns): the ledger's migrations, the agreed settings (:meth:`_agree`, returned) and the
+        retention they make (``self.retention``), the series store's tables, the raw sample layout; then the
+        aggregation: a setting it (or the retention) refuses rolls back what ``_agree`` recorded."""
         db = self._db
         with db.transaction():
             applied = migrate(db)
             agreed = self._agree(given, adopt)
+            self.retention = retention = dataclasses.replace(
+                retention or Retention(), **{field: agreed[name] for name, field in RETENTION_SETTINGS.items()})
             chunk_store = ChunkSeriesStore(db, retention)
             self._chunks = chunk_store  # what compaction plans and writes through, whatever wraps it for ingest
             self.series_store: SeriesStore = chunk_store
@@ -484,33 +541,36 @@ class Store:
         return agreed
 
     def _agree(self, given: Mapping[str, Any], adopt: bool) -> dict[str, Any]:
-        """The AGREED_SETTINGS this store runs with (under the migrations lock): one given (not None) is recorded in
-        the ledger if it holds none yet, and must equal the ledger's otherwise (SettingsMismatch naming each that
-        differs) unless ``adopt`` (``gpuledger collector set-settings``: every other process stopped) records it
-        instead; one not given is the ledger's, else the default (recording nothing: a query never decides them)."""
+        """The AGREED_SETTINGS this store runs with (under the migrations lock). Each given one (a key of ``given``)
+        must be valid (InvalidSetting otherwise, before anything is compared); it is recorded in the ledger if it
+        holds none yet (a ledger of an earlier version: the retention), and must equal the ledger's otherwise
+        (SettingsMismatch naming each that differs) unless ``adopt`` (``gpuledger collector set-settings``: every
+        other process stopped) records it instead. One not given is the ledger's, else the default (recording
+        nothing: a query never decides them)."""
         db = self._db
         # name -> (the ledger's before, now)
-        self.recorded_settings: dict[str, tuple[AgreedValue | None, AgreedValue]] = {}
+        self.recorded_settings: dict[str, tuple[AgreedValue | Unrecorded, AgreedValue]] = {}
         stored: dict[str, AgreedValue] = {}
         for key, text in db.execute("SELECT key, value FROM meta WHERE key LIKE 'setting.%'").fetchall():
             name = key.removeprefix("setting.")
-            if name in AGREED_SETTINGS:  # a mapping is JSON text, a float its repr
-                stored[name] = _agreed_value(name, json.loads(text) if isinstance(AGREED_SETTINGS[name], dict)
-                                             else text)
+            if name in AGREED_SETTINGS:  # float() reads a float's repr as earlier versions wrote it, inf included
+                stored[name] = _agreed_value(name, json.loads(text) if text == "null" or isinstance(
+                    AGREED_SETTINGS[name], dict) else text)
+        values = {name: _given_value(name, value) for name, value in given.items()}
         agreed: dict[str, Any] = {}
         differ: list[str] = []
         for name, default in AGREED_SETTINGS.items():
-            value = given.get(name)
-            if value is None:
+            if name not in values:
                 agreed[name] = stored.get(name, _agreed_value(name, default))  # a copy: no store changes the default
                 continue
-            agreed[name] = value = _agreed_value(name, value)
-            if name in stored and stored[name] != value and not adopt:
-                differ.append(f"{name} = {setting_text(value)} here, {setting_text(stored[name])} in the ledger")
-            elif stored.get(name) != value:
-                text = json.dumps(value, sort_keys=True) if isinstance(value, dict) else repr(value)
-                db.execute(upsert("meta", ("key", "value"), ("key",)), (f"setting.{name}", text))
-                self.recorded_settings[name] = (stored.get(name), value)
+            agreed[name] = value = values[name]
+            before = stored.get(name, UNRECORDED)
+            if before is not UNRECORDED and before != value and not adopt:
+                differ.append(f"{name} = {setting_text(value)} here, {setting_text(before)} in the ledger")
+            elif before != value:
+                db.execute(upsert("meta", ("key", "value"), ("key",)),
+                           (f"setting.{name}", json.dumps(value, sort_keys=True)))
+                self.recorded_settings[name] = (before, value)
         if differ:
             raise SettingsMismatch(
                 f"ledger {self.url}: {'; '.join(differ)}: every collector and compactor on a ledger must share it "

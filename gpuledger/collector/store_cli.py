@@ -13,7 +13,7 @@ import typer
 from gpuledger.collector.config import ConfigError, load_settings
 from gpuledger.collector.ledger_url import STORE_NAME, LedgerUrlOpt, cli_ledger_url, ledger_label, open_ledger
 from gpuledger.collector.series_store import TIER_NAMES
-from gpuledger.collector.store import AGREED_SETTINGS, QueryRangeError, Store, query_range, setting_text
+from gpuledger.collector.store import AGREED_OPTIONS, QueryRangeError, Store, query_range, setting_text
 from gpuledger.collector.worker import compaction_options, store_options
 from gpuledger.output import fail, note
 
@@ -32,16 +32,16 @@ def open_configured(url: str | None, data_dir: Path, config: Path | None, *, com
     """The existing ledger at ``url`` (exit 2 without one: a query never creates it), opened with the
     ``[collector]`` settings (file < GPULEDGER_COLLECTOR_*) that ``collector serve`` opens it with: under the
     built-in defaults a compaction would expire samples the configured retention keeps and roll up minutes the
-    configured late window may still change. The settings every process on the ledger shares (``AGREED_SETTINGS``)
-    are checked against the ledger's (exit 2 when they differ) where the command ``compacts`` (those compaction reads;
-    the power caps it leaves to the ledger) or records them all (``adopt_settings``); a query reads with the ledger's,
-    whatever the configuration here says."""
+    configured late window may still change. The settings every process on the ledger shares (``AGREED_SETTINGS``,
+    the retention among them) are checked against the ledger's (exit 2 when they differ) where the command
+    ``compacts`` (those compaction reads; the power caps it leaves to the ledger) or records them all
+    (``adopt_settings``); a query reads with the ledger's, whatever the configuration here says."""
     try:
         settings = load_settings(data_dir, config)
     except (ConfigError, OSError) as e:
         fail(str(e))
-    checked = AGREED_SETTINGS if adopt_settings else compaction_options(settings) if compacts else {}
-    options = {k: v for k, v in store_options(settings).items() if k not in AGREED_SETTINGS or k in checked}
+    checked = AGREED_OPTIONS if adopt_settings else compaction_options(settings) if compacts else {}
+    options = {k: v for k, v in store_options(settings).items() if k not in AGREED_OPTIONS or k in checked}
     return open_ledger(url, data_dir, adopt_settings=adopt_settings, **options)
 
 
@@ -90,9 +90,10 @@ def set_settings(
     config: Path | None = ConfigFile,
     ledger_url: LedgerUrlOpt = None,
 ) -> None:
-    """Record this configuration's window_s, max_gap_s, dedupe_horizon_s, power_cap_w and power_caps in the ledger:
-    the values every collector and compactor on it must share (one opened with others refuses to start). Stop them
-    all first, run this, then start them with the new configuration."""
+    """Record this configuration's window_s, max_gap_s, dedupe_horizon_s, power_cap_w, power_caps and the tiers'
+    retention (raw_retention_s, minute_retention_s, hour_retention_s as the local store applies them: with series_url,
+    those it derives) in the ledger: the values every collector and compactor on it must share (one opened with others
+    refuses to start). Stop them all first, run this, then start them with the new configuration."""
     store = _open(data_dir, config, ledger_url, adopt_settings=True)
     try:
         for name, (before, now) in store.recorded_settings.items():

@@ -6,12 +6,14 @@ a store given none (a query) runs with the ledger's, and ``collector set-setting
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from gpuledger.cli import run
-from gpuledger.collector.store import AGREED_SETTINGS, SettingsMismatch, Store
+from gpuledger.collector.series_store import Retention
+from gpuledger.collector.store import AGREED_SETTINGS, InvalidSetting, SettingsMismatch, Store
 from gpuledger.collector.validate import Batch
 from gpuledger.schema.records import GpuSample
 
@@ -102,15 +104,41 @@ def test_a_store_given_other_power_caps_than_the_ledgers_refuses_to_open(new_led
         reader.close()
 
 
-def test_a_store_whose_settings_the_aggregation_refuses_records_none_of_them(new_ledger):
+def test_a_store_whose_settings_the_retention_refuses_records_none_of_them(new_ledger):
     url = new_ledger()
-    with pytest.raises(ValueError, match="power caps must be positive watts"):
-        Store(url, window_s=120.0, power_cap_w=900.0, power_caps={"H200": -1.0})
+    with pytest.raises(ValueError, match="raw retention 1800.0 s must cover the late window"):
+        Store(url, window_s=120.0, power_cap_w=900.0, retention=Retention(raw_s=1800.0))
     store = Store(url, window_s=300.0, power_cap_w=800.0)  # nothing was recorded: these open and are recorded
     store.close()
     store = Store(url)
     try:
         assert (store.agg.window_s, store.agg.power_cap_w, store.agg.power_caps) == (300.0, 800.0, {})
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(("options", "line"), [
+    ({"power_caps": {"H200": -1.0}}, "power_caps = {\"H200\": -1} is invalid: it must be a mapping of GPU model to "
+                                     "finite watts above 0"),
+    ({"power_cap_w": math.inf}, "power_cap_w = inf is invalid: it must be finite watts above 0"),
+    ({"window_s": -5.0}, "window_s = -5 is invalid: it must be finite seconds at least 0"),
+    ({"max_gap_s": "soon"}, "max_gap_s = 'soon' is invalid: it must be finite seconds above 0"),
+    ({"retention": Retention(minute_s=0.0)}, "minute_retention_s = 0 is invalid: it must be finite seconds above 0, "
+                                             "or None (kept for good)"),
+    ({"retention": Retention(raw_s=None)}, "raw_retention_s = forever is invalid: it must be finite seconds above 0"),
+])
+def test_a_store_given_a_setting_no_process_may_run_with_says_which_and_records_nothing(new_ledger, options, line):
+    """Refused before it is compared with the ledger's: a mismatch message would ask the operator to share a value
+    that is wrong anywhere."""
+    url = new_ledger()
+    Store(url, window_s=300.0, power_cap_w=800.0).close()
+    with pytest.raises(InvalidSetting) as refused:
+        Store(url, **{"window_s": 300.0, "power_cap_w": 800.0, **options})
+    assert str(refused.value).splitlines() == [line]
+    store = Store(url)
+    try:  # the ledger's, unchanged
+        assert (store.agg.window_s, store.agg.power_cap_w, store.agg.power_caps) == (300.0, 800.0, {})
+        assert store.retention == Retention()
     finally:
         store.close()
 
