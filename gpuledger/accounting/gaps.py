@@ -3,7 +3,8 @@
 The collector charges a gap's counter delta (``energy_gaps``) to jobs only when its own samples on both sides
 carry the same jobs; otherwise it stays unattributed. The scheduler's records (never an agent's description)
 can still say who held the GPU meanwhile. For each unattributed gap of length L on GPU g of host h, each
-scheduler job j that ran on h (``hosts``) with overlap o_j (seconds of [start, end or now] inside the gap) gets
+scheduler job j that ran on h (``hosts``) with overlap o_j (seconds of [start, end or now] inside the gap; a
+requeued job: each of its runs, on its own hosts) gets
 
     share_j = o_j / L x f_j,   f_j = 1 if Slurm names g among the job's GPU UUIDs,
                                f_j = 0 if it names UUIDs and g is not one of them,
@@ -28,7 +29,7 @@ unattributed rather than be charged twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from gpuledger.accounting.charge import physical_gpus
@@ -69,9 +70,14 @@ class GapAttribution:
         return math.fsum(r for _, r in self.remaining)
 
 
-def _gpus_on_host(r: JobRecord) -> float:
-    """The job's physical GPUs on each of its hosts: Slurm's allocation split evenly over them."""
-    return physical_gpus(r) / max(1, len(r.hosts))
+def _runs(r: JobRecord) -> Iterator[tuple[float, float | None, tuple[str, ...], tuple[str, ...]]]:
+    """(start, end or None, hosts, GPU UUIDs) of each run of the job that started: a requeued job's earlier runs
+    (``JobRecord.earlier_runs``; their GPUs unknown, as Slurm's record keeps only the latest run's), then the
+    latest run. Each holds Slurm's allocation (``physical_gpus``) split evenly over its own hosts."""
+    for start, end, hosts in r.earlier_runs:
+        yield start, end, hosts, ()
+    if r.start is not None:
+        yield r.start, r.end, r.hosts, r.gpu_uuids
 
 
 def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_host: Mapping[str, int],
@@ -81,12 +87,12 @@ def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_hos
     overlap share, scaled as above). ``gpu_clusters``: (host, GPU UUID) -> the cluster its agent named; a job
     of another named cluster on a host of the same name is not its holder."""
     gpu_clusters = gpu_clusters or {}
-    by_host: dict[str, list[tuple[JobRecord, float]]] = {}  # host -> (record, its start)
+    # host -> (record, one of its runs' start, end, GPU UUIDs and GPUs on each of its hosts)
+    by_host: dict[str, list[tuple[JobRecord, float, float | None, tuple[str, ...], float]]] = {}
     for r in sorted(records, key=lambda r: (r.cluster, r.job_id)):
-        if r.start is None:
-            continue
-        for h in dict.fromkeys(r.hosts):
-            by_host.setdefault(h, []).append((r, r.start))
+        for start, end, hosts, uuids in _runs(r):
+            for h in dict.fromkeys(hosts):
+                by_host.setdefault(h, []).append((r, start, end, uuids, physical_gpus(r) / max(1, len(hosts))))
     gaps = list(gaps)
     held_by_instances: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (host, GPU) -> held MIG gap spans
     for g in gaps:
@@ -106,17 +112,17 @@ def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_hos
         if length > 0 and energy > 0:
             n = gpus_per_host.get(g["host"], 0)
             cluster = gpu_clusters.get((g["host"], g["gpu_uuid"]), "")
-            for r, began in by_host.get(g["host"], ()):
+            for r, began, ended, uuids, on_host in by_host.get(g["host"], ()):
                 if cluster and r.cluster and r.cluster != cluster:
                     continue
                 a = max(lo, began)
-                b = min(hi, r.end if r.end is not None else now)
+                b = min(hi, ended if ended is not None else now)
                 if b <= a:
                     continue
-                if r.gpu_uuids:
-                    frac = 1.0 if g["gpu_uuid"] in r.gpu_uuids else 0.0
+                if uuids:
+                    frac = 1.0 if g["gpu_uuid"] in uuids else 0.0
                 else:
-                    frac = min(1.0, _gpus_on_host(r) / n) if n > 0 else 1.0
+                    frac = min(1.0, on_host / n) if n > 0 else 1.0
                 if frac > 0:
                     found.append((r, a, b, (b - a) / length * frac))
         total = math.fsum(s for *_, s in found)

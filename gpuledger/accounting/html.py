@@ -16,7 +16,7 @@ from html import escape
 from typing import Any
 
 from gpuledger.accounting.ledger import LedgerEntry
-from gpuledger.accounting.report.period import job_end
+from gpuledger.accounting.report.period import in_period
 from gpuledger.accounting.report.usage import UsageReport, usage_columns
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
@@ -149,11 +149,12 @@ th:first-child,td:first-child{text-align:left} tr.total td{font-weight:bold;bord
 
 def render_html(rep: UsageReport, entries: Sequence[LedgerEntry], title: str = "GPU usage report",
                 manifest: Mapping[str, Any] | None = None, now: float | None = None) -> str:
-    """The page for ``rep``; ``entries`` are the ledger entries in the report's period (for the time chart);
-    ``now``: the report's instant of the period rule (``report.period.job_end``)."""
-    in_period = [e for e in entries if (t := job_end(e, now)) is not None and rep.period.start <= t < rep.period.end]
-    labels, series = usage_over_time(in_period, rep.period.start, rep.period.end)
-    elabels, ejobs, ehours = efficiency_histogram(in_period)
+    """The page for ``rep``; ``entries``: the ledger's entries, of which the charts draw what counts in the report's
+    period as its table does (``report.period.in_period``: a requeued job's runs that ended there); ``now``: the
+    report's instant of the period rule."""
+    counted = in_period(entries, rep.period, now)
+    labels, series = usage_over_time(counted, rep.period.start, rep.period.end)
+    elabels, ejobs, ehours = efficiency_histogram(counted)
     groups = [r.group for r in rep.rows]
     energy = [r.energy_kwh for r in rep.rows]
     co2 = [f"kWh, {r.co2e_kg:.3g} kg CO2e" if r.co2e_kg is not None else "kWh" for r in rep.rows]

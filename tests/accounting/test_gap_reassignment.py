@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -20,7 +21,7 @@ from gpuledger.accounting.gaps import reassign
 from gpuledger.accounting.jobreport import load_job_report, to_text
 from gpuledger.accounting.ledger import gap_attribution, load
 from gpuledger.accounting.report.jobs import job_rows
-from gpuledger.accounting.report.period import parse_period
+from gpuledger.accounting.report.period import Period, parse_period
 from gpuledger.accounting.report.reconcile import NO_JOB, TOTAL, reconcile
 from gpuledger.accounting.report.usage import usage_report
 from gpuledger.accounting.report_cli import audit_app, report_app
@@ -140,6 +141,44 @@ def test_gap_energy_goes_to_the_slurm_jobs_that_held_the_host(store_dir):
     shares = {s.job_id: s.energy_joules for s in over.shares}
     # the raw shares 1, 1, 1 (31-33), 1/4 (7), 1/3 (8) sum to 3 7/12 = 43/12: each is scaled by 12/43
     assert shares["31"] == pytest.approx(360e3 * 12 / 43) and shares["7"] == pytest.approx(360e3 * 3 / 43)
+
+
+def test_a_requeued_jobs_earlier_run_on_the_gaps_host_gets_its_share(store_dir):
+    """Job 50 ran first on n1 over the gap (T0+10..T0+3610 on G0), was requeued and ran again on n2: its earlier run
+    held the GPU then, so it gets the share job 7 would (no GPU identity: Slurm keeps only the latest run's UUIDs);
+    its latest run, elsewhere, none. In the reports the share counts with the run it came from."""
+    store = _open(store_dir)
+    try:
+        (gap,) = store.energy_gaps()
+    finally:
+        store.close()
+    per_host = {"n1": 2}
+    latest = _job("50", "proj", T0 + 5000, T0 + 6000, hosts=("n2",), gpu_uuids=("G9",),
+                  earlier_runs=((T0 + 610, T0 + 2410, ("n1",)),))
+    (share,) = reassign([gap], [latest], per_host, T0 + 86400).shares
+    assert (share.job_id, share.host, share.start, share.end) == ("50", "n1", T0 + 610, T0 + 2410)
+    assert share.energy_joules == pytest.approx(90e3) and share.gpu_seconds == pytest.approx(900.0)  # as job 7
+    # requeued onto the same host: its earlier run (no UUIDs known) and its latest (G0 by UUID) each get their part
+    again = _job("51", "proj", T0 + 2410, T0 + 4000, gpu_uuids=("G0",), earlier_runs=((T0 + 610, T0 + 2410, ("n1",)),))
+    parts = sorted((s.start, s.energy_joules) for s in reassign([gap], [again], per_host, T0 + 86400).shares)
+    assert parts == [(T0 + 610, pytest.approx(90e3)), (T0 + 2410, pytest.approx(120e3))]
+    waiting = replace(_job("52", "proj", T0, T0, earlier_runs=((T0 + 610, T0 + 2410, ("n1",)),)),
+                      start=None, end=None, state="PENDING", hosts=())
+    (share,) = reassign([gap], [waiting], per_host, T0 + 86400).shares  # requeued, pending: its earlier run counts
+    assert share.energy_joules == pytest.approx(90e3)
+    # through the ledger: the latest run two days later, the share in the earlier run's day and nowhere else
+    days = [Period(T0 + d * 86400, T0 + (d + 1) * 86400, f"day {d}") for d in range(3)]
+    store = _open(store_dir)
+    try:
+        before = load(store, now=T0 + 3 * 86400)
+        store.put_jobs([replace(latest, start=T0 + 2 * 86400, end=T0 + 2 * 86400 + 600)])
+        after = load(store, now=T0 + 3 * 86400)
+    finally:
+        store.close()
+    energy = [[usage_report(entries, "account", p, now=T0 + 3 * 86400).total.energy_kwh for p in days]
+              for entries in (before, after)]
+    assert energy[1][0] - energy[0][0] == pytest.approx(90e3 / 3.6e6)  # beside job 7's and 8's shares
+    assert energy[1][1:] == energy[0][1:] == [0.0, 0.0]
 
 
 def test_energy_policy_charges_reassigned_gap_energy_not_the_gap_twice(store_dir):

@@ -5,11 +5,13 @@ period, and ``report reconcile`` holds each run's allocation against what was me
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
 
+from gpuledger.accounting.html import render_html
 from gpuledger.accounting.ledger import join, load
 from gpuledger.accounting.report.period import ALL_TIME, in_period, not_ended_note, parse_period
 from gpuledger.accounting.report.reconcile import reconcile
@@ -164,3 +166,20 @@ def test_a_running_requeued_jobs_earlier_run_counts_in_the_closed_period_it_ende
     waiting = join([replace(running, start=None, state="PENDING", hosts=())], usages[:1], usages[:1], now=now)
     assert [usage_report(waiting, "account", p, now=now).total.jobs for p in (NOV, DEC)] == [1, 0]
     assert usage_report(waiting, "account", NOV, now=now).total.allocated_gpu_hours == 1.0
+
+
+def test_the_html_charts_draw_each_run_in_the_period_its_table_counts_it():
+    """The usage chart's bars add up to the table's allocated GPU-hours in each period: the earlier run in November's
+    page, the latest alone in December's (the chart once drew the whole job where its latest run ended)."""
+    now = T(2026, 12, 5)
+    run2 = replace(RUN2, earlier_runs=((R1, R1 + H, ("n1",)),))
+    usages = [JobUsage("500", "n1", "GPU-n1", R1, R1 + H, 360, H, H / 2, 0.0, model="NVIDIA H100"),
+              JobUsage("500", "n2", "GPU-n2", R2, R2 + H / 2, 180, H / 2, 900.0, 0.0, model="NVIDIA H100")]
+    entries = join([run2], usages, usages, now=now)
+    for per, hours in ((NOV, 1.0), (DEC, 0.5)):
+        rep = usage_report(entries, "account", per, now=now)
+        page = render_html(rep, entries, now=now)
+        usage_chart = page.split('id="chart-usage"')[1].split("</svg>")[0]
+        bars = [float(v) for v in re.findall(r'data-value="([^"]+)"', usage_chart)]
+        assert rep.total.allocated_gpu_hours == hours
+        assert math.fsum(bars) == pytest.approx(hours), per.label
