@@ -25,10 +25,12 @@ from gpuledger.agent.push import Batcher, HttpPusher
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.sources.simulated import SimulatedSource
 from gpuledger.collector.auditlog.files import private_dir
+from gpuledger.collector.config import CollectorSettings
 from gpuledger.collector.ledger_url import ENV_NAME as LEDGER_URL_ENV
 from gpuledger.collector.ledger_url import STORE_NAME
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
+from gpuledger.collector.worker import store_options
 from gpuledger.output import console as output_console
 from gpuledger.output import is_terminal
 from gpuledger.schema.records import JobRecord, JobUsage
@@ -208,7 +210,9 @@ def run_demo(
     now = [t0]
     clock = lambda: now[0]  # noqa: E731 - the one shared simulated clock
 
-    store = Store(data_dir / STORE_NAME)
+    # the ledger's settings as `collector serve` records them from the demo's configuration (no [collector] table):
+    # a collector started on the demo's data dir afterwards counts on with the same ones
+    store = Store(data_dir / STORE_NAME, **store_options(CollectorSettings.model_validate({})))
     server = CollectorServer(store, host="127.0.0.1", port=0)
     server.start()
     url = server.url

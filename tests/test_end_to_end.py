@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuledger.cli import app
+from gpuledger.collector.store import AGREED_SETTINGS, Store
 from gpuledger.demo import JOB_PLAN, run_demo
 
 runner = CliRunner()
@@ -81,6 +82,24 @@ def test_cli_reads_the_demo_data(demo):
     assert r.exit_code == 0, r.output
     jobs = json.loads(r.output)
     assert {j["job_id"] for j in jobs} == set(demo.usage) and all(j["seen_by"] == "both" for j in jobs)
+
+
+def test_the_demo_records_the_settings_a_collector_on_its_data_dir_must_share(demo):
+    """The demo's collector opens the ledger as `collector serve` does with the demo's configuration, so the ledger
+    records every agreed setting (nothing left for a later process to record otherwise) and a collector configured
+    otherwise afterwards is refused, one line, exit 2."""
+    d = demo.data_dir
+    store = Store(d / "gpuledger.sqlite")
+    try:
+        recorded = {k.removeprefix("setting."): json.loads(v) for k, v in store.db.execute(
+            "SELECT key, value FROM meta WHERE key LIKE 'setting.%'").fetchall()}
+    finally:
+        store.close()
+    assert set(recorded) == set(AGREED_SETTINGS)
+    config = d / "other.toml"
+    config.write_text("[collector]\nraw_retention_s = 86400\n")
+    r = runner.invoke(app, ["collector", "compact", "--data-dir", str(d), "--config", str(config)])
+    assert r.exit_code == 2 and "raw_retention_s = 86400 here, 604800 in the ledger" in r.output, r.output
 
 
 def test_commands_name_a_missing_store(tmp_path):
