@@ -219,6 +219,13 @@ class _LedgerReadings:
                                     "(charged from the power integral instead), over all GPUs.",
                                     value=float(self.store.counter_anomalies())),
             ]
+            compacted = self.store.last_compaction()
+            if compacted is not None:
+                families.append(GaugeMetricFamily(
+                    "gpuledger_collector_last_compaction_timestamp_seconds",
+                    "When a compaction of the ledger last completed (unix time), whichever process ran it: alert when "
+                    "it is older than a few compact_interval_s (a compactor refused or gone, raw samples piling up).",
+                    value=compacted))
             for collector in self._extra:
                 families.extend(collector.collect())
             with self._guard:

@@ -84,6 +84,9 @@ _UUID = operator.attrgetter("gpu_uuid")
 
 STORE_NAME = "gpuledger.sqlite"  # the embedded store in a data directory
 COMPACTION_LOCK = "compaction"  # one collector compacts a shared ledger at a time
+# meta key: when a compaction of the ledger last completed (unix time), whichever process ran it; /metrics shows it, so
+# a compactor that stopped (refused its settings, crashed for good, a cron job gone) is seen before the disk fills
+COMPACTED_AT = "compacted_at"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1018,7 +1021,9 @@ class Store:
                 steps.add(partial(self._chunks.apply_expiry, expiry), partial(add, "deleted"))
             steps.flush()
         with self._lock:
-            self.ledger.prune_batches(now - self.dedupe_horizon_s)
+            with self._db.transaction():
+                self.ledger.prune_batches(now - self.dedupe_horizon_s)
+                self._db.execute(upsert("meta", ("key", "value"), ("key",)), (COMPACTED_AT, repr(self._clock())))
             summaries = self._emit_summaries(force=True)
         log.info("compaction: %d host chunks split, %d GPUs, %d minutes and %d hours rolled up, %d chunks merged away, "
                  "%d expired, in %.1f s", counts["split"], len(watermarks), counts["minutes"], counts["hours"],
@@ -1133,6 +1138,15 @@ class Store:
     def counter_anomalies(self) -> int:
         with self._lock:
             return self.ledger.counter_anomalies()
+
+    def last_compaction(self) -> float | None:
+        """When a compaction of the ledger last completed (unix time, by the clock of the store that ran it), or None
+        if none has since this version: one skipped because another collector held the ledger's compaction lock
+        records nothing (that one records its own)."""
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (COMPACTED_AT,)).fetchone()
+        return None if row is None else float(row[0])
+
     def gpus(self) -> list[GpuKey]:
         """Every GPU the store holds totals for: (host, GPU UUID, MIG instance or "")."""
         with self._lock:

@@ -16,7 +16,7 @@ from test_compaction import HOSTS, RET, body, snapshot
 
 from gpuledger.collector.compactor import CompactorProcess
 from gpuledger.collector.series_store import MINUTE, RAW
-from gpuledger.collector.store import Store
+from gpuledger.collector.store import COMPACTION_LOCK, Store
 from gpuledger.collector.validate import parse_batch
 
 BATCHES = 150  # 25 minutes of each host: minutes become final and raw intervals close
@@ -101,7 +101,16 @@ def serve(tmp_path: Path, settings: str) -> CollectorProc:
     return CollectorProc(data, free_port()).start()
 
 
+def last_compaction(url: str) -> float | None:
+    """gpuledger_collector_last_compaction_timestamp_seconds on the collector's /metrics (None: not there)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("gpuledger_collector_last_compaction_timestamp_seconds "):
+            return float(line.split()[1])
+    return None
+
+
 def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_path: Path):
+    started = time.time()
     proc = serve(tmp_path, "compact_interval_s = 0.5\nwindow_s = 60\n")
     data = proc.data_dir
     try:
@@ -122,6 +131,10 @@ def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_p
                 store.close()
 
         wait_until(rolled_up, "the child to roll up minutes", timeout=60)
+        # the serving process's /metrics says when the child last compacted the ledger, and it goes on doing so
+        first = wait_until(lambda: last_compaction(proc.url), "the last compaction on /metrics", timeout=30)
+        assert started <= first <= time.time()
+        wait_until(lambda: (last_compaction(proc.url) or 0.0) > first, "a later compaction on /metrics", timeout=30)
         os.kill(child, signal.SIGKILL)  # a compactor that dies is started again; ingest never notices
         again = wait_until(lambda: [c for c in children(proc.proc.pid) if c != child], "a new compactor process",
                            timeout=60)
@@ -156,4 +169,25 @@ def test_a_compactor_that_cannot_open_its_store_is_retried_not_fatal(tmp_path: P
         wait_until(lambda: compactor.restarts >= 2, "the compactor to be started again", timeout=60)
     finally:
         compactor.stop()
+        store.close()
+
+
+def test_a_compaction_records_when_it_completed_and_one_skipped_records_nothing(new_ledger):
+    url = new_ledger()
+    clock = [2e9]
+    store = Store(url, clock=lambda: clock[0])
+    other = Store(url, clock=lambda: clock[0] + 50.0)
+    try:
+        assert store.last_compaction() is None  # a ledger never compacted
+        store.compact()
+        assert store.last_compaction() == other.last_compaction() == 2e9  # the ledger's, whoever reads it
+        clock[0] += 300.0
+        with store.db.try_lock(COMPACTION_LOCK) as mine:  # this collector compacts: the other skips its pass
+            assert mine
+            assert other.compact().skipped
+        assert other.last_compaction() == 2e9
+        other.compact()
+        assert store.last_compaction() == 2e9 + 350.0  # by the clock of the store that ran it
+    finally:
+        other.close()
         store.close()
