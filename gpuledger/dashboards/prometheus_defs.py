@@ -106,13 +106,17 @@ def _cluster() -> Dashboard:
                        target("sum(rate(gpuledger_collector_samples_accepted_total[$__rate_interval]))", "accepted"),
                        target("sum by (reason) (rate(gpuledger_collector_samples_rejected_total[$__rate_interval]))",
                               "rejected: {{reason}}"),
-                       unit="short", width=8),
+                       unit="short", width=6),
             timeseries("Ingest latency p99", target(
                 "histogram_quantile(0.99, sum by (le) "
                 "(rate(gpuledger_collector_ingest_latency_seconds_bucket[$__rate_interval])))",
-                "p99"), unit="s", width=8),
+                "p99"), unit="s", width=6),
             timeseries("Store size", target("gpuledger_collector_store_size_bytes", "{{instance}}"), unit="bytes",
-                       width=8),
+                       width=6),
+            timeseries("Since the last compaction", target(
+                "time() - max(gpuledger_collector_last_compaction_timestamp_seconds)", "ledger"), unit="s", width=6,
+                description="How long ago a compaction of the ledger last completed, whichever process ran it: "
+                            "growing past a few compact_interval_s, the compactor is refused or gone."),
         ),
         row(
             "Collector group commits",

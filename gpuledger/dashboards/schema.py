@@ -52,6 +52,7 @@ COLLECTOR_METRICS: frozenset[str] = frozenset({
     "gpuledger_collector_batches_rejected_total", "gpuledger_collector_batches_deduplicated_total",
     "gpuledger_collector_ingest_latency_seconds_bucket", "gpuledger_collector_ingest_latency_seconds_count",
     "gpuledger_collector_ingest_latency_seconds_sum", "gpuledger_collector_store_size_bytes",
+    "gpuledger_collector_last_compaction_timestamp_seconds",
     "gpuledger_collector_batches_accepted_total", "gpuledger_collector_internal_errors_total",
     "gpuledger_collector_requests_in_flight", "gpuledger_collector_ingest_queue_depth",
     "gpuledger_collector_group_commit_batches_bucket", "gpuledger_collector_group_commit_batches_count",

@@ -92,6 +92,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         store = Store(data / STORE_NAME, sinks=[sink], summary_interval_s=1.0)
         store.put_jobs([JobRecord(j, cluster="live", user="carol", account="chemistry") for j in sorted(FLEET_JOBS)])
         es.callback(store.close)
+        store.compact()  # as the collector's compactor does (the "Since the last compaction" panel)
 
         # the accounting dashboard's per-user panels: a site that publishes user names on /metrics
         collector = CollectorServer(store, priority_feed=data / FEED_NAME, metrics_user_labels=True).start()

@@ -115,12 +115,14 @@ def test_schema_constants_match_the_code(tmp_path: Path) -> None:
 
     assert {attr for _, attr, _, _ in GPU_METRICS} <= INFLUX_SCHEMA["gpu"][1]
     assert "gpuledger_gpu_energy_joules_total" in AGENT_GPU_METRICS
-    # The collector's /metrics, with a priority feed present, exports every name the schema lists.
+    # The collector's /metrics, with a priority feed present and the ledger compacted once, exports every name the
+    # schema lists.
     feed = tmp_path / "priority-feed.json"
     feed.write_text(json.dumps({"generated_at": 1.0, "associations": [
         {"account": "a", "user": "u", "fairshare": 0.5, "site_factor": 5000}]}))
     store = Store(tmp_path / "s.sqlite")
     try:
+        store.compact()
         server = CollectorServer(store, priority_feed=feed).start()
         names = set()
         for fam in server.metrics.registry.collect():

@@ -66,6 +66,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             {"account": "physics", "user": "bob", "fairshare": 0.25, "site_factor": 2500}]}))
         store = Store(tmp / "gpuledger.sqlite", series_outbox=True, retention=local_retention(600.0))
         es.callback(store.close)
+        store.compact()  # as the collector's compactor does (the "Since the last compaction" panel)
         remote = RemoteSeries(store.series_store, f"http://127.0.0.1:{vm_port}", interval_s=0.2,
                                        backoff_s=0.1, backoff_max_s=0.5)
         es.callback(remote.close)
