@@ -164,8 +164,8 @@ def render_html(rep: UsageReport, entries: Sequence[LedgerEntry], title: str = "
         f'<tr{" class=total" if r is rep.total else ""}>'
         + "".join(f"<td>{escape(f(r))}</td>" for _, f in cols) + "</tr>"
         for r in [*rep.rows, rep.total])
-    meta = (f"Period {escape(rep.period.label)} (jobs counted whole in the period they ended, UTC); "
-            f"grouped by {escape(rep.by)}; {rep.total.jobs} jobs.")
+    meta = (f"Period {escape(rep.period.label)} (UTC; jobs counted in the period they ended, a requeued job's runs "
+            f"each in the one it ended); grouped by {escape(rep.by)}; {rep.total.jobs} jobs.")
     if manifest:
         meta += "<br>" + escape(", ".join(f"{k}: {v}" for k, v in manifest.items()))
     hist = stacked_bars("chart-efficiency", elabels, {"jobs": ejobs}, "jobs", (PALETTE[2],),
