@@ -155,11 +155,11 @@ def totals(
     """Cluster totals (GPU-seconds observed, allocated, SM-active; energy) and the tiers' sizes, over whole hours:
     the hour buckets from the one holding --start up to, not including, the one holding --end (adjacent ranges
     partition the hours; a range inside one hour sums none). The answer's "hours_start" and "hours_end" name the
-    buckets summed."""
+    buckets summed; "last_compaction" says when a compaction of the ledger last completed (unix time, or null)."""
     _query_range(start, end)
     store = _open(data_dir, config, ledger_url)
     try:
-        typer.echo(json.dumps({**store.totals(start, end), "tiers": store.tiers(), "size_bytes": store.size_bytes()},
-                              indent=2))
+        typer.echo(json.dumps({**store.totals(start, end), "tiers": store.tiers(), "size_bytes": store.size_bytes(),
+                               "last_compaction": store.last_compaction()}, indent=2))
     finally:
         store.close()

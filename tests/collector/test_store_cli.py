@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from typer.testing import CliRunner
 
@@ -21,6 +22,8 @@ def test_compact_series_totals(tmp_path):
     store.ingest(Batch("a", 0, "n1", ss))
     store.close()
     run = CliRunner().invoke
+    assert json.loads(run(app, ["totals", "--data-dir", str(tmp_path)]).output)["last_compaction"] is None
+    before = time.time()
     r = run(app, ["compact", "--data-dir", str(tmp_path), "--now", str(H + 86400)])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
@@ -34,6 +37,7 @@ def test_compact_series_totals(tmp_path):
     r = run(app, ["totals", "--data-dir", str(tmp_path)])
     t = json.loads(r.output)
     assert t["samples"] == 400 and t["allocated_gpu_seconds"] == 3990.0
+    assert before <= t["last_compaction"] <= time.time()  # when it ran (the wall clock), not its --now
     assert run(app, ["totals", "--data-dir", str(tmp_path / "nope")]).exit_code == 2
 
 
