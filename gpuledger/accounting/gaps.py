@@ -29,10 +29,11 @@ unattributed rather than be charged twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuledger.accounting.charge import physical_gpus
+from gpuledger.accounting.scope import job_runs
 from gpuledger.schema.records import JobRecord
 
 JobKey = tuple[str, str]  # (cluster, job_id)
@@ -70,16 +71,6 @@ class GapAttribution:
         return math.fsum(r for _, r in self.remaining)
 
 
-def _runs(r: JobRecord) -> Iterator[tuple[float, float | None, tuple[str, ...], tuple[str, ...]]]:
-    """(start, end or None, hosts, GPU UUIDs) of each run of the job that started: a requeued job's earlier runs
-    (``JobRecord.earlier_runs``; their GPUs unknown, as Slurm's record keeps only the latest run's), then the
-    latest run. Each holds Slurm's allocation (``physical_gpus``) split evenly over its own hosts."""
-    for start, end, hosts in r.earlier_runs:
-        yield start, end, hosts, ()
-    if r.start is not None:
-        yield r.start, r.end, r.hosts, r.gpu_uuids
-
-
 def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_host: Mapping[str, int],
              now: float, gpu_clusters: Mapping[tuple[str, str], str] | None = None) -> GapAttribution:
     """Reassign the unattributed gaps (``store.energy_gaps()`` rows with no jobs) to scheduler ``records`` by
@@ -90,7 +81,12 @@ def reassign(gaps: Iterable[Mapping], records: Iterable[JobRecord], gpus_per_hos
     # host -> (record, one of its runs' start, end, GPU UUIDs and GPUs on each of its hosts)
     by_host: dict[str, list[tuple[JobRecord, float, float | None, tuple[str, ...], float]]] = {}
     for r in sorted(records, key=lambda r: (r.cluster, r.job_id)):
-        for start, end, hosts, uuids in _runs(r):
+        # each run that started (scope.job_runs: a requeued job's earlier runs, then the latest) holds Slurm's
+        # allocation split evenly over its own hosts; only the latest run's GPUs are known (Slurm's record keeps
+        # those alone)
+        latest = len(r.earlier_runs)
+        for i, (start, end, hosts) in enumerate(job_runs(r)):
+            uuids = r.gpu_uuids if i == latest else ()
             for h in dict.fromkeys(hosts):
                 by_host.setdefault(h, []).append((r, start, end, uuids, physical_gpus(r) / max(1, len(hosts))))
     gaps = list(gaps)

@@ -235,7 +235,9 @@ def _agreed_value(name: str, value: Any) -> AgreedValue:
 def _given_value(name: str, value: Any) -> AgreedValue:
     """A setting given to a store, as :func:`_agreed_value`. One no process may run with is InvalidSetting (one line
     naming the setting and the value), before it is compared with the ledger's: a mismatch would tell the operator
-    to share a value that is wrong anywhere."""
+    to share a value that is wrong anywhere. (``Aggregator`` and ``Retention.check`` keep their own checks, the
+    reference for what the aggregation and the tiers run with, as they are built without a store too; this one only
+    puts the refusal first. ``CollectorSettings`` refuses the same in a configuration file, naming the file.)"""
     for_good = name in RETENTION_SETTINGS and name != "raw_retention_s"  # a rollup tier may be kept for good (None)
     try:
         agreed = _agreed_value(name, value)
