@@ -30,6 +30,13 @@ def wait_until(cond: Callable[[], T], what: str, timeout: float = 30.0) -> T:
     return value
 
 
+def metric_value(text: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in a /metrics exposition ``text``, which must hold it once."""
+    values = [float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, f"{name} is in the exposition {len(values)} times"
+    return values[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

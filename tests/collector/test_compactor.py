@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
-from collector_proc import CollectorProc, free_port, wait_until
+from collector_proc import CollectorProc, free_port, metric_value, wait_until
 from test_compaction import HOSTS, RET, body, snapshot
 
 from gpuledger.collector.compactor import CompactorProcess
@@ -103,10 +103,8 @@ def serve(tmp_path: Path, settings: str) -> CollectorProc:
 
 def last_compaction(url: str) -> float | None:
     """gpuledger_collector_last_compaction_timestamp_seconds on the collector's /metrics (None: not there)."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("gpuledger_collector_last_compaction_timestamp_seconds "):
-            return float(line.split()[1])
-    return None
+    text, name = httpx.get(f"{url}/metrics", timeout=10).text, "gpuledger_collector_last_compaction_timestamp_seconds"
+    return metric_value(text, name) if f"\n{name} " in text else None
 
 
 def test_collector_serve_runs_compaction_in_a_child_that_never_outlives_it(tmp_path: Path):

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from collector_proc import metric_value
 from servers import free_port
 
 from gpuledger.agent.push import encode_batch
@@ -147,11 +148,6 @@ def _post_behind_the_stall(postgres_server, url: str, seq: int) -> tuple[threadi
     return t, answers
 
 
-def _value(metrics: str, name: str) -> float:
-    (line,) = [ln for ln in metrics.splitlines() if ln.startswith(name + " ")]
-    return float(line.split()[1])
-
-
 def test_metrics_answer_during_a_stall_and_a_batch_committed_after_its_503_is_counted_once(postgres_server):
     """/metrics answers during a stall, at once (the figures it reads through the store, which the stuck commit holds,
     as last read, with their age) and shows the stall; the batch answered 503 whose commit then goes in is counted
@@ -161,7 +157,7 @@ def test_metrics_answer_during_a_stall_and_a_batch_committed_after_its_503_is_co
     s = CollectorServer(store, clock=lambda: NOW, ledger_timeout_s=timeout_s).start()
     try:
         assert post(s, 0).status_code == 200
-        size = _value(httpx.get(s.url + "/metrics").text, "gpuledger_collector_store_size_bytes")
+        size = metric_value(httpx.get(s.url + "/metrics").text, "gpuledger_collector_store_size_bytes")
         _standby(postgres_server, "gpuledger_test_standby")
         try:
             t, answers = _post_behind_the_stall(postgres_server, s.url, 1)
@@ -170,10 +166,10 @@ def test_metrics_answer_during_a_stall_and_a_batch_committed_after_its_503_is_co
             t0 = time.monotonic()
             m = httpx.get(s.url + "/metrics", timeout=30)
             assert m.status_code == 200 and time.monotonic() - t0 < 0.8, (m.status_code, m.text[:300])
-            assert _value(m.text, "gpuledger_collector_ledger_stalled") == 1
-            assert _value(m.text, "gpuledger_collector_ledger_commit_wait_seconds") >= timeout_s
-            assert _value(m.text, "gpuledger_collector_store_size_bytes") == size  # as last read
-            assert _value(m.text, "gpuledger_collector_ledger_readings_age_seconds") >= timeout_s
+            assert metric_value(m.text, "gpuledger_collector_ledger_stalled") == 1
+            assert metric_value(m.text, "gpuledger_collector_ledger_commit_wait_seconds") >= timeout_s
+            assert metric_value(m.text, "gpuledger_collector_store_size_bytes") == size  # as last read
+            assert metric_value(m.text, "gpuledger_collector_ledger_readings_age_seconds") >= timeout_s
         finally:
             _standby(postgres_server, "")
         deadline = time.monotonic() + 30
@@ -181,15 +177,15 @@ def test_metrics_answer_during_a_stall_and_a_batch_committed_after_its_503_is_co
             assert time.monotonic() < deadline, "the stuck commit never finished"
             time.sleep(0.05)
         m = httpx.get(s.url + "/metrics").text
-        assert _value(m, "gpuledger_collector_samples_accepted_total") == 20  # batch 1 too, answered 503
-        assert _value(m, "gpuledger_collector_batches_accepted_total") == 2
-        assert (_value(m, "gpuledger_collector_ledger_stalled"),
-                _value(m, "gpuledger_collector_ledger_commit_wait_seconds")) == (0, 0)
+        assert metric_value(m, "gpuledger_collector_samples_accepted_total") == 20  # batch 1 too, answered 503
+        assert metric_value(m, "gpuledger_collector_batches_accepted_total") == 2
+        assert (metric_value(m, "gpuledger_collector_ledger_stalled"),
+                metric_value(m, "gpuledger_collector_ledger_commit_wait_seconds")) == (0, 0)
         r = post(s, 1)  # the agent's resend
         assert r.status_code == 200 and r.json()["duplicate"], r.text
         m = httpx.get(s.url + "/metrics").text
-        assert _value(m, "gpuledger_collector_samples_accepted_total") == 20
-        assert _value(m, "gpuledger_collector_batches_deduplicated_total") == 1
+        assert metric_value(m, "gpuledger_collector_samples_accepted_total") == 20
+        assert metric_value(m, "gpuledger_collector_batches_deduplicated_total") == 1
     finally:
         s.stop()
         store.close()

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from collector_proc import ROOT, CollectorProc, free_port, wait_until
+from collector_proc import metric_value as metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from servers import VictoriaMetricsServer
 from test_compactor import alive, children
@@ -127,11 +128,6 @@ def usage(url: str) -> dict[str, list[dict]]:
     with httpx.Client(base_url=url, timeout=30) as c:
         return {what: sorted(c.get("/api/v1/usage", params=params).json(), key=key)
                 for what, params in (("jobs", {}), ("per_gpu", {"per_gpu": "1"}))}
-
-
-def metric(text: str, name: str) -> float:
-    [value] = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
-    return value
 
 
 def scrape(url: str) -> str:
