@@ -229,6 +229,10 @@ _SINK_METRICS: dict[str, tuple[str, str, bool]] = {
     "rejected_samples": ("gpuledger_agent_push_rejected_samples",
                          "Samples the collector refused (4xx) and the agent dropped: whole batches, and the "
                          "samples behind their GPU's window (too late) of batches it stored.", True),
+    "trimmed_list_items": ("gpuledger_agent_push_trimmed_list_items",
+                           "Processes and Xid errors left out of samples that listed more than the collector takes "
+                           "in one (the rest of the sample was sent; the agent's own Xid counter counts them all).",
+                           True),
     "unsent_batches": ("gpuledger_agent_push_unsent_batches",
                        "Batches no collector took and no spool kept (no --spool-dir, or its disk full), dropped.",
                        True),

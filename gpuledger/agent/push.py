@@ -55,6 +55,7 @@ SAMPLES_PATH = "/api/v1/samples"
 FAILOVER_STATUSES = (frozenset(range(300, 400)) | frozenset({401, 403, 404, 405, 407, 408, 415, 421, 425, 429})
                      | frozenset(range(500, 600)))
 MAX_HUNG_REQUESTS = 2  # requests past their deadline still waiting on a stalled answer; more are not started
+_MAX_LOGGED = 1024  # GPUs whose trimmed samples were said (bounded: GPUs come and go)
 
 
 def samples_url(collector: str) -> str:
@@ -159,9 +160,11 @@ class BatchLimits:
     samples: int = collector_limits.MAX_SAMPLES
     series: int = collector_limits.MAX_SERIES
     job_ids: int = collector_limits.MAX_BATCH_JOB_IDS
-    row_lists: int = collector_limits.MAX_BATCH_LIST  # processes, and Xid errors, each over the whole batch
+    row_lists: int = collector_limits.MAX_BATCH_LIST  # processes, Xid errors, job records' hosts: each over the batch
     jobs: int = collector_limits.MAX_JOBS
     body_bytes: int = collector_limits.MAX_BODY_BYTES
+    row_list: int = collector_limits.MAX_ROW_LIST  # processes, and Xid errors, of one sample
+    job_hosts: int = collector_limits.MAX_JOB_HOSTS  # hosts of one job record
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -192,6 +195,16 @@ class _Tally:
         self.job_ids |= other.job_ids
         self.processes += other.processes
         self.xids += other.xids
+
+
+def fit_rows(s: GpuSample, row_list: int) -> GpuSample:
+    """``s`` with at most ``row_list`` processes (those using the most memory; the collector stores them as they are,
+    attribution is done) and Xid errors (the first): over them, the collector would refuse the whole GPU's instant,
+    its power and energy with it, so 257 processes on a GPU would make its job's use go unmeasured."""
+    if len(s.processes) <= row_list and len(s.xid_errors) <= row_list:
+        return s
+    kept = sorted(range(len(s.processes)), key=lambda i: (-(s.processes[i].used_memory_bytes or 0), i))[:row_list]
+    return replace(s, processes=tuple(s.processes[i] for i in sorted(kept)), xid_errors=s.xid_errors[:row_list])
 
 
 def instants(samples: Sequence[GpuSample]) -> list[list[GpuSample]]:
@@ -400,6 +413,8 @@ class HttpPusher:
         self.batches_sent = 0
         self.samples_sent = 0  # samples in batches the collector acknowledged
         self.samples_refused = 0  # of those, samples it said it did not store (too late, duplicate)
+        self.rows_trimmed = 0  # processes and Xid errors left out of samples over the per-sample limit (fit)
+        self._trim_logged: set[tuple[str, str]] = set()
 
     def next_seq(self) -> int:
         with self._lock:
@@ -413,20 +428,54 @@ class HttpPusher:
         self.send(seq, samples)
         return seq
 
+    def fit(self, samples: Sequence[GpuSample]) -> list[GpuSample]:
+        """The samples within the collector's per-sample limits (:func:`fit_rows`), what was left out counted in
+        :attr:`rows_trimmed` and said once per GPU."""
+        out = []
+        for s in samples:
+            fitted = fit_rows(s, self.limits.row_list)
+            if fitted is not s:
+                left = len(s.processes) - len(fitted.processes) + len(s.xid_errors) - len(fitted.xid_errors)
+                self.rows_trimmed += left
+                key = (s.gpu_uuid, s.mig or "")
+                if key not in self._trim_logged and len(self._trim_logged) < _MAX_LOGGED:
+                    self._trim_logged.add(key)
+                    log.warning("GPU %s%s: a sample with %d processes and %d Xid errors, over the collector's limit "
+                                "of %d each: sent with the %d processes using the most memory and the first %d Xid "
+                                "errors (said once per GPU; gpuledger_agent_push_trimmed_list_items_total counts "
+                                "what was left out)", s.gpu_uuid, f" MIG {s.mig}" if s.mig else "", len(s.processes),
+                                len(s.xid_errors), self.limits.row_list, len(fitted.processes),
+                                len(fitted.xid_errors))
+            out.append(fitted)
+        return out
+
     def write_jobs(self, records: Sequence[JobRecord]) -> None:
-        """Job metadata (new or changed) to send with the next batch."""
+        """Job metadata (new or changed) to send with the next batch. A record listing more hosts than one may
+        (``limits.job_hosts``; a batch carrying it would be refused) goes with this host alone: what this node
+        knows for sure, until the scheduler's record (imported by the collector) lists them all."""
+        fitted = []
+        for r in records:
+            if len({*r.hosts, self.host}) > self.limits.job_hosts:
+                log.warning("job %s lists %d hosts, more than the collector takes in one record (%d): described "
+                            "with this host alone", r.job_id, len(r.hosts), self.limits.job_hosts)
+                r = replace(r, hosts=(self.host,))
+            fitted.append(r)
         with self._jobs_lock:
-            self._jobs.update((r.job_id, r) for r in records)
+            self._jobs.update((r.job_id, r) for r in fitted)
 
     def take_jobs(self) -> list[JobRecord]:
-        """The job metadata waiting for a batch (as many records as one batch may carry, the rest wait for the
-        next), now that one will carry it."""
+        """The job metadata waiting for a batch (as many records, and hosts in them, as one batch may carry; the
+        rest wait for the next), now that one will carry it."""
         with self._jobs_lock:
-            if len(self._jobs) <= self.limits.jobs:
-                jobs, self._jobs = list(self._jobs.values()), {}
-                return jobs
-            ids = list(self._jobs)[:self.limits.jobs]
-            return [self._jobs.pop(j) for j in ids]
+            taken: list[str] = []
+            hosts = 0
+            for job_id, r in self._jobs.items():
+                n = len(r.hosts) + 1  # encode_batch adds this host where a record lacks it
+                if taken and (len(taken) == self.limits.jobs or hosts + n > self.limits.row_lists):
+                    break
+                taken.append(job_id)
+                hosts += n
+            return [self._jobs.pop(j) for j in taken]
 
     def return_jobs(self, records: Sequence[JobRecord]) -> None:
         """Records a batch took but did not deliver (not spooled, not acknowledged): the next batch carries them,
@@ -590,7 +639,7 @@ def write_batches(pusher: HttpPusher, ticks: Sequence[Sequence[GpuSample]], fmt:
     have gaps). ``reserve`` (a spool persisting its numbers) may refuse a seq, False: that batch is skipped (it
     says why). Returns the first seq used (None: none). Raises PushError for an unencodable batch (a NaN), after the
     others went; its job records ride with the next batch."""
-    pending = split_ticks(ticks, pusher.limits)
+    pending = split_ticks([pusher.fit(tick) for tick in ticks], pusher.limits)
     first: int | None = None
     unencodable: PushError | None = None
     while pending:
@@ -679,7 +728,7 @@ class DirectSink:
 
     def stats(self) -> dict[str, float]:
         """For the agent's /metrics (``agent.exposition``: the keys both sinks share, and no spool's)."""
-        return {"sent_batches": self.sent_batches,
+        return {"sent_batches": self.sent_batches, "trimmed_list_items": self.pusher.rows_trimmed,
                 "unsent_batches": self.unsent_batches, "unsent_samples": self.unsent_samples,
                 "rejected_batches": self.rejected_batches,
                 "rejected_samples": self.rejected_samples + self.late_samples}

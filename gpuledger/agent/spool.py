@@ -585,4 +585,5 @@ class SpoolingPusher:
             "unsent_batches": self.direct.unsent_batches,
             "unsent_samples": self.direct.unsent_samples,
             "sent_batches": self.delivered(),
+            "trimmed_list_items": self.pusher.rows_trimmed,
         }

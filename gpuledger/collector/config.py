@@ -24,8 +24,9 @@ Example::
                                    # agent's resend is then a duplicate); keep it under the agents' timeout (10 s)
     idle_timeout_s = 120           # a keep-alive connection idle this long is closed
     max_samples = 20000            # per batch; further limits: max_series, max_job_ids (per series),
-    max_job_ids = 64               # max_batch_job_ids, max_jobs, max_str (characters), max_list
-    max_batch_list = 256000        # processes, and Xid errors, in one batch (all its samples together); more: 413
+    max_job_ids = 64               # max_batch_job_ids, max_jobs, max_str (characters), max_list, max_job_hosts
+    max_batch_list = 256000        # processes, and Xid errors, in one batch (all its samples together), and the
+                                   # hosts of its job records; more: 413
     max_series_points = 10000      # GET /api/v1/series picks a coarser step rather than answer more points
     max_page = 10000               # GET /api/v1/jobs and /usage: most rows an answer holds (then ?offset=)
     metrics_user_labels = false    # publish user names in /metrics (the fairshare gauges); /metrics is open
@@ -203,6 +204,7 @@ class CollectorSettings(TokenTables):
     max_jobs: int = Field(DEFAULT_LIMITS.max_jobs, gt=0)
     max_str: int = Field(DEFAULT_LIMITS.max_str, gt=0)
     max_list: int = Field(DEFAULT_LIMITS.max_list, gt=0)
+    max_job_hosts: int = Field(DEFAULT_LIMITS.max_job_hosts, gt=0)
     max_batch_list: int = Field(DEFAULT_LIMITS.max_batch_list, gt=0)
     max_series_points: int = Field(MAX_SERIES_POINTS, gt=0)
     max_page: int = Field(MAX_PAGE, gt=0)

@@ -94,9 +94,11 @@ class Limits:
     max_batch_job_ids: int = wire_limits.MAX_BATCH_JOB_IDS  # distinct job ids in one batch
     max_jobs: int = wire_limits.MAX_JOBS  # job records riding with one batch
     max_str: int = 256  # host, GPU uuid, job id, model, user, ... (characters)
-    max_list: int = 256  # per sample: processes, Xid errors; per job record: hosts, GPUs, TRES
-    # per batch, all samples together: processes, and Xid errors (each; 1,000 samples of max_list). A process
-    # is 3 bytes of msgpack but ~100 of memory: max_samples x max_list of them would be 500 MiB.
+    max_list: int = wire_limits.MAX_ROW_LIST  # per sample: processes, Xid errors; per job record: GPUs, TRES
+    max_job_hosts: int = wire_limits.MAX_JOB_HOSTS  # per job record: hosts
+    # per batch, all samples together: processes, and Xid errors (each; 1,000 samples of max_list); all job records
+    # together: hosts. A process is 3 bytes of msgpack but ~100 of memory: max_samples x max_list of them would be
+    # 500 MiB; a host 3 bytes and ~50.
     max_batch_list: int = wire_limits.MAX_BATCH_LIST
 
     def __post_init__(self) -> None:
@@ -848,12 +850,15 @@ def _column(v: Any, f: str, n: int, at: str, typed: bool) -> tuple[np.ndarray, n
 class _Decoders:
     msgpack: Any
     json: Any
-    # the same with each row list (processes, Xid errors) left as its raw bytes, decoded once the batch's totals are
-    # known to be within max_batch_list (_row_lists); a body too short to exceed them takes the decoders above
+    # the same with each row list (processes, Xid errors) and each job record's hosts left as its raw bytes, decoded
+    # once the batch's totals are known to be within max_batch_list (_row_lists); a body too short to exceed them
+    # takes the decoders above
     guarded_msgpack: Any
     guarded_json: Any
     row_list_msgpack: dict[str, Any]
     row_list_json: dict[str, Any]
+    job_hosts_msgpack: Any
+    job_hosts_json: Any
     peek_msgpack: Any
     peek_json: Any
 
@@ -902,11 +907,15 @@ def _decoders(limits: Limits) -> _Decoders | None:
                  "tuple[tuple[str, float], ...]": seq(tuple_of[text, float], lim.max_list),
                  "tuple[tuple[float, float, tuple[str, ...]], ...]":
                      seq(tuple_of[float, float, seq(name, lim.max_list)], lim.max_list)}
-    job = msgspec.defstruct("WireJob", [(f.name, job_types[str(f.type)]) if f.name == "job_id" else
-                                        (f.name, job_types[str(f.type)], f.default) for f in fields(JobRecord)],
-                            forbid_unknown_fields=True, omit_defaults=True)
+    job_hosts = seq(text, lim.max_job_hosts)
 
-    def batch(types: dict[str, Any]) -> Any:
+    def job_struct(hosts: Any) -> Any:
+        return msgspec.defstruct("WireJob", [(f.name, job_types[str(f.type)]) if f.name == "job_id" else
+                                             (f.name, hosts if f.name == "hosts" else job_types[str(f.type)], f.default)
+                                             for f in fields(JobRecord)],
+                                 forbid_unknown_fields=True, omit_defaults=True)
+
+    def batch(types: dict[str, Any], job: Any) -> Any:
         # SAMPLE_FIELDS order, so astuple() feeds GpuSample(*...); gc=False: rows hold only strings, numbers
         # and tuples of them (no cycles), and skipping GC tracking makes them cheaper
         spec = [(f.name, types[f.name]) if f.name in _REQUIRED else (f.name, types[f.name], f.default)
@@ -929,13 +938,14 @@ def _decoders(limits: Limits) -> _Decoders | None:
             ("jobs", Annotated[list_of[job], msgspec.Meta(max_length=lim.max_jobs)], []),
             ("cluster", num(str, max_length=MAX_CLUSTER_CHARS), "")], forbid_unknown_fields=True)
 
-    wire, guarded = batch(types), batch({**types, **{k: msgspec.Raw for k in ROW_LISTS}})
+    wire = batch(types, job_struct(job_hosts))
+    guarded = batch({**types, **{k: msgspec.Raw for k in ROW_LISTS}}, job_struct(msgspec.Raw))
     # the batch's name for an error message, read without building anything else (other fields are skipped)
     peek = msgspec.defstruct("WirePeek", [("agent_id", text | int | None, None), ("seq", int | text | None, None)])
     return _Decoders(msgspec.msgpack.Decoder(wire), msgspec.json.Decoder(wire), msgspec.msgpack.Decoder(guarded),
                      msgspec.json.Decoder(guarded), {k: msgspec.msgpack.Decoder(types[k]) for k in ROW_LISTS},
-                     {k: msgspec.json.Decoder(types[k]) for k in ROW_LISTS}, msgspec.msgpack.Decoder(peek),
-                     msgspec.json.Decoder(peek))
+                     {k: msgspec.json.Decoder(types[k]) for k in ROW_LISTS}, msgspec.msgpack.Decoder(job_hosts),
+                     msgspec.json.Decoder(job_hosts), msgspec.msgpack.Decoder(peek), msgspec.json.Decoder(peek))
 
 
 _FAST = _decoders(DEFAULT_LIMITS)  # None: every batch takes the per-sample path (tests compare both paths)
@@ -1061,8 +1071,8 @@ def _batch_samples(b: Any) -> int:
 
 def _row_lists(b: Any, body: bytes, dec: _Decoders, json_body: bool, now: float, allowed_host: str | None,
                where: str, limits: Limits, allowed_cluster: str | None = None) -> None:
-    """A guarded decode's row lists (raw bytes): counted over the whole batch from their headers, refused (413) past
-    ``max_batch_list``, then decoded in place, as the unguarded decode has them."""
+    """A guarded decode's row lists and job records' hosts (raw bytes): each kind counted over the whole batch from
+    their headers, refused (413) past ``max_batch_list``, then decoded in place, as the unguarded decode has them."""
     found: dict[str, list[tuple[Any, int | None, Any, str]]] = {k: [] for k in ROW_LISTS}  # owner, row, raw, where
     for i, r in enumerate(b.samples or ()):
         for k in ROW_LISTS:
@@ -1073,9 +1083,11 @@ def _row_lists(b: Any, body: bytes, dec: _Decoders, json_body: bool, now: float,
         for k in ROW_LISTS:
             for j, v in enumerate(getattr(d, k) or ()):
                 found[k].append((d, j, v, f"series[{i}].{k}[{j}]"))
+    hosts = [(r, r.hosts, f"jobs[{i}].hosts") for i, r in enumerate(b.jobs) if type(r.hosts) is msgspec.Raw]
     items = _json_items if json_body else _msgpack_items
-    for k, what in (("processes", "processes"), ("xid_errors", "Xid errors")):
-        have = sum(items(raw, k == "processes") for _, _, raw, _ in found[k])
+    for k, what in (("processes", "processes"), ("xid_errors", "Xid errors"), ("hosts", "job hosts")):
+        have = (sum(items(raw, False) for _, raw, _ in hosts) if k == "hosts"
+                else sum(items(raw, k == "processes") for _, _, raw, _ in found[k]))
         if have > limits.max_batch_list:
             raise BatchError(413, f"{where}: {have} {what} in one batch, more than the limit of "
                                   f"{limits.max_batch_list}", "too_large", _batch_samples(b))
@@ -1090,6 +1102,12 @@ def _row_lists(b: Any, body: bytes, dec: _Decoders, json_body: bool, now: float,
                 setattr(owner, k, v)
             else:
                 getattr(owner, k)[row] = v
+    decode = (dec.job_hosts_json if json_body else dec.job_hosts_msgpack).decode
+    for record, raw, at in hosts:
+        try:
+            record.hosts = decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            raise _refuse_typed(body, exc, dec, json_body, now, allowed_host, at, allowed_cluster) from None
 
 
 def _msgpack_items(raw: Any, pairs: bool) -> int:

@@ -7,6 +7,12 @@ MAX_SAMPLES = 20_000  # per batch, all series together; a default agent batch ha
 MAX_SERIES = 1_024  # series (and GPUs and MIG instances) per batch
 MAX_BATCH_JOB_IDS = 1_024  # distinct job ids in one batch
 MAX_JOBS = 1_024  # job records riding with one batch
-# per batch, all samples together: processes, and Xid errors (each). A process is 3 bytes of msgpack but ~100 of
-# memory at the collector.
+# per sample: processes, Xid errors (the agent sends a sample's first ones: agent.push.fit_rows); per job record: GPUs,
+# TRES, earlier runs
+MAX_ROW_LIST = 256
+# per job record: the hosts it ran on (a job of 300 nodes is an ordinary large job; Slurm's largest clusters hold about
+# 10,000 nodes)
+MAX_JOB_HOSTS = 65_536
+# per batch, all samples together: processes, and Xid errors (each); all job records together: hosts. A process is
+# 3 bytes of msgpack but ~100 of memory at the collector, a host name 3 bytes and ~50.
 MAX_BATCH_LIST = 256_000

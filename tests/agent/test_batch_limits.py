@@ -9,15 +9,15 @@ from dataclasses import fields, replace
 
 import pytest
 
-from gpuledger.agent.push import Batcher, BatchLimits, DirectSink, HttpPusher, halve, split_ticks
+from gpuledger.agent.push import Batcher, BatchLimits, DirectSink, HttpPusher, fit_rows, halve, split_ticks
 from gpuledger.agent.sampler import Agent
-from gpuledger.agent.sources.simulated import SimulatedSource
+from gpuledger.agent.sources.simulated import SimulatedSource, gpu_uuid_for
 from gpuledger.agent.spool import Spool, SpoolingPusher
 from gpuledger.collector.server import CollectorServer
 from gpuledger.collector.store import Store
 from gpuledger.collector.validate import DEFAULT_LIMITS, MAX_BODY_BYTES, Limits
 from gpuledger.schema import limits as schema_limits
-from gpuledger.schema.records import GpuSample, JobRecord
+from gpuledger.schema.records import GpuProcess, GpuSample, JobRecord
 
 GPUS = 8
 NOW = time.time()
@@ -128,6 +128,87 @@ def test_job_records_ride_with_the_batch_that_holds_their_jobs_samples(tmp_path,
         srv.store.close()
 
 
+class CrowdedJob:
+    """Job 88 on GPU 0 with 300 processes and Xid storms (257 a tick), a job of 300 nodes (its record lists them)."""
+
+    HOSTS = ("n1", *(f"node{k:03d}" for k in range(1, 300)))
+
+    def map(self, samples):
+        procs = tuple(GpuProcess(1000 + k, k * 2**20) for k in range(300))
+        return [replace(x, job_ids=("88",), processes=procs, xid_errors=(13,) * 257) if x.gpu_index == 0 else x
+                for x in samples]
+
+    def job_metadata(self) -> dict[str, JobRecord]:
+        return {"88": JobRecord(job_id="88", uid=1001, hosts=self.HOSTS)}
+
+
+@pytest.mark.parametrize("kind", ["direct", "spool"])
+def test_a_crowded_gpu_and_a_large_jobs_record_are_measured_not_refused(tmp_path, kind, caplog):
+    # before: the collector refused GPU 0's every instant (300 processes, over 256 a sample), so job 88's use went
+    # unmeasured, and every batch carrying the job's record (300 hosts, over 256 a record) until it was dropped
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuledger.agent.exposition import make_registry
+
+    srv = serve(tmp_path)
+    try:
+        inner = sinks(srv.url, tmp_path)[kind]()
+        agent = Agent(SimulatedSource(host="n1", gpus=GPUS, clock=iter(NOW - 300 + i for i in range(99)).__next__),
+                      [CrowdedJob()], sinks=[Batcher(inner, 5)])
+        for _ in range(10):
+            agent.tick()
+        finish(inner)
+        assert srv.store.totals()["samples"] == 10 * GPUS
+        assert inner.stats()["rejected_batches"] == 0
+        (usage,) = srv.store.job_usage("88")
+        assert usage.allocated_gpu_seconds > 0 and usage.energy_joules > 0
+        (job,) = srv.store.jobs()
+        assert (job.job_id, job.hosts) == ("88", CrowdedJob.HOSTS)
+        kept = srv.store.series("n1", gpu_uuid_for("n1", 0), NOW - 400, NOW)
+        assert [len(x.processes) for x in kept] == [256] * 10 and [len(x.xid_errors) for x in kept] == [256] * 10
+        # the 256 using the most memory, in the driver's order
+        assert [p.pid for p in kept[0].processes] == list(range(1044, 1300))
+        text = generate_latest(make_registry(agent)).decode()
+        values = {x.name: x.value for f in text_string_to_metric_families(text) for x in f.samples}
+        assert values["gpuledger_agent_push_trimmed_list_items_total"] == 10 * (44 + 1)
+        assert sum("over the collector's limit of 256" in r.getMessage() for r in caplog.records) == 1  # once a GPU
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+def test_a_record_of_more_hosts_than_one_may_list_goes_with_the_nodes_own(tmp_path, caplog):
+    srv = serve(tmp_path, max_job_hosts=100)  # a collector set below its default, the agent told so
+    try:
+        sink = DirectSink(HttpPusher(srv.url, "a", "n1", fmt="msgpack", limits=BatchLimits(job_hosts=100)))
+        agent = Agent(SimulatedSource(host="n1", gpus=GPUS, clock=iter(NOW - 300 + i for i in range(99)).__next__),
+                      [CrowdedJob()], sinks=[sink])
+        agent.tick()
+        sink.close()
+        assert sink.stats()["rejected_batches"] == 0 and srv.store.totals()["samples"] == GPUS
+        assert [(j.job_id, j.hosts) for j in srv.store.jobs()] == [("88", ("n1",))]
+        assert any("lists 300 hosts, more than the collector takes in one record (100)" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+def test_fit_rows_and_the_hosts_a_batch_carries():
+    x = GpuSample(ts=NOW, host="n1", gpu_uuid="G", gpu_index=0, xid_errors=(1, 2, 3),
+                  processes=(GpuProcess(1, 5), GpuProcess(2, None), GpuProcess(3, 9), GpuProcess(4, 5)))
+    assert fit_rows(x, 4) is x
+    fitted = fit_rows(x, 2)
+    assert fitted.processes == (GpuProcess(1, 5), GpuProcess(3, 9)) and fitted.xid_errors == (1, 2)
+    assert fit_rows(x, 3).processes == (GpuProcess(1, 5), GpuProcess(3, 9), GpuProcess(4, 5))  # a tie: the first
+    # records wait for the next batch once the hosts in them would pass what one batch may hold
+    pusher = HttpPusher("http://127.0.0.1:9", "a", "n1", limits=BatchLimits(row_lists=700))
+    pusher.write_jobs([JobRecord(job_id=str(j), hosts=tuple(f"h{k}" for k in range(300))) for j in range(3)])
+    assert [[r.job_id for r in pusher.take_jobs()] for _ in range(3)] == [["0", "1"], ["2"], []]
+    pusher.close()
+
+
 def s(ts: float, g: int, jobs: tuple[str, ...] = ()) -> GpuSample:
     return GpuSample(ts=ts, host="n1", gpu_uuid=f"GPU-{g}", gpu_index=g, job_ids=jobs)
 
@@ -148,7 +229,8 @@ def test_the_agent_knows_the_collectors_default_limits():
     # schema.limits holds them for the agent (which cannot import the collector): the collector's defaults agree
     assert BatchLimits() == BatchLimits(DEFAULT_LIMITS.max_samples, DEFAULT_LIMITS.max_series,
                                         DEFAULT_LIMITS.max_batch_job_ids, DEFAULT_LIMITS.max_batch_list,
-                                        DEFAULT_LIMITS.max_jobs, DEFAULT_LIMITS.max_body_bytes)
+                                        DEFAULT_LIMITS.max_jobs, DEFAULT_LIMITS.max_body_bytes,
+                                        DEFAULT_LIMITS.max_list, DEFAULT_LIMITS.max_job_hosts)
     assert schema_limits.MAX_BODY_BYTES == MAX_BODY_BYTES
     for f in fields(BatchLimits):
         with pytest.raises(ValueError, match=f.name):

@@ -354,6 +354,46 @@ def test_processes_over_the_batch_limit_are_refused_before_they_are_built():
     assert parse_batch(msgpack.packb(series), "application/msgpack", NOW).n_samples == 1000
 
 
+def _jobs_body(records: list[dict], fmt: str) -> bytes:
+    doc = {"agent_id": "a1", "seq": 3, "host": "n1", "samples": [sample(job_ids=["42"])], "jobs": records}
+    return msgpack.packb(doc) if fmt == "msgpack" else json.dumps(doc).encode()
+
+
+def _job(job_id: str, hosts: int) -> dict:
+    return {"job_id": job_id, "user": "u", "account": "a", "hosts": ["n1", *(f"node{k:05d}" for k in range(1, hosts))]}
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_a_large_jobs_record_is_taken_whole(fmt):
+    # a job of 300 nodes: every agent's batch carrying its record was refused (413, its hosts over the 256 each list of
+    # a record may hold), and each resend halved it to one GPU's instant refused for good
+    ctype = f"application/{fmt}"
+    b = _jobs_body([_job("42", 300)], fmt)
+    guarded = replace(DEFAULT_LIMITS, max_batch_list=300)  # the body is longer: its hosts are counted first
+    for limits in (DEFAULT_LIMITS, guarded):
+        (rec,) = parse_batch(b, ctype, NOW, limits=limits).jobs
+        assert rec.hosts[0] == "n1" and len(rec.hosts) == 300 and rec.hosts[-1] == "node00299"
+    # one record past its own bound; records whose hosts together pass the batch's, counted before they are built
+    over = replace(DEFAULT_LIMITS, max_job_hosts=299)
+    for limits in (over, replace(over, max_batch_list=300)):
+        e = reject(b, "jobs[0].hosts", "299", status=413, ctype=ctype, limits=limits)
+        assert e.reason == "too_large"
+    big = _jobs_body([_job(str(j), 300) for j in range(1000)], fmt)  # 300,000 hosts, ~15 MiB once built
+    tracemalloc.start()
+    try:
+        e = reject(big, "batch agent_id='a1' seq=3: 300000 job hosts in one batch, more than the limit of 256000",
+                   status=413, ctype=ctype)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.reason == "too_large" and peak < 12 * 2**20, peak
+    # a bad host inside a counted list is worded as in one pass
+    bad = _job("42", 300)
+    bad["hosts"][7] = 5
+    b = _jobs_body([bad], fmt)
+    assert reject(b, "job[0].hosts", ctype=ctype, limits=guarded).message == reject(b, ctype=ctype).message
+
+
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
 def test_row_lists_decoded_after_their_count_are_worded_as_in_one_pass(fmt):
     ctype = "application/msgpack" if fmt == "msgpack" else "application/json"
