@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -71,11 +72,31 @@ def _plain_help(typer_app: typer.Typer) -> None:
 _plain_help(app)
 
 
+def _finite(callback: Callable[..., Any] | None) -> Callable[..., Any]:
+    """An option's callback that first refuses NaN and the infinities (one rule for every number any command
+    takes: a poll of NaN seconds never fires, ``--since inf`` overflowed into a traceback), then runs ``callback``."""
+    def check(ctx: Any, param: Any, value: Any) -> Any:
+        for v in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise click_exc.BadParameter(f"must be a finite number, got {v}", ctx=ctx, param=param)
+        return value if callback is None else callback(ctx, param, value)
+    return check
+
+
+def _finite_numbers(command: Any) -> Any:
+    """``command`` and its sub-commands with every parameter behind :func:`_finite`."""
+    for param in command.params:
+        param.callback = _finite(param.callback)
+    for sub in getattr(command, "commands", {}).values():
+        _finite_numbers(sub)
+    return command
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """The `gpuledger` command without the process exit: returns the exit code. Every error is one line on stderr:
-    2 for bad input (a bad flag or value, a missing file), 1 for a failure; never a traceback (GPULEDGER_DEBUG=1
-    lets an unexpected exception through with its traceback)."""
-    command = typer.main.get_command(app)
+    2 for bad input (a bad flag or value, NaN or an infinity for a number, a missing file), 1 for a failure; never a
+    traceback (GPULEDGER_DEBUG=1 lets an unexpected exception through with its traceback)."""
+    command = _finite_numbers(typer.main.get_command(app))
     try:
         rv = command.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="gpuledger",
                           standalone_mode=False)

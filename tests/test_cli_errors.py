@@ -78,6 +78,54 @@ def test_bad_value_is_one_line_exit_2(capsys, path: tuple[str, ...]) -> None:
     one_error_line(err)
 
 
+def float_options() -> list[tuple[tuple[str, ...], str, list[str]]]:
+    """(command, option, the other arguments it requires) for every option any command takes a number for."""
+    out = []
+
+    def walk(cmd, path: tuple[str, ...]) -> None:
+        for p in cmd.params:
+            if getattr(getattr(p, "type_descriptor", None), "annotation", None) is float:
+                required = [x for q in cmd.params if q.required and q is not p
+                            for x in (("x",) if q.param_type_name == "argument" else (q.opts[0], "1"))]
+                out.append((path, p.opts[0], required + (["--data-dir"] if any(
+                    "--data-dir" in q.opts for q in cmd.params) else [])))
+        for name, sub in (getattr(cmd, "commands", None) or {}).items():
+            walk(sub, path + (name,))
+
+    walk(typer.main.get_command(app), ())
+    return out
+
+
+FLOAT_OPTIONS = float_options()
+
+
+def test_the_walk_finds_the_number_options() -> None:
+    assert {(("jobs", "import"), "--since"), (("priority", "watch"), "--poll"), (("demo",), "--step"),
+            (("agent", "run"), "--interval"), (("collector", "series"), "--start")} <= {
+        (path, opt) for path, opt, _ in FLOAT_OPTIONS}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("path", "opt", "required"), FLOAT_OPTIONS, ids=lambda x: " ".join(x) if x else "")
+def test_no_number_option_takes_nan_or_an_infinity(capsys, tmp_path: Path, path, opt, required, value) -> None:
+    # a poll of NaN seconds never fired (`priority watch` ran on, idle), `jobs import --since inf` and `demo --step
+    # inf` ended in a traceback: one rule, checked before any command runs
+    data_dir = [tmp_path / "d"] if required[-1:] == ["--data-dir"] else []
+    code, out, err = call(capsys, *path, *required, *data_dir, opt, value)
+    assert code == 2 and out == "", (code, out, err)
+    # (an option with a range says so first: NaN and the infinities are outside it)
+    line = one_error_line(err)
+    assert f"Invalid value for '{opt}': must be a finite number, got {float(value)}" in line or (
+        f"Invalid value for '{opt}': Input should be" in line), line
+    assert not (tmp_path / "d").exists()
+
+
+def test_jobs_import_since_is_a_window_back_from_now(capsys, tmp_path: Path) -> None:
+    for since in ("0", "-5", "1e9"):
+        code, _, err = call(capsys, "jobs", "import", "--slurm", "--since", since, "--data-dir", tmp_path)
+        assert code == 2 and f"--since must be hours in (0, 876600], got {float(since):g}" in one_error_line(err)
+
+
 # Commands without --format take a value-less --data-dir as their bad value instead.
 NO_FORMAT = {("agent", "run"), ("collector", "serve"), ("collector", "series"), ("collector", "totals"),
              ("collector", "compact"), ("jobs", "import"), ("priority", "apply"), ("audit", "verify"),

@@ -70,6 +70,8 @@ if TYPE_CHECKING:
 IMPORT_CURSOR_NAME = "priority-watch-import.json"
 SACCT_CHUNK_S = 86400.0
 
+MAX_SINCE_H = 100 * 365.25 * 24  # `jobs import --slurm --since`: further back overflows the clock
+
 ASSOC_HELP = ("the association tree: `slurm` (ask sacctmgr), a file of `sacctmgr -P show associations "
               "format=cluster,account,parentname,user,share` output, or a CSV account,parent,user,shares "
               "(default: the config's accounts table)")
@@ -478,7 +480,7 @@ def jobs_import(
             "in the hour repeated when DST ends they are ambiguous: run `TZ=UTC sacct -P ...` and this import with "
             "TZ=UTC"))] = None,
     slurm: Annotated[bool, typer.Option("--slurm", help="run sacct against the local cluster")] = False,
-    since: Annotated[float, typer.Option(help="live mode: hours back from now")] = 24.0,
+    since: Annotated[float, typer.Option(help="live mode: hours back from now (at most 100 years)")] = 24.0,
     config: ConfigOpt = None,
     ledger_url: LedgerUrl = None,
 ) -> None:
@@ -499,6 +501,8 @@ def jobs_import(
         raise _fail("only one of --sacct-json and --sacct-parsable can read standard input")
     if slurm and (sacct_json or sacct_parsable):
         raise _fail("--slurm runs sacct itself: give it alone, or the files (--sacct-json, --sacct-parsable) alone")
+    if slurm and not 0 < since <= MAX_SINCE_H:  # 0 or less: a window that ends before it starts
+        raise _fail(f"--since must be hours in (0, {MAX_SINCE_H:g}], got {since:g}")
 
     def parsed(path: str | None, parse: Callable[[str], list[JobRecord]]) -> list[JobRecord]:
         """The file's records; a record no job can have refuses the whole import (nothing is stored), naming the
