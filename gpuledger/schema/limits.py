@@ -7,8 +7,8 @@ MAX_SAMPLES = 20_000  # per batch, all series together; a default agent batch ha
 MAX_SERIES = 1_024  # series (and GPUs and MIG instances) per batch
 MAX_BATCH_JOB_IDS = 1_024  # distinct job ids in one batch
 MAX_JOBS = 1_024  # job records riding with one batch
-# per sample: processes, Xid errors (the agent sends a sample's first ones: agent.push.fit_rows); per job record: GPUs,
-# TRES, earlier runs
+# per sample: processes, Xid errors (over it, the agent sends the processes using the most memory and the first Xid
+# errors: agent.push.fit_rows); per job record: GPUs, TRES, earlier runs
 MAX_ROW_LIST = 256
 # per job record: the hosts it ran on (a job of 300 nodes is an ordinary large job; Slurm's largest clusters hold about
 # 10,000 nodes)
