@@ -713,8 +713,7 @@ def priority_watch(
 
     url = cli_ledger_url(ledger_url, data_dir, config)
     settings = _settings(data_dir, config)  # a bad configuration ends the daemon at its start, not every poll after
-    if not all(map(math.isfinite, (import_overlap, import_catch_up, import_running))) or min(
-            import_overlap, import_catch_up, import_running) < 0:
+    if min(import_overlap, import_catch_up, import_running) < 0:  # (NaN and the infinities: gpuledger.cli._finite)
         raise _fail("--import-overlap, --import-catch-up and --import-running must be seconds >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logger = logging.getLogger("gpuledger.priority.watch")

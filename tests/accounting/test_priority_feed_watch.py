@@ -627,4 +627,7 @@ def test_an_import_cadence_that_is_no_time_is_refused_naming_it(cluster: Path, v
                         str(cluster / "data"), "--metrics-port", "0", "--import-running", value],
                        env=slurm_env(cluster), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip() == "error: --import-overlap, --import-catch-up and --import-running must be seconds >= 0"
+    assert r.stderr.strip() == ("error: --import-overlap, --import-catch-up and --import-running must be seconds >= 0"
+                                if value == "-1" else "error: gpuledger priority watch: Invalid value for "
+                                f"'--import-running': must be a finite number, got {float(value)} (see `gpuledger "
+                                "priority watch --help`)")
