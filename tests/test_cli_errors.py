@@ -302,3 +302,16 @@ def test_an_unexpected_error_is_one_line_and_exit_1_or_with_debug_its_traceback(
     monkeypatch.setenv("GPULEDGER_DEBUG", "1")
     with pytest.raises(KeyError):
         unexpected(KeyError("x"))
+
+
+def test_a_warning_in_a_pipe_is_one_line(capsys, tmp_path: Path) -> None:
+    # rich wrapped stderr at 80 columns when it was not a terminal: a warning's job list went on a line of its own
+    data = tmp_path / "data"
+    run_demo(data, nodes=1, gpus_per_node=1, hours=0.05, step_s=10, seed=1)
+    sacct = tmp_path / "sacct.psv"
+    sacct.write_text("JobID|User\n77|x\n")
+    assert call(capsys, "jobs", "import", "--data-dir", data, "--sacct-parsable", sacct)[0] == 0
+    code, _, err = call(capsys, "fairshare", "--data-dir", data)
+    assert code == 0
+    assert err.splitlines() == ["warning: 1 measured job(s) without a scheduler record or an agent's account are not "
+                                "charged: 77"]

@@ -205,8 +205,8 @@ class ChargePolicy:
         if not (math.isfinite(self.full_power_watts) and self.full_power_watts > 0):
             raise ValueError(f"full_power_watts {self.full_power_watts!r} must be a positive number")
         for model, w in self.model_weights.items():
-            if not w >= 0:
-                raise ValueError(f"charge weight for GPU model {model!r} must be >= 0, got {w!r}")
+            if not (math.isfinite(w) and w >= 0):
+                raise ValueError(f"charge weight for GPU model {model!r} must be a finite number >= 0, got {w!r}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ChargePolicy:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from gpuledger.accounting.audit import (
@@ -55,7 +54,18 @@ from gpuledger.accounting.report.tables import show
 from gpuledger.accounting.slurm import SlurmCommandError
 from gpuledger.collector.auditlog.jobs import job_key
 from gpuledger.collector.ledger_url import ledger_exists, ledger_fingerprint, ledger_label, open_ledger
-from gpuledger.output import FORMAT_HELP, Column, Format, emit, fixed, note, os_error, to_csv, write_atomically
+from gpuledger.output import (
+    FORMAT_HELP,
+    Column,
+    Format,
+    console,
+    emit,
+    fixed,
+    note,
+    os_error,
+    to_csv,
+    write_atomically,
+)
 
 if TYPE_CHECKING:
     from gpuledger.accounting.apply import Applied, Plan
@@ -90,7 +100,7 @@ class Algorithm(StrEnum):
     classic = "classic"
 
 
-err = Console(stderr=True)
+err = console(stderr=True)  # in a pipe, a warning stays one line (rich would wrap it at 80 columns)
 
 fairshare_app = typer.Typer(help="Slurm-conformant fairshare on measured usage.")
 priority_app = typer.Typer(help="The priority feed Slurm consumes.", no_args_is_help=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -42,10 +42,10 @@ class AccountingSettings(BaseModel):
 
     algorithm: Literal["classic", "fair-tree"] = "fair-tree"
     policy: Literal["allocated", "active", "energy", "blend"] = "blend"
-    floor: float = Field(0.25, ge=0.0, le=1.0)
+    floor: float = Field(0.25, ge=0.0, le=1.0, allow_inf_nan=False)
     unmeasured: Literal["allocated", "floor", "mean"] = "allocated"
-    full_power_watts: float = Field(700.0, gt=0)
-    half_life_s: float = Field(7 * 86400.0, ge=0)
+    full_power_watts: float = Field(700.0, gt=0, allow_inf_nan=False)
+    half_life_s: float = Field(7 * 86400.0, ge=0, allow_inf_nan=False)
     calc_period_s: int = Field(300, gt=0)
     usage_reset: Literal["NONE", "NOW", "DAILY", "WEEKLY", "MONTHLY", "QUARTERLY", "YEARLY"] = "NONE"
     timezone: str = ""
@@ -66,8 +66,8 @@ class AccountingSettings(BaseModel):
         return v
     # scontrol takes a SiteFactor within +/-2147483645: a larger weight would fail on every job
     priority_weight: int = Field(10_000, ge=0, le=2_147_483_645)
-    dampening: float = Field(1.0, gt=0)
-    model_weights: dict[str, float] = {}
+    dampening: float = Field(1.0, gt=0, allow_inf_nan=False)
+    model_weights: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = {}
     # Where the association tree comes from when a command is not given --associations: "slurm" (sacctmgr on
     # this host) or a file (relative to the configuration file); unset: the [accounts] table.
     associations: str | None = None

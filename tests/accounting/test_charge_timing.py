@@ -4,11 +4,13 @@ the feed cannot use)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from gpuledger.accounting.associations import AssocTree
+from gpuledger.accounting.charge import ChargePolicy
 from gpuledger.accounting.cli import fairshare_rows
 from gpuledger.accounting.config import AccountingSettings, ConfigError, accounting_settings
 from gpuledger.accounting.engine import association_usage
@@ -79,6 +81,18 @@ def test_a_priority_weight_scontrol_cannot_take_is_refused() -> None:
     assert accounting_settings({"accounting": {"priority_weight": 2_147_483_645}}).priority_weight == 2_147_483_645
     with pytest.raises(ConfigError, match="priority_weight"):
         accounting_settings({"accounting": {"priority_weight": 2_147_483_646}})
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("half_life_s", math.inf), ("floor", math.nan), ("full_power_watts", math.inf), ("dampening", math.inf),
+    ("model_weights", {"H200": math.inf}), ("model_weights", {"H200": -1.0})])
+def test_settings_that_are_no_number_are_refused_naming_them(setting: str, value) -> None:
+    # an infinite weight reached the charges and was refused there, naming a charge instead of the setting; an
+    # infinite half-life got as far as the audit log (which has no JSON form for it) before it was refused
+    with pytest.raises(ConfigError, match=rf"accounting\.{setting}(\.H200)?: Input should be"):
+        accounting_settings({"accounting": {setting: value}})
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        ChargePolicy(model_weights={"H200": math.inf})
 
 
 @pytest.mark.parametrize("command", [("priority", "feed"), ("priority", "watch", "--feed-only", "--no-import-jobs",
