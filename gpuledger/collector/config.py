@@ -194,9 +194,9 @@ class CollectorSettings(TokenTables):
     max_body_bytes: int = Field(MAX_BODY_BYTES, gt=0)
     max_inflight: int = Field(256, gt=0)
     max_per_host: int = Field(MAX_PER_HOST, gt=0)
-    request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0)
-    ledger_timeout_s: float = Field(LEDGER_TIMEOUT_S, gt=0)
-    idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0)
+    request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0, allow_inf_nan=False)
+    ledger_timeout_s: float = Field(LEDGER_TIMEOUT_S, gt=0, allow_inf_nan=False)
+    idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0, allow_inf_nan=False)
     max_samples: int = Field(DEFAULT_LIMITS.max_samples, gt=0)
     max_series: int = Field(DEFAULT_LIMITS.max_series, gt=0)
     max_job_ids: int = Field(DEFAULT_LIMITS.max_job_ids, gt=0)
@@ -226,7 +226,7 @@ class CollectorSettings(TokenTables):
     raw_retention_s: float = Field(7 * 86400.0, gt=0, allow_inf_nan=False)
     minute_retention_s: float = Field(90 * 86400.0, ge=0, allow_inf_nan=False)
     hour_retention_s: float = Field(0.0, ge=0, allow_inf_nan=False)
-    compact_interval_s: float = Field(300.0, gt=0)
+    compact_interval_s: float = Field(300.0, gt=0, allow_inf_nan=False)
     # "process": compaction in a child process (collector.compactor), off ingest's GIL and memory; "thread": in the
     # collector's own process (one process, e.g. where a service manager counts them)
     compaction: Literal["process", "thread"] = "process"

@@ -260,8 +260,15 @@ def test_grid_intensity_series_weights_emissions_by_time(tmp_path):
     s = report_settings({"report": {"grid_intensity_csv": "grid.csv", "price_per_gpu_hour": {"H200": 2}}}, tmp_path)
     # no `default`: an A100 has no price (a report meeting one is refused), not a price of 0
     assert s.grid == grid and s.gpu_hour_price("NVIDIA H200") == 2.0 and s.gpu_hour_price("A100") is None
-    with pytest.raises(ReportError, match=r"cfg.toml: report.price_per_kwh: expected a number"):
+    with pytest.raises(ReportError, match=r"cfg.toml: report.price_per_kwh: expected a finite number >= 0"):
         report_settings({"report": {"price_per_kwh": "cheap"}}, tmp_path, "cfg.toml")
+    # an infinite price or emission factor was taken, and every cost or CO2e figure read inf
+    for key, value in (("price_per_kwh", math.inf), ("co2e_kg_per_kwh", math.inf), ("retention_days", math.nan),
+                       ("price_per_gpu_hour", {"H200": math.inf})):
+        with pytest.raises(ReportError, match=rf"report\.{key}(\.H200)?: expected a finite number >= 0, got"):
+            report_settings({"report": {key: value}}, tmp_path)
+    with pytest.raises(ReportError, match=r"report.idle_threshold: expected a finite number in \[0, 1\], got inf"):
+        report_settings({"report": {"idle_threshold": math.inf}}, tmp_path)
     with pytest.raises(ReportError, match="report.colour: unknown setting"):
         report_settings({"report": {"colour": 1}}, tmp_path)
 

@@ -116,6 +116,9 @@ def test_settings_from_file_tokens_file_env_and_flags(tmp_path):
     ('[collector.tokens]\nn1 = "short"', "at least 16"),
     (f'admin_tokens = ["{N1}"]\n[collector.tokens]\nn1 = "{N1}"', "same token"),
     ('tls_cert = "a.pem"', "tls_key"),
+    # a deadline or an interval must be a time: an infinite one is none (a dripping client would keep its slot)
+    *((f"{key} = inf", f"collector.{key}: Input should be a finite number")
+      for key in ("request_timeout_s", "ledger_timeout_s", "idle_timeout_s", "compact_interval_s")),
 ])
 def test_bad_settings_name_the_setting(tmp_path, table, needle):
     cfg = tmp_path / "c.toml"

@@ -74,9 +74,11 @@ def report_settings(config: Mapping[str, Any], base_dir: str | Path = ".", where
     if unknown:
         raise ReportError(f"{where}: report.{unknown[0]}: unknown setting (known: {', '.join(sorted(_REPORT_KEYS))})")
 
-    def num(key: str, value: Any, lo: float = 0.0, hi: float = math.inf) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
-            raise ReportError(f"{where}: report.{key}: expected a number in [{lo}, {hi}], got {value!r}")
+    def num(key: str, value: Any, lo: float = 0.0, hi: float | None = None) -> float:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not lo <= value <= (math.inf if hi is None else hi)):
+            within = f">= {lo:g}" if hi is None else f"in [{lo:g}, {hi:g}]"
+            raise ReportError(f"{where}: report.{key}: expected a finite number {within}, got {value!r}")
         return float(value)
 
     prices = t.get("price_per_gpu_hour", {})
