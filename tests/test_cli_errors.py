@@ -315,3 +315,24 @@ def test_a_warning_in_a_pipe_is_one_line(capsys, tmp_path: Path) -> None:
     assert code == 0
     assert err.splitlines() == ["warning: 1 measured job(s) without a scheduler record or an agent's account are not "
                                 "charged: 77"]
+
+
+def test_a_file_that_is_not_utf8_is_named_in_one_line(capsys, demo_dir: Path, tmp_path: Path) -> None:
+    # `report usage` on such a config, and a grid intensity CSV, ended 'unexpected UnicodeDecodeError' (exit 1); an
+    # association tree or usage CSV was refused by the decoder's words, naming no file
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"account,parent,user,shares\n\xff\n")
+    (tmp_path / "bad.toml").write_bytes(b'cluster = "\xff"\n')
+    (tmp_path / "grid.toml").write_text(f'[report]\ngrid_intensity_csv = "{bad}"\n')
+    tree = tmp_path / "tree.csv"
+    tree.write_text("account,parent,user,shares\na,,,1\n")
+    said = f"{bad}: not UTF-8 text (invalid start byte at byte 27)"
+    for argv, expected in (
+            (("report", "usage", "--config", tmp_path / "bad.toml"), f"{tmp_path / 'bad.toml'}: not UTF-8 text"),
+            (("fairshare", "--config", tmp_path / "bad.toml"), f"{tmp_path / 'bad.toml'}: not UTF-8 text"),
+            (("report", "usage", "--config", tmp_path / "grid.toml"), said),
+            (("fairshare", "--associations", bad), said),
+            (("fairshare", "--associations", tree, "--usage", bad), said),
+            (("jobs", "import", "--sacct-parsable", bad), said)):
+        code, out, err = call(capsys, *argv, "--data-dir", demo_dir)
+        assert code == 2 and out == "" and expected in one_error_line(err), (argv, err)

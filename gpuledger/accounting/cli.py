@@ -66,6 +66,7 @@ from gpuledger.output import (
     to_csv,
     write_atomically,
 )
+from gpuledger.schema.text import NotText, read_text
 
 if TYPE_CHECKING:
     from gpuledger.accounting.apply import Applied, Plan
@@ -172,7 +173,7 @@ def _fairshare(data_dir: Path, config: Path | None, algorithm: str | None, assoc
                         f"[accounting] table of {cfg_path}, or add an [accounts] table there")
         tree = load_tree(associations, cfg)
         if usage_file is not None:
-            rows = compute(tree, parse_usage_csv(usage_file.read_text()), algorithm or settings.algorithm,
+            rows = compute(tree, parse_usage_csv(read_text(usage_file)), algorithm or settings.algorithm,
                            settings.dampening)
             return rows, settings, None
         store = _open_store(ledger_url, data_dir)
@@ -459,10 +460,11 @@ def jobs_list(
 
 def _read_arg(path: str) -> str:
     try:
-        return sys.stdin.read() if path == "-" else Path(path).read_text()
+        return sys.stdin.read() if path == "-" else read_text(path)
     except UnicodeDecodeError as e:
-        where = "standard input" if path == "-" else path
-        raise _fail(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise _fail(f"standard input: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except NotText as e:
+        raise _fail(str(e)) from None
 
 
 def _import_jobs(ledger_url: str | None, data_dir: Path, records: Sequence[JobRecord]) -> int:

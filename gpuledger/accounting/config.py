@@ -27,7 +27,6 @@ Example (``gpuledger.toml``)::
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -35,6 +34,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpuledger.accounting.charge import ChargePolicy
+from gpuledger.collector.config import ConfigError, read_toml
+
+__all__ = ["AccountingSettings", "ConfigError", "accounting_settings", "load_config"]
 
 
 class AccountingSettings(BaseModel):
@@ -77,18 +79,9 @@ class AccountingSettings(BaseModel):
                             unmeasured=self.unmeasured, full_power_watts=self.full_power_watts)
 
 
-class ConfigError(ValueError):
-    """A configuration file is missing or invalid; the message names the file and the setting."""
-
-
 def load_config(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: configuration file not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    """gpuledger.toml, parsed (``collector.config.read_toml``: the one reader of it); ConfigError naming the file."""
+    return read_toml(Path(path))
 
 
 def accounting_settings(data: dict[str, Any], path: str | Path = "<config>") -> AccountingSettings:

@@ -42,6 +42,7 @@ from gpuledger.accounting.decay import decayed_usage
 from gpuledger.accounting.fairshare import Usage, classic, fair_tree
 from gpuledger.accounting.ledger import LedgerEntry
 from gpuledger.schema.records import JobRecord, JobUsage, split_gpu_id
+from gpuledger.schema.text import read_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +313,7 @@ def load_tree(source: Path | str | None, config: Mapping[str, Any], slurm: Any =
         from gpuledger.accounting.slurm import SlurmClient
 
         return AssocTree.from_sacctmgr((slurm or SlurmClient()).associations(), cluster=config.get("cluster"))
-    text = Path(source).read_text()
+    text = read_text(source)
     first = text.lstrip().splitlines()[0].strip().lower() if text.strip() else ""
     if first.replace(" ", "") == "account,parent,user,shares":
         return AssocTree.from_csv(text)

@@ -93,7 +93,7 @@ from gpuledger.collector.series_outbox import local_retention
 from gpuledger.collector.series_store import Retention
 from gpuledger.collector.store import DEDUPE_HORIZON_S, MAX_GPUS_PER_HOST
 from gpuledger.collector.validate import CLUSTER_RULE, DEFAULT_LIMITS, MAX_BODY_BYTES, Limits, is_cluster_name
-from gpuledger.schema.text import ascii_int
+from gpuledger.schema.text import NotText, ascii_int, read_text
 
 CONFIG_NAME = "gpuledger.toml"
 ENV_PREFIX = "GPULEDGER_COLLECTOR_"
@@ -320,10 +320,12 @@ def _errors(e: ValidationError, prefix: str) -> str:
 
 def read_toml(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(read_text(path))
     except FileNotFoundError:
         raise ConfigError(f"{path}: configuration file not found") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except NotText as e:
+        raise ConfigError(str(e)) from None
+    except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,8 @@ from typing import Any
 from gpuledger.accounting.charge import model_value
 from gpuledger.accounting.report.errors import ReportError
 from gpuledger.accounting.report.grid import GridIntensity
+from gpuledger.collector.config import ConfigError, read_toml
+from gpuledger.schema.text import NotText, read_text
 
 REPORT_CONFIG_DOC = """\
 [report]                         # all optional
@@ -91,9 +92,11 @@ def report_settings(config: Mapping[str, Any], base_dir: str | Path = ".", where
     if "grid_intensity_csv" in t:
         p = Path(base_dir) / str(t["grid_intensity_csv"])
         try:
-            grid = GridIntensity.from_csv(p.read_text(), str(p))
+            grid = GridIntensity.from_csv(read_text(p), str(p))
         except OSError as e:
             raise ReportError(f"{where}: report.grid_intensity_csv: cannot read {p}: {e.strerror}") from None
+        except NotText as e:
+            raise ReportError(f"{where}: report.grid_intensity_csv: {e}") from None
     currency = t.get("currency", "")
     if not isinstance(currency, str):
         raise ReportError(f"{where}: report.currency must be text")
@@ -117,7 +120,7 @@ def load_report_settings(data_dir: str | Path, config: str | Path | None = None)
             raise ReportError(f"{path}: configuration file not found")
         return ReportSettings()
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ReportError(f"{path}: invalid TOML: {e}") from None
+        data = read_toml(path)
+    except ConfigError as e:
+        raise ReportError(str(e)) from None
     return report_settings(data, path.parent, str(path))
