@@ -202,6 +202,8 @@ def test_demo_takes_an_empty_dir(capsys, tmp_path: Path) -> None:
 
 def test_agent_flags_are_checked_at_startup_naming_the_flag(capsys, tmp_path: Path) -> None:
     not_pem, empty, blank = tmp_path / "ca.pem", tmp_path / "empty.token", tmp_path / "blank.token"
+    binary = tmp_path / "binary.token"  # not UTF-8: it ended 'unexpected UnicodeDecodeError'
+    binary.write_bytes(b"\xff\xfe")
     not_pem.write_text("not a certificate\n")
     empty.write_text("")
     blank.write_text(" \n\t\n")
@@ -209,7 +211,8 @@ def test_agent_flags_are_checked_at_startup_naming_the_flag(capsys, tmp_path: Pa
             "--collector", "https://127.0.0.1:1")
     for extra, flag in [(("--ca-cert", not_pem), "--ca-cert"), (("--metrics-port", "18999999"), "--metrics-port"),
                         (("--metrics-port", "-1"), "--metrics-port"), (("--token-file", empty), "--token-file"),
-                        (("--token-file", blank), "--token-file")]:
+                        (("--token-file", blank), "--token-file"),
+                        (("--token-file", binary), f"--token-file: {binary}: not UTF-8 text")]:
         argv = [*base, "--metrics-port", "0", *extra]
         code, out, err = call(capsys, *argv)
         assert (code, out) == (2, ""), (extra, err)

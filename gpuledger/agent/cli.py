@@ -20,6 +20,7 @@ from gpuledger.agent.sources.simulated import LOADS
 from gpuledger.output import FORMAT_HELP, Column, Format, emit, fail, fixed, gib, percent, to_csv
 from gpuledger.schema import limits as collector_limits
 from gpuledger.schema.records import SAMPLE_FIELDS, GpuSample
+from gpuledger.schema.text import NotText, read_text
 
 app = typer.Typer(help="GPU node agent: read GPUs (nvml, dcgm, dcgm-exporter, simulated), expose and push samples.",
                   no_args_is_help=True)
@@ -237,8 +238,8 @@ def run(
 
         if token_file:
             try:
-                token = open(token_file).read().strip()
-            except OSError as exc:
+                token = read_text(token_file).strip()
+            except (OSError, NotText) as exc:
                 raise typer.BadParameter(f"--token-file: {exc}") from exc
             if not token:  # else every batch would go without an Authorization header, refused for ever
                 raise typer.BadParameter(f"{token_file} holds no token (empty or only whitespace)",
