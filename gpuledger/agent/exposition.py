@@ -229,6 +229,10 @@ _SINK_METRICS: dict[str, tuple[str, str, bool]] = {
     "rejected_samples": ("gpuledger_agent_push_rejected_samples",
                          "Samples the collector refused (4xx) and the agent dropped: whole batches, and the "
                          "samples behind their GPU's window (too late) of batches it stored.", True),
+    "refused_job_records": ("gpuledger_agent_push_refused_job_records",
+                            "Job records a collector refused (a job naming another cluster, a field it does not "
+                            "take): their batches were sent again without them and taken; their samples count.",
+                            True),
     "trimmed_list_items": ("gpuledger_agent_push_trimmed_list_items",
                            "Processes and Xid errors left out of samples that listed more than the collector takes "
                            "in one (the rest of the sample was sent; the agent's own Xid counter counts them all).",

@@ -54,6 +54,7 @@ SAMPLES_PATH = "/api/v1/samples"
 # token, path, method or media type). Only the collector's own verdict on the batch (400, 409, 413, 422) is final.
 FAILOVER_STATUSES = (frozenset(range(300, 400)) | frozenset({401, 403, 404, 405, 407, 408, 415, 421, 425, 429})
                      | frozenset(range(500, 600)))
+CLOCK_SKEW_REASONS = frozenset({"future"})  # a 400 with this reason: this node's clock, not the batch
 MAX_HUNG_REQUESTS = 2  # requests past their deadline still waiting on a stalled answer; more are not started
 _MAX_LOGGED = 1024  # GPUs whose trimmed samples were said (bounded: GPUs come and go)
 
@@ -116,6 +117,22 @@ class PushError(RuntimeError):
     def too_large(self) -> bool:
         """Refused for its size (413 too_large): the same samples in smaller batches are taken."""
         return self.status == 413 and self.reason == "too_large"
+
+    @property
+    def clock_skewed(self) -> bool:
+        """Refused for times in the collector's future: this node's clock, not the batch (taken once they are not)."""
+        return self.status == 400 and self.reason in CLOCK_SKEW_REASONS
+
+    @property
+    def about_content(self) -> bool:
+        """Did a collector refuse the batch for what it holds (a 4xx but a timeout, overload or clock skew)? The
+        job records it carried may be the cause: they come from Slurm or, with ``trust_environ``, from the job's own
+        environment, which its user writes (``SLURM_CLUSTER_NAME=x``), and one record a collector will not take
+        refuses the whole batch: 403 under a host-bound token (a record of another cluster), 400 (a control
+        character), 413 too_large (a field over a length limit: halving the batch would not help, the record rides
+        with a half). The sinks then send the samples again without them (``HttpPusher.resend_without_jobs``)."""
+        return (self.status is not None and 400 <= self.status < 500 and not self.not_ack
+                and self.status not in (408, 429) and not self.clock_skewed)
 
     def describe(self) -> str:
         """Why the push failed, in a few words (for one log line)."""
@@ -414,6 +431,7 @@ class HttpPusher:
         self.samples_sent = 0  # samples in batches the collector acknowledged
         self.samples_refused = 0  # of those, samples it said it did not store (too late, duplicate)
         self.rows_trimmed = 0  # processes and Xid errors left out of samples over the per-sample limit (fit)
+        self.job_records_refused = 0  # records a batch was taken without, once refused with them
         self._trim_logged: set[tuple[str, str]] = set()
 
     def next_seq(self) -> int:
@@ -450,15 +468,22 @@ class HttpPusher:
         return out
 
     def write_jobs(self, records: Sequence[JobRecord]) -> None:
-        """Job metadata (new or changed) to send with the next batch. A record listing more hosts than one may
-        (``limits.job_hosts``; a batch carrying it would be refused) goes with this host alone: what this node
-        knows for sure, until the scheduler's record (imported by the collector) lists them all."""
+        """Job metadata (new or changed) to send with the next batch, fitted to what a collector takes of it. A
+        record listing more hosts than one may (``limits.job_hosts``) goes with this host alone: what this node knows
+        for sure, until the scheduler's record (imported by the collector) lists them all. A record naming another
+        cluster than this host's (when the pusher names one) is this host's cluster's: the job runs here, and a
+        collector refuses a batch whose records name another cluster (``SLURM_CLUSTER_NAME`` is the job user's to
+        set, with ``trust_environ``)."""
         fitted = []
         for r in records:
             if len({*r.hosts, self.host}) > self.limits.job_hosts:
                 log.warning("job %s lists %d hosts, more than the collector takes in one record (%d): described "
                             "with this host alone", r.job_id, len(r.hosts), self.limits.job_hosts)
                 r = replace(r, hosts=(self.host,))
+            if self.cluster and r.cluster and r.cluster != self.cluster:
+                log.warning("job %s names cluster %r, but this host is in cluster %r: described as %r's",
+                            r.job_id, r.cluster[:64], self.cluster, self.cluster)
+                r = replace(r, cluster=self.cluster)
             fitted.append(r)
         with self._jobs_lock:
             self._jobs.update((r.job_id, r) for r in fitted)
@@ -510,16 +535,49 @@ class HttpPusher:
             raise
 
     def send(self, seq: int, samples: Sequence[GpuSample]) -> Ack:
-        """Send a batch under a given sequence number (in ``fmt``). The job metadata it carries goes back in the
+        """Send a batch under a given sequence number (in ``fmt``). A batch refused for what it holds while it
+        carried job metadata is sent again without it (:meth:`resend_without_jobs`). The metadata goes back in the
         queue when no collector answered or the batch could not be encoded (a refusal of the batch itself drops
         it: it may be the cause)."""
         jobs = self.take_jobs()
         try:
-            return self.post(seq, self.encode(seq, samples, self.fmt, jobs=jobs), self.fmt, samples=len(samples))
+            try:
+                return self.post(seq, self.encode(seq, samples, self.fmt, jobs=jobs), self.fmt, samples=len(samples))
+            except PushError as exc:
+                if not (jobs and exc.about_content):
+                    raise
+                return self.resend_without_jobs(exc, seq, samples, len(jobs), self.fmt)
         except PushError as exc:
             if exc.failover:
                 self.return_jobs(jobs)
             raise
+
+    def resend_without_jobs(self, refused: PushError, seq: int, samples: Sequence[GpuSample], jobs: int,
+                            fmt: str = "json", compress: str | None = None,
+                            reserve: Callable[[int], object] | None = None,
+                            head: Mapping[str, Any] | None = None) -> Ack:
+        """Send batch ``seq``'s samples again without the ``jobs`` job records it carried when a collector refused
+        it (``refused``: :attr:`PushError.about_content`), under a new seq (persisted first by ``reserve``, which may
+        raise OSError: then nothing is sent): a collector that stored the first while its answer was lost takes
+        them as samples stored before, where under ``seq`` they would be refused as other content. ``head``: the
+        refused body's agent_id, host and cluster (a spooled batch's; else this pusher's).
+
+        Taken: the records were the cause, dropped, counted in :attr:`job_records_refused` and said in one line. A
+        record is sent only when it changes, so this costs the collector that metadata (the scheduler's records,
+        imported, describe the job), never the samples. Raises the PushError of this attempt: then the records
+        were not the cause, or not alone, and that answer decides the batch."""
+        new_seq = self.next_seq()
+        if reserve is not None:
+            reserve(new_seq)
+        body = (self.encode(new_seq, samples, fmt, compress, jobs=[]) if head is None else
+                encode_batch(head["agent_id"], head["host"], new_seq, samples, (), fmt, compress,
+                             cluster=head.get("cluster", "")))
+        ack = self.post(new_seq, body, fmt, compress, samples=len(samples))
+        self.job_records_refused += jobs
+        log.warning("collector %s for batch %d (%d samples) with %d job record(s): taken without them as batch %d, "
+                    "the records dropped (gpuledger_agent_push_refused_job_records_total counts them)",
+                    refused.describe(), seq, len(samples), jobs, new_seq)
+        return ack
 
     def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None, samples: int = 0) -> Ack:
         """POST an encoded batch to the collectors in order until one acknowledges it (see :meth:`_post_one`) and
@@ -669,11 +727,15 @@ class DirectSink:
     """An Agent sink without a spool: each batch is posted at once (split to fit the pusher's limits, and halved
     when the collector refuses it as too large); one no collector takes is dropped, with one warning line saying
     why (``unkept``: why nothing keeps it). ``stats()`` and ``summary()`` say what was delivered and what was lost.
-    A spool posts what it cannot store through one (``agent.spool``)."""
+    A spool posts what it cannot store through one (``agent.spool``): ``reserve`` then persists each seq the sink
+    takes for itself (a batch sent again without its job records) before it is used.
+    """
 
-    def __init__(self, pusher: HttpPusher, unkept: str = "no --spool-dir to keep it") -> None:
+    def __init__(self, pusher: HttpPusher, unkept: str = "no --spool-dir to keep it",
+                 reserve: Callable[[int], object] | None = None) -> None:
         self.pusher = pusher
         self.unkept = unkept
+        self.reserve = reserve
         self.sent_batches = 0
         self.unsent_batches = 0  # no collector took them: dropped, nothing keeps them
         self.unsent_samples = 0
@@ -694,10 +756,22 @@ class DirectSink:
     def post(self, seq: int, body: bytes, part: Sequence[GpuSample], jobs: Sequence[JobRecord], fmt: str,
              compress: str | None = None) -> list[list[GpuSample]]:
         """Post one encoded batch (``part``'s samples, carrying ``jobs``) and count what came of it; returns its
-        halves, to be posted instead, when the collector refused it as too large. The records go back to the queue
-        when no collector took the batch; a refusal of the batch itself drops them (they may be the cause)."""
+        halves, to be posted instead, when the collector refused it as too large. Refused for what it holds while it
+        carried records, it is sent again without them (``HttpPusher.resend_without_jobs``). The records go back to
+        the queue when no collector took the batch; a refusal of the batch itself drops them (they may be the
+        cause)."""
         try:
-            ack = self.pusher.post(seq, body, fmt, compress, samples=len(part))
+            try:
+                ack = self.pusher.post(seq, body, fmt, compress, samples=len(part))
+            except PushError as refused:
+                if not (jobs and refused.about_content):
+                    raise
+                try:
+                    ack = self.pusher.resend_without_jobs(refused, seq, part, len(jobs), fmt, compress, self.reserve)
+                except OSError as exc:  # its seq cannot be persisted: not sent, the refusal stands
+                    log.warning("batch %d cannot be sent again without its job records: sequence number not "
+                                "persisted (%s)", seq, exc.strerror or exc)
+                    raise refused from None
         except PushError as exc:
             if exc.too_large and divisible(part):
                 self.pusher.return_jobs(jobs)
@@ -729,6 +803,7 @@ class DirectSink:
     def stats(self) -> dict[str, float]:
         """For the agent's /metrics (``agent.exposition``: the keys both sinks share, and no spool's)."""
         return {"sent_batches": self.sent_batches, "trimmed_list_items": self.pusher.rows_trimmed,
+                "refused_job_records": self.pusher.job_records_refused,
                 "unsent_batches": self.unsent_batches, "unsent_samples": self.unsent_samples,
                 "rejected_batches": self.rejected_batches,
                 "rejected_samples": self.rejected_samples + self.late_samples}

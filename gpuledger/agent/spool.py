@@ -19,7 +19,11 @@ the spool by two halves under new seqs (a collector may have stored the batch wh
 half under its seq would be refused as a conflict), sent next. A 422 too_late that stored some samples is an
 acknowledgement: the batch is delivered, the samples behind their GPU's window are counted as refused. Any other
 4xx (a too_late that stored none too) means the collector will never take the batch: it is dropped, counted and
-logged. Each failed attempt is one warning line.
+logged. Before any of this, a batch refused for what it holds (``PushError.about_content``: a 4xx but 408, 429 and
+clock skew, 403 and 413 included) that carries job records is sent again at once without them, under a new seq
+(``HttpPusher.resend_without_jobs``): taken, the records were the cause (a job user's ``SLURM_CLUSTER_NAME``, a
+control character), dropped and counted, and the batch's file goes; refused again, that answer decides the batch as
+above. Each failed attempt is one warning line.
 
 A batch the spool cannot store (a full disk) is posted at once if the collector was reachable; one that is then
 not delivered either is dropped and counted (``unsent``), as is one whose sequence number cannot be persisted.
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuledger.agent.push import (
+    Ack,
     DirectSink,
     HttpPusher,
     PushError,
@@ -58,18 +63,13 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^(\d{20})-(\d+)\.(json|msgpack)(?:\.(gz|zst))?$")
 _COMPRESS_SUFFIX = {None: "", "gzip": ".gz", "zstd": ".zst"}
 _SUFFIX_COMPRESS = {None: None, "gz": "gzip", "zst": "zstd"}
-CLOCK_SKEW_REASONS = frozenset({"future"})  # a 400 with this reason: this node's clock, not the batch
 SEQ_FILE = ".next-seq"  # hidden: the spool directory lists batches
 
 
-def clock_skewed(exc: PushError) -> bool:
-    """Refused for times in the collector's future: the batch is kept, and waits without holding up the others."""
-    return exc.status == 400 and exc.reason in CLOCK_SKEW_REASONS
-
-
 def retryable(exc: PushError) -> bool:
-    """Keep the batch and try again later? (No answer, 5xx, overload, configuration, clock skew.)"""
-    return exc.failover or clock_skewed(exc)
+    """Keep the batch and try again later? (No answer, 5xx, overload, configuration, clock skew: then it waits
+    without holding up the others.)"""
+    return exc.failover or exc.clock_skewed
 
 
 class SeqFile:
@@ -338,10 +338,10 @@ class SpoolingPusher:
         self.late_samples = 0  # of batches stored, the samples refused as too late for their GPU's window (422)
         self.sent_batches = 0
         self.last_error: str | None = None
-        # what the spool cannot store goes this way (write's thread only; the sender counts the spool's own)
-        self.direct = DirectSink(pusher, unkept="the spool cannot store it")
-        self._cannot_spool = False  # the last batch could not be stored: said once until one can
         self.seq_file = SeqFile(spool.path / SEQ_FILE)
+        # what the spool cannot store goes this way (write's thread only; the sender counts the spool's own)
+        self.direct = DirectSink(pusher, unkept="the spool cannot store it", reserve=self.seq_file.reserve)
+        self._cannot_spool = False  # the last batch could not be stored: said once until one can
         # after a restart: new batches go after every number used before (spooled or already delivered)
         pusher.bump_seq(max(self.seq_file.reserved, (spool.max_seq() or -1) + 1))
 
@@ -423,42 +423,14 @@ class SpoolingPusher:
                         return True
                 b, body = item
                 try:
-                    ack = self.pusher.post(b.seq, body, b.fmt, b.compress, samples=b.samples)
+                    try:
+                        ack = self.pusher.post(b.seq, body, b.fmt, b.compress, samples=b.samples)
+                    except PushError as refused:
+                        ack = self._without_jobs(b, body, refused)
                 except PushError as exc:
                     self.last_error = str(exc)
-                    if clock_skewed(exc):
-                        attempts = self._skewed.get(b.seq, (0, 0.0))[0] + 1
-                        self._skewed[b.seq] = (attempts, self._clock() + self._backoff(attempts))
-                        waiting.add(b.seq)
-                        log.warning("collector %s for batch %d (%d samples): kept in the spool, retried later; "
-                                    "the batches after it go first", exc.describe(), b.seq, b.samples)
+                    if self._refused(b, body, exc, waiting, ahead):
                         continue
-                    if exc.too_large:
-                        try:
-                            halves = self._split_spooled(b, body)
-                        except OSError as err:  # the halves cannot be stored: the batch is kept as it is
-                            self.failures += 1
-                            log.warning("collector %s for batch %d (%d samples): its halves cannot be spooled (%s): "
-                                        "kept, retried later", exc.describe(), b.seq, b.samples, err)
-                            return False
-                        if halves:
-                            log.warning("collector %s for batch %d (%d samples): replaced in the spool by two "
-                                        "halves, sent next", exc.describe(), b.seq, b.samples)
-                            self._skewed.pop(b.seq, None)
-                            ahead[:0] = halves
-                            continue
-                    if not retryable(exc):
-                        log.warning("collector refused batch %d (%d samples) for good, %s: dropped",
-                                    b.seq, b.samples, exc.describe())
-                        self.rejected_batches += 1
-                        self.rejected_samples += b.samples
-                        self.spool.remove(b.seq)
-                        self._skewed.pop(b.seq, None)
-                        continue
-                    self.failures += 1
-                    self._retry_after_s = exc.retry_after_s
-                    log.warning("collector %s for batch %d (%d samples): kept in the spool (%d batches), retried "
-                                "later", exc.describe(), b.seq, b.samples, self.spool.depth)
                     return False
                 self.spool.remove(b.seq)
                 self._skewed.pop(b.seq, None)
@@ -469,6 +441,66 @@ class SpoolingPusher:
                 self.failures = 0
                 self._retry_after_s = None
                 self.last_error = None
+
+    def _without_jobs(self, b: SpooledBatch, body: bytes, refused: PushError) -> Ack:
+        """A spooled batch refused for what it holds: when it carries job records, its samples sent again without
+        them under a new seq (``HttpPusher.resend_without_jobs``), and that answer decides it (the batch's file goes
+        once one is taken). Raises ``refused`` when it carries none (or its body is not one this agent made, or the
+        new seq cannot be persisted), else the new attempt's PushError."""
+        if not refused.about_content:
+            raise refused
+        try:
+            head, samples, jobs = decode_batch(body, b.fmt, b.compress)
+        except ValueError:
+            raise refused from None
+        if not jobs:
+            raise refused
+        try:
+            return self.pusher.resend_without_jobs(refused, b.seq, samples, len(jobs), b.fmt, b.compress,
+                                                   self.seq_file.reserve, head)
+        except OSError as exc:  # the new seq cannot be persisted: not sent, the refusal stands
+            log.warning("spooled batch %d cannot be sent again without its job records: sequence number not "
+                        "persisted (%s)", b.seq, exc.strerror or exc)
+            raise refused from None
+
+    def _refused(self, b: SpooledBatch, body: bytes, exc: PushError, waiting: set[int], ahead: list[int]) -> bool:
+        """What a batch's failed attempt means for it: kept for later on its own (clock skew: ``waiting``), replaced
+        by halves sent next (too large: ``ahead``), dropped (refused for good), or kept and the pass stopped (False:
+        a retryable failure, counted in ``failures``). True: the pass goes on."""
+        if exc.clock_skewed:
+            attempts = self._skewed.get(b.seq, (0, 0.0))[0] + 1
+            self._skewed[b.seq] = (attempts, self._clock() + self._backoff(attempts))
+            waiting.add(b.seq)
+            log.warning("collector %s for batch %d (%d samples): kept in the spool, retried later; "
+                        "the batches after it go first", exc.describe(), b.seq, b.samples)
+            return True
+        if exc.too_large:
+            try:
+                halves = self._split_spooled(b, body)
+            except OSError as err:  # the halves cannot be stored: the batch is kept as it is
+                self.failures += 1
+                log.warning("collector %s for batch %d (%d samples): its halves cannot be spooled (%s): "
+                            "kept, retried later", exc.describe(), b.seq, b.samples, err)
+                return False
+            if halves:
+                log.warning("collector %s for batch %d (%d samples): replaced in the spool by two "
+                            "halves, sent next", exc.describe(), b.seq, b.samples)
+                self._skewed.pop(b.seq, None)
+                ahead[:0] = halves
+                return True
+        if not retryable(exc):
+            log.warning("collector refused batch %d (%d samples) for good, %s: dropped",
+                        b.seq, b.samples, exc.describe())
+            self.rejected_batches += 1
+            self.rejected_samples += b.samples
+            self.spool.remove(b.seq)
+            self._skewed.pop(b.seq, None)
+            return True
+        self.failures += 1
+        self._retry_after_s = exc.retry_after_s
+        log.warning("collector %s for batch %d (%d samples): kept in the spool (%d batches), retried "
+                    "later", exc.describe(), b.seq, b.samples, self.spool.depth)
+        return False
 
     def _split_spooled(self, b: SpooledBatch, body: bytes) -> list[int]:
         """A spooled batch the collector refused as too large, replaced in the spool by two halves (``halve``,
@@ -586,4 +618,5 @@ class SpoolingPusher:
             "unsent_samples": self.direct.unsent_samples,
             "sent_batches": self.delivered(),
             "trimmed_list_items": self.pusher.rows_trimmed,
+            "refused_job_records": self.pusher.job_records_refused,
         }
