@@ -214,6 +214,10 @@ def run(
     max_batch_bytes: int = typer.Option(collector_limits.MAX_BODY_BYTES, min=1, help="bytes of one batch's body "
                                         "before compression at most: the collector's max_body_bytes; lower it to "
                                         "match a collector set lower"),
+    max_gpu_jobs: int = typer.Option(collector_limits.MAX_SAMPLE_JOB_IDS, min=1, help="job ids one GPU's sample "
+                                     "carries at most: the collector's max_job_ids; a GPU shared by more jobs is "
+                                     "sent without them (measured, charged to no job); set it to match the "
+                                     "collector's"),
     wire: str = typer.Option("msgpack", help="body encoding: msgpack (columns as raw bytes) or json"),
     cluster: str | None = typer.Option(None, help="Slurm cluster this host is in, sent with every batch so that "
                                        "jobs are told apart by (cluster, job id) (default: ClusterName from "
@@ -248,7 +252,7 @@ def run(
             raise typer.BadParameter(f"--wire must be msgpack or json, got {wire!r}")
         from gpuledger.agent.slurm import local_cluster_name  # noqa: PLC0415
 
-        limits = BatchLimits(samples=max_batch_samples, body_bytes=max_batch_bytes)
+        limits = BatchLimits(samples=max_batch_samples, body_bytes=max_batch_bytes, gpu_jobs=max_gpu_jobs)
         try:
             pusher = HttpPusher(collector, agent_id or node, node, token=token, verify=ca_cert or True, fmt=wire,
                                 cluster=local_cluster_name() if cluster is None else cluster, limits=limits)

@@ -233,6 +233,9 @@ _SINK_METRICS: dict[str, tuple[str, str, bool]] = {
                             "Job records a collector refused (a job naming another cluster, a field it does not "
                             "take): their batches were sent again without them and taken; their samples count.",
                             True),
+    "unattributed_samples": ("gpuledger_agent_push_unattributed_samples",
+                             "Samples sent without their job ids: their GPU was shared by more jobs than the "
+                             "collector takes in one sample (their use is measured, charged to no job).", True),
     "trimmed_list_items": ("gpuledger_agent_push_trimmed_list_items",
                            "Processes and Xid errors left out of samples that listed more than the collector takes "
                            "in one (the rest of the sample was sent; the agent's own Xid counter counts them all).",

@@ -182,6 +182,7 @@ class BatchLimits:
     body_bytes: int = collector_limits.MAX_BODY_BYTES
     row_list: int = collector_limits.MAX_ROW_LIST  # processes, and Xid errors, of one sample
     job_hosts: int = collector_limits.MAX_JOB_HOSTS  # hosts of one job record
+    gpu_jobs: int = collector_limits.MAX_SAMPLE_JOB_IDS  # job ids of one sample (the jobs sharing its GPU)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -432,7 +433,8 @@ class HttpPusher:
         self.samples_refused = 0  # of those, samples it said it did not store (too late, duplicate)
         self.rows_trimmed = 0  # processes and Xid errors left out of samples over the per-sample limit (fit)
         self.job_records_refused = 0  # records a batch was taken without, once refused with them
-        self._trim_logged: set[tuple[str, str]] = set()
+        self.samples_unattributed = 0  # samples sent without their job ids: more jobs on the GPU than one may carry
+        self._trim_logged: set[tuple[str, str, str]] = set()  # (what, GPU, MIG) said once
 
     def next_seq(self) -> int:
         with self._lock:
@@ -447,15 +449,29 @@ class HttpPusher:
         return seq
 
     def fit(self, samples: Sequence[GpuSample]) -> list[GpuSample]:
-        """The samples within the collector's per-sample limits (:func:`fit_rows`), what was left out counted in
-        :attr:`rows_trimmed` and said once per GPU."""
+        """The samples within the collector's per-sample limits, what was changed counted and said once per GPU:
+        processes and Xid errors (:func:`fit_rows`, :attr:`rows_trimmed`); job ids: a GPU shared by more jobs than a
+        sample may carry (``limits.gpu_jobs``) goes without them (:attr:`samples_unattributed`), its use measured
+        and charged to no job. Over the limit the collector would refuse the GPU's instant, its power and energy with
+        it, and every job on it would go unmeasured; keeping only some of the jobs would charge them the others'
+        use."""
         out = []
         for s in samples:
+            if len(s.job_ids) > self.limits.gpu_jobs:
+                self.samples_unattributed += 1
+                key = ("jobs", s.gpu_uuid, s.mig or "")
+                if key not in self._trim_logged and len(self._trim_logged) < _MAX_LOGGED:
+                    self._trim_logged.add(key)
+                    log.warning("GPU %s%s: shared by %d jobs, more than the collector takes in one sample (%d): sent "
+                                "without job ids, its use measured and charged to no job (said once per GPU; "
+                                "gpuledger_agent_push_unattributed_samples_total counts such samples)", s.gpu_uuid,
+                                f" MIG {s.mig}" if s.mig else "", len(s.job_ids), self.limits.gpu_jobs)
+                s = replace(s, job_ids=(), job_shares=())
             fitted = fit_rows(s, self.limits.row_list)
             if fitted is not s:
                 left = len(s.processes) - len(fitted.processes) + len(s.xid_errors) - len(fitted.xid_errors)
                 self.rows_trimmed += left
-                key = (s.gpu_uuid, s.mig or "")
+                key = ("rows", s.gpu_uuid, s.mig or "")
                 if key not in self._trim_logged and len(self._trim_logged) < _MAX_LOGGED:
                     self._trim_logged.add(key)
                     log.warning("GPU %s%s: a sample with %d processes and %d Xid errors, over the collector's limit "
@@ -804,6 +820,7 @@ class DirectSink:
         """For the agent's /metrics (``agent.exposition``: the keys both sinks share, and no spool's)."""
         return {"sent_batches": self.sent_batches, "trimmed_list_items": self.pusher.rows_trimmed,
                 "refused_job_records": self.pusher.job_records_refused,
+                "unattributed_samples": self.pusher.samples_unattributed,
                 "unsent_batches": self.unsent_batches, "unsent_samples": self.unsent_samples,
                 "rejected_batches": self.rejected_batches,
                 "rejected_samples": self.rejected_samples + self.late_samples}

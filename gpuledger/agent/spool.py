@@ -619,4 +619,5 @@ class SpoolingPusher:
             "sent_batches": self.delivered(),
             "trimmed_list_items": self.pusher.rows_trimmed,
             "refused_job_records": self.pusher.job_records_refused,
+            "unattributed_samples": self.pusher.samples_unattributed,
         }

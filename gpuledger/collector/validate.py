@@ -90,7 +90,7 @@ class Limits:
     max_body_bytes: int = MAX_BODY_BYTES
     max_samples: int = wire_limits.MAX_SAMPLES  # per batch (all series together); a default agent batch has 80
     max_series: int = wire_limits.MAX_SERIES  # series (or GPUs and MIG instances) per batch
-    max_job_ids: int = 64  # per sample or series (jobs sharing one GPU at once)
+    max_job_ids: int = wire_limits.MAX_SAMPLE_JOB_IDS  # per sample or series (jobs sharing one GPU at once)
     max_batch_job_ids: int = wire_limits.MAX_BATCH_JOB_IDS  # distinct job ids in one batch
     max_jobs: int = wire_limits.MAX_JOBS  # job records riding with one batch
     max_str: int = 256  # host, GPU uuid, job id, model, user, ... (characters)

@@ -6,6 +6,9 @@ MAX_BODY_BYTES = 16 * 1024 * 1024  # decoded (uncompressed); a 5,000-sample JSON
 MAX_SAMPLES = 20_000  # per batch, all series together; a default agent batch has 80
 MAX_SERIES = 1_024  # series (and GPUs and MIG instances) per batch
 MAX_BATCH_JOB_IDS = 1_024  # distinct job ids in one batch
+# per sample (or series): the jobs sharing one GPU at once (over it, the agent sends the sample without job ids:
+# its use measured, charged to no job; agent.push.HttpPusher.fit)
+MAX_SAMPLE_JOB_IDS = 64
 MAX_JOBS = 1_024  # job records riding with one batch
 # per sample: processes, Xid errors (over it, the agent sends the processes using the most memory and the first Xid
 # errors: agent.push.fit_rows); per job record: GPUs, TRES, earlier runs

@@ -87,3 +87,5 @@ def test_pushes_of_many_cycles_go_as_batches_of_whole_cycles_within_max_batch_sa
     assert collector.store.batches_seen() == 3 and collector.store.totals()["samples"] == 20
     r = agent("--collector", collector.url, "--max-batch-samples", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--max-batch-samples" in r.stderr
+    r = agent("--collector", collector.url, "--max-gpu-jobs", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--max-gpu-jobs" in r.stderr

@@ -178,6 +178,59 @@ def test_a_crowded_gpu_and_a_large_jobs_record_are_measured_not_refused(tmp_path
         srv.store.close()
 
 
+class SharedGpu:
+    """GPU 0 shared by ``jobs`` jobs at once (time-slicing, shards), equal shares; GPU 1 runs job 9 alone."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = tuple(str(1000 + j) for j in range(jobs))
+
+    def map(self, samples):
+        return [replace(x, job_ids=self.jobs) if x.gpu_index == 0 else
+                replace(x, job_ids=("9",)) if x.gpu_index == 1 else x for x in samples]
+
+
+@pytest.mark.parametrize("kind", ["direct", "spool"])
+@pytest.mark.parametrize("told", [None, 8], ids=["default limits", "a collector set lower, the agent told so"])
+def test_a_gpu_shared_by_more_jobs_than_a_sample_may_carry_is_measured_and_charged_to_none(tmp_path, kind, told,
+                                                                                        caplog):
+    # before: the collector refused GPU 0's every instant (65 job ids, over 64 a sample), each batch halved down to
+    # one instant and that dropped: 4 requests a batch, GPU 0's energy unmeasured, the other GPUs' too by the halves
+    from prometheus_client import generate_latest
+
+    from gpuledger.agent.exposition import make_registry
+
+    limit = told or DEFAULT_LIMITS.max_job_ids
+    srv = serve(tmp_path, max_job_ids=limit)
+    try:
+        pusher = HttpPusher(srv.url, "a", "n1", fmt="msgpack", limits=BatchLimits(gpu_jobs=told) if told else None)
+        inner = (DirectSink(pusher) if kind == "direct" else
+                 SpoolingPusher(pusher, Spool(tmp_path / "s"), fmt="msgpack", sleep=lambda s: None))
+        agent = Agent(SimulatedSource(host="n1", gpus=GPUS, clock=iter(NOW - 300 + i for i in range(99)).__next__),
+                      [SharedGpu(limit + 1)], sinks=[Batcher(inner, 10)])
+        for _ in range(10):  # one push (Batcher: 10 ticks)
+            agent.tick()
+        if kind == "spool":
+            assert inner.drain(max_attempts=1) is True
+        assert srv.store.totals()["samples"] == 10 * GPUS and srv.store.batches_seen() == 1
+        assert inner.stats()["rejected_batches"] == 0 and inner.stats()["unattributed_samples"] == 10
+        kept = srv.store.series("n1", gpu_uuid_for("n1", 0), NOW - 400, NOW)
+        assert len(kept) == 10 and all(x.job_ids == () for x in kept)  # measured, no job charged the others' use
+        assert srv.store.totals()["unattributed_energy_joules"] > 0
+        assert [u.job_id for u in srv.store.job_usage()] == ["9"]  # GPU 1's job, as measured
+        assert "gpuledger_agent_push_unattributed_samples_total 10.0" in generate_latest(make_registry(agent)).decode()
+        said = [m for r in caplog.records if "more than the collector takes in one sample" in (m := r.getMessage())]
+        assert len(said) == 1 and f"shared by {limit + 1} jobs" in said[0] and f"({limit})" in said[0]
+        # at the limit: charged as measured
+        agent.mappers = (SharedGpu(limit),)
+        for _ in range(10):
+            agent.tick()
+        finish(inner)
+        assert inner.stats()["unattributed_samples"] == 10 and len(srv.store.job_usage()) == 1 + limit
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
 def test_a_record_of_more_hosts_than_one_may_list_goes_with_the_nodes_own(tmp_path, caplog):
     srv = serve(tmp_path, max_job_hosts=100)  # a collector set below its default, the agent told so
     try:
@@ -230,7 +283,8 @@ def test_the_agent_knows_the_collectors_default_limits():
     assert BatchLimits() == BatchLimits(DEFAULT_LIMITS.max_samples, DEFAULT_LIMITS.max_series,
                                         DEFAULT_LIMITS.max_batch_job_ids, DEFAULT_LIMITS.max_batch_list,
                                         DEFAULT_LIMITS.max_jobs, DEFAULT_LIMITS.max_body_bytes,
-                                        DEFAULT_LIMITS.max_list, DEFAULT_LIMITS.max_job_hosts)
+                                        DEFAULT_LIMITS.max_list, DEFAULT_LIMITS.max_job_hosts,
+                                        DEFAULT_LIMITS.max_job_ids)
     assert schema_limits.MAX_BODY_BYTES == MAX_BODY_BYTES
     for f in fields(BatchLimits):
         with pytest.raises(ValueError, match=f.name):
