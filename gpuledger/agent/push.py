@@ -125,14 +125,17 @@ class PushError(RuntimeError):
 
     @property
     def about_content(self) -> bool:
-        """Did a collector refuse the batch for what it holds (a 4xx but a timeout, overload or clock skew)? The
-        job records it carried may be the cause: they come from Slurm or, with ``trust_environ``, from the job's own
-        environment, which its user writes (``SLURM_CLUSTER_NAME=x``), and one record a collector will not take
-        refuses the whole batch: 403 under a host-bound token (a record of another cluster), 400 (a control
-        character), 413 too_large (a field over a length limit: halving the batch would not help, the record rides
-        with a half). The sinks then send the samples again without them (``HttpPusher.resend_without_jobs``)."""
-        return (self.status is not None and 400 <= self.status < 500 and not self.not_ack
-                and self.status not in (408, 429) and not self.clock_skewed)
+        """Did a collector refuse the batch for what it holds: its verdict on the batch (a 4xx not in
+        ``FAILOVER_STATUSES``, but clock skew and 409, which is about the batch's key: stored before with other
+        content) or a 403 (under a host-bound token, what the batch says of another host or cluster; else a token's
+        configuration)? The job records it carried may be the cause: they come from Slurm
+        or, with ``trust_environ``, from the job's own environment, which its user writes (``SLURM_CLUSTER_NAME=x``),
+        and one record a collector will not take refuses the whole batch: a 403 (a record of another cluster), 400 (a
+        control character), 413 too_large (a field over a length limit: halving the batch would not help, the record
+        rides with a half). The sinks then send the samples again without them
+        (``HttpPusher.resend_without_jobs``)."""
+        return (self.status is not None and 400 <= self.status < 500 and not self.not_ack and not self.clock_skewed
+                and (self.status == 403 or self.status not in FAILOVER_STATUSES and self.status != 409))
 
     def describe(self) -> str:
         """Why the push failed, in a few words (for one log line)."""

@@ -19,8 +19,8 @@ the spool by two halves under new seqs (a collector may have stored the batch wh
 half under its seq would be refused as a conflict), sent next. A 422 too_late that stored some samples is an
 acknowledgement: the batch is delivered, the samples behind their GPU's window are counted as refused. Any other
 4xx (a too_late that stored none too) means the collector will never take the batch: it is dropped, counted and
-logged. Before any of this, a batch refused for what it holds (``PushError.about_content``: a 4xx but 408, 429 and
-clock skew, 403 and 413 included) that carries job records is sent again at once without them, under a new seq
+logged. Before any of this, a batch refused for what it holds (``PushError.about_content``: a 400, 403, 413 or
+422, not for clock skew) that carries job records is sent again at once without them, under a new seq
 (``HttpPusher.resend_without_jobs``): taken, the records were the cause (a job user's ``SLURM_CLUSTER_NAME``, a
 control character), dropped and counted, and the batch's file goes; refused again, that answer decides the batch as
 above. Each failed attempt is one warning line.

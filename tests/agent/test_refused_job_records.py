@@ -19,7 +19,7 @@ from test_slurm_cgroup import V1_BATCH, env_bytes, make_proc
 
 from gpuledger.agent.exposition import make_registry
 from gpuledger.agent.mappers.slurm_cgroup import SlurmCgroupMapper
-from gpuledger.agent.push import Batcher, DirectSink, HttpPusher
+from gpuledger.agent.push import Batcher, DirectSink, HttpPusher, PushError
 from gpuledger.agent.sampler import Agent
 from gpuledger.agent.spool import Spool, SpoolingPusher
 from gpuledger.collector.auth import Authenticator
@@ -179,3 +179,12 @@ def test_a_batch_refused_without_its_records_too_is_dealt_with_as_before(tmp_pat
     finally:
         srv.stop()
         store.close()
+
+
+def test_only_a_verdict_on_what_the_batch_holds_sends_it_again_without_its_records():
+    # not a wrong URL or token (404, 401: configuration, the same answer twice), overload, clock skew, a conflict
+    # of its key (409: stored before with other content), the server's trouble or no answer
+    statuses = (400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 429, 500, 503)
+    assert [s for s in statuses if PushError("refused", status=s).about_content] == [400, 403, 413, 422]
+    assert not PushError("refused", status=400, reason="future").about_content
+    assert not PushError("unreachable", status=None).about_content
