@@ -387,3 +387,25 @@ def test_a_tick_without_the_devices_counter_exports_no_energy_and_no_step_back()
         assert len(values) == (0 if i == 3 else 1), i
         exported.extend(values)
     assert exported == [1e9 + 4000.0 * i for i in (0, 1, 2, 4, 5)]
+
+
+def test_every_agent_metric_the_docs_name_is_one_the_agent_exports(tmp_path) -> None:
+    # an operator alerts on what README.md and docs/deploy.md name, and the dashboards draw it: a renamed or
+    # misspelt metric never fires, and its panel stays empty
+    import re
+    from pathlib import Path
+
+    from gpuledger.agent.push import HttpPusher
+    from gpuledger.agent.spool import Spool, SpoolingPusher
+
+    root = Path(__file__).resolve().parents[2]
+    docs = [root / "README.md", root / "docs" / "deploy.md", *(root / "gpuledger" / "dashboards").rglob("*.json")]
+    named = {m for doc in docs for m in re.findall(r"\bgpuledger_agent_[a-z_]+[a-z]", doc.read_text())}
+    spool = SpoolingPusher(HttpPusher("http://127.0.0.1:9", "a", "n1"), Spool(tmp_path / "s"))
+    agent = Agent(SimulatedSource(host="n1", gpus=1), sinks=[spool])
+    agent.tick()
+    exported = {s.name for fam in text_string_to_metric_families(scrape(agent)) for s in fam.samples}
+    spool.close(flush=False)
+    assert {"gpuledger_agent_push_refused_job_records_total", "gpuledger_agent_push_unattributed_samples_total",
+            "gpuledger_agent_spool_batches", "gpuledger_agent_tick_seconds"} <= named
+    assert named - exported == set()
