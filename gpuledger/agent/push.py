@@ -55,6 +55,7 @@ SAMPLES_PATH = "/api/v1/samples"
 FAILOVER_STATUSES = (frozenset(range(300, 400)) | frozenset({401, 403, 404, 405, 407, 408, 415, 421, 425, 429})
                      | frozenset(range(500, 600)))
 CLOCK_SKEW_REASONS = frozenset({"future"})  # a 400 with this reason: this node's clock, not the batch
+MAX_NAMED_RECORDS = 8  # job records of one batch left out one at a time, as refused; then all the rest at once
 MAX_HUNG_REQUESTS = 2  # requests past their deadline still waiting on a stalled answer; more are not started
 _MAX_LOGGED = 1024  # GPUs whose trimmed samples were said (bounded: GPUs come and go)
 
@@ -96,10 +97,12 @@ def _verify(verify: str | bool) -> ssl.SSLContext | bool:
 class PushError(RuntimeError):
     """A batch did not reach the collector: ``status`` is the HTTP status (None when no response came),
     ``reason`` the collector's machine-readable reason (``future``, ``invalid``, ...) when it gave one;
-    ``not_ack``: a 2xx whose body is no collector's acknowledgement (something else answered: retryable)."""
+    ``not_ack``: a 2xx whose body is no collector's acknowledgement (something else answered: retryable);
+    ``job``: the index of the job record the collector named as the cause (None: it named none)."""
 
     def __init__(self, message: str, status: int | None = None, body: str = "", cause: str = "",
-                 reason: str = "", retry_after_s: float | None = None, not_ack: bool = False) -> None:
+                 reason: str = "", retry_after_s: float | None = None, not_ack: bool = False,
+                 job: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
@@ -107,6 +110,7 @@ class PushError(RuntimeError):
         self.reason = reason
         self.retry_after_s = retry_after_s  # the answer's Retry-After, in seconds from now (None: not given)
         self.not_ack = not_ack
+        self.job = job
 
     @property
     def failover(self) -> bool:
@@ -565,37 +569,57 @@ class HttpPusher:
             except PushError as exc:
                 if not (jobs and exc.about_content):
                     raise
-                return self.resend_without_jobs(exc, seq, samples, len(jobs), self.fmt)
+                return self.resend_without_jobs(exc, seq, samples, jobs, self.fmt)
         except PushError as exc:
             if exc.failover:
                 self.return_jobs(jobs)
             raise
 
-    def resend_without_jobs(self, refused: PushError, seq: int, samples: Sequence[GpuSample], jobs: int,
-                            fmt: str = "json", compress: str | None = None,
+    def resend_without_jobs(self, refused: PushError, seq: int, samples: Sequence[GpuSample],
+                            jobs: Sequence[JobRecord], fmt: str = "json", compress: str | None = None,
                             reserve: Callable[[int], object] | None = None,
                             head: Mapping[str, Any] | None = None) -> Ack:
-        """Send batch ``seq``'s samples again without the ``jobs`` job records it carried when a collector refused
-        it (``refused``: :attr:`PushError.about_content`), under a new seq (persisted first by ``reserve``, which may
-        raise OSError: then nothing is sent): a collector that stored the first while its answer was lost takes
-        them as samples stored before, where under ``seq`` they would be refused as other content. ``head``: the
-        refused body's agent_id, host and cluster (a spooled batch's; else this pusher's).
+        """Send batch ``seq``'s samples again without the job record a collector refused it for (``refused``:
+        :attr:`PushError.about_content`): the one its answer names (:attr:`PushError.job`), with the others, and so on
+        while an answer names another; all of them when one names none (a collector before it did), or once
+        ``MAX_NAMED_RECORDS`` were left out one by one (each costs a request). Each attempt goes
+        under a new seq (persisted first by ``reserve``, which may raise OSError: then nothing more is sent): a
+        collector that stored one while its answer was lost takes the next as samples stored before, where under
+        the same seq it would refuse them as other content. ``head``: the refused body's agent_id, host and cluster
+        (a spooled batch's; else this pusher's).
 
-        Taken: the records were the cause, dropped, counted in :attr:`job_records_refused` and said in one line. A
-        record is sent only when it changes, so this costs the collector that metadata (the scheduler's records,
-        imported, describe the job), never the samples. Raises the PushError of this attempt: then the records
-        were not the cause, or not alone, and that answer decides the batch."""
-        new_seq = self.next_seq()
-        if reserve is not None:
-            reserve(new_seq)
-        body = (self.encode(new_seq, samples, fmt, compress, jobs=[]) if head is None else
-                encode_batch(head["agent_id"], head["host"], new_seq, samples, (), fmt, compress,
-                             cluster=head.get("cluster", "")))
-        ack = self.post(new_seq, body, fmt, compress, samples=len(samples))
-        self.job_records_refused += jobs
-        log.warning("collector %s for batch %d (%d samples) with %d job record(s): taken without them as batch %d, "
-                    "the records dropped (gpuledger_agent_push_refused_job_records_total counts them)",
-                    refused.describe(), seq, len(samples), jobs, new_seq)
+        Taken: the records left out were the cause, dropped, counted in :attr:`job_records_refused` and said in one
+        line. A record is sent only when it changes, so this costs the collector that job's metadata (the
+        scheduler's records, imported, describe the job), never the samples. Raises the PushError of the last
+        attempt when it is not about a record: then the records were not the cause, or not alone, and that answer
+        decides the batch."""
+        kept, first = list(jobs), refused
+        dropped: list[JobRecord] = []
+        while True:
+            if refused.job is not None and refused.job < len(kept) and len(dropped) < MAX_NAMED_RECORDS:
+                dropped.append(kept.pop(refused.job))
+            else:
+                dropped += kept
+                kept = []
+            new_seq = self.next_seq()
+            if reserve is not None:
+                reserve(new_seq)
+            body = (self.encode(new_seq, samples, fmt, compress, jobs=kept) if head is None else
+                    encode_batch(head["agent_id"], head["host"], new_seq, samples, kept, fmt, compress,
+                                 cluster=head.get("cluster", "")))
+            try:
+                ack = self.post(new_seq, body, fmt, compress, samples=len(samples))
+            except PushError as again:
+                if not (kept and again.about_content):
+                    raise
+                refused = again
+                continue
+            break
+        self.job_records_refused += len(dropped)
+        log.warning("collector %s for batch %d (%d samples): taken as batch %d without %d of its %d job records, "
+                    "dropped (gpuledger_agent_push_refused_job_records_total counts them): job(s) %s",
+                    first.describe(), seq, len(samples), new_seq, len(dropped), len(jobs),
+                    ", ".join(repr(r.job_id) for r in dropped[:10]) + (" ..." if len(dropped) > 10 else ""))
         return ack
 
     def post(self, seq: int, body: bytes, fmt: str = "json", compress: str | None = None, samples: int = 0) -> Ack:
@@ -630,10 +654,14 @@ class HttpPusher:
         status = response.status_code
         text = response.text[:_BODY_EXCERPT]
         try:
-            reason = response.json().get("reason", "")
-        except (ValueError, AttributeError):
-            reason = ""
+            answer = response.json()
+        except ValueError:
+            answer = None
+        answer = answer if isinstance(answer, dict) else {}
+        reason = answer.get("reason", "")
         reason = reason if isinstance(reason, str) else ""
+        job = answer.get("job")
+        job = job if type(job) is int and job >= 0 else None
         ack = read_ack(response) if 200 <= status < 300 or (status == 422 and reason == "too_late") else None
         if 200 <= status < 300 and ack is None:
             cause = f"{response.headers.get('Content-Type') or 'no Content-Type'}: {text.strip()[:100]!r}"
@@ -641,7 +669,8 @@ class HttpPusher:
                             status=status, body=text, cause=cause, not_ack=True)
         if ack is None or (status == 422 and not ack.accepted):  # none of it stored: refused
             raise PushError(f"push of batch {seq} to {url} rejected: HTTP {status}: {text}", status=status, body=text,
-                            reason=reason, retry_after_s=retry_after_seconds(response.headers.get("Retry-After")))
+                            reason=reason, retry_after_s=retry_after_seconds(response.headers.get("Retry-After")),
+                            job=job)
         with self._lock:  # the spool's sender and a batch it could not store may be posted at once
             self.batches_sent += 1
             self.samples_sent += samples
@@ -786,7 +815,7 @@ class DirectSink:
                 if not (jobs and refused.about_content):
                     raise
                 try:
-                    ack = self.pusher.resend_without_jobs(refused, seq, part, len(jobs), fmt, compress, self.reserve)
+                    ack = self.pusher.resend_without_jobs(refused, seq, part, jobs, fmt, compress, self.reserve)
                 except OSError as exc:  # its seq cannot be persisted: not sent, the refusal stands
                     log.warning("batch %d cannot be sent again without its job records: sequence number not "
                                 "persisted (%s)", seq, exc.strerror or exc)

@@ -20,10 +20,10 @@ half under its seq would be refused as a conflict), sent next. A 422 too_late th
 acknowledgement: the batch is delivered, the samples behind their GPU's window are counted as refused. Any other
 4xx (a too_late that stored none too) means the collector will never take the batch: it is dropped, counted and
 logged. Before any of this, a batch refused for what it holds (``PushError.about_content``: a 400, 403, 413 or
-422, not for clock skew) that carries job records is sent again at once without them, under a new seq
-(``HttpPusher.resend_without_jobs``): taken, the records were the cause (a job user's ``SLURM_CLUSTER_NAME``, a
-control character), dropped and counted, and the batch's file goes; refused again, that answer decides the batch as
-above. Each failed attempt is one warning line.
+422, not for clock skew) that carries job records is sent again at once without the one the answer names (or all),
+under a new seq (``HttpPusher.resend_without_jobs``): taken, the records left out were the cause (a job user's
+``SLURM_CLUSTER_NAME``, a control character), dropped and counted, and the batch's file goes; refused again for
+another reason, that answer decides the batch as above. Each failed attempt is one warning line.
 
 A batch the spool cannot store (a full disk) is posted at once if the collector was reachable; one that is then
 not delivered either is dropped and counted (``unsent``), as is one whose sequence number cannot be persisted.
@@ -456,7 +456,7 @@ class SpoolingPusher:
         if not jobs:
             raise refused
         try:
-            return self.pusher.resend_without_jobs(refused, b.seq, samples, len(jobs), b.fmt, b.compress,
+            return self.pusher.resend_without_jobs(refused, b.seq, samples, jobs, b.fmt, b.compress,
                                                    self.seq_file.reserve, head)
         except OSError as exc:  # the new seq cannot be persisted: not sent, the refusal stands
             log.warning("spooled batch %d cannot be sent again without its job records: sequence number not "

@@ -235,7 +235,10 @@ def openapi_document() -> dict[str, Any]:
                 "Error": {"type": "object", "required": ["error"], "properties": {
                     "error": {"type": "string"},
                     "reason": {"type": "string", "description": "machine-readable: malformed, too_large, invalid, "
-                               "future, forbidden, overloaded, ..."}}},
+                               "future, forbidden, overloaded, ..."},
+                    "job": {"type": "integer", "minimum": 0, "description": "the index in the batch's jobs of the "
+                            "job record that is refused, when one is the cause (the same samples without it are "
+                            "taken)"}}},
             },
         },
         "paths": {

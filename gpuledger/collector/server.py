@@ -658,8 +658,12 @@ class CollectorServer:
         headers = {"Retry-After": "1"} if e.status in (429, 503) else {}
         if e.status == 507:
             headers = {"Retry-After": "30"}
-        # reason: machine-readable (an agent keeps a "future" batch: its clock, not the batch, is wrong)
-        return Reply(e.status, {"error": e.message, "reason": e.reason}, headers=headers)
+        # reason: machine-readable (an agent keeps a "future" batch: its clock, not the batch, is wrong); job: the
+        # index of the job record refused (an agent sends the batch again without it)
+        answer: dict[str, object] = {"error": e.message, "reason": e.reason}
+        if e.job is not None:
+            answer["job"] = e.job
+        return Reply(e.status, answer, headers=headers)
 
     # -- endpoints ----------------------------------------------------------------------------
     async def post_samples(self, req: Request) -> Reply:

@@ -118,15 +118,18 @@ class BatchError(ValueError):
 
     ``reason`` is a short label for the collector's rejection metrics (``malformed``, ``too_large``,
     ``unsupported``, ``invalid``, ``future``, ``unauthorized``, ``forbidden``); ``samples`` is how many
-    samples the rejected batch held, when that is known (0 otherwise).
+    samples the rejected batch held, when that is known (0 otherwise); ``job`` the index of the job record that
+    is the cause, when one is (the answer says it: an agent sends the batch again without that record).
     """
 
-    def __init__(self, status: int, message: str, reason: str = "invalid", samples: int = 0) -> None:
+    def __init__(self, status: int, message: str, reason: str = "invalid", samples: int = 0,
+                 job: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.reason = reason
         self.samples = samples
+        self.job = job
 
 
 class Batch:
@@ -953,6 +956,7 @@ _HOST, _TS, _JOBS = (operator.attrgetter(f) for f in ("host", "ts", "job_ids"))
 _SHARES, _PROCS = operator.attrgetter("job_shares"), operator.attrgetter("processes")
 _UUID, _MIG, _MODEL, _SOURCE = (operator.attrgetter(f) for f in ("gpu_uuid", "mig", "model", "source"))
 _MSGSPEC_AT = re.compile(r"^(.*) - at `\$(.*)`$", re.S)
+_JOB_AT = re.compile(r"^jobs\[(\d+)\]")  # where a typed decode's refusal lies: in job record N
 
 
 def _typed_error(body: bytes, exc: Exception, dec: _Decoders, json_body: bool, within: str = "") -> BatchError:
@@ -973,7 +977,9 @@ def _typed_error(body: bytes, exc: Exception, dec: _Decoders, json_body: bool, w
     too_large = "length <=" in msg
     kind = "malformed JSON" if json_body else "malformed msgpack"
     text = f"{where}: {at}: {msg}" if at else f"{where}: {kind if isinstance(exc, msgspec.DecodeError) else ''} {msg}"
-    return BatchError(413 if too_large else 400, " ".join(text.split()), "too_large" if too_large else "invalid")
+    record = _JOB_AT.match(at)  # a field of one job record (its list of records is bounded by the decode: not it)
+    return BatchError(413 if too_large else 400, " ".join(text.split()), "too_large" if too_large else "invalid",
+                      job=int(record[1]) if record else None)
 
 
 def _refuse_typed(body: bytes, exc: Exception, dec: _Decoders, json_body: bool, now: float,
@@ -1198,18 +1204,18 @@ def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = Fa
     for i, d in enumerate(doc):
         at = f"{where}job[{i}]"
         if not isinstance(d, dict):
-            raise BatchError(400, f"{at}: must be an object")
+            raise BatchError(400, f"{at}: must be an object", job=i)
         for k, v in d.items():
             if k not in _JOB_FIELDS:
-                raise BatchError(400, f"{at}: unknown field {str(k)!r}")
+                raise BatchError(400, f"{at}: unknown field {str(k)!r}", job=i)
             if not _check_annotation(_JOB_FIELDS[k], v) or (k == "job_id" and not v):
-                raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})")
+                raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})", job=i)
             text = k in _JOB_TEXT
             if any(map((_BAD_TEXT if text else _BAD_NAME).search, _strings(v))):
                 raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} {_TEXT_CHARS if text else _NAME_CHARS} "
-                                      f"(got {v!r})")
+                                      f"(got {v!r})", job=i)
         if "job_id" not in d:
-            raise BatchError(400, f"{at}.job_id: missing")
+            raise BatchError(400, f"{at}.job_id: missing", job=i)
         rec = JobRecord.from_dict(d)
         if host is not None:
             # A node may describe only jobs it runs (under a host-bound token: 403, as for samples).
@@ -1219,9 +1225,9 @@ def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = Fa
                 continue
             if host not in rec.hosts:
                 raise BatchError(status, f"{at}.hosts: {list(rec.hosts)!r} does not include the batch's host "
-                                         f"{host!r}", reason)
+                                         f"{host!r}", reason, job=i)
             if rec.cluster and cluster and rec.cluster != cluster:
                 raise BatchError(status, f"{at}.cluster: {rec.cluster!r} is not the batch's cluster {cluster!r}",
-                                 reason)
+                                 reason, job=i)
         out.append(rec)
     return out

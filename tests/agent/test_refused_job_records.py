@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client import generate_latest
 from test_slurm_cgroup import V1_BATCH, env_bytes, make_proc
@@ -90,7 +92,7 @@ def test_a_job_naming_another_cluster_never_holds_up_the_nodes_spool(tmp_path, c
             text = generate_latest(make_registry(agent)).decode()
             assert "gpuledger_agent_push_refused_job_records_total 1.0" in text
             assert ("answered HTTP 403" in caplog.text and "job[0].cluster: 'east' is not the batch's cluster "
-                    "'testcluster'" in caplog.text and "with 1 job record(s): taken without them" in caplog.text)
+                    "'testcluster'" in caplog.text and "without 1 of its 1 job records, dropped" in caplog.text)
     finally:
         agent.close()
         srv.stop()
@@ -119,10 +121,13 @@ def test_a_record_the_collector_refuses_costs_the_record_not_the_samples(tmp_pat
     pusher = HttpPusher(srv.url, agent_id="a1", host="n1", fmt="msgpack")
     sink = make_sink(kind, pusher, tmp_path)
     now = time.time()
-    tick = [[GpuSample(ts=now - 60 + i, host="n1", gpu_uuid=f"GPU-{g}", gpu_index=g, job_ids=("7",),
+    tick = [[GpuSample(ts=now - 60 + i, host="n1", gpu_uuid=f"GPU-{g}", gpu_index=g, job_ids=("567"[g % 3],),
                        power_watts=100.0) for g in range(8)] for i in range(10)]  # the default agent's batch: 80
     try:
-        sink.write_jobs([JobRecord("7", user="ann", hosts=("n1",), **BAD_RECORDS[bad])])
+        # the bad record between two good ones: the collector names it, and only it is left out
+        sink.write_jobs([JobRecord("6", user="cy", hosts=("n1",)), JobRecord("7", user="ann", hosts=("n1",),
+                                                                            **BAD_RECORDS[bad]),
+                         JobRecord("5", user="di", hosts=("n1",))])
         if kind == "pusher":
             pusher.write([s for t in tick for s in t])
         else:
@@ -130,7 +135,7 @@ def test_a_record_the_collector_refuses_costs_the_record_not_the_samples(tmp_pat
         if kind == "spool":
             assert sink.send_pending() is True and sink.spool.depth == 0
         assert store.totals()["samples"] == 80
-        assert pusher.job_records_refused == 1 and store.jobs() == []
+        assert pusher.job_records_refused == 1 and {r.job_id: r.user for r in store.jobs()} == {"5": "di", "6": "cy"}
         if kind != "pusher":
             assert sink.stats()["refused_job_records"] == 1 and sink.stats()["rejected_batches"] == 0
         # the records after it still go: job 8's is stored whole
@@ -139,7 +144,7 @@ def test_a_record_the_collector_refuses_costs_the_record_not_the_samples(tmp_pat
         pusher.write(later) if kind == "pusher" else sink.write_ticks([later])
         if kind == "spool":
             assert sink.send_pending() is True
-        assert {r.job_id: r.user for r in store.jobs()} == {"8": "bea"}
+        assert {r.job_id: r.user for r in store.jobs()} == {"5": "di", "6": "cy", "8": "bea"}
         assert pusher.job_records_refused == 1
     finally:
         sink.close()
@@ -188,3 +193,45 @@ def test_only_a_verdict_on_what_the_batch_holds_sends_it_again_without_its_recor
     assert [s for s in statuses if PushError("refused", status=s).about_content] == [400, 403, 413, 422]
     assert not PushError("refused", status=400, reason="future").about_content
     assert not PushError("unreachable", status=None).about_content
+
+
+def test_a_collector_that_names_no_record_costs_the_batch_all_its_records_not_its_samples(tmp_path):
+    """A collector from before the answers named the record (no "job" in its 400): every record is left out."""
+    from test_spool import Scripted
+
+    server = Scripted([400, 200])
+    try:
+        pusher = HttpPusher(server.url, agent_id="a1", host="n1")
+        sink = DirectSink(pusher)
+        sink.write_jobs([JobRecord("6", hosts=("n1",)), JobRecord("7", account="proj\x01a", hosts=("n1",))])
+        sink.write_ticks([[GpuSample(ts=time.time(), host="n1", gpu_uuid="GPU-0", gpu_index=0, job_ids=("7",))]])
+        assert [[r["job_id"] for r in b.get("jobs", [])] for b in server.received] == [["6", "7"], []]
+        assert sink.stats()["refused_job_records"] == 2 and sink.stats()["rejected_batches"] == 0
+        assert server.received[0]["seq"] != server.received[1]["seq"]
+    finally:
+        server.stop()
+
+
+def test_each_record_named_in_turn_is_left_out_and_a_bounded_number_one_by_one(tmp_path):
+    store, srv = collector(tmp_path, None)
+    try:
+        pusher = HttpPusher(srv.url, agent_id="a1", host="n1")
+        sink = DirectSink(pusher)
+        bad = [JobRecord(str(100 + j), account=f"x\x01{j}", hosts=("n1",)) for j in range(12)]
+        sink.write_jobs([JobRecord("5", user="di", hosts=("n1",)), *bad[:2], JobRecord("6", user="cy", hosts=("n1",))])
+        tick = [GpuSample(ts=time.time() - 30, host="n1", gpu_uuid=f"GPU-{g}", gpu_index=g, job_ids=(j,))
+                for g, j in enumerate("56")]
+        sink.write_ticks([tick])
+        assert pusher.job_records_refused == 2 and {r.job_id for r in store.jobs()} == {"5", "6"}
+        assert pusher.batches_sent == 1 and store.totals()["samples"] == 2
+        # more bad records than are left out one by one: the rest go all at once (each costs a request)
+        sink.write_jobs(bad[2:])
+        sink.write_ticks([[replace(x, ts=x.ts + 10) for x in tick]])
+        assert pusher.job_records_refused == 12 and store.totals()["samples"] == 4
+        # refused: 2 in the first push; in the second, the batch and 8 attempts each without one more record (the
+        # 9th without the last two at once is taken)
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert 'gpuledger_collector_batches_rejected_total{reason="invalid",status="400"} 11.0' in metrics
+    finally:
+        srv.stop()
+        store.close()
