@@ -567,8 +567,6 @@ class HttpPusher:
             try:
                 return self.post(seq, self.encode(seq, samples, self.fmt, jobs=jobs), self.fmt, samples=len(samples))
             except PushError as exc:
-                if not (jobs and exc.about_content):
-                    raise
                 return self.resend_without_jobs(exc, seq, samples, jobs, self.fmt)
         except PushError as exc:
             if exc.failover:
@@ -579,11 +577,12 @@ class HttpPusher:
                             jobs: Sequence[JobRecord], fmt: str = "json", compress: str | None = None,
                             reserve: Callable[[int], object] | None = None,
                             head: Mapping[str, Any] | None = None) -> Ack:
-        """Send batch ``seq``'s samples again without the job record a collector refused it for (``refused``:
-        :attr:`PushError.about_content`): the one its answer names (:attr:`PushError.job`), with the others, and so on
+        """Send batch ``seq``'s samples again without the job record a collector refused it for (``refused``, when
+        :attr:`PushError.about_content` and the batch carried ``jobs``; else ``refused`` is raised): the one its answer
+        names (:attr:`PushError.job`), with the others, and so on
         while an answer names another; all of them when one names none (a collector before it did), or once
         ``MAX_NAMED_RECORDS`` were left out one by one (each costs a request). Each attempt goes
-        under a new seq (persisted first by ``reserve``, which may raise OSError: then nothing more is sent): a
+        under a new seq (persisted first by ``reserve``; one it cannot persist is not used, and ``refused`` stands): a
         collector that stored one while its answer was lost takes the next as samples stored before, where under
         the same seq it would refuse them as other content. ``head``: the refused body's agent_id, host and cluster
         (a spooled batch's; else this pusher's).
@@ -593,6 +592,8 @@ class HttpPusher:
         scheduler's records, imported, describe the job), never the samples. Raises the PushError of the last
         attempt when it is not about a record: then the records were not the cause, or not alone, and that answer
         decides the batch."""
+        if not (jobs and refused.about_content):
+            raise refused
         kept, first = list(jobs), refused
         dropped: list[JobRecord] = []
         while True:
@@ -603,7 +604,12 @@ class HttpPusher:
                 kept = []
             new_seq = self.next_seq()
             if reserve is not None:
-                reserve(new_seq)
+                try:
+                    reserve(new_seq)
+                except OSError as exc:
+                    log.warning("batch %d cannot be sent again without its refused job records: sequence number not "
+                                "persisted (%s)", seq, exc.strerror or exc)
+                    raise first from None
             body = (self.encode(new_seq, samples, fmt, compress, jobs=kept) if head is None else
                     encode_batch(head["agent_id"], head["host"], new_seq, samples, kept, fmt, compress,
                                  cluster=head.get("cluster", "")))
@@ -812,14 +818,7 @@ class DirectSink:
             try:
                 ack = self.pusher.post(seq, body, fmt, compress, samples=len(part))
             except PushError as refused:
-                if not (jobs and refused.about_content):
-                    raise
-                try:
-                    ack = self.pusher.resend_without_jobs(refused, seq, part, jobs, fmt, compress, self.reserve)
-                except OSError as exc:  # its seq cannot be persisted: not sent, the refusal stands
-                    log.warning("batch %d cannot be sent again without its job records: sequence number not "
-                                "persisted (%s)", seq, exc.strerror or exc)
-                    raise refused from None
+                ack = self.pusher.resend_without_jobs(refused, seq, part, jobs, fmt, compress, self.reserve)
         except PushError as exc:
             if exc.too_large and divisible(part):
                 self.pusher.return_jobs(jobs)

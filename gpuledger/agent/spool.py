@@ -444,24 +444,17 @@ class SpoolingPusher:
 
     def _without_jobs(self, b: SpooledBatch, body: bytes, refused: PushError) -> Ack:
         """A spooled batch refused for what it holds: when it carries job records, its samples sent again without
-        them under a new seq (``HttpPusher.resend_without_jobs``), and that answer decides it (the batch's file goes
-        once one is taken). Raises ``refused`` when it carries none (or its body is not one this agent made, or the
-        new seq cannot be persisted), else the new attempt's PushError."""
-        if not refused.about_content:
+        the refused ones under a new seq (``HttpPusher.resend_without_jobs``), and that answer decides it (the
+        batch's file goes once one is taken). Raises ``refused`` when it carries none (or its body is not one this
+        agent made, or the new seq cannot be persisted), else the new attempt's PushError."""
+        if not refused.about_content:  # not decoded for an answer that is not about it
             raise refused
         try:
             head, samples, jobs = decode_batch(body, b.fmt, b.compress)
         except ValueError:
             raise refused from None
-        if not jobs:
-            raise refused
-        try:
-            return self.pusher.resend_without_jobs(refused, b.seq, samples, jobs, b.fmt, b.compress,
-                                                   self.seq_file.reserve, head)
-        except OSError as exc:  # the new seq cannot be persisted: not sent, the refusal stands
-            log.warning("spooled batch %d cannot be sent again without its job records: sequence number not "
-                        "persisted (%s)", b.seq, exc.strerror or exc)
-            raise refused from None
+        return self.pusher.resend_without_jobs(refused, b.seq, samples, jobs, b.fmt, b.compress,
+                                               self.seq_file.reserve, head)
 
     def _refused(self, b: SpooledBatch, body: bytes, exc: PushError, waiting: set[int], ahead: list[int]) -> bool:
         """What a batch's failed attempt means for it: kept for later on its own (clock skew: ``waiting``), replaced

@@ -1197,37 +1197,48 @@ def _job_records(doc: Any, where: str, host: str | None = None, bound: bool = Fa
     """Validate JobRecord dicts; with ``host`` (an agent's batch) each record must be about a job on that host
     (its ``hosts`` list it; a record with no hosts is left out) in the batch's cluster (when both name one).
     Whether samples of the job came from
-    the host is the store's check (``ledger_store.SqlLedger.add_agent_jobs``)."""
+    the host is the store's check (``ledger_store.SqlLedger.add_agent_jobs``). A refusal of one record names it
+    (``BatchError.job``: an agent sends the batch again without it)."""
     if not isinstance(doc, list):
         raise BatchError(400, f"{where}field 'jobs' must be a list of job records")
     out = []
     for i, d in enumerate(doc):
-        at = f"{where}job[{i}]"
-        if not isinstance(d, dict):
-            raise BatchError(400, f"{at}: must be an object", job=i)
-        for k, v in d.items():
-            if k not in _JOB_FIELDS:
-                raise BatchError(400, f"{at}: unknown field {str(k)!r}", job=i)
-            if not _check_annotation(_JOB_FIELDS[k], v) or (k == "job_id" and not v):
-                raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})", job=i)
-            text = k in _JOB_TEXT
-            if any(map((_BAD_TEXT if text else _BAD_NAME).search, _strings(v))):
-                raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} {_TEXT_CHARS if text else _NAME_CHARS} "
-                                      f"(got {v!r})", job=i)
-        if "job_id" not in d:
-            raise BatchError(400, f"{at}.job_id: missing", job=i)
-        rec = JobRecord.from_dict(d)
-        if host is not None:
-            # A node may describe only jobs it runs (under a host-bound token: 403, as for samples).
-            status, reason = (403, "forbidden") if bound else (400, "invalid")
-            if not rec.hosts:
-                # refused, but not the batch with it: agents before 0.x sent no hosts; their samples still count
-                continue
-            if host not in rec.hosts:
-                raise BatchError(status, f"{at}.hosts: {list(rec.hosts)!r} does not include the batch's host "
-                                         f"{host!r}", reason, job=i)
-            if rec.cluster and cluster and rec.cluster != cluster:
-                raise BatchError(status, f"{at}.cluster: {rec.cluster!r} is not the batch's cluster {cluster!r}",
-                                 reason, job=i)
-        out.append(rec)
+        try:
+            rec = _job_record(d, f"{where}job[{i}]", host, bound, cluster)
+        except BatchError as e:
+            e.job = i
+            raise
+        if rec is not None:
+            out.append(rec)
     return out
+
+
+def _job_record(d: Any, at: str, host: str | None, bound: bool, cluster: str) -> JobRecord | None:
+    """One record of :func:`_job_records` (``at``: where it lies), None when it is left out."""
+    if not isinstance(d, dict):
+        raise BatchError(400, f"{at}: must be an object")
+    for k, v in d.items():
+        if k not in _JOB_FIELDS:
+            raise BatchError(400, f"{at}: unknown field {str(k)!r}")
+        if not _check_annotation(_JOB_FIELDS[k], v) or (k == "job_id" and not v):
+            raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} (got {v!r})")
+        text = k in _JOB_TEXT
+        if any(map((_BAD_TEXT if text else _BAD_NAME).search, _strings(v))):
+            raise BatchError(400, f"{at}.{k}: expected {_JOB_FIELDS[k]} {_TEXT_CHARS if text else _NAME_CHARS} "
+                                  f"(got {v!r})")
+    if "job_id" not in d:
+        raise BatchError(400, f"{at}.job_id: missing")
+    rec = JobRecord.from_dict(d)
+    if host is not None:
+        # A node may describe only jobs it runs (under a host-bound token: 403, as for samples).
+        status, reason = (403, "forbidden") if bound else (400, "invalid")
+        if not rec.hosts:
+            # refused, but not the batch with it: agents before 0.x sent no hosts; their samples still count
+            return None
+        if host not in rec.hosts:
+            raise BatchError(status, f"{at}.hosts: {list(rec.hosts)!r} does not include the batch's host "
+                                     f"{host!r}", reason)
+        if rec.cluster and cluster and rec.cluster != cluster:
+            raise BatchError(status, f"{at}.cluster: {rec.cluster!r} is not the batch's cluster {cluster!r}",
+                             reason)
+    return rec

@@ -235,3 +235,24 @@ def test_each_record_named_in_turn_is_left_out_and_a_bounded_number_one_by_one(t
     finally:
         srv.stop()
         store.close()
+
+
+def test_a_resend_whose_sequence_number_cannot_be_persisted_is_not_sent_and_the_refusal_stands(tmp_path, caplog):
+    store, srv = collector(tmp_path, None)
+
+    def full_disk(seq: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    try:
+        pusher = HttpPusher(srv.url, agent_id="a1", host="n1")
+        sink = DirectSink(pusher, reserve=full_disk)
+        sink.write_jobs([JobRecord("7", account="p\x01", hosts=("n1",))])
+        with caplog.at_level(logging.WARNING):
+            sink.write_ticks([[GpuSample(ts=time.time() - 30, host="n1", gpu_uuid="GPU-0", gpu_index=0,
+                                         job_ids=("7",))]])
+        assert sink.stats()["rejected_batches"] == 1 and sink.stats()["refused_job_records"] == 0
+        assert store.totals()["samples"] == 0 and pusher.batches_sent == 0
+        assert "sequence number not persisted (No space left on device)" in caplog.text
+    finally:
+        srv.stop()
+        store.close()
