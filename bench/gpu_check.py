@@ -10,7 +10,9 @@ in every phase, the energy delta is within 10% of the power integral; and (issue
 
 - **degrade per field**: every tick gave the GPU's sample (no sample lost to a field the driver lacks),
   ``errors_total`` is 0; the fields the driver could not give are printed with their reasons;
-- **processes**: this process's pid is in the GPU's process list during the matmul phase;
+- **processes**: this process's pid is in the GPU's process list during the matmul phase, and its per-process
+  utilization (``gpu_util_ratio``, what a shared GPU is split by) averages >= 0.5 there where the driver
+  reports it (a driver without it is reported as skipped);
 - ``--as-user USER`` (run as root): a child process under USER's uid samples the GPU while this process
   holds a CUDA context; it passes when the sample is there and either lists this pid or counts the process
   list unavailable with a reason (nvml.h: other users' processes may need privileges);
@@ -323,6 +325,7 @@ def main() -> int:
     errors: list[str] = []
     ticks = [0, 0]  # sampling ticks, ticks that had no sample of this GPU
     pids_in_matmul: set[int] = set()
+    my_util_in_matmul: list[float] = []  # this process's gpu_util_ratio, where the driver gave it
 
     def sampler() -> None:
         while not stop.is_set():
@@ -336,6 +339,8 @@ def main() -> int:
                         current[0].samples.append(s)
                         if current[0].name == "matmul":
                             pids_in_matmul.update(s.pids)
+                            my_util_in_matmul.extend(p.gpu_util_ratio for p in s.processes
+                                                     if p.pid == os.getpid() and p.gpu_util_ratio is not None)
             except Exception as exc:  # noqa: BLE001 - reported at the end
                 errors.append(f"{type(exc).__name__}: {exc}")
             stop.wait(max(0.0, a.interval_s - (time.monotonic() - t0)))
@@ -418,6 +423,10 @@ def main() -> int:
                            f"unavailable fields: {unavailable or 'none'}"))
     checks.insert(1, Check("this process listed during matmul", os.getpid() in pids_in_matmul,
                            f"pid {os.getpid()}; pids seen {sorted(pids_in_matmul)[:8]}"))
+    util = _mean(my_util_in_matmul)
+    checks.insert(2, Check("this process's GPU time during matmul", None if util is None else util >= 0.5,
+                           f"mean gpu_util_ratio {'-' if util is None else f'{util:.3f}'} over "
+                           f"{len(my_util_in_matmul)} samples (need >= 0.5)"))
     print("checks:")
     for c in checks:
         print(f"  {'ok  ' if c.ok else 'SKIP' if c.ok is None else 'FAIL'} {c.name}: {c.detail}")

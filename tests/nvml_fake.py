@@ -31,6 +31,10 @@ Behaviour that the driver has and the fake models:
   the scenario's values between two GPM samples (so changing a value mid-window is averaged, as on a GPU);
 - MIG: device handles per compute instance, per-GPU-instance GPM, processes tagged with their instance;
 - Xid events queued by ``inject_xid`` and returned by ``nvmlEventSetWait_v2`` (which never blocks);
+- per-process utilization (``nvmlDeviceGetProcessUtilization``) as the driver keeps it: one sample per
+  process and sample period (``UTIL_PERIOD_S``, the last ``UTIL_PERIODS_KEPT``), stamped in microseconds
+  at the period's end, only for processes with a non-zero ``smUtil``; ``NOT_FOUND`` when no such sample is newer
+  than the timestamp asked for; ``NOT_SUPPORTED`` in MIG mode;
 - ``calls`` counts calls per function name (for "probed once" and overhead tests).
 
 Names not defined here (constants, ``NVMLError*`` classes, ctypes structs) come from the real module;
@@ -64,6 +68,8 @@ GPM_FP32_UTIL = _real.NVML_GPM_METRIC_FP32_UTIL
 GPM_FP16_UTIL = _real.NVML_GPM_METRIC_FP16_UTIL
 
 MIB = 1024 * 1024
+UTIL_PERIOD_S = 1 / 6  # per-process utilization: one sample per process and period (the driver's own rate)
+UTIL_PERIODS_KEPT = 30
 
 
 def busy_gpm(sm: float = 90.0, occ: float = 45.0, dram: float = 40.0, tensor: float = 60.0,
@@ -82,6 +88,7 @@ class FakeProcess:
     gpu_instance: int | None = None  # MIG GPU instance id, None outside MIG
     compute_instance: int | None = None
     mps: bool = False  # an MPS client: listed only by nvmlDeviceGetMPSComputeRunningProcesses*
+    sm_util: int = 0  # percent of each utilization sample period in which its kernels ran
 
 
 @dataclass
@@ -148,7 +155,7 @@ class Scenario:
                 mem_used=(60_000 if busy else 0) * MIB,
                 sm_clock_mhz=1980 if busy else 345,
                 clock_reasons=0 if busy else 0x1,
-                processes=[FakeProcess(10_000 + i, 60_000 * MIB)] if busy else [],
+                processes=[FakeProcess(10_000 + i, 60_000 * MIB, sm_util=100)] if busy else [],
             )
             out.append(replace(g, **gpu_fields))
         return cls(out)
@@ -188,6 +195,14 @@ class _GpuState:
         # Integrals of GPM percent over time: key None = whole GPU, else the GI id.
         self.gpm_integral: dict[int | None, dict[int, float]] = {}
         self.pending_xids: list[tuple[int, int]] = []  # (xid, gi)
+        self.util_log: list[tuple[float, dict[int, int]]] = []  # (since, pid -> smUtil %): per-process history
+        self.log_utilization(now)
+
+    def log_utilization(self, now: float) -> None:
+        self.util_log = [*self.util_log[-UTIL_PERIODS_KEPT:], (now, {p.pid: p.sm_util for p in self.spec.processes})]
+
+    def utilization_at(self, t: float) -> dict[int, int]:
+        return next((u for since, u in reversed(self.util_log) if since <= t), self.util_log[0][1])
 
     def advance(self, now: float) -> None:
         dt = now - self.t
@@ -302,6 +317,7 @@ class FakeNvml:
                 if not hasattr(target, k):
                     raise AttributeError(f"fake GPU has no field {k!r}")
                 setattr(target, k, v)
+            st.log_utilization(self._clock())
 
     def fail_next(self, name: str, times: int = 1, code: int = _real.NVML_ERROR_UNKNOWN) -> None:
         """The next ``times`` calls of ``name`` (on any handle) raise ``code``: a transient driver error."""
@@ -537,6 +553,19 @@ class FakeNvml:
                 "gpuInstanceId": NOT_IN_MIG if p.gpu_instance is None else p.gpu_instance,
                 "computeInstanceId": NOT_IN_MIG if p.compute_instance is None else p.compute_instance,
             }))
+        return out
+
+    @_api
+    def nvmlDeviceGetProcessUtilization(self, handle: _Handle, timeStamp: int) -> list[Any]:  # noqa: N803
+        st = self._state(handle)
+        if st.spec.mig is not None:
+            raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
+        last = int(self._now(st) / UTIL_PERIOD_S)
+        ends = [round(k * UTIL_PERIOD_S * 1e6) for k in range(max(last - UTIL_PERIODS_KEPT + 1, 1), last + 1)]
+        out = [_real.c_nvmlProcessUtilizationSample_t(pid, end, sm, 0, 0, 0)
+               for end in ends if end > timeStamp for pid, sm in st.utilization_at(end / 1e6).items() if sm > 0]
+        if not out:
+            raise _err(_real.NVML_ERROR_NOT_FOUND)
         return out
 
     @_api

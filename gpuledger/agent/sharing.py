@@ -39,27 +39,40 @@ def _conserve(parts: list[float], total: float) -> list[float]:
     return parts
 
 
-def split_shares(job_ids: Sequence[str], mem_by_job: Mapping[str, int | float | None] | None) -> tuple[float, ...]:
+def _proportions(job_ids: Sequence[str], by_job: Mapping[str, int | float | None] | None) -> list[float] | None:
+    """Each job's part of the total of ``by_job``, or None unless every job's value is known, finite and
+    non-negative and the total is positive."""
+    if by_job is None:
+        return None
+    values = [by_job.get(j) for j in job_ids]
+    if not all(v is not None and math.isfinite(v) and v >= 0 for v in values):
+        return None
+    total = math.fsum(float(v) for v in values)  # type: ignore[arg-type]
+    return [float(v) / total for v in values] if total > 0 else None  # type: ignore[arg-type]
+
+
+def split_shares(job_ids: Sequence[str], mem_by_job: Mapping[str, int | float | None] | None,
+                 busy_by_job: Mapping[str, float | None] | None = None) -> tuple[float, ...]:
     """Each job's share of a shared GPU, aligned with ``job_ids``; they sum to exactly 1.0.
 
-    Shares follow the jobs' GPU memory when every job's memory is known and the total is
-    positive (a job using no memory then gets 0); otherwise (unknown or all zero) they are equal.
-    Memory is the best per-process signal NVML gives for MPS / time-sliced sharing.
+    The first basis every job has, in this order:
+
+    1. ``busy_by_job``: the share of the interval in which each job's kernels ran (its processes'
+       ``gpu_util_ratio`` summed), when every job's is known and the total is positive. The GPU's
+       time is what time-sliced and MPS jobs compete for, so the job that computes pays for it,
+       however little memory it holds.
+    2. ``mem_by_job``: the jobs' GPU memory, when every job's is known and the total is positive
+       (a job using no memory then gets 0).
+    3. Equal shares.
+
+    A basis known for some jobs only is not used: no job's share is guessed.
     """
     n = len(job_ids)
     if n == 0:
         return ()
     if len(set(job_ids)) != n:
         raise ValueError(f"duplicate job ids: {list(job_ids)}")
-    weights: list[float] | None = None
-    if mem_by_job is not None:
-        mems = [mem_by_job.get(j) for j in job_ids]
-        if all(m is not None and math.isfinite(m) and m >= 0 for m in mems):
-            total = math.fsum(float(m) for m in mems)  # type: ignore[arg-type]
-            if total > 0:
-                weights = [float(m) / total for m in mems]  # type: ignore[arg-type]
-    if weights is None:
-        weights = [1.0 / n] * n
+    weights = _proportions(job_ids, busy_by_job) or _proportions(job_ids, mem_by_job) or [1.0 / n] * n
     return tuple(_conserve(weights, 1.0))
 
 

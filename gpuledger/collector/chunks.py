@@ -503,7 +503,7 @@ def encode_samples(samples: Sequence[GpuSample], light: bool | None = None) -> b
     cols: list[Sequence[Any]] = [list(map(g, samples)) for g in _GETS]  # cheaper than transposing row tuples
     procs = cols[_PROC]
     if any(procs):
-        cols[_PROC] = tuple([[p.pid, p.used_memory_bytes] for p in ps] for ps in procs)
+        cols[_PROC] = tuple([p.to_wire() for p in ps] for ps in procs)
     return encode_columns(len(samples), [(f, ROW_KINDS[f], c) for f, c in zip(ROW_FIELDS, cols)], light)
 
 
@@ -661,7 +661,7 @@ def samples_of(n: int, cols: dict[str, tuple[str, Any, np.ndarray | None]], host
         else:
             vals = column_list(n, cols[f])
             if f == "processes":
-                vals = [tuple(GpuProcess(p[0], p[1]) for p in ps) if ps else () for ps in vals]
+                vals = [tuple(map(GpuProcess.from_wire, ps)) if ps else () for ps in vals]
             elif ROW_KINDS[f] == OBJ and isinstance(_DEFAULTS[f], tuple):
                 # None: the row came from a chunk without the column (merged with one that has it)
                 vals = [() if v is None else tuple(v) for v in vals]

@@ -66,9 +66,12 @@ def sample_schema() -> dict[str, Any]:
             s = _nullable({"type": "string", "minLength": 1})
         elif name == "processes":
             s = {"type": "array", "items": {
-                "type": "array", "minItems": 2, "maxItems": 2, "description": "[pid, used_memory_bytes or null]",
+                "type": "array", "minItems": 2, "maxItems": 3,
+                "description": "[pid, used_memory_bytes or null, gpu_util_ratio or null (optional): the share of the "
+                               "sampling interval in which the process's kernels ran]",
                 "prefixItems": [{"type": "integer", "minimum": 0},
-                                _nullable({"type": "integer", "minimum": 0, "maximum": MAX_INT})]}}
+                                _nullable({"type": "integer", "minimum": 0, "maximum": MAX_INT}),
+                                _nullable({"type": "number", "minimum": 0, "maximum": 1})]}}
         elif name == "job_ids":
             s = {"type": "array", "uniqueItems": True, "items": {"type": "string", "minLength": 1}}
         elif name == "job_shares":

@@ -167,11 +167,11 @@ def series_from_samples(samples: list[GpuSample]) -> Series:
 
 def plain_row_lists(lists: Mapping[str, tuple]) -> dict[str, list]:
     """A series' row lists (``Series.lists``) as msgpack packs them, in ``ROW_LISTS`` order: per row, xid_errors a
-    list of ints, processes a list of [pid, used_memory_bytes]."""
+    list of ints, processes a list of :meth:`GpuProcess.to_wire` rows."""
     out: dict[str, list] = {}
     for name in ROW_LISTS:
         if name in lists:
-            out[name] = ([[[p.pid, p.used_memory_bytes] for p in r] for r in lists[name]] if name == "processes"
+            out[name] = ([[p.to_wire() for p in r] for r in lists[name]] if name == "processes"
                          else [list(x) for x in lists[name]])
     return out
 
@@ -180,5 +180,5 @@ def row_list(name: str, plain: Iterable[Sequence]) -> tuple:
     """One row list from its plain form (:func:`plain_row_lists`, the wire's): a tuple a row, processes of
     GpuProcess."""
     if name == "processes":
-        return tuple(tuple(GpuProcess(p, m) for p, m in r) for r in plain)
+        return tuple(tuple(map(GpuProcess.from_wire, r)) for r in plain)
     return tuple(map(tuple, plain))

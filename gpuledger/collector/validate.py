@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from operator import is_not
-from typing import Any, TypeGuard
+from typing import Annotated, Any, TypeGuard
 
 import msgpack
 import msgspec
@@ -455,14 +455,24 @@ def _shares(v: Any) -> Any:
     return tuple(float(x) for x in v)
 
 
-def _processes(v: Any) -> Any:
-    if type(v) is not list or not all(
-        type(p) is list and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
-        and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))
-        for p in v
-    ):
+def _process(p: Any) -> Any:
+    if not (type(p) is list and 2 <= len(p) <= 3 and _is_int(p[0]) and p[0] >= 0
+            and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))):
         return _BAD
-    return tuple(GpuProcess(p[0], p[1]) for p in v)
+    util = None if len(p) == 2 or p[2] is None else _ratio(p[2])
+    return _BAD if util is _BAD else GpuProcess(p[0], p[1], util)
+
+
+def _processes(v: Any) -> Any:
+    if type(v) is not list:
+        return _BAD
+    out = tuple(map(_process, v))
+    return _BAD if any(p is _BAD for p in out) else out
+
+
+def _process_records(row: Sequence[Any]) -> tuple[GpuProcess, ...]:
+    """One sample's process rows from the typed decode (``_WireProcess`` structs) as records."""
+    return tuple(GpuProcess(p.pid, p.used_memory_bytes, p.gpu_util_ratio) for p in row)
 
 
 def _by_annotation(field: str) -> Any:
@@ -494,7 +504,8 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "xid_errors": (_xids, "must be a list of integers"),
     "job_ids": (_job_ids, f"must be a list of distinct non-empty strings {_NAME_CHARS}"),
     "job_shares": (_shares, "must be a list of non-negative finite numbers"),
-    "processes": (_processes, "must be a list of [pid, used_memory_bytes or null]"),
+    "processes": (_processes, "must be a list of [pid, used_memory_bytes or null] or [pid, used_memory_bytes or "
+                              "null, gpu_util_ratio 0..1 or null]"),
     **{k: (_opt(_ratio), "ratio must be a finite number in 0..1") for k in _RATIOS},
     **{k: (_opt(_nonneg), f"must be a finite number in 0..{MAX_FLOAT:g}") for k in _NONNEG},
     **{k: (_opt(_count), f"must be an integer in 0..{MAX_INT}") for k in _INTS},
@@ -650,7 +661,7 @@ def _parse_series(d: Any, i: int, where: str, host: str, now: float, typed: bool
         if type(v) is not list or len(v) != n:
             raise BatchError(400, f"{at}.{f}: must be a list of {n} per-sample lists (got {_excerpt(v)})")
         if typed:
-            rows = row_list(f, v)
+            rows = tuple(map(_process_records, v)) if f == "processes" else row_list(f, v)
         else:
             rows = tuple(map(check, v))
             if _BAD in rows:
@@ -800,7 +811,7 @@ def _wire_series(series: list[Any], host: str, now: float) -> tuple[Series, ...]
                     continue
                 if len(v) != n:
                     return None
-                lists[f] = row_list(f, v)
+                lists[f] = tuple(map(_process_records, v)) if f == "processes" else row_list(f, v)
         out.append(of_wire(host, d.gpu_uuid, d.gpu_index, np.frombuffer(ts, dtype="<f8"), d.model, d.mig, d.source,
                            job_ids, tuple(map(float, shares)) if shares else (), lists, wire))
     return tuple(out)
@@ -866,11 +877,18 @@ class _Decoders:
     peek_json: Any
 
 
+class _WireProcess(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """A process row as the typed decode reads it: ``[pid, bytes|null]``, or with ``gpu_util_ratio`` third."""
+
+    pid: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+    used_memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)] | None
+    gpu_util_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+
+
 @functools.lru_cache(maxsize=8)
 def _decoders(limits: Limits) -> _Decoders | None:
     if not _FIELDS <= _HANDLED:
         return None  # a field this path has no rule for: everything goes the per-sample way
-    from typing import Annotated
 
     def num(t: type, **bounds: Any) -> Any:
         return Annotated[t, msgspec.Meta(**bounds)]
@@ -891,7 +909,7 @@ def _decoders(limits: Limits) -> _Decoders | None:
         "gpu_index": count, "mig": name | None,
         "xid_errors": seq(num(int, ge=-MAX_INT - 1, le=MAX_INT), lim.max_list),
         "job_ids": seq(name, lim.max_job_ids), "job_shares": seq(num(float, ge=0.0, le=MAX_FLOAT), lim.max_job_ids),
-        "processes": seq(tuple_of[count, count | None], lim.max_list),
+        "processes": seq(_WireProcess, lim.max_list),
         # every other numeric field: optional, within the bounds the column checks use too
         **{k: num(int if k in _INTS else float, ge=lo, le=hi) | None
            for k, (lo, hi) in _COLUMN_BOUNDS.items() if k != "ts"},
@@ -1051,7 +1069,7 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
     if any(map(_PROCS, rows)):
         for r in rows:
             if r.processes:
-                r.processes = tuple(GpuProcess(p, m) for p, m in r.processes)
+                r.processes = _process_records(r.processes)
     try:
         jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, cluster)
     except BatchError:

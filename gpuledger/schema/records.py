@@ -7,7 +7,7 @@ This module imports only the standard library (and ``schema.text``) so that ever
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -47,10 +47,29 @@ INT_FIELDS: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class GpuProcess:
-    """A compute process on a GPU, as the driver lists it."""
+    """A compute process on a GPU, as the driver lists it.
+
+    ``gpu_util_ratio`` is the share of the agent's last sampling interval in which a kernel of this process ran
+    on the GPU (NVML's per-process ``smUtil``, 0..1); None where the driver does not say (MIG, vGPU, an older
+    GPU or driver). It is what a shared GPU's interval is split by (``agent.sharing.split_shares``).
+    """
 
     pid: int
     used_memory_bytes: int | None = None
+    gpu_util_ratio: float | None = None
+
+    def to_wire(self) -> list[int | float | None]:
+        """The wire's process row: ``[pid, bytes|null]``, with ``gpu_util_ratio`` third when it is known (a
+        row without it is what agents before it sent, and still valid)."""
+        if self.gpu_util_ratio is None:
+            return [self.pid, self.used_memory_bytes]
+        return [self.pid, self.used_memory_bytes, self.gpu_util_ratio]
+
+    @classmethod
+    def from_wire(cls, row: Sequence[Any]) -> GpuProcess:
+        """Inverse of :meth:`to_wire` for well-formed rows (the collector validates its own)."""
+        util = row[2] if len(row) > 2 else None
+        return cls(int(row[0]), None if row[1] is None else int(row[1]), None if util is None else float(util))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +126,7 @@ class GpuSample:
         for f in _SAMPLE_FIELDS:
             v = getattr(self, f)
             if f == "processes":
-                v = [[p.pid, p.used_memory_bytes] for p in v]
+                v = [p.to_wire() for p in v]
             elif isinstance(v, tuple):
                 v = list(v)
             out[f] = v
@@ -123,7 +142,7 @@ class GpuSample:
         """Inverse of :meth:`to_dict`. Raises KeyError/TypeError/ValueError on bad input."""
         kw = {k: d[k] for k in _SAMPLE_FIELDS if k in d}
         if "processes" in kw:
-            kw["processes"] = tuple(GpuProcess(int(p[0]), None if p[1] is None else int(p[1])) for p in kw["processes"])
+            kw["processes"] = tuple(map(GpuProcess.from_wire, kw["processes"]))
         for k in ("xid_errors", "job_ids", "job_shares"):
             if k in kw:
                 kw[k] = tuple(kw[k])

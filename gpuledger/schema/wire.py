@@ -13,7 +13,7 @@ A batch in this layout is ``{"agent_id", "seq", "host", "series": [...], "jobs"?
      "job_ids": [str], "job_shares": [float],                 # constants, optional
      "ts": column,                                            # required, n >= 1 values, unix seconds
      "<numeric field>": column,                               # optional, n values each
-     "xid_errors": [[int]] , "processes": [[[pid, bytes|null]]]}   # optional, n per-row lists
+     "xid_errors": [[int]] , "processes": [[[pid, bytes|null, util?]]]}   # optional, n per-row lists
 
 where a column is a list of n numbers (null = not reported; ``ts`` has no nulls) or, in msgpack only,
 bytes of n 8-byte values (no gaps; NaN and infinities are invalid). Sample ``j`` of a series is the
@@ -93,7 +93,7 @@ def to_series(samples: Sequence[GpuSample], host: str, binary: bool = False) -> 
         xids = [list(s.xid_errors) for s in rows]
         if any(xids):
             d["xid_errors"] = xids
-        procs = [[[p.pid, p.used_memory_bytes] for p in s.processes] for s in rows]
+        procs = [[p.to_wire() for p in s.processes] for s in rows]
         if any(procs):
             d["processes"] = procs
         out.append(d)

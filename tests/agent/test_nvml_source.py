@@ -573,3 +573,65 @@ def test_a_non_nvml_error_attaching_a_gpu_costs_only_that_gpu() -> None:
     lib.bad_uuid = 0
     clock.t += 31
     assert [s.gpu_index for s in src.sample()] == [1] and src.errors_total == 5
+
+
+def test_each_process_carries_the_share_of_the_interval_its_kernels_ran() -> None:
+    """nvmlDeviceGetProcessUtilization since the GPU's last answer: a process's smUtil summed over the driver's
+    sample periods, over the periods; listed without a sample: it ran none; no new period: unknown."""
+    clock = Clock()
+    gpu = FakeGpu("GPU-shared", processes=[FakeProcess(42, 1 * MIB, sm_util=60), FakeProcess(43, 30_000 * MIB,
+                                                                                            sm_util=20),
+                                           FakeProcess(44, 5 * MIB, mps=True, sm_util=15), FakeProcess(45, 7 * MIB)])
+    lib = FakeNvml(Scenario([gpu]), clock=clock)
+    src = _open(lib, clock)
+    src.sample()  # the driver's whole buffer: the ratios of the periods before it
+    clock.t += 1.0
+    (s,) = src.sample()
+    by_pid = {p.pid: p for p in s.processes}
+    assert {pid: p.gpu_util_ratio for pid, p in by_pid.items()} == pytest.approx({42: 0.6, 43: 0.2, 44: 0.15,
+                                                                                  45: 0.0})
+    assert by_pid[43].used_memory_bytes == 30_000 * MIB
+    # one process busier for half of the next second: the ratio is the interval's average
+    clock.t += 0.5
+    lib.update(0, processes=[FakeProcess(42, 1 * MIB, sm_util=100), *gpu.processes[1:]])
+    clock.t += 0.5
+    (s,) = src.sample()
+    assert s.processes[0].gpu_util_ratio == pytest.approx(0.8, abs=0.07)  # 3 periods at 60, 3 at 100
+    # no period closed since (the agent ticked faster than the driver samples): unknown, and no failure counted
+    (s,) = src.sample()
+    assert [p.gpu_util_ratio for p in s.processes] == [None] * 4
+    assert src.errors_total == 0 and not src.call_errors_total
+    # nobody ran a kernel: the driver answers NOT_FOUND, and so it is unknown, not a reason to stop asking
+    lib.update(0, processes=[FakeProcess(42, 1 * MIB)])
+    clock.t += 1.0
+    (s,) = src.sample()
+    assert s.processes == (GpuProcess(42, 1 * MIB, None),)
+    lib.update(0, processes=[FakeProcess(42, 1 * MIB, sm_util=50)])
+    clock.t += 1.0
+    (s,) = src.sample()
+    assert s.processes == (GpuProcess(42, 1 * MIB, pytest.approx(0.5)),)
+    assert s == type(s).from_dict(s.to_dict())
+
+
+def test_per_process_utilization_unknown_under_mig_or_an_older_driver() -> None:
+    clock = Clock()
+    # an older driver: the function is missing; asked once for the whole source, the processes still listed
+    lib = fake_node(2, clock=clock)
+    lib.scenario.missing_functions = frozenset({"nvmlDeviceGetProcessUtilization"})
+    src = _open(lib, clock)
+    for _ in range(3):
+        clock.t += 1.0
+        samples = src.sample()
+        assert [p.gpu_util_ratio for s in samples for p in s.processes] == [None, None]
+    assert lib.calls["nvmlDeviceGetProcessUtilization"] == 1
+    assert src.errors_total == 0
+    # MIG: not supported there, asked once per GPU; the instance's processes carry their memory, no time
+    gpu = FakeGpu("GPU-mig", mig=[FakeMigInstance(1, "3g.40gb")],
+                  processes=[FakeProcess(7, 2 * MIB, gpu_instance=1, compute_instance=0, sm_util=90)])
+    lib = FakeNvml(Scenario([gpu]), clock=clock)
+    src = _open(lib, clock)
+    for _ in range(2):
+        clock.t += 1.0
+        whole, inst = src.sample()
+        assert inst.processes == (GpuProcess(7, 2 * MIB, None),)
+    assert lib.calls["nvmlDeviceGetProcessUtilization"] == 0  # a MIG GPU's own sample lists no processes

@@ -43,6 +43,32 @@ def test_split_shares_equal_when_memory_unknown_or_zero() -> None:
     assert math.fsum(split_shares([str(i) for i in range(7)], None)) == 1.0
 
 
+def test_split_shares_follow_the_time_each_job_ran_before_memory() -> None:
+    # job 1 computes 60% of the interval holding 1 GiB; job 2 holds 30 GiB and computes 20%
+    mem = {"1": 2**30, "2": 30 * 2**30}
+    assert split_shares(["1", "2"], mem, {"1": 0.6, "2": 0.2}) == (0.75, 0.25)
+    assert split_shares(["1", "2"], mem, {"1": 0.6, "2": 0.0}) == (1.0, 0.0)  # only job 1 ran: it pays it all
+    # a basis known for some jobs only is not used: memory, then equal shares
+    assert split_shares(["1", "2"], mem, {"1": 0.6, "2": None}) == pytest.approx((1 / 31, 30 / 31), rel=1e-15)
+    assert split_shares(["1", "2"], mem, {"1": 0.6}) == pytest.approx((1 / 31, 30 / 31), rel=1e-15)
+    assert split_shares(["1", "2"], {"1": 1, "2": None}, {"1": 0.6, "2": None}) == (0.5, 0.5)
+    # nobody ran (an idle interval): the memory rule
+    assert split_shares(["1", "2"], mem, {"1": 0.0, "2": 0.0}) == pytest.approx((1 / 31, 30 / 31), rel=1e-15)
+    assert split_shares(["1", "2"], mem, {"1": math.nan, "2": 0.5}) == pytest.approx((1 / 31, 30 / 31), rel=1e-15)
+
+
+@given(job_lists, st.data())
+def test_split_shares_by_time_sum_to_exactly_one(jobs: list[str], data: st.DataObject) -> None:
+    busy = data.draw(st.fixed_dictionaries({j: st.one_of(st.none(), st.floats(0.0, 1.0)) for j in jobs}))
+    shares = split_shares(jobs, None, busy)
+    assert math.fsum(shares) == 1.0
+    assert all(0.0 <= s <= 1.0 for s in shares)
+    total = math.fsum(v for v in busy.values() if v is not None)
+    if None not in busy.values() and total > 0:
+        for j, s in zip(jobs, shares):
+            assert s == pytest.approx(busy[j] / total, rel=1e-9, abs=1e-12)
+
+
 def test_split_shares_rejects_duplicates() -> None:
     with pytest.raises(ValueError):
         split_shares(["1", "1"], None)

@@ -144,6 +144,22 @@ def test_shared_gpu_shares_by_memory(tmp_path: Path) -> None:
     assert math.fsum(s.job_shares) == 1.0
 
 
+def test_shared_gpu_shares_by_the_time_each_job_ran(tmp_path: Path) -> None:
+    """A job computing with little memory pays for the GPU time it used, not for the memory the other holds."""
+    make_proc(tmp_path, 100, V1_PLAIN)  # job 77: one process, 1 GiB, kernels 45% of the interval
+    make_proc(tmp_path, 200, V2)  # job 4242: two processes, 30 GiB, kernels 10% + 5%
+    make_proc(tmp_path, 201, V2)
+    m = SlurmCgroupMapper(proc_root=tmp_path, resolver=None)
+    procs = (GpuProcess(200, 20 * 2**30, 0.10), GpuProcess(100, 2**30, 0.45), GpuProcess(201, 10 * 2**30, 0.05))
+    (s,) = m.map([replace(sample(3), processes=procs)])
+    assert s.job_ids == ("77", "4242")
+    assert s.job_shares == (0.75, 0.25)
+    # one process whose time the driver did not give: memory decides, as before
+    unknown = (*procs[:2], GpuProcess(201, 10 * 2**30, None))
+    (s,) = m.map([replace(sample(3), processes=unknown)])
+    assert s.job_shares == pytest.approx((1 / 31, 30 / 31), rel=1e-15)
+
+
 def test_shared_gpu_equal_when_a_memory_is_unknown(tmp_path: Path) -> None:
     make_proc(tmp_path, 100, V1_PLAIN)
     make_proc(tmp_path, 200, V2)

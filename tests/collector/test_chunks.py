@@ -47,8 +47,8 @@ def samples(draw) -> list[GpuSample]:
             energy_joules=draw(floats), temp_celsius=draw(floats), mem_used_bytes=draw(ints),
             throttle_reasons=draw(ints), ecc_errors_total=draw(ints),
             xid_errors=tuple(draw(st.lists(st.integers(0, 200), max_size=2))),
-            processes=tuple(GpuProcess(p, m) for p, m in draw(st.lists(st.tuples(st.integers(1, 2**22), ints),
-                                                                       max_size=2))),
+            processes=tuple(GpuProcess(p, m, u) for p, m, u in draw(st.lists(
+                st.tuples(st.integers(1, 2**22), ints, st.none() | st.floats(0.0, 1.0)), max_size=2))),
             job_ids=tuple(draw(st.lists(st.sampled_from(["1", "2_3", "ü"]), max_size=2, unique=True))),
             job_shares=tuple(draw(st.lists(st.floats(0, 1), max_size=2))), source=draw(st.sampled_from(["", "nvml"])),
         ))

@@ -108,9 +108,11 @@ def _value(f: str) -> st.SearchStrategy:
 
 
 _VALUES = {f: _value(f) for f in COLUMNS if f != "ts"}
+PROCESS_ROWS = ("must be a list of [pid, used_memory_bytes or null] or [pid, used_memory_bytes or null, "
+                "gpu_util_ratio 0..1 or null]")
 _XIDS = st.lists(st.integers(-(2**63), MAX_INT), max_size=3).map(tuple)
-_PROCS = st.lists(st.builds(GpuProcess, st.integers(0, MAX_INT), st.none() | st.integers(0, MAX_INT)),
-                  max_size=3).map(tuple)
+_PROCS = st.lists(st.builds(GpuProcess, st.integers(0, MAX_INT), st.none() | st.integers(0, MAX_INT),
+                            st.none() | st.floats(0.0, 1.0)), max_size=3).map(tuple)
 
 
 @st.composite
@@ -386,9 +388,17 @@ REJECTIONS: list[tuple] = [
     ("processes-long", _set("processes", [[[1, None]]] * 7),
      f"series[1].processes: must be a list of 5 per-sample lists (got {_excerpt([[[1, None]]] * 7)})", ALL),
     ("processes-bad-row", _set("processes", [[], [[1]], [], [], []]),
-     "series[1].processes[1]: must be a list of [pid, used_memory_bytes or null] (got [[1]])", ALL),
+     f"series[1].processes[1]: {PROCESS_ROWS} (got [[1]])", ALL),
     ("processes-negative-pid", _set("processes", [[], [], [], [], [[-1, 5]]]),
-     "series[1].processes[4]: must be a list of [pid, used_memory_bytes or null] (got [[-1, 5]])", ALL),
+     f"series[1].processes[4]: {PROCESS_ROWS} (got [[-1, 5]])", ALL),
+    ("process-busy-over-1", _set("processes", [[], [], [[1, 5, 1.5]], [], []]),
+     f"series[1].processes[2]: {PROCESS_ROWS} (got [[1, 5, 1.5]])", ALL),
+    ("process-busy-negative", _set("processes", [[], [], [[1, 5, -0.25]], [], []]),
+     f"series[1].processes[2]: {PROCESS_ROWS} (got [[1, 5, -0.25]])", ALL),
+    ("process-busy-text", _set("processes", [[], [], [[1, 5, "0.5"]], [], []]),
+     f"series[1].processes[2]: {PROCESS_ROWS} (got [[1, 5, '0.5']])", ALL),
+    ("process-four-elements", _set("processes", [[[1, 5, 0.5, 0]], [], [], [], []]),
+     f"series[1].processes[0]: {PROCESS_ROWS} (got [[1, 5, 0.5, 0]])", ALL),
     # the series list and the envelope
     ("series-element-int", lambda d: d["series"].__setitem__(1, 5), "series[1]: must be an object, got int", ALL, 3),
     ("series-element-list", lambda d: d["series"].__setitem__(1, [1, 2]), "series[1]: must be an object, got list", ALL,
@@ -471,6 +481,11 @@ ACCEPTED: list[tuple] = [
      [(-1,), (), (2**63 - 1,), (-(2**63),), ()], ALL),
     ("process-without-memory", _set("processes", [[[1, None]], [], [], [], [[2, 0], [3, 4]]]), "processes",
      [(GpuProcess(1),), (), (), (), (GpuProcess(2, 0), GpuProcess(3, 4))], ALL),
+    # the time a process's kernels ran, third where the agent knows it (an older agent's rows have two)
+    ("process-busy-time", _set("processes", [[[1, 5, 0.0]], [[1, 5, 1]], [[1, None, 0.25], [2, 3]], [[1, 5, None]],
+                                             []]), "processes",
+     [(GpuProcess(1, 5, 0.0),), (GpuProcess(1, 5, 1.0),), (GpuProcess(1, None, 0.25), GpuProcess(2, 3)),
+      (GpuProcess(1, 5),), ()], ALL),
     ("mig-null", _set("mig", None), "mig", [None] * 5, ALL),
     ("no-job-shares", _set("job_shares", []), "job_shares", [()] * 5, ALL),
     ("integer-shares", _both(_set("job_ids", ["1"]), _set("job_shares", [1])), "job_shares", [(1.0,)] * 5, ALL),

@@ -191,6 +191,7 @@ class SlurmCgroupMapper:
         out: list[GpuSample] = []
         for s in samples:
             mem: dict[str, int | None] = {}
+            busy: dict[str, float | None] = {}
             for proc in s.processes:
                 try:
                     job = self._job_of_pid(proc.pid, pid_cache)
@@ -203,13 +204,15 @@ class SlurmCgroupMapper:
                     continue
                 prev = mem.get(job, 0)
                 mem[job] = None if prev is None or proc.used_memory_bytes is None else prev + proc.used_memory_bytes
+                was = busy.get(job, 0.0)
+                busy[job] = None if was is None or proc.gpu_util_ratio is None else was + proc.gpu_util_ratio
             if not mem:
                 out.append(s)
                 continue
             jobs = sorted_job_ids(mem.keys())
             for j in jobs:
                 uuids.setdefault(j, set()).add(s.gpu_uuid)
-            shares = split_shares(jobs, mem) if len(jobs) > 1 else ()
+            shares = split_shares(jobs, mem, busy) if len(jobs) > 1 else ()
             out.append(replace(s, job_ids=jobs, job_shares=shares))
         seen_raw = {raw for raw, jid in self._raw_to_id.items() if jid in uuids}
         # Forget jobs no longer on any GPU: their ids and metadata must not grow without bound.

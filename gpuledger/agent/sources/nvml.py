@@ -32,7 +32,11 @@ Rules the code keeps:
   wait for its next sample (after the re-open), and meanwhile :meth:`NvmlSource.held_xids` names them (the agent
   counts them at once). At most 64 wait per GPU; further ones are only counted (``held_xids``), never sent.
 - **Processes**: compute processes and MPS clients (``nvmlDeviceGetMPSComputeRunningProcesses``: an MPS
-  client is not in the compute list), merged by pid.
+  client is not in the compute list), merged by pid. Each one's ``gpu_util_ratio`` comes from
+  ``nvmlDeviceGetProcessUtilization`` since the GPU's last answer: the sum of its ``smUtil`` over the driver's
+  sample periods, over the number of periods. NVML lists only processes that ran a kernel in a period, so a
+  listed process without a sample ran none (0.0). ``NOT_FOUND`` (no period closed since, or nobody ran) leaves
+  every ratio unknown this tick, as do MIG (not supported there) and an older driver.
 
 MIG: the GPU's own sample (``mig=None``) carries the device-level values (power, energy, temperature,
 clocks, ECC, PCIe, Xid) and the GPU-wide GPM reading where the driver gives one. Each MIG *GPU instance*
@@ -191,6 +195,7 @@ class _Gpu:
     lost: bool = False
     retry_at: float = 0.0  # monotonic
     backoff_s: float = 0.0
+    util_seen_us: int = 0  # the newest per-process utilization sample's driver timestamp read (0: none yet)
 
     @property
     def label(self) -> str:
@@ -383,7 +388,7 @@ class NvmlSource:
             rx = call(gpu, "nvmlDeviceGetPcieThroughput", h, _PCIE_RX, key="nvmlDeviceGetPcieThroughput(RX)",
                       field="pcie_rx_bytes_per_second")
         # In MIG mode the parent's process list needs privileges and each instance has its own: read there.
-        procs = () if mig else self._processes(gpu, h, "")
+        procs = () if mig else self._with_utilization(gpu, h, self._processes(gpu, h, ""))
         gpm = self._gpm_read(gpu, gpu.gpm, "nvmlGpmSampleGet", (h,), at)
 
         samples = [GpuSample(
@@ -466,6 +471,25 @@ class NvmlSource:
                 out.setdefault(int(p.pid), GpuProcess(int(p.pid), None if used is None else int(used)))
         return list(out.values())
 
+    def _with_utilization(self, gpu: _Gpu, handle: Any, procs: list[GpuProcess]) -> list[GpuProcess]:
+        """``procs`` with each one's share of the time, since the GPU's last answer, in which its kernels ran
+        (see the module's rules); as they are where NVML cannot say."""
+        if not procs:
+            return procs
+        samples = self._call(gpu, "nvmlDeviceGetProcessUtilization", handle, gpu.util_seen_us, absent=_ERR_NOT_FOUND)
+        if not samples:
+            return procs
+        busy: dict[int, float] = {}
+        periods = set()
+        for u in samples:
+            sm, stamp = int(u.smUtil), int(u.timeStamp)
+            periods.add(stamp)
+            if 0 <= sm <= 100:  # a value out of range (a driver's "not available") says nothing
+                busy[int(u.pid)] = busy.get(int(u.pid), 0.0) + sm
+        gpu.util_seen_us = max(gpu.util_seen_us, *periods)
+        n = len(periods)
+        return [GpuProcess(p.pid, p.used_memory_bytes, min(busy.get(p.pid, 0.0) / (100.0 * n), 1.0)) for p in procs]
+
     # -- NVML calls ----------------------------------------------------------------------------------------
     def _fn(self, name: str) -> Any:
         fn = self._fns.get(name)
@@ -478,13 +502,14 @@ class NvmlSource:
         return fn
 
     def _call(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: Fields = None,
-              symbol: str | None = None) -> Any:
-        """Call ``name``; None when the value is unavailable (see the module's rules)."""
-        r = self._call_raw(gpu, name, *args, key=key, field=field, symbol=symbol)
+              symbol: str | None = None, absent: int | None = None) -> Any:
+        """Call ``name``; None when the value is unavailable (see the module's rules), or when it answers the
+        error code ``absent`` (one that means "nothing to report now", not a failure)."""
+        r = self._call_raw(gpu, name, *args, key=key, field=field, symbol=symbol, absent=absent)
         return None if r is _MISSING else r
 
     def _call_raw(self, gpu: _Gpu, name: str, *args: Any, key: str | None = None, field: Fields = None,
-                  symbol: str | None = None, note_missing: bool = True) -> Any:
+                  symbol: str | None = None, note_missing: bool = True, absent: int | None = None) -> Any:
         """As _call, but _MISSING (not None) when the function does not exist in this driver/binding
         (counted against ``field`` unless ``note_missing`` is False: an older version may still exist)."""
         key = key or name
@@ -501,6 +526,8 @@ class NvmlSource:
                     return fn(*args)
                 except self.lib.NVMLError as exc:
                     code = getattr(exc, "value", None)
+                    if code is not None and code == absent:
+                        return None
                     if code in _LOST:
                         raise _GpuLost(f"{name}: {exc}") from exc
                     if code == _ERR_FUNCTION_NOT_FOUND:
