@@ -9,8 +9,8 @@ process (no HTTP, no compaction): what `bench/ingest.py` measures end to end, ta
 - the parts of a G=32 group commit, under cProfile (its overhead inflates the Python parts; the shares are
   indicative, the microseconds above are not profiled).
 
-Data: ``bench/ingest.py``'s generator (10 fields as random walks, every GPU on a Slurm job), --hosts hosts; the
-store is embedded SQLite (WAL, synchronous=FULL) in a temporary directory.
+Data: ``bench/ingest.py``'s generator (10 fields as random walks, every GPU on a Slurm job running one process),
+--hosts hosts; the store is embedded SQLite (WAL, synchronous=FULL) in a temporary directory.
 
     .venv/bin/python bench/batch_cost.py
 """
@@ -58,11 +58,15 @@ class Bodies:
         self.next_k = 0
         self.hosts = hosts
 
-    def round(self) -> list[bytes]:
+    def round(self, processes: bool = True) -> list[bytes]:
+        """The next batch of every host (``processes``: False leaves the samples' process lists out)."""
         k, self.next_k = self.next_k, self.next_k + 1
         out = []
         for h in range(self.hosts):
             host, rows = self.data.batch(h, k)
+            if not processes:
+                for d in rows:
+                    del d["processes"]
             out.append(encode_batch(host, host, k, [GpuSample.from_dict(d) for d in rows], fmt="msgpack"))
         return out
 
@@ -96,13 +100,16 @@ def main() -> None:
             commit_in_groups(store, parsed(bodies.round()), 32)  # the hosts' first batches: new series
             commit_in_groups(store, parsed(bodies.round()), 32)  # (the first steady round warms the caches)
             round_bodies = bodies.round()
-            c0 = time.thread_time()
-            for _ in range(a.rounds):
-                for b in round_bodies:
-                    parse_batch(b, MSGPACK, now)
-            parse_us = (time.thread_time() - c0) / (a.rounds * a.hosts) * 1e6
-            print(f"validation (parse_batch, msgpack, 80 samples): {parse_us:6.1f} us CPU a batch")
+            bare = bodies.round(processes=False)  # a reference in this run: what the process lists cost
+            for label, which in (("", round_bodies), (", without process lists", bare)):
+                c0 = time.thread_time()
+                for _ in range(a.rounds):
+                    for b in which:
+                        parse_batch(b, MSGPACK, now)
+                parse_us = (time.thread_time() - c0) / (a.rounds * a.hosts) * 1e6
+                print(f"validation (parse_batch, msgpack, 80 samples{label}): {parse_us:6.1f} us CPU a batch")
             commit_in_groups(store, parsed(round_bodies), 32)
+            commit_in_groups(store, parsed(bare), 32)
             print("group commit (Store.ingest_group), steady state, per batch:")
             print("  group   CPU us   wall us   (the median round's)")
             cpu_us: dict[int, float] = {}
@@ -111,6 +118,9 @@ def main() -> None:
                 cpu_us[size] = statistics.median(c for c, _ in runs) / a.hosts * 1e6
                 wall_us = statistics.median(w for _, w in runs) / a.hosts * 1e6
                 print(f"  {size:5d}  {cpu_us[size]:7.1f}  {wall_us:8.1f}")
+            runs = [commit_in_groups(store, parsed(bodies.round(processes=False)), 32) for _ in range(a.rounds)]
+            print(f"     32  {statistics.median(c for c, _ in runs) / a.hosts * 1e6:7.1f}  "
+                  f"{statistics.median(w for _, w in runs) / a.hosts * 1e6:8.1f}   without process lists")
             if 1 in cpu_us and 32 in cpu_us:  # c(G) = B + F / G, solved from G = 1 and G = 32
                 fixed = (cpu_us[1] - cpu_us[32]) * 32 / 31
                 print(f"  from groups of 1 and 32: {fixed:.0f} us CPU a group, {cpu_us[1] - fixed:.0f} us a batch")
@@ -134,7 +144,8 @@ def main() -> None:
         named += t
         print(f"  {label:32s} {t / total:6.1%}")
     print(f"  {'the rest':32s} {1 - named / total:6.1%}")
-    print(f"workload: {a.hosts} hosts x {GPUS} GPUs, 10 fields, 80-sample batches, {a.rounds} rounds per figure")
+    print(f"workload: {a.hosts} hosts x {GPUS} GPUs, 10 fields and a process a sample, 80-sample batches, "
+          f"{a.rounds} rounds per figure")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import loadgen  # noqa: E402
 
 from gpuledger.agent.push import encode_batch  # noqa: E402
-from gpuledger.schema.records import GpuSample  # noqa: E402
+from gpuledger.schema.records import GpuProcess, GpuSample  # noqa: E402
 
 COLLECTOR = """
 import sys
@@ -57,7 +57,8 @@ CollectorServer(store, port=int(sys.argv[2]), max_inflight=4096).serve_forever()
 
 
 def push_body(node: int, i: int, base: float, period: float) -> bytes:
-    """Node ``node``'s push ``i``: the 10 s before it, 8 GPUs at 1 Hz (random-walk values)."""
+    """Node ``node``'s push ``i``: the 10 s before it, 8 GPUs at 1 Hz (random-walk values), each GPU running one
+    process of the node's job (as the NVML agent lists it)."""
     host = f"node{node:05d}"
     rng = random.Random(node * 100_003 + i)
     t0 = base + period * i - 10
@@ -66,7 +67,7 @@ def push_body(node: int, i: int, base: float, period: float) -> bytes:
                          power_watts=round(200 + 400 * rng.random(), 1),
                          energy_joules=1e6 + 300.0 * (period * i + k), mem_used_bytes=60 * 2**30 + k,
                          temp_celsius=50.0, sm_clock_hz=1.98e9, mem_clock_hz=2.6e9,
-                         job_ids=(str(1000 + node // 2),))
+                         job_ids=(str(1000 + node // 2),), processes=(GpuProcess(100_000 + g, 60 * 2**30, 0.5),))
                for g in range(8) for k in range(10)]
     return encode_batch(f"agent-{node}", host, i, samples, fmt="msgpack")
 

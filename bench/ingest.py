@@ -4,11 +4,12 @@ background compaction running) against VictoriaMetrics, on the same generated da
 
 Workload: --hosts hosts x 8 GPUs, 10 fields a sample (sm/dram ratios, power, the energy counter, memory used,
 temperature, SM and memory clocks, PCIe tx/rx) as random walks, every GPU on a Slurm job (jobs span 1-4
-hosts). A collector batch belongs to one host; its shape is 8 GPUs x S consecutive seconds, for each
---shapes value (80: the default agent, pushing every 10 s; 600; 5,000). VictoriaMetrics gets exactly those
-samples as the same batches of line protocol (`/write`, precision ms). Bodies are encoded before the clock
-starts (for the collector by the agent's own encoder, ``agent.push.encode_batch``: msgpack, one series of
-columns per GPU), so both measure the server.
+hosts) running one process, which the collector's samples list as the NVML agent does (pid, memory, the share of
+the second it ran; VictoriaMetrics gets the fields only). A collector batch belongs to one host; its shape is 8
+GPUs x S consecutive seconds, for each --shapes value (80: the default agent, pushing every 10 s; 600; 5,000).
+VictoriaMetrics gets exactly those samples as the same batches of line protocol (`/write`, precision ms). Bodies
+are encoded before the clock starts (for the collector by the agent's own encoder, ``agent.push.encode_batch``:
+msgpack, one series of columns per GPU), so both measure the server.
 
 For each shape, a fresh pair of servers and two phases:
 - new series: each host's first batch (series neither store has seen);
@@ -132,6 +133,8 @@ class Data:
                 d = {"ts": t, "host": host, "gpu_uuid": uuid, "gpu_index": g, "model": "NVIDIA H200",
                      "job_ids": [job]}
                 d.update(zip(FIELDS, vals))
+                # the job's process, as the NVML agent lists it: pid, memory, the share of the second it ran
+                d["processes"] = [[100_000 + g, d["mem_used_bytes"], d["sm_active_ratio"]]]
                 out.append(d)
         return host, out
 
@@ -384,7 +387,8 @@ def main() -> None:
                   f"{cpu['vm']:>13.1f}{cpu['gl']:>16.1f}{row['compactor_cpu_s_per_million']:>17.1f}"
                   f"{row['cpu_ratio']:>11.2f}"
                   f"{row['collector_batches_per_commit']:>16.1f}")
-    print(f"workload: {a.hosts} hosts x {GPUS} GPUs, {len(FIELDS)} fields, {a.conns} connections each, "
+    print(f"workload: {a.hosts} hosts x {GPUS} GPUs, {len(FIELDS)} fields and a process a sample (VictoriaMetrics: the "
+          f"fields), {a.conns} connections each, "
           f"collector workers {a.workers}, compaction every {a.compact:g} s; "
           f"target: ratio >= 1.5 on the 80-sample steady state")
     if a.json:

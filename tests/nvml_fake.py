@@ -33,8 +33,8 @@ Behaviour that the driver has and the fake models:
 - Xid events queued by ``inject_xid`` and returned by ``nvmlEventSetWait_v2`` (which never blocks);
 - per-process utilization (``nvmlDeviceGetProcessUtilization``) as the driver keeps it: one sample per
   process and sample period (``UTIL_PERIOD_S``, the last ``UTIL_PERIODS_KEPT``), stamped in microseconds
-  at the period's end, only for processes with a non-zero ``smUtil``; ``NOT_FOUND`` when no such sample is newer
-  than the timestamp asked for; ``NOT_SUPPORTED`` in MIG mode;
+  at the period's end, only for processes with a non-zero ``smUtil`` then (``update`` changes a process's from
+  then on); ``NOT_FOUND`` when no such sample is newer than the timestamp asked for; ``NOT_SUPPORTED`` in MIG mode;
 - ``calls`` counts calls per function name (for "probed once" and overhead tests).
 
 Names not defined here (constants, ``NVMLError*`` classes, ctypes structs) come from the real module;
@@ -561,7 +561,8 @@ class FakeNvml:
         if st.spec.mig is not None:
             raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
         last = int(self._now(st) / UTIL_PERIOD_S)
-        ends = [round(k * UTIL_PERIOD_S * 1e6) for k in range(max(last - UTIL_PERIODS_KEPT + 1, 1), last + 1)]
+        first = max(last - UTIL_PERIODS_KEPT + 1, 1, int(timeStamp / 1e6 / UTIL_PERIOD_S) - 1)
+        ends = [round(k * UTIL_PERIOD_S * 1e6) for k in range(first, last + 1)]
         out = [_real.c_nvmlProcessUtilizationSample_t(pid, end, sm, 0, 0, 0)
                for end in ends if end > timeStamp for pid, sm in st.utilization_at(end / 1e6).items() if sm > 0]
         if not out:
