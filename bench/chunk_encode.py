@@ -2,7 +2,7 @@
 """Chunk encoding of one ingest batch: ``encode_series`` per GPU against ``encode_series_many``.
 
 The batch is bench/ingest.py's: one host, 8 GPUs x 625 seconds, 10 numeric fields a sample (random walks,
-a counter, clocks), turned into one Series per GPU the way the collector sees it. Both encoders run in
+a counter, clocks) and the job's process, turned into one Series per GPU the way the collector sees it. Both encoders run in
 this process on the same series; the script checks that they give the same bytes, then prints the time
 per batch of each (the best of three rounds, a round the median of --repeat passes) and their ratio.
 
@@ -31,7 +31,7 @@ from gpuledger.schema.records import GpuSample  # noqa: E402
 
 def batch_series(data: Data, i: int) -> list[Series]:
     """Batch ``i`` as one Series per GPU (rows come GPU by GPU, in time order)."""
-    _host, rows = data.batch(i)
+    _host, rows = data.batch(i, 0)
     per_gpu: dict[str, list[GpuSample]] = {}
     for d in rows:
         s = GpuSample.from_dict(d)
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=10, help="distinct batches (hosts) to encode")
     ap.add_argument("--repeat", type=int, default=30, help="timed passes over them; the median counts")
     a = ap.parse_args()
-    data = Data(hosts=max(1, a.batches), t0=1_700_000_000.123456)  # like ingest.py's time.time(): not whole
+    data = Data(hosts=max(1, a.batches), t0=1_700_000_000.123456, steps=625)  # t0 not whole, as time.time()
     batches = [batch_series(data, i) for i in range(a.batches)]
     for ss in batches:  # the same bytes, or the comparison means nothing
         if encode_series_many(ss) != [encode_series(s) for s in ss]:
