@@ -2,9 +2,9 @@
 """Chunk encoding of one ingest batch: ``encode_series`` per GPU against ``encode_series_many``.
 
 The batch is bench/ingest.py's: one host, 8 GPUs x 625 seconds, 10 numeric fields a sample (random walks,
-a counter, clocks) and the job's process, turned into one Series per GPU the way the collector sees it. Both encoders run in
-this process on the same series; the script checks that they give the same bytes, then prints the time
-per batch of each (the best of three rounds, a round the median of --repeat passes) and their ratio.
+a counter, clocks) and the job's process, turned into one Series per GPU the way the collector sees it. Both
+encoders run in this process on the same series; the script checks that they give the same bytes, then prints the
+time per batch of each (the best of three rounds, a round the median of --repeat passes) and their ratio.
 
     .venv/bin/python bench/chunk_encode.py            # a few seconds
     .venv/bin/python bench/chunk_encode.py --batches 20 --repeat 50

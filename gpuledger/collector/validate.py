@@ -470,9 +470,18 @@ def _processes(v: Any) -> Any:
     return _BAD if any(p is _BAD for p in out) else out
 
 
-def _process_records(row: Sequence[Any]) -> tuple[GpuProcess, ...]:
-    """One sample's process rows from the typed decode (``_WireProcess`` structs) as records."""
-    return tuple(GpuProcess(p.pid, p.used_memory_bytes, p.gpu_util_ratio) for p in row)
+def _process_in_bounds(p: GpuProcess) -> bool:
+    """The bounds of a process the typed decode built (it checks a named tuple's types, not their bounds)."""
+    mem, util = p.used_memory_bytes, p.gpu_util_ratio
+    return 0 <= p.pid <= MAX_INT and (mem is None or 0 <= mem <= MAX_INT) and (util is None or 0.0 <= util <= 1.0)
+
+
+def _first_out_of_bounds(rows: Sequence[tuple[GpuProcess, ...]]) -> int | None:
+    """The first sample whose processes (as the typed decode built them) are not all within bounds, else None."""
+    for j, row in enumerate(rows):
+        if not all(map(_process_in_bounds, row)):
+            return j
+    return None
 
 
 def _by_annotation(field: str) -> Any:
@@ -661,7 +670,9 @@ def _parse_series(d: Any, i: int, where: str, host: str, now: float, typed: bool
         if type(v) is not list or len(v) != n:
             raise BatchError(400, f"{at}.{f}: must be a list of {n} per-sample lists (got {_excerpt(v)})")
         if typed:
-            rows = tuple(map(_process_records, v)) if f == "processes" else row_list(f, v)
+            rows = tuple(v) if f == "processes" else row_list(f, v)
+            if f == "processes" and (bad := _first_out_of_bounds(rows)) is not None:
+                raise BatchError(400, f"{at}.{f}[{bad}]: {_CHECKS[f][1]} (got {[p.to_wire() for p in rows[bad]]!r})")
         else:
             rows = tuple(map(check, v))
             if _BAD in rows:
@@ -811,7 +822,12 @@ def _wire_series(series: list[Any], host: str, now: float) -> tuple[Series, ...]
                     continue
                 if len(v) != n:
                     return None
-                lists[f] = tuple(map(_process_records, v)) if f == "processes" else row_list(f, v)
+                if f == "processes":
+                    if _first_out_of_bounds(v) is not None:
+                        return None  # the per-sample path words it
+                    lists[f] = tuple(v)
+                else:
+                    lists[f] = row_list(f, v)
         out.append(of_wire(host, d.gpu_uuid, d.gpu_index, np.frombuffer(ts, dtype="<f8"), d.model, d.mig, d.source,
                            job_ids, tuple(map(float, shares)) if shares else (), lists, wire))
     return tuple(out)
@@ -877,14 +893,6 @@ class _Decoders:
     peek_json: Any
 
 
-class _WireProcess(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
-    """A process row as the typed decode reads it: ``[pid, bytes|null]``, or with ``gpu_util_ratio`` third."""
-
-    pid: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
-    used_memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)] | None
-    gpu_util_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
-
-
 @functools.lru_cache(maxsize=8)
 def _decoders(limits: Limits) -> _Decoders | None:
     if not _FIELDS <= _HANDLED:
@@ -909,7 +917,8 @@ def _decoders(limits: Limits) -> _Decoders | None:
         "gpu_index": count, "mig": name | None,
         "xid_errors": seq(num(int, ge=-MAX_INT - 1, le=MAX_INT), lim.max_list),
         "job_ids": seq(name, lim.max_job_ids), "job_shares": seq(num(float, ge=0.0, le=MAX_FLOAT), lim.max_job_ids),
-        "processes": seq(_WireProcess, lim.max_list),
+        # msgspec builds the records from [pid, bytes|null] or [pid, bytes|null, ratio|null]; their bounds after
+        "processes": seq(GpuProcess, lim.max_list),
         # every other numeric field: optional, within the bounds the column checks use too
         **{k: num(int if k in _INTS else float, ge=lo, le=hi) | None
            for k, (lo, hi) in _COLUMN_BOUNDS.items() if k != "ts"},
@@ -1066,10 +1075,8 @@ def _parse_fast(body: bytes, now: float, allowed_host: str | None, limits: Limit
     for jobs, shares in set(zip(map(_JOBS, rows), map(_SHARES, rows))):
         if _doubtful_job_set(jobs, shares):
             return None
-    if any(map(_PROCS, rows)):
-        for r in rows:
-            if r.processes:
-                r.processes = _process_records(r.processes)
+    if any(map(_PROCS, rows)) and _first_out_of_bounds(list(map(_PROCS, rows))) is not None:
+        return None  # the per-sample path words it
     try:
         jobs = _job_records(msgspec.to_builtins(b.jobs), f"{where}: ", host, allowed_host is not None, cluster)
     except BatchError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuledger.schema.text import ascii_int
 
@@ -45,17 +45,21 @@ INT_FIELDS: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class GpuProcess:
+class GpuProcess(NamedTuple):
     """A compute process on a GPU, as the driver lists it.
 
     ``gpu_util_ratio`` is the share of the agent's last sampling interval in which a kernel of this process ran
     on the GPU (NVML's per-process ``smUtil``, 0..1); None where the driver does not say (MIG, vGPU, an older
     GPU or driver). It is what a shared GPU's interval is split by (``agent.sharing.split_shares``).
+
+    A named tuple, not a dataclass like the other records: a sample of a busy GPU lists its processes in every
+    row, and the collector's typed decode builds these straight from the wire's rows (msgspec decodes a named
+    tuple from an array, trailing defaults optional), where building a frozen dataclass a row doubled the cost
+    of validating a batch.
     """
 
     pid: int
-    used_memory_bytes: int | None = None
+    used_memory_bytes: int | None  # required (if null): the wire's rows have two elements at least
     gpu_util_ratio: float | None = None
 
     def to_wire(self) -> list[int | float | None]:

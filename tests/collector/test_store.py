@@ -210,7 +210,7 @@ def test_schema_version_mismatch_is_refused(ledger):
 def test_raw_rows_survive_reopen_and_refuse_reordered_fields(ledger):
     from gpuledger.schema.records import GpuProcess
 
-    procs = (GpuProcess(5, 7), GpuProcess(6), GpuProcess(8, 9, 0.375))  # the last with its kernels' time
+    procs = (GpuProcess(5, 7), GpuProcess(6, None), GpuProcess(8, 9, 0.375))  # the last with its kernels' time
     s = GpuSample(ts=T0, host="n1", gpu_uuid="G0", gpu_index=3, mig="1.0", processes=procs,
                   xid_errors=(79,), job_ids=("1", "2"), job_shares=(0.5, 0.5), temp_celsius=40.0)
     store = Store(ledger)

@@ -75,12 +75,25 @@ def test_msgpack_gzip_and_zstd_bodies():
     ("job_ids", None, "job_ids"),
     ("job_shares", [0.5, 0.5], "job_shares"),  # one job, two shares
     ("processes", [[1]], "processes"),
+    ("processes", [[1, 5, 1.5]], "processes"),  # the share of the interval a process ran: 0..1
+    ("processes", [[1, 5, -0.5]], "processes"),
+    ("processes", [[1, 5, 0.5, 0]], "processes"),
+    ("processes", [[2**63, 5]], "processes"),  # a pid over the largest integer a record holds
     ("temp_celsius", "hot", "temp_celsius"),
     ("mig", 3, "mig"),
 ])
 def test_bad_field_is_named_with_batch_and_index(field, value, needle):
     b = body([sample(), sample(**{field: value})])
     reject(b, "agent_id='a1'", "seq=3", f"sample[1].{needle}")
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "application/msgpack"])
+def test_a_process_row_takes_the_time_it_ran_third(ctype):
+    rows = [sample(processes=[[7, 100, 0.25], [8, None], [9, 3, None], [10, 0, 1]])]
+    raw = body(rows) if ctype == "application/json" else msgpack.packb(json.loads(body(rows)))
+    (s,) = parse_batch(raw, ctype, NOW).samples
+    assert s.processes == (GpuProcess(7, 100, 0.25), GpuProcess(8, None), GpuProcess(9, 3), GpuProcess(10, 0, 1.0))
+    assert type(s.processes[0]) is GpuProcess and type(s.processes[3].gpu_util_ratio) is float
 
 
 def test_shares_must_sum_to_one():

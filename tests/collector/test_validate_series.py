@@ -480,7 +480,7 @@ ACCEPTED: list[tuple] = [
     ("negative-xid", _set("xid_errors", [[-1], [], [2**63 - 1], [-(2**63)], []]), "xid_errors",
      [(-1,), (), (2**63 - 1,), (-(2**63),), ()], ALL),
     ("process-without-memory", _set("processes", [[[1, None]], [], [], [], [[2, 0], [3, 4]]]), "processes",
-     [(GpuProcess(1),), (), (), (), (GpuProcess(2, 0), GpuProcess(3, 4))], ALL),
+     [(GpuProcess(1, None),), (), (), (), (GpuProcess(2, 0), GpuProcess(3, 4))], ALL),
     # the time a process's kernels ran, third where the agent knows it (an older agent's rows have two)
     ("process-busy-time", _set("processes", [[[1, 5, 0.0]], [[1, 5, 1]], [[1, None, 0.25], [2, 3]], [[1, 5, None]],
                                              []]), "processes",

@@ -95,8 +95,9 @@ class SlurmCgroupMapper:
     """JobMapper: GPU process pids -> ``<proc_root>/<pid>/cgroup`` -> Slurm job ids.
 
     Jobs on a shared GPU get ``job_shares`` by the time their processes' kernels ran (all known), else
-    by their processes' GPU memory (all known), else equal (``agent.sharing.split_shares``). ``skipped`` counts pids that vanished, were unreadable, were not in a job, had a
-    SLUID nobody could resolve, or failed otherwise (``error``: one process never costs the others their jobs).
+    by their processes' GPU memory (all known), else equal (``agent.sharing.split_shares``). ``skipped``
+    counts pids that vanished, were unreadable, were not in a job, had a SLUID nobody could resolve, or failed
+    otherwise (``error``: one process never costs the others their jobs).
     ``job_metadata()`` gives a JobRecord per job seen in the last ``map`` call, from the resolver (the real
     ``scontrol`` by default; None: no Slurm calls), or the process environment with ``trust_environ``.
     """
