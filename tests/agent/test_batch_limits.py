@@ -8,9 +8,12 @@ import time
 from dataclasses import fields, replace
 
 import pytest
+from nvml_fake import MIB, FakeGpu, FakeMigInstance, FakeNvml, FakeProcess, Scenario, busy_gpm
 
+from gpuledger.agent.mig import MigEnergySplitter
 from gpuledger.agent.push import Batcher, BatchLimits, DirectSink, HttpPusher, fit_rows, halve, split_ticks
 from gpuledger.agent.sampler import Agent
+from gpuledger.agent.sources.nvml import NvmlSource
 from gpuledger.agent.sources.simulated import SimulatedSource, gpu_uuid_for
 from gpuledger.agent.spool import Spool, SpoolingPusher
 from gpuledger.collector.server import CollectorServer
@@ -334,3 +337,49 @@ def test_halves_of_a_batch_a_lost_answer_stored_are_taken(tmp_path, caplog):
         for srv in (a, b):
             srv.stop()
         store.close()
+
+
+class CrowdedMigInstance:
+    """MIG instance 1 shared by ``jobs`` jobs at once, instance 2 running job 9 alone."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = tuple(str(1000 + j) for j in range(jobs))
+
+    def map(self, samples):
+        return [replace(x, job_ids=self.jobs) if x.mig == "1" else
+                replace(x, job_ids=("9",)) if x.mig == "2" else x for x in samples]
+
+
+def test_a_mig_instance_shared_by_more_jobs_than_a_sample_may_carry_is_measured_and_charged_to_none(tmp_path):
+    """The same rule on a MIG instance's row: its share of the GPU's energy is kept, unattributed; the other
+    instance's job is charged as measured; nothing is refused."""
+    t = [NOW - 300]
+    gpu = FakeGpu("GPU-mig", name="NVIDIA A100-SXM4-80GB", power_w=300.0, gpm=busy_gpm(sm=45),
+                  mig=[FakeMigInstance(1, "3g.40gb", gpm=busy_gpm(sm=50)),
+                       FakeMigInstance(2, "3g.40gb", gpm=busy_gpm(sm=50))],
+                  processes=[FakeProcess(100, 10 * MIB, gpu_instance=1, compute_instance=0),
+                             FakeProcess(200, 10 * MIB, gpu_instance=2, compute_instance=0)])
+    src = NvmlSource(lib=FakeNvml(Scenario([gpu]), clock=lambda: t[0]), host="n1", clock=lambda: t[0])
+    src.open()
+    srv = serve(tmp_path)
+    try:
+        sink = DirectSink(HttpPusher(srv.url, "a", "n1", fmt="msgpack"))
+        agent = Agent(src, [MigEnergySplitter(), CrowdedMigInstance(DEFAULT_LIMITS.max_job_ids + 1)],
+                      clock=lambda: t[0], sinks=[Batcher(sink, 10)])
+        for _ in range(10):
+            agent.tick()
+            t[0] += 1.0
+        sink.close()
+        assert sink.stats()["rejected_batches"] == 0 and sink.stats()["unattributed_samples"] == 10
+        assert srv.store.totals()["samples"] == 30 and srv.store.batches_seen() == 1  # the GPU's row and two instances'
+        crowded = srv.store.series("n1", "GPU-mig", NOW - 400, NOW, mig="1")
+        assert len(crowded) == 10 and all(x.job_ids == () for x in crowded)
+        (usage,) = srv.store.job_usage()
+        assert usage.job_id == "9" and usage.energy_joules > 0
+        # the GPU's energy (300 W over 9 s) stays whole: instance 2's job has its part, instance 1's is unattributed
+        totals = srv.store.totals()
+        assert usage.energy_joules == pytest.approx(2700.0 * 3 / 7, rel=1e-9)  # its 3g slice of the GPU's 7
+        assert usage.energy_joules + totals["unattributed_energy_joules"] == pytest.approx(2700.0, rel=1e-9)
+    finally:
+        srv.stop()
+        srv.store.close()
