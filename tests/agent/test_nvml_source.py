@@ -635,3 +635,19 @@ def test_per_process_utilization_unknown_under_mig_or_an_older_driver() -> None:
         whole, inst = src.sample()
         assert inst.processes == (GpuProcess(7, 2 * MIB, None),)
     assert lib.calls["nvmlDeviceGetProcessUtilization"] == 0  # a MIG GPU's own sample lists no processes
+
+
+def test_an_odd_per_process_utilization_answer_costs_the_ratios_not_the_gpu(caplog) -> None:
+    clock = Clock()
+    lib = fake_node(2, clock=clock)
+    src = _open(lib, clock)
+    lib.nvmlDeviceGetProcessUtilization = lambda handle, since: [object()]  # a binding answering garbage
+    with caplog.at_level(logging.ERROR):
+        for _ in range(2):
+            clock.t += 1.0
+            samples = src.sample()
+            assert len(samples) == 2 and [p.gpu_util_ratio for s in samples for p in s.processes] == [None, None]
+            assert all(s.power_watts for s in samples)
+    assert src.errors_total == 4
+    assert sum("nvmlDeviceGetProcessUtilization answered AttributeError" in r.getMessage()
+               for r in caplog.records) == 2  # once a GPU

@@ -481,11 +481,18 @@ class NvmlSource:
             return procs
         busy: dict[int, float] = {}
         periods = set()
-        for u in samples:
-            sm, stamp = int(u.smUtil), int(u.timeStamp)
-            periods.add(stamp)
-            if 0 <= sm <= 100:  # a value out of range (a driver's "not available") says nothing
-                busy[int(u.pid)] = busy.get(int(u.pid), 0.0) + sm
+        try:
+            for u in samples:
+                sm, stamp, pid = int(u.smUtil), int(u.timeStamp), int(u.pid)
+                periods.add(stamp)
+                if 0 <= sm <= 100:  # a value out of range (a driver's "not available") says nothing
+                    busy[pid] = busy.get(pid, 0.0) + sm
+        except (AttributeError, TypeError, ValueError) as exc:  # a binding's odd answer costs the ratios, not the GPU
+            self.errors_total += 1
+            self._log_once(("error", gpu.label, "nvmlDeviceGetProcessUtilization"), logging.ERROR,
+                           "nvml: GPU %s: nvmlDeviceGetProcessUtilization answered %s: %s (ratios unknown this tick)",
+                           gpu.label, type(exc).__name__, exc)
+            return procs
         gpu.util_seen_us = max(gpu.util_seen_us, *periods)
         n = len(periods)
         return [GpuProcess(p.pid, p.used_memory_bytes, min(busy.get(p.pid, 0.0) / (100.0 * n), 1.0)) for p in procs]
