@@ -456,11 +456,15 @@ def _shares(v: Any) -> Any:
 
 
 def _process(p: Any) -> Any:
-    if not (type(p) is list and 2 <= len(p) <= 3 and _is_int(p[0]) and p[0] >= 0
-            and (p[1] is None or (_is_int(p[1]) and p[1] >= 0))):
+    """A process row -> GpuProcess, or _BAD: its types here, its bounds by :func:`_process_in_bounds` (the typed
+    decode's check too)."""
+    if not (type(p) is list and 2 <= len(p) <= 3 and _is_int(p[0]) and (p[1] is None or _is_int(p[1]))):
         return _BAD
-    util = None if len(p) == 2 or p[2] is None else _ratio(p[2])
-    return _BAD if util is _BAD else GpuProcess(p[0], p[1], util)
+    util = None if len(p) == 2 or p[2] is None else _float(p[2])
+    if util is None and len(p) == 3 and p[2] is not None:  # not a number
+        return _BAD
+    proc = GpuProcess(p[0], p[1], util)
+    return proc if _process_in_bounds(proc) else _BAD
 
 
 def _processes(v: Any) -> Any:
@@ -471,7 +475,7 @@ def _processes(v: Any) -> Any:
 
 
 def _process_in_bounds(p: GpuProcess) -> bool:
-    """The bounds of a process the typed decode built (it checks a named tuple's types, not their bounds)."""
+    """A process's bounds, for both paths (the typed decode checks a named tuple's types, not their bounds)."""
     mem, util = p.used_memory_bytes, p.gpu_util_ratio
     return 0 <= p.pid <= MAX_INT and (mem is None or 0 <= mem <= MAX_INT) and (util is None or 0.0 <= util <= 1.0)
 

@@ -91,6 +91,12 @@ def parse_cgroup(text: str) -> JobRef | None:
     return None
 
 
+def _add(totals: dict[str, Any], job: str, value: int | float | None) -> None:
+    """Add one process's ``value`` to its job's total: unknown (None) once any of the job's processes' is."""
+    prev = totals.get(job, 0)
+    totals[job] = None if prev is None or value is None else prev + value
+
+
 class SlurmCgroupMapper:
     """JobMapper: GPU process pids -> ``<proc_root>/<pid>/cgroup`` -> Slurm job ids.
 
@@ -203,10 +209,8 @@ class SlurmCgroupMapper:
                     continue
                 if job is None:
                     continue
-                prev = mem.get(job, 0)
-                mem[job] = None if prev is None or proc.used_memory_bytes is None else prev + proc.used_memory_bytes
-                was = busy.get(job, 0.0)
-                busy[job] = None if was is None or proc.gpu_util_ratio is None else was + proc.gpu_util_ratio
+                _add(mem, job, proc.used_memory_bytes)
+                _add(busy, job, proc.gpu_util_ratio)
             if not mem:
                 out.append(s)
                 continue
