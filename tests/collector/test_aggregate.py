@@ -332,28 +332,43 @@ def test_constructor_rejects_bad_parameters():
 JOBS = ("1", "2", "3_1")
 
 
+# The generators below draw ~15 values a sample: their strategies are built once here, not per draw (building one
+# costs more than drawing from it).
+_JITTER = st.floats(0, 0.9)
+_RESET_TO = st.floats(0, 500)
+_SHARE = st.floats(0, 1)
+_RATIO = st.one_of(st.none(), st.floats(0, 1))
+_MEM = st.one_of(st.none(), st.integers(0, 141 * 10**9))
+_JOB_ORDER = st.permutations(JOBS)
+_SEQ_TICK = st.sampled_from([1.0, 5.0, 10.0, 30.0, 299.0, 301.0, 900.0])
+_SEQ_EVENT = st.sampled_from(["up", "up", "up", "reset", "none"])
+_SEQ_JOULES_UP = st.floats(0, 5e4)
+_SEQ_POWER = st.one_of(st.none(), st.floats(0, 700), st.floats(0, 5000))
+_SEQ_POWER_LIMIT = st.sampled_from([None, None, 300.0, 700.0, 2000.0])
+
+
 @st.composite
 def sequences(draw, with_jobless: bool = True) -> list[GpuSample]:
     """Sorted, distinct-time samples of 1-2 GPUs with resets, gaps, missing counters and shared jobs."""
     out = []
+    n_jobs_of = st.integers(0 if with_jobless else 1, 2)
     for gpu in draw(st.sampled_from([("G0",), ("G0", "G1")])):
         ts, energy = 1_000_000.0, draw(st.floats(0, 1e6))
         for _ in range(draw(st.integers(1, 25))):
-            ts += draw(st.sampled_from([1.0, 5.0, 10.0, 30.0, 299.0, 301.0, 900.0])) + draw(st.floats(0, 0.9))
-            ev = draw(st.sampled_from(["up", "up", "up", "reset", "none"]))
+            ts += draw(_SEQ_TICK) + draw(_JITTER)
+            ev = draw(_SEQ_EVENT)
             if ev == "reset":
-                energy = draw(st.floats(0, 500))
+                energy = draw(_RESET_TO)
             elif ev == "up":
-                energy += draw(st.floats(0, 5e4))
-            n_jobs = draw(st.integers(0 if with_jobless else 1, 2))
-            jobs = tuple(draw(st.permutations(JOBS))[:n_jobs])
+                energy += draw(_SEQ_JOULES_UP)
+            n_jobs = draw(n_jobs_of)
+            jobs = tuple(draw(_JOB_ORDER)[:n_jobs])
             shares: tuple[float, ...] = ()
             if n_jobs == 2 and draw(st.booleans()):
-                x = draw(st.floats(0, 1))
+                x = draw(_SHARE)
                 shares = (x, 1 - x)
             if out and out[-1].gpu_uuid == gpu and draw(st.booleans()):  # the jobs of the sample before, often
                 jobs, shares = out[-1].job_ids, out[-1].job_shares
-            ratio = st.one_of(st.none(), st.floats(0, 1))
             out.append(
                 GpuSample(
                     ts=ts,
@@ -363,13 +378,13 @@ def sequences(draw, with_jobless: bool = True) -> list[GpuSample]:
                     job_ids=jobs,
                     job_shares=shares,
                     energy_joules=None if ev == "none" else energy,
-                    power_watts=draw(st.one_of(st.none(), st.floats(0, 700), st.floats(0, 5000))),
-                    power_limit_watts=draw(st.sampled_from([None, None, 300.0, 700.0, 2000.0])),
-                    sm_active_ratio=draw(ratio),
-                    dram_bw_ratio=draw(ratio),
-                    tensor_active_ratio=draw(ratio),
-                    sm_occupancy_ratio=draw(ratio),
-                    mem_used_bytes=draw(st.one_of(st.none(), st.integers(0, 141 * 10**9))),
+                    power_watts=draw(_SEQ_POWER),
+                    power_limit_watts=draw(_SEQ_POWER_LIMIT),
+                    sm_active_ratio=draw(_RATIO),
+                    dram_bw_ratio=draw(_RATIO),
+                    tensor_active_ratio=draw(_RATIO),
+                    sm_occupancy_ratio=draw(_RATIO),
+                    mem_used_bytes=draw(_MEM),
                 )
             )
     return out
@@ -628,6 +643,20 @@ def test_late_sample_between_a_reset_is_exact():
 # -- the columnar in-order path (add_many) is bit-for-bit the per-sample one ----------------------
 
 
+# long_runs' own strategies (with those above sequences()).
+_TICK = st.sampled_from([1.0, 1.0, 10.0, 30.0])
+_LONG_GAP = st.sampled_from([301.0, 900.0, 5000.0])
+_ODD_EVENT = st.sampled_from(["reset", "jump"])
+_WATTS_UP = st.floats(0, 140)
+_JOB_CHANGE = st.integers(0, 30)
+_JOB_COUNT = st.integers(0, 2)
+_ONE_IN_6 = st.integers(0, 5)
+_ONE_IN_501 = st.integers(0, 500)
+_MODEL = st.sampled_from(["", "H200", "H200", "H200", "A10"])
+_POWER = st.one_of(st.none(), st.floats(0, 700), st.floats(0, 3000))
+_POWER_LIMIT = st.sampled_from([None, None, None, 600.0, 2000.0])
+
+
 @st.composite
 def long_runs(draw) -> list[GpuSample]:
     """Sorted samples of 1-2 GPUs in long runs (so add_many takes its columnar path), with job changes,
@@ -637,31 +666,31 @@ def long_runs(draw) -> list[GpuSample]:
         ts, energy = 3_600_000.0 - draw(st.floats(0, 2000)), draw(st.floats(0, 1e6))
         jobs, shares = ("1",), ()
         rare = draw(st.integers(50, 3000))  # 1 in ``rare`` intervals is a gap, a reset or a jump: most runs are clean
+        odd = st.integers(0, rare)
         # readings without the counter: 1 in 6, rare (a reading after a missed one goes sample by sample), or all
         # (a GPU without the counter: the columnar paths take it)
-        missed = draw(st.sampled_from([lambda d: d(st.integers(0, 5)) == 0, lambda d: d(st.integers(0, 500)) == 0,
+        missed = draw(st.sampled_from([lambda d: d(_ONE_IN_6) == 0, lambda d: d(_ONE_IN_501) == 0,
                                        lambda d: True]))
         for _ in range(draw(st.integers(1, 120))):
-            dt = draw(st.sampled_from([1.0, 1.0, 10.0, 30.0])) + draw(st.floats(0, 0.9))
-            if draw(st.integers(0, rare)) == 0:
-                dt = draw(st.sampled_from([301.0, 900.0, 5000.0]))
+            dt = draw(_TICK) + draw(_JITTER)
+            if draw(odd) == 0:
+                dt = draw(_LONG_GAP)
             ts += dt
             ev = "none" if missed(draw) else "up"
-            if draw(st.integers(0, rare)) == 0:
-                ev = draw(st.sampled_from(["reset", "jump"]))
+            if draw(odd) == 0:
+                ev = draw(_ODD_EVENT)
             if ev == "reset":
-                energy = draw(st.floats(0, 500))
+                energy = draw(_RESET_TO)
             elif ev == "jump":
                 energy += 1e7
             elif ev == "up":
-                energy += draw(st.floats(0, 140)) * dt
-            if draw(st.integers(0, 30)) == 0:  # a job change now and then
-                jobs = tuple(draw(st.permutations(JOBS))[: draw(st.integers(0, 2))])
+                energy += draw(_WATTS_UP) * dt
+            if draw(_JOB_CHANGE) == 0:  # a job change now and then
+                jobs = tuple(draw(_JOB_ORDER)[: draw(_JOB_COUNT)])
                 shares = ()
                 if len(jobs) == 2 and draw(st.booleans()):
-                    x = draw(st.floats(0, 1))
+                    x = draw(_SHARE)
                     shares = (x, 1 - x)
-            ratio = st.one_of(st.none(), st.floats(0, 1))
             out.append(
                 GpuSample(
                     ts=ts,
@@ -670,15 +699,15 @@ def long_runs(draw) -> list[GpuSample]:
                     gpu_index=0,
                     job_ids=jobs,
                     job_shares=shares,
-                    model=draw(st.sampled_from(["", "H200", "H200", "H200", "A10"])),
+                    model=draw(_MODEL),
                     energy_joules=None if ev == "none" else energy,
-                    power_watts=draw(st.one_of(st.none(), st.floats(0, 700), st.floats(0, 3000))),
-                    power_limit_watts=draw(st.sampled_from([None, None, None, 600.0, 2000.0])),
-                    sm_active_ratio=draw(ratio),
-                    dram_bw_ratio=draw(ratio),
-                    tensor_active_ratio=draw(ratio),
-                    sm_occupancy_ratio=draw(ratio),
-                    mem_used_bytes=draw(st.one_of(st.none(), st.integers(0, 141 * 10**9))),
+                    power_watts=draw(_POWER),
+                    power_limit_watts=draw(_POWER_LIMIT),
+                    sm_active_ratio=draw(_RATIO),
+                    dram_bw_ratio=draw(_RATIO),
+                    tensor_active_ratio=draw(_RATIO),
+                    sm_occupancy_ratio=draw(_RATIO),
+                    mem_used_bytes=draw(_MEM),
                 )
             )
     return out
