@@ -5,7 +5,8 @@ process (no HTTP, no compaction): what `bench/ingest.py` measures end to end, ta
 - validation: ``parse_batch`` of the agent's own msgpack body (``agent.push.encode_batch``);
 - the group commit: ``Store.ingest_group`` of G batches of distinct hosts the store already holds, CPU (this
   thread's) and wall per batch, for each group size G: what a commit costs once (BEGIN, the dedupe lookup, the
-  fold's numpy calls, COMMIT and its fsync) against what each batch adds;
+  fold's numpy calls, COMMIT and its fsync) against what each batch adds; and each host's first batch, one a
+  commit (the run's first round: what a fleet's first pushes to a new ledger cost);
 - the parts of a G=32 group commit, under cProfile (its overhead inflates the Python parts; the shares are
   indicative, the microseconds above are not profiled).
 
@@ -97,7 +98,8 @@ def main() -> None:
             def parsed(round_bodies: list[bytes]) -> list[Batch]:
                 return [parse_batch(b, MSGPACK, now) for b in round_bodies]
 
-            commit_in_groups(store, parsed(bodies.round()), 32)  # the hosts' first batches: new series
+            # the hosts' first batches, one a commit: a fleet's first pushes to a new ledger (or new nodes)
+            first_cpu, first_wall = commit_in_groups(store, parsed(bodies.round()), 1)
             commit_in_groups(store, parsed(bodies.round()), 32)  # (the first steady round warms the caches)
             round_bodies = bodies.round()
             bare = bodies.round(processes=False)  # a reference in this run: what the process lists cost
@@ -121,6 +123,8 @@ def main() -> None:
             runs = [commit_in_groups(store, parsed(bodies.round(processes=False)), 32) for _ in range(a.rounds)]
             print(f"     32  {statistics.median(c for c, _ in runs) / a.hosts * 1e6:7.1f}  "
                   f"{statistics.median(w for _, w in runs) / a.hosts * 1e6:8.1f}   without process lists")
+            print(f"      1  {first_cpu / a.hosts * 1e6:7.1f}  {first_wall / a.hosts * 1e6:8.1f}   "
+                  "each host's first batch (the ledger holds nothing of it; the run's first round)")
             if 1 in cpu_us and 32 in cpu_us:  # c(G) = B + F / G, solved from G = 1 and G = 32
                 fixed = (cpu_us[1] - cpu_us[32]) * 32 / 31
                 print(f"  from groups of 1 and 32: {fixed:.0f} us CPU a group, {cpu_us[1] - fixed:.0f} us a batch")

@@ -56,7 +56,17 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any, cast
 
-from gpuledger.collector.aggregate import DEFAULT_MAX_GAP_S, DEFAULT_POWER_CAP_W, AddCounts, Aggregator, GpuKey
+from gpuledger.collector.aggregate import (
+    DEFAULT_MAX_GAP_S,
+    DEFAULT_POWER_CAP_W,
+    AddCounts,
+    Aggregator,
+    GpuKey,
+    HourAcc,
+    HourKey,
+    UsageAcc,
+    UsageKey,
+)
 from gpuledger.collector.auditlog.files import private_file
 from gpuledger.collector.db import (
     SQLITE,
@@ -457,6 +467,9 @@ class Store:
         # host -> the generation this store last wrote it at (LedgerStore.claim_hosts); a host not here has no
         # state in memory
         self._generation: dict[str, int] = {}
+        # hosts of the group being committed that the ledger holds nothing of (no GPU stored): their usage and hour
+        # accumulators are not looked up (a fleet's first pushes after a restart, or new nodes, are all such hosts)
+        self._unstored_hosts: set[str] = set()
         self.sinks = list(sinks)
         self.summary_interval_s = summary_interval_s
         self._clock = clock
@@ -538,8 +551,8 @@ class Store:
             retention.check(agreed["window_s"])
             self.ledger = SqlLedger(db)
             # load_window: a GPU's window stays in the series store, only its newest sample in memory (bounded memory)
-            self.agg = Aggregator(agreed["window_s"], agreed["max_gap_s"], load_usage=self.ledger.load_usages,
-                                  load_hour=self.ledger.load_hours, power_cap_w=agreed["power_cap_w"],
+            self.agg = Aggregator(agreed["window_s"], agreed["max_gap_s"], load_usage=self._load_usages,
+                                  load_hour=self._load_hours, power_cap_w=agreed["power_cap_w"],
                                   power_caps=agreed["power_caps"], load_window=self.series_store.window)
         for m in applied:
             log.info("%s: ledger migration %d applied: %s", self.url, m.version, m.name)
@@ -625,6 +638,11 @@ class Store:
                 grows.add(host)
         now = self._clock()
         for host, rows in load.items():
+            if not rows:
+                # A host's usage and hour rows are written in the transactions that write its GPUs' totals, and no
+                # GPU row is ever deleted: none stored, nothing of the host is (the host is claimed: locked).
+                self._unstored_hosts.add(host)
+                continue
             newest = self.series_store.newest(host, [gpu_key for gpu_key, _ in rows])
             sealed = self._chunks.sealed(host)  # what compaction made final
             for gpu_key, totals in rows:
@@ -638,6 +656,18 @@ class Store:
             before = {k for k, _ in load[host]} if host in load else None
             self._host_gpus[host] = (len(before | keys) if before is not None
                                      else self._host_gpus[host] + sum(1 for k in keys if k not in self.agg.gpus))
+
+    def _load_usages(self, keys: list[UsageKey]) -> dict[UsageKey, UsageAcc]:
+        """The aggregation's ``load_usage``: the ledger's, except for hosts it holds nothing of."""
+        unstored = self._unstored_hosts
+        wanted = [k for k in keys if k[1] not in unstored] if unstored else keys
+        return self.ledger.load_usages(wanted) if wanted else {}
+
+    def _load_hours(self, keys: list[HourKey]) -> dict[HourKey, HourAcc]:
+        """The aggregation's ``load_hour``: the ledger's, except for hosts it holds nothing of."""
+        unstored = self._unstored_hosts
+        wanted = [k for k in keys if k[0] not in unstored] if unstored else keys
+        return self.ledger.load_hours(wanted) if wanted else {}
 
     def _evict_idle(self) -> None:
         """Drop the windows and accumulators of hosts silent for ``idle_evict_s``, and hour accumulators past
@@ -720,6 +750,7 @@ class Store:
         Batches go by host (stable: a host's batches keep their order), after their hosts are claimed."""
         group = sorted(group, key=lambda it: it.batch.host)
         began = time.perf_counter()
+        self._unstored_hosts.clear()  # (a group that ended in an exception of another kind may have left some)
         try:
             with self._db.transaction():
                 self._claim_hosts({it.batch.host for it in group})
@@ -727,6 +758,7 @@ class Store:
                     self._add_round(batches)
                 jobs = self._flush()
         except Exception as exc:
+            self._unstored_hosts.clear()
             # The in-memory aggregation already moved; put it back to what is committed (the GPUs' clusters are
             # re-read when each host is claimed again).
             self._restore()
@@ -751,6 +783,7 @@ class Store:
                 it.settle()
             return
         took = time.perf_counter() - began
+        self._unstored_hosts.clear()  # committed: what the ledger holds of them is in memory now
         try:
             if len(self.agg.usage) + len(self.agg.hours) > self._cache_limit:
                 self.agg.drop_caches()

@@ -5,6 +5,7 @@ counter resets, both batch layouts and restarts; and memory holds one row a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -157,4 +158,49 @@ def test_gpus_per_host_are_counted_from_each_batch_not_from_every_gpu_in_memory(
             if h in store._host_gpus:
                 assert store._host_gpus[h] == len([k for k in store.agg.gpus if k[0] == h]), (step, h)
     assert store._host_gpus == {"n1": 3, "n2": 5}  # n2: G0 and G1 whole-GPU keys (made) and 3 instances
+    store.close()
+
+
+def test_a_host_without_gpu_rows_has_no_usage_or_hour_rows_and_its_first_batch_is_exact(tmp_path):
+    """The store looks up no usage or hour accumulators of a host the ledger holds no GPU of (its first batch: a new
+    node, or the fleet's first pushes to a new ledger). That holds because a host's usage and hour rows are only
+    ever written with its GPUs' rows: checked here over hosts whose first batch is one sample, jobless samples,
+    MIG instances only, too many GPUs (refused), duplicate samples; and hosts taken up again after a restart."""
+    rnd = random.Random(11)
+    path = tmp_path / "s.sqlite"
+    store = Store(path, max_gpus_per_host=6)
+    ref = Aggregator()
+
+    def host_batch(host: str, seq: int, samples: list[GpuSample]) -> Batch:
+        return Batch("a" + host, seq, host, tuple(dataclasses.replace(s, host=host) for s in samples))
+
+    full = stream(rnd, 30)
+    plans = {
+        "one-sample": [full[:1]],
+        "jobless": [[dataclasses.replace(s, job_ids=(), job_shares=()) for s in full[:20]]],
+        "mig-only": [[s for s in full if s.mig][:12]],
+        "too-many-gpus": [[GpuSample(ts=T0 + 1, host="x", gpu_uuid=f"G{g}", gpu_index=g, power_watts=90.0)
+                           for g in range(8)]],
+        "then-more": [full[:40], full[40:80], full[40:80]],  # the last one's samples are duplicates
+    }
+    for restart in (False, True):
+        for host, plan in plans.items():
+            for seq, samples in enumerate(plan):
+                seq += 100 if restart else 0
+                moved = [dataclasses.replace(s, ts=s.ts + (10_000 if restart else 0)) for s in samples]
+                try:
+                    store.ingest(host_batch(host, seq, moved))
+                except Exception as exc:  # too many GPUs: refused whole, nothing of it stored
+                    assert host == "too-many-gpus", exc
+                    continue
+                ref.add_many([dataclasses.replace(s, host=host) for s in moved])
+        if not restart:
+            store.close()
+            store = Store(path, max_gpus_per_host=6)
+    db = store._db
+    with_gpus = {h for (h,) in db.execute("SELECT DISTINCT host FROM gpus")}
+    assert {h for (h,) in db.execute("SELECT DISTINCT host FROM usage")} <= with_gpus
+    assert {h for (h,) in db.execute("SELECT DISTINCT host FROM gpu_hours")} <= with_gpus
+    assert "too-many-gpus" not in with_gpus and with_gpus == set(plans) - {"too-many-gpus"}
+    assert_ledger_is(store, ref)
     store.close()
