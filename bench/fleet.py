@@ -8,8 +8,9 @@ per-job aggregation, the asyncio HTTP server, compaction every --compact seconds
 --compaction thread in the collector's). With --workers N > 1 it is the real `gpuledger collector serve --workers N`:
 a supervisor, N worker processes on the port and a compactor. Every --report seconds the script prints requests/s,
 samples/s, p50/p99 latency of that interval, the collector's CPU and RSS (with workers: the supervisor's and the
-workers' together) and its compactor's, how many batches its group commits held on average and how long its
-/metrics took to answer (null: not within 10 s, a scraper's usual timeout); at the end the
+workers' together) and its compactor's, how many batches its group commits held on average, how long its
+/metrics took to answer (null: not within 10 s, a scraper's usual timeout), the load generator's own CPU and how
+busy the whole machine was (they share it: near 100%, the interval measured the machine); at the end the
 totals, connection errors, answers by status and the peak RSS of each (summed over the processes).
 
     .venv/bin/python bench/fleet.py --nodes 2000 --seconds 60
@@ -147,12 +148,14 @@ def main() -> None:
             async def reporter(until: float) -> None:
                 f0 = figures(proc.pid)
                 seen, cpu0, t0 = 0, f0["collector"]["cpu_s"], time.monotonic()
+                own0, machine0 = time.process_time(), loadgen.machine_busy_s()
                 samples0, ccpu0 = 0, f0["compactor"]["cpu_s"]
                 groups0 = await asyncio.to_thread(loadgen.group_commits, port)
                 while time.monotonic() < until + a.period:
                     await asyncio.sleep(a.report)
                     lat = stats.latencies[seen:]
                     now, f = time.monotonic(), figures(proc.pid)
+                    own, machine = time.process_time(), loadgen.machine_busy_s()
                     cpu, comp = f["collector"]["cpu_s"], f["compactor"]
                     # a scrape the saturated collector does not answer within its timeout is reported, not fatal:
                     # batches per commit are then counted over the next interval
@@ -172,10 +175,16 @@ def main() -> None:
                            "compactor_cpu_pct": round(100 * (comp["cpu_s"] - ccpu0) / (now - t0)),
                            "compactor_rss_mb": round(comp["rss"] / 2**20, 1),
                            "batches_per_commit": round((groups[0] - groups0[0]) / commits, 2) if commits else None,
-                           "metrics_scrape_ms": scrape_ms, "connection_errors": stats.conn_errors}
+                           "metrics_scrape_ms": scrape_ms, "connection_errors": stats.conn_errors,
+                           # the load generator's CPU, and the machine's busy share over all cores: near 100%,
+                           # the interval measured the machine, not the collector alone
+                           "loadgen_cpu_pct": round(100 * (own - own0) / (now - t0)),
+                           "machine_busy_pct": round(100 * (machine[0] - machine0[0])
+                                                     / max(machine[1] - machine0[1], 1e-9))}
                     timeline.append(row)
                     print(json.dumps(row), flush=True)
                     seen, cpu0, t0, samples0 = len(stats.latencies), cpu, now, stats.samples
+                    own0, machine0 = own, machine
                     ccpu0, groups0 = comp["cpu_s"], groups
 
             async def run() -> None:

@@ -31,6 +31,16 @@ def cpu_s(pid: int) -> float:
     return (int(rest[11]) + int(rest[12])) / CLK_TCK
 
 
+def machine_busy_s() -> tuple[float, float]:
+    """(CPU seconds busy, CPU seconds in all) of the whole machine since boot, summed over its cores (/proc/stat:
+    idle and iowait are not busy). The load generator shares the machine with the server: a busy share near 100%
+    means the figures measure the machine's limit, not the server's."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest time is in user already)
+    return (total - ticks[3] - ticks[4]) / CLK_TCK, total / CLK_TCK
+
+
 def _status_bytes(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
