@@ -369,25 +369,19 @@ def sequences(draw, with_jobless: bool = True) -> list[GpuSample]:
                 shares = (x, 1 - x)
             if out and out[-1].gpu_uuid == gpu and draw(st.booleans()):  # the jobs of the sample before, often
                 jobs, shares = out[-1].job_ids, out[-1].job_shares
-            out.append(
-                GpuSample(
-                    ts=ts,
-                    host="h1",
-                    gpu_uuid=gpu,
-                    gpu_index=0,
-                    job_ids=jobs,
-                    job_shares=shares,
-                    energy_joules=None if ev == "none" else energy,
-                    power_watts=draw(_SEQ_POWER),
-                    power_limit_watts=draw(_SEQ_POWER_LIMIT),
-                    sm_active_ratio=draw(_RATIO),
-                    dram_bw_ratio=draw(_RATIO),
-                    tensor_active_ratio=draw(_RATIO),
-                    sm_occupancy_ratio=draw(_RATIO),
-                    mem_used_bytes=draw(_MEM),
-                )
-            )
+            out.append(drawn_sample(draw, ts, gpu, jobs, shares, "", None if ev == "none" else energy,
+                                    _SEQ_POWER, _SEQ_POWER_LIMIT))
     return out
+
+
+def drawn_sample(draw, ts: float, gpu: str, jobs: tuple[str, ...], shares: tuple[float, ...], model: str,
+                 energy: float | None, power: st.SearchStrategy, power_limit: st.SearchStrategy) -> GpuSample:
+    """One sample of host h1 with these fields, its power and limit drawn from the given strategies and its ratios
+    and memory drawn (each present or not)."""
+    return GpuSample(ts=ts, host="h1", gpu_uuid=gpu, gpu_index=0, job_ids=jobs, job_shares=shares, model=model,
+                     energy_joules=energy, power_watts=draw(power), power_limit_watts=draw(power_limit),
+                     sm_active_ratio=draw(_RATIO), dram_bw_ratio=draw(_RATIO), tensor_active_ratio=draw(_RATIO),
+                     sm_occupancy_ratio=draw(_RATIO), mem_used_bytes=draw(_MEM))
 
 
 def assert_same_hours(a: Aggregator, b: Aggregator) -> None:
@@ -691,25 +685,8 @@ def long_runs(draw) -> list[GpuSample]:
                 if len(jobs) == 2 and draw(st.booleans()):
                     x = draw(_SHARE)
                     shares = (x, 1 - x)
-            out.append(
-                GpuSample(
-                    ts=ts,
-                    host="h1",
-                    gpu_uuid=gpu,
-                    gpu_index=0,
-                    job_ids=jobs,
-                    job_shares=shares,
-                    model=draw(_MODEL),
-                    energy_joules=None if ev == "none" else energy,
-                    power_watts=draw(_POWER),
-                    power_limit_watts=draw(_POWER_LIMIT),
-                    sm_active_ratio=draw(_RATIO),
-                    dram_bw_ratio=draw(_RATIO),
-                    tensor_active_ratio=draw(_RATIO),
-                    sm_occupancy_ratio=draw(_RATIO),
-                    mem_used_bytes=draw(_MEM),
-                )
-            )
+            out.append(drawn_sample(draw, ts, gpu, jobs, shares, draw(_MODEL), None if ev == "none" else energy,
+                                    _POWER, _POWER_LIMIT))
     return out
 
 
