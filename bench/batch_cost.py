@@ -123,11 +123,11 @@ def main() -> None:
             runs = [commit_in_groups(store, parsed(bodies.round(processes=False)), 32) for _ in range(a.rounds)]
             print(f"     32  {statistics.median(c for c, _ in runs) / a.hosts * 1e6:7.1f}  "
                   f"{statistics.median(w for _, w in runs) / a.hosts * 1e6:8.1f}   without process lists")
-            print(f"      1  {first_cpu / a.hosts * 1e6:7.1f}  {first_wall / a.hosts * 1e6:8.1f}   "
+            first_us = first_cpu / a.hosts * 1e6
+            print(f"      1  {first_us:7.1f}  {first_wall / a.hosts * 1e6:8.1f}   "
                   "each host's first batch (the ledger holds nothing of it; the run's first round)")
             if 1 in cpu_us:
-                ratio = first_cpu / a.hosts * 1e6 / cpu_us[1]
-                print(f"  a host's first batch / the steady state's, groups of 1: {ratio:.2f}x CPU")
+                print(f"  a host's first batch / the steady state's, groups of 1: {first_us / cpu_us[1]:.2f}x CPU")
             if 1 in cpu_us and 32 in cpu_us:  # c(G) = B + F / G, solved from G = 1 and G = 32
                 fixed = (cpu_us[1] - cpu_us[32]) * 32 / 31
                 print(f"  from groups of 1 and 32: {fixed:.0f} us CPU a group, {cpu_us[1] - fixed:.0f} us a batch")
